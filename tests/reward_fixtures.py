@@ -1,0 +1,49 @@
+"""Reward functions the end-to-end tests pass as `tests/reward_fixtures.py:NAME`, TRL-style."""
+
+import math
+
+
+def _text(completion):
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def count_good(completions, **kwargs):
+    """How often the word "good" appears: a reward the tiny random model can learn to raise quickly."""
+    return [float(_text(c).split().count("good")) for c in completions]
+
+
+def short_is_better(completion_ids, **kwargs):
+    return [-len(ids) / 10 for ids in completion_ids]
+
+
+def only_topic_a(completions, topic, **kwargs):
+    """A multi-task reward: scores rows of topic "a" and says None (not applicable) for the others."""
+    return [float(len(_text(c))) if t == "a" else None for c, t in zip(completions, topic)]
+
+
+def records_kwargs(prompts, completions, completion_ids, **kwargs):
+    """Checks the TRL calling convention and that every dataset column arrives, then returns zeros."""
+    assert len(prompts) == len(completions) == len(completion_ids)
+    assert "topic" in kwargs and len(kwargs["topic"]) == len(prompts), sorted(kwargs)
+    assert all(isinstance(i, int) for ids in completion_ids for i in ids)
+    return [0.0] * len(prompts)
+
+
+def raises(completions, **kwargs):
+    raise RuntimeError("the judge is down")
+
+
+def wrong_count(completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+
+def returns_nan(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+
+def returns_string(completions, **kwargs):
+    return ["high"] * len(completions)
+
+
+def always_none(completions, **kwargs):
+    return [None] * len(completions)

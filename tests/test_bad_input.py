@@ -1,0 +1,99 @@
+"""Bad input: a one-line error naming the problem, a non-zero exit, no traceback, and nothing overwritten."""
+
+import os
+
+import pytest
+
+from conftest import ROOT, run_rloo, write_jsonl
+
+REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
+
+
+def check_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+# Checks made before any model loads: the model path given is one that does not exist, so reaching a load would
+# fail with a different message.
+EARLY = [
+    (["--num_generations", 1], ["--num_generations must be >= 2"]),
+    (["--num_generations", 3, "--per_device_train_batch_size", 8], ["must be divisible by --num_generations 3"]),
+    (["--learning_rate", -1], ["--learning_rate must be > 0"]),
+    (["--temperature", 0], ["--temperature must be > 0"]),
+    (["--top_p", 1.5], ["--top_p must be in (0, 1]"]),
+    (["--epsilon", 1.5], ["--epsilon must be < 1"]),
+    (["--beta", -0.1], ["--beta must be >= 0"]),
+    (["--total_episodes", 4], ["--total_episodes 4 is smaller than one rollout batch (16)"]),
+    (["--reward_clip_range", 2, 1], ["--reward_clip_range needs lo < hi"]),
+    (["--reward_weights", 1, 2], ["--reward_weights has 2 values for 1 reward sources"]),
+    (["--reward_funcs", "no_such_reward"], ["unknown reward function 'no_such_reward'"]),
+    (["--reward_funcs", f"{REWARDS}:no_such_function"], ["has no function 'no_such_function'"]),
+    (["--reward_funcs", "/nowhere/rewards.py:f"], ["reward function file /nowhere/rewards.py does not exist"]),
+    (["--reward_model_path", "/nowhere/rm"], ["--reward_model_path /nowhere/rm does not exist"]),
+    (["--dataset_name", "/nowhere/data.jsonl"], ["--dataset_name /nowhere/data.jsonl does not exist"]),
+]
+
+
+@pytest.mark.parametrize("extra,needles", EARLY, ids=[" ".join(map(str, e)) for e, _ in EARLY])
+def test_checked_before_models_load(extra, needles, prompts_file, tmp_path):
+    # A policy path that would fail to load proves the check came first, unless the check is about that path.
+    proc = run_rloo("--model_name_or_path", tmp_path, "--dataset_name", prompts_file, *extra, cwd=tmp_path)
+    check_one_line_error(proc, *needles)
+
+
+def test_missing_model_path(prompts_file, tmp_path):
+    check_one_line_error(run_rloo("--model_name_or_path", "/nowhere/model", "--dataset_name", prompts_file,
+                                  cwd=tmp_path), "--model_name_or_path /nowhere/model does not exist")
+
+
+def test_folder_that_is_not_a_model(prompts_file, tmp_path):
+    check_one_line_error(run_rloo("--model_name_or_path", tmp_path, "--dataset_name", prompts_file, cwd=tmp_path),
+                         "could not load", str(tmp_path))
+
+
+def test_dataset_without_prompt_column(tiny, tmp_path):
+    data = write_jsonl(str(tmp_path / "d.jsonl"), [{"question": "x"}])
+    check_one_line_error(run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path),
+                         "has no 'prompt' column", "question")
+
+
+def test_empty_dataset(tiny, tmp_path):
+    data = tmp_path / "empty.csv"
+    data.write_text("prompt\n")
+    check_one_line_error(run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path),
+                         "is empty")
+
+
+def test_missing_split(tiny, prompts_file, tmp_path):
+    check_one_line_error(run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", os.path.dirname(prompts_file),
+                                  "--dataset_train_split", "nope", cwd=tmp_path), "has no split 'nope'")
+
+
+@pytest.mark.parametrize("func,needle", [
+    ("raises", "reward function raises raised RuntimeError: the judge is down"),
+    ("wrong_count", "reward function wrong_count must return a list of 16 floats (or None), got 15 values"),
+    ("returns_nan", "reward function returns_nan returned nan at index 0; return None"),
+    ("returns_string", "reward function returns_string returned 'high' (a str) at index 0"),
+])
+def test_broken_reward_functions(func, needle, tiny, prompts_file, tmp_path):
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
+                    f"{REWARDS}:{func}", "--num_sample_generations", 0, "--output_dir", tmp_path / "out", cwd=tmp_path)
+    check_one_line_error(proc, needle)
+    assert not os.path.exists(tmp_path / "out")  # nothing was written as a "trained" model
+
+
+def test_output_dir_with_a_trained_model_is_not_overwritten(tiny, prompts_file, tmp_path):
+    out = tmp_path / "trained"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--output_dir", out,
+                    cwd=tmp_path)
+    check_one_line_error(proc, f"--output_dir {out} already holds a trained model")
+    assert (out / "config.json").read_text() == '{"mine": true}'
+    assert not os.path.exists(tmp_path / "runs")  # refused before any run folder was made
