@@ -8,6 +8,7 @@ clipped surrogate (Schulman et al. 2017), the whole completion being a single ac
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU
 """
 
+import copy
 import importlib
 import importlib.util
 import json
@@ -117,7 +118,7 @@ class Args:
     """whiten the advantages over the batch"""
 
     # Optimisation
-    total_episodes: int = 1024
+    total_episodes: int = 640
     """total number of completions to train on"""
     per_device_train_batch_size: int = 16
     """completions per forward/backward micro-batch"""
@@ -127,7 +128,7 @@ class Args:
     """optimizer steps per epoch over one rollout batch"""
     num_ppo_epochs: int = 1
     """passes over each rollout batch (ratio != 1 from the second minibatch on)"""
-    learning_rate: float = 1e-5
+    learning_rate: float = 3e-5
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
     """learning-rate schedule after warm-up"""
@@ -654,8 +655,6 @@ if __name__ == "__main__":
     # The reference is a frozen copy of the initial policy, needed only for the KL penalty.
     ref_policy = None
     if args.beta > 0:
-        import copy
-
         ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
         if args.bf16:
             ref_policy.to(torch.bfloat16)

@@ -47,3 +47,8 @@ def returns_string(completions, **kwargs):
 
 def always_none(completions, **kwargs):
     return [None] * len(completions)
+
+
+def huge(completions, **kwargs):
+    """Finite rewards so large that the gradient overflows to inf: every optimizer step must be skipped."""
+    return [3e38 if i % 4 == 0 else 0.0 for i in range(len(completions))]

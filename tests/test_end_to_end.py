@@ -52,7 +52,8 @@ def test_reward_model_beta_epochs_minibatches_and_saved_model(tiny, prompts_file
 def test_several_reward_functions_with_weights_and_none(tiny, prompts_file, tmp_path):
     proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:only_topic_a", "vader_sentiment",
                            f"{REWARDS}:records_kwargs", "--reward_weights", 0.5, 2.0, 1.0, "--beta", 0,
-                           "--normalize_advantages", "--missing_eos_penalty", 1.0), cwd=tmp_path)
+                           "--normalize_advantages", "--missing_eos_penalty", 1.0, "--bf16", "--gradient_checkpointing"),
+                    cwd=tmp_path)
     check_ok(proc)
     row = read_metrics(tmp_path)[-1]
     assert {"rewards/only_topic_a/mean", "rewards/vader_sentiment/mean", "rewards/records_kwargs/mean"} <= set(row)
@@ -70,7 +71,7 @@ def test_conversational_data_token_level_k3_kl_and_normalised_rewards(tiny, tmp_
     check_ok(proc)
     metrics = read_metrics(tmp_path)
     assert metrics[-1]["kl"] >= 0  # k3 is non-negative
-    assert metrics[0]["lr"] == pytest.approx(1e-5) and metrics[-1]["lr"] == pytest.approx(1e-5)
+    assert metrics[0]["lr"] == pytest.approx(3e-5) and metrics[-1]["lr"] == pytest.approx(3e-5)
     samples = glob.glob(str(tmp_path / "runs" / "*" / "samples.jsonl"))
     first = json.loads(open(samples[0]).readline())
     assert first["prompt"] == "the movie was good"  # the table shows the user's message, not the template
@@ -97,6 +98,20 @@ def test_old_trl_flag_names_are_aliases(tiny, prompts_file, tmp_path):
     assert read_metrics(tmp_path)[-1]["completions/mean_length"] <= 6
 
 
+def test_non_finite_gradient_steps_are_skipped_and_counted(tiny, prompts_file, tmp_path):
+    out = tmp_path / "model"
+    proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:huge", "--beta", 0, "--output_dir", out),
+                    cwd=tmp_path)
+    check_ok(proc)
+    rows = read_metrics(tmp_path)
+    assert [r["optim/skipped_steps"] for r in rows] == [1, 2, 3, 4]
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny["policy"]).state_dict()
+    assert all(torch.equal(trained[k], initial[k]) for k in initial)  # no step was taken on a broken gradient
+
+
 def test_learning_raises_a_simple_reward(tiny, prompts_file, tmp_path):
     """The tiny random model learns to say "good" more often within a short run."""
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
@@ -111,17 +126,19 @@ def test_learning_raises_a_simple_reward(tiny, prompts_file, tmp_path):
 
 def test_track_with_wandb_offline(tiny, prompts_file, tmp_path):
     env_tags = os.environ.get("WANDB_TAGS")
-    os.environ["WANDB_TAGS"] = "ci,tiny"
+    os.environ["WANDB_TAGS"] = "tag-alpha,tag-beta"
     try:
         proc = run_rloo(*small(tiny, prompts_file, "--track", "--exp_name", "wandb_check", "--reward_funcs",
                                "completion_length"), cwd=tmp_path)
     finally:
         os.environ.pop("WANDB_TAGS") if env_tags is None else os.environ.__setitem__("WANDB_TAGS", env_tags)
     check_ok(proc)
-    (run,) = glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*"))
-    config = open(os.path.join(run, "files", "config.yaml")).read()
-    assert "wandb_check" in config and "per_device_train_batch_size" in config
-    assert os.path.exists(glob.glob(str(tmp_path / "runs" / "*"))[0])
+    (record,) = glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(record, "rb").read()  # the offline run's records: config, tags, history rows
+    for needle in [b"wandb_check", b"per_device_train_batch_size", b"tag-alpha", b"tag-beta", b"train/objective/rlhf_reward",
+                   b"train/episode"]:
+        assert needle in data, needle
+    assert glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "files" / "media" / "table" / "samples_*"))
 
 
 def test_embedded_default_loads_and_steps(tmp_path):
