@@ -375,9 +375,9 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int]) -> t
 # ----------------------------------------------------------------------------------------------------------------
 # Rewards
 # ----------------------------------------------------------------------------------------------------------------
-def completion_text(completion) -> str:
-    """A completion is a string, or (conversational data) a list of messages whose last one is the reply."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+def message_text(message) -> str:
+    """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
+    return message if isinstance(message, str) else message[-1]["content"]
 
 
 def vader_sentiment(completions, **kwargs) -> list[float]:
@@ -385,7 +385,7 @@ def vader_sentiment(completions, **kwargs) -> list[float]:
     from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
     analyzer = vader_sentiment.__dict__.setdefault("analyzer", SentimentIntensityAnalyzer())
-    return [analyzer.polarity_scores(completion_text(c))["compound"] for c in completions]
+    return [analyzer.polarity_scores(message_text(c))["compound"] for c in completions]
 
 
 def completion_length(completion_ids, **kwargs) -> list[float]:
@@ -746,7 +746,7 @@ if __name__ == "__main__":
         rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask,
                                      {c: batch[c] for c in extra_columns if c in batch})
         rewards = weighted_reward(rewards, reward_weights.to(device)).tolist()
-        rows = [{"prompt": completion_text(p) if not isinstance(p, str) else p, "completion": c, "reward": r}
+        rows = [{"prompt": message_text(p), "completion": c, "reward": r}
                 for p, c, r in zip(batch["prompt"], completions, rewards)]
         table = Table("prompt", "completion", "reward", title=f"sample completions at episode {step}", show_lines=True)
         for r in rows:
