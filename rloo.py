@@ -679,6 +679,7 @@ if __name__ == "__main__":
     # With one epoch and one minibatch the policy that sampled is the one being updated: the ratio is exactly 1 and
     # its log-probs are the detached ones of the training forward; they are computed separately only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     os.makedirs(run_dir, exist_ok=True)
@@ -821,7 +822,6 @@ if __name__ == "__main__":
         # micro-batches; the loss of each micro-batch is its sum over sequences / mini_batch_size.
         policy.train()
         stats = defaultdict(list)
-        token_stats = defaultdict(float)
         epoch_generator = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(batch_size, generator=epoch_generator).to(device)
@@ -836,8 +836,7 @@ if __name__ == "__main__":
                         logprob_sum = (logprobs * mask[idx]).sum(1)  # (b,)
                         old_logprob_sum = logprob_sum.detach() if ratio_is_one else (old_logprobs[idx] * mask[idx]).sum(1)
                         loss_per_seq, ratio, clipped = clipped_surrogate_loss(
-                            logprob_sum, old_logprob_sum, advantages[idx], args.epsilon,
-                            args.epsilon_high if args.epsilon_high is not None else args.epsilon)
+                            logprob_sum, old_logprob_sum, advantages[idx], args.epsilon, epsilon_high)
                         loss = (loss_per_seq * trains[idx]).sum() / mini_batch_size
                         loss.backward()
                     with torch.no_grad():
@@ -848,9 +847,8 @@ if __name__ == "__main__":
                         stats["clipped_high"].append((clipped & (advantages[idx] > 0)).float())
                         stats["ratio"].append(ratio.detach())
                         stats["loss"].append(loss_per_seq.detach())
-                        token_stats["entropy_sum"] += float((entropy * mask[idx]).sum())
-                        token_stats["tokens"] += float(mask[idx].sum())
-                        token_stats["sequences"] += len(idx)
+                        stats["entropy_sum"].append((entropy * mask[idx]).sum(1))  # per sequence
+                        stats["tokens"].append(mask[idx].sum(1))
                 with timer("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     if torch.isfinite(grad_norm):
@@ -864,6 +862,7 @@ if __name__ == "__main__":
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
         cat = {k: torch.cat(v) for k, v in stats.items()}
+        token_entropy = float(cat["entropy_sum"].sum() / cat["tokens"].sum().clamp(min=1))
         num_tokens = int(completion_mask.sum() + prompt_mask.sum())
         update_seconds = time.perf_counter() - update_start
         scorable = ~raw_scores.isnan()
@@ -876,7 +875,7 @@ if __name__ == "__main__":
             "reward_std": float(raw_scores[scorable].std()) if scorable.sum() > 1 else math.nan,
             "completions/mean_length": float(completion_mask.sum(1).float().mean()),
             "completions/clipped_ratio": float((~stopped).float().mean()),
-            "entropy": token_stats["entropy_sum"] / max(token_stats["tokens"], 1),
+            "entropy": token_entropy,
             "clip_ratio/region_mean": float(cat["clipped"].mean()),
             "clip_ratio/low_mean": float(cat["clipped_low"].mean()),
             "clip_ratio/high_mean": float(cat["clipped_high"].mean()),
@@ -884,10 +883,10 @@ if __name__ == "__main__":
             "objective/scores": float(raw_scores[scorable].mean()) if scorable.any() else math.nan,
             "objective/non_score_reward": float(non_score_reward.mean()),
             "objective/rlhf_reward": float(rlhf_reward[~rlhf_reward.isnan()].mean()) if (~rlhf_reward.isnan()).any() else math.nan,
-            "objective/entropy": token_stats["entropy_sum"] / token_stats["sequences"],
+            "objective/entropy": float(cat["entropy_sum"].mean()),
             "policy/approxkl_avg": float(cat["approxkl"].mean()),
             "policy/clipfrac_avg": float(cat["clipped"].mean()),
-            "policy/entropy_avg": token_stats["entropy_sum"] / max(token_stats["tokens"], 1),
+            "policy/entropy_avg": token_entropy,
             "loss/policy_avg": float(cat["loss"].mean()),
             "val/ratio": float(cat["ratio"].mean()),
             "val/ratio_var": float(cat["ratio"].var()) if len(cat["ratio"]) > 1 else 0.0,
