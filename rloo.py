@@ -1,7 +1,7 @@
 """RLOO: REINFORCE Leave-One-Out for language models, in one file.
 
 For each prompt, sample G completions; score each one; use the mean score of the *other* G-1 completions
-as its baseline (Ahmadian et al. 2024, "Back to Basics", Eq. 5); update the policy with a sequence-level
+as its baseline (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"); update the policy with a sequence-level
 clipped surrogate (Schulman et al. 2017), the whole completion being a single action.
 
     python rloo.py --help        # every option, its default and what it does
@@ -48,7 +48,7 @@ class Args:
     seed: int = 1
     """seed of python, numpy and torch"""
     output_dir: Optional[str] = None
-    """where the trained model and tokenizer are saved (default: runs/<run_name>/model)"""
+    """where the trained model and tokenizer are saved; None: runs/<run_name>/model"""
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works; tags come from WANDB_TAGS)"""
     wandb_project_name: str = "rloo"
@@ -75,9 +75,9 @@ class Args:
     """a sequence classification model (num_labels=1) scored at the last non-pad token"""
     reward_funcs: Optional[list[str]] = None
     """built-in names (vader_sentiment, completion_length), `module:function` or `path/file.py:function`
-    (default: vader_sentiment when there is no reward model)"""
+    None: vader_sentiment, unless there is a reward model"""
     reward_weights: Optional[list[float]] = None
-    """one weight per reward source, the reward model first (default: all 1.0)"""
+    """one weight per reward source, the reward model first; None: all 1.0"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of a completion that did not stop by itself ("EOS trick")"""
     normalize_reward: bool = False
@@ -113,7 +113,7 @@ class Args:
     epsilon: Annotated[float, tyro.conf.arg(aliases=("--cliprange",))] = 0.2
     """lower clip range of the importance ratio: 1 - epsilon"""
     epsilon_high: Optional[float] = None
-    """upper clip range: 1 + epsilon_high (default: epsilon)"""
+    """upper clip range: 1 + epsilon_high; None: the same as epsilon"""
     normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
     """whiten the advantages over the batch"""
 
