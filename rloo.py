@@ -314,6 +314,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def last_true_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) column of the last 1 in each row of a (B, T) 0/1 mask: the last real token."""
+    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
+
+
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions count real tokens only, so a left-padded prompt sees the same positions as an unpadded one."""
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -359,7 +364,7 @@ def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,)
+    last = last_true_index(attention_mask)  # (B,)
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
 
 
@@ -480,7 +485,7 @@ def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
     """
     kl_penalty = -beta * kl * mask  # (B, C)
     if token_level:
-        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # (B,) index of the last real token
+        last = last_true_index(mask)  # (B,)
         token_rewards = kl_penalty.clone()
         token_rewards[torch.arange(len(last)), last] += scores
         return token_rewards.sum(1), kl_penalty.sum(1)
@@ -625,7 +630,7 @@ if __name__ == "__main__":
                    [f.__name__ for f in reward_funcs]
     if not reward_names:
         raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names))
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names))  # (F,)
     if len(reward_weights) != len(reward_names):
         raise UsageError(f"--reward_weights has {len(reward_weights)} values for {len(reward_names)} reward sources "
                          f"({', '.join(reward_names)})")
@@ -639,6 +644,7 @@ if __name__ == "__main__":
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reward_weights = reward_weights.to(device)
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     console = Console()
 
@@ -746,7 +752,7 @@ if __name__ == "__main__":
         completion_mask, _ = completion_mask_from(completion_ids, stop_ids)
         rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask,
                                      {c: batch[c] for c in extra_columns if c in batch})
-        rewards = weighted_reward(rewards, reward_weights.to(device)).tolist()
+        rewards = weighted_reward(rewards, reward_weights).tolist()
         rows = [{"prompt": message_text(p), "completion": c, "reward": r}
                 for p, c, r in zip(batch["prompt"], completions, rewards)]
         table = Table("prompt", "completion", "reward", title=f"sample completions at episode {step}", show_lines=True)
@@ -792,7 +798,7 @@ if __name__ == "__main__":
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         with timer("reward"):
             rewards_per_func, _ = score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, columns)  # (B, F)
-        scores = weighted_reward(rewards_per_func, reward_weights.to(device))  # (B,)
+        scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
             scores = torch.where(stopped, scores, scores - args.missing_eos_penalty)
         raw_scores = scores
@@ -865,14 +871,13 @@ if __name__ == "__main__":
         token_entropy = float(cat["entropy_sum"].sum() / cat["tokens"].sum().clamp(min=1))
         num_tokens = int(completion_mask.sum() + prompt_mask.sum())
         update_seconds = time.perf_counter() - update_start
-        scorable = ~raw_scores.isnan()
         metrics = {
             "episode": episode,
             "eps": episode / (time.time() - start_time),
             "lr": scheduler.get_last_lr()[0],
             # new-TRL names
-            "reward": float(raw_scores[scorable].mean()) if scorable.any() else math.nan,
-            "reward_std": float(raw_scores[scorable].std()) if scorable.sum() > 1 else math.nan,
+            "reward": float(raw_scores.nanmean()),
+            "reward_std": float(raw_scores[~raw_scores.isnan()].std()),
             "completions/mean_length": float(completion_mask.sum(1).float().mean()),
             "completions/clipped_ratio": float((~stopped).float().mean()),
             "entropy": token_entropy,
@@ -880,9 +885,9 @@ if __name__ == "__main__":
             "clip_ratio/low_mean": float(cat["clipped_low"].mean()),
             "clip_ratio/high_mean": float(cat["clipped_high"].mean()),
             # old-TRL names
-            "objective/scores": float(raw_scores[scorable].mean()) if scorable.any() else math.nan,
+            "objective/scores": float(raw_scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),
-            "objective/rlhf_reward": float(rlhf_reward[~rlhf_reward.isnan()].mean()) if (~rlhf_reward.isnan()).any() else math.nan,
+            "objective/rlhf_reward": float(rlhf_reward.nanmean()),
             "objective/entropy": float(cat["entropy_sum"].mean()),
             "policy/approxkl_avg": float(cat["approxkl"].mean()),
             "policy/clipfrac_avg": float(cat["clipped"].mean()),
@@ -903,7 +908,7 @@ if __name__ == "__main__":
         }
         for j, name in enumerate(reward_names):
             values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
-            metrics[f"rewards/{name}/mean"] = float(values.mean()) if len(values) else math.nan
+            metrics[f"rewards/{name}/mean"] = float(values.mean())
             metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
         if ref_policy is not None:
             metrics["objective/kl"] = float(kl.sum(1).mean())
