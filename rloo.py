@@ -18,7 +18,7 @@ import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
@@ -110,12 +110,32 @@ class Args:
     """per-token KL estimator: k1 = log p - log p_ref; k3 = exp(-d) + d - 1 (Schulman 2020)"""
     token_level_kl: bool = False
     """put -beta*KL on each token and the score on the last one (its sum is the sequence-level reward)"""
-    epsilon: Annotated[float, tyro.conf.arg(aliases=("--cliprange",))] = 0.2
-    """lower clip range of the importance ratio: 1 - epsilon"""
-    epsilon_high: Optional[float] = None
-    """upper clip range: 1 + epsilon_high; None: the same as epsilon"""
+    advantage_estimator: Literal["rloo", "grpo", "dr_grpo", "reinforce_pp"] = "rloo"
+    """baseline within each group of G: rloo = mean of the other G-1; grpo, dr_grpo, reinforce_pp = the group mean"""
+    advantage_normalization: Optional[Literal["none", "group", "batch"]] = None
+    """scaling of the centred advantages: none; group = divided by the group's std; batch = whitened over the batch
+    None: group for grpo, batch for reinforce_pp, none for rloo and dr_grpo"""
     normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
-    """whiten the advantages over the batch"""
+    """TRL's name for --advantage_normalization batch"""
+    loss_type: Literal["sequence", "token", "cispo", "gspo", "sapo"] = "sequence"
+    """policy loss: sequence = clipped surrogate on the sequence ratio (TRL's RLOO); token = -A log p per token;
+    cispo, gspo, sapo as in their papers (formulas in the README)"""
+    ppo_clip: bool = False
+    """(loss_type token) PPO's clipped surrogate on each token's ratio instead of -A log p"""
+    dual_clip: Optional[float] = None
+    """(with --ppo_clip) dual-clip constant c > 1: the loss of a token with A < 0 is at most c*|A|"""
+    epsilon: Annotated[Optional[float], tyro.conf.arg(aliases=("--cliprange",))] = None
+    """lower clip range of the importance ratio: 1 - epsilon; None: 0.2, or 3e-4 for gspo (the GSPO paper)"""
+    epsilon_high: Optional[float] = None
+    """upper clip range: 1 + epsilon_high; None: epsilon, or 4e-4 for gspo when epsilon is not given"""
+    sapo_tau_pos: Optional[float] = None
+    """(loss_type sapo) gate temperature for tokens with A > 0; None: 1.0"""
+    sapo_tau_neg: Optional[float] = None
+    """(loss_type sapo) gate temperature for tokens with A <= 0; None: 1.05"""
+    loss_aggregation: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                       "seq-mean-token-sum-norm"]] = None
+    """(token-level losses) how per-token losses make the minibatch loss; seq-mean-token-sum-norm divides by
+    num_samples x max_completion_length (Dr. GRPO). None: seq-mean-token-mean for gspo, token-mean otherwise"""
 
     # Optimisation
     total_episodes: int = 640
@@ -176,7 +196,7 @@ def batch_sizes(args: Args) -> tuple[int, int, int]:
 def check_args(args: Args) -> None:
     positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
                 "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
-                "local_rollout_forward_batch_size", "max_grad_norm", "epsilon"]
+                "local_rollout_forward_batch_size", "max_grad_norm"]
     for name in positive:
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
@@ -185,10 +205,12 @@ def check_args(args: Args) -> None:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.epsilon_high is not None and not args.epsilon_high > 0:
-        raise UsageError(f"--epsilon_high must be > 0, got {args.epsilon_high}")
-    if args.epsilon >= 1:
+    for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg"]:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.epsilon is not None and args.epsilon >= 1:
         raise UsageError(f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}")
+    check_estimator_and_loss(args)
     if args.num_generations < 2:
         raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
     batch_size, _, num_updates = batch_sizes(args)
@@ -207,6 +229,54 @@ def check_args(args: Args) -> None:
         path = getattr(args, name)
         if path is not None and looks_local(path) and not os.path.exists(path):
             raise UsageError(f"--{name} {path} does not exist")
+
+
+def check_estimator_and_loss(args: Args) -> None:
+    """The combinations of seed 002 that do not make sense are refused, each with the reason."""
+    if args.normalize_advantages and args.advantage_normalization not in (None, "batch"):
+        raise UsageError(f"--normalize_advantages means --advantage_normalization batch, which contradicts "
+                         f"--advantage_normalization {args.advantage_normalization}; give one of them")
+    normalization = "batch" if args.normalize_advantages else args.advantage_normalization
+    if normalization == "batch" and args.advantage_estimator == "rloo":
+        raise UsageError("--advantage_estimator rloo does not take batch normalisation (--advantage_normalization batch "
+                         "or --normalize_advantages): whitening over the batch cancels the leave-one-out n/(n-1) and "
+                         "gives --advantage_estimator reinforce_pp")
+    if normalization == "batch" and args.advantage_estimator == "dr_grpo":
+        raise UsageError("--advantage_estimator dr_grpo does not take batch normalisation: Dr. GRPO drops the division by "
+                         "a std; use --advantage_estimator reinforce_pp to whiten group-centred advantages over the batch")
+    if args.advantage_estimator == "reinforce_pp" and normalization in ("none", "group"):
+        raise UsageError(f"--advantage_estimator reinforce_pp needs batch normalisation (REINFORCE++ whitens the "
+                         f"group-centred advantages over the whole batch), got --advantage_normalization {normalization}")
+    if args.ppo_clip and args.loss_type != "token":
+        reason = "clips its sequence ratio already" if args.loss_type == "sequence" else "has its own ratio handling"
+        raise UsageError(f"--ppo_clip layers PPO clipping on --loss_type token; --loss_type {args.loss_type} {reason}")
+    if args.dual_clip is not None and not args.ppo_clip:
+        raise UsageError("--dual_clip is part of PPO clipping: add --ppo_clip (with --loss_type token)")
+    if args.dual_clip is not None and not args.dual_clip > 1:
+        raise UsageError(f"--dual_clip must be > 1 (it caps the loss of A < 0 tokens at c*|A|), got {args.dual_clip}")
+    if args.loss_aggregation is not None and args.loss_type == "sequence":
+        raise UsageError("--loss_aggregation applies to token-level losses; --loss_type sequence has one term per "
+                         "completion (its ratio sums the token log-probs)")
+    if (args.sapo_tau_pos is not None or args.sapo_tau_neg is not None) and args.loss_type != "sapo":
+        raise UsageError(f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
+                         f"not of --loss_type {args.loss_type}")
+
+
+def resolve_defaults(args: Args) -> Args:
+    """Fill in the defaults that depend on other options (after the checks, which see what the user gave)."""
+    gspo = args.loss_type == "gspo"
+    epsilon = args.epsilon if args.epsilon is not None else (3e-4 if gspo else 0.2)
+    normalization = {"rloo": "none", "grpo": "group", "dr_grpo": "none", "reinforce_pp": "batch"}[args.advantage_estimator]
+    return replace(
+        args,
+        epsilon=epsilon,
+        epsilon_high=args.epsilon_high if args.epsilon_high is not None else (4e-4 if gspo and args.epsilon is None else epsilon),
+        advantage_normalization=args.advantage_normalization or ("batch" if args.normalize_advantages else normalization),
+        loss_aggregation=None if args.loss_type == "sequence" else (
+            args.loss_aggregation or ("seq-mean-token-mean" if gspo else "token-mean")),
+        sapo_tau_pos=(args.sapo_tau_pos or 1.0) if args.loss_type == "sapo" else None,
+        sapo_tau_neg=(args.sapo_tau_neg or 1.05) if args.loss_type == "sapo" else None,
+    )
 
 
 def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:
@@ -467,7 +537,7 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# KL, advantages, loss
+# KL, advantages, losses
 # ----------------------------------------------------------------------------------------------------------------
 def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """KL(policy || reference) estimated per sampled token (http://joschu.net/blog/kl-approx.html)."""
@@ -493,7 +563,8 @@ def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
 
 
 def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Leave-one-out advantages A_i = r_i - mean_{j != i} r_j within each group of G adjacent completions.
+    """Leave-one-out advantages A_i = r_i - mean_{j != i} r_j within each group of G adjacent completions
+    (Kool et al. 2019; Ahmadian et al. 2024); = G/(G-1) (r_i - mean) when all G are scored.
 
     NaN rewards (every reward function returned None) are left out of their siblings' baselines and get advantage 0;
     so does a completion with no scorable sibling.
@@ -506,6 +577,28 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     return advantages.view(-1)
 
 
+def group_mean_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """A_i = r_i - mean of the scorable rewards of its group (the baseline of GRPO, Dr. GRPO and REINFORCE++)."""
+    r = rewards.view(-1, num_generations)  # (num_prompts, G)
+    scorable = ~r.isnan()
+    advantages = torch.where(scorable & (scorable.sum(1, keepdim=True) > 1), r - r.nanmean(1, keepdim=True), 0.0)
+    return advantages.view(-1)
+
+
+def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(B,) unbiased std of the scorable rewards of each row's group."""
+    r = rewards.view(-1, num_generations)  # (num_prompts, G)
+    n = (~r.isnan()).sum(1, keepdim=True)
+    variance = (r - r.nanmean(1, keepdim=True)).square().nansum(1, keepdim=True) / (n - 1).clamp(min=1)
+    return variance.sqrt().expand_as(r).reshape(-1)
+
+
+def has_baseline(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(B,) rows that are scored and have a scored sibling to compare with; the others get no gradient."""
+    scorable = ~rewards.view(-1, num_generations).isnan()
+    return (scorable & (scorable.sum(1, keepdim=True) > 1)).view(-1)
+
+
 def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """(A - mean) / (std + 1e-4) over the rows that carry a gradient; the others stay 0."""
     if valid.sum() < 2:
@@ -514,16 +607,120 @@ def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> torch
     return torch.where(valid, (advantages - a.mean()) / (a.std() + 1e-4), 0.0)
 
 
-def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low: float, epsilon_high: float):
-    """PPO's clipped surrogate on the sequence-level ratio rho_i = pi(y_i|x_i) / pi_old(y_i|x_i), per sequence (B,).
+def compute_advantages(rewards, trains, num_generations: int, estimator: str, normalization: str) -> torch.Tensor:
+    """(B,) advantages: the estimator's baseline within each group, then the scaling; rows that do not train get 0.
 
-    Returns the per-sequence loss max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high)), the ratio, and whether the
-    clipped branch was the active one (the ratio left the trust region in the direction the advantage pushes).
+    rloo          r_i - mean_{j != i} r_j                 (Ahmadian et al. 2024)
+    grpo          (r_i - mean) / (std + 1e-4)             (Shao et al. 2024, DeepSeekMath)
+    dr_grpo       r_i - mean                              (Liu et al. 2025, Dr. GRPO)
+    reinforce_pp  r_i - mean, then whitened over the batch (Hu 2025, REINFORCE++)
     """
+    if estimator == "rloo":
+        advantages = rloo_advantages(rewards, num_generations)
+    else:
+        advantages = group_mean_advantages(rewards, num_generations)
+    if normalization == "group":
+        advantages = advantages / (group_std(rewards, num_generations) + 1e-4)
+    elif normalization == "batch":
+        advantages = normalize_advantages(advantages, trains)
+    return torch.where(trains, advantages, 0.0)
+
+
+def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low: float, epsilon_high: float):
+    """PPO's clipped surrogate (Schulman et al. 2017) on the sequence ratio rho_i = pi(y_i|x_i) / pi_old(y_i|x_i):
+    (B,) losses max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)); the whole completion is one action."""
     ratio = torch.exp(logprob_sum - old_logprob_sum)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
+    return torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high))
+
+
+def pg_token_loss(logprobs, advantages):
+    """REINFORCE per token (Williams 1992): (B, C) losses -A log pi(y_t)."""
+    return -advantages[:, None] * logprobs
+
+
+def ppo_token_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_high: float, dual_clip=None):
+    """PPO's clipped surrogate on each token's ratio, (B, C); with dual clip (Ye et al. 2020) the loss of a token with
+    A < 0 is capped at c|A|, so a huge ratio cannot blow up the update."""
+    A = advantages[:, None]
+    ratio = torch.exp(logprobs - old_logprobs)
+    loss = torch.maximum(-A * ratio, -A * ratio.clamp(1 - epsilon_low, 1 + epsilon_high))
+    if dual_clip is not None:
+        loss = torch.where(A < 0, torch.minimum(loss, -dual_clip * A), loss)
+    return loss
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_high: float):
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio under a stop-gradient, (B, C) losses
+    -sg(clip(ratio)) A log pi(y_t). Unlike PPO no token loses its gradient; clipping only bounds its weight."""
+    weight = torch.exp(logprobs.detach() - old_logprobs).clamp(1 - epsilon_low, 1 + epsilon_high)
+    return -weight * advantages[:, None] * logprobs
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low: float, epsilon_high: float):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios
+    s = exp(mean_t (log pi - log pi_old)), clipped like PPO. Token form, (B, C): s_t = sg(s) pi(y_t) / sg(pi(y_t)) has
+    the value s and the gradient s grad log pi(y_t); averaged over the tokens of a sequence it is s grad log s."""
+    log_s = ((logprobs.detach() - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
+    s = torch.exp(log_s)[:, None] * torch.exp(logprobs - logprobs.detach())  # (B, C)
+    A = advantages[:, None]
+    return torch.maximum(-A * s, -A * s.clamp(1 - epsilon_low, 1 + epsilon_high))
+
+
+def sapo_loss(logprobs, old_logprobs, advantages, tau_pos: float, tau_neg: float):
+    """SAPO (Qwen, 2025): a smooth sigmoid gate in place of the hard clip, (B, C) losses -gate A with
+    gate = sigmoid(tau (ratio - 1)) 4 / tau, tau = tau_pos where A > 0 else tau_neg. d gate / d ratio = 1 at ratio 1
+    (REINFORCE on-policy) and fades away from it. Returns the losses and the gate values."""
+    A = advantages[:, None]
+    ratio = torch.exp(logprobs - old_logprobs)
+    tau = torch.where(A > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    return -gate * A, gate.detach()
+
+
+def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_batch_tokens, max_completion_length: int):
+    """This micro-batch's share of the minibatch loss from (b, C) per-token losses; the shares of all micro-batches of
+    a minibatch add up to its loss, so the normalisers count the whole minibatch."""
+    if mode == "token-mean":  # every token weighs the same
+        return (token_loss * loss_mask).sum() / mini_batch_tokens
+    if mode == "seq-mean-token-mean":  # every sequence weighs the same
+        return ((token_loss * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / mini_batch_size
+    if mode == "seq-mean-token-sum":
+        return (token_loss * loss_mask).sum() / mini_batch_size
+    return (token_loss * loss_mask).sum() / (mini_batch_size * max_completion_length)  # Dr. GRPO: a constant
+
+
+def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, trains, mini_batch_size: int, mini_batch_tokens):
+    """The --loss_type loss of one micro-batch (its share of the minibatch loss), and what its clip acts on:
+    (loss, log_ratio, units, gate). log_ratio is per unit: a token, or a completion for sequence and gspo; units marks
+    the real ones (the completion mask, or all ones); gate is sapo's (else None)."""
+    if args.loss_type == "sequence":
+        logprob_sum, old_logprob_sum = (logprobs * mask).sum(1), (old_logprobs * mask).sum(1)  # (b,)
+        loss = clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, args.epsilon, args.epsilon_high)
+        return (loss * trains).sum() / mini_batch_size, logprob_sum.detach() - old_logprob_sum, torch.ones_like(loss), None
+    gate = None
+    log_ratio = logprobs.detach() - old_logprobs  # (b, C)
+    if args.loss_type == "token" and args.ppo_clip:
+        token_loss = ppo_token_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high, args.dual_clip)
+    elif args.loss_type == "token":
+        token_loss = pg_token_loss(logprobs, advantages)
+    elif args.loss_type == "cispo":
+        token_loss = cispo_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high)
+    elif args.loss_type == "gspo":
+        token_loss = gspo_loss(logprobs, old_logprobs, advantages, mask, args.epsilon, args.epsilon_high)
+    else:
+        token_loss, gate = sapo_loss(logprobs, old_logprobs, advantages, args.sapo_tau_pos, args.sapo_tau_neg)
+    loss = aggregate_loss(token_loss, mask * trains[:, None], args.loss_aggregation, mini_batch_size, mini_batch_tokens,
+                          args.max_completion_length)
+    if args.loss_type == "gspo":  # its ratio and clip are per sequence
+        return loss, (log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1), torch.ones_like(trains, dtype=mask.dtype), None
+    return loss, log_ratio, mask, gate
+
+
+def clipped_units(log_ratio, advantages, epsilon_low: float, epsilon_high: float):
+    """Units whose ratio left [1 - eps_low, 1 + eps_high] on the side its advantage pushes it (low: A < 0, high: A > 0):
+    where PPO's clip cuts the gradient. The same definition for every loss, so clip fractions compare across them."""
+    ratio, A = torch.exp(log_ratio), advantages.view(-1, *[1] * (log_ratio.dim() - 1))
+    return (ratio < 1 - epsilon_low) & (A < 0), (ratio > 1 + epsilon_high) & (A > 0)
 
 
 def linear_or_constant_schedule(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -617,6 +814,7 @@ if __name__ == "__main__":
     # Set-up: every check that needs no model comes first
     # ------------------------------------------------------------------------------------------------------------
     check_args(args)
+    args = resolve_defaults(args)
     batch_size, mini_batch_size, num_updates = batch_sizes(args)
     G = args.num_generations
     prompts_per_rollout = batch_size // G
@@ -682,10 +880,10 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, linear_or_constant_schedule(args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps))
-    # With one epoch and one minibatch the policy that sampled is the one being updated: the ratio is exactly 1 and
-    # its log-probs are the detached ones of the training forward; they are computed separately only for the KL.
+    # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
+    # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
+    # log pi_old needs its own forward only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     os.makedirs(run_dir, exist_ok=True)
@@ -815,23 +1013,23 @@ if __name__ == "__main__":
         else:
             kl, rlhf_reward, non_score_reward = torch.zeros_like(mask), scores, torch.zeros_like(scores)
 
-        # Advantage: leave-one-out baseline over the scorable siblings
-        advantages = rloo_advantages(rlhf_reward, G)  # (B,)
-        trains = ~rlhf_reward.isnan()  # rows that carry a gradient
+        # Advantage: the estimator's baseline over the scorable siblings of each group, then its normalisation
+        trains = has_baseline(rlhf_reward, G)  # rows that carry a gradient
         if args.mask_truncated_completions:
             trains &= stopped
-        if args.normalize_advantages:
-            advantages = normalize_advantages(advantages, trains)
-        advantages = torch.where(trains, advantages, 0.0)
+        advantages = compute_advantages(rlhf_reward, trains, G, args.advantage_estimator, args.advantage_normalization)  # (B,)
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
-        # micro-batches; the loss of each micro-batch is its sum over sequences / mini_batch_size.
+        # micro-batches; each micro-batch adds its share of the minibatch loss (policy_loss) to the gradient.
         policy.train()
-        stats = defaultdict(list)
+        stats = defaultdict(float)  # sums over the units of the loss: tokens, or completions for a sequence ratio
         epoch_generator = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(batch_size, generator=epoch_generator).to(device)
             for mb_start in range(0, batch_size, mini_batch_size):
+                on_policy = epoch == 0 and mb_start == 0  # no optimizer step yet since the rollout
+                mb = order[mb_start:mb_start + mini_batch_size]
+                mini_batch_tokens = (mask[mb] * trains[mb, None]).sum().clamp(min=1)
                 for mu_start in range(mb_start, mb_start + mini_batch_size, args.per_device_train_batch_size):
                     idx = order[mu_start:mu_start + args.per_device_train_batch_size]
                     with timer("policy_forward_backward"):
@@ -839,22 +1037,35 @@ if __name__ == "__main__":
                             logprobs, entropy = completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx],
                                                                     completion_ids[idx], completion_mask[idx],
                                                                     args.temperature, with_entropy=True)  # (b, C)
-                        logprob_sum = (logprobs * mask[idx]).sum(1)  # (b,)
-                        old_logprob_sum = logprob_sum.detach() if ratio_is_one else (old_logprobs[idx] * mask[idx]).sum(1)
-                        loss_per_seq, ratio, clipped = clipped_surrogate_loss(
-                            logprob_sum, old_logprob_sum, advantages[idx], args.epsilon, epsilon_high)
-                        loss = (loss_per_seq * trains[idx]).sum() / mini_batch_size
+                        if on_policy:
+                            old = logprobs.detach()
+                            if old_logprobs is not None:  # later epochs compare against these same numbers
+                                old_logprobs[idx] = old
+                        else:
+                            old = old_logprobs[idx]
+                        loss, log_ratio, units, gate = policy_loss(args, logprobs, old, advantages[idx], mask[idx],
+                                                                    trains[idx], mini_batch_size, mini_batch_tokens)
                         loss.backward()
                     with torch.no_grad():
-                        logratio = logprob_sum.detach() - old_logprob_sum
-                        stats["approxkl"].append(0.5 * logratio.pow(2))
-                        stats["clipped"].append(clipped.float())
-                        stats["clipped_low"].append((clipped & (advantages[idx] < 0)).float())
-                        stats["clipped_high"].append((clipped & (advantages[idx] > 0)).float())
-                        stats["ratio"].append(ratio.detach())
-                        stats["loss"].append(loss_per_seq.detach())
-                        stats["entropy_sum"].append((entropy * mask[idx]).sum(1))  # per sequence
-                        stats["tokens"].append(mask[idx].sum(1))
+                        clipped_low, clipped_high = clipped_units(log_ratio, advantages[idx], args.epsilon, args.epsilon_high)
+                        ratio = log_ratio.exp()
+                        stats["units"] += units.sum()
+                        stats["ratio"] += (ratio * units).sum()
+                        stats["ratio_squared"] += (ratio.square() * units).sum()
+                        stats["approxkl"] += (0.5 * log_ratio.square() * units).sum()
+                        stats["clipped_low"] += (clipped_low * units).sum()
+                        stats["clipped_high"] += (clipped_high * units).sum()
+                        if on_policy:
+                            stats["first_minibatch_ratio"] += (ratio * units).sum()
+                            stats["first_minibatch_units"] += units.sum()
+                        if args.dual_clip is not None:  # tokens whose loss the dual clip capped
+                            stats["dual_clipped"] += (((ratio > args.dual_clip) & (advantages[idx, None] < 0)) * units).sum()
+                        if gate is not None:
+                            stats["sapo_gate"] += (gate * units).sum()
+                        stats["loss"] += loss.detach()
+                        stats["entropy"] += (entropy * mask[idx]).sum()
+                        stats["tokens"] += mask[idx].sum()
+                        stats["sequences"] += torch.tensor(float(len(idx)), device=device)
                 with timer("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     if torch.isfinite(grad_norm):
@@ -863,12 +1074,15 @@ if __name__ == "__main__":
                         skipped_steps += 1
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
-                    stats["grad_norm"].append(grad_norm.detach().float().reshape(1))
+                    stats["grad_norm"] += grad_norm.detach().float()
         episode += batch_size
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
-        cat = {k: torch.cat(v) for k, v in stats.items()}
-        token_entropy = float(cat["entropy_sum"].sum() / cat["tokens"].sum().clamp(min=1))
+        stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync for all of them
+        steps, units = args.num_ppo_epochs * args.num_mini_batches, max(stats["units"], 1.0)
+        token_entropy = stats["entropy"] / max(stats["tokens"], 1.0)
+        mean_ratio = stats["ratio"] / units
+        clip_fraction = (stats["clipped_low"] + stats["clipped_high"]) / units
         num_tokens = int(completion_mask.sum() + prompt_mask.sum())
         update_seconds = time.perf_counter() - update_start
         metrics = {
@@ -881,25 +1095,27 @@ if __name__ == "__main__":
             "completions/mean_length": float(completion_mask.sum(1).float().mean()),
             "completions/clipped_ratio": float((~stopped).float().mean()),
             "entropy": token_entropy,
-            "clip_ratio/region_mean": float(cat["clipped"].mean()),
-            "clip_ratio/low_mean": float(cat["clipped_low"].mean()),
-            "clip_ratio/high_mean": float(cat["clipped_high"].mean()),
+            "clip_ratio/region_mean": clip_fraction,
+            "clip_ratio/low_mean": stats["clipped_low"] / units,
+            "clip_ratio/high_mean": stats["clipped_high"] / units,
             # old-TRL names
             "objective/scores": float(raw_scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),
             "objective/rlhf_reward": float(rlhf_reward.nanmean()),
-            "objective/entropy": float(cat["entropy_sum"].mean()),
-            "policy/approxkl_avg": float(cat["approxkl"].mean()),
-            "policy/clipfrac_avg": float(cat["clipped"].mean()),
+            "objective/entropy": stats["entropy"] / stats["sequences"],
+            "policy/approxkl_avg": stats["approxkl"] / units,
+            "policy/clipfrac_avg": clip_fraction,
             "policy/entropy_avg": token_entropy,
-            "loss/policy_avg": float(cat["loss"].mean()),
-            "val/ratio": float(cat["ratio"].mean()),
-            "val/ratio_var": float(cat["ratio"].var()) if len(cat["ratio"]) > 1 else 0.0,
+            "loss/policy_avg": stats["loss"] / steps,
+            "val/ratio": mean_ratio,
+            "val/ratio_var": max(stats["ratio_squared"] - units * mean_ratio ** 2, 0.0) / max(units - 1, 1.0),
+            "val/ratio_first_minibatch": stats["first_minibatch_ratio"] / max(stats["first_minibatch_units"], 1.0),
             "val/num_eos_tokens": int(stopped.sum()),
             # health and speed
             "advantages/mean": float(advantages[trains].mean()) if trains.any() else 0.0,
+            "advantages/std": float(advantages[trains].std()) if trains.sum() > 1 else 0.0,
             "prompts/truncated": num_truncated,
-            "optim/grad_norm": float(cat["grad_norm"].mean()),
+            "optim/grad_norm": stats["grad_norm"] / steps,
             "optim/skipped_steps": skipped_steps,
             "perf/tokens_per_second": num_tokens / update_seconds,
             "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
@@ -910,6 +1126,10 @@ if __name__ == "__main__":
             values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
             metrics[f"rewards/{name}/mean"] = float(values.mean())
             metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
+        if args.dual_clip is not None:
+            metrics["clip_ratio/dual_mean"] = stats["dual_clipped"] / units
+        if args.loss_type == "sapo":
+            metrics["sapo/gate_mean"] = stats["sapo_gate"] / units
         if ref_policy is not None:
             metrics["objective/kl"] = float(kl.sum(1).mean())
             metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))

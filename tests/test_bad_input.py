@@ -37,6 +37,26 @@ EARLY = [
     (["--reward_funcs", "/nowhere/rewards.py:f"], ["reward function file /nowhere/rewards.py does not exist"]),
     (["--reward_model_path", "/nowhere/rm"], ["--reward_model_path /nowhere/rm does not exist"]),
     (["--dataset_name", "/nowhere/data.jsonl"], ["--dataset_name /nowhere/data.jsonl does not exist"]),
+    # The combinations seed 002 rules out, and the ones that contradict themselves
+    (["--advantage_normalization", "batch"], ["--advantage_estimator rloo does not take batch normalisation"]),
+    (["--normalize_advantages"], ["--advantage_estimator rloo does not take batch normalisation"]),
+    (["--advantage_estimator", "dr_grpo", "--advantage_normalization", "batch"],
+     ["--advantage_estimator dr_grpo does not take batch normalisation"]),
+    (["--advantage_estimator", "reinforce_pp", "--advantage_normalization", "group"],
+     ["reinforce_pp needs batch normalisation", "got --advantage_normalization group"]),
+    (["--advantage_estimator", "reinforce_pp", "--advantage_normalization", "none"], ["reinforce_pp needs batch normalisation"]),
+    (["--advantage_estimator", "grpo", "--normalize_advantages", "--advantage_normalization", "group"],
+     ["--normalize_advantages means --advantage_normalization batch"]),
+    (["--loss_type", "cispo", "--ppo_clip"], ["--loss_type cispo has its own ratio handling"]),
+    (["--loss_type", "gspo", "--ppo_clip"], ["--loss_type gspo has its own ratio handling"]),
+    (["--loss_type", "sapo", "--ppo_clip"], ["--loss_type sapo has its own ratio handling"]),
+    (["--ppo_clip"], ["--loss_type sequence clips its sequence ratio already"]),
+    (["--loss_type", "token", "--dual_clip", 3], ["--dual_clip is part of PPO clipping: add --ppo_clip"]),
+    (["--loss_type", "token", "--ppo_clip", "--dual_clip", 0.5], ["--dual_clip must be > 1"]),
+    (["--loss_aggregation", "token-mean"], ["--loss_aggregation applies to token-level losses"]),
+    (["--loss_type", "token", "--sapo_tau_pos", 2], ["gate temperatures of --loss_type sapo"]),
+    (["--loss_type", "sapo", "--sapo_tau_neg", 0], ["--sapo_tau_neg must be > 0"]),
+    (["--epsilon", 0], ["--epsilon must be > 0"]),
 ]
 
 

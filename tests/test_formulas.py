@@ -129,11 +129,11 @@ def test_clipped_surrogate_by_hand_and_its_gradient():
     ratios = torch.tensor([1.5, 0.5, 0.9, 1.1, 1.25])
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
     logprob_sum = ratios.log().requires_grad_()
-    loss, ratio, clipped = rloo.clipped_surrogate_loss(logprob_sum, torch.zeros(5), advantages, 0.2, 0.3)
+    loss = rloo.clipped_surrogate_loss(logprob_sum, torch.zeros(5), advantages, 0.2, 0.3)
     # A > 0, rho 1.5 > 1 + 0.3: clipped at 1.3; A < 0, rho 0.5 < 0.8: clipped at 0.8; inside: -A rho.
     torch.testing.assert_close(loss.detach(), torch.tensor([-1.3, 0.8, -0.9, 1.1, -1.25]))
-    assert clipped.tolist() == [True, True, False, False, False]
-    torch.testing.assert_close(ratio.detach(), ratios)
+    low, high = rloo.clipped_units(logprob_sum.detach(), advantages, 0.2, 0.3)
+    assert low.tolist() == [False, True, False, False, False] and high.tolist() == [True, False, False, False, False]
     loss.sum().backward()
     # d(-A rho)/d(log rho) = -A rho where unclipped; zero where the clipped branch is active.
     torch.testing.assert_close(logprob_sum.grad, torch.tensor([0.0, 0.0, -0.9, 1.1, -1.25]))
@@ -142,8 +142,8 @@ def test_clipped_surrogate_by_hand_and_its_gradient():
 def test_on_policy_ratio_is_exactly_one_and_the_loss_is_reinforce():
     logprob_sum = torch.tensor([-3.0, -7.0], requires_grad=True)
     advantages = torch.tensor([2.0, -1.0])
-    loss, ratio, clipped = rloo.clipped_surrogate_loss(logprob_sum, logprob_sum.detach(), advantages, 0.2, 0.2)
-    assert ratio.tolist() == [1.0, 1.0] and not clipped.any()
+    loss = rloo.clipped_surrogate_loss(logprob_sum, logprob_sum.detach(), advantages, 0.2, 0.2)
+    assert torch.exp(logprob_sum - logprob_sum.detach()).tolist() == [1.0, 1.0]
     loss.sum().backward()
     torch.testing.assert_close(logprob_sum.grad, -advantages)  # the gradient of -A log pi
 

@@ -1,0 +1,278 @@
+"""The advantage estimators and policy losses of seed 002: each against values computed by hand, gradients checked
+with torch.autograd, the default against the previous implementation, and an end-to-end run of each."""
+
+import math
+
+import pytest
+import torch
+
+import rloo
+from conftest import read_metrics, run_rloo
+
+
+def args_for(*argv: str) -> rloo.Args:
+    """Args as the script sees them after its checks and defaults."""
+    import tyro
+
+    args = tyro.cli(rloo.Args, args=list(argv), use_underscores=True)
+    rloo.check_args(args)
+    return rloo.resolve_defaults(args)
+
+
+def leaf(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float).requires_grad_()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantage estimators: one group [1, 2, 3, 6] (mean 3, unbiased std sqrt(14/3)) and one group [0, 0, 4, 4]
+# ----------------------------------------------------------------------------------------------------------------
+REWARDS = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 4.0, 4.0])
+ALL = torch.ones(8, dtype=torch.bool)
+
+
+def by_hand(estimator):
+    groups = REWARDS.view(2, 4)
+    centred = groups - groups.mean(1, keepdim=True)  # [-2, -1, 0, 3], [-2, -2, 2, 2]
+    if estimator == "rloo":
+        return (centred * 4 / 3).view(-1)
+    if estimator == "grpo":
+        return (centred / (torch.tensor([[math.sqrt(14 / 3)], [math.sqrt(16 / 3)]]) + 1e-4)).view(-1)
+    if estimator == "dr_grpo":
+        return centred.view(-1)
+    flat = centred.view(-1)  # reinforce_pp: mean 0 already; whitened with the batch's unbiased std
+    return flat / (math.sqrt(sum(x * x for x in flat.tolist()) / 7) + 1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo", "dr_grpo", "reinforce_pp"])
+def test_each_estimator_by_hand_with_its_default_normalisation(estimator):
+    args = args_for("--advantage_estimator", estimator)
+    advantages = rloo.compute_advantages(REWARDS, ALL, 4, args.advantage_estimator, args.advantage_normalization)
+    torch.testing.assert_close(advantages, by_hand(estimator))
+
+
+def test_rloo_with_group_normalisation_divides_the_leave_one_out_advantage_by_the_group_std():
+    advantages = rloo.compute_advantages(REWARDS, ALL, 4, "rloo", "group")
+    std = torch.tensor([math.sqrt(14 / 3)] * 4 + [math.sqrt(16 / 3)] * 4)
+    torch.testing.assert_close(advantages, by_hand("rloo") / (std + 1e-4))
+
+
+def test_group_estimators_skip_unscorable_rows_and_rows_that_do_not_train():
+    rewards = torch.tensor([1.0, math.nan, 3.0, 5.0,  # mean of the scorable three: 3
+                            2.0, math.nan, math.nan, math.nan])  # a single scorable reward: no baseline
+    # Row 3: a truncated completion (--mask_truncated_completions); row 4 has no baseline.
+    trains = rloo.has_baseline(rewards, 4) & torch.tensor([True, True, True, False, True, True, True, True])
+    assert trains.tolist() == [True, False, True, False, False, False, False, False]
+    dr = rloo.compute_advantages(rewards, trains, 4, "dr_grpo", "none")
+    torch.testing.assert_close(dr, torch.tensor([-2.0, 0, 0, 0, 0, 0, 0, 0]))
+    grpo = rloo.compute_advantages(rewards, trains, 4, "grpo", "group")
+    torch.testing.assert_close(grpo, torch.tensor([-2.0 / (2.0 + 1e-4), 0, 0, 0, 0, 0, 0, 0]))  # std of 1, 3, 5 is 2
+    # REINFORCE++ whitens over the rows that train only: here rows 0 and 2, centred -2 and 0.
+    pp = rloo.compute_advantages(rewards, trains, 4, "reinforce_pp", "batch")
+    torch.testing.assert_close(pp, torch.tensor([-1 / (math.sqrt(2) + 1e-4), 0, 1 / (math.sqrt(2) + 1e-4), 0, 0, 0, 0, 0]))
+
+
+def test_estimator_defaults_and_the_trl_flag():
+    assert args_for().advantage_normalization == "none"
+    assert args_for("--advantage_estimator", "grpo").advantage_normalization == "group"
+    assert args_for("--advantage_estimator", "grpo", "--normalize_advantages").advantage_normalization == "batch"
+    assert args_for("--advantage_estimator", "dr_grpo").advantage_normalization == "none"
+    assert args_for("--advantage_estimator", "reinforce_pp").advantage_normalization == "batch"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Losses, per token. Three tokens with ratios r = [1.5, 0.5, 1.1] against pi_old, advantages per sequence.
+# ----------------------------------------------------------------------------------------------------------------
+OLD = torch.tensor([[-1.0, -2.0, -0.5]])
+RATIOS = torch.tensor([[1.5, 0.5, 1.1]])
+
+
+def current_logprobs():
+    return (OLD + RATIOS.log()).requires_grad_()
+
+
+def test_token_policy_gradient_by_hand():
+    logprobs = current_logprobs()
+    loss = rloo.pg_token_loss(logprobs, torch.tensor([2.0]))
+    torch.testing.assert_close(loss, -2.0 * logprobs.detach())
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.full((1, 3), -2.0))
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_token_ppo_clip_by_hand(advantage):
+    logprobs = current_logprobs()
+    loss = rloo.ppo_token_loss(logprobs, OLD, torch.tensor([advantage]), 0.2, 0.3)
+    if advantage > 0:  # 1.5 is clipped at 1.3 (no gradient); 0.5 and 1.1 are not (the clip only stops increases)
+        expected, grad = [-1.3, -0.5, -1.1], [0.0, -0.5, -1.1]
+    else:  # 0.5 is clipped at 0.8 (no gradient); 1.5 and 1.1 keep -A r
+        expected, grad = [1.5, 0.8, 1.1], [1.5, 0.0, 1.1]
+    torch.testing.assert_close(loss.detach(), torch.tensor([expected]))
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([grad]))  # d(-A r)/d log p = -A r
+    low, high = rloo.clipped_units(logprobs.detach() - OLD, torch.tensor([advantage]), 0.2, 0.3)
+    assert ((logprobs.grad == 0) == (low | high)).all()  # the clip fraction counts exactly the cut tokens
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    old = torch.zeros(1, 3)
+    logprobs = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0)]], requires_grad=True)
+    loss = rloo.ppo_token_loss(logprobs, old, torch.tensor([-1.0]), 0.2, 0.2, dual_clip=3.0)
+    # ratio 5 with A = -1: PPO's loss 5 is capped at c|A| = 3 and has no gradient; ratio 2 stays at 2.
+    torch.testing.assert_close(loss.detach(), torch.tensor([[3.0, 2.0, 3.0]]))
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 2.0, 0.0]]))
+    positive = rloo.ppo_token_loss(logprobs.detach(), old, torch.tensor([1.0]), 0.2, 0.2, dual_clip=3.0)
+    torch.testing.assert_close(positive, torch.full((1, 3), -1.2))  # A > 0: only the usual clip
+
+
+def test_cispo_weight_is_clipped_and_stop_gradient():
+    logprobs = current_logprobs()
+    loss = rloo.cispo_loss(logprobs, OLD, torch.tensor([2.0]), 0.2, 0.3)
+    weight = torch.tensor([[1.3, 0.8, 1.1]])  # clip(r, 0.8, 1.3)
+    torch.testing.assert_close(loss.detach(), -weight * 2.0 * logprobs.detach())
+    loss.sum().backward()
+    # Only log p carries a gradient: -sg(w) A. Without the stop-gradient the middle term would add -A w log p.
+    torch.testing.assert_close(logprobs.grad, -weight * 2.0)
+
+
+def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.7, 0.0, 0.0]]).requires_grad_()
+    old = torch.tensor([[-1.1, -1.9, -0.45, 0.0], [-0.3, -0.6, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    advantages = torch.tensor([1.5, -0.5])
+    token_loss = rloo.gspo_loss(logprobs, old, advantages, mask, 0.2, 0.2)
+    loss = (token_loss * mask).sum(1) / mask.sum(1)  # GSPO averages over the tokens of a sequence
+    # The value: s_i = exp(mean_t (log p - log p_old)) for every token of sequence i.
+    s = torch.exp(((logprobs.detach() - old) * mask).sum(1) / mask.sum(1))
+    torch.testing.assert_close(token_loss.detach(), (-advantages * s)[:, None].expand(2, 4))
+    loss.sum().backward()
+    # The gradient is that of the sequence-level objective -A s_i, with s_i a function of the log-probs.
+    direct = logprobs.detach().clone().requires_grad_()
+    (-advantages * torch.exp(((direct - old) * mask).sum(1) / mask.sum(1))).sum().backward()
+    torch.testing.assert_close(logprobs.grad * mask, direct.grad * mask)
+    torch.testing.assert_close(logprobs.grad * mask, (-advantages * s / mask.sum(1))[:, None] * mask)
+
+
+def test_gspo_clips_the_whole_sequence():
+    logprobs = torch.tensor([[0.2, 0.4]], requires_grad=True)  # s = exp(0.3) > 1 + 0.2: clipped for A > 0
+    loss = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.2)
+    torch.testing.assert_close(loss.detach(), torch.full((1, 2), -1.2))
+    loss.sum().backward()
+    assert (logprobs.grad == 0).all()
+
+
+def test_sapo_gate_by_hand_and_its_gradient():
+    for advantage, tau in [(2.0, 1.0), (-2.0, 1.05)]:
+        logprobs = current_logprobs()
+        loss, gate = rloo.sapo_loss(logprobs, OLD, torch.tensor([advantage]), tau_pos=1.0, tau_neg=1.05)
+        sig = torch.sigmoid(tau * (RATIOS - 1))
+        torch.testing.assert_close(gate, sig * 4 / tau)
+        torch.testing.assert_close(loss.detach(), -advantage * sig * 4 / tau)
+        loss.sum().backward()
+        # d gate / d r = 4 sig (1 - sig), d r / d log p = r
+        torch.testing.assert_close(logprobs.grad, -advantage * 4 * sig * (1 - sig) * RATIOS)
+    on_policy = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, gate = rloo.sapo_loss(on_policy, on_policy.detach(), torch.tensor([3.0]), 1.0, 1.05)
+    loss.sum().backward()
+    torch.testing.assert_close(on_policy.grad, torch.full((1, 2), -3.0))  # on-policy: the REINFORCE gradient
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Aggregation and the policy_loss the training loop calls
+# ----------------------------------------------------------------------------------------------------------------
+TOKEN_LOSS = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+TOKEN_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode,expected", [("token-mean", (1 + 2 + 3) / 3), ("seq-mean-token-mean", ((1 + 2) / 2 + 3) / 2),
+                                           ("seq-mean-token-sum", (3 + 3) / 2), ("seq-mean-token-sum-norm", 6 / (2 * 3))])
+def test_aggregation_by_hand_and_over_micro_batches(mode, expected):
+    whole = rloo.aggregate_loss(TOKEN_LOSS, TOKEN_MASK, mode, mini_batch_size=2, mini_batch_tokens=3,
+                                max_completion_length=3)
+    assert whole.item() == pytest.approx(expected)
+    shares = [rloo.aggregate_loss(TOKEN_LOSS[i:i + 1], TOKEN_MASK[i:i + 1], mode, 2, 3, 3) for i in range(2)]
+    assert sum(shares).item() == pytest.approx(expected)  # gradient accumulation gives the minibatch's loss
+
+
+def test_default_loss_is_the_previous_implementation_bit_for_bit():
+    """rloo.py before the loss family: sum over sequences of max(-A rho, -A clip(rho)) over the rows that train, divided
+    by the minibatch size, with rho the ratio of summed log-probs."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = (-3 * torch.rand(6, 5, generator=generator)).requires_grad_()
+    old = logprobs.detach() + 0.1 * torch.randn(6, 5, generator=generator)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]] * 2, dtype=torch.float)
+    advantages = torch.randn(6, generator=generator)
+    trains = torch.tensor([True, True, False, True, True, True])
+    logprob_sum = (logprobs * mask).sum(1)
+    ratio = torch.exp(logprob_sum - (old * mask).sum(1))
+    previous = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - 0.2, 1 + 0.2))
+    previous = (previous * trains).sum() / 8
+    (previous_grad,) = torch.autograd.grad(previous, logprobs)
+    loss, log_ratio, units, gate = rloo.policy_loss(args_for(), logprobs, old, advantages, mask, trains, 8, None)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert torch.equal(loss, previous) and torch.equal(grad, previous_grad)
+    assert torch.equal(log_ratio.exp(), ratio.detach()) and units.tolist() == [1.0] * 6 and gate is None
+
+
+@pytest.mark.parametrize("argv", [["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip"], ["--loss_type", "cispo"],
+                                  ["--loss_type", "gspo"], ["--loss_type", "sapo"]])
+def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv):
+    args = args_for(*argv)
+    logprobs = current_logprobs().expand(2, 3).clone().detach().requires_grad_()
+    old, mask, advantages = OLD.expand(2, 3), torch.ones(2, 3), torch.tensor([1.0, 5.0])
+    trains = torch.tensor([True, False])
+    loss, log_ratio, units, gate = rloo.policy_loss(args, logprobs, old, advantages, mask, trains, 2, mask[:1].sum())
+    loss.backward()
+    assert (logprobs.grad[1] == 0).all() and (logprobs.grad[0] != 0).any()  # the row that does not train adds nothing
+    assert (gate is not None) == (args.loss_type == "sapo")
+    assert log_ratio.shape == ((2,) if args.loss_type == "gspo" else (2, 3)) and units.shape == log_ratio.shape
+
+
+def test_loss_defaults():
+    gspo = args_for("--loss_type", "gspo")
+    assert (gspo.epsilon, gspo.epsilon_high, gspo.loss_aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
+    assert args_for("--loss_type", "gspo", "--epsilon", "0.01").epsilon_high == 0.01
+    token = args_for("--loss_type", "token")
+    assert (token.epsilon, token.epsilon_high, token.loss_aggregation) == (0.2, 0.2, "token-mean")
+    sapo = args_for("--loss_type", "sapo")
+    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)
+    default = args_for()
+    assert (default.loss_type, default.epsilon, default.epsilon_high, default.loss_aggregation) == ("sequence", 0.2, 0.2, None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end: every estimator and every loss, two epochs of two minibatches so that the ratio leaves 1
+# ----------------------------------------------------------------------------------------------------------------
+RUNS = [
+    ["--advantage_estimator", "grpo", "--loss_type", "token", "--ppo_clip", "--dual_clip", 2.0],
+    ["--advantage_estimator", "dr_grpo", "--loss_type", "token", "--loss_aggregation", "seq-mean-token-sum-norm"],
+    ["--advantage_estimator", "reinforce_pp", "--loss_type", "cispo", "--loss_aggregation", "seq-mean-token-sum"],
+    ["--advantage_estimator", "rloo", "--loss_type", "gspo"],
+    ["--advantage_estimator", "grpo", "--advantage_normalization", "batch", "--loss_type", "sapo"],
+]
+
+
+@pytest.mark.parametrize("extra", RUNS, ids=[" ".join(map(str, r[1::2])) for r in RUNS])
+def test_end_to_end(extra, tiny, prompts_file, tmp_path):
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", 32,
+                    "--per_device_train_batch_size", 8, "--max_completion_length", 12, "--num_sample_generations", 0,
+                    "--num_ppo_epochs", 2, "--num_mini_batches", 2, "--learning_rate", 1e-3,
+                    "--reward_model_path", tiny["reward"], *extra, cwd=tmp_path)  # a reward model: no ties
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["val/ratio_first_minibatch"] == 1.0  # no optimizer step yet: pi_old is pi, exactly
+        assert row["val/ratio_var"] > 0 and row["policy/approxkl_avg"] > 0  # later minibatches are off-policy
+        assert row["clip_ratio/region_mean"] == pytest.approx(row["clip_ratio/low_mean"] + row["clip_ratio/high_mean"])
+        assert all(math.isfinite(row[k]) for k in ["loss/policy_avg", "val/ratio", "advantages/std"])
+    loss_type = extra[extra.index("--loss_type") + 1]
+    if loss_type == "gspo":  # the paper's clip range 3e-4 / 4e-4 on the sequence ratio does bite
+        assert any(row["clip_ratio/region_mean"] > 0 for row in rows)
+    if loss_type == "sapo":
+        assert all(1.5 < row["sapo/gate_mean"] < 2.5 for row in rows)  # 2 / tau near the old policy
+    else:
+        assert "sapo/gate_mean" not in rows[0]
+    assert ("clip_ratio/dual_mean" in rows[0]) == ("--dual_clip" in extra)
+    if "reinforce_pp" in extra or "batch" in extra:  # whitened over the batch
+        assert all(row["advantages/std"] == pytest.approx(1.0, abs=1e-2) for row in rows)
