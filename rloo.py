@@ -2,7 +2,9 @@
 
 For each prompt, sample G completions; score each one; use the mean score of the *other* G-1 completions
 as its baseline (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"); update the policy with a sequence-level
-clipped surrogate (Schulman et al. 2017), the whole completion being a single action.
+clipped surrogate (Schulman et al. 2017), the whole completion being a single action. The estimators and losses
+RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO, SAPO) are one flag away:
+--advantage_estimator, --loss_type.
 
     python rloo.py --help        # every option, its default and what it does
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU

@@ -52,7 +52,8 @@ def test_reward_model_beta_epochs_minibatches_and_saved_model(tiny, prompts_file
 def test_several_reward_functions_with_weights_and_none(tiny, prompts_file, tmp_path):
     proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:only_topic_a", "vader_sentiment",
                            f"{REWARDS}:records_kwargs", "--reward_weights", 0.5, 2.0, 1.0, "--beta", 0,
-                           "--advantage_estimator", "reinforce_pp", "--missing_eos_penalty", 1.0, "--bf16", "--gradient_checkpointing"),
+                           "--advantage_estimator", "reinforce_pp", "--missing_eos_penalty", 1.0, "--bf16",
+                           "--gradient_checkpointing"),
                     cwd=tmp_path)
     check_ok(proc)
     row = read_metrics(tmp_path)[-1]
@@ -92,8 +93,8 @@ def test_seed_quick_start_command_with_local_paths(tiny, tmp_path):
 
 def test_old_trl_flag_names_are_aliases(tiny, prompts_file, tmp_path):
     proc = run_rloo(*small(tiny, prompts_file, "--rloo_k", 2, "--kl_coef", 0.2, "--cliprange", 0.1, "--response_length",
-                           6, "--sft_model_path", tiny["policy"], "--normalize_advantage", "--advantage_estimator", "grpo", "--reward_funcs",
-                           "completion_length"), cwd=tmp_path)
+                           6, "--sft_model_path", tiny["policy"], "--normalize_advantage", "--advantage_estimator",
+                           "grpo", "--reward_funcs", "completion_length"), cwd=tmp_path)
     check_ok(proc)
     assert read_metrics(tmp_path)[-1]["completions/mean_length"] <= 6
 
