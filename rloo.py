@@ -669,7 +669,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low: float, epsi
 
 
 def sapo_loss(logprobs, old_logprobs, advantages, tau_pos: float, tau_neg: float):
-    """SAPO (Qwen, 2025): a smooth sigmoid gate in place of the hard clip, (B, C) losses -gate A with
+    """SAPO (arXiv:2511.20347, 2025): a smooth sigmoid gate in place of the hard clip, (B, C) losses -gate A with
     gate = sigmoid(tau (ratio - 1)) 4 / tau, tau = tau_pos where A > 0 else tau_neg. d gate / d ratio = 1 at ratio 1
     (REINFORCE on-policy) and fades away from it. Returns the losses and the gate values."""
     A = advantages[:, None]
