@@ -1057,9 +1057,6 @@ if __name__ == "__main__":
                         stats["approxkl"] += (0.5 * log_ratio.square() * units).sum()
                         stats["clipped_low"] += (clipped_low * units).sum()
                         stats["clipped_high"] += (clipped_high * units).sum()
-                        if on_policy:
-                            stats["first_minibatch_ratio"] += (ratio * units).sum()
-                            stats["first_minibatch_units"] += units.sum()
                         if args.dual_clip is not None:  # tokens whose loss the dual clip capped
                             stats["dual_clipped"] += (((ratio > args.dual_clip) & (advantages[idx, None] < 0)) * units).sum()
                         if gate is not None:
@@ -1067,7 +1064,6 @@ if __name__ == "__main__":
                         stats["loss"] += loss.detach()
                         stats["entropy"] += (entropy * mask[idx]).sum()
                         stats["tokens"] += mask[idx].sum()
-                        stats["sequences"] += torch.tensor(float(len(idx)), device=device)
                 with timer("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     if torch.isfinite(grad_norm):
@@ -1104,14 +1100,13 @@ if __name__ == "__main__":
             "objective/scores": float(raw_scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),
             "objective/rlhf_reward": float(rlhf_reward.nanmean()),
-            "objective/entropy": stats["entropy"] / stats["sequences"],
+            "objective/entropy": stats["entropy"] / (args.num_ppo_epochs * batch_size),  # per completion
             "policy/approxkl_avg": stats["approxkl"] / units,
             "policy/clipfrac_avg": clip_fraction,
             "policy/entropy_avg": token_entropy,
             "loss/policy_avg": stats["loss"] / steps,
             "val/ratio": mean_ratio,
             "val/ratio_var": max(stats["ratio_squared"] - units * mean_ratio ** 2, 0.0) / max(units - 1, 1.0),
-            "val/ratio_first_minibatch": stats["first_minibatch_ratio"] / max(stats["first_minibatch_units"], 1.0),
             "val/num_eos_tokens": int(stopped.sum()),
             # health and speed
             "advantages/mean": float(advantages[trains].mean()) if trains.any() else 0.0,

@@ -228,6 +228,23 @@ def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv
     assert log_ratio.shape == ((2,) if args.loss_type == "gspo" else (2, 3)) and units.shape == log_ratio.shape
 
 
+@pytest.mark.parametrize("argv", [[], ["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip", "--dual_clip", "2"],
+                                  ["--loss_type", "cispo"], ["--loss_type", "gspo"], ["--loss_type", "sapo"]])
+def test_on_the_first_minibatch_every_loss_is_reinforce(argv):
+    """Before the first optimizer step pi_old is pi (the detached log-probs): every ratio is exactly 1 and every loss
+    has the gradient of -A log pi, aggregated its way (per completion for sequence and gspo, per token otherwise)."""
+    args = args_for(*argv)
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
+    mask, advantages, trains = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([1.5, -0.5]), torch.ones(2).bool()
+    loss, log_ratio, units, gate = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages, mask, trains, 2,
+                                                    mask.sum())
+    assert (log_ratio == 0).all()
+    loss.backward()
+    per_token = {"sequence": 1 / 2, "token": 1 / 5, "cispo": 1 / 5, "sapo": 1 / 5}  # sum over sequences / 2; tokens / 5
+    weight = torch.tensor([[1 / 6], [1 / 4]]) if args.loss_type == "gspo" else per_token[args.loss_type]  # seq-mean-token-mean
+    torch.testing.assert_close(logprobs.grad, -advantages[:, None] * mask * weight)
+
+
 def test_loss_defaults():
     gspo = args_for("--loss_type", "gspo")
     assert (gspo.epsilon, gspo.epsilon_high, gspo.loss_aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
@@ -261,8 +278,8 @@ def test_end_to_end(extra, tiny, prompts_file, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 2
+    assert rows[0]["lr"] == pytest.approx(1e-3 * (1 - 4 / 8))  # 4 optimizer steps per rollout, 8 in all
     for row in rows:
-        assert row["val/ratio_first_minibatch"] == 1.0  # no optimizer step yet: pi_old is pi, exactly
         assert row["val/ratio_var"] > 0 and row["policy/approxkl_avg"] > 0  # later minibatches are off-policy
         assert row["clip_ratio/region_mean"] == pytest.approx(row["clip_ratio/low_mean"] + row["clip_ratio/high_mean"])
         assert all(math.isfinite(row[k]) for k in ["loss/policy_avg", "val/ratio", "advantages/std"])
