@@ -580,11 +580,10 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
 
 
 def group_mean_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """A_i = r_i - mean of the scorable rewards of its group (the baseline of GRPO, Dr. GRPO and REINFORCE++)."""
+    """A_i = r_i - mean of the scorable rewards of its group (the baseline of GRPO, Dr. GRPO and REINFORCE++);
+    NaN for unscored rows."""
     r = rewards.view(-1, num_generations)  # (num_prompts, G)
-    scorable = ~r.isnan()
-    advantages = torch.where(scorable & (scorable.sum(1, keepdim=True) > 1), r - r.nanmean(1, keepdim=True), 0.0)
-    return advantages.view(-1)
+    return (r - r.nanmean(1, keepdim=True)).view(-1)
 
 
 def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -658,11 +657,16 @@ def cispo_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_h
     return -weight * advantages[:, None] * logprobs
 
 
+def masked_mean_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, C) -> (B,): the mean of each row over its real tokens."""
+    return (x * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
 def gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low: float, epsilon_high: float):
     """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios
     s = exp(mean_t (log pi - log pi_old)), clipped like PPO. Token form, (B, C): s_t = sg(s) pi(y_t) / sg(pi(y_t)) has
     the value s and the gradient s grad log pi(y_t); averaged over the tokens of a sequence it is s grad log s."""
-    log_s = ((logprobs.detach() - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
+    log_s = masked_mean_per_row(logprobs.detach() - old_logprobs, mask)  # (B,)
     s = torch.exp(log_s)[:, None] * torch.exp(logprobs - logprobs.detach())  # (B, C)
     A = advantages[:, None]
     return torch.maximum(-A * s, -A * s.clamp(1 - epsilon_low, 1 + epsilon_high))
@@ -685,7 +689,7 @@ def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_
     if mode == "token-mean":  # every token weighs the same
         return (token_loss * loss_mask).sum() / mini_batch_tokens
     if mode == "seq-mean-token-mean":  # every sequence weighs the same
-        return ((token_loss * loss_mask).sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / mini_batch_size
+        return masked_mean_per_row(token_loss, loss_mask).sum() / mini_batch_size
     if mode == "seq-mean-token-sum":
         return (token_loss * loss_mask).sum() / mini_batch_size
     return (token_loss * loss_mask).sum() / (mini_batch_size * max_completion_length)  # Dr. GRPO: a constant
@@ -714,7 +718,7 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, trains, mi
     loss = aggregate_loss(token_loss, mask * trains[:, None], args.loss_aggregation, mini_batch_size, mini_batch_tokens,
                           args.max_completion_length)
     if args.loss_type == "gspo":  # its ratio and clip are per sequence
-        return loss, (log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1), torch.ones_like(trains, dtype=mask.dtype), None
+        return loss, masked_mean_per_row(log_ratio, mask), torch.ones_like(trains, dtype=mask.dtype), None
     return loss, log_ratio, mask, gate
 
 
