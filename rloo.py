@@ -722,10 +722,10 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, trains, mi
     return loss, log_ratio, mask, gate
 
 
-def clipped_units(log_ratio, advantages, epsilon_low: float, epsilon_high: float):
+def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
     """Units whose ratio left [1 - eps_low, 1 + eps_high] on the side its advantage pushes it (low: A < 0, high: A > 0):
     where PPO's clip cuts the gradient. The same definition for every loss, so clip fractions compare across them."""
-    ratio, A = torch.exp(log_ratio), advantages.view(-1, *[1] * (log_ratio.dim() - 1))
+    A = advantages.view(-1, *[1] * (ratio.dim() - 1))
     return (ratio < 1 - epsilon_low) & (A < 0), (ratio > 1 + epsilon_high) & (A > 0)
 
 
@@ -1053,8 +1053,8 @@ if __name__ == "__main__":
                                                                     trains[idx], mini_batch_size, mini_batch_tokens)
                         loss.backward()
                     with torch.no_grad():
-                        clipped_low, clipped_high = clipped_units(log_ratio, advantages[idx], args.epsilon, args.epsilon_high)
                         ratio = log_ratio.exp()
+                        clipped_low, clipped_high = clipped_units(ratio, advantages[idx], args.epsilon, args.epsilon_high)
                         stats["units"] += units.sum()
                         stats["ratio"] += (ratio * units).sum()
                         stats["ratio_squared"] += (ratio.square() * units).sum()

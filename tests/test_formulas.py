@@ -132,7 +132,7 @@ def test_clipped_surrogate_by_hand_and_its_gradient():
     loss = rloo.clipped_surrogate_loss(logprob_sum, torch.zeros(5), advantages, 0.2, 0.3)
     # A > 0, rho 1.5 > 1 + 0.3: clipped at 1.3; A < 0, rho 0.5 < 0.8: clipped at 0.8; inside: -A rho.
     torch.testing.assert_close(loss.detach(), torch.tensor([-1.3, 0.8, -0.9, 1.1, -1.25]))
-    low, high = rloo.clipped_units(logprob_sum.detach(), advantages, 0.2, 0.3)
+    low, high = rloo.clipped_units(ratios, advantages, 0.2, 0.3)
     assert low.tolist() == [False, True, False, False, False] and high.tolist() == [True, False, False, False, False]
     loss.sum().backward()
     # d(-A rho)/d(log rho) = -A rho where unclipped; zero where the clipped branch is active.
