@@ -13,10 +13,15 @@ RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO
 import copy
 import importlib
 import importlib.util
+import itertools
 import json
 import math
 import os
 import random
+import re
+import shlex
+import shutil
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -49,6 +54,8 @@ class Args:
     """the name of this experiment (prefix of the run name)"""
     seed: int = 1
     """seed of python, numpy and torch"""
+    run_name: Optional[str] = None
+    """the run folder is runs/<run_name>; None: <exp_name>__<seed>__<unix time>"""
     output_dir: Optional[str] = None
     """where the trained model and tokenizer are saved; None: runs/<run_name>/model"""
     track: bool = False
@@ -173,13 +180,28 @@ class Args:
     num_sample_prompts: int = 4
     """prompts in each sample table"""
 
+    # Checkpoints and faults
+    save_steps: int = 0
+    """every N updates, write runs/<run_name>/checkpoints/checkpoint-<update> (0: only when stopped by SIGINT/SIGTERM)"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest K checkpoints; None: keep them all"""
+    resume_from_checkpoint: Optional[str] = None
+    """continue a run exactly: a checkpoint folder, a run folder (its newest checkpoint), or `latest` (the newest in
+    runs/<run_name>); give the options the run was started with"""
+    max_skipped_steps: int = 10
+    """stop the run when this many optimizer steps in a row were skipped for a non-finite loss or gradient"""
+
 
 class UsageError(Exception):
     """Bad input: reported as a single line, without a traceback."""
 
 
+class RunError(Exception):
+    """A run that cannot go on (a checkpoint that cannot be written, training gone non-finite): one line, too."""
+
+
 def _report_usage_error(exc_type, exc, tb):
-    if issubclass(exc_type, UsageError):
+    if issubclass(exc_type, (UsageError, RunError)):
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
     else:
         sys.__excepthook__(exc_type, exc, tb)
@@ -198,13 +220,16 @@ def batch_sizes(args: Args) -> tuple[int, int, int]:
 def check_args(args: Args) -> None:
     positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
                 "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
-                "local_rollout_forward_batch_size", "max_grad_norm"]
+                "local_rollout_forward_batch_size", "max_grad_norm", "max_skipped_steps"]
     for name in positive:
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
-    for name in ["beta", "warmup_steps", "top_k", "weight_decay", "num_sample_generations", "num_sample_prompts"]:
+    for name in ["beta", "warmup_steps", "top_k", "weight_decay", "num_sample_generations", "num_sample_prompts",
+                 "save_steps"]:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise UsageError(f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
     for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg"]:
@@ -740,23 +765,45 @@ def linear_or_constant_schedule(kind: str, warmup_steps: int, total_steps: int) 
     return multiplier
 
 
+def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
+    weights or Adam's moments. Returns the gradient norm before clipping and whether the step was taken."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, finite
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Logging
 # ----------------------------------------------------------------------------------------------------------------
 class Logger:
     """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
 
-    def __init__(self, args: Args, run_name: str, run_dir: str):
+    def __init__(self, args: Args, run_name: str, run_dir: str, resume: Optional[dict] = None):
+        """resume: the Logger.state() a checkpoint holds. Rows logged after that checkpoint are dropped, since the
+        resumed run logs those updates again: no step appears twice, none is missing."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.wandb = None
+        for name, size in (resume or {}).get("sizes", {}).items():
+            if os.path.getsize(os.path.join(run_dir, name)) > size:
+                os.truncate(os.path.join(run_dir, name), size)
+        self.last_step = resume["step"] if resume else None
+        self.wandb, self.wandb_id, self.wandb_first_step = None, None, 0
         if args.track:
             import wandb
 
             tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
             self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                                    name=run_name, tags=tags, save_code=True, dir=run_dir)
-        self.writer = SummaryWriter(run_dir)
+                                    name=run_name, tags=tags, save_code=True, dir=run_dir,
+                                    id=(resume or {}).get("wandb_id"), resume="allow")
+            self.wandb_id = self.wandb.id
+            # W&B cannot rewrite a step: it keeps the rows it got after the checkpoint, and takes new rows after them.
+            self.wandb_first_step = self.wandb.starting_step
+        # purge_step: TensorBoard hides what earlier event files hold from that step on
+        self.writer = SummaryWriter(run_dir, purge_step=None if self.last_step is None else self.last_step + 1)
         self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                              "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
         self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -765,22 +812,28 @@ class Logger:
     def log(self, metrics: dict, step: int) -> None:
         for k, v in metrics.items():
             self.writer.add_scalar(f"train/{k}", v, step)
-        if self.wandb:
+        if self.wandb and step >= self.wandb_first_step:
             self.wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.metrics_file.flush()
+        self.last_step = step
 
     def log_samples(self, rows: list[dict], step: int) -> None:
         cell = lambda v: str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
         self.writer.add_text("samples", "|prompt|completion|reward|\n|-|-|-|\n" + "\n".join(
             f"|{cell(r['prompt'])}|{cell(r['completion'])}|{r['reward']:.3f}|" for r in rows), step)
-        if self.wandb:
+        if self.wandb and step >= self.wandb_first_step:
             import wandb
 
             self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
         for r in rows:
             self.samples_file.write(json.dumps({"step": step, **r}) + "\n")
         self.samples_file.flush()
+
+    def state(self) -> dict:
+        """What a resumed run needs to continue these logs: their sizes, the last step, the W&B run id."""
+        return {"sizes": {"metrics.jsonl": self.metrics_file.tell(), "samples.jsonl": self.samples_file.tell()},
+                "step": self.last_step, "wandb_id": self.wandb_id}
 
     def close(self) -> None:
         self.writer.close()
@@ -813,6 +866,119 @@ class StageTimer:
         return _Stage()
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+TRAINING_STATE = "training_state.pt"
+# Options a resumed run may change: none of them alters what is computed.
+RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
+                     "wandb_project_name", "wandb_entity", "output_dir"}
+
+
+def checkpoint_dirs(run_dir: str) -> list[str]:
+    """The complete checkpoints of a run, oldest first (a save in progress is a tmp-checkpoint-<update> folder)."""
+    folder = os.path.join(run_dir, "checkpoints")
+    names = [n for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+             if re.fullmatch(r"checkpoint-\d+", n) and os.path.exists(os.path.join(folder, n, TRAINING_STATE))]
+    return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
+
+
+def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
+    """The checkpoint --resume_from_checkpoint names: `latest` (in runs/<run_name>), a run folder (its newest), or a
+    checkpoint folder; refused if a newer checkpoint of the same run exists, which resuming would overwrite."""
+    given = f"--resume_from_checkpoint {spec}"
+    if spec == "latest":
+        if run_name is None:
+            raise UsageError("--resume_from_checkpoint latest needs --run_name (the run to continue is runs/<run_name>); "
+                             "or give the checkpoint folder")
+        spec, given = os.path.join("runs", run_name), f"{given} --run_name {run_name}"
+    if not os.path.isdir(spec):
+        raise UsageError(f"{spec} does not exist ({given})")
+    is_checkpoint = os.path.basename(os.path.dirname(os.path.abspath(spec))) == "checkpoints"
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(spec))) if is_checkpoint else spec
+    found = checkpoint_dirs(run_dir)
+    if not found:
+        raise UsageError(f"{run_dir} has no complete checkpoint (checkpoints/checkpoint-<update>); a save that was "
+                         "interrupted leaves only a tmp-checkpoint-<update> folder")
+    if not is_checkpoint:
+        return found[-1]
+    if os.path.abspath(spec) not in map(os.path.abspath, found):
+        raise UsageError(f"{spec} is not a complete checkpoint; the newest complete one is {found[-1]}")
+    if os.path.abspath(spec) != os.path.abspath(found[-1]):
+        raise UsageError(f"{run_dir} has a newer checkpoint, {found[-1]}, which resuming from {spec} would overwrite: "
+                         "resume from the newest, or move the newer ones away first")
+    return spec
+
+
+def check_resumable(args: Args, checkpoint: str) -> None:
+    """A resumed run is the run it continues: every option that changes what is computed must be the same."""
+    with open(os.path.join(checkpoint, "args.json")) as f:
+        saved = json.load(f)
+    for name, value in json.loads(json.dumps(asdict(args))).items():
+        if name not in RESUMABLE_CHANGES and saved.get(name) != value:
+            raise UsageError(f"--{name} is {value} here but {saved.get(name)} in {checkpoint}: resume with the options "
+                             f"the run was started with (only {', '.join(sorted(RESUMABLE_CHANGES))} may change)")
+
+
+def rng_states() -> dict:
+    """Every random number generator the run draws from: python, numpy, torch's CPU one and (sampling on GPU) CUDA's."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), position, has_gauss, gauss],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    kind, keys, position, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"]:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def fsync_tree(folder: str) -> None:
+    """Push a folder's files to the disk, so that a crash of the machine cannot leave a renamed but empty checkpoint."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def save_checkpoint(checkpoint: str, policy, tokenizer, args: Args, training_state: dict) -> None:
+    """Write the policy (save_pretrained: a checkpoint is also a model), the options and the training state into a
+    temporary folder, then rename it: whenever the process dies, a checkpoint is complete or absent. A failed
+    write is an error naming the path, and leaves the older checkpoints as they were."""
+    tmp = os.path.join(os.path.dirname(checkpoint), "tmp-" + os.path.basename(checkpoint))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        policy.save_pretrained(os.path.join(tmp, "policy"))
+        tokenizer.save_pretrained(os.path.join(tmp, "policy"))
+        with open(os.path.join(tmp, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        torch.save(training_state, os.path.join(tmp, TRAINING_STATE))
+        fsync_tree(tmp)
+        os.rename(tmp, checkpoint)
+        fd = os.open(os.path.dirname(checkpoint), os.O_RDONLY)  # and the rename itself
+        os.fsync(fd)
+        os.close(fd)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = (str(e).splitlines() or [""])[0]
+        raise RunError(f"could not write checkpoint {checkpoint} ({type(e).__name__}: {reason}); "
+                       "the earlier checkpoints are intact") from None
+
+
+def resume_command(argv: list[str], checkpoint: str) -> str:
+    """The command that continues this run: the same options, and --resume_from_checkpoint <checkpoint>."""
+    kept, skip_value = [], False
+    for arg in argv[1:]:
+        if not skip_value and not arg.startswith("--resume_from_checkpoint"):
+            kept.append(arg)
+        skip_value = arg == "--resume_from_checkpoint"
+    return shlex.join(["python", argv[0], *kept, "--resume_from_checkpoint", checkpoint])
+
+
 if __name__ == "__main__":
     sys.excepthook = _report_usage_error
     args = tyro.cli(Args, use_underscores=True)
@@ -824,8 +990,18 @@ if __name__ == "__main__":
     batch_size, mini_batch_size, num_updates = batch_sizes(args)
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
+    checkpoint = None
+    if args.resume_from_checkpoint is not None:  # the run folder is the checkpoint's
+        checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)
+        check_resumable(args, checkpoint)
+        run_dir = os.path.relpath(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))))
+        run_name = os.path.basename(run_dir)
+    else:
+        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir = os.path.join("runs", run_name)
+        if os.path.exists(run_dir):
+            raise UsageError(f"{run_dir} exists already: continue that run with --resume_from_checkpoint latest "
+                             f"--run_name {run_name}, or choose another --run_name")
     output_dir = args.output_dir or os.path.join(run_dir, "model")
     check_output_dir(output_dir)
     reward_specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
@@ -868,6 +1044,8 @@ if __name__ == "__main__":
         ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
         if args.bf16:
             ref_policy.to(torch.bfloat16)
+    if checkpoint is not None:
+        policy.load_state_dict(from_pretrained(AutoModelForCausalLM, os.path.join(checkpoint, "policy")).state_dict())
     reward_model = None
     if args.reward_model_path:
         reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model_path, num_labels=1)
@@ -892,20 +1070,36 @@ if __name__ == "__main__":
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
+    # A resumed run starts where its checkpoint ends: weights (above), optimizer, schedule, counters, data position,
+    # random generators (restored just before the loop) and logs.
+    start_update = episode = skipped_steps = skipped_in_a_row = 0
+    seconds_before = 0.0  # training time before the resume, for eps
+    training_state = {}
+    if checkpoint is not None:
+        training_state = torch.load(os.path.join(checkpoint, TRAINING_STATE), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(training_state["optimizer"])
+        scheduler.load_state_dict(training_state["scheduler"])
+        start_update, episode, skipped_steps, skipped_in_a_row, seconds_before = (training_state[k] for k in (
+            "update", "episode", "skipped_steps", "skipped_in_a_row", "seconds"))
     os.makedirs(run_dir, exist_ok=True)
-    logger = Logger(args, run_name, run_dir)
+    logger = Logger(args, run_name, run_dir, resume=training_state.get("logger"))
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
-                  f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}")
+                  f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}" +
+                  (f"; resumed from {checkpoint}" if checkpoint else ""))
 
-    def prompt_batches():
-        """Endless stream of prompt batches, reshuffled every epoch over the data."""
-        generator = torch.Generator().manual_seed(args.seed)
-        while True:
-            order = torch.randperm(len(train_dataset), generator=generator).tolist()
-            for start in range(0, len(order) - prompts_per_rollout + 1, prompts_per_rollout):
-                yield train_dataset[order[start:start + prompts_per_rollout]]
-            if len(order) < prompts_per_rollout:  # a tiny dataset: sample with replacement
-                yield train_dataset[torch.randint(len(order), (prompts_per_rollout,), generator=generator).tolist()]
+    def prompt_batches(skip: int):
+        """Endless stream of prompt batches, reshuffled every pass over the data, from batch number `skip` on (a
+        resumed run replays the shuffles, so it sees the prompts the uninterrupted run would have seen)."""
+        def index_batches():
+            generator = torch.Generator().manual_seed(args.seed)
+            while True:
+                order = torch.randperm(len(train_dataset), generator=generator).tolist()
+                for start in range(0, len(order) - prompts_per_rollout + 1, prompts_per_rollout):
+                    yield order[start:start + prompts_per_rollout]
+                if len(order) < prompts_per_rollout:  # a tiny dataset: sample with replacement
+                    yield torch.randint(len(order), (prompts_per_rollout,), generator=generator).tolist()
+        for rows in itertools.islice(index_batches(), skip, None):
+            yield train_dataset[rows]
 
     def generate(model, prompt_ids, prompt_mask, config) -> torch.Tensor:
         """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks."""
@@ -935,6 +1129,9 @@ if __name__ == "__main__":
             with autocast():
                 per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk])
                                              for i in range(0, len(input_ids), chunk)]).cpu())
+            if not per_source[0].isfinite().all():
+                raise RunError(f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][~per_source[0].isfinite()][0]}) "
+                               f"at index {int((~per_source[0].isfinite()).nonzero()[0])}: check its weights, or leave out --bf16")
         for func, name in zip(reward_funcs, reward_names[len(per_source):]):
             per_source.append(call_reward_func(func, name, len(texts), prompts=prompts, completions=completions,
                                                completion_ids=ids_list, **columns))
@@ -968,17 +1165,29 @@ if __name__ == "__main__":
     # ------------------------------------------------------------------------------------------------------------
     # Training loop
     # ------------------------------------------------------------------------------------------------------------
-    batches = prompt_batches()
-    episode = 0
-    skipped_steps = 0
-    start_time = time.time()
+    # SIGINT (Ctrl-C) and SIGTERM (a scheduler preempting the job) let the current update finish, then the run writes
+    # a checkpoint and exits; the same signal a second time stops it at once.
+    stop_signals = []
+
+    def request_stop(signum, frame):
+        stop_signals.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+        console.print(f"{signal.Signals(signum).name}: finishing this update, then writing a checkpoint "
+                      "(send it again to stop now)")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
+    batches = prompt_batches(skip=start_update)  # one prompt batch per update
+    start_time = time.time() - seconds_before
     progress = Progress(TextColumn("[bold]rloo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
-    task = progress.add_task("", total=num_updates)
+    task = progress.add_task("", total=num_updates, completed=start_update)
     progress.start()
-    for update in range(1, num_updates + 1):
-        if sample_every and (update - 1) % sample_every == 0:
-            sample_table(episode)
+    if sample_every and start_update == 0:
+        sample_table(episode)
+    if checkpoint is not None:
+        set_rng_states(training_state["rng"])
+    for update in range(start_update + 1, num_updates + 1):
         timer = StageTimer()
         update_start = time.perf_counter()
 
@@ -1036,6 +1245,7 @@ if __name__ == "__main__":
                 on_policy = epoch == 0 and mb_start == 0  # no optimizer step yet since the rollout
                 mb = order[mb_start:mb_start + mini_batch_size]
                 mini_batch_tokens = (mask[mb] * trains[mb, None]).sum().clamp(min=1)
+                step_loss = torch.zeros((), device=device)
                 for mu_start in range(mb_start, mb_start + mini_batch_size, args.per_device_train_batch_size):
                     idx = order[mu_start:mu_start + args.per_device_train_batch_size]
                     with timer("policy_forward_backward"):
@@ -1052,6 +1262,7 @@ if __name__ == "__main__":
                         loss, log_ratio, units, gate = policy_loss(args, logprobs, old, advantages[idx], mask[idx],
                                                                     trains[idx], mini_batch_size, mini_batch_tokens)
                         loss.backward()
+                    step_loss += loss.detach()
                     with torch.no_grad():
                         ratio = log_ratio.exp()
                         clipped_low, clipped_high = clipped_units(ratio, advantages[idx], args.epsilon, args.epsilon_high)
@@ -1065,18 +1276,19 @@ if __name__ == "__main__":
                             stats["dual_clipped"] += (((ratio > args.dual_clip) & (advantages[idx, None] < 0)) * units).sum()
                         if gate is not None:
                             stats["sapo_gate"] += (gate * units).sum()
-                        stats["loss"] += loss.detach()
                         stats["entropy"] += (entropy * mask[idx]).sum()
                         stats["tokens"] += mask[idx].sum()
                 with timer("optimizer"):
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                    if torch.isfinite(grad_norm):
-                        optimizer.step()
-                    else:  # one bad batch must not wreck the weights
-                        skipped_steps += 1
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
-                    stats["grad_norm"] += grad_norm.detach().float()
+                    grad_norm, stepped = optimizer_step(policy, optimizer, args.max_grad_norm, step_loss)
+                    scheduler.step()  # a skipped step counts too: the schedule follows the updates
+                stats["loss"] += step_loss
+                stats["grad_norm"] += grad_norm.detach().float()
+                skipped_steps += not stepped
+                skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
+                if skipped_in_a_row >= args.max_skipped_steps:
+                    raise RunError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                                   f"(update {update}): stopping rather than training on garbage; lower --learning_rate "
+                                   "or check the rewards, then resume from the last checkpoint")
         episode += batch_size
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
@@ -1137,9 +1349,28 @@ if __name__ == "__main__":
         logger.log(metrics, episode)
         progress.update(task, advance=1, description=f"reward {metrics['reward']:.3f}  kl {metrics.get('kl', 0):.4f}  "
                                                      f"len {metrics['completions/mean_length']:.1f}")
+        if sample_every and (update % sample_every == 0 or update == num_updates):
+            sample_table(episode)
+
+        # Checkpoint: every save_steps updates, and before stopping on a signal
+        if (args.save_steps and update % args.save_steps == 0) or stop_signals:
+            saved = os.path.join(run_dir, "checkpoints", f"checkpoint-{update}")
+            os.makedirs(os.path.dirname(saved), exist_ok=True)
+            save_checkpoint(saved, policy, tokenizer, args, {
+                "update": update, "episode": episode, "skipped_steps": skipped_steps,
+                "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time,
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(),
+                "logger": logger.state()})
+            if args.save_total_limit:
+                for old in checkpoint_dirs(run_dir)[:-args.save_total_limit]:
+                    shutil.rmtree(old)
+        if stop_signals:
+            progress.stop()
+            logger.close()
+            print(f"stopped by {signal.Signals(stop_signals[0]).name} after update {update} of {num_updates}; checkpoint "
+                  f"{saved}. Continue the run with:\n  {resume_command(sys.argv, saved)}", flush=True)
+            sys.exit(128 + stop_signals[0])  # as a shell reports a signal: a pipeline must not take this for success
     progress.stop()
-    if sample_every:
-        sample_table(episode)
 
     # ------------------------------------------------------------------------------------------------------------
     # Output

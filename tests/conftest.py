@@ -71,11 +71,25 @@ def prompts_file(tmp_path_factory):
     return write_jsonl(str(tmp_path_factory.mktemp("data") / "prompts.jsonl"), rows)
 
 
+def run_env() -> dict:
+    return {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
 def run_rloo(*args, cwd, timeout=600, script="rloo.py"):
     """Run a script as a user would; returns the CompletedProcess (stdout and stderr captured as text)."""
-    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=run_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def check_one_line_error(proc, *needles):
+    """A refusal: non-zero exit, no traceback, one `error:` line that holds every needle."""
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
 
 
 def read_metrics(run_root) -> list[dict]:

@@ -1,6 +1,7 @@
 """Reward functions the end-to-end tests pass as `tests/reward_fixtures.py:NAME`, TRL-style."""
 
 import math
+import time
 
 
 def _text(completion):
@@ -52,3 +53,9 @@ def always_none(completions, **kwargs):
 def huge(completions, **kwargs):
     """Finite rewards so large that the gradient overflows to inf: every optimizer step must be skipped."""
     return [3e38 if i % 4 == 0 else 0.0 for i in range(len(completions))]
+
+
+def slow_text_length(completions, **kwargs):
+    """Characters per completion, in a quarter of a second: a run slow enough to be killed in the middle of it."""
+    time.sleep(0.25)
+    return [len(_text(c)) / 10 for c in completions]

@@ -4,19 +4,9 @@ import os
 
 import pytest
 
-from conftest import ROOT, run_rloo, write_jsonl
+from conftest import ROOT, check_one_line_error, run_rloo, write_jsonl
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
-
-
-def check_one_line_error(proc, *needles):
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, proc.stderr[-2000:]
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 # Checks made before any model loads: the model path given is one that does not exist, so reaching a load would
@@ -57,6 +47,13 @@ EARLY = [
     (["--loss_type", "token", "--sapo_tau_pos", 2], ["gate temperatures of --loss_type sapo"]),
     (["--loss_type", "sapo", "--sapo_tau_neg", 0], ["--sapo_tau_neg must be > 0"]),
     (["--epsilon", 0], ["--epsilon must be > 0"]),
+    # Checkpoints
+    (["--save_steps", -1], ["--save_steps must be >= 0"]),
+    (["--save_total_limit", 0], ["--save_total_limit must be >= 1"]),
+    (["--max_skipped_steps", 0], ["--max_skipped_steps must be > 0"]),
+    (["--resume_from_checkpoint", "latest"], ["--resume_from_checkpoint latest needs --run_name"]),
+    (["--resume_from_checkpoint", "/nowhere/checkpoint-3"], ["/nowhere/checkpoint-3 does not exist (--resume_from_checkpoint /nowhere/checkpoint-3)"]),
+    (["--resume_from_checkpoint", "latest", "--run_name", "nothing_here"], ["runs/nothing_here does not exist (--resume_from_checkpoint latest --run_name nothing_here)"]),
 ]
 
 
