@@ -200,7 +200,7 @@ class RunError(Exception):
     """A run that cannot go on (a checkpoint that cannot be written, training gone non-finite): one line, too."""
 
 
-def _report_usage_error(exc_type, exc, tb):
+def _report_one_line_error(exc_type, exc, tb):
     if issubclass(exc_type, (UsageError, RunError)):
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
     else:
@@ -980,7 +980,7 @@ def resume_command(argv: list[str], checkpoint: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.excepthook = _report_usage_error
+    sys.excepthook = _report_one_line_error
     args = tyro.cli(Args, use_underscores=True)
     # ------------------------------------------------------------------------------------------------------------
     # Set-up: every check that needs no model comes first
@@ -1356,11 +1356,13 @@ if __name__ == "__main__":
         if (args.save_steps and update % args.save_steps == 0) or stop_signals:
             saved = os.path.join(run_dir, "checkpoints", f"checkpoint-{update}")
             os.makedirs(os.path.dirname(saved), exist_ok=True)
+            save_start = time.perf_counter()
             save_checkpoint(saved, policy, tokenizer, args, {
                 "update": update, "episode": episode, "skipped_steps": skipped_steps,
                 "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time,
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(),
                 "logger": logger.state()})
+            console.print(f"wrote {saved} in {time.perf_counter() - save_start:.2f} s")
             if args.save_total_limit:
                 for old in checkpoint_dirs(run_dir)[:-args.save_total_limit]:
                     shutil.rmtree(old)

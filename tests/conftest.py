@@ -97,3 +97,16 @@ def read_metrics(run_root) -> list[dict]:
     (run,) = os.listdir(runs)
     with open(os.path.join(runs, run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def run_outcome(run_dir: str):
+    """What two runs must share to be the same run: every logged metric but the wall-clock ones, the sample tables,
+    and the final weights."""
+    from safetensors.torch import load_file
+
+    wall_clock = lambda k: k == "eps" or k.startswith(("perf/", "time/"))  # noqa: E731
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = [{k: v for k, v in json.loads(line).items() if not wall_clock(k)} for line in f]
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        samples = f.read()
+    return metrics, samples, load_file(os.path.join(run_dir, "model", "model.safetensors"))

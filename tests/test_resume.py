@@ -16,9 +16,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, check_one_line_error, run_env, run_rloo
+from conftest import ROOT, check_one_line_error, run_env, run_outcome, run_rloo
 
 import rloo
 
@@ -77,14 +76,7 @@ def checkpoint_names(cwd) -> list[str]:
 
 
 def outcome(cwd):
-    """Every logged metric but wall-clock ones, the sample tables, and the final weights."""
-    run = os.path.join(cwd, "runs", "run")
-    timing = lambda k: k == "eps" or k.startswith(("perf/", "time/"))  # noqa: E731
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        metrics = [{k: v for k, v in json.loads(line).items() if not timing(k)} for line in f]
-    with open(os.path.join(run, "samples.jsonl")) as f:
-        samples = f.read()
-    return metrics, samples, load_file(os.path.join(run, "model", "model.safetensors"))
+    return run_outcome(os.path.join(cwd, "runs", "run"))
 
 
 def assert_same_run(expected, got):
