@@ -109,6 +109,12 @@ def test_sigkill_after_checkpoint_then_resume_is_the_same_run(reference, tiny, p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {os.path.join('runs', 'run', 'checkpoints', 'checkpoint-3')}" in " ".join(resumed.stdout.split())
     assert_same_run(reference, outcome(tmp_path))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "runs" / "run"))
+    events.Reload()  # both processes' event files: purge_step hides the first one's rows past checkpoint-3
+    assert [(e.step, e.value) for e in events.Scalars("train/reward")] == \
+        [(r["episode"], pytest.approx(r["reward"])) for r in reference[0]]
 
     # What the finished run folder refuses, each before any model loads
     checkpoint_3 = os.path.join("runs", "run", "checkpoints", "checkpoint-3")
