@@ -894,17 +894,18 @@ def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
         spec, given = os.path.join("runs", run_name), f"{given} --run_name {run_name}"
     if not os.path.isdir(spec):
         raise UsageError(f"{spec} does not exist ({given})")
-    is_checkpoint = os.path.basename(os.path.dirname(os.path.abspath(spec))) == "checkpoints"
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(spec))) if is_checkpoint else spec
+    path = os.path.abspath(spec)
+    is_checkpoint = os.path.basename(os.path.dirname(path)) == "checkpoints"
+    run_dir = os.path.dirname(os.path.dirname(path)) if is_checkpoint else spec
     found = checkpoint_dirs(run_dir)
     if not found:
         raise UsageError(f"{run_dir} has no complete checkpoint (checkpoints/checkpoint-<update>); a save that was "
                          "interrupted leaves only a tmp-checkpoint-<update> folder")
     if not is_checkpoint:
         return found[-1]
-    if os.path.abspath(spec) not in map(os.path.abspath, found):
+    if path not in found:
         raise UsageError(f"{spec} is not a complete checkpoint; the newest complete one is {found[-1]}")
-    if os.path.abspath(spec) != os.path.abspath(found[-1]):
+    if path != found[-1]:
         raise UsageError(f"{run_dir} has a newer checkpoint, {found[-1]}, which resuming from {spec} would overwrite: "
                          "resume from the newest, or move the newer ones away first")
     return spec
