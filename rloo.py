@@ -788,8 +788,8 @@ class Logger:
         from torch.utils.tensorboard import SummaryWriter
 
         for name, size in (resume or {}).get("sizes", {}).items():
-            if os.path.getsize(os.path.join(run_dir, name)) > size:
-                os.truncate(os.path.join(run_dir, name), size)
+            if os.path.getsize(path := os.path.join(run_dir, name)) > size:
+                os.truncate(path, size)
         self.last_step = resume["step"] if resume else None
         self.wandb, self.wandb_id, self.wandb_first_step = None, None, 0
         if args.track:
@@ -937,13 +937,14 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def fsync_tree(folder: str) -> None:
-    """Push a folder's files to the disk, so that a crash of the machine cannot leave a renamed but empty checkpoint."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+def fsync(path: str) -> None:
+    """Push a file (or a folder's entries) to the disk: a crash of the machine must not leave a renamed but empty
+    checkpoint."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(checkpoint: str, policy, tokenizer, args: Args, training_state: dict) -> None:
@@ -958,11 +959,11 @@ def save_checkpoint(checkpoint: str, policy, tokenizer, args: Args, training_sta
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
         torch.save(training_state, os.path.join(tmp, TRAINING_STATE))
-        fsync_tree(tmp)
+        for root, _, files in os.walk(tmp):
+            for name in files:
+                fsync(os.path.join(root, name))
         os.rename(tmp, checkpoint)
-        fd = os.open(os.path.dirname(checkpoint), os.O_RDONLY)  # and the rename itself
-        os.fsync(fd)
-        os.close(fd)
+        fsync(os.path.dirname(checkpoint))  # the rename itself
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = (str(e).splitlines() or [""])[0]
