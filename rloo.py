@@ -10,9 +10,13 @@ RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU
 """
 
+import contextlib
 import copy
+import fcntl
+import functools
 import importlib
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -25,7 +29,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
@@ -201,10 +205,50 @@ class RunError(Exception):
 
 
 def _report_one_line_error(exc_type, exc, tb):
+    """sys.excepthook: UsageError and RunError are one line; anything else keeps its traceback. Either way the run's
+    guard first says what the failure leaves behind (RunGuard.on_failure), on the same line."""
+    after = RunGuard.active.on_failure(exc) if RunGuard.active else ""
     if issubclass(exc_type, (UsageError, RunError)):
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}{after}", file=sys.stderr)
+    elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
+        print(f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{after}", file=sys.stderr)
     else:
         sys.__excepthook__(exc_type, exc, tb)
+        if after:
+            print(f"{os.path.basename(sys.argv[0])}: error: {type(exc).__name__}{after}", file=sys.stderr)
+
+
+def describe(e: BaseException) -> str:
+    """`Type: first line of the message`, for error messages that must stay one line."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def parse_args() -> Args:
+    """tyro's parser, with its boxed parse error folded into one line (help and success are tyro's own)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(Args, use_underscores=True)
+    except SystemExit as e:
+        if not e.code:
+            raise  # --help
+        # Parse again, as wide as the message, so that no word of it is wrapped inside the box.
+        wide, columns = io.StringIO(), os.environ.get("COLUMNS")
+        os.environ["COLUMNS"] = "100000"
+        try:
+            with contextlib.redirect_stderr(wide):
+                tyro.cli(Args, use_underscores=True)
+        except SystemExit:
+            pass
+        finally:
+            os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip(" │") for line in wide.getvalue().splitlines()[1:]]
+        rule = lambda line: line and not line.strip("─╰╯")  # noqa: E731
+        message = " ".join(line for line in itertools.takewhile(lambda line: not rule(line), lines) if line)
+        raise UsageError(f"{message or 'could not parse the options'} (`python {sys.argv[0]} --help` lists them)") from None
+    sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
+    return args
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -217,7 +261,36 @@ def batch_sizes(args: Args) -> tuple[int, int, int]:
     return batch_size, mini_batch_size, args.total_episodes // batch_size
 
 
+# Paths a user may write with ~ (expanded before anything else sees them)
+PATH_OPTIONS = ["model_name_or_path", "sft_model_path", "dataset_name", "reward_model_path", "output_dir",
+                "resume_from_checkpoint"]
+# Float options that may be infinite: --max_grad_norm inf is no clipping, --reward_clip_range -inf 5 clips one side
+MAY_BE_INFINITE = {"max_grad_norm", "reward_clip_range"}
+
+
+def expand_user_paths(args: Args) -> Args:
+    expanded = {name: os.path.expanduser(getattr(args, name)) for name in PATH_OPTIONS if getattr(args, name)}
+    if args.reward_funcs is not None:
+        expanded["reward_funcs"] = [os.path.expanduser(spec) for spec in args.reward_funcs]
+    return replace(args, **expanded)
+
+
 def check_args(args: Args) -> None:
+    for field in fields(args):
+        value = getattr(args, field.name)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and field.name not in MAY_BE_INFINITE):
+                raise UsageError(f"--{field.name} must be a finite number, got {v}")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
+    for name in ["run_name", "exp_name"]:
+        value = getattr(args, name)
+        if value is not None and (value in ("", ".", "..") or "/" in value or os.sep in value):
+            raise UsageError(f"--{name} names a folder in runs/ and must be a plain name (no '/'), got {value!r}")
+    if args.output_dir == "":
+        raise UsageError("--output_dir is empty: give a folder, or leave it out for runs/<run_name>/model")
+    if args.stop_token_id is not None and args.stop_token_id < 0:
+        raise UsageError(f"--stop_token_id must be a token id (>= 0), got {args.stop_token_id}")
     positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
                 "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
                 "local_rollout_forward_batch_size", "max_grad_norm", "max_skipped_steps"]
@@ -317,15 +390,12 @@ def looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or path.endswith((".gguf", ".jsonl", ".json", ".parquet", ".csv", ".py"))
 
 
-def check_output_dir(output_dir: str) -> None:
-    if any(os.path.exists(os.path.join(output_dir, f)) for f in ("config.json", "model.safetensors")):
-        raise UsageError(f"--output_dir {output_dir} already holds a trained model; choose another folder or move it away")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------------------
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# The arguments rloo.py passes to every reward function: a data column of the same name would collide with one
+REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 
 def load_prompt_dataset(name: str, split: str):
@@ -338,7 +408,6 @@ def load_prompt_dataset(name: str, split: str):
         files = [f for f in files if os.path.splitext(f)[1] in DATA_FORMATS]
         if not files:
             raise UsageError(f"--dataset_name {name} holds no {'/'.join(DATA_FORMATS)} file")
-        fmt = DATA_FORMATS[os.path.splitext(files[0])[1]]
         if os.path.isfile(name):
             data_files = {split: files}
         else:  # a folder: one split per file name, `train.jsonl` or `train-00000-of-00002.parquet` -> "train"
@@ -347,22 +416,64 @@ def load_prompt_dataset(name: str, split: str):
                 data_files[os.path.basename(f).split(".")[0].split("-")[0]].append(f)
         if split not in data_files:
             return None
+        formats = {DATA_FORMATS[os.path.splitext(f)[1]] for f in data_files[split]}
+        if len(formats) > 1:
+            raise UsageError(f"split {split} of {name} mixes file formats ({', '.join(map(os.path.basename, data_files[split]))}): "
+                             "keep one format per split")
         try:
-            dataset = datasets.load_dataset(fmt, data_files={split: data_files[split]}, split=split)
-        except Exception as e:  # e.g. a csv with only a header
-            raise UsageError(f"dataset {name} (split {split}) is empty or unreadable: {str(e).splitlines()[0]}") from None
+            dataset = datasets.load_dataset(formats.pop(), data_files={split: data_files[split]}, split=split)
+        except Exception as e:  # a csv with only a header, a file that is not UTF-8, invalid JSON...
+            raise UsageError(f"dataset {name} (split {split}) is empty or unreadable ({describe(e)})") from None
     else:
         try:
             dataset = datasets.load_dataset(name, split=split)
         except ValueError:  # unknown split
             return None
         except Exception as e:
-            raise UsageError(f"could not load dataset {name}: {str(e).splitlines()[0]}") from None
+            raise UsageError(f"could not load dataset {name} ({describe(e)})") from None
+    where = f"dataset {name} (split {split})"
     if "prompt" not in dataset.column_names:
-        raise UsageError(f"dataset {name} (split {split}) has no 'prompt' column; its columns are {dataset.column_names}")
+        raise UsageError(f"{where} has no 'prompt' column; its columns are {dataset.column_names}")
     if len(dataset) == 0:
-        raise UsageError(f"dataset {name} (split {split}) is empty")
+        raise UsageError(f"{where} is empty")
+    for column in REWARD_FUNC_ARGUMENTS:
+        if column in dataset.column_names:
+            raise UsageError(f"{where} has a column {column!r}, the name of an argument every reward function gets "
+                             f"({', '.join(REWARD_FUNC_ARGUMENTS)}): rename the column")
+    check_prompts(dataset["prompt"], where)
     return dataset
+
+
+def load_datasets(args: Args):
+    """The train split, and the split the sample tables draw from (the train split if there is no test split); both
+    hold prompts of one kind (strings, or chat messages)."""
+    train = load_prompt_dataset(args.dataset_name, args.dataset_train_split)
+    if train is None:
+        raise UsageError(f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)")
+    test = load_prompt_dataset(args.dataset_name, args.dataset_test_split)
+    if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
+        raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
+                         f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
+    return train, test or train
+
+
+def is_chat(prompt) -> bool:
+    """A list of chat messages, each a dict with string 'role' and 'content'."""
+    return isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
+def check_prompts(prompts: list, where: str) -> None:
+    """Every prompt is a non-empty string, or every prompt is a list of chat messages."""
+    chat = is_chat(prompts[0])
+    for i, prompt in enumerate(prompts):
+        if is_chat(prompt) if chat else isinstance(prompt, str) and prompt.strip():
+            continue
+        shown = repr(prompt) if len(repr(prompt)) <= 80 else repr(prompt)[:77] + "..."
+        kind = "a list of chat messages with string 'role' and 'content'" if chat else "a non-empty string"
+        raise UsageError(f"{where}: prompt {i} is {shown}, but the prompts must each be {kind} (as prompt 0 is)"
+                         if i else f"{where}: prompt 0 is {shown}; a prompt must be a non-empty string or a list of "
+                         "chat messages with string 'role' and 'content'")
 
 
 def prompt_text(tokenizer, prompt) -> str:
@@ -396,12 +507,53 @@ def from_pretrained(auto_class, path: str, **kwargs):
         path = os.path.dirname(os.path.abspath(path))
     try:
         loaded = auto_class.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"could not load {path}: {str(e).splitlines()[0]}") from None
-    if getattr(getattr(loaded, "config", None), "quantization_config", None) is not None and "gguf_file" in kwargs:
-        del loaded.config.quantization_config  # de-quantised weights: let save_pretrained write a normal folder
-        loaded.hf_quantizer = None
+    except Exception as e:  # a missing file, no network for a hub id, a damaged config or weights file...
+        raise UsageError(f"could not load {path} ({describe(e)})") from None
+    model = loaded[0] if kwargs.get("output_loading_info") else loaded
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None and "gguf_file" in kwargs:
+        del model.config.quantization_config  # de-quantised weights: let save_pretrained write a normal folder
+        model.hf_quantizer = None
     return loaded
+
+
+def check_tokenizer(tokenizer, path: str, chat_prompts: bool, stop_token_id: Optional[int]) -> None:
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"the tokenizer of {path} has no EOS token, so no completion could end: use a tokenizer that "
+                         "has an eos_token")
+    if chat_prompts and not tokenizer.chat_template:
+        raise UsageError(f"the prompts are chat messages, but the tokenizer of {path} has no chat template: use a "
+                         "chat (instruct) model's tokenizer, or plain string prompts")
+    if stop_token_id is not None and stop_token_id >= len(tokenizer):
+        raise UsageError(f"--stop_token_id {stop_token_id} is not in the vocabulary of {path} ({len(tokenizer)} tokens)")
+
+
+def check_reward_model_config(path: str, tokenizer) -> None:
+    """Before any weights load: the reward model is a one-label sequence classifier that can read the policy's ids."""
+    from transformers import AutoConfig
+
+    config = from_pretrained(AutoConfig, path)
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    if architecture and not architecture.endswith("ForSequenceClassification"):
+        raise UsageError(f"--reward_model_path {path} is a {architecture}, not a reward model: give a sequence "
+                         "classification model with one label (its score head trained)")
+    if config.num_labels != 1:
+        raise UsageError(f"--reward_model_path {path} has {config.num_labels} labels; a reward model has one (num_labels=1)")
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise UsageError(f"--reward_model_path {path} knows {vocab_size} token ids, but the policy's tokenizer has "
+                         f"{len(tokenizer)}: the reward model reads the policy's token ids, so it must share its tokenizer")
+
+
+def load_reward_model(path: str):
+    """The reward model, refused if its score head is not in its weights (a causal LM would get a random one)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=1, output_loading_info=True)
+    missing = sorted(k for k in info["missing_keys"] if "score" in k)
+    if missing or not hasattr(model, "score"):
+        raise UsageError(f"--reward_model_path {path} has no trained score head ({', '.join(missing) or 'no score'} "
+                         "missing from its weights): a new head would give random rewards")
+    return model
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -498,8 +650,14 @@ def completion_length(completion_ids, **kwargs) -> list[float]:
 BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length": completion_length}
 
 
+def reward_func_name(spec: str) -> str:
+    """The name a reward function's metrics go under: the built-in name, or what follows the last `:`."""
+    return spec.rsplit(":", 1)[-1]
+
+
 def load_reward_func(spec: str) -> Callable:
-    """A built-in name, `package.module:function`, or `path/to/file.py:function`."""
+    """A built-in name, `package.module:function`, or `path/to/file.py:function` (any callable: a function, an
+    instance with __call__, a functools.partial)."""
     if spec in BUILTIN_REWARD_FUNCS:
         return BUILTIN_REWARD_FUNCS[spec]
     if ":" not in spec:
@@ -517,22 +675,42 @@ def load_reward_func(spec: str) -> Callable:
             module = importlib.import_module(where)
     except UsageError:
         raise
-    except Exception as e:
-        raise UsageError(f"could not import reward function {spec!r}: {type(e).__name__}: {e}") from None
+    except (Exception, SystemExit) as e:  # SystemExit: a module that calls sys.exit when imported
+        raise UsageError(f"could not import reward function {spec!r} ({describe(e)})") from None
     func = getattr(module, name, None)
     if not callable(func):
         raise UsageError(f"{where} has no function {name!r} (from --reward_funcs {spec})")
     return func
 
 
+def reward_sources(args: Args) -> tuple[list[Callable], list[str], torch.Tensor]:
+    """The reward functions, the names of every source (the reward model first) and their (F,) weights."""
+    specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
+    names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + \
+            [reward_func_name(s) for s in specs]
+    if not names:
+        raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
+    if len(set(names)) < len(names):
+        raise UsageError(f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
+                         "give each function once, under its own name")
+    weights = torch.tensor(args.reward_weights or [1.0] * len(names))
+    if len(weights) != len(names):
+        raise UsageError(f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})")
+    return [load_reward_func(s) for s in specs], names, weights
+
+
 def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
     """Call a TRL-style reward function and check what it returns: (B,) floats, NaN where it returned None."""
     try:
         values = func(**kwargs)
+    except SystemExit as e:  # it must not end the run quietly
+        raise UsageError(f"reward function {name} called sys.exit({e.code!r})") from None
     except Exception as e:
-        raise UsageError(f"reward function {name} raised {type(e).__name__}: {e}") from None
-    if values is None or not hasattr(values, "__len__") or len(values) != batch_size:
-        got = f"{len(values)} values" if hasattr(values, "__len__") else repr(type(values).__name__)
+        raise UsageError(f"reward function {name} raised {describe(e)}") from None
+    if torch.is_tensor(values) or isinstance(values, np.ndarray):
+        values = values.tolist() if values.ndim == 1 else values
+    if not isinstance(values, (list, tuple)) or len(values) != batch_size:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
         raise UsageError(f"reward function {name} must return a list of {batch_size} floats (or None), got {got}")
     out = []
     for i, v in enumerate(values):
@@ -540,9 +718,12 @@ def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> to
             out.append(math.nan)  # "does not apply": ignored by the baseline
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) and not (torch.is_tensor(v) and v.numel() == 1):
-            raise UsageError(f"reward function {name} returned {v!r} (a {type(v).__name__}) at index {i}; "
+            raise UsageError(f"reward function {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
                              "return floats, or None for 'not applicable'")
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:
+            raise UsageError(f"reward function {name} returned an int too large for a float at index {i}") from None
         if not math.isfinite(v):
             raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
         out.append(v)
@@ -835,12 +1016,12 @@ class Logger:
         return {"sizes": {"metrics.jsonl": self.metrics_file.tell(), "samples.jsonl": self.samples_file.tell()},
                 "step": self.last_step, "wandb_id": self.wandb_id}
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
         self.metrics_file.close()
         self.samples_file.close()
         if self.wandb:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)
 
 
 class StageTimer:
@@ -867,12 +1048,122 @@ class StageTimer:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoints
+# Run folders, checkpoints and failures
 # ----------------------------------------------------------------------------------------------------------------
 TRAINING_STATE = "training_state.pt"
 # Options a resumed run may change: none of them alters what is computed.
 RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
                      "wandb_project_name", "wandb_entity", "output_dir"}
+LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes the run
+OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there
+
+
+def claim_run_dir(args: Args) -> str:
+    """Create runs/<run_name>. os.mkdir fails when the folder exists, so runs started at the same moment never share
+    one: an explicit --run_name that is taken is refused, a default one gets a suffix."""
+    name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    try:
+        os.makedirs("runs", exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the runs folder in {os.getcwd()} ({describe(e)}): start rloo.py from a "
+                         "folder you can write to") from None
+    for attempt in itertools.count(1):
+        run_name = name if attempt == 1 else f"{name}_{attempt}"
+        run_dir = os.path.join("runs", run_name)
+        try:
+            os.mkdir(run_dir)
+            return run_dir
+        except FileExistsError:
+            if args.run_name is not None:
+                raise UsageError(run_dir_taken(run_dir, run_name)) from None
+        except OSError as e:
+            raise UsageError(f"cannot create {run_dir} ({describe(e)})") from None
+
+
+def run_dir_taken(run_dir: str, run_name: str) -> str:
+    """The refusal of a run folder that exists, with advice that works for what the folder holds."""
+    if checkpoint_dirs(run_dir):
+        return (f"{run_dir} exists already: continue that run with --resume_from_checkpoint latest --run_name {run_name}, "
+                "or choose another --run_name")
+    return (f"{run_dir} exists already and holds no checkpoint to continue from: choose another --run_name, or delete "
+            f"{run_dir} to start that run again")
+
+
+def lock_run_dir(run_dir: str):
+    """Lock the run folder for as long as this process lives (the kernel drops the lock however the process ends), so
+    that a second process, e.g. a resume of a run that is still running, cannot write into it."""
+    try:
+        handle = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    except OSError as e:
+        raise UsageError(f"cannot write to {run_dir} ({describe(e)})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        raise UsageError(f"{run_dir} is in use by another rloo.py process (pid {handle.read().strip() or '?'}): wait "
+                         "for it to end, or choose another --run_name") from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def claim_output_dir(output_dir: str, run_dir: str) -> bool:
+    """Reserve the folder the trained model will be saved to, before training: it must be new, empty, or this run's
+    own (its rloo_run.json names this run folder), so nothing in it is overwritten; writing the claim proves that it
+    is writable. Returns whether the folder was created here."""
+    where = f"--output_dir {output_dir}"
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"{where} is a file, not a folder: give a folder for the trained model")
+    claim, owner = os.path.join(output_dir, OUTPUT_CLAIM), os.path.abspath(run_dir)
+    try:
+        os.makedirs(output_dir)
+        created = True
+    except FileExistsError:
+        created = False
+    except OSError as e:
+        raise UsageError(f"cannot create {where} ({describe(e)}): give a folder you can write to") from None
+    if not created:
+        try:
+            with open(claim) as f:
+                claimed_by = json.load(f)["run_dir"]
+        except Exception:  # no claim (or not ours to read): only an empty folder may be taken
+            claimed_by = None
+        if claimed_by == owner:
+            return False  # this run's own, from before a resume
+        contents = sorted(os.listdir(output_dir))
+        if contents == [OUTPUT_CLAIM] and claimed_by and not os.path.isdir(claimed_by):
+            os.remove(claim)  # claimed by a run folder that has been deleted since
+        elif contents:
+            by = f" (claimed by {os.path.relpath(claimed_by)})" if claimed_by else ""
+            raise UsageError(f"{where} is not empty{by}: it holds {', '.join(contents[:3])}{', ...' if len(contents) > 3 else ''}; "
+                             "give a new or empty folder, so that nothing in it is overwritten")
+    try:
+        with open(claim, "x") as f:  # "x": fails if another run claimed the folder a moment ago
+            json.dump({"run_dir": owner}, f)
+    except FileExistsError:
+        raise UsageError(f"{where} was claimed by another run a moment ago: give another folder") from None
+    except OSError as e:
+        raise UsageError(f"cannot write to {where} ({describe(e)}): give a folder you can write to") from None
+    return created
+
+
+def is_saved_model(folder: str) -> bool:
+    """What save_pretrained writes: config.json and the weights (one file, or an index of shards)."""
+    return os.path.isfile(os.path.join(folder, "config.json")) and any(
+        os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def save_model(output_dir: str, policy, tokenizer) -> None:
+    """save_pretrained, checked: transformers only logs a warning when it cannot write the folder."""
+    try:
+        policy.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    except Exception as e:
+        raise RunError(f"could not save the trained model to {output_dir} ({describe(e)})") from None
+    if not is_saved_model(output_dir):
+        raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are missing after "
+                       "save_pretrained")
 
 
 def checkpoint_dirs(run_dir: str) -> list[str]:
@@ -913,12 +1204,40 @@ def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
 
 def check_resumable(args: Args, checkpoint: str) -> None:
     """A resumed run is the run it continues: every option that changes what is computed must be the same."""
-    with open(os.path.join(checkpoint, "args.json")) as f:
-        saved = json.load(f)
+    path = os.path.join(checkpoint, "args.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        assert isinstance(saved, dict), "not a JSON object"
+    except (OSError, ValueError, AssertionError) as e:
+        raise UsageError(f"{path} is missing or damaged ({describe(e)}): move {checkpoint} away and resume again "
+                         "(`latest` then takes the checkpoint before it)") from None
     for name, value in json.loads(json.dumps(asdict(args))).items():
         if name not in RESUMABLE_CHANGES and saved.get(name) != value:
             raise UsageError(f"--{name} is {value} here but {saved.get(name)} in {checkpoint}: resume with the options "
                              f"the run was started with (only {', '.join(sorted(RESUMABLE_CHANGES))} may change)")
+
+
+def load_training_state(checkpoint: str, run_dir: str) -> dict:
+    """The checkpoint's training state, and the files a resume needs besides it, checked before any model loads."""
+    damaged = f"move {checkpoint} away and resume again (`latest` then takes the checkpoint before it)"
+    path = os.path.join(checkpoint, TRAINING_STATE)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = {"update", "episode", "skipped_steps", "skipped_in_a_row", "seconds", "optimizer", "scheduler", "rng",
+                   "logger"} - set(state)
+        assert not missing, f"it lacks {', '.join(sorted(missing))}"
+    except Exception as e:
+        raise UsageError(f"{path} is damaged ({describe(e)}): {damaged}") from None
+    if not is_saved_model(os.path.join(checkpoint, "policy")):
+        raise UsageError(f"{os.path.join(checkpoint, 'policy')} lacks config.json or its weights: {damaged}")
+    for name, size in state["logger"]["sizes"].items():
+        log = os.path.join(run_dir, name)
+        if not os.path.isfile(log) or os.path.getsize(log) < size:
+            raise UsageError(f"{log} is {'shorter than at' if os.path.isfile(log) else 'missing since'} {checkpoint}, "
+                             f"so the resumed run's log would have a hole: restore it, or start a new run from "
+                             f"{os.path.join(checkpoint, 'policy')} (--model_name_or_path)")
+    return state
 
 
 def rng_states() -> dict:
@@ -953,6 +1272,7 @@ def save_checkpoint(checkpoint: str, policy, tokenizer, args: Args, training_sta
     write is an error naming the path, and leaves the older checkpoints as they were."""
     tmp = os.path.join(os.path.dirname(checkpoint), "tmp-" + os.path.basename(checkpoint))
     try:
+        os.makedirs(os.path.dirname(checkpoint), exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         policy.save_pretrained(os.path.join(tmp, "policy"))
         tokenizer.save_pretrained(os.path.join(tmp, "policy"))
@@ -966,9 +1286,7 @@ def save_checkpoint(checkpoint: str, policy, tokenizer, args: Args, training_sta
         fsync(os.path.dirname(checkpoint))  # the rename itself
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = (str(e).splitlines() or [""])[0]
-        raise RunError(f"could not write checkpoint {checkpoint} ({type(e).__name__}: {reason}); "
-                       "the earlier checkpoints are intact") from None
+        raise RunError(f"could not write checkpoint {checkpoint} ({describe(e)}); the earlier checkpoints are intact") from None
 
 
 def resume_command(argv: list[str], checkpoint: str) -> str:
@@ -981,46 +1299,95 @@ def resume_command(argv: list[str], checkpoint: str) -> str:
     return shlex.join(["python", argv[0], *kept, "--resume_from_checkpoint", checkpoint])
 
 
+class RunGuard:
+    """What a failure leaves behind. A run that has trained nothing removes the folders it created, so that the same
+    command can simply be run again. A run that has trained writes a checkpoint before it exits, so that nothing it
+    learned is lost, and its error ends with the command that continues it. sys.excepthook calls on_failure."""
+
+    active: Optional["RunGuard"] = None
+
+    def __init__(self, args: Args, run_dir: str, created: list[str], batch_size: int):
+        self.args, self.run_dir, self.created, self.batch_size = args, run_dir, created, batch_size
+        self.parts = self.state = None
+        RunGuard.active = self
+
+    def watch(self, policy, tokenizer, optimizer, scheduler, logger, state: dict) -> None:
+        """From here on a failure saves these; state: the training state where the run starts."""
+        self.parts, self.first_update = (policy, tokenizer, optimizer, scheduler, logger), state["update"]
+        self.update_done(state)
+
+    def update_done(self, state: dict) -> None:
+        """state: the training state (all but the optimizer and scheduler) after a complete update."""
+        self.state, self.steps_at_state = state, self.parts[3].last_epoch
+
+    def save(self, state: Optional[dict] = None) -> str:
+        """Write the checkpoint of `state` (default: the last complete update); keep the newest --save_total_limit."""
+        policy, tokenizer, optimizer, scheduler, _ = self.parts
+        state = state or self.state
+        path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
+        save_checkpoint(path, policy, tokenizer, self.args,
+                        {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+        if self.args.save_total_limit:
+            for old in checkpoint_dirs(self.run_dir)[:-self.args.save_total_limit]:
+                shutil.rmtree(old)
+        return path
+
+    def on_failure(self, error: BaseException) -> str:
+        """Called once, for the error that ends the run; returns the end of its error line."""
+        RunGuard.active = None
+        stepped = self.parts is not None and self.parts[3].last_epoch != self.steps_at_state  # the weights may have moved
+        if self.parts is None or not stepped and self.state["update"] == self.first_update:  # nothing new was trained
+            for path in self.created:
+                shutil.rmtree(path, ignore_errors=True)
+            return ""
+        state, how = self.state, f"the state after update {self.state['update']} is in"
+        if stepped:  # cut short inside an update: keep what it did, as the next update
+            state = {**state, "update": state["update"] + 1, "episode": state["episode"] + self.batch_size,
+                     "rng": rng_states(), "logger": self.parts[4].state()}
+            how = (f"update {state['update']} was cut short; the weights and optimizer state it reached are in (a "
+                   "resumed run goes on from them, but is not the run that never failed)")
+        path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
+        if not os.path.isdir(path):
+            try:
+                self.save(state)
+            except RunError as e:
+                return f"; saving what it trained failed too: {e}"
+        with contextlib.suppress(Exception):
+            self.parts[4].close(failed=True)
+        return f"; {how} {path}; continue with: {resume_command(sys.argv, path)}"
+
+
 if __name__ == "__main__":
     sys.excepthook = _report_one_line_error
-    args = tyro.cli(Args, use_underscores=True)
+    args = expand_user_paths(parse_args())
     # ------------------------------------------------------------------------------------------------------------
-    # Set-up: every check that needs no model comes first
+    # Set-up: every check that needs no model comes first; then the run claims its folders
     # ------------------------------------------------------------------------------------------------------------
     check_args(args)
     args = resolve_defaults(args)
     batch_size, mini_batch_size, num_updates = batch_sizes(args)
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    checkpoint = None
-    if args.resume_from_checkpoint is not None:  # the run folder is the checkpoint's
+    checkpoint = training_state = None
+    if args.resume_from_checkpoint is not None:  # the run folder is the checkpoint's, locked against a second process
         checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)
-        check_resumable(args, checkpoint)
         run_dir = os.path.relpath(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))))
-        run_name = os.path.basename(run_dir)
-    else:
-        run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir = os.path.join("runs", run_name)
-        if os.path.exists(run_dir):
-            raise UsageError(f"{run_dir} exists already: continue that run with --resume_from_checkpoint latest "
-                             f"--run_name {run_name}, or choose another --run_name")
-    output_dir = args.output_dir or os.path.join(run_dir, "model")
-    check_output_dir(output_dir)
-    reward_specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
-    reward_funcs = [load_reward_func(s) for s in reward_specs]
-    reward_names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + \
-                   [f.__name__ for f in reward_funcs]
-    if not reward_names:
-        raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_names))  # (F,)
-    if len(reward_weights) != len(reward_names):
-        raise UsageError(f"--reward_weights has {len(reward_weights)} values for {len(reward_names)} reward sources "
-                         f"({', '.join(reward_names)})")
-    train_dataset = load_prompt_dataset(args.dataset_name, args.dataset_train_split)
-    if train_dataset is None:
-        raise UsageError(f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)")
-    eval_dataset = load_prompt_dataset(args.dataset_name, args.dataset_test_split) or train_dataset
+        run_lock = lock_run_dir(run_dir)
+        check_resumable(args, checkpoint)
+        training_state = load_training_state(checkpoint, run_dir)
+    reward_funcs, reward_names, reward_weights = reward_sources(args)  # (F,) weights
+    train_dataset, eval_dataset = load_datasets(args)
     extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+    if checkpoint is None:
+        run_dir = claim_run_dir(args)
+        run_lock = lock_run_dir(run_dir)
+    run_name = os.path.basename(run_dir)
+    # From here on a failure removes what this run created, or, once it has trained, leaves a checkpoint (RunGuard)
+    guard = RunGuard(args, run_dir, created=[] if checkpoint else [run_dir], batch_size=batch_size)
+    output_dir = args.output_dir or os.path.join(run_dir, "model")
+    if claim_output_dir(output_dir, run_dir):
+        guard.created.append(output_dir)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # until training starts, SIGTERM stops like Ctrl-C
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -1030,9 +1397,12 @@ if __name__ == "__main__":
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     console = Console()
 
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
+    check_tokenizer(tokenizer, args.model_name_or_path, is_chat(train_dataset[0]["prompt"]), args.stop_token_id)
+    if args.reward_model_path:
+        check_reward_model_config(args.reward_model_path, tokenizer)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path).to(device)
@@ -1050,11 +1420,7 @@ if __name__ == "__main__":
         policy.load_state_dict(from_pretrained(AutoModelForCausalLM, os.path.join(checkpoint, "policy")).state_dict())
     reward_model = None
     if args.reward_model_path:
-        reward_model = from_pretrained(AutoModelForSequenceClassification, args.reward_model_path, num_labels=1)
-        if not hasattr(reward_model, "score"):
-            raise UsageError(f"reward model {args.reward_model_path} has no `score` head: use a decoder "
-                             "AutoModelForSequenceClassification with num_labels=1")
-        reward_model = reward_model.to(device, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
+        reward_model = load_reward_model(args.reward_model_path).to(device, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
     stop_ids = sorted({tokenizer.eos_token_id} | ({args.stop_token_id} if args.stop_token_id is not None else set()))
     generation_config = GenerationConfig(
         max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True, temperature=args.temperature,
@@ -1076,15 +1442,12 @@ if __name__ == "__main__":
     # random generators (restored just before the loop) and logs.
     start_update = episode = skipped_steps = skipped_in_a_row = 0
     seconds_before = 0.0  # training time before the resume, for eps
-    training_state = {}
     if checkpoint is not None:
-        training_state = torch.load(os.path.join(checkpoint, TRAINING_STATE), map_location="cpu", weights_only=True)
         optimizer.load_state_dict(training_state["optimizer"])
         scheduler.load_state_dict(training_state["scheduler"])
         start_update, episode, skipped_steps, skipped_in_a_row, seconds_before = (training_state[k] for k in (
             "update", "episode", "skipped_steps", "skipped_in_a_row", "seconds"))
-    os.makedirs(run_dir, exist_ok=True)
-    logger = Logger(args, run_name, run_dir, resume=training_state.get("logger"))
+    logger = Logger(args, run_name, run_dir, resume=training_state["logger"] if checkpoint else None)
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
                   f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}" +
                   (f"; resumed from {checkpoint}" if checkpoint else ""))
@@ -1164,6 +1527,12 @@ if __name__ == "__main__":
         console.print(table)
         logger.log_samples(rows, step)
 
+    def run_state(update: int) -> dict:
+        """The training state after `update`: all a checkpoint holds but the optimizer and scheduler (RunGuard adds
+        them when it saves)."""
+        return {"update": update, "episode": episode, "skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row,
+                "seconds": time.time() - start_time, "rng": rng_states(), "logger": logger.state()}
+
     # ------------------------------------------------------------------------------------------------------------
     # Training loop
     # ------------------------------------------------------------------------------------------------------------
@@ -1189,6 +1558,7 @@ if __name__ == "__main__":
         sample_table(episode)
     if checkpoint is not None:
         set_rng_states(training_state["rng"])
+    guard.watch(policy, tokenizer, optimizer, scheduler, logger, run_state(start_update))
     for update in range(start_update + 1, num_updates + 1):
         timer = StageTimer()
         update_start = time.perf_counter()
@@ -1287,10 +1657,6 @@ if __name__ == "__main__":
                 stats["grad_norm"] += grad_norm.detach().float()
                 skipped_steps += not stepped
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
-                if skipped_in_a_row >= args.max_skipped_steps:
-                    raise RunError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
-                                   f"(update {update}): stopping rather than training on garbage; lower --learning_rate "
-                                   "or check the rewards, then resume from the last checkpoint")
         episode += batch_size
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
@@ -1354,20 +1720,16 @@ if __name__ == "__main__":
         if sample_every and (update % sample_every == 0 or update == num_updates):
             sample_table(episode)
 
-        # Checkpoint: every save_steps updates, and before stopping on a signal
+        # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
+        guard.update_done(run_state(update))
         if (args.save_steps and update % args.save_steps == 0) or stop_signals:
-            saved = os.path.join(run_dir, "checkpoints", f"checkpoint-{update}")
-            os.makedirs(os.path.dirname(saved), exist_ok=True)
             save_start = time.perf_counter()
-            save_checkpoint(saved, policy, tokenizer, args, {
-                "update": update, "episode": episode, "skipped_steps": skipped_steps,
-                "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time,
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(),
-                "logger": logger.state()})
+            saved = guard.save()
             console.print(f"wrote {saved} in {time.perf_counter() - save_start:.2f} s")
-            if args.save_total_limit:
-                for old in checkpoint_dirs(run_dir)[:-args.save_total_limit]:
-                    shutil.rmtree(old)
+        if skipped_in_a_row >= args.max_skipped_steps:
+            raise RunError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (update "
+                           f"{update}): stopping rather than training on garbage (check the rewards; a new run can start "
+                           "from the checkpoint's policy/ with a lower --learning_rate)")
         if stop_signals:
             progress.stop()
             logger.close()
@@ -1379,7 +1741,7 @@ if __name__ == "__main__":
     # ------------------------------------------------------------------------------------------------------------
     # Output
     # ------------------------------------------------------------------------------------------------------------
-    policy.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    save_model(output_dir, policy, tokenizer)
+    RunGuard.active = None  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,21 +25,24 @@ import rloo
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo.py")
 
-# rloo.py with torch.save replaced for the file whose path holds TARGET: "block" writes part of it and then hangs
-# (for a SIGKILL in the middle of a save), "fail" raises the error a full disk gives.
+# rloo.py with torch.save and safetensors' save_file (which save_pretrained uses) replaced for the file whose path
+# holds TARGET: "block" writes part of it and then hangs (for a SIGKILL in the middle of a save), "fail" raises the
+# error a full disk gives.
 PATCHED = """
-import errno, os, runpy, sys, time, torch
+import errno, os, runpy, sys, time, torch, safetensors.torch
 mode, target, script = sys.argv[1:4]
 sys.argv = sys.argv[3:]
-save = torch.save
-def patched(obj, f, *args, **kwargs):
-    if target in str(f):
-        if mode == "block":
-            open(f, "wb").write(b"half a checkpoint")
-            time.sleep(600)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
-    return save(obj, f, *args, **kwargs)
-torch.save = patched
+def patch(save):
+    def patched(obj, f, *args, **kwargs):
+        if target in str(f):
+            if mode == "block":
+                open(f, "wb").write(b"half a checkpoint")
+                time.sleep(600)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return save(obj, f, *args, **kwargs)
+    return patched
+torch.save = patch(torch.save)
+safetensors.torch.save_file = patch(safetensors.torch.save_file)  # before transformers imports it
 runpy.run_path(script, run_name="__main__")
 """
 
@@ -287,14 +291,17 @@ def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 # Non-finite values, end to end
 # ------------------------------------------------------------------------------------------------------------------
-def test_skipped_steps_in_a_row_stop_the_run(tiny, prompts_file, tmp_path):
+def test_skipped_steps_in_a_row_stop_the_run_after_a_checkpoint(tiny, prompts_file, tmp_path):
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
                     f"{REWARDS}:huge", "--beta", 0, "--total_episodes", 64, "--per_device_train_batch_size", 8,
                     "--max_completion_length", 8, "--num_sample_generations", 0, "--max_skipped_steps", 2,
                     "--run_name", "run", cwd=tmp_path)
-    check_one_line_error(proc, "2 optimizer steps in a row had a non-finite loss or gradient (update 2)")
-    assert logged_updates(tmp_path) == 1
-    assert not os.path.exists(tmp_path / "runs" / "run" / "model")
+    check_one_line_error(proc, "2 optimizer steps in a row had a non-finite loss or gradient (update 2)",
+                         "the state after update 2 is in runs/run/checkpoints/checkpoint-2; continue with: python")
+    assert logged_updates(tmp_path) == 2  # the update that reached the limit is logged (optim/skipped_steps shows it)
+    assert checkpoint_names(tmp_path) == ["checkpoint-2"]
+    assert json.loads(open(tmp_path / "runs" / "run" / "metrics.jsonl").readlines()[-1])["optim/skipped_steps"] == 2
+    assert not os.path.exists(tmp_path / "runs" / "run" / "model" / "config.json")
 
 
 def test_a_non_finite_reward_model_score_names_the_model(tiny, prompts_file, tmp_path):
@@ -308,3 +315,256 @@ def test_a_non_finite_reward_model_score_names_the_model(tiny, prompts_file, tmp
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_model_path",
                     tmp_path / "broken_rm", "--num_sample_generations", 0, cwd=tmp_path)
     check_one_line_error(proc, "reward model broken_rm gave a non-finite score (nan) at index 0")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Nothing a run trained is lost: a failure after training leaves a checkpoint and the command that continues it
+# ------------------------------------------------------------------------------------------------------------------
+# A reward function that fails once, at the call number written in ./fail_at; otherwise len(text) / 10.
+FAULTY = '''
+import os
+calls = 0
+def text_length(completions, **kwargs):
+    global calls
+    calls += 1
+    if os.path.exists("fail_at") and int(open("fail_at").read()) == calls:
+        os.remove("fail_at")
+        raise RuntimeError("the judge is down")
+    return [len(c if isinstance(c, str) else c[-1]["content"]) / 10 for c in completions]
+'''
+
+
+def faulty_args(tiny, data, *extra):
+    """6 updates, 2 epochs x 2 minibatches, KL; the reward function is ./faulty.py (one call per update, and one per
+    sample table: at episode 0 and after updates 3 and 6)."""
+    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", "faulty.py:text_length",
+            "--total_episodes", 48, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
+            "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.1, "--num_sample_generations", 2,
+            "--run_name", "run", *extra]
+
+
+def run_faulty(cwd, tiny, data, fail_at=None, *extra):
+    (cwd / "faulty.py").write_text(FAULTY)
+    if fail_at is not None:
+        (cwd / "fail_at").write_text(str(fail_at))
+    return run_rloo(*faulty_args(tiny, data, *extra), cwd=cwd)
+
+
+def continue_command(error_line: str) -> list[str]:
+    command = shlex.split(error_line.split("continue with: ")[1])
+    assert command[0] == "python"
+    return [sys.executable, *command[1:]]
+
+
+@pytest.fixture(scope="module")
+def faulty_reference(tiny, prompts_file, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("faulty_uninterrupted")
+    proc = run_faulty(cwd, tiny, prompts_file)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return outcome(cwd)
+
+
+def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exactly(faulty_reference, tiny,
+                                                                                    prompts_file, tmp_path):
+    # Call 5 is update 4's reward: the weights are still those after update 3, so checkpoint-3 is exact (--save_steps 0)
+    proc = run_faulty(tmp_path, tiny, prompts_file, 5)
+    error = check_one_line_error(proc, "reward function text_length raised RuntimeError: the judge is down",
+                                 "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python")
+    assert checkpoint_names(tmp_path) == ["checkpoint-3"] and logged_updates(tmp_path) == 3
+    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(faulty_reference, outcome(tmp_path))
+
+
+def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny, prompts_file, tmp_path):
+    # Call 6 is the sample table after update 3, whose optimizer steps are done: what they did is kept
+    proc = run_faulty(tmp_path, tiny, prompts_file, 6)
+    error = check_one_line_error(proc, "update 3 was cut short", "runs/run/checkpoints/checkpoint-3; continue with:")
+    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / rloo.TRAINING_STATE, weights_only=True)
+    assert state["update"] == 3 and state["episode"] == 24
+    assert state["scheduler"]["last_epoch"] == 12  # 3 updates x 2 epochs x 2 minibatches
+    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = outcome(tmp_path)[0]
+    assert [r["episode"] for r in metrics] == [8, 16, 24, 32, 40, 48]  # no update twice, none missing
+
+
+def test_a_run_that_trained_nothing_leaves_nothing_and_the_same_command_runs_again(tiny, prompts_file, tmp_path):
+    proc = run_faulty(tmp_path, tiny, prompts_file, 1, "--output_dir", "out/model")  # the sample table at episode 0
+    error = check_one_line_error(proc, "reward function text_length raised RuntimeError: the judge is down")
+    assert "continue with" not in error
+    assert not os.path.exists(tmp_path / "runs" / "run") and not os.path.exists(tmp_path / "out" / "model")
+    again = run_faulty(tmp_path, tiny, prompts_file, None, "--output_dir", "out/model")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert rloo.is_saved_model(str(tmp_path / "out" / "model"))
+
+
+def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_model(reference, tiny, prompts_file,
+                                                                                    tmp_path):
+    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("fail", os.path.join("run", "model", "model.safetensors")))
+    proc.wait(timeout=300)
+    proc.stderr = (tmp_path / "stderr.txt").read_text()
+    error = check_one_line_error(proc, "could not save the trained model to runs/run/model", "No space left on device",
+                                 "the state after update 6 is in runs/run/checkpoints/checkpoint-6")
+    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(reference, outcome(tmp_path))
+
+
+def test_a_resume_while_the_run_is_still_running_is_refused(tiny, prompts_file, tmp_path):
+    proc = start(tmp_path, *train_args(tiny, prompts_file, save_steps=1))
+    try:
+        wait_until(lambda: os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-1"), proc)
+        second = run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", "latest", save_steps=1), cwd=tmp_path)
+        check_one_line_error(second, "runs/run is in use by another rloo.py process", f"(pid {proc.pid})")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_existing_file_as_output_dir_is_refused_before_training_and_kept(tiny, prompts_file, tmp_path):
+    (tmp_path / "notes.txt").write_text("my notes")
+    proc = run_rloo(*train_args(tiny, prompts_file, "--output_dir", "notes.txt"), cwd=tmp_path)
+    check_one_line_error(proc, "--output_dir notes.txt is a file, not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
+    assert os.listdir(tmp_path / "runs") == []  # the run folder it had claimed is gone again
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Run and output folders: claimed atomically, never shared, never overwritten (in-process)
+# ------------------------------------------------------------------------------------------------------------------
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "time", lambda: 1700000000.5)
+    args = rloo.Args()
+    assert rloo.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000")
+    assert rloo.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000_2")
+    named = rloo.replace(args, run_name="mine")
+    assert rloo.claim_run_dir(named) == os.path.join("runs", "mine")
+    with pytest.raises(rloo.UsageError, match="runs/mine exists already and holds no checkpoint to continue from: "
+                                              "choose another --run_name, or delete runs/mine"):
+        rloo.claim_run_dir(named)
+    make_checkpoint(os.path.join("runs", "mine", "checkpoints", "checkpoint-2"))
+    with pytest.raises(rloo.UsageError, match="continue that run with --resume_from_checkpoint latest --run_name mine"):
+        rloo.claim_run_dir(named)
+
+
+def test_a_run_folder_is_locked_by_one_process(tmp_path):
+    lock = rloo.lock_run_dir(str(tmp_path))
+    with pytest.raises(rloo.UsageError, match=f"is in use by another rloo.py process \\(pid {os.getpid()}\\)"):
+        rloo.lock_run_dir(str(tmp_path))  # a second open file: as another process would hold it
+    lock.close()  # the process that held it ends
+    rloo.lock_run_dir(str(tmp_path)).close()
+
+
+def test_the_output_folder_is_new_empty_or_this_runs_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs(os.path.join("runs", "a"))
+    os.makedirs(os.path.join("runs", "b"))
+    assert rloo.claim_output_dir("new/model", "runs/a") is True  # created, and claimed
+    assert json.load(open("new/model/rloo_run.json")) == {"run_dir": os.path.abspath("runs/a")}
+    assert rloo.claim_output_dir("new/model", "runs/a") is False  # its own, as when the run is resumed
+    with pytest.raises(rloo.UsageError, match="--output_dir new/model is not empty \\(claimed by runs/a\\)"):
+        rloo.claim_output_dir("new/model", "runs/b")  # two runs never share an output folder
+    os.makedirs("empty")
+    assert rloo.claim_output_dir("empty", "runs/b") is False and os.listdir("empty") == ["rloo_run.json"]
+    os.makedirs("adapter")
+    open("adapter/adapter_model.safetensors", "w").close()
+    with pytest.raises(rloo.UsageError, match="--output_dir adapter is not empty: it holds adapter_model.safetensors"):
+        rloo.claim_output_dir("adapter", "runs/b")
+    os.makedirs("stale")
+    json.dump({"run_dir": os.path.abspath("runs/deleted")}, open("stale/rloo_run.json", "w"))
+    assert rloo.claim_output_dir("stale", "runs/b") is False  # its run folder is gone: the claim is void
+    open("notes.txt", "w").close()
+    with pytest.raises(rloo.UsageError, match="--output_dir notes.txt is a file, not a folder"):
+        rloo.claim_output_dir("notes.txt", "runs/b")
+    with pytest.raises(rloo.UsageError, match="cannot create --output_dir notes.txt/model \\(NotADirectoryError"):
+        rloo.claim_output_dir("notes.txt/model", "runs/b")
+    with pytest.raises(rloo.UsageError, match="cannot create --output_dir /proc/rloo-test"):
+        rloo.claim_output_dir("/proc/rloo-test", "runs/b")
+
+
+def test_save_model_checks_that_the_model_was_written(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    rloo.save_model(str(tmp_path / "out"), policy, tiny["tokenizer"])
+    assert rloo.is_saved_model(str(tmp_path / "out"))
+    (tmp_path / "file").write_text("x")  # save_pretrained only logs a warning for a path that is a file
+    with pytest.raises(rloo.RunError, match="could not save the trained model to .*file"):
+        rloo.save_model(str(tmp_path / "file"), policy, tiny["tokenizer"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Damaged checkpoints and run folders: one line naming the file, before any model loads (in-process)
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def saved_run(tiny, tmp_path, monkeypatch):
+    """runs/r with a real checkpoint-2 and its logs, in tmp_path (the working folder)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = os.path.join("runs", "r")
+    os.makedirs(run_dir)
+    logs = {"metrics.jsonl": '{"step": 8}\n{"step": 16}\n', "samples.jsonl": '{"step": 0}\n'}
+    for name, text in logs.items():
+        open(os.path.join(run_dir, name), "w").write(text)
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    optimizer = torch.optim.AdamW(policy.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    checkpoint = os.path.join(run_dir, "checkpoints", "checkpoint-2")
+    args = rloo.resolve_defaults(rloo.Args(model_name_or_path=tiny["policy"]))
+    rloo.save_checkpoint(checkpoint, policy, tiny["tokenizer"], args, {
+        "update": 2, "episode": 16, "skipped_steps": 0, "skipped_in_a_row": 0, "seconds": 1.0, "rng": rloo.rng_states(),
+        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "logger": {"sizes": {name: len(text) for name, text in logs.items()}, "step": 16, "wandb_id": None}})
+    return args, run_dir, checkpoint
+
+
+def test_a_sound_checkpoint_passes_the_checks(saved_run):
+    args, run_dir, checkpoint = saved_run
+    rloo.check_resumable(args, checkpoint)
+    assert rloo.load_training_state(checkpoint, run_dir)["update"] == 2
+
+
+DAMAGE = [
+    (lambda c, r: os.remove(os.path.join(c, "args.json")), "checkpoint-2/args.json is missing or damaged (FileNotFoundError"),
+    (lambda c, r: open(os.path.join(c, "args.json"), "w").write("{not json"), "checkpoint-2/args.json is missing or damaged (JSONDecodeError"),
+    (lambda c, r: open(os.path.join(c, "args.json"), "w").write("[]"), "args.json is missing or damaged (AssertionError: not a JSON object"),
+    (lambda c, r: open(os.path.join(c, rloo.TRAINING_STATE), "wb").write(b"half a checkpoint"), "training_state.pt is damaged"),
+    (lambda c, r: torch.save({"update": 2}, os.path.join(c, rloo.TRAINING_STATE)), "training_state.pt is damaged (AssertionError: it lacks episode"),
+    (lambda c, r: os.remove(os.path.join(c, "policy", "config.json")), "checkpoint-2/policy lacks config.json or its weights"),
+    (lambda c, r: os.remove(os.path.join(c, "policy", "model.safetensors")), "checkpoint-2/policy lacks config.json or its weights"),
+    (lambda c, r: os.remove(os.path.join(r, "metrics.jsonl")), "runs/r/metrics.jsonl is missing since runs/r/checkpoints/checkpoint-2"),
+    (lambda c, r: os.remove(os.path.join(r, "samples.jsonl")), "runs/r/samples.jsonl is missing since"),
+    (lambda c, r: open(os.path.join(r, "metrics.jsonl"), "w").write("{}\n"), "runs/r/metrics.jsonl is shorter than at"),
+]
+
+
+@pytest.mark.parametrize("damage,needle", DAMAGE, ids=[n.split(" is ")[0].split("/")[-1] + "-" + str(i) for i, (_, n) in enumerate(DAMAGE)])
+def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_run, damage, needle):
+    args, run_dir, checkpoint = saved_run
+    damage(checkpoint, run_dir)
+    with pytest.raises(rloo.UsageError) as error:  # the checks of a resume, in the order rloo.py makes them
+        rloo.check_resumable(args, checkpoint)
+        rloo.load_training_state(checkpoint, run_dir)
+    assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(saved_run, tiny):
+    from transformers import AutoModelForCausalLM
+
+    args, run_dir, _ = saved_run
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+    open(os.path.join(run_dir, "checkpoints"), "w").close()  # a file where the folder should be
+    with pytest.raises(rloo.RunError, match="could not write checkpoint runs/r/checkpoints/checkpoint-3 .*the earlier"):
+        rloo.save_checkpoint(os.path.join(run_dir, "checkpoints", "checkpoint-3"),
+                             AutoModelForCausalLM.from_pretrained(tiny["policy"]), tiny["tokenizer"], args, {})
+
+
+def test_a_damaged_training_state_is_refused_before_any_model_loads(saved_run, tiny, prompts_file):
+    args, run_dir, checkpoint = saved_run
+    open(os.path.join(checkpoint, rloo.TRAINING_STATE), "wb").write(b"half a checkpoint")
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--resume_from_checkpoint", "latest", "--run_name", "r",
+                    cwd=os.getcwd())
+    check_one_line_error(proc, "runs/r/checkpoints/checkpoint-2/training_state.pt is damaged")
