@@ -1340,12 +1340,10 @@ class RunGuard:
             for path in self.created:
                 shutil.rmtree(path, ignore_errors=True)
             return ""
-        state, how = self.state, f"the state after update {self.state['update']} is in"
+        state = self.state
         if stepped:  # cut short inside an update: keep what it did, as the next update
             state = {**state, "update": state["update"] + 1, "episode": state["episode"] + self.batch_size,
                      "rng": rng_states(), "logger": self.parts[4].state()}
-            how = (f"update {state['update']} was cut short; the weights and optimizer state it reached are in (a "
-                   "resumed run goes on from them, but is not the run that never failed)")
         path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
         if not os.path.isdir(path):
             try:
@@ -1354,7 +1352,10 @@ class RunGuard:
                 return f"; saving what it trained failed too: {e}"
         with contextlib.suppress(Exception):
             self.parts[4].close(failed=True)
-        return f"; {how} {path}; continue with: {resume_command(sys.argv, path)}"
+        where = (f"update {state['update']} was cut short: the weights and optimizer state it reached are in {path} (a "
+                 "resumed run goes on from them, but is not the run that never failed)" if stepped else
+                 f"the state after update {state['update']} is in {path}")
+        return f"; {where}; continue with: {resume_command(sys.argv, path)}"
 
 
 if __name__ == "__main__":

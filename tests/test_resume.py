@@ -366,8 +366,8 @@ def faulty_reference(tiny, prompts_file, tmp_path_factory):
 
 def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exactly(faulty_reference, tiny,
                                                                                     prompts_file, tmp_path):
-    # Call 5 is update 4's reward: the weights are still those after update 3, so checkpoint-3 is exact (--save_steps 0)
-    proc = run_faulty(tmp_path, tiny, prompts_file, 5)
+    # Call 6 is update 4's reward: the weights are still those after update 3, so checkpoint-3 is exact (--save_steps 0)
+    proc = run_faulty(tmp_path, tiny, prompts_file, 6)
     error = check_one_line_error(proc, "reward function text_length raised RuntimeError: the judge is down",
                                  "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python")
     assert checkpoint_names(tmp_path) == ["checkpoint-3"] and logged_updates(tmp_path) == 3
@@ -377,9 +377,10 @@ def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exac
 
 
 def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny, prompts_file, tmp_path):
-    # Call 6 is the sample table after update 3, whose optimizer steps are done: what they did is kept
-    proc = run_faulty(tmp_path, tiny, prompts_file, 6)
-    error = check_one_line_error(proc, "update 3 was cut short", "runs/run/checkpoints/checkpoint-3; continue with:")
+    # Call 5 is the sample table after update 3, whose optimizer steps are done: what they did is kept
+    proc = run_faulty(tmp_path, tiny, prompts_file, 5)
+    error = check_one_line_error(proc, "update 3 was cut short: the weights and optimizer state it reached are in "
+                                       "runs/run/checkpoints/checkpoint-3 (a resumed run", "; continue with: python")
     state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / rloo.TRAINING_STATE, weights_only=True)
     assert state["update"] == 3 and state["episode"] == 24
     assert state["scheduler"]["last_epoch"] == 12  # 3 updates x 2 epochs x 2 minibatches
