@@ -246,7 +246,9 @@ def parse_args() -> Args:
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip(" │") for line in wide.getvalue().splitlines()[1:]]
         rule = lambda line: line and not line.strip("─╰╯")  # noqa: E731
         message = " ".join(line for line in itertools.takewhile(lambda line: not rule(line), lines) if line)
-        raise UsageError(f"{message or 'could not parse the options'} (`python {sys.argv[0]} --help` lists them)") from None
+        print(f"{os.path.basename(sys.argv[0])}: error: {message or 'could not parse the options'} "
+              f"(`python {sys.argv[0]} --help` lists them)", file=sys.stderr)
+        sys.exit(2)  # argparse's status for a usage error
     sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
     return args
 
@@ -403,6 +405,7 @@ def load_prompt_dataset(name: str, split: str):
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come back as one line from here
     if os.path.isfile(name) or os.path.isdir(name):
         files = [name] if os.path.isfile(name) else sorted(os.path.join(name, f) for f in os.listdir(name))
         files = [f for f in files if os.path.splitext(f)[1] in DATA_FORMATS]
@@ -420,9 +423,14 @@ def load_prompt_dataset(name: str, split: str):
         if len(formats) > 1:
             raise UsageError(f"split {split} of {name} mixes file formats ({', '.join(map(os.path.basename, data_files[split]))}): "
                              "keep one format per split")
+        fmt = formats.pop()
+        for f in data_files[split]:
+            check_data_file(f, fmt)
         try:
-            dataset = datasets.load_dataset(formats.pop(), data_files={split: data_files[split]}, split=split)
-        except Exception as e:  # a csv with only a header, a file that is not UTF-8, invalid JSON...
+            dataset = datasets.load_dataset(fmt, data_files={split: data_files[split]}, split=split)
+        except Exception as e:  # a csv with only a header, invalid JSON...
+            while e.__cause__ is not None:  # datasets wraps the parser's error: name that one
+                e = e.__cause__
             raise UsageError(f"dataset {name} (split {split}) is empty or unreadable ({describe(e)})") from None
     else:
         try:
@@ -455,6 +463,19 @@ def load_datasets(args: Args):
         raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
                          f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
     return train, test or train
+
+
+def check_data_file(path: str, fmt: str) -> None:
+    """An empty file, or a text file that is not UTF-8, named before datasets gives a vaguer error."""
+    if os.path.getsize(path) == 0:
+        raise UsageError(f"data file {path} is empty")
+    if fmt in ("json", "csv"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                while f.read(1 << 24):
+                    pass
+            except UnicodeDecodeError as e:
+                raise UsageError(f"data file {path} is not UTF-8 text ({e.reason}): save it as UTF-8") from None
 
 
 def is_chat(prompt) -> bool:
@@ -1381,7 +1402,7 @@ if __name__ == "__main__":
     extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
     if checkpoint is None:
         run_dir = claim_run_dir(args)
-        run_lock = lock_run_dir(run_dir)
+        run_lock = lock_run_dir(run_dir)  # held (open) until the process ends
     run_name = os.path.basename(run_dir)
     # From here on a failure removes what this run created, or, once it has trained, leaves a checkpoint (RunGuard)
     guard = RunGuard(args, run_dir, created=[] if checkpoint else [run_dir], batch_size=batch_size)
@@ -1421,7 +1442,8 @@ if __name__ == "__main__":
         policy.load_state_dict(from_pretrained(AutoModelForCausalLM, os.path.join(checkpoint, "policy")).state_dict())
     reward_model = None
     if args.reward_model_path:
-        reward_model = load_reward_model(args.reward_model_path).to(device, torch.bfloat16 if args.bf16 else torch.float32).eval().requires_grad_(False)
+        reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False)
+        reward_model.to(device, torch.bfloat16 if args.bf16 else torch.float32)
     stop_ids = sorted({tokenizer.eos_token_id} | ({args.stop_token_id} if args.stop_token_id is not None else set()))
     generation_config = GenerationConfig(
         max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True, temperature=args.temperature,

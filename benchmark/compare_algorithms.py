@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def run(name: str, seed: int, argv: list[str], out: str) -> tuple[list[dict], fl
     run_dir = os.path.join(out, name.replace(" + ", "_"), f"seed{seed}")
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(os.path.join(run_dir, "done")):
-        os.makedirs(run_dir, exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # what an interrupted attempt left: rloo.py would not overwrite it
+        os.makedirs(run_dir)
         start = time.time()
         with open(os.path.join(run_dir, "log.txt"), "w") as log:
             subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), *argv, "--seed", str(seed), "--exp_name", "run",

@@ -1,6 +1,8 @@
 """Reward functions the end-to-end tests pass as `tests/reward_fixtures.py:NAME`, TRL-style."""
 
+import functools
 import math
+import sys
 import time
 
 
@@ -59,3 +61,35 @@ def slow_text_length(completions, **kwargs):
     """Characters per completion, in a quarter of a second: a run slow enough to be killed in the middle of it."""
     time.sleep(0.25)
     return [len(_text(c)) / 10 for c in completions]
+
+
+# Callables that are not plain functions: they have no __name__, so their metrics go under the name in the spec
+class _LengthReward:
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __call__(self, completion_ids, **kwargs):
+        return [self.scale * len(ids) for ids in completion_ids]
+
+
+length_reward = _LengthReward(0.1)  # a callable instance (a class with __call__)
+
+
+def _scaled_count_good(completions, scale, **kwargs):
+    return [scale * _text(c).split().count("good") for c in completions]
+
+
+half_count_good = functools.partial(_scaled_count_good, scale=0.5)
+
+
+# Broken reward functions: each must end the run with a one-line error
+def returns_dict(completions, **kwargs):
+    return {i: 1.0 for i in range(len(completions))}
+
+
+def returns_huge_int(completions, **kwargs):
+    return [10**400] * len(completions)
+
+
+def calls_sys_exit(completions, **kwargs):
+    sys.exit(3)

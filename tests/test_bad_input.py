@@ -1,10 +1,22 @@
 """Bad input: a one-line error naming the problem, a non-zero exit, no traceback, and nothing overwritten."""
 
+import copy
+import glob
+import json
+import math
 import os
+import re
+import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
+import torch
 
-from conftest import ROOT, check_one_line_error, run_rloo, write_jsonl
+from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo, write_jsonl
+
+import rloo
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 
@@ -47,6 +59,11 @@ EARLY = [
     (["--loss_type", "token", "--sapo_tau_pos", 2], ["gate temperatures of --loss_type sapo"]),
     (["--loss_type", "sapo", "--sapo_tau_neg", 0], ["--sapo_tau_neg must be > 0"]),
     (["--epsilon", 0], ["--epsilon must be > 0"]),
+    # Numbers that make no sense (the rest of the list is checked in-process below)
+    (["--beta", "nan"], ["--beta must be a finite number, got nan"]),
+    (["--seed", -1], ["--seed must be in [0, 2**32) (numpy's seed range), got -1"]),
+    (["--reward_funcs", "completion_length", f"{REWARDS}:completion_length"],
+     ["two reward sources have the same name (completion_length, completion_length)"]),
     # Checkpoints
     (["--save_steps", -1], ["--save_steps must be >= 0"]),
     (["--save_total_limit", 0], ["--save_total_limit must be >= 1"]),
@@ -55,6 +72,34 @@ EARLY = [
     (["--resume_from_checkpoint", "/nowhere/checkpoint-3"], ["/nowhere/checkpoint-3 does not exist (--resume_from_checkpoint /nowhere/checkpoint-3)"]),
     (["--resume_from_checkpoint", "latest", "--run_name", "nothing_here"], ["runs/nothing_here does not exist (--resume_from_checkpoint latest --run_name nothing_here)"]),
 ]
+
+
+# The same checks in-process (check_args is what the script calls first): each would cost a process start
+OPTIONS = [
+    ({"beta": math.inf}, "--beta must be a finite number, got inf"),
+    ({"reward_weights": [1.0, math.nan]}, "--reward_weights must be a finite number, got nan"),
+    ({"missing_eos_penalty": math.nan}, "--missing_eos_penalty must be a finite number, got nan"),
+    ({"temperature": math.inf}, "--temperature must be a finite number, got inf"),
+    ({"learning_rate": math.inf}, "--learning_rate must be a finite number, got inf"),
+    ({"weight_decay": math.nan}, "--weight_decay must be a finite number, got nan"),
+    ({"reward_clip_range": [math.nan, 1.0]}, "--reward_clip_range must be a finite number, got nan"),
+    ({"seed": 2**32}, "--seed must be in [0, 2**32) (numpy's seed range), got 4294967296"),
+    ({"stop_token_id": -1}, "--stop_token_id must be a token id (>= 0), got -1"),
+    ({"run_name": "a/b"}, "--run_name names a folder in runs/ and must be a plain name (no '/'), got 'a/b'"),
+    ({"run_name": ".."}, "--run_name names a folder in runs/"),
+    ({"exp_name": ""}, "--exp_name names a folder in runs/"),
+    ({"output_dir": ""}, "--output_dir is empty"),
+]
+
+
+@pytest.mark.parametrize("options,needle", OPTIONS, ids=[next(iter(o)) + str(i) for i, (o, _) in enumerate(OPTIONS)])
+def test_options_that_make_no_sense(options, needle):
+    with pytest.raises(rloo.UsageError, match=re.escape(needle)):
+        rloo.check_args(rloo.Args(**options))
+
+
+def test_infinite_values_that_mean_something_are_accepted():
+    rloo.check_args(rloo.Args(max_grad_norm=math.inf, reward_clip_range=[-math.inf, 5.0]))  # no clipping; one-sided
 
 
 @pytest.mark.parametrize("extra,needles", EARLY, ids=[" ".join(map(str, e)) for e, _ in EARLY])
@@ -111,6 +156,207 @@ def test_output_dir_with_a_trained_model_is_not_overwritten(tiny, prompts_file, 
     (out / "config.json").write_text('{"mine": true}')
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--output_dir", out,
                     cwd=tmp_path)
-    check_one_line_error(proc, f"--output_dir {out} already holds a trained model")
-    assert (out / "config.json").read_text() == '{"mine": true}'
-    assert not os.path.exists(tmp_path / "runs")  # refused before any run folder was made
+    check_one_line_error(proc, f"--output_dir {out} is not empty: it holds config.json")
+    assert (out / "config.json").read_text() == '{"mine": true}' and os.listdir(out) == ["config.json"]
+    assert os.listdir(tmp_path / "runs") == []  # the run folder it had claimed is gone again
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data: checked before any folder is made or any model loads (the model path given is not a model)
+# ------------------------------------------------------------------------------------------------------------------
+DATA = [
+    ([{"prompt": 3}], "prompt 0 is 3; a prompt must be a non-empty string or a list of chat messages"),
+    ([{"prompt": None}], "prompt 0 is None; a prompt must be"),
+    ([{"prompt": ""}], "prompt 0 is ''; a prompt must be"),
+    ([{"prompt": ["a", "b"]}], "prompt 0 is ['a', 'b']; a prompt must be"),
+    ([{"prompt": {"text": "a"}}], "prompt 0 is {'text': 'a'}; a prompt must be"),
+    ([{"prompt": [{"role": "user"}]}], "prompt 0 is [{'role': 'user'}]; a prompt must be"),
+    ([{"prompt": "a"}, {"prompt": [{"role": "user", "content": "b"}]}],
+     "prompt 1 is [{'role': 'user', 'content': 'b'}], but the prompts must each be a non-empty string (as prompt 0 is)"),
+    ([{"prompt": [{"role": "user", "content": "b"}]}, {"prompt": [{"role": "user", "content": None}]}],
+     "prompt 1 is [{'role': 'user', 'content': None}], but the prompts must each be a list of chat messages"),
+    ([{"prompt": "a", "completions": "x"}], "has a column 'completions', the name of an argument every reward function gets"),
+    ([{"prompt": "a", "prompts": "x"}], "has a column 'prompts'"),
+    ([{"prompt": "a", "completion_ids": [1]}], "has a column 'completion_ids'"),
+]
+
+
+@pytest.mark.parametrize("rows,needle", DATA, ids=[str(i) for i in range(len(DATA))])
+def test_bad_prompts_and_columns(rows, needle, tmp_path):
+    data = write_jsonl(str(tmp_path / "d.jsonl"), rows)
+    with pytest.raises(rloo.UsageError, match=re.escape(needle)):
+        rloo.load_prompt_dataset(data, "train")
+
+
+def test_bad_prompts_are_one_line_before_anything_is_made(tmp_path):
+    data = write_jsonl(str(tmp_path / "d.jsonl"), [{"prompt": "a"}, {"prompt": 3}])
+    check_one_line_error(run_rloo("--model_name_or_path", tmp_path, "--dataset_name", data, cwd=tmp_path),
+                         "prompt 1 is 3, but the prompts must each be a non-empty string")
+    assert not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("files,needle", [
+    ({"train.jsonl": b""}, "data file {d}/train.jsonl is empty"),
+    ({"train.jsonl": b'\xff\xfe{"prompt": "x"}\n'}, "data file {d}/train.jsonl is not UTF-8 text (invalid start byte)"),
+    ({"train.jsonl": b'{"prompt": "caf\xe9"}\n'}, "data file {d}/train.jsonl is not UTF-8 text (invalid continuation byte)"),
+    ({"train.jsonl": b'{"prompt": "x"\n'}, "dataset {d} (split train) is empty or unreadable (ArrowInvalid: JSON parse error"),
+    ({"train.jsonl": b'{"prompt": "a"}\n', "train.csv": b"prompt\nb\n"},
+     "split train of {d} mixes file formats (train.csv, train.jsonl): keep one format per split"),
+    ({"train.jsonl": b'{"prompt": "a"}\n', "test.jsonl": b'{"prompt": [{"role": "user", "content": "b"}]}\n'},
+     "the prompts of split test and of split train are not of one kind"),
+])
+def test_bad_data_files(files, needle, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    with pytest.raises(rloo.UsageError, match=re.escape(needle.format(d=folder))):
+        rloo.load_datasets(rloo.Args(dataset_name=str(folder)))
+
+
+def test_a_file_datasets_cannot_parse_is_one_line(tmp_path):
+    """datasets logs its own error line too; only rloo.py's may reach the user."""
+    (tmp_path / "d.jsonl").write_text('{"prompt": "x"\n')
+    check_one_line_error(run_rloo("--model_name_or_path", tmp_path, "--dataset_name", tmp_path / "d.jsonl", cwd=tmp_path),
+                         "(ArrowInvalid: JSON parse error")
+
+
+def test_formats_may_differ_between_splits_and_home_is_expanded(tiny, tmp_path):
+    """train.jsonl with test.csv is fine (each split in its own format); ~ in paths is the user's home."""
+    home = tmp_path / "home"
+    write_jsonl(str(home / "data" / "train.jsonl"), [{"prompt": "the film was good"}] * 8)
+    (home / "data" / "test.csv").write_text("prompt\nthe plot was\n")
+    shutil.copytree(tiny["policy"], home / "policy")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--model_name_or_path", "~/policy",
+                           "--dataset_name", "~/data", "--output_dir", "~/out", "--total_episodes", "16",
+                           "--max_completion_length", "4", "--num_sample_generations", "1", "--max_grad_norm", "inf"],
+                          cwd=tmp_path, env={**run_env(), "HOME": str(home)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.exists(home / "out" / "config.json")  # --output_dir ~/out went to the home folder
+    assert "the plot was" in open(glob.glob(str(tmp_path / "runs" / "*" / "samples.jsonl"))[0]).read()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tokenizers and reward models: checked from the tokenizer and the config, before any weights load
+# ------------------------------------------------------------------------------------------------------------------
+def copy_policy(tiny, folder, **tokenizer_changes):
+    shutil.copytree(tiny["policy"], folder)
+    tokenizer = copy.deepcopy(tiny["tokenizer"])
+    for name, value in tokenizer_changes.items():
+        setattr(tokenizer, name, value)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_chat_prompts_need_a_chat_template(tiny, tmp_path):
+    policy = copy_policy(tiny, tmp_path / "policy", chat_template=None)
+    os.remove(policy / "chat_template.jinja")
+    data = write_jsonl(str(tmp_path / "chat.jsonl"), [{"prompt": [{"role": "user", "content": "hi"}]}] * 8)
+    check_one_line_error(run_rloo("--model_name_or_path", policy, "--dataset_name", data, cwd=tmp_path),
+                         f"the prompts are chat messages, but the tokenizer of {policy} has no chat template")
+
+
+def test_a_tokenizer_without_eos_is_refused(tiny, prompts_file, tmp_path):
+    policy = copy_policy(tiny, tmp_path / "policy", eos_token=None)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(policy).eos_token_id is None
+    check_one_line_error(run_rloo("--model_name_or_path", policy, "--dataset_name", prompts_file, cwd=tmp_path),
+                         f"the tokenizer of {policy} has no EOS token")
+
+
+def test_stop_token_id_outside_the_vocabulary(tiny, prompts_file, tmp_path):
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--stop_token_id", 100000,
+                    cwd=tmp_path)
+    check_one_line_error(proc, f"--stop_token_id 100000 is not in the vocabulary of {tiny['policy']} (400 tokens)")
+
+
+def save_classifier(tiny, folder, **config):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tiny["policy"], **config))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
+    run = lambda rm: run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,  # noqa: E731
+                              "--reward_model_path", rm, cwd=tmp_path)
+    check_one_line_error(run(tiny["policy"]), f"--reward_model_path {tiny['policy']} is a LlamaForCausalLM, not a reward model")
+    two_labels = save_classifier(tiny, tmp_path / "two_labels", num_labels=2)
+    check_one_line_error(run(two_labels), f"--reward_model_path {two_labels} has 2 labels; a reward model has one")
+    small = save_classifier(tiny, tmp_path / "small_vocab", num_labels=1, vocab_size=100)
+    check_one_line_error(run(small), f"--reward_model_path {small} knows 100 token ids, but the policy's tokenizer has 400")
+    # A config that claims to be a classifier, over weights that have no score head (a causal LM's)
+    headless = tmp_path / "headless"
+    shutil.copytree(tiny["policy"], headless)
+    config = json.load(open(headless / "config.json"))
+    json.dump({**config, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
+               "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}, open(headless / "config.json", "w"))
+    check_one_line_error(run(headless), f"--reward_model_path {headless} has no trained score head (score.weight missing")
+    assert os.listdir(tmp_path / "runs") == []
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Reward functions
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("returned,needle", [
+    ({i: 1.0 for i in range(2)}, "must return a list of 2 floats (or None), got a dict"),
+    ("ab", "must return a list of 2 floats (or None), got a str"),
+    ([10**400, 1.0], "returned an int too large for a float at index 0"),
+    ([1.0, True], "returned True (a bool) at index 1"),
+])
+def test_reward_function_results_that_are_refused(returned, needle):
+    with pytest.raises(rloo.UsageError, match=re.escape(f"reward function f {needle}")):
+        rloo.call_reward_func(lambda **kwargs: returned, "f", 2, completions=["a", "b"])
+
+
+def test_arrays_and_tensors_are_lists_of_floats():
+    assert rloo.call_reward_func(lambda **kwargs: np.array([1, 2]), "f", 2).tolist() == [1.0, 2.0]
+    assert rloo.call_reward_func(lambda **kwargs: torch.tensor([0.5, -1.0]), "f", 2).tolist() == [0.5, -1.0]
+
+
+@pytest.mark.parametrize("func,needle", [
+    ("calls_sys_exit", "reward function calls_sys_exit called sys.exit(3)"),
+    ("returns_dict", "reward function returns_dict must return a list of 16 floats (or None), got a dict"),
+])
+def test_a_reward_function_cannot_end_the_run_quietly(func, needle, tiny, prompts_file, tmp_path):
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
+                    f"{REWARDS}:{func}", "--num_sample_generations", 0, cwd=tmp_path)
+    check_one_line_error(proc, needle)
+
+
+def test_a_reward_module_that_exits_on_import(tmp_path, prompts_file):
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\ndef f(completions, **kwargs):\n    return []\n")
+    proc = run_rloo("--model_name_or_path", tmp_path, "--dataset_name", prompts_file, "--reward_funcs",
+                    f"{tmp_path}/exits.py:f", cwd=tmp_path)
+    check_one_line_error(proc, f"could not import reward function '{tmp_path}/exits.py:f' (SystemExit: 0)")
+
+
+def test_callable_instances_and_partials_are_reward_functions(tiny, prompts_file, tmp_path):
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
+                    f"{REWARDS}:length_reward", f"{REWARDS}:half_count_good", "--total_episodes", 16,
+                    "--max_completion_length", 4, "--num_sample_generations", 0, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = read_metrics(tmp_path)[-1]
+    assert row["rewards/length_reward/mean"] > 0 and "rewards/half_count_good/mean" in row
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# tyro's parse errors, folded into one line
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,needle", [
+    (["--beta", "abc"], "Error parsing --kl_coef/--beta: could not convert string to float: 'abc'"),
+    (["--no_such_flag", "1"], "Unrecognized options: --no_such_flag, 1"),
+    (["--loss_type", "nope"], "invalid choice 'nope' for argument '--loss_type'"),
+])
+def test_parse_errors_are_one_line(argv, needle, tmp_path):
+    proc = run_rloo(*argv, cwd=tmp_path)
+    line = check_one_line_error(proc, needle, "--help` lists them")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == line and not set("│╭╰─") & set(proc.stderr)
+
+
+def test_help_is_still_tyros(tmp_path):
+    proc = run_rloo("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "--beta" in proc.stdout and "KL coefficient" in proc.stdout

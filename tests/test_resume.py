@@ -552,15 +552,14 @@ def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_ru
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(saved_run, tiny):
-    from transformers import AutoModelForCausalLM
-
-    args, run_dir, _ = saved_run
-    shutil.rmtree(os.path.join(run_dir, "checkpoints"))
-    open(os.path.join(run_dir, "checkpoints"), "w").close()  # a file where the folder should be
-    with pytest.raises(rloo.RunError, match="could not write checkpoint runs/r/checkpoints/checkpoint-3 .*the earlier"):
-        rloo.save_checkpoint(os.path.join(run_dir, "checkpoints", "checkpoint-3"),
-                             AutoModelForCausalLM.from_pretrained(tiny["policy"]), tiny["tokenizer"], args, {})
+def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(tiny, prompts_file, tmp_path):
+    proc = start(tmp_path, *train_args(tiny, prompts_file))
+    wait_until(lambda: os.path.isdir(tmp_path / "runs" / "run"), proc)
+    (tmp_path / "runs" / "run" / "checkpoints").write_text("a file where the folder should be")
+    proc.wait(timeout=300)
+    proc.stderr = (tmp_path / "stderr.txt").read_text()
+    check_one_line_error(proc, "could not write checkpoint runs/run/checkpoints/checkpoint-3 (FileExistsError",
+                         "the earlier checkpoints are intact; saving what it trained failed too")
 
 
 def test_a_damaged_training_state_is_refused_before_any_model_loads(saved_run, tiny, prompts_file):
