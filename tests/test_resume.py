@@ -131,7 +131,7 @@ def test_sigkill_after_checkpoint_then_resume_is_the_same_run(reference, tiny, p
 
 
 def test_sigkill_during_a_save_leaves_no_checkpoint_resume_trusts(reference, tiny, prompts_file, tmp_path):
-    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("block", "tmp-checkpoint-6"))
+    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", rloo.TRAINING_STATE)))
     partial = tmp_path / "runs" / "run" / "checkpoints" / "tmp-checkpoint-6" / rloo.TRAINING_STATE
     wait_until(partial.exists, proc)  # checkpoint-6 half written
     proc.kill()
