@@ -207,7 +207,7 @@ class RunError(Exception):
 def _report_one_line_error(exc_type, exc, tb):
     """sys.excepthook: UsageError and RunError are one line; anything else keeps its traceback. Either way the run's
     guard first says what the failure leaves behind (RunGuard.on_failure), on the same line."""
-    after = RunGuard.active.on_failure(exc) if RunGuard.active else ""
+    after = RunGuard.active.on_failure() if RunGuard.active else ""
     if issubclass(exc_type, (UsageError, RunError)):
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}{after}", file=sys.stderr)
     elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
@@ -1329,42 +1329,43 @@ class RunGuard:
 
     def __init__(self, args: Args, run_dir: str, created: list[str], batch_size: int):
         self.args, self.run_dir, self.created, self.batch_size = args, run_dir, created, batch_size
-        self.parts = self.state = None
+        self.watching, self.state = False, None
         RunGuard.active = self
 
     def watch(self, policy, tokenizer, optimizer, scheduler, logger, state: dict) -> None:
         """From here on a failure saves these; state: the training state where the run starts."""
-        self.parts, self.first_update = (policy, tokenizer, optimizer, scheduler, logger), state["update"]
+        self.policy, self.tokenizer, self.optimizer, self.scheduler = policy, tokenizer, optimizer, scheduler
+        self.logger = logger
+        self.watching, self.first_update = True, state["update"]
         self.update_done(state)
 
     def update_done(self, state: dict) -> None:
         """state: the training state (all but the optimizer and scheduler) after a complete update."""
-        self.state, self.steps_at_state = state, self.parts[3].last_epoch
+        self.state, self.steps_at_state = state, self.scheduler.last_epoch  # the scheduler counts optimizer steps
 
     def save(self, state: Optional[dict] = None) -> str:
         """Write the checkpoint of `state` (default: the last complete update); keep the newest --save_total_limit."""
-        policy, tokenizer, optimizer, scheduler, _ = self.parts
         state = state or self.state
         path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
-        save_checkpoint(path, policy, tokenizer, self.args,
-                        {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+        save_checkpoint(path, self.policy, self.tokenizer, self.args,
+                        {**state, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
         if self.args.save_total_limit:
             for old in checkpoint_dirs(self.run_dir)[:-self.args.save_total_limit]:
                 shutil.rmtree(old)
         return path
 
-    def on_failure(self, error: BaseException) -> str:
+    def on_failure(self) -> str:
         """Called once, for the error that ends the run; returns the end of its error line."""
         RunGuard.active = None
-        stepped = self.parts is not None and self.parts[3].last_epoch != self.steps_at_state  # the weights may have moved
-        if self.parts is None or not stepped and self.state["update"] == self.first_update:  # nothing new was trained
+        stepped = self.watching and self.scheduler.last_epoch != self.steps_at_state  # the weights may have moved
+        if not self.watching or not stepped and self.state["update"] == self.first_update:  # nothing new was trained
             for path in self.created:
                 shutil.rmtree(path, ignore_errors=True)
             return ""
         state = self.state
         if stepped:  # cut short inside an update: keep what it did, as the next update
             state = {**state, "update": state["update"] + 1, "episode": state["episode"] + self.batch_size,
-                     "rng": rng_states(), "logger": self.parts[4].state()}
+                     "rng": rng_states(), "logger": self.logger.state()}
         path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
         if not os.path.isdir(path):
             try:
@@ -1372,7 +1373,7 @@ class RunGuard:
             except RunError as e:
                 return f"; saving what it trained failed too: {e}"
         with contextlib.suppress(Exception):
-            self.parts[4].close(failed=True)
+            self.logger.close(failed=True)
         where = (f"update {state['update']} was cut short: the weights and optimizer state it reached are in {path} (a "
                  "resumed run goes on from them, but is not the run that never failed)" if stepped else
                  f"the state after update {state['update']} is in {path}")
