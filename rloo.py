@@ -557,7 +557,7 @@ def check_reward_model_config(path: str, tokenizer) -> None:
     if architecture and not architecture.endswith("ForSequenceClassification"):
         raise UsageError(f"--reward_model_path {path} is a {architecture}, not a reward model: give a sequence "
                          "classification model with one label (its score head trained)")
-    if config.num_labels != 1:
+    if architecture and config.num_labels != 1:  # (a config that names no architecture has the default 2 labels)
         raise UsageError(f"--reward_model_path {path} has {config.num_labels} labels; a reward model has one (num_labels=1)")
     vocab_size = getattr(config, "vocab_size", None)
     if vocab_size is not None and vocab_size < len(tokenizer):

@@ -287,12 +287,11 @@ def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
     check_one_line_error(run(two_labels), f"--reward_model_path {two_labels} has 2 labels; a reward model has one")
     small = save_classifier(tiny, tmp_path / "small_vocab", num_labels=1, vocab_size=100)
     check_one_line_error(run(small), f"--reward_model_path {small} knows 100 token ids, but the policy's tokenizer has 400")
-    # A config that claims to be a classifier, over weights that have no score head (a causal LM's)
+    # A config that names no architecture (as a GGUF file's), over weights that have no score head (a causal LM's)
     headless = tmp_path / "headless"
     shutil.copytree(tiny["policy"], headless)
     config = json.load(open(headless / "config.json"))
-    json.dump({**config, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
-               "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}, open(headless / "config.json", "w"))
+    json.dump({k: v for k, v in config.items() if k != "architectures"}, open(headless / "config.json", "w"))
     check_one_line_error(run(headless), f"--reward_model_path {headless} has no trained score head (score.weight missing")
     assert os.listdir(tmp_path / "runs") == []
 
