@@ -13,7 +13,6 @@ RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO
 import contextlib
 import copy
 import fcntl
-import functools
 import importlib
 import importlib.util
 import io
@@ -242,7 +241,10 @@ def parse_args() -> Args:
         except SystemExit:
             pass
         finally:
-            os.environ.pop("COLUMNS") if columns is None else os.environ.update(COLUMNS=columns)
+            if columns is None:
+                del os.environ["COLUMNS"]
+            else:
+                os.environ["COLUMNS"] = columns
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip(" │") for line in wide.getvalue().splitlines()[1:]]
         rule = lambda line: line and not line.strip("─╰╯")  # noqa: E731
         message = " ".join(line for line in itertools.takewhile(lambda line: not rule(line), lines) if line)
@@ -287,7 +289,7 @@ def check_args(args: Args) -> None:
         raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
     for name in ["run_name", "exp_name"]:
         value = getattr(args, name)
-        if value is not None and (value in ("", ".", "..") or "/" in value or os.sep in value):
+        if value is not None and (value in ("", ".", "..") or "/" in value):
             raise UsageError(f"--{name} names a folder in runs/ and must be a plain name (no '/'), got {value!r}")
     if args.output_dir == "":
         raise UsageError("--output_dir is empty: give a folder, or leave it out for runs/<run_name>/model")
