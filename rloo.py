@@ -25,6 +25,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -34,6 +35,7 @@ from typing import Annotated, Callable, Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -80,11 +82,12 @@ class Args:
     dataset_test_split: str = "test"
     """the split the sample completions are drawn from (train prompts are used if it does not exist)"""
     max_prompt_length: int = 256
-    """longer prompts are truncated from the left (counted in `prompts/truncated`)"""
+    """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
 
     # Reward
     reward_model_path: Optional[str] = None
-    """a sequence classification model (num_labels=1) scored at the last non-pad token"""
+    """a sequence classification model (num_labels=1), read at the last real token (the EOS of a completion that ended);
+    if its tokenizer differs from the policy's, it scores the decoded text tokenized its own way"""
     reward_funcs: Optional[list[str]] = None
     """built-in names (vader_sentiment, completion_length), `module:function` or `path/file.py:function`
     None: vader_sentiment, unless there is a reward model"""
@@ -109,19 +112,24 @@ class Args:
     top_k: int = 0
     """top-k sampling (0: off)"""
     stop_token: Optional[Literal["eos"]] = None
-    """old-TRL flag: end completions at the tokenizer's EOS (always done; accepted for the seed commands)"""
+    """old-TRL flag: end completions at EOS (done anyway unless --ignore_eos; accepted for the seed commands)"""
     stop_token_id: Optional[int] = None
     """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
+    ignore_eos: bool = False
+    """sample max_completion_length tokens whatever comes, EOS being an ordinary token (old TRL without --stop_token
+    eos); a completion that holds an EOS counts as ended (--missing_eos_penalty)"""
     mask_truncated_completions: bool = False
-    """completions that did not stop by themselves get no gradient (their reward still counts in the baseline)"""
+    """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
     """KL coefficient: reward = score - beta * KL(policy || reference); 0 loads no reference model"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL estimator: k1 = log p - log p_ref; k3 = exp(-d) + d - 1 (Schulman 2020)"""
+    """per-token KL estimator: k1 = log p - log p_ref; k3 = exp(-d) + d - 1 (Schulman 2020). In the reward, only k1's
+    REINFORCE gradient is the gradient of the KL; k3's value is unbiased but its gradient is not (Tang & Munos 2025)"""
     token_level_kl: bool = False
-    """put -beta*KL on each token and the score on the last one (its sum is the sequence-level reward)"""
+    """token-level losses: each token's advantage carries only the KL penalties from that token on (REINFORCE++ eq. 1);
+    with --loss_type sequence it equals the sequence-level KL (as in old TRL)"""
     advantage_estimator: Literal["rloo", "grpo", "dr_grpo", "reinforce_pp"] = "rloo"
     """baseline within each group of G: rloo = mean of the other G-1; grpo, dr_grpo, reinforce_pp = the group mean"""
     advantage_normalization: Optional[Literal["none", "group", "batch"]] = None
@@ -173,7 +181,7 @@ class Args:
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk during the rollout"""
     bf16: bool = False
-    """bf16 autocast (weights and optimizer stay fp32)"""
+    """bf16 autocast for every forward pass; all weights (reference and reward model too) and the optimizer stay fp32"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
 
@@ -295,6 +303,8 @@ def check_args(args: Args) -> None:
         raise UsageError("--output_dir is empty: give a folder, or leave it out for runs/<run_name>/model")
     if args.stop_token_id is not None and args.stop_token_id < 0:
         raise UsageError(f"--stop_token_id must be a token id (>= 0), got {args.stop_token_id}")
+    if args.ignore_eos and args.stop_token == "eos":
+        raise UsageError("--ignore_eos samples past EOS and --stop_token eos stops at it: give one of them")
     positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
                 "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
                 "local_rollout_forward_batch_size", "max_grad_norm", "max_skipped_steps"]
@@ -499,24 +509,33 @@ def check_prompts(prompts: list, where: str) -> None:
                          "chat messages with string 'role' and 'content'")
 
 
-def prompt_text(tokenizer, prompt) -> str:
-    """A string prompt is used as is; a list of chat messages goes through the tokenizer's chat template."""
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-
-
-def tokenize_prompts(tokenizer, texts: list[str], max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Left-padded (B, P) ids and mask; prompts longer than max_prompt_length keep their last tokens."""
-    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    num_truncated = sum(len(r) > max_prompt_length for r in rows)
-    rows = [r[-max_prompt_length:] for r in rows]
+def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and 0/1 mask of token lists of any lengths, padded on the left."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
         mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
+    expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
+    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated."""
+    rows = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            rows.append(tokenizer(prompt)["input_ids"])
+        else:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    num_truncated = sum(len(r) > max_prompt_length for r in rows)
+    keep_bos = lambda r: r[0] == tokenizer.bos_token_id and max_prompt_length > 1  # noqa: E731
+    rows = [r if len(r) <= max_prompt_length else r[:1] + r[len(r) - max_prompt_length + 1:] if keep_bos(r)
+            else r[-max_prompt_length:] for r in rows]
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
     return ids.to(device), mask.to(device), num_truncated
 
 
@@ -550,8 +569,9 @@ def check_tokenizer(tokenizer, path: str, chat_prompts: bool, stop_token_id: Opt
         raise UsageError(f"--stop_token_id {stop_token_id} is not in the vocabulary of {path} ({len(tokenizer)} tokens)")
 
 
-def check_reward_model_config(path: str, tokenizer) -> None:
-    """Before any weights load: the reward model is a one-label sequence classifier that can read the policy's ids."""
+def check_reward_model_config(path: str, tokenizer, own_tokenizer: bool) -> None:
+    """Before any weights load: the reward model is a one-label sequence classifier that can read the ids it gets
+    (those of `tokenizer`: its own, or the policy's)."""
     from transformers import AutoConfig
 
     config = from_pretrained(AutoConfig, path)
@@ -563,8 +583,30 @@ def check_reward_model_config(path: str, tokenizer) -> None:
         raise UsageError(f"--reward_model_path {path} has {config.num_labels} labels; a reward model has one (num_labels=1)")
     vocab_size = getattr(config, "vocab_size", None)
     if vocab_size is not None and vocab_size < len(tokenizer):
-        raise UsageError(f"--reward_model_path {path} knows {vocab_size} token ids, but the policy's tokenizer has "
-                         f"{len(tokenizer)}: the reward model reads the policy's token ids, so it must share its tokenizer")
+        whose = "its own tokenizer" if own_tokenizer else "the policy's tokenizer (it has none of its own, so it reads those ids)"
+        raise UsageError(f"--reward_model_path {path} knows {vocab_size} token ids, but {whose} has {len(tokenizer)}: "
+                         "give the reward model the tokenizer it was trained with")
+
+
+def load_reward_tokenizer(path: str, tokenizer, chat_prompts: bool):
+    """The reward model's own tokenizer when it reads text differently from the policy's (another vocabulary, special
+    tokens or chat template): it then scores the decoded text tokenized its own way, as TRL 1.16 does. None when it
+    reads text the same way, or a local reward model has no tokenizer: the policy's token ids go in as they are."""
+    from transformers import AutoTokenizer
+
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):
+        return None
+    reward_tokenizer = from_pretrained(AutoTokenizer, path)
+    probe = "A film, 12 scenes: it was great!"
+    if (reward_tokenizer.get_vocab() == tokenizer.get_vocab() and reward_tokenizer(probe) == tokenizer(probe) and
+            reward_tokenizer.eos_token_id == tokenizer.eos_token_id and
+            (not chat_prompts or reward_tokenizer.chat_template == tokenizer.chat_template)):
+        return None
+    if chat_prompts and not reward_tokenizer.chat_template:
+        raise UsageError(f"the prompts are chat messages, but the tokenizer of --reward_model_path {path}, which differs "
+                         "from the policy's, has no chat template to lay out the conversation it scores")
+    return reward_tokenizer
 
 
 def load_reward_model(path: str):
@@ -596,16 +638,38 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[ids] without materialising the (B, T, V) log-prob tensor."""
-    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).float()
-    return picked - torch.logsumexp(logits.float(), dim=-1)
+# Positions of (B, T, V) logits handled at a time: the fp32 work copies stay at 64 MB whatever the vocabulary
+LOGIT_CHUNK_ELEMENTS = 2**24
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy H = -sum_v p_v log p_v of the categorical distribution, (B, T)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def positions_per_chunk(logits: torch.Tensor) -> int:
+    """How many positions of (B, T, V) logits make a chunk of at most LOGIT_CHUNK_ELEMENTS elements."""
+    return max(1, LOGIT_CHUNK_ELEMENTS // (logits.shape[0] * logits.shape[2]))
+
+
+def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) fp32 log softmax(logits / temperature)[ids], without a (B, T, V) fp32 copy of the logits: a chunk of
+    positions at a time, and with gradients each chunk is recomputed in the backward pass rather than kept (activation
+    checkpointing), so only the logits as the model made them (bf16 under autocast) stay until the backward."""
+    def chunk_logprobs(chunk, chunk_ids):  # (B, t, V), (B, t) -> (B, t)
+        chunk = chunk.float() / temperature
+        return chunk.gather(-1, chunk_ids.unsqueeze(-1)).squeeze(-1) - chunk.logsumexp(-1)
+
+    keep_graph = torch.is_grad_enabled() and logits.requires_grad
+    step = positions_per_chunk(logits)
+    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
+                      if keep_graph else chunk_logprobs(chunk, chunk_ids)
+                      for chunk, chunk_ids in zip(logits.split(step, dim=1), ids.split(step, dim=1))], dim=1)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) entropy H = -sum_v p_v log p_v of softmax(logits / temperature), in fp32, a chunk of positions at a time."""
+    entropies = []
+    for chunk in logits.split(positions_per_chunk(logits), dim=1):
+        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(entropies, dim=1)
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
@@ -621,18 +685,17 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
     attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                   logits_to_keep=last + 1, use_cache=False).logits[:, :-1] / temperature  # (B, last, V)
-    logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last]), (0, C - last))
+                   logits_to_keep=last + 1, use_cache=False).logits[:, :-1]  # (B, last, V), bf16 under autocast
+    logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last], temperature), (0, C - last))
     if not with_entropy:
         return logprobs
-    with torch.no_grad():
-        entropy = F.pad(entropy_from_logits(logits), (0, C - last))
-    return logprobs, entropy
+    return logprobs, F.pad(entropy_from_logits(logits, temperature), (0, C - last))
 
 
 @torch.no_grad()
 def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
-    """(B,) scores: the value head read at the last real token (the padding token may equal EOS, so use the mask)."""
+    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
+    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
@@ -640,13 +703,42 @@ def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
 
 
-def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether a stop token came."""
-    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device))
+def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor):
+    """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
+    A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
+    with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
+    would have it, at the EOS of a finished completion and at the last token of a truncated one."""
+    rows = []
+    for prompt, completion, done in zip(prompts, completions, ended.tolist()):
+        if isinstance(prompt, str):
+            row = reward_tokenizer(prompt + completion)["input_ids"]
+            if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
+                row.append(reward_tokenizer.eos_token_id)
+        else:
+            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+            row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
+        rows.append(row)
+    return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
+
+
+def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
+    """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
+    declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
+    ends at any of them, unless ignore_eos, and at --stop_token_id."""
+    eos_ids = {tokenizer.eos_token_id} | set([model_eos] if isinstance(model_eos, int) else model_eos or [])
+    stop_ids = (set() if ignore_eos else eos_ids) | ({stop_token_id} if stop_token_id is not None else set())
+    return sorted(eos_ids), sorted(stop_ids)
+
+
+def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_ids: list[int]):
+    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether the completion ended:
+    a stop token came, or (when EOS does not stop it, --ignore_eos) it holds an EOS."""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, dtype=torch.long, device=completion_ids.device))
     stopped = is_stop.any(1)
     first_stop = torch.where(stopped, is_stop.int().argmax(1), completion_ids.shape[1])
     mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
-    return mask.long(), stopped
+    holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
+    return mask.long(), stopped | holds_eos
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -782,7 +874,7 @@ def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
     """Fold the KL penalty into the reward (detached; TRL order). Returns (B,) sequence rewards and (B,) -beta*KL.
 
     Sequence level: r = score - beta * sum_t kl_t. Token level (old TRL): r_t = -beta*kl_t with the score added at the
-    last real token; its sum over t is the same number, the per-token form matters only for token-level losses.
+    last real token; its sum over t is the same number. The per-token form acts through token_advantages.
     """
     kl_penalty = -beta * kl * mask  # (B, C)
     if token_level:
@@ -829,16 +921,17 @@ def has_baseline(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return (scorable & (scorable.sum(1, keepdim=True) > 1)).view(-1)
 
 
-def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(A - mean) / (std + 1e-4) over the rows that carry a gradient; the others stay 0."""
+def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A - mean) / (std + 1e-4) over the rows that carry a gradient (the others stay 0), and the divisor."""
     if valid.sum() < 2:
-        return advantages
+        return advantages, torch.ones(())
     a = advantages[valid]
-    return torch.where(valid, (advantages - a.mean()) / (a.std() + 1e-4), 0.0)
+    return torch.where(valid, (advantages - a.mean()) / (a.std() + 1e-4), 0.0), a.std() + 1e-4
 
 
-def compute_advantages(rewards, trains, num_generations: int, estimator: str, normalization: str) -> torch.Tensor:
+def compute_advantages(rewards, trains, num_generations: int, estimator: str, normalization: str):
     """(B,) advantages: the estimator's baseline within each group, then the scaling; rows that do not train get 0.
+    Also (B,) what each row's reward was divided by (1 without normalisation), which token_advantages needs.
 
     rloo          r_i - mean_{j != i} r_j                 (Ahmadian et al. 2024)
     grpo          (r_i - mean) / (std + 1e-4)             (Shao et al. 2024, DeepSeekMath)
@@ -849,11 +942,25 @@ def compute_advantages(rewards, trains, num_generations: int, estimator: str, no
         advantages = rloo_advantages(rewards, num_generations)
     else:
         advantages = group_mean_advantages(rewards, num_generations)
+    divisors = torch.ones_like(advantages)
     if normalization == "group":
-        advantages = advantages / (group_std(rewards, num_generations) + 1e-4)
+        divisors = group_std(rewards, num_generations) + 1e-4
+        advantages = advantages / divisors
     elif normalization == "batch":
-        advantages = normalize_advantages(advantages, trains)
-    return torch.where(trains, advantages, 0.0)
+        advantages, divisor = normalize_advantages(advantages, trains)
+        divisors = divisors * divisor
+    return torch.where(trains, advantages, 0.0), divisors
+
+
+def token_advantages(advantages, divisors, kl, trains, beta: float, token_level_kl: bool) -> torch.Tensor:
+    """(B, C) advantages of the token-level losses: each token carries its completion's advantage. With the token-level
+    KL (REINFORCE++, Hu 2025, eq. 1: r_t = -beta kl_t, plus the score at the last token; the return from t on sums
+    r_s for s >= t), a token is not charged the KL penalties of the tokens before it, which it did not cause:
+    A_t = A + beta * sum_{s<t} kl_s / divisor. The sequence-level losses see only A, whose KL is the full sum."""
+    if not token_level_kl:
+        return advantages[:, None].expand_as(kl)
+    kl_before = kl.cumsum(1) - kl  # (B, C): sum_{s<t} kl_s
+    return torch.where(trains[:, None], advantages[:, None] + beta * kl_before / divisors[:, None], 0.0)
 
 
 def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low: float, epsilon_high: float):
@@ -863,19 +970,19 @@ def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low
     return torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high))
 
 
+# The token-level losses take advantages per token: (B, C), or (B, 1) for one per completion.
 def pg_token_loss(logprobs, advantages):
     """REINFORCE per token (Williams 1992): (B, C) losses -A log pi(y_t)."""
-    return -advantages[:, None] * logprobs
+    return -advantages * logprobs
 
 
 def ppo_token_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_high: float, dual_clip=None):
     """PPO's clipped surrogate on each token's ratio, (B, C); with dual clip (Ye et al. 2020) the loss of a token with
     A < 0 is capped at c|A|, so a huge ratio cannot blow up the update."""
-    A = advantages[:, None]
     ratio = torch.exp(logprobs - old_logprobs)
-    loss = torch.maximum(-A * ratio, -A * ratio.clamp(1 - epsilon_low, 1 + epsilon_high))
+    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - epsilon_low, 1 + epsilon_high))
     if dual_clip is not None:
-        loss = torch.where(A < 0, torch.minimum(loss, -dual_clip * A), loss)
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
     return loss
 
 
@@ -883,7 +990,7 @@ def cispo_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_h
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio under a stop-gradient, (B, C) losses
     -sg(clip(ratio)) A log pi(y_t). Unlike PPO no token loses its gradient; clipping only bounds its weight."""
     weight = torch.exp(logprobs.detach() - old_logprobs).clamp(1 - epsilon_low, 1 + epsilon_high)
-    return -weight * advantages[:, None] * logprobs
+    return -weight * advantages * logprobs
 
 
 def masked_mean_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -897,19 +1004,17 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low: float, epsi
     the value s and the gradient s grad log pi(y_t); averaged over the tokens of a sequence it is s grad log s."""
     log_s = masked_mean_per_row(logprobs.detach() - old_logprobs, mask)  # (B,)
     s = torch.exp(log_s)[:, None] * torch.exp(logprobs - logprobs.detach())  # (B, C)
-    A = advantages[:, None]
-    return torch.maximum(-A * s, -A * s.clamp(1 - epsilon_low, 1 + epsilon_high))
+    return torch.maximum(-advantages * s, -advantages * s.clamp(1 - epsilon_low, 1 + epsilon_high))
 
 
 def sapo_loss(logprobs, old_logprobs, advantages, tau_pos: float, tau_neg: float):
     """SAPO (arXiv:2511.20347, 2025): a smooth sigmoid gate in place of the hard clip, (B, C) losses -gate A with
     gate = sigmoid(tau (ratio - 1)) 4 / tau, tau = tau_pos where A > 0 else tau_neg. d gate / d ratio = 1 at ratio 1
     (REINFORCE on-policy) and fades away from it. Returns the losses and the gate values."""
-    A = advantages[:, None]
     ratio = torch.exp(logprobs - old_logprobs)
-    tau = torch.where(A > 0, tau_pos, tau_neg)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    return -gate * A, gate.detach()
+    return -gate * advantages, gate.detach()
 
 
 def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_batch_tokens, max_completion_length: int):
@@ -924,38 +1029,40 @@ def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_
     return (token_loss * loss_mask).sum() / (mini_batch_size * max_completion_length)  # Dr. GRPO: a constant
 
 
-def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, trains, mini_batch_size: int, mini_batch_tokens):
+def policy_loss(args: Args, logprobs, old_logprobs, advantages, token_advantages, mask, trains, mini_batch_size: int,
+                mini_batch_tokens):
     """The --loss_type loss of one micro-batch (its share of the minibatch loss), and what its clip acts on:
-    (loss, log_ratio, units, gate). log_ratio is per unit: a token, or a completion for sequence and gspo; units marks
-    the real ones (the completion mask, or all ones); gate is sapo's (else None)."""
+    (loss, log_ratio, unit_advantages, units, gate). log_ratio and unit_advantages are per unit: a token, or a
+    completion for sequence and gspo; units marks the real ones (the completion mask, or all ones); gate is sapo's."""
     if args.loss_type == "sequence":
         logprob_sum, old_logprob_sum = (logprobs * mask).sum(1), (old_logprobs * mask).sum(1)  # (b,)
         loss = clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, args.epsilon, args.epsilon_high)
-        return (loss * trains).sum() / mini_batch_size, logprob_sum.detach() - old_logprob_sum, torch.ones_like(loss), None
+        return ((loss * trains).sum() / mini_batch_size, logprob_sum.detach() - old_logprob_sum, advantages,
+                torch.ones_like(loss), None)
     gate = None
     log_ratio = logprobs.detach() - old_logprobs  # (b, C)
+    A = token_advantages  # (b, C)
     if args.loss_type == "token" and args.ppo_clip:
-        token_loss = ppo_token_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high, args.dual_clip)
+        token_loss = ppo_token_loss(logprobs, old_logprobs, A, args.epsilon, args.epsilon_high, args.dual_clip)
     elif args.loss_type == "token":
-        token_loss = pg_token_loss(logprobs, advantages)
+        token_loss = pg_token_loss(logprobs, A)
     elif args.loss_type == "cispo":
-        token_loss = cispo_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high)
+        token_loss = cispo_loss(logprobs, old_logprobs, A, args.epsilon, args.epsilon_high)
     elif args.loss_type == "gspo":
-        token_loss = gspo_loss(logprobs, old_logprobs, advantages, mask, args.epsilon, args.epsilon_high)
+        token_loss = gspo_loss(logprobs, old_logprobs, A, mask, args.epsilon, args.epsilon_high)
     else:
-        token_loss, gate = sapo_loss(logprobs, old_logprobs, advantages, args.sapo_tau_pos, args.sapo_tau_neg)
+        token_loss, gate = sapo_loss(logprobs, old_logprobs, A, args.sapo_tau_pos, args.sapo_tau_neg)
     loss = aggregate_loss(token_loss, mask * trains[:, None], args.loss_aggregation, mini_batch_size, mini_batch_tokens,
                           args.max_completion_length)
     if args.loss_type == "gspo":  # its ratio and clip are per sequence
-        return loss, masked_mean_per_row(log_ratio, mask), torch.ones_like(trains, dtype=mask.dtype), None
-    return loss, log_ratio, mask, gate
+        return loss, masked_mean_per_row(log_ratio, mask), advantages, torch.ones_like(trains, dtype=mask.dtype), None
+    return loss, log_ratio, A, mask, gate
 
 
 def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
     """Units whose ratio left [1 - eps_low, 1 + eps_high] on the side its advantage pushes it (low: A < 0, high: A > 0):
     where PPO's clip cuts the gradient. The same definition for every loss, so clip fractions compare across them."""
-    A = advantages.view(-1, *[1] * (ratio.dim() - 1))
-    return (ratio < 1 - epsilon_low) & (A < 0), (ratio > 1 + epsilon_high) & (A > 0)
+    return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
 def linear_or_constant_schedule(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -981,8 +1088,62 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Logging
+# Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README)
 # ----------------------------------------------------------------------------------------------------------------
+def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
+    """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
+    its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""
+    reward = weighted_reward(rewards_per_func, reward_weights)  # (B,)
+    scored = reward[~reward.isnan()]
+    std = group_std(rlhf_reward, num_generations).view(-1, num_generations)[:, 0]  # (num_prompts,)
+    num_scored = (~rlhf_reward.view(-1, num_generations).isnan()).sum(1)
+    metrics = {"reward": float(scored.mean()), "reward_std": float(scored.std()),
+               "frac_reward_zero_std": float(((num_scored > 1) & torch.isclose(std, torch.zeros_like(std))).float().mean())}
+    for j, name in enumerate(reward_names):
+        values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
+        metrics[f"rewards/{name}/mean"] = float(values.mean())
+        metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
+    return metrics
+
+
+def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
+    """Lengths in real tokens (EOS included) of all completions and of those that ended (0 if none did), the fraction
+    that did not end, and old TRL's count of EOS tokens (here only real ones: never padding)."""
+    lengths = completion_mask.sum(1).float()  # (B,)
+    terminated = lengths[ended] if ended.any() else torch.zeros(1)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & completion_mask.bool()
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max()), "val/num_eos_tokens": int(is_eos.sum())}
+
+
+def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]) -> dict:
+    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
+    units = max(sum(micro["units"]), 1.0)
+    clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
+    entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
+    ratios = micro["token_ratio"]  # the mean ratio of each micro-batch's tokens
+    metrics = {
+        "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
+        "entropy": entropy, "policy/entropy_avg": entropy,
+        "clip_ratio/region_mean": clip_fraction, "policy/clipfrac_avg": clip_fraction,
+        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units, "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
+        "clip_ratio/low_min": statistics.fmean(micro["low_min"]), "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
+        "policy/approxkl_avg": sum(micro["approxkl"]) / units,
+        "loss/policy_avg": statistics.fmean(losses),
+        "val/ratio": statistics.fmean(ratios),
+        "val/ratio_var": statistics.variance(ratios) if len(ratios) > 1 else math.nan,
+        "optim/grad_norm": statistics.fmean(grad_norms),
+    }
+    if "dual_clipped" in micro:
+        metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
+    if "sapo_gate" in micro:
+        metrics["sapo/gate_mean"] = sum(micro["sapo_gate"]) / units
+    return metrics
+
+
 class Logger:
     """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
 
@@ -1425,9 +1586,12 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
-    check_tokenizer(tokenizer, args.model_name_or_path, is_chat(train_dataset[0]["prompt"]), args.stop_token_id)
+    chat_prompts = is_chat(train_dataset[0]["prompt"])
+    check_tokenizer(tokenizer, args.model_name_or_path, chat_prompts, args.stop_token_id)
+    reward_tokenizer = None  # the reward model's own, if it reads text differently from the policy
     if args.reward_model_path:
-        check_reward_model_config(args.reward_model_path, tokenizer)
+        reward_tokenizer = load_reward_tokenizer(args.reward_model_path, tokenizer, chat_prompts)
+        check_reward_model_config(args.reward_model_path, reward_tokenizer or tokenizer, reward_tokenizer is not None)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path).to(device)
@@ -1435,19 +1599,15 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    # The reference is a frozen copy of the initial policy, needed only for the KL penalty.
-    ref_policy = None
-    if args.beta > 0:
-        ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-        if args.bf16:
-            ref_policy.to(torch.bfloat16)
+    # The reference is a frozen copy of the initial policy, needed only for the KL penalty. Its weights stay fp32 like
+    # the policy's (also with --bf16: both run under the same autocast), so that the KL is exactly 0 before training.
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
     if checkpoint is not None:
         policy.load_state_dict(from_pretrained(AutoModelForCausalLM, os.path.join(checkpoint, "policy")).state_dict())
     reward_model = None
     if args.reward_model_path:
-        reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False)
-        reward_model.to(device, torch.bfloat16 if args.bf16 else torch.float32)
-    stop_ids = sorted({tokenizer.eos_token_id} | ({args.stop_token_id} if args.stop_token_id is not None else set()))
+        reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).to(device, torch.float32)
+    eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
     generation_config = GenerationConfig(
         max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
@@ -1466,13 +1626,14 @@ if __name__ == "__main__":
 
     # A resumed run starts where its checkpoint ends: weights (above), optimizer, schedule, counters, data position,
     # random generators (restored just before the loop) and logs.
-    start_update = episode = skipped_steps = skipped_in_a_row = 0
+    start_update = episode = num_tokens = skipped_steps = skipped_in_a_row = 0
     seconds_before = 0.0  # training time before the resume, for eps
     if checkpoint is not None:
         optimizer.load_state_dict(training_state["optimizer"])
         scheduler.load_state_dict(training_state["scheduler"])
         start_update, episode, skipped_steps, skipped_in_a_row, seconds_before = (training_state[k] for k in (
             "update", "episode", "skipped_steps", "skipped_in_a_row", "seconds"))
+        num_tokens = training_state.get("num_tokens", 0)  # a checkpoint from before it was logged: from here on
     logger = Logger(args, run_name, run_dir, resume=training_state["logger"] if checkpoint else None)
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
                   f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}" +
@@ -1505,7 +1666,7 @@ if __name__ == "__main__":
                                 value=tokenizer.pad_token_id))
         return torch.cat(chunks)
 
-    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, columns):
+    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns):
         """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions."""
         texts = tokenizer.batch_decode(completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask),
                                        skip_special_tokens=True)
@@ -1515,8 +1676,11 @@ if __name__ == "__main__":
         per_source = []
         if reward_model is not None:
             chunk = args.local_rollout_forward_batch_size
-            input_ids = torch.cat([prompt_ids, completion_ids], 1)
-            attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+            if reward_tokenizer is None:  # it reads the policy's own token ids
+                input_ids = torch.cat([prompt_ids, completion_ids], 1)
+                attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+            else:
+                input_ids, attention_mask = (t.to(device) for t in reward_model_inputs(reward_tokenizer, prompts, texts, ended))
             with autocast():
                 per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk])
                                              for i in range(0, len(input_ids), chunk)]).cpu())
@@ -1538,11 +1702,10 @@ if __name__ == "__main__":
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
         batch = eval_dataset[:args.num_sample_prompts]
-        texts = [prompt_text(tokenizer, p) for p in batch["prompt"]]
-        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_length, device)
+        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device)
         completion_ids = generate(policy, prompt_ids, prompt_mask, greedy_config)
-        completion_mask, _ = completion_mask_from(completion_ids, stop_ids)
-        rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask,
+        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
+        rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
                                      {c: batch[c] for c in extra_columns if c in batch})
         rewards = weighted_reward(rewards, reward_weights).tolist()
         rows = [{"prompt": message_text(p), "completion": c, "reward": r}
@@ -1556,8 +1719,9 @@ if __name__ == "__main__":
     def run_state(update: int) -> dict:
         """The training state after `update`: all a checkpoint holds but the optimizer and scheduler (RunGuard adds
         them when it saves)."""
-        return {"update": update, "episode": episode, "skipped_steps": skipped_steps, "skipped_in_a_row": skipped_in_a_row,
-                "seconds": time.time() - start_time, "rng": rng_states(), "logger": logger.state()}
+        return {"update": update, "episode": episode, "num_tokens": num_tokens, "skipped_steps": skipped_steps,
+                "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time, "rng": rng_states(),
+                "logger": logger.state()}
 
     # ------------------------------------------------------------------------------------------------------------
     # Training loop
@@ -1593,33 +1757,32 @@ if __name__ == "__main__":
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        prompt_ids, prompt_mask, num_truncated = tokenize_prompts(
-            tokenizer, [prompt_text(tokenizer, p) for p in prompts], args.max_prompt_length, device)  # (B, P)
+        prompt_ids, prompt_mask, num_truncated = tokenize_prompts(tokenizer, prompts, args.max_prompt_length, device)  # (B, P)
         with timer("generation"):
             completion_ids = generate(policy, prompt_ids, prompt_mask, generation_config)  # (B, C)
-        completion_mask, stopped = completion_mask_from(completion_ids, stop_ids)  # (B, C), (B,)
-        old_logprobs = ref_logprobs = None
+        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
+        mask = completion_mask.float()
+        # log pi_old: a forward of its own only when the KL or a later minibatch needs it; else the update's forward fills it
+        old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         if not ratio_is_one or ref_policy is not None:
             with timer("old_logprobs"):
-                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
         if ref_policy is not None:
             with timer("reference_forward"):
                 ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         with timer("reward"):
-            rewards_per_func, _ = score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, columns)  # (B, F)
+            rewards_per_func, _ = score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns)  # (B, F)
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
-            scores = torch.where(stopped, scores, scores - args.missing_eos_penalty)
-        raw_scores = scores
+            scores = torch.where(ended, scores, scores - args.missing_eos_penalty)
         if args.normalize_reward:
             scores = whiten_nan(scores, eps=1e-8)
         if args.reward_clip_range is not None:
             scores = scores.clamp(*clip_bounds(args.reward_clip_range))
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
-        mask = completion_mask.float()
         if ref_policy is not None:
             kl = per_token_kl(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, C)
             rlhf_reward, non_score_reward = kl_penalized_reward(scores, kl, mask, args.beta, args.token_level_kl)
@@ -1629,13 +1792,16 @@ if __name__ == "__main__":
         # Advantage: the estimator's baseline over the scorable siblings of each group, then its normalisation
         trains = has_baseline(rlhf_reward, G)  # rows that carry a gradient
         if args.mask_truncated_completions:
-            trains &= stopped
-        advantages = compute_advantages(rlhf_reward, trains, G, args.advantage_estimator, args.advantage_normalization)  # (B,)
+            trains &= ended
+        advantages, divisors = compute_advantages(rlhf_reward, trains, G, args.advantage_estimator,
+                                                  args.advantage_normalization)  # (B,)
+        per_token_advantages = token_advantages(advantages, divisors, kl, trains, args.beta, args.token_level_kl)  # (B, C)
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches; each micro-batch adds its share of the minibatch loss (policy_loss) to the gradient.
         policy.train()
-        stats = defaultdict(float)  # sums over the units of the loss: tokens, or completions for a sequence ratio
+        stats = defaultdict(list)  # per micro-batch: sums over the units of the loss (tokens, or completions), extremes
+        losses, grad_norms, learning_rates = [], [], []  # per optimizer step
         epoch_generator = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(batch_size, generator=epoch_generator).to(device)
@@ -1651,92 +1817,69 @@ if __name__ == "__main__":
                             logprobs, entropy = completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx],
                                                                     completion_ids[idx], completion_mask[idx],
                                                                     args.temperature, with_entropy=True)  # (b, C)
-                        if on_policy:
-                            old = logprobs.detach()
-                            if old_logprobs is not None:  # later epochs compare against these same numbers
-                                old_logprobs[idx] = old
-                        else:
-                            old = old_logprobs[idx]
-                        loss, log_ratio, units, gate = policy_loss(args, logprobs, old, advantages[idx], mask[idx],
-                                                                    trains[idx], mini_batch_size, mini_batch_tokens)
+                        if on_policy:  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                            old_logprobs[idx] = logprobs.detach()
+                        old = old_logprobs[idx]
+                        loss, log_ratio, unit_advantages, units, gate = policy_loss(
+                            args, logprobs, old, advantages[idx], per_token_advantages[idx], mask[idx], trains[idx],
+                            mini_batch_size, mini_batch_tokens)
                         loss.backward()
                     step_loss += loss.detach()
                     with torch.no_grad():
                         ratio = log_ratio.exp()
-                        clipped_low, clipped_high = clipped_units(ratio, advantages[idx], args.epsilon, args.epsilon_high)
-                        stats["units"] += units.sum()
-                        stats["ratio"] += (ratio * units).sum()
-                        stats["ratio_squared"] += (ratio.square() * units).sum()
-                        stats["approxkl"] += (0.5 * log_ratio.square() * units).sum()
-                        stats["clipped_low"] += (clipped_low * units).sum()
-                        stats["clipped_high"] += (clipped_high * units).sum()
+                        low, high = clipped_units(ratio, unit_advantages, args.epsilon, args.epsilon_high)
+                        real = units.bool()
+                        stats["units"].append(units.sum())
+                        stats["approxkl"].append((0.5 * log_ratio.square() * units).sum())
+                        stats["clipped_low"].append((low * units).sum())
+                        stats["clipped_high"].append((high * units).sum())
+                        stats["low_min"].append((low | ~real).all())  # TRL 1.16: min and max over the micro-batch's units
+                        stats["high_max"].append((high & real).any())
+                        stats["token_ratio"].append(((logprobs.detach() - old).exp() * mask[idx]).sum() / mask[idx].sum())
+                        stats["entropy"].append((entropy * mask[idx]).sum())
+                        stats["tokens"].append(mask[idx].sum())
                         if args.dual_clip is not None:  # tokens whose loss the dual clip capped
-                            stats["dual_clipped"] += (((ratio > args.dual_clip) & (advantages[idx, None] < 0)) * units).sum()
+                            stats["dual_clipped"].append((((ratio > args.dual_clip) & (unit_advantages < 0)) * units).sum())
                         if gate is not None:
-                            stats["sapo_gate"] += (gate * units).sum()
-                        stats["entropy"] += (entropy * mask[idx]).sum()
-                        stats["tokens"] += mask[idx].sum()
+                            stats["sapo_gate"].append((gate * units).sum())
                 with timer("optimizer"):
+                    learning_rates.append(scheduler.get_last_lr()[0])  # the rate this step uses
                     grad_norm, stepped = optimizer_step(policy, optimizer, args.max_grad_norm, step_loss)
                     scheduler.step()  # a skipped step counts too: the schedule follows the updates
-                stats["loss"] += step_loss
-                stats["grad_norm"] += grad_norm.detach().float()
+                losses.append(step_loss)
+                grad_norms.append(grad_norm.detach().float())
                 skipped_steps += not stepped
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         episode += batch_size
+        num_tokens += int(prompt_mask.sum() + completion_mask.sum())
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
-        stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync for all of them
-        steps, units = args.num_ppo_epochs * args.num_mini_batches, max(stats["units"], 1.0)
-        token_entropy = stats["entropy"] / max(stats["tokens"], 1.0)
-        mean_ratio = stats["ratio"] / units
-        clip_fraction = (stats["clipped_low"] + stats["clipped_high"]) / units
-        num_tokens = int(completion_mask.sum() + prompt_mask.sum())
+        micro = dict(zip(stats, torch.stack([torch.stack(v).float() for v in stats.values()]).tolist()))  # one sync
+        losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
         metrics = {
             "episode": episode,
             "eps": episode / (time.time() - start_time),
-            "lr": scheduler.get_last_lr()[0],
-            # new-TRL names
-            "reward": float(raw_scores.nanmean()),
-            "reward_std": float(raw_scores[~raw_scores.isnan()].std()),
-            "completions/mean_length": float(completion_mask.sum(1).float().mean()),
-            "completions/clipped_ratio": float((~stopped).float().mean()),
-            "entropy": token_entropy,
-            "clip_ratio/region_mean": clip_fraction,
-            "clip_ratio/low_mean": stats["clipped_low"] / units,
-            "clip_ratio/high_mean": stats["clipped_high"] / units,
-            # old-TRL names
-            "objective/scores": float(raw_scores.nanmean()),
+            "num_tokens": num_tokens,  # prompt and completion tokens so far (TRL 1.16)
+            "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
+            **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
+            **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
+            **update_metrics(micro, losses, grad_norms, learning_rates),
+            # old-TRL names: the score that enters the reward, and the reward with its KL penalty
+            "objective/scores": float(scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),
             "objective/rlhf_reward": float(rlhf_reward.nanmean()),
-            "objective/entropy": stats["entropy"] / (args.num_ppo_epochs * batch_size),  # per completion
-            "policy/approxkl_avg": stats["approxkl"] / units,
-            "policy/clipfrac_avg": clip_fraction,
-            "policy/entropy_avg": token_entropy,
-            "loss/policy_avg": stats["loss"] / steps,
-            "val/ratio": mean_ratio,
-            "val/ratio_var": max(stats["ratio_squared"] - units * mean_ratio ** 2, 0.0) / max(units - 1, 1.0),
-            "val/num_eos_tokens": int(stopped.sum()),
+            "objective/entropy": float((-old_logprobs * mask).sum(1).mean()),  # sampled tokens' -log pi, per completion
             # health and speed
             "advantages/mean": float(advantages[trains].mean()) if trains.any() else 0.0,
             "advantages/std": float(advantages[trains].std()) if trains.sum() > 1 else 0.0,
             "prompts/truncated": num_truncated,
-            "optim/grad_norm": stats["grad_norm"] / steps,
             "optim/skipped_steps": skipped_steps,
-            "perf/tokens_per_second": num_tokens / update_seconds,
+            "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
             "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
         }
-        for j, name in enumerate(reward_names):
-            values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
-            metrics[f"rewards/{name}/mean"] = float(values.mean())
-            metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
-        if args.dual_clip is not None:
-            metrics["clip_ratio/dual_mean"] = stats["dual_clipped"] / units
-        if args.loss_type == "sapo":
-            metrics["sapo/gate_mean"] = stats["sapo_gate"] / units
         if ref_policy is not None:
             metrics["objective/kl"] = float(kl.sum(1).mean())
             metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))

@@ -50,6 +50,31 @@ def build_tiny_models(path: str) -> dict:
     return {"policy": policy_dir, "reward": reward_dir, "tokenizer": tokenizer}
 
 
+def build_reward_model_with_its_own_tokenizer(path: str) -> str:
+    """A reward model whose tokenizer is not the policy's (another vocabulary and special tokens, adding a BOS), as a
+    Llama reward model scoring a Qwen policy: rloo.py must hand it text, not the policy's token ids."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([" ".join(WORDS[::-1])] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(1)
+    model = LlamaForSequenceClassification(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def write_jsonl(path: str, rows: list[dict]) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -61,6 +86,11 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     return build_tiny_models(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def other_reward(tmp_path_factory):
+    return build_reward_model_with_its_own_tokenizer(str(tmp_path_factory.mktemp("other_reward")))
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +134,7 @@ def run_outcome(run_dir: str):
     and the final weights."""
     from safetensors.torch import load_file
 
-    wall_clock = lambda k: k == "eps" or k.startswith(("perf/", "time/"))  # noqa: E731
+    wall_clock = lambda k: k in ("eps", "step_time") or k.startswith(("perf/", "time/"))  # noqa: E731
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [{k: v for k, v in json.loads(line).items() if not wall_clock(k)} for line in f]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:

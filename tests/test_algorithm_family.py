@@ -46,12 +46,18 @@ def by_hand(estimator):
 @pytest.mark.parametrize("estimator", ["rloo", "grpo", "dr_grpo", "reinforce_pp"])
 def test_each_estimator_by_hand_with_its_default_normalisation(estimator):
     args = args_for("--advantage_estimator", estimator)
-    advantages = rloo.compute_advantages(REWARDS, ALL, 4, args.advantage_estimator, args.advantage_normalization)
+    advantages, divisors = rloo.compute_advantages(REWARDS, ALL, 4, args.advantage_estimator, args.advantage_normalization)
     torch.testing.assert_close(advantages, by_hand(estimator))
+    # The divisor is what the centred reward was divided by: 1, the group's std or the batch's (token_advantages uses it)
+    centred = REWARDS.view(2, 4) - REWARDS.view(2, 4).mean(1, keepdim=True)
+    if estimator != "rloo":
+        torch.testing.assert_close(advantages * divisors, centred.view(-1) - (centred.mean() if estimator == "reinforce_pp" else 0))
+    else:
+        assert (divisors == 1).all()
 
 
 def test_rloo_with_group_normalisation_divides_the_leave_one_out_advantage_by_the_group_std():
-    advantages = rloo.compute_advantages(REWARDS, ALL, 4, "rloo", "group")
+    advantages, _ = rloo.compute_advantages(REWARDS, ALL, 4, "rloo", "group")
     std = torch.tensor([math.sqrt(14 / 3)] * 4 + [math.sqrt(16 / 3)] * 4)
     torch.testing.assert_close(advantages, by_hand("rloo") / (std + 1e-4))
 
@@ -62,12 +68,12 @@ def test_group_estimators_skip_unscorable_rows_and_rows_that_do_not_train():
     # Row 3: a truncated completion (--mask_truncated_completions); row 4 has no baseline.
     trains = rloo.has_baseline(rewards, 4) & torch.tensor([True, True, True, False, True, True, True, True])
     assert trains.tolist() == [True, False, True, False, False, False, False, False]
-    dr = rloo.compute_advantages(rewards, trains, 4, "dr_grpo", "none")
+    dr, _ = rloo.compute_advantages(rewards, trains, 4, "dr_grpo", "none")
     torch.testing.assert_close(dr, torch.tensor([-2.0, 0, 0, 0, 0, 0, 0, 0]))
-    grpo = rloo.compute_advantages(rewards, trains, 4, "grpo", "group")
+    grpo, _ = rloo.compute_advantages(rewards, trains, 4, "grpo", "group")
     torch.testing.assert_close(grpo, torch.tensor([-2.0 / (2.0 + 1e-4), 0, 0, 0, 0, 0, 0, 0]))  # std of 1, 3, 5 is 2
     # REINFORCE++ whitens over the rows that train only: here rows 0 and 2, centred -2 and 0.
-    pp = rloo.compute_advantages(rewards, trains, 4, "reinforce_pp", "batch")
+    pp, _ = rloo.compute_advantages(rewards, trains, 4, "reinforce_pp", "batch")
     torch.testing.assert_close(pp, torch.tensor([-1 / (math.sqrt(2) + 1e-4), 0, 1 / (math.sqrt(2) + 1e-4), 0, 0, 0, 0, 0]))
 
 
@@ -92,7 +98,7 @@ def current_logprobs():
 
 def test_token_policy_gradient_by_hand():
     logprobs = current_logprobs()
-    loss = rloo.pg_token_loss(logprobs, torch.tensor([2.0]))
+    loss = rloo.pg_token_loss(logprobs, torch.tensor([[2.0]]))
     torch.testing.assert_close(loss, -2.0 * logprobs.detach())
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.full((1, 3), -2.0))
@@ -101,7 +107,7 @@ def test_token_policy_gradient_by_hand():
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_token_ppo_clip_by_hand(advantage):
     logprobs = current_logprobs()
-    loss = rloo.ppo_token_loss(logprobs, OLD, torch.tensor([advantage]), 0.2, 0.3)
+    loss = rloo.ppo_token_loss(logprobs, OLD, torch.tensor([[advantage]]), 0.2, 0.3)
     if advantage > 0:  # 1.5 is clipped at 1.3 (no gradient); 0.5 and 1.1 are not (the clip only stops increases)
         expected, grad = [-1.3, -0.5, -1.1], [0.0, -0.5, -1.1]
     else:  # 0.5 is clipped at 0.8 (no gradient); 1.5 and 1.1 keep -A r
@@ -109,25 +115,25 @@ def test_token_ppo_clip_by_hand(advantage):
     torch.testing.assert_close(loss.detach(), torch.tensor([expected]))
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([grad]))  # d(-A r)/d log p = -A r
-    low, high = rloo.clipped_units(torch.exp(logprobs.detach() - OLD), torch.tensor([advantage]), 0.2, 0.3)
+    low, high = rloo.clipped_units(torch.exp(logprobs.detach() - OLD), torch.tensor([[advantage]]), 0.2, 0.3)
     assert ((logprobs.grad == 0) == (low | high)).all()  # the clip fraction counts exactly the cut tokens
 
 
 def test_dual_clip_caps_the_loss_of_negative_advantages():
     old = torch.zeros(1, 3)
     logprobs = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0)]], requires_grad=True)
-    loss = rloo.ppo_token_loss(logprobs, old, torch.tensor([-1.0]), 0.2, 0.2, dual_clip=3.0)
+    loss = rloo.ppo_token_loss(logprobs, old, torch.tensor([[-1.0]]), 0.2, 0.2, dual_clip=3.0)
     # ratio 5 with A = -1: PPO's loss 5 is capped at c|A| = 3 and has no gradient; ratio 2 stays at 2.
     torch.testing.assert_close(loss.detach(), torch.tensor([[3.0, 2.0, 3.0]]))
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 2.0, 0.0]]))
-    positive = rloo.ppo_token_loss(logprobs.detach(), old, torch.tensor([1.0]), 0.2, 0.2, dual_clip=3.0)
+    positive = rloo.ppo_token_loss(logprobs.detach(), old, torch.tensor([[1.0]]), 0.2, 0.2, dual_clip=3.0)
     torch.testing.assert_close(positive, torch.full((1, 3), -1.2))  # A > 0: only the usual clip
 
 
 def test_cispo_weight_is_clipped_and_stop_gradient():
     logprobs = current_logprobs()
-    loss = rloo.cispo_loss(logprobs, OLD, torch.tensor([2.0]), 0.2, 0.3)
+    loss = rloo.cispo_loss(logprobs, OLD, torch.tensor([[2.0]]), 0.2, 0.3)
     weight = torch.tensor([[1.3, 0.8, 1.1]])  # clip(r, 0.8, 1.3)
     torch.testing.assert_close(loss.detach(), -weight * 2.0 * logprobs.detach())
     loss.sum().backward()
@@ -140,7 +146,7 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
     old = torch.tensor([[-1.1, -1.9, -0.45, 0.0], [-0.3, -0.6, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     advantages = torch.tensor([1.5, -0.5])
-    token_loss = rloo.gspo_loss(logprobs, old, advantages, mask, 0.2, 0.2)
+    token_loss = rloo.gspo_loss(logprobs, old, advantages[:, None], mask, 0.2, 0.2)
     loss = (token_loss * mask).sum(1) / mask.sum(1)  # GSPO averages over the tokens of a sequence
     # The value: s_i = exp(mean_t (log p - log p_old)) for every token of sequence i.
     s = torch.exp(((logprobs.detach() - old) * mask).sum(1) / mask.sum(1))
@@ -155,7 +161,7 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
 
 def test_gspo_clips_the_whole_sequence():
     logprobs = torch.tensor([[0.2, 0.4]], requires_grad=True)  # s = exp(0.3) > 1 + 0.2: clipped for A > 0
-    loss = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.2)
+    loss = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([[1.0]]), torch.ones(1, 2), 0.2, 0.2)
     torch.testing.assert_close(loss.detach(), torch.full((1, 2), -1.2))
     loss.sum().backward()
     assert (logprobs.grad == 0).all()
@@ -164,7 +170,7 @@ def test_gspo_clips_the_whole_sequence():
 def test_sapo_gate_by_hand_and_its_gradient():
     for advantage, tau in [(2.0, 1.0), (-2.0, 1.05)]:
         logprobs = current_logprobs()
-        loss, gate = rloo.sapo_loss(logprobs, OLD, torch.tensor([advantage]), tau_pos=1.0, tau_neg=1.05)
+        loss, gate = rloo.sapo_loss(logprobs, OLD, torch.tensor([[advantage]]), tau_pos=1.0, tau_neg=1.05)
         sig = torch.sigmoid(tau * (RATIOS - 1))
         torch.testing.assert_close(gate, sig * 4 / tau)
         torch.testing.assert_close(loss.detach(), -advantage * sig * 4 / tau)
@@ -172,7 +178,7 @@ def test_sapo_gate_by_hand_and_its_gradient():
         # d gate / d r = 4 sig (1 - sig), d r / d log p = r
         torch.testing.assert_close(logprobs.grad, -advantage * 4 * sig * (1 - sig) * RATIOS)
     on_policy = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, gate = rloo.sapo_loss(on_policy, on_policy.detach(), torch.tensor([3.0]), 1.0, 1.05)
+    loss, gate = rloo.sapo_loss(on_policy, on_policy.detach(), torch.tensor([[3.0]]), 1.0, 1.05)
     loss.sum().backward()
     torch.testing.assert_close(on_policy.grad, torch.full((1, 2), -3.0))  # on-policy: the REINFORCE gradient
 
@@ -208,7 +214,8 @@ def test_default_loss_is_the_previous_implementation_bit_for_bit():
     previous = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - 0.2, 1 + 0.2))
     previous = (previous * trains).sum() / 8
     (previous_grad,) = torch.autograd.grad(previous, logprobs)
-    loss, log_ratio, units, gate = rloo.policy_loss(args_for(), logprobs, old, advantages, mask, trains, 8, None)
+    loss, log_ratio, _, units, gate = rloo.policy_loss(args_for(), logprobs, old, advantages, advantages[:, None].expand(6, 5),
+                                                       mask, trains, 8, None)
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert torch.equal(loss, previous) and torch.equal(grad, previous_grad)
     assert torch.equal(log_ratio.exp(), ratio.detach()) and units.tolist() == [1.0] * 6 and gate is None
@@ -221,11 +228,13 @@ def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv
     logprobs = current_logprobs().expand(2, 3).clone().detach().requires_grad_()
     old, mask, advantages = OLD.expand(2, 3), torch.ones(2, 3), torch.tensor([1.0, 5.0])
     trains = torch.tensor([True, False])
-    loss, log_ratio, units, gate = rloo.policy_loss(args, logprobs, old, advantages, mask, trains, 2, mask[:1].sum())
+    loss, log_ratio, unit_advantages, units, gate = rloo.policy_loss(args, logprobs, old, advantages, advantages[:, None].expand(2, 3),
+                                                                     mask, trains, 2, mask[:1].sum())
     loss.backward()
     assert (logprobs.grad[1] == 0).all() and (logprobs.grad[0] != 0).any()  # the row that does not train adds nothing
     assert (gate is not None) == (args.loss_type == "sapo")
     assert log_ratio.shape == ((2,) if args.loss_type == "gspo" else (2, 3)) and units.shape == log_ratio.shape
+    assert unit_advantages.shape == log_ratio.shape  # what the clip metrics compare the ratio with
 
 
 @pytest.mark.parametrize("argv", [[], ["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip", "--dual_clip", "2"],
@@ -236,8 +245,8 @@ def test_on_the_first_minibatch_every_loss_is_reinforce(argv):
     args = args_for(*argv)
     logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
     mask, advantages, trains = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([1.5, -0.5]), torch.ones(2).bool()
-    loss, log_ratio, units, gate = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages, mask, trains, 2,
-                                                    mask.sum())
+    loss, log_ratio, _, units, gate = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages,
+                                                       advantages[:, None].expand(2, 3), mask, trains, 2, mask.sum())
     assert (log_ratio == 0).all()
     loss.backward()
     per_token = {"sequence": 1 / 2, "token": 1 / 5, "cispo": 1 / 5, "sapo": 1 / 5}  # sum over sequences / 2; tokens / 5
@@ -278,7 +287,7 @@ def test_end_to_end(extra, tiny, prompts_file, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 2
-    assert rows[0]["lr"] == pytest.approx(1e-3 * (1 - 4 / 8))  # 4 optimizer steps per rollout, 8 in all
+    assert rows[0]["lr"] == pytest.approx(1e-3 * (8 + 7 + 6 + 5) / 32)  # the mean rate of the update's 4 steps, of 8
     for row in rows:
         assert row["val/ratio_var"] > 0 and row["policy/approxkl_avg"] > 0  # later minibatches are off-policy
         assert row["clip_ratio/region_mean"] == pytest.approx(row["clip_ratio/low_mean"] + row["clip_ratio/high_mean"])
@@ -293,3 +302,48 @@ def test_end_to_end(extra, tiny, prompts_file, tmp_path):
     assert ("clip_ratio/dual_mean" in rows[0]) == ("--dual_clip" in extra)
     if "reinforce_pp" in extra or "batch" in extra:  # whitened over the batch
         assert all(row["advantages/std"] == pytest.approx(1.0, abs=1e-2) for row in rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token-level KL (--token_level_kl)
+# ----------------------------------------------------------------------------------------------------------------
+def test_token_level_kl_charges_each_token_the_kl_penalties_from_it_on():
+    """REINFORCE++ eq. 1: r_t = -beta kl_t, plus the score at the last token. Token t's return is what follows it,
+    score - beta sum_{s>=t} kl_s, and its advantage that return minus the completion's baseline."""
+    scores = torch.tensor([1.0, 3.0])  # one group of two completions
+    kl = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.4, -0.2, 0.0, 0.0]])  # masked: row 1 has 2 tokens
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    trains = torch.ones(2, dtype=torch.bool)
+    rewards, _ = rloo.kl_penalized_reward(scores, kl, mask, beta=0.5, token_level=True)
+    advantages, divisors = rloo.compute_advantages(rewards, trains, 2, "rloo", "none")
+    per_token = rloo.token_advantages(advantages, divisors, kl, trains, beta=0.5, token_level_kl=True)
+    for i, j in [(0, 1), (1, 0)]:  # the baseline of each completion is its sibling's whole reward
+        for t in range(int(mask[i].sum())):
+            to_go = scores[i] - 0.5 * kl[i, t:].sum()
+            assert per_token[i, t].item() == pytest.approx((to_go - rewards[j]).item())
+    assert torch.equal(per_token[:, 0], advantages)  # the first token is charged everything: the sequence advantage
+    # Without the flag every token carries the completion's advantage; with a divisor the KL part is divided too.
+    assert torch.equal(rloo.token_advantages(advantages, divisors, kl, trains, 0.5, False), advantages[:, None].expand(2, 4))
+    halved = rloo.token_advantages(advantages / 2, divisors * 2, kl, trains, 0.5, True)
+    torch.testing.assert_close(halved, per_token / 2)
+    none_train = rloo.token_advantages(advantages, divisors, kl, torch.tensor([True, False]), 0.5, True)
+    assert (none_train[1] == 0).all()
+
+
+@pytest.mark.parametrize("loss_type", ["token", "cispo", "sapo"])
+def test_token_level_kl_changes_the_gradient_of_token_losses_only(loss_type):
+    kl = torch.tensor([[0.3, 0.6, 0.9], [0.2, 0.2, 0.0]])
+    mask, trains = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.ones(2, dtype=torch.bool)
+    advantages, divisors = torch.tensor([1.0, -1.0]), torch.ones(2)
+    grads = {}
+    for token_level_kl in [False, True]:
+        for args in [args_for("--loss_type", loss_type), args_for()]:
+            logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
+            per_token = rloo.token_advantages(advantages, divisors, kl, trains, 1.0, token_level_kl)
+            loss, *_ = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages, per_token, mask, trains, 2, mask.sum())
+            (grads[token_level_kl, args.loss_type],) = torch.autograd.grad(loss, logprobs)
+    # On-policy, a token loss has the gradient -A_t / tokens: A_t = A + beta * (KL of the tokens before t)
+    expected = -(advantages[:, None] + torch.tensor([[0.0, 0.3, 0.9], [0.0, 0.2, 0.4]])) * mask / 5
+    torch.testing.assert_close(grads[True, loss_type], expected)
+    assert not torch.allclose(grads[True, loss_type], grads[False, loss_type])
+    assert torch.equal(grads[True, "sequence"], grads[False, "sequence"])  # one action: the full KL either way

@@ -60,6 +60,7 @@ EARLY = [
     (["--loss_type", "token", "--sapo_tau_pos", 2], ["gate temperatures of --loss_type sapo"]),
     (["--loss_type", "sapo", "--sapo_tau_neg", 0], ["--sapo_tau_neg must be > 0"]),
     (["--epsilon", 0], ["--epsilon must be > 0"]),
+    (["--ignore_eos", "--stop_token", "eos"], ["--ignore_eos samples past EOS and --stop_token eos stops at it"]),
     # Numbers that make no sense (the rest of the list is checked in-process below)
     (["--beta", "nan"], ["--beta must be a finite number, got nan"]),
     (["--seed", -1], ["--seed must be in [0, 2**32) (numpy's seed range), got -1"]),
@@ -304,11 +305,14 @@ def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
     # The config checks in-process (the same function the script calls before any weights load)
     two_labels = save_classifier(tiny, tmp_path / "two_labels", num_labels=2)
     with pytest.raises(rloo.UsageError, match=f"--reward_model_path {two_labels} has 2 labels; a reward model has one"):
-        rloo.check_reward_model_config(str(two_labels), tiny["tokenizer"])
+        rloo.check_reward_model_config(str(two_labels), tiny["tokenizer"], False)
     small = save_classifier(tiny, tmp_path / "small_vocab", num_labels=1, vocab_size=100)
-    with pytest.raises(rloo.UsageError, match=f"--reward_model_path {small} knows 100 token ids, but the policy's "
-                                              "tokenizer has 400"):
-        rloo.check_reward_model_config(str(small), tiny["tokenizer"])
+    assert rloo.load_reward_tokenizer(str(small), tiny["tokenizer"], False) is None  # no tokenizer: it reads the policy's ids
+    with pytest.raises(rloo.UsageError, match=re.escape(f"--reward_model_path {small} knows 100 token ids, but the policy's "
+                                                        "tokenizer (it has none of its own, so it reads those ids) has 400")):
+        rloo.check_reward_model_config(str(small), tiny["tokenizer"], False)
+    with pytest.raises(rloo.UsageError, match="but its own tokenizer has 400"):
+        rloo.check_reward_model_config(str(small), tiny["tokenizer"], True)
     # A config that names no architecture (as a GGUF file's), over weights that have no score head (a causal LM's)
     headless = tmp_path / "headless"
     shutil.copytree(tiny["policy"], headless)

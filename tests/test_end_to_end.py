@@ -3,19 +3,29 @@
 import glob
 import json
 import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, run_rloo, write_jsonl
+from conftest import ROOT, read_metrics, run_env, run_rloo, write_jsonl
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
-# Metric names of both TRL generations (seeds 001 and 003), which openrlbenchmark comparisons rely on.
+# Metric names of both TRL generations (seeds 001 and 003, and TRL 1.16's RLOOTrainer), which openrlbenchmark
+# comparisons rely on.
 OLD_TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
                    "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode"]
-NEW_TRL_METRICS = ["reward", "reward_std", "completions/mean_length", "completions/clipped_ratio", "entropy", "kl",
-                   "clip_ratio/region_mean"]
+NEW_TRL_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+                   "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+                   "completions/min_terminated_length", "completions/max_terminated_length", "entropy", "kl",
+                   "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
+                   "clip_ratio/high_max", "num_tokens", "step_time"]
 
 
 def small(tiny, data, *extra):
@@ -41,6 +51,12 @@ def test_reward_model_beta_epochs_minibatches_and_saved_model(tiny, prompts_file
     # Two epochs of two minibatches: after the first optimizer step the policy has moved, so the ratio is not 1.
     assert rows[-1]["val/ratio_var"] > 0 and rows[-1]["policy/approxkl_avg"] > 0
     assert rows[-1]["kl"] != 0
+    # 8 optimizer steps in all, 4 per update: the logged rate is the mean of those the update's steps used
+    assert [r["lr"] for r in rows] == pytest.approx([3e-5 * (8 + 7 + 6 + 5) / 32, 3e-5 * (4 + 3 + 2 + 1) / 32])
+    for r in rows:  # TRL 1.16's length metrics, and the count of tokens so far
+        assert r["completions/min_length"] <= r["completions/mean_length"] <= r["completions/max_length"] <= 12
+        assert 0 <= r["clip_ratio/low_min"] <= r["clip_ratio/low_mean"] and r["clip_ratio/high_mean"] <= r["clip_ratio/high_max"]
+    assert rows[1]["num_tokens"] > rows[0]["num_tokens"] > 16 * rows[0]["completions/mean_length"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -56,7 +72,10 @@ def test_several_reward_functions_with_weights_and_none(tiny, prompts_file, tmp_
                            "--gradient_checkpointing"),
                     cwd=tmp_path)
     check_ok(proc)
-    row = read_metrics(tmp_path)[-1]
+    rows = read_metrics(tmp_path)
+    # The rate each update's one optimizer step used: 1, .75, .5, .25 of the peak (not the rate after the step)
+    assert [r["lr"] for r in rows] == pytest.approx([3e-5, 2.25e-5, 1.5e-5, 0.75e-5])
+    row = rows[-1]
     assert {"rewards/only_topic_a/mean", "rewards/vader_sentiment/mean", "rewards/records_kwargs/mean"} <= set(row)
     assert "kl" not in row and "objective/kl" not in row  # beta = 0: no reference model, no KL
     assert "time/reference_forward" not in row and "time/old_logprobs" not in row  # and no extra forward pass
@@ -72,23 +91,10 @@ def test_conversational_data_token_level_k3_kl_and_normalised_rewards(tiny, tmp_
     check_ok(proc)
     metrics = read_metrics(tmp_path)
     assert metrics[-1]["kl"] >= 0  # k3 is non-negative
-    assert metrics[0]["lr"] == pytest.approx(3e-5) and metrics[-1]["lr"] == pytest.approx(3e-5)
+    assert metrics[0]["lr"] == 0 and metrics[-1]["lr"] == pytest.approx(3e-5)  # one warm-up step at rate 0, then constant
     samples = glob.glob(str(tmp_path / "runs" / "*" / "samples.jsonl"))
     first = json.loads(open(samples[0]).readline())
     assert first["prompt"] == "the movie was good"  # the table shows the user's message, not the template
-
-
-def test_seed_quick_start_command_with_local_paths(tiny, tmp_path):
-    """Seed 001's command, hub ids replaced by local paths (pythia-14m -> the tiny model); descriptiveness split."""
-    rows = [{"prompt": f"the film was {w}", "chosen": "x", "rejected": "y"} for w in ["good", "long", "sad", "fine"] * 16]
-    write_jsonl(str(tmp_path / "descriptiveness-sentiment" / "descriptiveness.jsonl"), rows)
-    proc = run_rloo("--dataset_name", tmp_path / "descriptiveness-sentiment", "--dataset_train_split", "descriptiveness",
-                    "--learning_rate", "3e-6", "--output_dir", "models/minimal/rloo", "--per_device_train_batch_size", "64",
-                    "--gradient_accumulation_steps", "1", "--total_episodes", "10000", "--model_name_or_path",
-                    tiny["policy"], "--reward_model_path", tiny["reward"], "--missing_eos_penalty", "1.0", cwd=tmp_path)
-    check_ok(proc)
-    assert read_metrics(tmp_path)[-1]["episode"] == 10000 // 64 * 64
-    assert os.path.exists(tmp_path / "models" / "minimal" / "rloo" / "config.json")
 
 
 def test_old_trl_flag_names_are_aliases(tiny, prompts_file, tmp_path):
@@ -149,3 +155,127 @@ def test_embedded_default_loads_and_steps(tmp_path):
     check_ok(proc)
     row = read_metrics(tmp_path)[-1]
     assert row["episode"] == 8 and -1 <= row["rewards/vader_sentiment/mean"] <= 1 and "kl" in row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where rloo.py is held against TRL: precision, prompts, end tokens, reward models, token-level KL
+# ----------------------------------------------------------------------------------------------------------------
+def one_update(tiny, data, *extra):
+    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--total_episodes", 16,
+            "--per_device_train_batch_size", 16, "--max_completion_length", 8, "--num_sample_generations", 0, *extra]
+
+
+def test_with_bf16_the_kl_is_zero_before_the_first_update(tiny, prompts_file, tmp_path):
+    """The reference must compute what the initial policy computes in every precision: with --bf16 both run under
+    autocast over fp32 weights (a bf16 copy of the reference gave 0.0058 per token on SmolLM2 before any update)."""
+    check_ok(run_rloo(*one_update(tiny, prompts_file, "--bf16", "--beta", 0.1, "--learning_rate", 1e-9,
+                                  "--reward_model_path", tiny["reward"]), cwd=tmp_path))
+    (row,) = read_metrics(tmp_path)
+    assert row["kl"] == 0 and row["objective/kl"] == 0 and row["objective/non_score_reward"] == 0
+
+
+def test_every_end_token_of_the_models_generation_config_ends_a_completion(tiny, prompts_file, tmp_path):
+    """Llama 3 and Qwen declare several end ids in generation_config.json; here every id of the vocabulary is one, so
+    every completion ends at its first token. With --ignore_eos none ends early (old TRL without --stop_token eos),
+    and each token counts as an EOS generated."""
+    policy = tmp_path / "many_end_ids"
+    shutil.copytree(tiny["policy"], policy)
+    config = json.load(open(policy / "generation_config.json"))
+    json.dump({**config, "eos_token_id": list(range(len(tiny["tokenizer"]))), "_from_model_config": False},
+              open(policy / "generation_config.json", "w"))
+    runs = {}
+    for name, extra in [("default", []), ("ignore_eos", ["--ignore_eos"])]:
+        os.makedirs(tmp_path / name)
+        args = one_update(tiny, prompts_file, "--reward_funcs", "completion_length", "--missing_eos_penalty", 1.0, *extra)
+        check_ok(run_rloo(*args[:1], policy, *args[2:], cwd=tmp_path / name))
+        (runs[name],) = read_metrics(tmp_path / name)
+    assert runs["default"]["completions/max_length"] == 1 and runs["default"]["completions/clipped_ratio"] == 0
+    ignored = runs["ignore_eos"]
+    assert ignored["completions/min_length"] == 8 and ignored["val/num_eos_tokens"] == 16 * 8
+    assert ignored["completions/clipped_ratio"] == 0  # each holds an EOS: no missing-EOS penalty
+    assert ignored["objective/scores"] == ignored["reward"] == 8
+
+
+def test_a_reward_model_with_its_own_tokenizer_scores_the_text(tiny, other_reward, prompts_file, tmp_path):
+    """Its vocabulary is not the policy's: it gets prompt + completion as text, tokenized its own way (its BOS, and its
+    EOS after a completion that ended), and is read at the last token."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    check_ok(run_rloo(*one_update(tiny, prompts_file, "--reward_model_path", other_reward, "--num_sample_generations", 1,
+                                  "--num_sample_prompts", 3), cwd=tmp_path))
+    model = AutoModelForSequenceClassification.from_pretrained(other_reward).eval()
+    tokenizer = AutoTokenizer.from_pretrained(other_reward)
+    samples = [json.loads(line) for line in open(glob.glob(str(tmp_path / "runs" / "*" / "samples.jsonl"))[0])]
+    assert len(samples) == 6  # a table before training and one after
+    for sample in samples:
+        ids = tokenizer(sample["prompt"] + sample["completion"])["input_ids"]
+        assert ids[0] == tokenizer.bos_token_id
+        with torch.no_grad():  # ended or truncated: the score of one of the two layouts
+            scores = [model(torch.tensor([row])).logits[0, 0].item() for row in (ids, ids + [tokenizer.eos_token_id])]
+        assert min(abs(sample["reward"] - s) for s in scores) < 1e-4, (sample, scores)
+    # Chat prompts need its chat template, since its layout of a conversation is not the policy's
+    with pytest.raises(__import__("rloo").UsageError, match="has no chat template to lay out the conversation"):
+        __import__("rloo").load_reward_tokenizer(other_reward, tiny["tokenizer"], chat_prompts=True)
+
+
+def test_token_level_kl_changes_the_token_loss(tiny, prompts_file, tmp_path):
+    """With --loss_type token each token's advantage carries the KL penalties from it on; the KL is 0 before the first
+    update, so the two runs part from the second one."""
+    losses = {}
+    for flag in [[], ["--token_level_kl"]]:
+        cwd = tmp_path / ("token_level" if flag else "sequence_level")
+        os.makedirs(cwd)
+        check_ok(run_rloo(*small(tiny, prompts_file, "--loss_type", "token", "--beta", 0.5, "--learning_rate", 1e-3,
+                                 "--num_sample_generations", 0, "--reward_model_path", tiny["reward"], *flag), cwd=cwd))
+        losses[bool(flag)] = [r["loss/policy_avg"] for r in read_metrics(cwd)]
+    assert losses[True][0] == losses[False][0] and losses[True][1] != losses[False][1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The seed commands, as the README documents them, run to their first update with hub ids swapped for local paths
+# ----------------------------------------------------------------------------------------------------------------
+def readme_command(name: str) -> list[str]:
+    """The command in the README's block marked <!-- seed command: name -->."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(rf"<!-- seed command: {name} -->\n```bash\n(.*?)```", readme, re.S).group(1)
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def run_to_first_update(argv: list[str], cwd, timeout: float = 300) -> dict:
+    """Start the command, wait until it has logged its first update, stop it, and return that row."""
+    assert argv[:2] == ["python", "rloo.py"]
+    with open(cwd / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo.py"), *argv[2:]], cwd=cwd, env=run_env(),
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.time() + timeout
+        try:
+            while time.time() < deadline and proc.poll() is None:
+                metrics = glob.glob(str(cwd / "runs" / "*" / "metrics.jsonl"))
+                if metrics and open(metrics[0]).read().endswith("\n"):
+                    return json.loads(open(metrics[0]).readline())
+                time.sleep(0.5)
+        finally:
+            proc.kill()
+            proc.wait()
+    raise AssertionError(f"no update logged (exit {proc.returncode}): {open(cwd / 'stderr.txt').read()[-3000:]}")
+
+
+def test_the_quick_start_seed_command_runs_as_old_trl_ran_it(tiny, tmp_path):
+    rows = [{"prompt": f"the film was {w}", "chosen": "x", "rejected": "y"} for w in ["good", "long", "sad", "fine"] * 16]
+    data = os.path.dirname(write_jsonl(str(tmp_path / "descriptiveness-sentiment" / "descriptiveness.jsonl"), rows))
+    local = {"trl-internal-testing/descriptiveness-sentiment-trl-style": data, "EleutherAI/pythia-14m": tiny["policy"]}
+    row = run_to_first_update([local.get(a, a) for a in readme_command("quick start")], tmp_path)
+    assert row["episode"] == 64 and row["completions/min_length"] == 53  # old TRL sampled past EOS: 53 tokens each
+    assert row["val/ratio_var"] > 0  # 4 PPO epochs over the rollout
+
+
+def test_the_tldr_seed_command_runs_as_old_trl_ran_it(tiny, tmp_path):
+    posts = [{"prompt": f"SUBREDDIT: r/movies\n\nTITLE: {w}\n\nPOST: the film was {w}\n\nTL;DR:"} for w in ["good", "bad"] * 8]
+    data = os.path.dirname(write_jsonl(str(tmp_path / "tldr" / "train.jsonl"), posts * 40))
+    write_jsonl(str(tmp_path / "tldr" / "validation.jsonl"), posts)
+    local = {"trl-internal-testing/tldr-preference-sft-trl-style": data, "EleutherAI/pythia-1b-deduped": tiny["policy"],
+             "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": tiny["policy"],
+             "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"]}
+    row = run_to_first_update([local.get(a, a) for a in readme_command("tldr")], tmp_path)
+    assert row["episode"] == 16 * 16 * 2 and row["completions/max_length"] <= 53  # stops at EOS (--stop_token eos)
+    assert "kl" in row and "rewards/cleanrl__EleutherAI_pythia-1b-deduped__reward__tldr/mean" not in row

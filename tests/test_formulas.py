@@ -43,10 +43,10 @@ def test_rloo_advantages_with_none_rewards_ignore_the_unscorable_sibling():
 def test_normalize_advantages_only_over_rows_that_train():
     advantages = torch.tensor([1.0, -1.0, 3.0, 0.0])
     valid = torch.tensor([True, True, True, False])
-    out = rloo.normalize_advantages(advantages, valid)
+    out, divisor = rloo.normalize_advantages(advantages, valid)
     a = torch.tensor([1.0, -1.0, 3.0])
     torch.testing.assert_close(out[:3], (a - 1.0) / (a.std() + 1e-4))
-    assert out[3] == 0
+    assert out[3] == 0 and divisor.item() == pytest.approx(a.std().item() + 1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,6 +111,25 @@ def test_kl_estimators_by_hand():
     assert (rloo.per_token_kl(logp, ref, "k3") >= 0).all()
 
 
+def test_only_k1_in_the_reward_has_the_gradient_of_the_kl():
+    """The KL penalty is folded into a detached reward, so it reaches the policy as REINFORCE does: E_pi[k(y) grad log
+    pi(y)]. On an exact categorical, for k1 that is grad KL(pi || ref); for k3 it is not, though both values are unbiased
+    (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL")."""
+    torch.manual_seed(0)
+    theta = torch.randn(6, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6), 0)
+    logp = torch.log_softmax(theta, 0)
+    kl = (logp.exp() * (logp - ref)).sum()
+    (kl_grad,) = torch.autograd.grad(kl, theta, retain_graph=True)
+    grads = {}
+    for estimator in ["k1", "k3"]:
+        k = rloo.per_token_kl(logp.detach(), ref, estimator)  # the per-token KL of each outcome, as rloo.py computes it
+        assert (logp.exp() * k).sum().item() == pytest.approx(kl.item(), abs=1e-6)  # its expectation is the KL
+        (grads[estimator],) = torch.autograd.grad((logp.exp().detach() * k * logp).sum(), theta, retain_graph=True)
+    torch.testing.assert_close(grads["k1"], kl_grad)
+    assert (grads["k3"] - kl_grad).norm() > 0.5 * kl_grad.norm()
+
+
 def test_token_level_and_sequence_level_kl_give_the_same_reward():
     scores = torch.tensor([2.0, -1.0])
     kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0]])
@@ -151,24 +170,71 @@ def test_on_policy_ratio_is_exactly_one_and_the_loss_is_reinforce():
 # ----------------------------------------------------------------------------------------------------------------
 # Log-probs, entropy, masks
 # ----------------------------------------------------------------------------------------------------------------
-def test_selective_log_softmax_and_entropy():
+@pytest.mark.parametrize("chunk_elements", [2**24, 2 * 7])  # one chunk; a chunk per position
+def test_selective_log_softmax_and_entropy_by_hand_in_chunks(monkeypatch, chunk_elements):
+    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
-    logits = torch.randn(2, 3, 7)
+    logits = torch.randn(2, 3, 7, requires_grad=True)
     ids = torch.randint(7, (2, 3))
-    torch.testing.assert_close(rloo.selective_log_softmax(logits, ids),
-                               torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1))
+    weights = torch.randn(2, 3)
+    out = rloo.selective_log_softmax(logits, ids, temperature=0.7)
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(out, expected)
+    # The gradient, recomputed chunk by chunk in the backward pass, is the plain one.
+    torch.testing.assert_close(torch.autograd.grad((out * weights).sum(), logits)[0],
+                               torch.autograd.grad((expected * weights).sum(), logits)[0])
+    probs = torch.softmax(logits.detach() / 0.7, -1)
+    torch.testing.assert_close(rloo.entropy_from_logits(logits.detach(), 0.7), -(probs * probs.log()).sum(-1))
     uniform = torch.zeros(1, 2, 7)
     torch.testing.assert_close(rloo.entropy_from_logits(uniform), torch.full((1, 2), math.log(7)))
     peaked = torch.tensor([[[100.0, 0.0, 0.0]]])
     assert rloo.entropy_from_logits(peaked).item() == pytest.approx(0.0, abs=1e-6)
 
 
+def test_log_probs_of_bf16_logits_keep_no_fp32_copy_for_the_backward_pass(monkeypatch):
+    """What autograd saves for the backward pass of the log-probs: the bf16 logits as the model made them, never an
+    fp32 (B, T, V) copy (with a 150k vocabulary that copy is gigabytes per micro-batch)."""
+    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", 4 * 2 * 50)  # two positions per chunk
+    logits = torch.randn(4, 6, 50).bfloat16().requires_grad_()
+    ids = torch.randint(50, (4, 6))
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = rloo.selective_log_softmax(logits, ids, temperature=0.9)
+    fp32_saved = sum(n for dtype, n in saved if dtype == torch.float32)
+    assert fp32_saved < logits.numel() / 2, saved
+    (grad,) = torch.autograd.grad(out.sum(), logits)
+    full = logits.detach().float().requires_grad_()
+    (expected,) = torch.autograd.grad(torch.log_softmax(full / 0.9, -1).gather(-1, ids[..., None]).sum(), full)
+    torch.testing.assert_close(grad.float(), expected, atol=1e-2, rtol=1e-2)  # bf16 rounding of the gradient
+    torch.testing.assert_close(out, torch.log_softmax(full.detach() / 0.9, -1).gather(-1, ids[..., None]).squeeze(-1))
+
+
 def test_completion_mask_keeps_the_first_stop_token_and_nothing_after():
     eos, stop, pad = 2, 9, 0
     ids = torch.tensor([[5, 6, eos, pad, pad], [5, stop, 7, eos, pad], [5, 6, 7, 8, 4]])
-    mask, stopped = rloo.completion_mask_from(ids, [eos, stop])
+    mask, ended = rloo.completion_mask_from(ids, [eos, stop], [eos])
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
-    assert stopped.tolist() == [True, True, False]
+    assert ended.tolist() == [True, True, False]
+    # --ignore_eos: EOS does not stop a completion, but one that holds an EOS has ended (old TRL's missing-EOS test)
+    mask, ended = rloo.completion_mask_from(ids, [stop], [eos])
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert ended.tolist() == [True, True, False]
+    mask, ended = rloo.completion_mask_from(ids, [], [eos])
+    assert mask.all() and ended.tolist() == [True, True, False]
+
+
+def test_end_tokens_are_every_eos_the_model_declares(tiny):
+    tok = tiny["tokenizer"]  # eos <|im_end|>
+    eos = tok.eos_token_id
+    assert rloo.end_token_ids(tok, None, None, False) == ([eos], [eos])
+    assert rloo.end_token_ids(tok, eos, None, False) == ([eos], [eos])
+    assert rloo.end_token_ids(tok, [7, eos, 0], 9, False) == (sorted({0, 7, eos}), sorted({0, 7, eos, 9}))  # Llama 3, Qwen
+    assert rloo.end_token_ids(tok, [7], 9, True) == (sorted({7, eos}), [9])  # --ignore_eos: only --stop_token_id stops
 
 
 def test_entropy_metric_only_counts_real_tokens(tiny):
@@ -232,6 +298,48 @@ def test_tokenize_prompts_left_pads_and_left_truncates(tiny):
     assert ids[0].tolist() == full[-4:]  # the end of the prompt is kept
     short = tok(short_text, add_special_tokens=False)["input_ids"]
     assert mask[1].tolist() == [0] * (4 - len(short)) + [1] * len(short)
+
+
+def with_bos(tokenizer):
+    """A copy of the tokenizer that adds its BOS to every text it encodes, as Llama's does."""
+    from tokenizers import processors
+
+    tokenizer = __import__("copy").deepcopy(tokenizer)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    return tokenizer
+
+
+def test_plain_prompts_get_the_bos_and_chat_prompts_get_it_once(tiny):
+    tok = with_bos(tiny["tokenizer"])  # BOS is <|im_start|>, which the chat template also opens every message with
+    bos, text = tok.bos_token_id, "the movie was good"
+    assert tok(text)["input_ids"][0] == bos
+    ids, mask, _ = rloo.tokenize_prompts(tok, [text], 64, "cpu")
+    assert ids[0].tolist() == [bos] + tok(text, add_special_tokens=False)["input_ids"]
+    chat = [{"role": "user", "content": text}]
+    ids, _, _ = rloo.tokenize_prompts(tok, [chat], 64, "cpu")
+    templated = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ids[0].tolist() == tok(templated, add_special_tokens=False)["input_ids"] and ids[0, 1] != bos
+    # Truncated from the left, a prompt keeps its BOS and its last tokens.
+    ids, _, truncated = rloo.tokenize_prompts(tok, ["the movie was good and the plot was great"], 4, "cpu")
+    assert truncated == 1 and ids[0].tolist() == [bos] + tok("the movie was good and the plot was great",
+                                                              add_special_tokens=False)["input_ids"][-3:]
+
+
+def test_reward_model_inputs_in_its_own_tokens(tiny):
+    """A reward model with a tokenizer of its own reads the decoded text: its chat template for conversations; for plain
+    text its special tokens and its EOS after a completion that ended, where the policy's ids would have theirs."""
+    tok = with_bos(tiny["tokenizer"])
+    eos = tok.eos_token_id
+    ids, mask = rloo.reward_model_inputs(tok, ["the movie", "the film"], [" was good", " was"], torch.tensor([True, False]))
+    ended = tok("the movie was good")["input_ids"] + [eos]
+    truncated = tok("the film was")["input_ids"]
+    assert ids[0].tolist() == ended and ids[1, -len(truncated):].tolist() == truncated
+    assert mask.sum(1).tolist() == [len(ended), len(truncated)]  # left-padded
+    chat = [{"role": "user", "content": "the movie"}]
+    ids, _ = rloo.reward_model_inputs(tok, [chat], ["was good"], torch.tensor([True]))
+    text = tok.apply_chat_template(chat + [{"role": "assistant", "content": "was good"}], tokenize=False)
+    assert ids[0].tolist() == tok(text, add_special_tokens=False)["input_ids"]
 
 
 def test_dataset_folder_gives_one_split_per_file(tmp_path):
