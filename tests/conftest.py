@@ -1,5 +1,6 @@
 """Fixtures: a tiny Llama policy, its tokenizer and a reward model, built locally in a second (nothing downloaded)."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+SCRIPTS = ["rloo.py", "rloo_vllm.py"]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -81,6 +83,14 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return path
+
+
+@pytest.fixture(params=[script[:-len(".py")] for script in SCRIPTS])
+def each_script(request, monkeypatch):
+    """Runs a test of the shared functions once per script: the test module's `rloo` is each script in turn."""
+    module = importlib.import_module(request.param)
+    monkeypatch.setattr(request.module, "rloo", module)
+    return module
 
 
 @pytest.fixture(scope="session")

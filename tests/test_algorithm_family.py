@@ -10,6 +10,9 @@ import rloo
 from conftest import read_metrics, run_rloo
 
 
+per_script = pytest.mark.usefixtures("each_script")  # a test of shared functions runs against every script
+
+
 def args_for(*argv: str) -> rloo.Args:
     """Args as the script sees them after its checks and defaults."""
     import tyro
@@ -43,6 +46,7 @@ def by_hand(estimator):
     return flat / (math.sqrt(sum(x * x for x in flat.tolist()) / 7) + 1e-4)
 
 
+@per_script
 @pytest.mark.parametrize("estimator", ["rloo", "grpo", "dr_grpo", "reinforce_pp"])
 def test_each_estimator_by_hand_with_its_default_normalisation(estimator):
     args = args_for("--advantage_estimator", estimator)
@@ -56,12 +60,14 @@ def test_each_estimator_by_hand_with_its_default_normalisation(estimator):
         assert (divisors == 1).all()
 
 
+@per_script
 def test_rloo_with_group_normalisation_divides_the_leave_one_out_advantage_by_the_group_std():
     advantages, _ = rloo.compute_advantages(REWARDS, ALL, 4, "rloo", "group")
     std = torch.tensor([math.sqrt(14 / 3)] * 4 + [math.sqrt(16 / 3)] * 4)
     torch.testing.assert_close(advantages, by_hand("rloo") / (std + 1e-4))
 
 
+@per_script
 def test_group_estimators_skip_unscorable_rows_and_rows_that_do_not_train():
     rewards = torch.tensor([1.0, math.nan, 3.0, 5.0,  # mean of the scorable three: 3
                             2.0, math.nan, math.nan, math.nan])  # a single scorable reward: no baseline
@@ -77,6 +83,7 @@ def test_group_estimators_skip_unscorable_rows_and_rows_that_do_not_train():
     torch.testing.assert_close(pp, torch.tensor([-1 / (math.sqrt(2) + 1e-4), 0, 1 / (math.sqrt(2) + 1e-4), 0, 0, 0, 0, 0]))
 
 
+@per_script
 def test_estimator_defaults_and_the_trl_flag():
     assert args_for().advantage_normalization == "none"
     assert args_for("--advantage_estimator", "grpo").advantage_normalization == "group"
@@ -96,6 +103,7 @@ def current_logprobs():
     return (OLD + RATIOS.log()).requires_grad_()
 
 
+@per_script
 def test_token_policy_gradient_by_hand():
     logprobs = current_logprobs()
     loss = rloo.pg_token_loss(logprobs, torch.tensor([[2.0]]))
@@ -104,6 +112,7 @@ def test_token_policy_gradient_by_hand():
     torch.testing.assert_close(logprobs.grad, torch.full((1, 3), -2.0))
 
 
+@per_script
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_token_ppo_clip_by_hand(advantage):
     logprobs = current_logprobs()
@@ -119,6 +128,7 @@ def test_token_ppo_clip_by_hand(advantage):
     assert ((logprobs.grad == 0) == (low | high)).all()  # the clip fraction counts exactly the cut tokens
 
 
+@per_script
 def test_dual_clip_caps_the_loss_of_negative_advantages():
     old = torch.zeros(1, 3)
     logprobs = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0)]], requires_grad=True)
@@ -131,6 +141,7 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
     torch.testing.assert_close(positive, torch.full((1, 3), -1.2))  # A > 0: only the usual clip
 
 
+@per_script
 def test_cispo_weight_is_clipped_and_stop_gradient():
     logprobs = current_logprobs()
     loss = rloo.cispo_loss(logprobs, OLD, torch.tensor([[2.0]]), 0.2, 0.3)
@@ -141,6 +152,7 @@ def test_cispo_weight_is_clipped_and_stop_gradient():
     torch.testing.assert_close(logprobs.grad, -weight * 2.0)
 
 
+@per_script
 def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
     logprobs = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.7, 0.0, 0.0]]).requires_grad_()
     old = torch.tensor([[-1.1, -1.9, -0.45, 0.0], [-0.3, -0.6, 0.0, 0.0]])
@@ -159,6 +171,7 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
     torch.testing.assert_close(logprobs.grad * mask, (-advantages * s / mask.sum(1))[:, None] * mask)
 
 
+@per_script
 def test_gspo_clips_the_whole_sequence():
     logprobs = torch.tensor([[0.2, 0.4]], requires_grad=True)  # s = exp(0.3) > 1 + 0.2: clipped for A > 0
     loss = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([[1.0]]), torch.ones(1, 2), 0.2, 0.2)
@@ -167,6 +180,7 @@ def test_gspo_clips_the_whole_sequence():
     assert (logprobs.grad == 0).all()
 
 
+@per_script
 def test_sapo_gate_by_hand_and_its_gradient():
     for advantage, tau in [(2.0, 1.0), (-2.0, 1.05)]:
         logprobs = current_logprobs()
@@ -192,6 +206,7 @@ TOKEN_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 @pytest.mark.parametrize("mode,expected", [("token-mean", (1 + 2 + 3) / 3), ("seq-mean-token-mean", ((1 + 2) / 2 + 3) / 2),
                                            ("seq-mean-token-sum", (3 + 3) / 2), ("seq-mean-token-sum-norm", 6 / (2 * 3))])
+@per_script
 def test_aggregation_by_hand_and_over_micro_batches(mode, expected):
     whole = rloo.aggregate_loss(TOKEN_LOSS, TOKEN_MASK, mode, mini_batch_size=2, mini_batch_tokens=3,
                                 max_completion_length=3)
@@ -200,6 +215,7 @@ def test_aggregation_by_hand_and_over_micro_batches(mode, expected):
     assert sum(shares).item() == pytest.approx(expected)  # gradient accumulation gives the minibatch's loss
 
 
+@per_script
 def test_default_loss_is_the_previous_implementation_bit_for_bit():
     """rloo.py before the loss family: sum over sequences of max(-A rho, -A clip(rho)) over the rows that train, divided
     by the minibatch size, with rho the ratio of summed log-probs."""
@@ -223,6 +239,7 @@ def test_default_loss_is_the_previous_implementation_bit_for_bit():
 
 @pytest.mark.parametrize("argv", [["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip"], ["--loss_type", "cispo"],
                                   ["--loss_type", "gspo"], ["--loss_type", "sapo"]])
+@per_script
 def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv):
     args = args_for(*argv)
     logprobs = current_logprobs().expand(2, 3).clone().detach().requires_grad_()
@@ -239,6 +256,7 @@ def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv
 
 @pytest.mark.parametrize("argv", [[], ["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip", "--dual_clip", "2"],
                                   ["--loss_type", "cispo"], ["--loss_type", "gspo"], ["--loss_type", "sapo"]])
+@per_script
 def test_on_the_first_minibatch_every_loss_is_reinforce(argv):
     """Before the first optimizer step pi_old is pi (the detached log-probs): every ratio is exactly 1 and every loss
     has the gradient of -A log pi, aggregated its way (per completion for sequence and gspo, per token otherwise)."""
@@ -254,6 +272,7 @@ def test_on_the_first_minibatch_every_loss_is_reinforce(argv):
     torch.testing.assert_close(logprobs.grad, -advantages[:, None] * mask * weight)
 
 
+@per_script
 def test_loss_defaults():
     gspo = args_for("--loss_type", "gspo")
     assert (gspo.epsilon, gspo.epsilon_high, gspo.loss_aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
@@ -307,6 +326,7 @@ def test_end_to_end(extra, tiny, prompts_file, tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # Token-level KL (--token_level_kl)
 # ----------------------------------------------------------------------------------------------------------------
+@per_script
 def test_token_level_kl_charges_each_token_the_kl_penalties_from_it_on():
     """REINFORCE++ eq. 1: r_t = -beta kl_t, plus the score at the last token. Token t's return is what follows it,
     score - beta sum_{s>=t} kl_s, and its advantage that return minus the completion's baseline."""
@@ -330,6 +350,7 @@ def test_token_level_kl_charges_each_token_the_kl_penalties_from_it_on():
     assert (none_train[1] == 0).all()
 
 
+@per_script
 @pytest.mark.parametrize("loss_type", ["token", "cispo", "sapo"])
 def test_token_level_kl_changes_the_gradient_of_token_losses_only(loss_type):
     kl = torch.tensor([[0.3, 0.6, 0.9], [0.2, 0.2, 0.0]])

@@ -7,6 +7,8 @@ import torch
 
 import rloo
 
+pytestmark = pytest.mark.usefixtures("each_script")  # every test runs against every script that has the function
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Leave-one-out advantages

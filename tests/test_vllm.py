@@ -1,0 +1,287 @@
+"""rloo_vllm.py with the real vLLM (the CPU build here): weights reach the engine, in both modes; runs learn; a resumed
+run is the run it would have been; bad vLLM settings and a missing server are one line.
+
+The server tests start vLLM's own OpenAI-compatible server on the tiny model (rloo_vllm.SERVER_COMMAND) and stop it at
+the end, whatever happens.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_outcome, run_rloo
+
+import rloo_vllm
+
+REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
+PROMPTS = ["the movie was", "a very long film and", "it is"]
+
+
+def vllm_args(tiny, **kwargs) -> rloo_vllm.Args:
+    return rloo_vllm.Args(model_name_or_path=tiny["policy"], max_prompt_length=32, max_completion_length=16, **kwargs)
+
+
+def hf_greedy(policy, tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out.append(policy.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[],
+                                   pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist())
+    return out
+
+
+def engine_greedy(engine, tokenizer, args) -> list[list[int]]:
+    options = rloo_vllm.sampling_options(args, stop_ids=[], greedy=True)  # no end token: always max_completion_length
+    return [ids for ids, _ in engine.generate([tokenizer(p).input_ids for p in PROMPTS], options, None)]
+
+
+def perturb(policy, seed: int, scale: float = 0.05) -> None:
+    """A stand-in for an update that moves every weight (the tied embedding / LM head included)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+
+
+def check_pushes(engine, tiny, args, monkeypatch):
+    """After each push the engine's greedy output is the policy's, and it differs from the output before the update;
+    a push that leaves out lm_head.weight (save_pretrained's way with tied embeddings) is caught."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    assert policy.config.tie_word_embeddings
+    engine.push_weights(policy)
+    before = engine_greedy(engine, tokenizer, args)
+    assert before == hf_greedy(policy, tokenizer, args.max_completion_length)
+
+    perturb(policy, seed=1)
+    after_hf = hf_greedy(policy, tokenizer, args.max_completion_length)
+    assert after_hf != before  # the update changes the greedy output...
+    assert engine_greedy(engine, tokenizer, args) == before  # ...which the engine shows only once pushed
+    engine.push_weights(policy)
+    assert engine_greedy(engine, tokenizer, args) == after_hf
+
+    # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
+    probe = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, args.max_prompt_length, torch.device("cpu"))[:2]
+    logprobs_of = lambda *rollout: rloo_vllm.completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
+    options = rloo_vllm.sampling_options(args, stop_ids=[], greedy=True)
+    rloo_vllm.check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
+    with monkeypatch.context() as m:
+        m.setattr(rloo_vllm, "weights_for_vllm", lambda p: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"})
+        with torch.no_grad():
+            policy.get_input_embeddings().weight.mul_(-1.0)
+        engine.push_weights(policy)
+    assert engine_greedy(engine, tokenizer, args) != hf_greedy(policy, tokenizer, args.max_completion_length)
+    with pytest.raises(rloo_vllm.UsageError, match="does not sample from the policy"):
+        rloo_vllm.check_engine(engine, *probe, options, logprobs_of)
+    engine.push_weights(policy)
+    assert engine_greedy(engine, tokenizer, args) == hf_greedy(policy, tokenizer, args.max_completion_length)
+
+
+def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    args = vllm_args(tiny)
+    engine = rloo_vllm.ColocatedVLLM(args, AutoModelForCausalLM.from_pretrained(tiny["policy"]), torch.device("cpu"))
+    try:
+        check_pushes(engine, tiny, args, monkeypatch)
+        # The sampling log-probs are the policy's at the sampling temperature (logprobs_mode processed_logprobs)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+        policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+        engine.push_weights(policy)
+        args = vllm_args(tiny, temperature=0.7)
+        prompt_ids, prompt_mask, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+        outputs = engine.generate(prompts, rloo_vllm.sampling_options(args, [], greedy=False), [1, 2, 3])
+        completion_ids, sampling_logprobs = rloo_vllm.pad_completions(outputs, 16, 0, [], torch.device("cpu"))
+        with torch.no_grad():
+            trainer = rloo_vllm.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids,
+                                                    torch.ones_like(completion_ids), 0.7)
+        assert (trainer - sampling_logprobs).abs().max() < 1e-4
+        # One seed per completion: the same seed gives the same completion, another seed another one
+        again = engine.generate(prompts, rloo_vllm.sampling_options(args, [], greedy=False), [1, 2, 4])
+        assert again[:2] == outputs[:2] and again[2][0] != outputs[2][0]
+    finally:
+        engine.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    """vLLM's OpenAI-compatible server on the tiny model, as the README starts it; stopped at the end."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--generation-config", "vllm",
+               "--logprobs-mode", "processed_logprobs"]
+    env = {**run_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, open(log).read()[-3000:]
+            assert time.time() < deadline, "the vLLM server did not start in 300 s"
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(1)
+        yield {"url": url, "process": proc, "log": log}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
+    args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
+    engine = rloo_vllm.VLLMServer(args)
+    try:
+        check_pushes(engine, tiny, args, monkeypatch)
+    finally:
+        engine.close()
+
+
+def learning_args(tiny, data, *extra):
+    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:count_good",
+            "--total_episodes", 1280, "--per_device_train_batch_size", 32, "--max_completion_length", 8,
+            "--learning_rate", "3e-3", "--num_generations", 4, "--beta", 0, "--num_sample_generations", 0, "--seed", 3,
+            *extra]
+
+
+def check_learns(tmp_path):
+    rows = read_metrics(tmp_path)
+    rewards = [r["reward"] for r in rows]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 1.0, rewards
+    # vLLM sampled from the policy being trained: its log-probs are the trainer's, update after update
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), [
+        r["sampling/sampling_logp_difference/max"] for r in rows]
+    assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in rows)
+
+
+def test_a_colocated_run_raises_a_simple_reward(tiny, prompts_file, tmp_path):
+    """Only happens if every update's weights reach the engine: the samples come from vLLM."""
+    proc = run_rloo(*learning_args(tiny, prompts_file), cwd=tmp_path, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_learns(tmp_path)
+
+
+def test_a_server_run_raises_a_simple_reward(tiny, server, prompts_file, tmp_path):
+    proc = run_rloo(*learning_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"]),
+                    cwd=tmp_path, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_learns(tmp_path)
+
+
+def resume_args(tiny, data, *extra):
+    """6 updates of 2 epochs x 2 minibatches with a KL and sample tables, a checkpoint every 3 (as test_resume.py's)."""
+    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:slow_text_length",
+            "--total_episodes", 48, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
+            "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.1, "--num_sample_generations", 2,
+            "--save_steps", 3, "--run_name", "run", *extra]
+
+
+def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, tmp_path):
+    """Each completion's seed depends on (--seed, update, row) only, and the resumed engine gets the checkpoint's
+    weights before its first rollout: the resumed run equals the uninterrupted one, metrics and weights."""
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    reference.mkdir(), interrupted.mkdir()
+    proc = run_rloo(*resume_args(tiny, prompts_file), cwd=reference, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    metrics = interrupted / "runs" / "run" / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, resume_args(tiny, prompts_file))],
+                            cwd=interrupted, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 4):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    assert sorted(os.listdir(interrupted / "runs" / "run" / "checkpoints")) == ["checkpoint-3"]
+    resumed = run_rloo(*resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=interrupted,
+                       script="rloo_vllm.py")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    expected, got = run_outcome(str(reference / "runs" / "run")), run_outcome(str(interrupted / "runs" / "run"))
+    assert [r["episode"] for r in got[0]] == [8 * i for i in range(1, 7)]
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
+    assert expected[0][-1]["kl"] > 0  # it trained
+
+
+def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file, tmp_path):
+    def refused(*extra, needles):
+        args = rloo_vllm.Args(model_name_or_path=tiny["policy"], dataset_name=prompts_file, **dict(extra))
+        with pytest.raises(rloo_vllm.UsageError) as e:
+            rloo_vllm.check_args(args)
+            rloo_vllm.check_vllm_args(args)
+        for needle in needles:
+            assert needle in str(e.value)
+
+    refused(("vllm_gpu_memory_utilization", 0.0), needles=["--vllm_gpu_memory_utilization must be in (0, 1]"])
+    refused(("vllm_cpu_kv_cache_gib", 0), needles=["--vllm_cpu_kv_cache_gib must be > 0"])
+    refused(("vllm_max_model_length", 100), needles=["cannot hold a prompt and its completion (256 + 32)"])
+    refused(("vllm_enable_sleep_mode", True), needles=["needs --vllm_mode colocate and a GPU"])
+    refused(("vllm_importance_sampling_mode", "token_mask"), needles=["weights tokens", "sequence_mask"])
+    refused(("vllm_importance_sampling_clip_min", 4.0), needles=["0 <= clip_min < clip_max", "clip_min 4.0, clip_max 3.0"])
+    refused(("vllm_server_base_url", "localhost:8000"), needles=["must look like http://host:port"])
+    # One that only vLLM itself can judge: a context longer than the model's positions
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--vllm_max_model_length",
+                    100000, cwd=tmp_path, script="rloo_vllm.py")
+    check_one_line_error(proc, "vLLM could not start an engine", "max_model_len", "--vllm_* options")
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # the run it did not start leaves nothing
+
+
+def test_an_unreachable_server_is_one_line_and_leaves_nothing(tiny, prompts_file, tmp_path):
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--vllm_mode", "server",
+                    "--vllm_server_port", free_port(), cwd=tmp_path, script="rloo_vllm.py")
+    check_one_line_error(proc, "does not answer /v1/models", "ConnectionRefusedError", "start the server first",
+                         "VLLM_SERVER_DEV_MODE=1")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint(tiny, server, prompts_file, tmp_path):
+    """The last test of the module: it kills the server."""
+    args = [*resume_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"],
+                         "--vllm_server_timeout", 10)]
+    args[args.index("--save_steps") + 1] = 1
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)], cwd=tmp_path,
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() is not None else ""
+        time.sleep(0.02)
+    os.killpg(server["process"].pid, signal.SIGKILL)
+    server["process"].wait()
+    _, stderr = proc.communicate(timeout=120)
+    proc.stderr = stderr
+    line = check_one_line_error(proc, f"the vLLM server at {server['url']}", "continue with:",
+                                "--resume_from_checkpoint")
+    checkpoints = sorted(os.listdir(tmp_path / "runs" / "run" / "checkpoints"))
+    assert checkpoints and all(os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / c / "policy") for c in checkpoints)
+    assert checkpoints[-1] in line
+    with open(metrics) as f:
+        assert len([json.loads(row) for row in f]) >= 2
