@@ -30,11 +30,13 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import statistics
 import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
@@ -153,6 +155,10 @@ class Args:
     """(server) port of the vLLM server"""
     vllm_server_timeout: float = 240.0
     """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
+    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
+    """(server) how new weights reach the server: nccl (vLLM's NCCL weight transfer from a GPU; the server started
+    with --weight-transfer-config '{"backend": "nccl"}'), shared_memory (a safetensors file in /dev/shm that the server
+    reloads: one machine); auto: nccl when training on a GPU, else shared_memory"""
     vllm_importance_sampling_correction: bool = True
     """weight each unit of the loss by pi_trainer / pi_vllm of its sampled tokens, truncated or masked (TRL's GRPO
     names and defaults; TRL's RLOO has no correction): vLLM's sampler and the training forward differ slightly"""
@@ -792,12 +798,19 @@ VLLM_INSTALL = ("pip install vllm (GPU); on CPU: pip install -r requirements.txt
                 "pip uninstall -y torchvision torchaudio torchcodec")
 SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
                   "--generation-config vllm --logprobs-mode processed_logprobs")
+NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 
 
 def check_vllm_args(args: Args) -> None:
     """The vLLM options (check_args checks the others), before anything is loaded."""
     if args.vllm_mode == "colocate" and importlib.util.find_spec("vllm") is None:
         raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")
+    if args.vllm_mode == "server" and args.vllm_server_weight_transfer == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--vllm_server_weight_transfer nccl sends the weights from a GPU, and there is none: use "
+                         "shared_memory (trainer and server on one machine), or auto")
+    if nccl_transfer(args) and importlib.util.find_spec("vllm") is None:
+        raise UsageError(f"vLLM's NCCL weight transfer needs vLLM in the trainer too, which is not installed: "
+                         f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)")
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
         raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if args.vllm_cpu_kv_cache_gib <= 0:
@@ -821,6 +834,12 @@ def check_vllm_args(args: Args) -> None:
     if args.vllm_importance_sampling_correction and token_mode and args.loss_type == "sequence":
         raise UsageError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
                          "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate")
+
+
+def nccl_transfer(args: Args) -> bool:
+    """Whether a server gets its weights by vLLM's NCCL weight transfer (else from shared memory)."""
+    transfer = args.vllm_server_weight_transfer
+    return args.vllm_mode == "server" and (transfer == "nccl" or (transfer == "auto" and torch.cuda.is_available()))
 
 
 def vllm_dtype(args: Args) -> str:
@@ -920,10 +939,33 @@ class ColocatedVLLM:
         self.folder.cleanup()
 
 
+def nccl_workers(server_info: dict, url: str) -> int:
+    """The number of inference workers of a server started for vLLM's NCCL weight transfer, from its /server_info."""
+    config = server_info["vllm_config"]
+    if (config.get("weight_transfer_config") or {}).get("backend") != "nccl":
+        raise UsageError(f"the vLLM server at {url} was not started for NCCL weight transfer: add {NCCL_SERVER_OPTION} "
+                         "to its command, or use --vllm_server_weight_transfer shared_memory (trainer and server on one "
+                         "machine)")
+    parallel = config["parallel_config"]
+    return parallel["world_size"] * parallel["data_parallel_size"]  # tensor x pipeline parallel, times data parallel
+
+
+def rendezvous_address(url: str) -> tuple[str, int]:
+    """This machine's address on the route to url (the server's workers connect back to it) and a free port."""
+    parsed = urllib.parse.urlparse(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:  # a UDP connect sends nothing: it picks a route
+        route.connect((parsed.hostname, parsed.port or 80))
+        address = route.getsockname()[0]
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return address, probe.getsockname()[1]
+
+
 class VLLMServer:
-    """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids;
-    new weights are written as safetensors to shared memory and reloaded by the server's reload_weights, called
-    through its /collective_rpc route (VLLM_SERVER_DEV_MODE=1). Server and trainer share a machine (its /dev/shm)."""
+    """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids.
+    New weights go by vLLM's NCCL weight transfer (this process is rank 0 of an NCCL group with the server's workers,
+    on GPUs), or as a safetensors file in shared memory that the server reloads through its /collective_rpc route (on
+    one machine: its /dev/shm). Both use the server's dev routes (VLLM_SERVER_DEV_MODE=1)."""
 
     def __init__(self, args: Args):
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
@@ -939,7 +981,13 @@ class VLLMServer:
             raise UsageError(f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
                              f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
                              f"--max-model-len {needed}")
-        self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_weights_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.nccl = nccl_transfer(args)
+        if self.nccl:
+            self.workers = nccl_workers(self.request("/server_info?config_format=json"), self.url)
+            self.sender = None  # vLLM's trainer-side transfer engine, set up by the first push
+        else:
+            self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_weights_",
+                                                      dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
     def request(self, route: str, body: Optional[dict] = None, timeout: Optional[float] = None):
         """GET (body None) or POST JSON; the answer's JSON. A server that cannot be reached or fails: RunError."""
@@ -950,7 +998,7 @@ class VLLMServer:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
-            if e.code == 404 and route.startswith(("/collective_rpc", "/reset_prefix_cache")):
+            if e.code == 404 and route.startswith(("/collective_rpc", "/reset_prefix_cache", "/server_info")):
                 raise RunError(f"the vLLM server at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
                                f"({SERVER_COMMAND})") from None
             raise RunError(f"the vLLM server at {self.url} refused {route} (HTTP {e.code}: {detail})") from None
@@ -975,18 +1023,52 @@ class VLLMServer:
         pass  # the server keeps its memory: it is on other devices
 
     def push_weights(self, policy) -> None:
-        from safetensors.torch import save_file
+        if self.nccl:
+            self.push_over_nccl(policy)
+        else:
+            from safetensors.torch import save_file
 
-        # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
-        weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights_for_vllm(policy).items()}
-        partial = os.path.join(self.folder.name, "model.safetensors.partial")
-        save_file(weights, partial)
-        os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
-        self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
+            # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
+            weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights_for_vllm(policy).items()}
+            partial = os.path.join(self.folder.name, "model.safetensors.partial")
+            save_file(weights, partial)
+            os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
+            self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
         self.request("/reset_prefix_cache", {})
 
+    def push_over_nccl(self, policy) -> None:
+        """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
+        /init_weight_transfer_engine route); every push broadcasts each tensor while the server loads it."""
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+        class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource leaves out a tied LM head)
+            def metadata(self):
+                return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in weights_for_vllm(policy).items()]
+
+            def __iter__(self):
+                return ((k, v.detach()) for k, v in weights_for_vllm(policy).items())
+
+        try:
+            if self.sender is None:
+                address, port = rendezvous_address(self.url)
+                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
+                    NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + self.workers),
+                    client=HTTPVLLMWeightSyncClient(self.url, self.timeout), source=PolicyWeights())
+            self.sender.send_weights()
+        except Exception as e:
+            raise RunError(f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})") from None
+
     def close(self) -> None:
-        self.folder.cleanup()
+        if not self.nccl:
+            self.folder.cleanup()
+        elif self.sender is not None:
+            try:  # the server can then take another trainer's group
+                self.sender.client.shutdown_weight_transfer_engine()
+            except Exception:
+                pass  # the run is over: a server that does not answer holds no group of ours that matters
+            self.sender.shutdown()
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
@@ -1536,6 +1618,7 @@ RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_t
                      "wandb_project_name", "wandb_entity", "output_dir",
                      # where the server is and how much memory the engine takes change no sample
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                     "vllm_server_weight_transfer",
                      "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_enforce_eager", "vllm_enable_sleep_mode"}
 LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes the run
 OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there

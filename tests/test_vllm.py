@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 
 import pytest
 import torch
@@ -161,6 +162,27 @@ def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
         check_pushes(engine, tiny, args, monkeypatch)
     finally:
         engine.close()
+
+
+def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
+    """vLLM's NCCL weight transfer needs a GPU, so it cannot run here; what can be checked on CPU is checked: the
+    refusal without a GPU, the server's configuration read from its real /server_info, and the address its workers
+    connect back to."""
+    args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"], vllm_server_weight_transfer="nccl")
+    with pytest.raises(rloo_vllm.UsageError, match="sends the weights from a GPU, and there is none"):
+        rloo_vllm.check_vllm_args(args)
+    assert not rloo_vllm.nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
+    # This server was started without --weight-transfer-config: refused when it is found, with the option to add
+    with pytest.raises(rloo_vllm.UsageError) as e:
+        rloo_vllm.VLLMServer(args)
+    assert rloo_vllm.NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
+    # The same /server_info with the option, on 2 tensor-parallel x 2 data-parallel workers: 4 workers join the group
+    info = json.load(urllib.request.urlopen(server["url"] + "/server_info?config_format=json"))
+    info["vllm_config"]["weight_transfer_config"] = {"backend": "nccl"}
+    info["vllm_config"]["parallel_config"].update(world_size=2, data_parallel_size=2)
+    assert rloo_vllm.nccl_workers(info, server["url"]) == 4
+    address, port = rloo_vllm.rendezvous_address(server["url"])
+    assert address == "127.0.0.1" and 0 < port < 65536
 
 
 def learning_args(tiny, data, *extra):
