@@ -1039,19 +1039,19 @@ class VLLMServer:
     def push_over_nccl(self, policy) -> None:
         """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
         /init_weight_transfer_engine route); every push broadcasts each tensor while the server loads it."""
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-
-        class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource leaves out a tied LM head)
-            def metadata(self):
-                return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in weights_for_vllm(policy).items()]
-
-            def __iter__(self):
-                return ((k, v.detach()) for k, v in weights_for_vllm(policy).items())
-
         try:
             if self.sender is None:
+                from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+                from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+                class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
+                    def metadata(self):
+                        return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in weights_for_vllm(policy).items()]
+
+                    def __iter__(self):
+                        return ((k, v.detach()) for k, v in weights_for_vllm(policy).items())
+
                 address, port = rendezvous_address(self.url)
                 self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
                     NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + self.workers),
