@@ -1124,7 +1124,7 @@ def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norm
     units = max(sum(micro["units"]), 1.0)
     clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
     entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
-    ratios = micro["token_ratio"]  # the mean ratio of each micro-batch's tokens
+    ratios = [r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])]  # each micro-batch's mean token ratio
     metrics = {
         "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
         "entropy": entropy, "policy/entropy_avg": entropy,
@@ -1835,7 +1835,7 @@ if __name__ == "__main__":
                         stats["clipped_high"].append((high * units).sum())
                         stats["low_min"].append((low | ~real).all())  # TRL 1.16: min and max over the micro-batch's units
                         stats["high_max"].append((high & real).any())
-                        stats["token_ratio"].append(((logprobs.detach() - old).exp() * mask[idx]).sum() / mask[idx].sum())
+                        stats["token_ratio"].append(((logprobs.detach() - old).exp() * mask[idx]).sum())
                         stats["entropy"].append((entropy * mask[idx]).sum())
                         stats["tokens"].append(mask[idx].sum())
                         if args.dual_clip is not None:  # tokens whose loss the dual clip capped

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SCRIPTS = ["rloo.py", "rloo_vllm.py"]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
+SCRIPTS = ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import os
 import sys
 import time
 
@@ -57,6 +58,11 @@ def huge(completions, **kwargs):
     return [3e38 if i % 4 == 0 else 0.0 for i in range(len(completions))]
 
 
+def text_length(completions, **kwargs):
+    """Characters per completion: a reward that differs between the completions of the tiny model from the start."""
+    return [len(_text(c)) / 10 for c in completions]
+
+
 def slow_text_length(completions, **kwargs):
     """Characters per completion, in a quarter of a second: a run slow enough to be killed in the middle of it."""
     time.sleep(0.25)
@@ -93,3 +99,22 @@ def returns_huge_int(completions, **kwargs):
 
 def calls_sys_exit(completions, **kwargs):
     sys.exit(3)
+
+
+_calls = {"n": 0}
+
+
+def fails_on_rank_1_at_call_4(completions, **kwargs):
+    """count_good, until the 4th call on the process of rank 1 (torchrun's RANK), which raises."""
+    _calls["n"] += 1
+    if _calls["n"] == 4 and os.environ.get("RANK") == "1":
+        raise RuntimeError("the judge is down")
+    return count_good(completions)
+
+
+def exits_on_rank_1(completions, **kwargs):
+    """The process of rank 1 dies at the 3rd call, without a word (as a process killed by the system would)."""
+    _calls["n"] += 1
+    if _calls["n"] == 3 and os.environ.get("RANK") == "1":
+        os._exit(int(os.environ.get("RLOO_TEST_EXIT_CODE", "1")))
+    return count_good(completions)

@@ -12,8 +12,18 @@ import pytest
 from conftest import ROOT, SCRIPTS
 
 INTENDED_DIFFERENCES = {
-    "Args": "rloo_vllm.py adds the --vllm_* options",
-    "RESUMABLE_CHANGES": "rloo_vllm.py: the server's address and the engine's memory can change on resume",
+    "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload and --ddp_timeout",
+    "RESUMABLE_CHANGES": "rloo_vllm.py: the server's address and the engine's memory can change on resume; "
+                         "rloo_multigpu.py: the collective timeout",
+    "batch_sizes": "rloo_multigpu.py: old TRL's per-device sizes times the number of processes",
+    "check_args": "rloo_multigpu.py: each process's batch holds whole groups; CPU offload needs a GPU",
+    "optimizer_step": "rloo_multigpu.py: the gradient norm of the FSDP shards is a DTensor",
+    "_report_one_line_error": "rloo_multigpu.py: an error every process raised is reported by rank 0 only",
+    "RunGuard": "rloo_multigpu.py: the checkpoint is written by every process, and only when all of them failed together",
+    "save_checkpoint": "rloo_multigpu.py: torch.distributed.checkpoint shards instead of save_pretrained",
+    "load_training_state": "rloo_multigpu.py: checks the sharded checkpoint and the number of processes",
+    "save_model": "rloo_multigpu.py: the shards gathered on rank 0 first",
+    "resume_command": "rloo_multigpu.py: launched with torchrun",
 }
 
 

@@ -1,0 +1,225 @@
+"""rloo_multigpu.py on CPU: torchrun with 2 processes (gloo) and the tiny model, sharded by FSDP2.
+
+A 2-process run learns and saves a loadable model; from the same rollouts it computes what one process computes for
+the same global batch (metrics and weights); SIGTERM on one process checkpoints all of them and the resumed run is
+the uninterrupted one; a failing process stops every process with one line; launch errors are one line.
+"""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_outcome, run_rloo, write_jsonl
+
+REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
+SCRIPT = os.path.join(ROOT, "rloo_multigpu.py")
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), SCRIPT]
+
+
+def run_torchrun(nproc: int, *args, cwd, timeout=600, env=None):
+    return subprocess.run([*torchrun(nproc), *map(str, args)], cwd=cwd, env={**run_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def our_errors(stderr: str) -> list[str]:
+    """The script's own error lines (torchrun adds its report of the failed processes after them), and no traceback of
+    a process (torchrun's report is a traceback of its own, ending in ChildFailedError)."""
+    assert stderr.count("Traceback (most recent call last)") == stderr.count("errors.ChildFailedError:"), stderr[-3000:]
+    return [line for line in stderr.splitlines() if line.startswith("rloo_multigpu.py: error:")]
+
+
+def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(tiny, prompts_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
+                        "--reward_funcs", f"{REWARDS}:count_good", "--total_episodes", 1280,
+                        "--per_device_train_batch_size", 16, "--max_completion_length", 8, "--learning_rate", "3e-3",
+                        "--beta", 0, "--num_sample_generations", 0, "--seed", 3, "--save_steps", 40, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [r["reward"] for r in read_metrics(tmp_path)]
+    assert len(rewards) == 40  # 1280 / (16 x 2 processes)
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 1.0, rewards
+    (run,) = os.listdir(tmp_path / "runs")
+    saved = tmp_path / "runs" / run / "model"
+    with open(saved / "config.json") as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    initial = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    assert not torch.equal(model.model.layers[1].mlp.up_proj.weight, initial.model.layers[1].mlp.up_proj.weight)
+    # The shards both processes wrote to the last checkpoint make up the saved model (the README's conversion)
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "runs" / run / "checkpoints" / "checkpoint-40" / "dcp", tmp_path / "policy.pt")
+    gathered, saved_weights = torch.load(tmp_path / "policy.pt")["model"], load_file(saved / "model.safetensors")
+    assert gathered.keys() == saved_weights.keys() and all(torch.equal(gathered[k], saved_weights[k]) for k in gathered)
+
+
+def same_batch_args(tiny, data, per_device: int, *extra):
+    """2 updates of a global batch of 32 (8 prompts x 4), 2 epochs of 1 minibatch of 2 accumulated micro-batches,
+    a token-mean loss (the case a per-process mean gets wrong), a KL and a sample table. Rollout chunks of 16 rows:
+    one per process with 2 processes, the same two chunks with one."""
+    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:text_length",
+            "--total_episodes", 64, "--per_device_train_batch_size", per_device, "--gradient_accumulation_steps", 2,
+            "--num_ppo_epochs", 2, "--loss_type", "token", "--ppo_clip", "--local_rollout_forward_batch_size", 16,
+            "--max_completion_length", 8, "--learning_rate", "3e-3", "--beta", 0.1, "--num_sample_generations", 1,
+            "--run_name", "run", "--seed", 5, *extra]
+
+
+# Defined per micro-batch: one process's micro-batch of 16 rows is not the two processes' micro-batches of 8 + 8
+PER_MICRO_BATCH = {"val/ratio", "val/ratio_var", "clip_ratio/low_min", "clip_ratio/high_max"}
+
+
+def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batch(tiny, prompts_file, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    proc = run_rloo(*same_batch_args(tiny, prompts_file, 16), cwd=one, script="rloo_multigpu.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8), cwd=two)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    (m1, s1, w1), (m2, s2, w2) = run_outcome(str(one / "runs" / "run")), run_outcome(str(two / "runs" / "run"))
+    assert s1 == s2  # the same greedy sample tables
+    assert len(m1) == len(m2) == 2
+    for a, b in zip(m1, m2):
+        assert a.keys() == b.keys()
+        for k in a.keys() - PER_MICRO_BATCH:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert m1[-1]["kl"] > 0 and m1[0]["loss/policy_avg"] != 0  # it trained
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-3, atol=1e-4)  # Adam magnifies rounding where a gradient is ~0
+
+
+def worker_pids(torchrun_pid: int) -> dict[int, int]:
+    """rank -> pid of the worker processes torchrun started."""
+    ranks = {}
+    for pid in subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        if b"RANK" in env:
+            ranks[int(env[b"RANK"])] = int(pid)
+    return ranks
+
+
+def resume_args(tiny, data, *extra):
+    """6 updates of 2 epochs x 2 minibatches with a KL and sample tables, a checkpoint every 3."""
+    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:slow_text_length",
+            "--total_episodes", 96, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
+            "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.1, "--num_sample_generations", 2,
+            "--save_steps", 3, "--run_name", "run", *extra]
+
+
+def test_sigterm_on_one_process_checkpoints_every_process_and_the_resumed_run_is_the_same(tiny, prompts_file, tmp_path):
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    reference.mkdir(), interrupted.mkdir()
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file), cwd=reference)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    metrics = interrupted / "runs" / "run" / "metrics.jsonl"
+    proc = subprocess.Popen([*torchrun(2), *map(str, resume_args(tiny, prompts_file))], cwd=interrupted, env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 4):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be stopped"
+        time.sleep(0.05)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)  # rank 1 only
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    checkpoints = sorted(os.listdir(interrupted / "runs" / "run" / "checkpoints"))
+    assert checkpoints[-1] in ("checkpoint-4", "checkpoint-5"), (checkpoints, stderr[-3000:])
+    command = stdout.split("Continue the run with:\n")[1].strip()
+    assert command.startswith("torchrun --nproc_per_node 2 ") and "--resume_from_checkpoint" in command
+    resumed = run_torchrun(2, *resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=interrupted)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    expected, got = run_outcome(str(reference / "runs" / "run")), run_outcome(str(interrupted / "runs" / "run"))
+    assert [r["episode"] for r in got[0]] == [16 * i for i in range(1, 7)]
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
+    assert expected[0][-1]["kl"] > 0  # it trained
+
+
+def test_a_checkpoint_resumes_only_on_as_many_processes(tiny, prompts_file, tmp_path):
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--total_episodes", 48), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = run_rloo(*resume_args(tiny, prompts_file, "--total_episodes", 48, "--resume_from_checkpoint", "latest"),
+                       cwd=tmp_path, script="rloo_multigpu.py")
+    check_one_line_error(resumed, "written by 2 processes", "this run has 1")
+
+
+def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_checkpoint(tiny, prompts_file, tmp_path):
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:fails_on_rank_1_at_call_4",
+                                        "--save_steps", 0), cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    (line,) = our_errors(proc.stderr)
+    assert "the judge is down" in line and "(on rank 1)" in line and "checkpoint-2" in line, line
+    assert os.listdir(tmp_path / "runs" / "run" / "checkpoints") == ["checkpoint-2"]
+
+
+def test_a_process_that_dies_ends_the_job_without_a_hang(tiny, prompts_file, tmp_path):
+    start = time.time()
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:exits_on_rank_1"),
+                        cwd=tmp_path, timeout=300, env={"RLOO_TEST_EXIT_CODE": "7"})
+    assert proc.returncode != 0
+    assert time.time() - start < 200
+
+
+def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
+    # the completions of a prompt must stay on one process
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
+                        "--per_device_train_batch_size", 2, "--num_generations", 4, cwd=tmp_path)
+    assert proc.returncode != 0
+    (line,) = our_errors(proc.stderr)
+    assert "of each process" in line and "--num_generations 4" in line, line
+    assert not os.path.exists(tmp_path / "runs")
+    # a rendezvous variable missing
+    proc = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"]], cwd=tmp_path,
+                          env={**run_env(), "RANK": "0", "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
+    check_one_line_error(proc, "LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not", "torchrun")
+    # CPU offload without a GPU
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--fsdp_cpu_offload", cwd=tmp_path, script="rloo_multigpu.py")
+    check_one_line_error(proc, "--fsdp_cpu_offload")
+
+
+def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp_path):
+    """The README's torchrun block, hub ids swapped for the test model and local data, on 2 processes instead of 8,
+    to its first update: a rollout of 16 x 16 x 2 completions per process."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"<!-- seed command: tldr multigpu -->\n```bash\n(.*?)```", readme, re.S).group(1)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:4] == ["torchrun", "--nproc_per_node", "8", "rloo_multigpu.py"]
+    posts = [{"prompt": f"SUBREDDIT: r/movies\n\nTITLE: {w}\n\nPOST: the film was {w}\n\nTL;DR:"} for w in ["good", "bad"] * 8]
+    data = os.path.dirname(write_jsonl(str(tmp_path / "tldr" / "train.jsonl"), posts * 80))
+    write_jsonl(str(tmp_path / "tldr" / "validation.jsonl"), posts)
+    local = {"trl-internal-testing/tldr-preference-sft-trl-style": data, "EleutherAI/pythia-1b-deduped": tiny["policy"],
+             "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": tiny["policy"],
+             "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"]}
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([*torchrun(2), *(local.get(a, a) for a in argv[4:])], cwd=tmp_path, env=run_env(),
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        try:
+            metrics, deadline = tmp_path / "runs", time.time() + 600
+            while time.time() < deadline and proc.poll() is None:
+                found = list(metrics.glob("*/metrics.jsonl"))
+                if found and found[0].read_text().endswith("\n"):
+                    row = json.loads(found[0].read_text().splitlines()[0])
+                    break
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"no update logged (exit {proc.returncode}): {(tmp_path / 'stderr.txt').read_text()[-3000:]}")
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert row["episode"] == 16 * 16 * 2 * 2 and row["completions/max_length"] <= 53
+    assert "kl" in row and row["val/ratio_var"] >= 0
