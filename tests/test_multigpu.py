@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
 
-from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_outcome, run_rloo, write_jsonl
+from conftest import (ROOT, check_one_line_error, free_port, read_metrics, run_env, run_outcome, run_rloo, start_vllm_server,
+                      write_jsonl)
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo_multigpu.py")
@@ -190,6 +192,12 @@ def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
     # CPU offload without a GPU
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--fsdp_cpu_offload", cwd=tmp_path, script="rloo_multigpu.py")
     check_one_line_error(proc, "--fsdp_cpu_offload")
+    # a vLLM server that is not there
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
+                        "--vllm_server_host", "127.0.0.1", "--vllm_server_port", free_port(), cwd=tmp_path)
+    (line,) = our_errors(proc.stderr)
+    assert "does not answer /v1/models" in line and "start the server first" in line, line
+    assert not os.path.exists(tmp_path / "runs")
 
 
 def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp_path):
@@ -223,3 +231,56 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
             proc.wait()
     assert row["episode"] == 16 * 16 * 2 * 2 and row["completions/max_length"] <= 53
     assert "kl" in row and row["val/ratio_var"] >= 0
+
+
+# Last in this file: the server (module-scoped) keeps a core busy from its first use to the end of the module
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    yield from start_vllm_server(tiny, tmp_path_factory)
+
+
+def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny, server, prompts_file, tmp_path):
+    """Only happens if the gathered weights reach the server after every update: the samples come from vLLM."""
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
+                        "--reward_funcs", f"{REWARDS}:count_good", "--total_episodes", 1280,
+                        "--per_device_train_batch_size", 16, "--max_completion_length", 8, "--learning_rate", "3e-3",
+                        "--beta", 0, "--num_sample_generations", 0, "--seed", 3, "--vllm_server_base_url", server["url"],
+                        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    rewards = [r["reward"] for r in rows]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 1.0, rewards
+    # the server sampled from the policy being trained: its log-probs are the trainer's, update after update
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows)
+    assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in rows)
+    assert all(r["time/weight_sync"] > 0 for r in rows)
+    # vLLM reads the saved model's weights: the server, reloaded from it (after the initial model), gives the saved
+    # model's log-probs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    (run,) = os.listdir(tmp_path / "runs")
+    saved = str(tmp_path / "runs" / run / "model")
+    tokenizer, model = AutoTokenizer.from_pretrained(saved), AutoModelForCausalLM.from_pretrained(saved)
+    ids = tokenizer("the movie was").input_ids
+
+    def post(route, body):
+        request = urllib.request.Request(server["url"] + route, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        return json.load(urllib.request.urlopen(request, timeout=120))
+
+    def greedy_after_reloading(folder):
+        post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+        post("/reset_prefix_cache", {})
+        choice = post("/v1/completions", {"model": tiny["policy"], "prompt": ids, "max_tokens": 8, "temperature": 0,
+                                          "ignore_eos": True, "return_token_ids": True, "logprobs": 0})["choices"][0]
+        return choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"])
+
+    def saved_model_logprobs(completion):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + completion])).logits[0, len(ids) - 1:-1]
+        return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+    completion, logprobs = greedy_after_reloading(tiny["policy"])
+    assert (logprobs - saved_model_logprobs(completion)).abs().max() > 1e-2  # the initial model is another model
+    completion, logprobs = greedy_after_reloading(saved)
+    torch.testing.assert_close(logprobs, saved_model_logprobs(completion), atol=1e-4, rtol=0)

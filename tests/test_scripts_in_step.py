@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, SCRIPTS
 
 INTENDED_DIFFERENCES = {
-    "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload and --ddp_timeout",
+    "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload, --ddp_timeout and the server's",
     "RESUMABLE_CHANGES": "rloo_vllm.py: the server's address and the engine's memory can change on resume; "
                          "rloo_multigpu.py: the collective timeout",
     "batch_sizes": "rloo_multigpu.py: old TRL's per-device sizes times the number of processes",
@@ -24,6 +24,9 @@ INTENDED_DIFFERENCES = {
     "load_training_state": "rloo_multigpu.py: checks the sharded checkpoint and the number of processes",
     "save_model": "rloo_multigpu.py: the shards gathered on rank 0 first",
     "resume_command": "rloo_multigpu.py: launched with torchrun",
+    "check_vllm_args": "rloo_multigpu.py has only the server's options",
+    "nccl_transfer": "rloo_multigpu.py: a server is asked for by its address, not by --vllm_mode",
+    "weights_for_vllm": "rloo_multigpu.py: the shards gathered one tensor at a time",
 }
 
 

@@ -8,7 +8,6 @@ the end, whatever happens.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_outcome, run_rloo
+from conftest import ROOT, check_one_line_error, free_port, read_metrics, run_env, run_outcome, run_rloo, start_vllm_server
 
 import rloo_vllm
 
@@ -117,42 +116,9 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         engine.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
-    """vLLM's OpenAI-compatible server on the tiny model, as the README starts it; stopped at the end."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--generation-config", "vllm",
-               "--logprobs-mode", "processed_logprobs"]
-    env = {**run_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, open(log).read()[-3000:]
-            assert time.time() < deadline, "the vLLM server did not start in 300 s"
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=5)
-                break
-            except OSError:
-                time.sleep(1)
-        yield {"url": url, "process": proc, "log": log}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    yield from start_vllm_server(tiny, tmp_path_factory)
 
 
 def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
