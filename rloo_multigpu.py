@@ -207,6 +207,10 @@ class Args:
     (reference and reward model too) and the optimizer stay fp32"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    gather_for_generation: bool = True
+    """gather the whole policy on every process while it generates (old TRL's ds3_gather_for_generation), so that
+    generate's many one-token forward passes gather nothing; turn off for a model whose full copy does not fit one
+    device (generation is then much slower)"""
     fsdp_cpu_offload: bool = False
     """(GPU) keep the sharded weights, gradients and optimizer state in CPU memory between uses; the optimizer steps
     on the CPU"""
@@ -1622,7 +1626,7 @@ class agreed:
         if not failed:
             return False
         rank, (kind, message) = failed[0]
-        where = f" (on rank {rank})" if dist.get_world_size() > 1 else ""
+        where = f" (on rank {rank})" if rank != 0 else ""
         shared = (UsageError if kind == "UsageError" else RunError)(message + where)
         shared.agreed = True
         raise shared from None
@@ -1650,6 +1654,26 @@ def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module, enabled: bool):
+    """The sharded model whole on every process for the duration of the block (FSDP2's unshard of every unit),
+    resharded after it."""
+    if not enabled:
+        yield
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
 
 
 def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
@@ -1703,7 +1727,8 @@ RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_t
                      "wandb_project_name", "wandb_entity", "output_dir", "ddp_timeout",
                      # where the server is changes no sample
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-                     "vllm_server_weight_transfer"}
+                     "vllm_server_weight_transfer",
+                     "gather_for_generation"}  # the same samples, gathered or not (a test checks it)
 LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes the run
 OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there
 
@@ -2207,15 +2232,16 @@ if __name__ == "__main__":
                                        tokenizer.pad_token_id, stop_ids, device)
         model.eval()
         chunks = []
-        for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
-            with torch.no_grad(), autocast(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                if seeds is not None:
-                    torch.manual_seed(seeds[i])
-                out = model.generate(input_ids=prompt_ids[i:i + args.local_rollout_forward_batch_size],
-                                     attention_mask=prompt_mask[i:i + args.local_rollout_forward_batch_size],
-                                     generation_config=config, synced_gpus=world_size > 1)
-            chunks.append(F.pad(out[:, prompt_ids.shape[1]:], (0, args.max_completion_length - out.shape[1] + prompt_ids.shape[1]),
-                                value=tokenizer.pad_token_id))
+        with gathered(model, args.gather_for_generation):
+            for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
+                with torch.no_grad(), autocast(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    if seeds is not None:
+                        torch.manual_seed(seeds[i])
+                    out = model.generate(input_ids=prompt_ids[i:i + args.local_rollout_forward_batch_size],
+                                         attention_mask=prompt_mask[i:i + args.local_rollout_forward_batch_size],
+                                         generation_config=config, synced_gpus=world_size > 1)
+                chunks.append(F.pad(out[:, prompt_ids.shape[1]:], (0, args.max_completion_length - out.shape[1] + prompt_ids.shape[1]),
+                                    value=tokenizer.pad_token_id))
         return torch.cat(chunks), None
 
     def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns):
@@ -2299,7 +2325,8 @@ if __name__ == "__main__":
     progress.start()
     if server is not None:
         probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
-        check_engine(server, *probe, greedy_config, lambda *rollout: rollout_logprobs(policy, *rollout))
+        with agreed():  # every process finds the same gap
+            check_engine(server, *probe, greedy_config, lambda *rollout: rollout_logprobs(policy, *rollout))
     if sample_every and start_update == 0:
         sample_table(episode)
     if checkpoint is not None:

@@ -1,8 +1,9 @@
 """Seconds per update and peak memory per process of rloo_multigpu.py on 1 and 2 processes, next to rloo.py.
 
-One invocation runs the same global batch three times, one after the other with nothing else running: rloo.py,
+One invocation runs the same global batch four times, one after the other with nothing else running: rloo.py,
 rloo_multigpu.py as one process (`python`), and rloo_multigpu.py on 2 processes (`torchrun --nproc_per_node 2`,
---per_device_train_batch_size halved). Each run's first update is dropped (warm-up). Times are rank 0's; the peak
+--per_device_train_batch_size halved), generating from the gathered policy (the default) and from the sharded one
+(--no_gather_for_generation). Each run's first update is dropped (warm-up). Times are rank 0's; the peak
 resident memory (VmHWM) of every training process is read from /proc while it runs.
 
     python benchmark/multigpu_timing.py --preset tiny       # the test model
@@ -77,7 +78,9 @@ def main():
                    run("multigpu 1 process", [sys.executable, os.path.join(ROOT, "rloo_multigpu.py"), *args], workdir,
                        False),
                    run("multigpu 2 processes", [*torchrun, os.path.join(ROOT, "rloo_multigpu.py"), *halved], workdir,
-                       True)]
+                       True),
+                   run("2 processes, sharded", [*torchrun, os.path.join(ROOT, "rloo_multigpu.py"), *halved,
+                                                "--no_gather_for_generation"], workdir, True)]
 
     print(f"preset {cli.preset}: seconds per update, mean of {cli.updates - 1} updates after the first "
           f"(8 completions of up to 64 tokens); times of rank 0")

@@ -6,6 +6,7 @@ the uninterrupted one; a failing process stops every process with one line; laun
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -29,9 +30,20 @@ def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), SCRIPT]
 
 
-def run_torchrun(nproc: int, *args, cwd, timeout=600, env=None):
-    return subprocess.run([*torchrun(nproc), *map(str, args)], cwd=cwd, env={**run_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+def run_torchrun(nproc: int, *args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """torchrun as a user runs it; on a timeout its workers are killed too (they are not in its process group)."""
+    command = [*torchrun(nproc), *map(str, args)]
+    proc = subprocess.Popen(command, cwd=cwd, env={**run_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            for pid in worker_pids(proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def our_errors(stderr: str) -> list[str]:
@@ -84,12 +96,16 @@ PER_MICRO_BATCH = {"val/ratio", "val/ratio_var", "clip_ratio/low_min", "clip_rat
 
 
 def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batch(tiny, prompts_file, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
+    one, two, sharded = tmp_path / "one", tmp_path / "two", tmp_path / "sharded"
+    one.mkdir(), two.mkdir(), sharded.mkdir()
     proc = run_rloo(*same_batch_args(tiny, prompts_file, 16), cwd=one, script="rloo_multigpu.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8), cwd=two)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # generating from the sharded policy (every forward gathers each layer) samples what the gathered policy samples
+    proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8, "--no_gather_for_generation"), cwd=sharded)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_outcome(str(sharded / "runs" / "run"))[:2] == run_outcome(str(two / "runs" / "run"))[:2]
 
     (m1, s1, w1), (m2, s2, w2) = run_outcome(str(one / "runs" / "run")), run_outcome(str(two / "runs" / "run"))
     assert s1 == s2  # the same greedy sample tables
@@ -101,6 +117,19 @@ def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batc
     assert m1[-1]["kl"] > 0 and m1[0]["loss/policy_avg"] != 0  # it trained
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-3, atol=1e-4)  # Adam magnifies rounding where a gradient is ~0
+
+
+def test_bf16_mixed_precision_with_gradient_checkpointing_and_a_reward_model(tiny, prompts_file, tmp_path):
+    """--bf16 is FSDP2's mixed precision, the reference sharded the same way: the KL is exactly 0 before the first
+    update, and training goes on (reward model sharded too, activations recomputed)."""
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--bf16",
+                        "--gradient_checkpointing", "--reward_model_path", tiny["reward"], "--total_episodes", 48,
+                        "--per_device_train_batch_size", 8, "--max_completion_length", 8, "--beta", 0.1,
+                        "--learning_rate", 3e-3, "--num_sample_generations", 0, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert rows[0]["kl"] == 0 and rows[0]["objective/kl"] == 0
+    assert rows[-1]["kl"] != 0 and all(math.isfinite(r["loss/policy_avg"]) for r in rows)
 
 
 def worker_pids(torchrun_pid: int) -> dict[int, int]:
@@ -122,11 +151,34 @@ def resume_args(tiny, data, *extra):
             "--save_steps", 3, "--run_name", "run", *extra]
 
 
-def test_sigterm_on_one_process_checkpoints_every_process_and_the_resumed_run_is_the_same(tiny, prompts_file, tmp_path):
-    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    reference.mkdir(), interrupted.mkdir()
+def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(tiny, prompts_file, tmp_path):
+    reference, interrupted, killed = tmp_path / "reference", tmp_path / "interrupted", tmp_path / "killed"
+    reference.mkdir(), interrupted.mkdir(), killed.mkdir()
     proc = run_torchrun(2, *resume_args(tiny, prompts_file), cwd=reference)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = run_outcome(str(reference / "runs" / "run"))
+    assert [r["episode"] for r in expected[0]] == [16 * i for i in range(1, 7)]
+    assert expected[0][-1]["kl"] > 0  # it trained
+
+    # SIGKILL of every process after the checkpoint of update 3: the resumed run starts from it
+    metrics = killed / "runs" / "run" / "metrics.jsonl"
+    proc = subprocess.Popen([*torchrun(2), *map(str, resume_args(tiny, prompts_file))], cwd=killed, env=run_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 4):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    for pid in worker_pids(proc.pid).values():
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert sorted(os.listdir(killed / "runs" / "run" / "checkpoints"))[-1] == "checkpoint-3"
+    resumed = run_torchrun(2, *resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=killed)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = run_outcome(str(killed / "runs" / "run"))
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
+
+    # SIGTERM to one process: every process finishes the update and writes its part of the checkpoint
 
     metrics = interrupted / "runs" / "run" / "metrics.jsonl"
     proc = subprocess.Popen([*torchrun(2), *map(str, resume_args(tiny, prompts_file))], cwd=interrupted, env=run_env(),
@@ -145,11 +197,9 @@ def test_sigterm_on_one_process_checkpoints_every_process_and_the_resumed_run_is
     resumed = run_torchrun(2, *resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=interrupted)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    expected, got = run_outcome(str(reference / "runs" / "run")), run_outcome(str(interrupted / "runs" / "run"))
-    assert [r["episode"] for r in got[0]] == [16 * i for i in range(1, 7)]
+    got = run_outcome(str(interrupted / "runs" / "run"))
     assert got[0] == expected[0] and got[1] == expected[1]
     assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
-    assert expected[0][-1]["kl"] > 0  # it trained
 
 
 def test_a_checkpoint_resumes_only_on_as_many_processes(tiny, prompts_file, tmp_path):
@@ -215,7 +265,7 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
              "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"]}
     with open(tmp_path / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen([*torchrun(2), *(local.get(a, a) for a in argv[4:])], cwd=tmp_path, env=run_env(),
-                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             metrics, deadline = tmp_path / "runs", time.time() + 600
             while time.time() < deadline and proc.poll() is None:
@@ -226,8 +276,10 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
                 time.sleep(0.5)
             else:
                 raise AssertionError(f"no update logged (exit {proc.returncode}): {(tmp_path / 'stderr.txt').read_text()[-3000:]}")
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
+        finally:  # torchrun's workers are not in its process group: they are killed one by one
+            for pid in worker_pids(proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()
     assert row["episode"] == 16 * 16 * 2 * 2 and row["completions/max_length"] <= 53
     assert "kl" in row and row["val/ratio_var"] >= 0
