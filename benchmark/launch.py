@@ -1,0 +1,181 @@
+"""Run commands over several seeds with a pool of workers, each run tagged for W&B; or write one Slurm job per run.
+
+    python benchmark/launch.py --command "python rloo.py --track" --num_seeds 3 --workers 1
+    python benchmark/launch.py --command "python rloo.py --track" --command "python rloo_vllm.py --track" --pr 42
+    python benchmark/launch.py --command "torchrun --nproc_per_node 8 rloo_multigpu.py --track" \
+        --slurm_template benchmark/slurm_template.sh          # writes the job files; --slurm_submit also runs sbatch
+
+Each run is a command with `--seed S` appended, S = --start_seed, --start_seed + 1, ... (the command itself names no
+seed), started from the folder the launcher runs in, so that its run folder is runs/<exp_name>__<seed>__<time> there.
+Every run gets WANDB_TAGS: the checkout's `git describe --tags --always --dirty`, `pr-N` with --pr N, and whatever
+WANDB_TAGS already held; the scripts pass them to W&B (with --track), where openrlbenchmark's `?tag=` filter finds
+them. Locally, --workers runs start at once; each run's output goes to its own file under --log_dir, and the launcher
+prints a line as each run starts and ends. It exits 1 if any run failed, naming them and their logs.
+"""
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLACEHOLDERS = {"job_name", "command", "seed", "wandb_tags", "workdir"}  # what a Slurm template may hold, as {{name}}
+
+
+def git_tag(folder: str = ROOT):
+    """The checkout's `git describe --tags --always --dirty` (a commit id when no tag is reachable); None outside git
+    (a copied script)."""
+    try:
+        described = subprocess.run(["git", "describe", "--tags", "--always", "--dirty"], cwd=folder, text=True,
+                                   capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (described.stdout.strip() or None) if described.returncode == 0 else None
+
+
+def wandb_tags(pr, existing: str, tag) -> str:
+    """WANDB_TAGS for every run: what the environment held, the checkout's tag, pr-N; comma-separated, each once."""
+    tags = [t for t in existing.split(",") if t] + [t for t in (tag, f"pr-{pr}" if pr is not None else None) if t]
+    return ",".join(dict.fromkeys(tags))
+
+
+def script_name(command: str) -> str:
+    """The stem of the first .py file the command names (rloo, rloo_vllm...), to name its logs and jobs."""
+    return next((os.path.basename(w)[:-3] for w in shlex.split(command) if w.endswith(".py")), "run")
+
+
+def plan_runs(commands: list[str], num_seeds: int, start_seed: int) -> list[dict]:
+    """Every command with every seed: [{"name", "command", "seed"}], command by command."""
+    runs = []
+    for command in commands:
+        try:
+            words = shlex.split(command)
+        except ValueError as e:  # a quote left open
+            raise ValueError(f"--command {command!r}: {e}") from None
+        if not words:
+            raise ValueError("--command is empty: give the command to run, e.g. --command \"python rloo.py\"")
+        if any(w == "--seed" or w.startswith("--seed=") for w in words):
+            raise ValueError(f"--command {command!r} names a --seed: leave it out, the launcher adds --seed for each "
+                             "run (--start_seed, --num_seeds)")
+        for seed in range(start_seed, start_seed + num_seeds):
+            runs.append({"name": f"{len(runs):02d}_{script_name(command)}_seed{seed}", "seed": seed,
+                         "command": f"{command} --seed {seed}"})
+    return runs
+
+
+def render_slurm(template: str, values: dict) -> str:
+    """The template with each {{name}} replaced by its value."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: str(values[m.group(1)]), template)
+
+
+def check_slurm_template(template: str, path: str) -> None:
+    names = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", template))
+    if unknown := names - PLACEHOLDERS:
+        raise ValueError(f"the Slurm template {path} holds {', '.join('{{%s}}' % n for n in sorted(unknown))}, which "
+                         f"the launcher does not fill: use only {', '.join('{{%s}}' % n for n in sorted(PLACEHOLDERS))}")
+    if "command" not in names:
+        raise ValueError(f"the Slurm template {path} has no {{{{command}}}}: put it where the job runs the command")
+
+
+def write_slurm_jobs(runs: list[dict], template_path: str, slurm_dir: str, tags: str) -> list[str]:
+    """One job file per run in slurm_dir (which must not hold them already: nothing is overwritten)."""
+    try:
+        with open(template_path, encoding="utf-8") as f:
+            template = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the Slurm template {template_path}: {e.strerror if isinstance(e, OSError) else e}")
+    check_slurm_template(template, template_path)
+    paths = [os.path.join(slurm_dir, f"{run['name']}.sh") for run in runs]
+    if taken := [p for p in paths if os.path.exists(p)]:
+        raise ValueError(f"{taken[0]} exists already: give another --slurm_dir (nothing was written)")
+    os.makedirs(slurm_dir, exist_ok=True)
+    for run, path in zip(runs, paths):
+        with open(path, "x", encoding="utf-8") as f:
+            f.write(render_slurm(template, {"job_name": run["name"], "command": run["command"], "seed": run["seed"],
+                                            "wandb_tags": shlex.quote(tags), "workdir": shlex.quote(os.getcwd())}))
+    return paths
+
+
+def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
+    """Run one command to its end, its output into log_dir/<name>.log: (exit code, seconds)."""
+    start = time.time()
+    print(f"started  {run['name']}: {run['command']}", flush=True)
+    with open(os.path.join(log_dir, f"{run['name']}.log"), "w") as log:
+        code = subprocess.run(run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "WANDB_TAGS": tags}).returncode
+    seconds = time.time() - start
+    print(f"finished {run['name']} in {seconds / 60:.1f} min" + (f", exit code {code}" if code else ""), flush=True)
+    return code, seconds
+
+
+def run_all(runs: list[dict], workers: int, log_dir: str, tags: str) -> list[int]:
+    """Every run, `workers` at a time: their exit codes, in order."""
+    os.makedirs(log_dir, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(run_one, run, log_dir, tags) for run in runs]
+        try:
+            return [f.result()[0] for f in futures]
+        except KeyboardInterrupt:  # the runs got Ctrl-C too: they checkpoint and stop; the queued ones never start
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"launch.py: error: {message}")  # one line, no usage block
+    parser.add_argument("--command", action="append", required=True,
+                        help="a command to run over the seeds, as a shell would (may be given several times)")
+    parser.add_argument("--num_seeds", type=int, default=3)
+    parser.add_argument("--start_seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="runs at once (locally)")
+    parser.add_argument("--pr", type=int, default=None, help="add the W&B tag pr-N")
+    parser.add_argument("--log_dir", default=None, help="each run's output; default runs/launch/<unix time>")
+    parser.add_argument("--slurm_template", default=None, help="write one Slurm job per run from this template "
+                        "({{command}}, {{job_name}}, {{seed}}, {{wandb_tags}}, {{workdir}}) instead of running them")
+    parser.add_argument("--slurm_dir", default=None, help="where the job files go; default slurm/<unix time>")
+    parser.add_argument("--slurm_submit", action="store_true", help="also submit each job with sbatch")
+    parser.add_argument("--dry_run", action="store_true", help="print the runs and their tags, run nothing")
+    cli = parser.parse_args(argv)
+    if cli.num_seeds < 1 or cli.workers < 1:
+        parser.error(f"--num_seeds and --workers must be at least 1, got {cli.num_seeds} and {cli.workers}")
+    if (cli.slurm_dir or cli.slurm_submit) and not cli.slurm_template:
+        parser.error("--slurm_dir and --slurm_submit go with --slurm_template, the job file to fill in")
+    if cli.slurm_submit and shutil.which("sbatch") is None:
+        parser.error("--slurm_submit needs sbatch, which is not on PATH: submit the written jobs where Slurm runs")
+    try:
+        runs = plan_runs(cli.command, cli.num_seeds, cli.start_seed)
+        tags = wandb_tags(cli.pr, os.environ.get("WANDB_TAGS", ""), git_tag())
+        if cli.dry_run:
+            print(f"WANDB_TAGS={tags}")
+            for run in runs:
+                print(run["command"])
+            return 0
+        if cli.slurm_template:
+            slurm_dir = cli.slurm_dir or os.path.join("slurm", str(int(time.time())))
+            paths = write_slurm_jobs(runs, cli.slurm_template, slurm_dir, tags)
+            print(f"{len(paths)} Slurm jobs in {slurm_dir} (WANDB_TAGS={tags})")
+            for path in paths:
+                if cli.slurm_submit:
+                    subprocess.run(["sbatch", path], check=True)
+                else:
+                    print(f"sbatch {path}")
+            return 0
+    except ValueError as e:
+        parser.error(str(e))
+    log_dir = cli.log_dir or os.path.join("runs", "launch", str(int(time.time())))
+    print(f"{len(runs)} runs, {cli.workers} at a time, WANDB_TAGS={tags}, logs in {log_dir}", flush=True)
+    codes = run_all(runs, cli.workers, log_dir, tags)
+    failed = [(run, code) for run, code in zip(runs, codes) if code]
+    for run, code in failed:
+        print(f"failed (exit code {code}): {run['command']}; its log: {os.path.join(log_dir, run['name'] + '.log')}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
