@@ -1509,6 +1509,8 @@ class Logger:
                              "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
         self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
+        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the options, for tools that read runs offline
+            json.dump(asdict(args), f, indent=2)
 
     def log(self, metrics: dict, step: int) -> None:
         for k, v in metrics.items():

@@ -16,7 +16,7 @@ python benchmark/launch.py --num_seeds 3 --workers 1 \
 tag=$(git describe --tags --always --dirty)
 cat <<PLOT
 Learning curves from the local runs (runs/*/metrics.jsonl):
-python benchmark/plot.py --runs runs --group exp_name --include 'rloo(_vllm)?__' \\
+python benchmark/plot.py --runs runs --regex '^(rloo|rloo_vllm)__' \\
     --metrics reward kl completions/mean_length --output benchmark/results/embedded_cpu.png
 
 From W&B (pip install openrlbenchmark==0.2.1a5; replace ?we=... with your entity, and the tag with --pr's pr-N if given):

@@ -1,0 +1,165 @@
+"""benchmark/: the launcher (seeds, worker pool, W&B tags, Slurm jobs) and the offline learning curves."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, check_one_line_error, run_env
+
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+import launch  # noqa: E402
+import plot  # noqa: E402
+
+LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
+PLOT = os.path.join(ROOT, "benchmark", "plot.py")
+TEMPLATE = os.path.join(ROOT, "benchmark", "slurm_template.sh")
+
+
+def run_script(script, *args, cwd, env=None):
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=cwd, env={**run_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=600)
+
+
+def git_describe() -> str:
+    tag = subprocess.run(["git", "describe", "--tags", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
+    assert tag
+    return tag
+
+
+def tiny_command(tiny, prompts_file) -> str:
+    return shlex.join([sys.executable, os.path.join(ROOT, "rloo.py"), "--model_name_or_path", tiny["policy"],
+                       "--dataset_name", prompts_file, "--total_episodes", "64", "--per_device_train_batch_size", "8",
+                       "--max_completion_length", "8", "--num_sample_generations", "0", "--learning_rate", "3e-3"])
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny, prompts_file, tmp_path_factory):
+    """The launcher's run of rloo.py over 2 seeds, 2 at a time, and of a command that prints its tags and seed."""
+    cwd = tmp_path_factory.mktemp("launch")
+    show = shlex.join([sys.executable, "-c", "import os, sys; print('tags', os.environ['WANDB_TAGS'], 'argv', sys.argv[1:])"])
+    proc = run_script(LAUNCH, "--command", tiny_command(tiny, prompts_file), "--command", show, "--num_seeds", 2,
+                      "--start_seed", 4, "--workers", 2, "--pr", 7, "--log_dir", "logs", cwd=cwd,
+                      env={"WANDB_TAGS": "mine"})
+    return cwd, proc
+
+
+def test_the_launcher_runs_every_command_over_the_seeds_with_the_tags(two_runs):
+    cwd, proc = two_runs
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = sorted(os.listdir(cwd / "runs"))
+    assert [r.split("__")[:2] for r in runs] == [["rloo", "4"], ["rloo", "5"]]
+    assert [json.load(open(cwd / "runs" / r / "args.json"))["seed"] for r in runs] == [4, 5]
+    # two at a time: the second run started before the first one finished
+    events = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith(("started", "finished"))]
+    assert events[:2] == ["started", "started"] and len(events) == 8
+    # each run's output in its own log; the tags: what WANDB_TAGS held, the checkout's git describe, pr-N
+    logs = sorted(os.listdir(cwd / "logs"))
+    assert logs == ["00_rloo_seed4.log", "01_rloo_seed5.log", "02_run_seed4.log", "03_run_seed5.log"]
+    tag = git_describe()
+    for name, seed in (("02_run_seed4.log", "4"), ("03_run_seed5.log", "5")):
+        assert (cwd / "logs" / name).read_text().strip() == f"tags mine,{tag},pr-7 argv ['--seed', '{seed}']"
+
+
+def test_a_failed_run_is_named_with_its_log(tmp_path):
+    fail = shlex.join([sys.executable, "-c", "import sys; print('out of luck'); sys.exit(3)"])
+    proc = run_script(LAUNCH, "--command", fail, "--num_seeds", 1, "--log_dir", "logs", cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("failed (exit code 3):") and "logs/00_run_seed1.log" in line, line
+    assert (tmp_path / "logs" / "00_run_seed1.log").read_text() == "out of luck\n"
+
+
+def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
+    commands = ["python rloo.py --track", "torchrun --nproc_per_node 8 rloo_multigpu.py --track"]
+    args = [a for c in commands for a in ("--command", c)] + ["--slurm_template", TEMPLATE, "--slurm_dir", "jobs",
+                                                               "--num_seeds", 2, "--pr", 9]
+    proc = run_script(LAUNCH, *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    jobs = sorted(os.listdir(tmp_path / "jobs"))
+    assert jobs == ["00_rloo_seed1.sh", "01_rloo_seed2.sh", "02_rloo_multigpu_seed1.sh", "03_rloo_multigpu_seed2.sh"]
+    job = (tmp_path / "jobs" / "03_rloo_multigpu_seed2.sh").read_text()
+    assert "#SBATCH --job-name=03_rloo_multigpu_seed2\n" in job
+    assert "\ntorchrun --nproc_per_node 8 rloo_multigpu.py --track --seed 2\n" in job
+    assert f"\ncd {tmp_path}\n" in job and f"\nexport WANDB_TAGS={git_describe()},pr-9\n" in job
+    assert "{{" not in job
+    assert [line.split()[1] for line in proc.stdout.splitlines()[1:]] == [f"jobs/{j}" for j in jobs]  # sbatch <file>
+    # the same again into the same folder: refused, the jobs untouched
+    before = {j: (tmp_path / "jobs" / j).read_text() for j in jobs}
+    check_one_line_error(run_script(LAUNCH, *args, cwd=tmp_path), "jobs/00_rloo_seed1.sh exists", "--slurm_dir")
+    assert {j: (tmp_path / "jobs" / j).read_text() for j in jobs} == before
+    # --slurm_submit hands each job to sbatch (here a stand-in that records what it was given)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/submitted\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    proc = run_script(LAUNCH, *[a for c in commands for a in ("--command", c)], "--slurm_template", TEMPLATE,
+                      "--slurm_dir", "more", "--num_seeds", 1, "--slurm_submit", cwd=tmp_path,
+                      env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "submitted").read_text().split() == ["more/00_rloo_seed1.sh", "more/01_rloo_multigpu_seed1.sh"]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--command", "python rloo.py --seed 3"], ["names a --seed", "the launcher adds --seed"]),
+    (["--command", "python rloo.py 'x"], ["No closing quotation"]),
+    (["--command", " "], ["--command is empty"]),
+    (["--command", "x", "--workers", "0"], ["--workers must be at least 1"]),
+    (["--command", "x", "--slurm_submit"], ["go with --slurm_template"]),
+    (["--command", "x", "--slurm_template", "nope.sh"], ["cannot read the Slurm template nope.sh"]),
+    (["--command", "x", "--slurm_template", "bad.sh"], ["{{gpus}}", "does not fill"]),
+    (["--command", "x", "--slurm_template", "empty.sh"], ["has no {{command}}"]),
+])
+def test_the_launcher_refuses_bad_input_in_one_line(args, needles, tmp_path):
+    (tmp_path / "bad.sh").write_text("#SBATCH --gpus={{gpus}}\n{{command}}\n")
+    (tmp_path / "empty.sh").write_text("#!/bin/bash\n")
+    proc = run_script(LAUNCH, *args, cwd=tmp_path)
+    check_one_line_error(proc, *needles)
+    assert sorted(os.listdir(tmp_path)) == ["bad.sh", "empty.sh"]  # nothing run, nothing written
+
+
+def test_the_plot_draws_the_mean_and_spread_of_the_runs_metrics(two_runs, tmp_path):
+    cwd, _ = two_runs
+    rows = [[json.loads(line) for line in open(cwd / "runs" / r / "metrics.jsonl")] for r in sorted(os.listdir(cwd / "runs"))]
+    proc = run_script(PLOT, "--runs", cwd / "runs", "--metrics", "reward", "completions/mean_length",
+                      "--output", tmp_path / "curves.png", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| rloo | 2 | reward |" in proc.stdout
+    # what was drawn: per metric one line, the mean over the two seeds at every episode, shaded by their std
+    fig = plot.draw(plot.group_runs(plot.load_runs([str(cwd / "runs")]), "exp_name", None), ["reward", "kl"], "episode")
+    for ax, metric in zip(fig.axes, ["reward", "kl"]):
+        (line,) = ax.lines
+        per_seed = np.array([[r[metric] for r in run] for run in rows])
+        np.testing.assert_array_equal(line.get_xdata(), [r["episode"] for r in rows[0]])
+        np.testing.assert_allclose(line.get_ydata(), per_seed.mean(0))
+        (band,) = ax.collections
+        top = band.get_paths()[0].vertices[:, 1].max()
+        assert top == pytest.approx((per_seed.mean(0) + per_seed.std(0, ddof=1)).max())
+        assert line.get_label() == "rloo (2 runs)"
+    # by training time (episode / eps): each seed interpolated onto the x of the shorter one
+    minutes = [np.array([r["episode"] / r["eps"] / 60 for r in run]) for run in rows]
+    xs, mean, _ = plot.aggregate([(m, np.array([r["reward"] for r in run])) for m, run in zip(minutes, rows)])
+    shorter = min(range(2), key=lambda i: minutes[i][-1])
+    assert np.all(xs <= minutes[shorter][-1]) and len(xs) >= 1
+    expected = np.mean([np.interp(xs, m, [r["reward"] for r in run]) for m, run in zip(minutes, rows)], axis=0)
+    np.testing.assert_allclose(mean, expected)
+
+
+def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
+    cwd, _ = two_runs
+    (tmp_path / "taken.png").write_bytes(b"mine")
+    for args, needles in [(["--runs", "nowhere"], ["--runs nowhere is not a folder"]),
+                          (["--runs", tmp_path], ["no run with a non-empty metrics.jsonl"]),
+                          (["--runs", cwd / "runs", "--metrics", "rewards"], ["no run logged rewards", "reward"]),
+                          (["--runs", cwd / "runs", "--regex", "^ppo"], ["matches no run folder name"]),
+                          (["--runs", cwd / "runs", "--regex", "("], ["is not a regular expression"])]:
+        check_one_line_error(run_script(PLOT, *args, "--output", "new.png", cwd=tmp_path), *needles)
+    check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--output", "taken.png", cwd=tmp_path),
+                         "taken.png exists", "--overwrite")
+    assert (tmp_path / "taken.png").read_bytes() == b"mine" and not (tmp_path / "new.png").exists()
