@@ -1,28 +1,34 @@
 """Compare the advantage estimators and policy losses of rloo.py on one task, over a few seeds.
 
 Every configuration runs the same task with the same seeds and the same settings; only the estimator or the loss
-changes. Each run is rloo.py as a subprocess; its metrics.jsonl is kept under --out, and a finished run is not run
-again, so an interrupted comparison resumes where it stopped. The summary is a markdown table: the mean sampled
-reward of the first and the last --last updates of each run (mean and std over seeds), the KL to the reference at the
-end, the clip fraction and the minutes per run.
+changes. The runs are rloo.py commands handed to benchmark/launch.py's worker pool (--workers at a time, each run's
+output in <out>/logs/), with --exp_name the configuration's name and W&B project rloo-compare-<preset>, so that
+benchmark/plot.py and openrlbenchmark group them by configuration. They live in <out>/runs/; a finished run (its
+model saved) is not run again, and an interrupted one is removed and run anew, so an interrupted comparison resumes
+where it stopped. The summary is a markdown table: the mean sampled reward of the first and the last --last updates
+of each configuration (mean and std over seeds), the KL to the reference at the end, the clip fraction and the
+minutes of training per run.
 
     python benchmark/compare_algorithms.py --preset tiny --seeds 1 2 3 4 5  # the test model, a "say good" reward (~10 min)
     python benchmark/compare_algorithms.py --preset smollm2 --seeds 1 2 3   # SmolLM2 and VADER (~2 min per run, 2 CPUs)
 
-Extra arguments after `--` go to every rloo.py run.
+Extra arguments after `--` go to every rloo.py run (`-- --track` logs them to W&B, tagged as launch.py tags).
 """
 
 import argparse
-import json
+import fcntl
 import math
 import os
+import shlex
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+import launch  # noqa: E402
+import plot  # noqa: E402
+
 CONFIGS = {
     "rloo": [],
     "grpo": ["--advantage_estimator", "grpo"],
@@ -60,24 +66,29 @@ def tiny_setup(out: str) -> list[str]:
     return ["--model_name_or_path", os.path.join(out, "tiny", "policy"), "--dataset_name", data]
 
 
-def run(name: str, seed: int, argv: list[str], out: str) -> tuple[list[dict], float]:
-    """Run one configuration and seed (unless already done): its rows of metrics.jsonl and its seconds."""
-    run_dir = os.path.join(out, name.replace(" + ", "_"), f"seed{seed}")
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(os.path.join(run_dir, "done")):
-        shutil.rmtree(run_dir, ignore_errors=True)  # what an interrupted attempt left: rloo.py would not overwrite it
-        os.makedirs(run_dir)
-        start = time.time()
-        with open(os.path.join(run_dir, "log.txt"), "w") as log:
-            subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), *argv, "--seed", str(seed), "--exp_name", "run",
-                            "--output_dir", os.path.join(run_dir, "model")], cwd=run_dir, check=True, stdout=log,
-                           stderr=subprocess.STDOUT)
-        (run_name,) = os.listdir(os.path.join(run_dir, "runs"))
-        os.replace(os.path.join(run_dir, "runs", run_name, "metrics.jsonl"), metrics)
-        with open(os.path.join(run_dir, "done"), "w") as f:
-            f.write(f"{time.time() - start:.1f}\n")
-    with open(metrics) as f, open(os.path.join(run_dir, "done")) as done:
-        return [json.loads(line) for line in f], float(done.read())
+def label(name: str) -> str:
+    """The configuration's --exp_name: "token + ppo_clip" -> "token_ppo_clip"."""
+    return name.replace(" + ", "_")
+
+
+def finished_runs(out: str) -> dict[tuple[str, int], dict]:
+    """{(exp_name, seed): run} of the runs in out/runs that saved their model; the others (interrupted) are removed."""
+    folder = os.path.join(out, "runs")
+    for name in os.listdir(folder):
+        if not os.path.isdir(os.path.join(folder, name, "model")):
+            if os.path.exists(lock := os.path.join(folder, name, ".lock")):
+                with open(lock) as f:
+                    try:  # the run's process holds this lock while it runs
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        sys.exit(f"compare_algorithms.py: error: {folder}/{name} is still running (another comparison "
+                                 "in this --out?): wait for it, or give another --out")
+            shutil.rmtree(os.path.join(folder, name))
+    try:
+        runs = plot.load_runs([folder])
+    except ValueError:  # none yet
+        return {}
+    return {(run["args"]["exp_name"], run["args"]["seed"]): run for run in runs}
 
 
 def mean_std(values: list[float]) -> str:
@@ -91,12 +102,27 @@ def main():
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--workers", type=int, default=1, help="runs at once")
     parser.add_argument("--last", type=int, default=3, help="updates averaged at the start and at the end of a run")
     parser.add_argument("--out", default=None, help="folder of the runs; default runs/compare_<preset>")
     parser.add_argument("rloo_args", nargs="*", help="more arguments for every rloo.py run (after --)")
     cli = parser.parse_args()
     out = os.path.abspath(cli.out or os.path.join("runs", f"compare_{cli.preset}"))
-    base = [*COMMON, *PRESETS[cli.preset], *(tiny_setup(out) if cli.preset == "tiny" else []), *cli.rloo_args]
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    base = [*COMMON, *PRESETS[cli.preset], *(tiny_setup(out) if cli.preset == "tiny" else []), *cli.rloo_args,
+            "--wandb_project_name", f"rloo-compare-{cli.preset}"]
+    commands = [shlex.join([sys.executable, os.path.join(ROOT, "rloo.py"), *base, *CONFIGS[name], "--exp_name", label(name)])
+                for name in cli.configs]
+    finished = finished_runs(out)
+    pending = [run for run in launch.plan_runs(commands, cli.seeds)
+               if (launch.run_label(run["command"]), run["seed"]) not in finished]
+    if pending:
+        os.chdir(out)  # the runs write out/runs/<exp_name>__<seed>__<time>
+        tags = launch.wandb_tags(None, os.environ.get("WANDB_TAGS", ""), launch.git_tag())
+        codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags)
+        if failed := [run["name"] for run, code in zip(pending, codes) if code]:
+            sys.exit(f"compare_algorithms.py: error: {len(failed)} runs failed: see {out}/logs/{failed[0]}.log")
+        finished = finished_runs(out)
 
     print(f"| configuration | flags | reward, first {cli.last} updates | reward, last {cli.last} updates | "
           f"kl at the end | clip fraction | minutes per run |")
@@ -104,12 +130,12 @@ def main():
     for name in cli.configs:
         first, last, kl, clipped, minutes = [], [], [], [], []
         for seed in cli.seeds:
-            rows, seconds = run(name, seed, base + CONFIGS[name], out)
+            rows = finished[(label(name), seed)]["rows"]
             first.append(statistics.mean(r["reward"] for r in rows[:cli.last]))
             last.append(statistics.mean(r["reward"] for r in rows[-cli.last:]))
             kl.append(rows[-1].get("kl", math.nan))  # absent with --beta 0
             clipped.append(statistics.mean(r["clip_ratio/region_mean"] for r in rows))
-            minutes.append(seconds / 60)
+            minutes.append(rows[-1]["episode"] / rows[-1]["eps"] / 60)
         print(f"| {name} | `{' '.join(CONFIGS[name]) or '(defaults)'}` | {mean_std(first)} | {mean_std(last)} | "
               f"{mean_std(kl)} | {statistics.mean(clipped):.3f} | {statistics.mean(minutes):.1f} |", flush=True)
 

@@ -24,7 +24,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLACEHOLDERS = {"job_name", "command", "seed", "wandb_tags", "workdir"}  # what a Slurm template may hold, as {{name}}
+PLACEHOLDERS = {"job_name", "command", "seed", "gpus", "wandb_tags", "workdir"}  # what a Slurm template may hold: {{name}}
 
 
 def git_tag(folder: str = ROOT):
@@ -44,12 +44,25 @@ def wandb_tags(pr, existing: str, tag) -> str:
     return ",".join(dict.fromkeys(tags))
 
 
-def script_name(command: str) -> str:
-    """The stem of the first .py file the command names (rloo, rloo_vllm...), to name its logs and jobs."""
-    return next((os.path.basename(w)[:-3] for w in shlex.split(command) if w.endswith(".py")), "run")
+def run_label(command: str) -> str:
+    """What names a command's logs and jobs: its --exp_name, else the stem of the first .py file it names (rloo...)."""
+    words = shlex.split(command)
+    named = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--exp_name"]
+    return named[-1] if named else next((os.path.basename(w)[:-3] for w in words if w.endswith(".py")), "run")
 
 
-def plan_runs(commands: list[str], num_seeds: int, start_seed: int) -> list[dict]:
+def gpus_of(command: str) -> int:
+    """The GPUs one run of the command takes: torchrun's --nproc_per_node N, else 1."""
+    words = shlex.split(command)
+    for i, w in enumerate(words):
+        if w.startswith("--nproc_per_node=") or w.startswith("--nproc-per-node="):
+            return int(w.split("=", 1)[1])
+        if w in ("--nproc_per_node", "--nproc-per-node") and i + 1 < len(words) and words[i + 1].isdigit():
+            return int(words[i + 1])
+    return 1
+
+
+def plan_runs(commands: list[str], seeds: list[int]) -> list[dict]:
     """Every command with every seed: [{"name", "command", "seed"}], command by command."""
     runs = []
     for command in commands:
@@ -62,8 +75,8 @@ def plan_runs(commands: list[str], num_seeds: int, start_seed: int) -> list[dict
         if any(w == "--seed" or w.startswith("--seed=") for w in words):
             raise ValueError(f"--command {command!r} names a --seed: leave it out, the launcher adds --seed for each "
                              "run (--start_seed, --num_seeds)")
-        for seed in range(start_seed, start_seed + num_seeds):
-            runs.append({"name": f"{len(runs):02d}_{script_name(command)}_seed{seed}", "seed": seed,
+        for seed in seeds:
+            runs.append({"name": f"{len(runs):02d}_{run_label(command)}_seed{seed}", "seed": seed,
                          "command": f"{command} --seed {seed}"})
     return runs
 
@@ -97,7 +110,8 @@ def write_slurm_jobs(runs: list[dict], template_path: str, slurm_dir: str, tags:
     for run, path in zip(runs, paths):
         with open(path, "x", encoding="utf-8") as f:
             f.write(render_slurm(template, {"job_name": run["name"], "command": run["command"], "seed": run["seed"],
-                                            "wandb_tags": shlex.quote(tags), "workdir": shlex.quote(os.getcwd())}))
+                                            "gpus": gpus_of(run["command"]), "wandb_tags": shlex.quote(tags),
+                                            "workdir": shlex.quote(os.getcwd())}))
     return paths
 
 
@@ -136,7 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pr", type=int, default=None, help="add the W&B tag pr-N")
     parser.add_argument("--log_dir", default=None, help="each run's output; default runs/launch/<unix time>")
     parser.add_argument("--slurm_template", default=None, help="write one Slurm job per run from this template "
-                        "({{command}}, {{job_name}}, {{seed}}, {{wandb_tags}}, {{workdir}}) instead of running them")
+                        "({{command}}, {{job_name}}, {{seed}}, {{gpus}}: torchrun's --nproc_per_node or 1, "
+                        "{{wandb_tags}}, {{workdir}}) instead of running them")
     parser.add_argument("--slurm_dir", default=None, help="where the job files go; default slurm/<unix time>")
     parser.add_argument("--slurm_submit", action="store_true", help="also submit each job with sbatch")
     parser.add_argument("--dry_run", action="store_true", help="print the runs and their tags, run nothing")
@@ -148,7 +163,7 @@ def main(argv=None) -> int:
     if cli.slurm_submit and shutil.which("sbatch") is None:
         parser.error("--slurm_submit needs sbatch, which is not on PATH: submit the written jobs where Slurm runs")
     try:
-        runs = plan_runs(cli.command, cli.num_seeds, cli.start_seed)
+        runs = plan_runs(cli.command, list(range(cli.start_seed, cli.start_seed + cli.num_seeds)))
         tags = wandb_tags(cli.pr, os.environ.get("WANDB_TAGS", ""), git_tag())
         if cli.dry_run:
             print(f"WANDB_TAGS={tags}")

@@ -84,7 +84,8 @@ def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
     jobs = sorted(os.listdir(tmp_path / "jobs"))
     assert jobs == ["00_rloo_seed1.sh", "01_rloo_seed2.sh", "02_rloo_multigpu_seed1.sh", "03_rloo_multigpu_seed2.sh"]
     job = (tmp_path / "jobs" / "03_rloo_multigpu_seed2.sh").read_text()
-    assert "#SBATCH --job-name=03_rloo_multigpu_seed2\n" in job
+    assert "#SBATCH --job-name=03_rloo_multigpu_seed2\n" in job and "#SBATCH --gpus-per-node=8\n" in job
+    assert "#SBATCH --gpus-per-node=1\n" in (tmp_path / "jobs" / "00_rloo_seed1.sh").read_text()
     assert "\ntorchrun --nproc_per_node 8 rloo_multigpu.py --track --seed 2\n" in job
     assert f"\ncd {tmp_path}\n" in job and f"\nexport WANDB_TAGS={git_describe()},pr-9\n" in job
     assert "{{" not in job
@@ -163,3 +164,45 @@ def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
     check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--output", "taken.png", cwd=tmp_path),
                          "taken.png exists", "--overwrite")
     assert (tmp_path / "taken.png").read_bytes() == b"mine" and not (tmp_path / "new.png").exists()
+
+
+def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tmp_path):
+    out = tmp_path / "compare"
+    args = [os.path.join(ROOT, "benchmark", "compare_algorithms.py"), "--preset", "tiny", "--configs", "rloo",
+            "token + ppo_clip", "--seeds", 1, 2, "--workers", 2, "--out", out, "--", "--total_episodes", 64]
+    proc = run_script(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {(json.load(open(out / "runs" / r / "args.json"))["exp_name"], json.load(open(out / "runs" / r / "args.json"))["seed"])
+            for r in os.listdir(out / "runs")}
+    assert runs == {("rloo", 1), ("rloo", 2), ("token_ppo_clip", 1), ("token_ppo_clip", 2)}
+    assert sorted(os.listdir(out / "logs")) == ["00_rloo_seed1.log", "01_rloo_seed2.log", "02_token_ppo_clip_seed1.log",
+                                                "03_token_ppo_clip_seed2.log"]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| rloo |") or line.startswith("| token + ppo_clip |")]
+    assert len(table) == 2
+    # again: the finished runs are not run again, and an interrupted one (no saved model) is removed
+    (out / "runs" / "rloo__3__1").mkdir()
+    (out / "runs" / "rloo__3__1" / "metrics.jsonl").write_text('{"step": 16}\n')
+    again = run_script(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "started" not in again.stdout and table == [line for line in again.stdout.splitlines() if line in table]
+    assert not (out / "runs" / "rloo__3__1").exists() and len(os.listdir(out / "runs")) == 4
+
+
+@pytest.mark.parametrize("experiment, scripts", [("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
+                                                 ("tldr.sh", ["rloo_vllm.py"] * 3 + ["rloo_multigpu.py"] * 3)])
+def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, scripts, monkeypatch):
+    """Each experiment's commands (--dry_run) over 3 seeds, every option one the script knows and accepts."""
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmark", "experiments", experiment), "--dry_run"],
+                          capture_output=True, text=True, env=run_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.splitlines()[1:7]]
+    assert [next(w for w in c if w.endswith(".py")) for c in commands] == scripts
+    assert [c[-2:] for c in commands] == [["--seed", str(s)] for s in (1, 2, 3)] * 2
+    assert "python -m openrlbenchmark.rlops_multi_metrics" in proc.stdout and "benchmark/plot.py" in proc.stdout
+    for command in commands:
+        script = next(w for w in command if w.endswith(".py"))
+        module = __import__(script[:-3])
+        monkeypatch.setattr(sys, "argv", [script, *command[command.index(script) + 1:]])
+        args = module.parse_args()
+        module.check_args(args)
+        assert args.seed == int(command[-1])
