@@ -9,14 +9,16 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, check_one_line_error, run_env
+from conftest import ROOT, check_one_line_error, free_port, run_env, start_vllm_server, write_jsonl
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+import judge  # noqa: E402
 import launch  # noqa: E402
 import plot  # noqa: E402
 
 LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
 PLOT = os.path.join(ROOT, "benchmark", "plot.py")
+JUDGE = os.path.join(ROOT, "benchmark", "judge.py")
 TEMPLATE = os.path.join(ROOT, "benchmark", "slurm_template.sh")
 
 
@@ -206,3 +208,55 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
         args = module.parse_args()
         module.check_args(args)
         assert args.seed == int(command[-1])
+
+
+# Last in this file: the server (module-scoped) keeps a core busy from its first use to the end of the module
+@pytest.fixture(scope="module")
+def judge_server(tiny, tmp_path_factory):
+    yield from start_vllm_server(tiny, tmp_path_factory)
+
+
+def judge_data(folder) -> str:
+    rows = [{"prompt": f"the movie was {w} and", "completion": f" it was {w} ."} for w in ["good", "bad", "long", "fine"] * 3]
+    write_jsonl(str(folder / "data" / "test.jsonl"), rows)
+    return str(folder / "data")
+
+
+def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_server, tmp_path):
+    """The tiny model judged by itself on a real vLLM server: whatever it answers, the win rate is counted from it."""
+    common = ["--model_name_or_path", tiny["policy"], "--dataset_name", judge_data(tmp_path), "--max_new_tokens", 8,
+              "--judge_base_url", judge_server["url"] + "/v1", "--judge_model", tiny["policy"], "--judge_choice"]
+    proc = run_script(JUDGE, *common, "--generator", "hf", "--output", "hf.jsonl", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "hf.jsonl")]
+    assert len(rows) == 12 and {r["answer"] for r in rows} <= {"0", "1"}  # the choice constraint held
+    assert {r["model_position"] for r in rows} == {0, 1}  # positions randomised
+    for r in rows:
+        assert r["model_wins"] == (int(r["answer"]) == r["model_position"])
+    wins = sum(r["model_wins"] for r in rows)
+    low, high = judge.wilson_interval(wins, 12)
+    assert f"Model win rate: {100 * wins / 12:.2f}% (95% CI {100 * low:.1f}-{100 * high:.1f}%; {wins} of 12 judged" in proc.stdout
+    # the answers are the server's: asked again (greedy), it says the same
+    r = rows[0]
+    first, second = (r["model"], r["reference"]) if r["model_position"] == 0 else (r["reference"], r["model"])
+    assert judge.ask_judge(judge_server["url"] + "/v1", tiny["policy"], None, r["prompt"], first, second, True) == r["answer"]
+    # the completions come from the model: vLLM's greedy completions are HF generate's
+    proc = run_script(JUDGE, *common, "--generator", "vllm", "--output", "vllm.jsonl", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["model"] for line in open(tmp_path / "vllm.jsonl")] == [r["model"] for r in rows]
+    assert any(r["model"].strip() for r in rows)
+
+
+def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_server, tmp_path):
+    data = judge_data(tmp_path)
+    (tmp_path / "taken.jsonl").write_text("mine\n")
+    common = ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--judge_model", tiny["policy"]]
+    url = judge_server["url"] + "/v1"
+    for args, needles in [(["--judge_base_url", f"http://127.0.0.1:{free_port()}/v1"], ["does not answer"]),
+                          (["--judge_base_url", url, "--judge_model", "gpt-4o-mini"], ["does not serve --judge_model gpt-4o-mini"]),
+                          (["--judge_base_url", url, "--reference_column", "summary"], ["no column 'summary'", "completion"]),
+                          (["--judge_base_url", url, "--dataset_split", "validation"], ["no split 'validation'"]),
+                          (["--judge_base_url", url, "--output", "taken.jsonl"], ["taken.jsonl exists"])]:
+        check_one_line_error(run_script(JUDGE, *common, *args, cwd=tmp_path), *needles)
+    assert (tmp_path / "taken.jsonl").read_text() == "mine\n"
+    assert sorted(os.listdir(tmp_path)) == ["data", "taken.jsonl"]
