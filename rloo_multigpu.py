@@ -2527,6 +2527,7 @@ if __name__ == "__main__":
                       f"{saved}. Continue the run with:\n  {resume_command(sys.argv, saved)}", flush=True)
             if server is not None:
                 server.close()
+            dist.barrier()  # no process tears the group down while another still uses it (gloo aborts then)
             dist.destroy_process_group()
             sys.exit(128 + stop)  # as a shell reports a signal: a pipeline must not take this for success
     progress.stop()
@@ -2540,4 +2541,5 @@ if __name__ == "__main__":
     RunGuard.active = None  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")
+    dist.barrier()  # as above
     dist.destroy_process_group()

@@ -21,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,15 +116,23 @@ def write_slurm_jobs(runs: list[dict], template_path: str, slurm_dir: str, tags:
     return paths
 
 
+PRINT_LOCK = threading.Lock()  # the workers' lines are printed whole, never interleaved
+
+
+def say(line: str) -> None:
+    with PRINT_LOCK:
+        print(line, flush=True)
+
+
 def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
     """Run one command to its end, its output into log_dir/<name>.log: (exit code, seconds)."""
     start = time.time()
-    print(f"started  {run['name']}: {run['command']}", flush=True)
+    say(f"started  {run['name']}: {run['command']}")
     with open(os.path.join(log_dir, f"{run['name']}.log"), "w") as log:
         code = subprocess.run(run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "WANDB_TAGS": tags}).returncode
     seconds = time.time() - start
-    print(f"finished {run['name']} in {seconds / 60:.1f} min" + (f", exit code {code}" if code else ""), flush=True)
+    say(f"finished {run['name']} in {seconds / 60:.1f} min" + (f", exit code {code}" if code else ""))
     return code, seconds
 
 

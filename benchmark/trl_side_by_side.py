@@ -132,10 +132,14 @@ def main(argv=None) -> int:
     lines = [("seconds per update", lambda r: r["seconds"], ".2f"), ("peak memory (GiB)", lambda r: r["peak"], ".2f"),
              (f"reward, first {last} updates", lambda r: statistics.mean(x["reward"] for x in r["rows"][:last]), ".3f"),
              (f"reward, last {last} updates", lambda r: statistics.mean(x["reward"] for x in r["rows"][-last:]), ".3f"),
+             (f"tokens per completion, first {last}",
+              lambda r: statistics.mean(x["completions/mean_length"] for x in r["rows"][:last]), ".1f"),
+             (f"tokens per completion, last {last}",
+              lambda r: statistics.mean(x["completions/mean_length"] for x in r["rows"][-last:]), ".1f"),
              ("whole run, wall (s)", lambda r: r["wall"], ".1f")]
     for label, value, fmt in lines:
         a, b = value(results[ours]), value(results[theirs])
-        ratio = f"{b / a:.2f}" if "reward" not in label and a else "-"  # rewards are compared as curves
+        ratio = f"{b / a:.2f}" if label.startswith(("seconds", "peak", "whole")) and a else "-"  # the rest as curves
         print(f"{label:<34}{a:>14{fmt}}{b:>28{fmt}}{ratio:>16}")
     draw({name: [(r["episode"], r["reward"]) for r in result["rows"]] for name, result in results.items()},
          f"{cli.preset}: reward per update, seed 1", cli.output)

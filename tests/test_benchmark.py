@@ -115,11 +115,11 @@ def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
     (["--command", "x", "--workers", "0"], ["--workers must be at least 1"]),
     (["--command", "x", "--slurm_submit"], ["go with --slurm_template"]),
     (["--command", "x", "--slurm_template", "nope.sh"], ["cannot read the Slurm template nope.sh"]),
-    (["--command", "x", "--slurm_template", "bad.sh"], ["{{gpus}}", "does not fill"]),
+    (["--command", "x", "--slurm_template", "bad.sh"], ["{{partition}}", "does not fill"]),
     (["--command", "x", "--slurm_template", "empty.sh"], ["has no {{command}}"]),
 ])
 def test_the_launcher_refuses_bad_input_in_one_line(args, needles, tmp_path):
-    (tmp_path / "bad.sh").write_text("#SBATCH --gpus={{gpus}}\n{{command}}\n")
+    (tmp_path / "bad.sh").write_text("#SBATCH --partition={{partition}}\n{{command}}\n")
     (tmp_path / "empty.sh").write_text("#!/bin/bash\n")
     proc = run_script(LAUNCH, *args, cwd=tmp_path)
     check_one_line_error(proc, *needles)
@@ -277,5 +277,5 @@ def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
         ours, theirs, ratio = (float(x) for x in next(line for line in proc.stdout.splitlines()
                                                        if line.startswith(label))[len(label):].split())
         assert ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours, rel=0.03)  # of the rounded values
-    rewards = [line for line in proc.stdout.splitlines() if line.startswith("reward, ")]
-    assert len(rewards) == 2 and all(line.split()[-1] == "-" for line in rewards)
+    curves = [line for line in proc.stdout.splitlines() if line.startswith(("reward, ", "tokens per completion, "))]
+    assert len(curves) == 4 and all(line.split()[-1] == "-" for line in curves)
