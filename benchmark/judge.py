@@ -157,6 +157,12 @@ def wilson_interval(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def release_output(path) -> None:
+    """The --output this evaluation claimed (empty) is removed when it stops with an error, so that a rerun may use it."""
+    if path and os.path.isfile(path) and os.path.getsize(path) == 0:
+        os.remove(path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = lambda message: sys.exit(f"judge.py: error: {message}")  # one line, no usage block
@@ -194,6 +200,9 @@ def main(argv=None) -> int:
         if cli.reference_column not in dataset.column_names:
             raise JudgeError(f"dataset {cli.dataset_name} (split {cli.dataset_split}) has no column "
                              f"{cli.reference_column!r}; its columns are {dataset.column_names}: give --reference_column")
+        from transformers import AutoTokenizer
+
+        rloo.from_pretrained(AutoTokenizer, cli.model_name_or_path)  # the model is there (its tokenizer loads)
         if cli.output:
             open(cli.output, "x").close()  # claimed now, so that a second evaluation cannot write it too
     except (JudgeError, rloo.UsageError, OSError) as e:
@@ -202,12 +211,16 @@ def main(argv=None) -> int:
     prompts, references = dataset["prompt"], [reference_text(r) for r in dataset[cli.reference_column]]
 
     print(f"generating {len(prompts)} completions with {cli.generator} ...", flush=True)
-    if cli.generator == "vllm":
-        completions = generate_vllm(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
-                                    cli.max_prompt_length, cli.seed)
-    else:
-        completions = generate_hf(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
-                                  cli.max_prompt_length, cli.batch_size, cli.seed)
+    try:
+        if cli.generator == "vllm":
+            completions = generate_vllm(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
+                                        cli.max_prompt_length, cli.seed)
+        else:
+            completions = generate_hf(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
+                                      cli.max_prompt_length, cli.batch_size, cli.seed)
+    except rloo.UsageError as e:  # a tokenizer without a model beside it, damaged weights...
+        release_output(cli.output)
+        parser.error(str(e))
 
     rng = random.Random(cli.seed)
     model_first = [rng.random() < 0.5 for _ in prompts]  # the model's completion is response 0, else response 1
@@ -218,6 +231,7 @@ def main(argv=None) -> int:
             answers = list(pool.map(lambda i: ask_judge(base_url, cli.judge_model, cli.judge_api_key,
                                                         as_text(prompts[i]), *pairs[i], cli.judge_choice), range(len(pairs))))
         except JudgeError as e:
+            release_output(cli.output)
             sys.exit(f"judge.py: error: {e}")
     verdicts = [verdict(a) for a in answers]
     wins = sum(v == (0 if first else 1) for v, first in zip(verdicts, model_first) if v is not None)

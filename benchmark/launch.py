@@ -184,14 +184,17 @@ def main(argv=None) -> int:
             paths = write_slurm_jobs(runs, cli.slurm_template, slurm_dir, tags)
             print(f"{len(paths)} Slurm jobs in {slurm_dir} (WANDB_TAGS={tags})")
             for path in paths:
-                if cli.slurm_submit:
-                    subprocess.run(["sbatch", path], check=True)
-                else:
+                if not cli.slurm_submit:
                     print(f"sbatch {path}")
+                elif code := subprocess.run(["sbatch", path]).returncode:
+                    raise ValueError(f"sbatch {path} failed (exit code {code}); every job file is in {slurm_dir}")
             return 0
+        log_dir = cli.log_dir or os.path.join("runs", "launch", str(int(time.time())))
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:  # a --log_dir or --slurm_dir that is a file, or cannot be written
+        parser.error(f"cannot write {e.filename} ({e.strerror}): give another --log_dir or --slurm_dir")
     except ValueError as e:
         parser.error(str(e))
-    log_dir = cli.log_dir or os.path.join("runs", "launch", str(int(time.time())))
     print(f"{len(runs)} runs, {cli.workers} at a time, WANDB_TAGS={tags}, logs in {log_dir}", flush=True)
     codes = run_all(runs, cli.workers, log_dir, tags)
     failed = [(run, code) for run, code in zip(runs, codes) if code]

@@ -156,6 +156,17 @@ def run_outcome(run_dir: str):
     return metrics, samples, load_file(os.path.join(run_dir, "model", "model.safetensors"))
 
 
+def wait_for_updates(proc: subprocess.Popen, metrics, n: int, timeout: float = 300) -> None:
+    """Wait until the running script `proc` has logged n updates to metrics (a Path); fail if it ends first."""
+    deadline = time.time() + timeout
+    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= n):
+        if proc.poll() is not None:
+            raise AssertionError("the run ended before it could be interrupted" +
+                                 (f": {proc.stderr.read()[-3000:]}" if proc.stderr else ""))
+        assert time.time() < deadline, f"no {n} updates logged in {timeout} s"
+        time.sleep(0.02)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

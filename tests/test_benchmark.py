@@ -13,7 +13,6 @@ from conftest import ROOT, check_one_line_error, free_port, run_env, start_vllm_
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import judge  # noqa: E402
-import launch  # noqa: E402
 import plot  # noqa: E402
 
 LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
@@ -117,6 +116,9 @@ def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
     (["--command", "x", "--slurm_template", "nope.sh"], ["cannot read the Slurm template nope.sh"]),
     (["--command", "x", "--slurm_template", "bad.sh"], ["{{partition}}", "does not fill"]),
     (["--command", "x", "--slurm_template", "empty.sh"], ["has no {{command}}"]),
+    (["--command", "x", "--log_dir", "bad.sh"], ["cannot write bad.sh", "another --log_dir"]),
+    (["--command", "x", "--slurm_template", "bad.sh", "--slurm_dir", "empty.sh"], ["{{partition}}"]),
+    (["--command", "x", "--slurm_template", TEMPLATE, "--slurm_dir", "empty.sh"], ["cannot write empty.sh"]),
 ])
 def test_the_launcher_refuses_bad_input_in_one_line(args, needles, tmp_path):
     (tmp_path / "bad.sh").write_text("#SBATCH --partition={{partition}}\n{{command}}\n")
@@ -256,7 +258,8 @@ def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_s
                           (["--judge_base_url", url, "--judge_model", "gpt-4o-mini"], ["does not serve --judge_model gpt-4o-mini"]),
                           (["--judge_base_url", url, "--reference_column", "summary"], ["no column 'summary'", "completion"]),
                           (["--judge_base_url", url, "--dataset_split", "validation"], ["no split 'validation'"]),
-                          (["--judge_base_url", url, "--output", "taken.jsonl"], ["taken.jsonl exists"])]:
+                          (["--judge_base_url", url, "--output", "taken.jsonl"], ["taken.jsonl exists"]),
+                          (["--judge_base_url", url, "--model_name_or_path", "./no_model"], ["could not load", "no_model"])]:
         check_one_line_error(run_script(JUDGE, *common, *args, cwd=tmp_path), *needles)
     assert (tmp_path / "taken.jsonl").read_text() == "mine\n"
     assert sorted(os.listdir(tmp_path)) == ["data", "taken.jsonl"]

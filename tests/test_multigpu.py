@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, check_one_line_error, free_port, read_metrics, run_env, run_outcome, run_rloo, start_vllm_server,
-                      write_jsonl)
+                      wait_for_updates, write_jsonl)
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo_multigpu.py")
@@ -164,10 +164,7 @@ def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(ti
     metrics = killed / "runs" / "run" / "metrics.jsonl"
     proc = subprocess.Popen([*torchrun(2), *map(str, resume_args(tiny, prompts_file))], cwd=killed, env=run_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 4):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.02)
+    wait_for_updates(proc, metrics, 4)
     for pid in worker_pids(proc.pid).values():
         os.kill(pid, signal.SIGKILL)
     proc.wait()
@@ -183,10 +180,7 @@ def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(ti
     metrics = interrupted / "runs" / "run" / "metrics.jsonl"
     proc = subprocess.Popen([*torchrun(2), *map(str, resume_args(tiny, prompts_file))], cwd=interrupted, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 4):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be stopped"
-        time.sleep(0.05)
+    wait_for_updates(proc, metrics, 4)
     os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)  # rank 1 only
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0

@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys

@@ -10,14 +10,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import replace
 
 import pytest
 import torch
 
-from conftest import ROOT, check_one_line_error, free_port, read_metrics, run_env, run_outcome, run_rloo, start_vllm_server
+from conftest import (ROOT, check_one_line_error, free_port, read_metrics, run_env, run_outcome, run_rloo, start_vllm_server,
+                      wait_for_updates)
 
 import rloo_vllm
 
@@ -201,10 +201,7 @@ def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, t
     metrics = interrupted / "runs" / "run" / "metrics.jsonl"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, resume_args(tiny, prompts_file))],
                             cwd=interrupted, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 4):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.02)
+    wait_for_updates(proc, metrics, 4)
     proc.kill()
     proc.wait()
     assert sorted(os.listdir(interrupted / "runs" / "run" / "checkpoints")) == ["checkpoint-3"]
@@ -258,10 +255,7 @@ def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)], cwd=tmp_path,
                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= 2):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() is not None else ""
-        time.sleep(0.02)
+    wait_for_updates(proc, metrics, 2)
     os.killpg(server["process"].pid, signal.SIGKILL)
     server["process"].wait()
     _, stderr = proc.communicate(timeout=120)
