@@ -279,6 +279,8 @@ def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
     for label in ("seconds per update", "peak memory (GiB)"):
         ours, theirs, ratio = (float(x) for x in next(line for line in proc.stdout.splitlines()
                                                        if line.startswith(label))[len(label):].split())
-        assert ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours, rel=0.03)  # of the rounded values
+        # The table prints two decimals and the ratio comes from the unrounded values: it lies in what they allow.
+        assert ours > 0 and theirs > 0
+        assert (theirs - 0.005) / (ours + 0.005) - 0.005 <= ratio <= (theirs + 0.005) / (ours - 0.005) + 0.005
     curves = [line for line in proc.stdout.splitlines() if line.startswith(("reward, ", "tokens per completion, "))]
     assert len(curves) == 4 and all(line.split()[-1] == "-" for line in curves)
