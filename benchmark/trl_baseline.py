@@ -96,6 +96,7 @@ def main():
     p.add_argument("--output_dir", default="/tmp/trl-rloo-bench")
     p.add_argument("--reward", choices=["vader", "count_good"], default="vader")
     p.add_argument("--learning_rate", type=float, default=1e-6)
+    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log_file", default=None, help="write each step's seconds, episode, reward and length here")
     args = p.parse_args()
     min_new = args.min_new_tokens
@@ -110,7 +111,7 @@ def main():
         generation_kwargs={"min_new_tokens": min_new} if min_new > 0 else None,
         beta=0.05, learning_rate=args.learning_rate, temperature=1.0, num_iterations=1,
         gradient_checkpointing=args.gradient_checkpointing, bf16=False, use_cpu=True,
-        model_init_kwargs={"dtype": torch.float32}, max_steps=args.max_steps, seed=1,
+        model_init_kwargs={"dtype": torch.float32}, max_steps=args.max_steps, seed=args.seed,
         logging_steps=1, report_to="none", save_strategy="no",
     )
     timer = StepTimer()

@@ -8,8 +8,9 @@ TRL runs in a virtual environment of its own (--trl_python, default .venv-trl/bi
 benchmark/trl_baseline.py's docstring and in the README's test command): TRL 1.16 needs a newer transformers than
 requirements.txt pins. Both get the same model (fp32), prompts, reward, 8 completions per update (4 prompts x 2), up
 to 64 tokens stopping at EOS, temperature 1, beta 0.05, one optimizer step per update, no gradient checkpointing and
-seed 1: the smollm2 preset is SmolLM2-135M-Instruct on data/movie_reviews with the VADER reward (lr 3e-5, the
-embedded default's); the tiny preset is the tests' ~0.4M-parameter model learning to say "good" (lr 3e-3).
+the same --seed (their random streams differ all the same, so their samples do too): the smollm2 preset is
+SmolLM2-135M-Instruct on data/movie_reviews with the VADER reward (lr 3e-5, the embedded default's); the
+tiny preset is the tests' ~0.4M-parameter model learning to say "good" (lr 3e-3).
 Seconds per update are the mean after the first (warm-up); peak memory is the highest resident set of the training
 process, read from /proc while it runs.
 """
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--updates", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="6 updates")
+    parser.add_argument("--seed", type=int, default=1, help="both trainers' seed")
     parser.add_argument("--trl_python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
     parser.add_argument("--output", required=True, help="the PNG of the two reward curves")
     cli = parser.parse_args(argv)
@@ -109,10 +111,11 @@ def main(argv=None) -> int:
                         "--dataset_name", data, "--reward_funcs", rloo_reward, "--num_generations", "2",
                         "--per_device_train_batch_size", "8", "--max_completion_length", "64", "--beta", "0.05",
                         "--learning_rate", lr, "--temperature", "1.0", "--num_sample_generations", "0",
-                        "--total_episodes", str(8 * updates), "--seed", "1", "--run_name", "rloo"]
+                        "--total_episodes", str(8 * updates), "--seed", str(cli.seed), "--run_name", "rloo"]
         trl_command = [cli.trl_python, os.path.join(ROOT, "benchmark", "trl_baseline.py"), "--model_dir", model,
                        "--dataset", data, "--reward", trl_reward, "--learning_rate", lr, "--max_steps", str(updates),
-                       "--gradient_checkpointing", "false", "--output_dir", os.path.join(workdir, "trl"),
+                       "--gradient_checkpointing", "false", "--seed", str(cli.seed),
+                       "--output_dir", os.path.join(workdir, "trl"),
                        "--log_file", os.path.join(workdir, "trl.jsonl")]
         results = {}
         for name, command in (("rloo.py", rloo_command), (f"TRL {probe.stdout.strip()} RLOOTrainer", trl_command)):
@@ -127,7 +130,8 @@ def main(argv=None) -> int:
 
     (ours, theirs) = results
     last = max(1, updates // 4)
-    print(f"\npreset {cli.preset}: {updates} updates of 8 completions; seconds per update = mean of updates 2-{updates}")
+    print(f"\npreset {cli.preset}, seed {cli.seed}: {updates} updates of 8 completions; "
+          f"seconds per update = mean of updates 2-{updates}")
     print(f"{'':<34}{ours:>14}{theirs:>28}{'TRL / rloo.py':>16}")
     lines = [("seconds per update", lambda r: r["seconds"], ".2f"), ("peak memory (GiB)", lambda r: r["peak"], ".2f"),
              (f"reward, first {last} updates", lambda r: statistics.mean(x["reward"] for x in r["rows"][:last]), ".3f"),
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
         ratio = f"{b / a:.2f}" if label.startswith(("seconds", "peak", "whole")) and a else "-"  # the rest as curves
         print(f"{label:<34}{a:>14{fmt}}{b:>28{fmt}}{ratio:>16}")
     draw({name: [(r["episode"], r["reward"]) for r in result["rows"]] for name, result in results.items()},
-         f"{cli.preset}: reward per update, seed 1", cli.output)
+         f"{cli.preset}: reward per update, seed {cli.seed}", cli.output)
     print(f"wrote {cli.output}")
     return 0
 

@@ -271,9 +271,10 @@ def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
     trl_python = os.path.join(ROOT, ".venv-trl", "bin", "python")
     assert os.access(trl_python, os.X_OK), "make TRL's environment first: see benchmark/requirements-trl.txt"
     proc = run_script(os.path.join(ROOT, "benchmark", "trl_side_by_side.py"), "--preset", "tiny", "--quick",
-                      "--output", "trl.png", cwd=tmp_path)
+                      "--seed", "2", "--output", "trl.png", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (tmp_path / "trl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "preset tiny, seed 2: 6 updates" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if "TRL / rloo.py" in line)
     assert "rloo.py" in header and "TRL 1.16.0 RLOOTrainer" in header
     for label in ("seconds per update", "peak memory (GiB)"):

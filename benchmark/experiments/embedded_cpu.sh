@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # (a) The embedded task on a CPU: SmolLM2-135M-Instruct continues movie-review openings, VADER sentiment reward (the
 # defaults of both scripts), over 3 seeds with rloo.py and rloo_vllm.py (colocated vLLM engine). One run at a time:
-# each uses every core (about 12 min a run on 2 cores). Without a W&B account, set WANDB_MODE=offline.
+# each uses every core (13-16 min a run on 2 cores). Without a W&B account, set WANDB_MODE=offline.
 #
 #   bash benchmark/experiments/embedded_cpu.sh             # extra arguments go to benchmark/launch.py (--pr 12, --dry_run)
 #
