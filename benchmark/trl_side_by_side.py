@@ -103,6 +103,10 @@ def main(argv=None) -> int:
         parser.error(f"--trl_python {cli.trl_python} cannot import trl: pip install trl==1.16.0 there")
     if os.path.exists(cli.output) or not cli.output.lower().endswith(".png"):
         parser.error(f"--output {cli.output} must be a new .png file")
+    try:  # its folder now, not after both runs
+        os.makedirs(os.path.dirname(os.path.abspath(cli.output)), exist_ok=True)
+    except OSError as e:
+        parser.error(f"--output {cli.output}: its folder cannot be made ({e.strerror}); give a writable path")
 
     data, rloo_reward, trl_reward, lr = PRESETS[cli.preset]
     with tempfile.TemporaryDirectory() as workdir:

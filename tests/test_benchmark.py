@@ -285,3 +285,16 @@ def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
         assert (theirs - 0.005) / (ours + 0.005) - 0.005 <= ratio <= (theirs + 0.005) / (ours - 0.005) + 0.005
     curves = [line for line in proc.stdout.splitlines() if line.startswith(("reward, ", "tokens per completion, "))]
     assert len(curves) == 4 and all(line.split()[-1] == "-" for line in curves)
+
+
+def test_the_trl_comparison_refuses_an_output_it_could_not_write_before_running(tmp_path):
+    """An --output in a folder that cannot be made, or a PNG that exists, is one line before either trainer runs."""
+    (tmp_path / "a_file").write_text("mine\n")
+    (tmp_path / "taken.png").write_text("mine\n")
+    script = os.path.join(ROOT, "benchmark", "trl_side_by_side.py")
+    for output, needles in [("a_file/curves.png", ["a_file/curves.png", "folder cannot be made"]),
+                            ("taken.png", ["taken.png must be a new .png file"])]:
+        check_one_line_error(run_script(script, "--preset", "tiny", "--quick", "--output", output, cwd=tmp_path),
+                             *needles)
+    assert (tmp_path / "a_file").read_text() == (tmp_path / "taken.png").read_text() == "mine\n"
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "taken.png"]
