@@ -75,6 +75,10 @@ class Args:
     """policy (and tokenizer): a hub id, a local folder, or a local .gguf file"""
     sft_model_path: Optional[str] = None
     """old-TRL name: if set, the policy weights come from here and the tokenizer from --model_name_or_path"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the policy's weights (and AdamW's states) in training, as TRL's model_init_kwargs dtype; auto: the checkpoint's
+    own (bfloat16 for most hub models). Keep float32: an Adam step at a small learning rate is below bfloat16's spacing
+    and rounds to nothing, so training stalls silently; --bf16 gives bf16 compute on fp32 weights"""
     dataset_name: str = os.path.join(HERE, "data", "movie_reviews")
     """a hub dataset id, or a local .jsonl/.json/.parquet/.csv file or a folder of them (one split per file name)"""
     dataset_train_split: str = "train"
@@ -556,6 +560,11 @@ def from_pretrained(auto_class, path: str, **kwargs):
         del model.config.quantization_config  # de-quantised weights: let save_pretrained write a normal folder
         model.hf_quantizer = None
     return loaded
+
+
+def model_dtype(name: str):
+    """--dtype as from_pretrained takes it: a torch dtype, or "auto" (the dtype the checkpoint's config names)."""
+    return name if name == "auto" else getattr(torch, name)
 
 
 def check_tokenizer(tokenizer, path: str, chat_prompts: bool, stop_token_id: Optional[int]) -> None:
@@ -1596,7 +1605,8 @@ if __name__ == "__main__":
         check_reward_model_config(args.reward_model_path, reward_tokenizer or tokenizer, reward_tokenizer is not None)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path).to(device)
+    policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path,
+                             dtype=model_dtype(args.dtype)).to(device)
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
