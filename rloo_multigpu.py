@@ -216,8 +216,8 @@ class Args:
     generate's many one-token forward passes gather nothing; turn off for a model whose full copy does not fit one
     device (generation is then much slower)"""
     fsdp_cpu_offload: bool = False
-    """(GPU) keep the sharded weights, gradients and optimizer state in CPU memory between uses; the optimizer steps
-    on the CPU"""
+    """keep the sharded weights, gradients and optimizer state in CPU memory between uses (FSDP2's CPUOffloadPolicy):
+    less GPU memory, slower steps (the optimizer steps on the CPU)"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others at a collective before the run fails (a process that died or hangs)"""
 
@@ -364,9 +364,6 @@ def check_args(args: Args) -> None:
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and field.name not in MAY_BE_INFINITE):
                 raise UsageError(f"--{field.name} must be a finite number, got {v}")
-    if args.fsdp_cpu_offload and not torch.cuda.is_available():
-        raise UsageError("--fsdp_cpu_offload moves the sharded weights from GPU to CPU memory, but there is no GPU here "
-                         "(they are in CPU memory already): leave it out")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
     for name in ["run_name", "exp_name"]:
@@ -894,8 +891,10 @@ def weights_for_vllm(policy):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently). Its items()
     gathers the shards one tensor at a time: a collective, through which every process must go, tensor for tensor,
-    while rank 0 sends them; the whole model is never on one device."""
-    return types.SimpleNamespace(items=lambda: ((name, tensor.full_tensor()) for name, tensor in policy.state_dict().items()))
+    while rank 0 sends them; the whole model is never on one device. With --fsdp_cpu_offload the shards are in CPU
+    memory: each goes to the GPU to be gathered there (over NCCL, as torch's own full state dict does)."""
+    return types.SimpleNamespace(items=lambda: ((name, tensor.to(tensor.device_mesh.device_type).full_tensor())
+                                                for name, tensor in policy.state_dict().items()))
 
 
 def nccl_workers(server_info: dict, url: str) -> int:
@@ -909,6 +908,27 @@ def nccl_workers(server_info: dict, url: str) -> int:
     return parallel["world_size"] * parallel["data_parallel_size"]  # tensor x pipeline parallel, times data parallel
 
 
+def check_gpus_apart(server_info: dict, url: str, workers: int) -> None:
+    """NCCL cannot put two ranks of one group on one GPU ("duplicate GPU"): a server on this machine must not use the
+    GPU this process sends from. Its GPUs are the first `workers` of its CUDA_VISIBLE_DEVICES (all, if unset), which
+    its /server_info reports; a server on another machine, or devices named in forms that cannot be compared, pass."""
+    host = socket.gethostbyname(urllib.parse.urlparse(url).hostname)
+    if not torch.cuda.is_available() or not (host.startswith("127.") or host == rendezvous_address(url)[0]):
+        return  # no GPU here, or a server on another machine
+
+    def visible(value: Optional[str]) -> list[str]:
+        return [d.strip() for d in value.split(",")] if value else [str(i) for i in range(torch.cuda.device_count())]
+
+    server_env = dict(line.split("=", 1) for line in (server_info.get("system_env") or {}).get("env_vars", "").splitlines()
+                      if "=" in line)
+    server_gpus = visible(server_env.get("CUDA_VISIBLE_DEVICES"))[:workers]
+    own_gpu = visible(os.environ.get("CUDA_VISIBLE_DEVICES"))[torch.cuda.current_device()]
+    if own_gpu in server_gpus:
+        raise UsageError(f"the vLLM server at {url} runs on GPU {own_gpu}, the GPU this trainer sends its weights from, "
+                         "and NCCL cannot join two processes on one GPU: start the server on other GPUs "
+                         "(CUDA_VISIBLE_DEVICES), or use --vllm_mode colocate (rloo_vllm.py) to share one GPU")
+
+
 def rendezvous_address(url: str) -> tuple[str, int]:
     """This machine's address on the route to url (the server's workers connect back to it) and a free port."""
     parsed = urllib.parse.urlparse(url)
@@ -918,6 +938,34 @@ def rendezvous_address(url: str) -> tuple[str, int]:
     with socket.socket() as probe:
         probe.bind((address, 0))
         return address, probe.getsockname()[1]
+
+
+def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
+    """What vLLM's NCCL trainer-side engine is built from: the init info (this process is the sender, rank 0 of a group
+    with the server's workers), the HTTP client of the server's weight-transfer routes, and the weight source, whose
+    `weights` are set to the (name, tensor) pairs of each push."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
+        weights = iter(())
+
+        def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
+            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
+
+        def __iter__(self):
+            return ((k, v.detach()) for k, v in self.weights)
+
+    address, port = rendezvous_address(url)
+    init_info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + workers, rank=0)
+    return init_info, HTTPVLLMWeightSyncClient(url, timeout), PolicyWeights()
+
+
+def completion_request(model: str, prompt: list[int], options: dict, seed: Optional[int]) -> dict:
+    """The body of a /v1/completions request: the prompt as token ids, sampling_options, and the completion returned
+    as token ids with their log-probs."""
+    return {"model": model, "prompt": prompt, **options, "seed": seed, "return_token_ids": True, "skip_special_tokens": False}
 
 
 class VLLMServer:
@@ -942,7 +990,9 @@ class VLLMServer:
                              f"--max-model-len {needed}")
         self.nccl = nccl_transfer(args)
         if self.nccl:
-            self.workers = nccl_workers(self.request("/server_info?config_format=json"), self.url)
+            server_info = self.request("/server_info?config_format=json")
+            self.workers = nccl_workers(server_info, self.url)
+            check_gpus_apart(server_info, self.url, self.workers)
             self.sender = None  # vLLM's trainer-side transfer engine, set up by the first push
         else:
             self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_weights_",
@@ -970,9 +1020,7 @@ class VLLMServer:
         sent together so that the server batches them."""
         def complete(prompt_and_seed):
             prompt, seed = prompt_and_seed
-            body = {"model": self.model, "prompt": prompt, **options, "seed": seed, "return_token_ids": True,
-                    "skip_special_tokens": False}
-            choice = self.request("/v1/completions", body)["choices"][0]
+            choice = self.request("/v1/completions", completion_request(self.model, prompt, options, seed))["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
@@ -982,39 +1030,40 @@ class VLLMServer:
         pass  # the server keeps its memory: it is on other devices
 
     def push_weights(self, policy) -> None:
-        if self.nccl:
-            self.push_over_nccl(policy)
-        else:
-            from safetensors.torch import save_file
+        weights = iter(weights_for_vllm(policy).items())  # of sharded weights: one gather (a collective) per tensor
+        try:
+            if self.nccl:
+                self.push_over_nccl(policy, weights)
+            else:
+                from safetensors.torch import save_file
 
-            # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
-            weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights_for_vllm(policy).items()}
-            partial = os.path.join(self.folder.name, "model.safetensors.partial")
-            save_file(weights, partial)
-            os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
-            self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
-        self.request("/reset_prefix_cache", {})
+                needed = sum(v.numel() * v.element_size() for v in policy.state_dict().values())
+                free = shutil.disk_usage(self.folder.name).free
+                if free < needed:
+                    raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
+                                     f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
+                                     "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)")
+                # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
+                tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights}
+                partial = os.path.join(self.folder.name, "model.safetensors.partial")
+                save_file(tensors, partial)
+                os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
+                self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
+            self.request("/reset_prefix_cache", {})
+        finally:  # a push that failed half-way still goes through every gather: all processes then stop together
+            for _ in weights:
+                pass
 
-    def push_over_nccl(self, policy) -> None:
+    def push_over_nccl(self, policy, weights) -> None:
         """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
         /init_weight_transfer_engine route); every push broadcasts each tensor while the server loads it."""
         try:
             if self.sender is None:
-                from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-                from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-                class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
-                    def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
-                        return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
-
-                    def __iter__(self):
-                        return ((k, v.detach()) for k, v in weights_for_vllm(policy).items())
-
-                address, port = rendezvous_address(self.url)
-                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
-                    NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + self.workers),
-                    client=HTTPVLLMWeightSyncClient(self.url, self.timeout), source=PolicyWeights())
+                init_info, client, self.source = nccl_sender_parts(self.url, self.timeout, self.workers, policy)
+                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self.source)
+            self.source.weights = weights
             self.sender.send_weights()
         except Exception as e:
             raise RunError(f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})") from None
@@ -1424,7 +1473,8 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
     weights or Adam's moments. Returns the gradient norm before clipping and whether the step was taken. `loss` and
     the norm are global, so every process takes the same decision."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).full_tensor()  # over all shards
+    # over all shards; on the loss's device (with --fsdp_cpu_offload the gradients, and so the norm, are in CPU memory)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).full_tensor().to(loss.device)
     finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
     if finite:
         optimizer.step()
@@ -1643,6 +1693,29 @@ class agreed:
         raise shared from None
 
 
+def push_to_server(server, policy, rank: int) -> None:
+    """The policy to the vLLM server: every process gathers the shards tensor by tensor (a collective each), rank 0
+    sends them; a failure on any process stops all of them together (a failed push still gathers the rest)."""
+    with agreed():
+        if rank == 0:
+            server.push_weights(policy)
+        else:
+            for _ in weights_for_vllm(policy).items():
+                pass
+
+
+def check_server(server, prompt_ids, prompt_mask, options, logprobs_of) -> None:
+    """check_engine on every process: the server's answers first, agreed on (a request that fails on one process stops
+    all of them before the policy's forward, a collective), then the gap, the same on every process."""
+    class AgreedServer:
+        def generate(self, *args):
+            with agreed():
+                return server.generate(*args)
+
+    with agreed():
+        check_engine(AgreedServer(), prompt_ids, prompt_mask, options, logprobs_of)
+
+
 def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool) -> torch.nn.Module:
     """FSDP2: each decoder layer (the classes transformers lists in _no_split_modules) is a unit whose weights are
     gathered for its forward and freed after it; the root holds the rest (embeddings, tied LM head, norm). A reward
@@ -1651,7 +1724,7 @@ def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     options = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                if mixed_precision else MixedPrecisionPolicy(),
-               "offload_policy": CPUOffloadPolicy() if cpu_offload else None}
+               "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else None}
     options = {k: v for k, v in options.items() if v is not None}
     for module in model.modules():
         if type(module).__name__ in layer_classes:
@@ -2176,15 +2249,6 @@ if __name__ == "__main__":
     if server is not None:  # vLLM's sampling parameters for the same semantics
         generation_config, greedy_config = (sampling_options(args, stop_ids, greedy) for greedy in (False, True))
 
-    def push_weights() -> None:
-        """The policy to the vLLM server: every process gathers the shards tensor by tensor, rank 0 sends them."""
-        with agreed():
-            if rank == 0:
-                server.push_weights(policy)
-            else:
-                for _ in weights_for_vllm(policy).items():
-                    pass
-
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -2192,7 +2256,7 @@ if __name__ == "__main__":
     if checkpoint is not None:
         load_checkpoint(checkpoint, policy, optimizer)
     if server is not None:  # the server samples from the policy: its weights now, and after every update
-        push_weights()
+        push_to_server(server, policy, rank)
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -2337,8 +2401,7 @@ if __name__ == "__main__":
     progress.start()
     if server is not None:
         probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
-        with agreed():  # every process finds the same gap
-            check_engine(server, *probe, greedy_config, lambda *rollout: rollout_logprobs(policy, *rollout))
+        check_server(server, *probe, greedy_config, lambda *rollout: rollout_logprobs(policy, *rollout))
     if sample_every and start_update == 0:
         sample_table(episode)
     if checkpoint is not None:
@@ -2475,7 +2538,7 @@ if __name__ == "__main__":
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         if server is not None:  # Weight sync: the next rollout (and sample table) samples from the updated policy
             with timer("weight_sync"):
-                push_weights()
+                push_to_server(server, policy, rank)
         episode += batch_size
         num_tokens += int(prompt_mask.sum() + completion_mask.sum())
         old_logprobs = all_gather_rows(old_logprobs[own_rows:own_rows + local_batch_size])  # as the update filled them in

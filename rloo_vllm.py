@@ -148,7 +148,8 @@ class Args:
     vllm_enforce_eager: bool = False
     """(colocate) no CUDA graphs: slower generation, faster start (always eager on CPU)"""
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """(colocate) the engine's weights; auto: bfloat16 with --bf16, else float32, as the training forward"""
+    """(colocate) the engine's weights and compute; auto: bfloat16 on a GPU (half the memory, FlashAttention; the
+    importance-sampling correction covers the gap to the fp32 policy), float32 on the CPU, as the training forward"""
     vllm_enable_sleep_mode: bool = False
     """(colocate, GPU) free the engine's weights and KV cache during the update, restored for the next rollout"""
     vllm_server_base_url: Optional[str] = None
@@ -852,7 +853,7 @@ def nccl_transfer(args: Args) -> bool:
 
 
 def vllm_dtype(args: Args) -> str:
-    return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if args.bf16 else "float32"
+    return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def sampling_options(args: Args, stop_ids: list[int], greedy: bool) -> dict:
@@ -894,6 +895,16 @@ def weights_for_vllm(policy) -> dict[str, torch.Tensor]:
     return policy.state_dict()
 
 
+def engine_options(args: Args, config_folder: str, device) -> dict:
+    """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
+    are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
+    return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=True, seed=args.seed, dtype=vllm_dtype(args),
+                generation_config="vllm", logprobs_mode="processed_logprobs",
+                max_model_len=args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode)
+
+
 class ColocatedVLLM:
     """A vLLM engine in this process (TRL's vllm_mode="colocate"), built from the policy's config with placeholder
     weights; push_weights copies the policy's tensors into it through vLLM's reload_weights."""
@@ -913,11 +924,7 @@ class ColocatedVLLM:
             json.dump(config, f)
         self.sleep_mode = args.vllm_enable_sleep_mode
         try:
-            self.llm = LLM(model=self.folder.name, load_format="dummy", skip_tokenizer_init=True, seed=args.seed,
-                           dtype=vllm_dtype(args), generation_config="vllm", logprobs_mode="processed_logprobs",
-                           max_model_len=args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length,
-                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                           enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=self.sleep_mode)
+            self.llm = LLM(**engine_options(args, self.folder.name, device))
         except Exception as e:
             detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
             raise UsageError(f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
@@ -959,6 +966,27 @@ def nccl_workers(server_info: dict, url: str) -> int:
     return parallel["world_size"] * parallel["data_parallel_size"]  # tensor x pipeline parallel, times data parallel
 
 
+def check_gpus_apart(server_info: dict, url: str, workers: int) -> None:
+    """NCCL cannot put two ranks of one group on one GPU ("duplicate GPU"): a server on this machine must not use the
+    GPU this process sends from. Its GPUs are the first `workers` of its CUDA_VISIBLE_DEVICES (all, if unset), which
+    its /server_info reports; a server on another machine, or devices named in forms that cannot be compared, pass."""
+    host = socket.gethostbyname(urllib.parse.urlparse(url).hostname)
+    if not torch.cuda.is_available() or not (host.startswith("127.") or host == rendezvous_address(url)[0]):
+        return  # no GPU here, or a server on another machine
+
+    def visible(value: Optional[str]) -> list[str]:
+        return [d.strip() for d in value.split(",")] if value else [str(i) for i in range(torch.cuda.device_count())]
+
+    server_env = dict(line.split("=", 1) for line in (server_info.get("system_env") or {}).get("env_vars", "").splitlines()
+                      if "=" in line)
+    server_gpus = visible(server_env.get("CUDA_VISIBLE_DEVICES"))[:workers]
+    own_gpu = visible(os.environ.get("CUDA_VISIBLE_DEVICES"))[torch.cuda.current_device()]
+    if own_gpu in server_gpus:
+        raise UsageError(f"the vLLM server at {url} runs on GPU {own_gpu}, the GPU this trainer sends its weights from, "
+                         "and NCCL cannot join two processes on one GPU: start the server on other GPUs "
+                         "(CUDA_VISIBLE_DEVICES), or use --vllm_mode colocate (rloo_vllm.py) to share one GPU")
+
+
 def rendezvous_address(url: str) -> tuple[str, int]:
     """This machine's address on the route to url (the server's workers connect back to it) and a free port."""
     parsed = urllib.parse.urlparse(url)
@@ -968,6 +996,34 @@ def rendezvous_address(url: str) -> tuple[str, int]:
     with socket.socket() as probe:
         probe.bind((address, 0))
         return address, probe.getsockname()[1]
+
+
+def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
+    """What vLLM's NCCL trainer-side engine is built from: the init info (this process is the sender, rank 0 of a group
+    with the server's workers), the HTTP client of the server's weight-transfer routes, and the weight source, whose
+    `weights` are set to the (name, tensor) pairs of each push."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
+        weights = iter(())
+
+        def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
+            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
+
+        def __iter__(self):
+            return ((k, v.detach()) for k, v in self.weights)
+
+    address, port = rendezvous_address(url)
+    init_info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + workers, rank=0)
+    return init_info, HTTPVLLMWeightSyncClient(url, timeout), PolicyWeights()
+
+
+def completion_request(model: str, prompt: list[int], options: dict, seed: Optional[int]) -> dict:
+    """The body of a /v1/completions request: the prompt as token ids, sampling_options, and the completion returned
+    as token ids with their log-probs."""
+    return {"model": model, "prompt": prompt, **options, "seed": seed, "return_token_ids": True, "skip_special_tokens": False}
 
 
 class VLLMServer:
@@ -992,7 +1048,9 @@ class VLLMServer:
                              f"--max-model-len {needed}")
         self.nccl = nccl_transfer(args)
         if self.nccl:
-            self.workers = nccl_workers(self.request("/server_info?config_format=json"), self.url)
+            server_info = self.request("/server_info?config_format=json")
+            self.workers = nccl_workers(server_info, self.url)
+            check_gpus_apart(server_info, self.url, self.workers)
             self.sender = None  # vLLM's trainer-side transfer engine, set up by the first push
         else:
             self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_weights_",
@@ -1020,9 +1078,7 @@ class VLLMServer:
         sent together so that the server batches them."""
         def complete(prompt_and_seed):
             prompt, seed = prompt_and_seed
-            body = {"model": self.model, "prompt": prompt, **options, "seed": seed, "return_token_ids": True,
-                    "skip_special_tokens": False}
-            choice = self.request("/v1/completions", body)["choices"][0]
+            choice = self.request("/v1/completions", completion_request(self.model, prompt, options, seed))["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
@@ -1032,39 +1088,40 @@ class VLLMServer:
         pass  # the server keeps its memory: it is on other devices
 
     def push_weights(self, policy) -> None:
-        if self.nccl:
-            self.push_over_nccl(policy)
-        else:
-            from safetensors.torch import save_file
+        weights = iter(weights_for_vllm(policy).items())  # of sharded weights: one gather (a collective) per tensor
+        try:
+            if self.nccl:
+                self.push_over_nccl(policy, weights)
+            else:
+                from safetensors.torch import save_file
 
-            # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
-            weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights_for_vllm(policy).items()}
-            partial = os.path.join(self.folder.name, "model.safetensors.partial")
-            save_file(weights, partial)
-            os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
-            self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
-        self.request("/reset_prefix_cache", {})
+                needed = sum(v.numel() * v.element_size() for v in policy.state_dict().values())
+                free = shutil.disk_usage(self.folder.name).free
+                if free < needed:
+                    raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
+                                     f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
+                                     "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)")
+                # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
+                tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights}
+                partial = os.path.join(self.folder.name, "model.safetensors.partial")
+                save_file(tensors, partial)
+                os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
+                self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
+            self.request("/reset_prefix_cache", {})
+        finally:  # a push that failed half-way still goes through every gather: all processes then stop together
+            for _ in weights:
+                pass
 
-    def push_over_nccl(self, policy) -> None:
+    def push_over_nccl(self, policy, weights) -> None:
         """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
         /init_weight_transfer_engine route); every push broadcasts each tensor while the server loads it."""
         try:
             if self.sender is None:
-                from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-                from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-                class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
-                    def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
-                        return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
-
-                    def __iter__(self):
-                        return ((k, v.detach()) for k, v in weights_for_vllm(policy).items())
-
-                address, port = rendezvous_address(self.url)
-                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(
-                    NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + self.workers),
-                    client=HTTPVLLMWeightSyncClient(self.url, self.timeout), source=PolicyWeights())
+                init_info, client, self.source = nccl_sender_parts(self.url, self.timeout, self.workers, policy)
+                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self.source)
+            self.source.weights = weights
             self.sender.send_weights()
         except Exception as e:
             raise RunError(f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})") from None
@@ -2153,6 +2210,7 @@ if __name__ == "__main__":
         with timer("generation"):
             completion_ids, sampling_logprobs = generate(engine, prompt_ids, prompt_mask, generation_config,
                                                          sampling_seeds(args.seed, update, batch_size))  # (B, C)
+        engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
         mask = completion_mask.float()
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the
@@ -2204,7 +2262,6 @@ if __name__ == "__main__":
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches; each micro-batch adds its share of the minibatch loss (policy_loss) to the gradient.
-        engine.sleep()
         policy.train()
         stats = defaultdict(list)  # per micro-batch: sums over the units of the loss (tokens, or completions), extremes
         losses, grad_norms, learning_rates = [], [], []  # per optimizer step

@@ -49,3 +49,167 @@ def test_a_model_saved_in_bf16_trains_in_fp32_and_moves_at_a_small_learning_rate
         state = torch.load(tmp_path / "runs" / run / "checkpoints" / "checkpoint-2" / "training_state.pt",
                            weights_only=False)["optimizer"]["state"]
         assert {s[k].dtype for s in state.values() for k in ("exp_avg", "exp_avg_sq")} == {torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM's API as the scripts use it on a GPU: every object built exactly as the scripts build it, without connecting, so
+# that a signature change in vLLM fails here rather than at a user's first GPU run
+# ---------------------------------------------------------------------------------------------------------------------
+def gpu_args(tiny, **kwargs):
+    import rloo_vllm
+
+    return rloo_vllm.Args(model_name_or_path=tiny["policy"], max_prompt_length=32, max_completion_length=16, **kwargs)
+
+
+def pretend_gpu(monkeypatch, count=2, current=0):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
+    """What ColocatedVLLM hands vllm.LLM on a GPU (sleep mode, bf16, CUDA graphs) names LLM's and EngineArgs' fields."""
+    import inspect
+
+    import rloo_vllm
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    pretend_gpu(monkeypatch)
+    options = rloo_vllm.engine_options(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
+    assert options["dtype"] == "bfloat16" and options["enable_sleep_mode"] and not options["enforce_eager"]
+    inspect.signature(LLM).bind(**options)
+    engine_args = EngineArgs(**options)
+    assert (engine_args.dtype, engine_args.logprobs_mode, engine_args.generation_config) == (
+        "bfloat16", "processed_logprobs", "vllm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and float32 on the CPU, as the training forward
+    assert rloo_vllm.engine_options(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
+def test_sampling_parameters_and_server_requests_are_vllms(tiny, script):
+    import importlib
+
+    from vllm import SamplingParams
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    rloo = importlib.import_module(script)
+    args = rloo.Args(model_name_or_path=tiny["policy"], temperature=0.7, top_p=0.9, top_k=20)
+    for greedy in (False, True):
+        options = rloo.sampling_options(args, stop_ids=[2, 3], greedy=greedy)
+        params = SamplingParams(**options, seed=7, detokenize=False)
+        assert params.stop_token_ids == [2, 3] and params.logprobs == 0 and params.ignore_eos
+        request = CompletionRequest(**rloo.completion_request("model", [5, 6, 7], options, seed=7))
+        assert request.prompt == [5, 6, 7] and request.return_token_ids and request.seed == 7
+        assert request.to_sampling_params(max_tokens=16, default_sampling_params={}).stop_token_ids == [2, 3]
+
+
+@pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
+def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
+    """The trainer side of vLLM's NCCL weight transfer: init info (rank included), client and weight source, the
+    engine's constructor, and a source whose tensors match the metadata the server sizes its buffers from (vLLM's own
+    check). The NCCL rendezvous itself needs GPUs."""
+    import importlib
+    import inspect
+    import json
+
+    from transformers import AutoModelForCausalLM
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    rloo = importlib.import_module(script)
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    init_info, client, source = rloo.nccl_sender_parts("http://127.0.0.1:8000", 30.0, 2, policy)
+    assert init_info.is_sender and init_info.world_size == 3
+    inspect.signature(NCCLTrainerWeightTransferEngine.trainer_init).bind(init_info, client=client, source=source)
+    engine = NCCLTrainerWeightTransferEngine(client=client, source=source, is_sender=init_info.is_sender,
+                                             packed=init_info.packed)
+    source.weights = iter(policy.state_dict().items())
+    sent = list(engine._checked_iter(source, source.metadata()))
+    assert "lm_head.weight" in dict(sent) and len(sent) == len(policy.state_dict())
+    assert WeightTransferConfig(**json.loads(rloo.NCCL_SERVER_OPTION.split(None, 1)[1].strip("'"))).backend == "nccl"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# rloo_multigpu.py: a fault on one process of two stops both within seconds (not at the collective timeout)
+# ---------------------------------------------------------------------------------------------------------------------
+class FailingSender:
+    """vLLM's NCCL sender whose transfer breaks after two tensors, as a server dying mid-push would make it."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def send_weights(self):
+        next(self.server.source.weights), next(self.server.source.weights)
+        raise RuntimeError("NCCL error: remote process exited")
+
+
+class ServerFailingOnRank1:
+    """A server whose answer reaches rank 0 but not rank 1 (a dropped connection)."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def generate(self, prompts, options, seeds):
+        import rloo_multigpu
+
+        if self.rank == 1:
+            raise rloo_multigpu.RunError("the vLLM server at http://x does not answer /v1/completions")
+        return [([5, 6], [-1.0, -1.0]) for _ in prompts]
+
+
+def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, out: str):
+    import datetime
+    import json
+    import time
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    import rloo_multigpu as rloo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90))
+    policy = rloo.shard(AutoModelForCausalLM.from_pretrained(policy_path), init_device_mesh("cpu", (2,)), False, False)
+    start = time.time()
+    try:
+        if scenario == "push":
+            server = rloo.VLLMServer.__new__(rloo.VLLMServer)
+            server.url, server.nccl, server.source = "http://x", True, types.SimpleNamespace(weights=None)
+            server.sender = FailingSender(server)
+            rloo.push_to_server(server, policy, rank)
+        else:
+            ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+            options = {"max_tokens": 2, "stop_token_ids": []}
+            with torch.no_grad():
+                rloo.check_server(ServerFailingOnRank1(rank), ids, mask, options,
+                                  lambda *rollout: rloo.completion_logprobs(policy, *rollout, temperature=1.0))
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"outcome": outcome, "seconds": time.time() - start}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("scenario, message", [
+    ("push", "failed a weight transfer over NCCL (RuntimeError: NCCL error: remote process exited)"),
+    ("check", "does not answer /v1/completions (on rank 1)")])
+def test_a_fault_on_one_process_stops_both_within_seconds(scenario, message, tiny, tmp_path):
+    """push: rank 0's transfer breaks half-way through the gathers, which rank 1 is still in; check: rank 1's request
+    fails while rank 0 goes on to the sharded forward. Both processes must raise the one error together, at once."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.start_processes(one_of_two_processes, args=(scenario, tiny["policy"], free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            result = json.load(f)
+        assert result["outcome"].startswith("RunError") and message in result["outcome"], result
+        assert result["seconds"] < 30, result

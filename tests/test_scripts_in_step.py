@@ -16,7 +16,7 @@ INTENDED_DIFFERENCES = {
     "RESUMABLE_CHANGES": "rloo_vllm.py: the server's address and the engine's memory can change on resume; "
                          "rloo_multigpu.py: the collective timeout",
     "batch_sizes": "rloo_multigpu.py: old TRL's per-device sizes times the number of processes",
-    "check_args": "rloo_multigpu.py: each process's batch holds whole groups; CPU offload needs a GPU",
+    "check_args": "rloo_multigpu.py: each process's batch holds whole groups",
     "optimizer_step": "rloo_multigpu.py: the gradient norm of the FSDP shards is a DTensor",
     "_report_one_line_error": "rloo_multigpu.py: an error every process raised is reported by rank 0 only",
     "RunGuard": "rloo_multigpu.py: the checkpoint is written by every process, and only when all of them failed together",
