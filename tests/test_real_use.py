@@ -213,3 +213,57 @@ def test_a_fault_on_one_process_stops_both_within_seconds(scenario, message, tin
             result = json.load(f)
         assert result["outcome"].startswith("RunError") and message in result["outcome"], result
         assert result["seconds"] < 30, result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared machines: a server on the trainer's GPU, and a /dev/shm too small for the weights, are one line
+# ---------------------------------------------------------------------------------------------------------------------
+def server_info(cuda_visible_devices=None) -> dict:
+    env = "NCCL_DEBUG=WARN\n" + (f"CUDA_VISIBLE_DEVICES={cuda_visible_devices}\n" if cuda_visible_devices else "")
+    return {"vllm_config": {}, "system_env": {"env_vars": env}}
+
+
+@pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
+def test_a_server_on_the_trainers_gpu_is_refused(script, monkeypatch):
+    """NCCL fails with "duplicate GPU" when the sender and a server worker share a GPU: refused before anything runs."""
+    import importlib
+
+    rloo = importlib.import_module(script)
+    pretend_gpu(monkeypatch, count=4, current=0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(rloo.UsageError, match="runs on GPU 0, the GPU this trainer sends its weights from"):
+        rloo.check_gpus_apart(server_info(), "http://127.0.0.1:8000", workers=1)  # both see every GPU: both on 0
+    rloo.check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # the README's layout
+    rloo.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)
+    with pytest.raises(rloo.UsageError, match="runs on GPU 3"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+        rloo.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)  # tensor parallel over 2 and 3
+    monkeypatch.setattr(rloo, "rendezvous_address", lambda url: ("10.0.0.1", 1))  # (this machine's address)
+    rloo.check_gpus_apart(server_info("3"), "http://10.0.0.2:8000", workers=1)  # another machine
+    with pytest.raises(rloo.UsageError, match="runs on GPU 3"):
+        rloo.check_gpus_apart(server_info("3"), "http://10.0.0.1:8000", workers=1)  # this machine, by its address
+
+
+def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, tmp_path):
+    """Docker gives /dev/shm 64 MB: the push says so and what to do, before writing anything."""
+    import collections
+    import types
+
+    import rloo_vllm
+    from transformers import AutoModelForCausalLM
+
+    server = rloo_vllm.VLLMServer.__new__(rloo_vllm.VLLMServer)
+    server.url, server.nccl, server.folder = "http://x", False, types.SimpleNamespace(name=str(tmp_path / "weights"))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(rloo_vllm.shutil, "disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
+    with pytest.raises(rloo_vllm.UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
+        server.push_weights(AutoModelForCausalLM.from_pretrained(tiny["policy"]))
+    assert not (tmp_path / "weights").exists()
+
+
+def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout():
+    """Sleep mode frees the engine's memory (30% of the GPU by default) for the largest no-grad forwards, as TRL does:
+    right after generation. (The CPU build has no sleep mode, so this is read from the loop.)"""
+    with open(os.path.join(ROOT, "rloo_vllm.py")) as f:
+        loop = f.read().split("for update in range(")[1]
+    assert loop.index("generate(engine") < loop.index("engine.sleep()") < loop.index("rollout_logprobs(policy")
