@@ -910,7 +910,7 @@ def nccl_workers(server_info: dict, url: str) -> int:
 
 def check_gpus_apart(server_info: dict, url: str, workers: int) -> None:
     """NCCL cannot put two ranks of one group on one GPU ("duplicate GPU"): a server on this machine must not use the
-    GPU this process sends from. Its GPUs are the first `workers` of its CUDA_VISIBLE_DEVICES (all, if unset), which
+    GPU of this process. Its GPUs are the first `workers` of its CUDA_VISIBLE_DEVICES (all, if unset), which
     its /server_info reports; a server on another machine, or devices named in forms that cannot be compared, pass."""
     host = socket.gethostbyname(urllib.parse.urlparse(url).hostname)
     if not torch.cuda.is_available() or not (host.startswith("127.") or host == rendezvous_address(url)[0]):
@@ -924,8 +924,8 @@ def check_gpus_apart(server_info: dict, url: str, workers: int) -> None:
     server_gpus = visible(server_env.get("CUDA_VISIBLE_DEVICES"))[:workers]
     own_gpu = visible(os.environ.get("CUDA_VISIBLE_DEVICES"))[torch.cuda.current_device()]
     if own_gpu in server_gpus:
-        raise UsageError(f"the vLLM server at {url} runs on GPU {own_gpu}, the GPU this trainer sends its weights from, "
-                         "and NCCL cannot join two processes on one GPU: start the server on other GPUs "
+        raise UsageError(f"the vLLM server at {url} runs on GPU {own_gpu}, which this trainer uses too: NCCL cannot join "
+                         "two processes on one GPU (and both want its memory): start the server on other GPUs "
                          "(CUDA_VISIBLE_DEVICES), or use --vllm_mode colocate (rloo_vllm.py) to share one GPU")
 
 
@@ -993,7 +993,7 @@ class VLLMServer:
             server_info = self.request("/server_info?config_format=json")
             self.workers = nccl_workers(server_info, self.url)
             check_gpus_apart(server_info, self.url, self.workers)
-            self.sender = None  # vLLM's trainer-side transfer engine, set up by the first push
+            self.sender = self.source = None  # vLLM's transfer engine and its weight source, from the first push
         else:
             self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_weights_",
                                                       dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

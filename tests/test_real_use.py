@@ -231,7 +231,7 @@ def test_a_server_on_the_trainers_gpu_is_refused(script, monkeypatch):
     rloo = importlib.import_module(script)
     pretend_gpu(monkeypatch, count=4, current=0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(rloo.UsageError, match="runs on GPU 0, the GPU this trainer sends its weights from"):
+    with pytest.raises(rloo.UsageError, match="runs on GPU 0, which this trainer uses too"):
         rloo.check_gpus_apart(server_info(), "http://127.0.0.1:8000", workers=1)  # both see every GPU: both on 0
     rloo.check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # the README's layout
     rloo.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)
