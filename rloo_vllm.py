@@ -867,10 +867,25 @@ def sampling_options(args: Args, stop_ids: list[int], greedy: bool) -> dict:
 
 
 def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
-    """One seed per completion, a function of (--seed, update, row) only: the samples do not depend on what the
-    engine did before, so a resumed run draws what the uninterrupted run drew. (One seed for a whole group would make
-    its G completions identical.)"""
-    return np.random.SeedSequence([seed, update]).generate_state(n).tolist()
+    """One seed per completion, a function of (--seed, update, row) only: the samples do not depend on what the engine
+    did before, so a resumed run draws what the uninterrupted run drew. The seeds are consecutive, base + row: the G
+    completions of prompt g (rows g*G ... g*G+G-1) are then what one request for G completions (n=G) seeded base + g*G
+    draws, since vLLM seeds the i-th completion of such a request with seed + i (vllm/v1/engine/parallel_sampling.py);
+    that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ."""
+    base = int(np.random.SeedSequence([seed, update]).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
+    return [base + row for row in range(n)]
+
+
+def prompt_runs(prompts: list[list[int]], seeds: Optional[list[int]]) -> list[tuple[int, int]]:
+    """[start, end) of each run of rows that repeat one prompt with consecutive seeds (or without seeds): one request
+    with n = end - start (and seed seeds[start]) draws exactly those rows."""
+    runs, start = [], 0
+    for row in range(1, len(prompts) + 1):
+        if (row == len(prompts) or prompts[row] != prompts[start] or
+                (seeds is not None and seeds[row] != seeds[start] + row - start)):
+            runs.append((start, row))
+            start = row
+    return runs
 
 
 def pad_completions(outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int],
@@ -902,7 +917,16 @@ def engine_options(args: Args, config_folder: str, device) -> dict:
                 generation_config="vllm", logprobs_mode="processed_logprobs",
                 max_model_len=args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode)
+                enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
+                **(cpu_scheduling(args) if device.type == "cpu" else {}))
+
+
+def cpu_scheduling(args: Args) -> dict:
+    """No chunked prefill on CPU: vLLM 0.32's CPU runner fails a seeded request whose prompt is prefilled over two
+    steps (it rewinds the request's torch.Generator with set_offset, which a CPU generator does not have); a prompt
+    then waits for a step with room for all of it, and a step must hold the longest sequence."""
+    max_model_len = args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
 class ColocatedVLLM:
@@ -1020,10 +1044,13 @@ def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
     return init_info, HTTPVLLMWeightSyncClient(url, timeout), PolicyWeights()
 
 
-def completion_request(model: str, prompt: list[int], options: dict, seed: Optional[int]) -> dict:
-    """The body of a /v1/completions request: the prompt as token ids, sampling_options, and the completion returned
-    as token ids with their log-probs."""
-    return {"model": model, "prompt": prompt, **options, "seed": seed, "return_token_ids": True, "skip_special_tokens": False}
+def completion_request(model: str, prompt: list, options: dict, seed: Optional[int], n: int = 1) -> dict:
+    """The body of a /v1/completions request: the prompt as token ids (or a list of prompts), n completions of each,
+    sampling_options, and the completions returned as token ids with their log-probs. The choices come prompt by
+    prompt, completion by completion (choice index = prompt's position * n + i); with a seed, completion i of every
+    prompt is seeded seed + i."""
+    return {"model": model, "prompt": prompt, "n": n, **options, "seed": seed, "return_token_ids": True,
+            "skip_special_tokens": False}
 
 
 class VLLMServer:
@@ -1074,15 +1101,20 @@ class VLLMServer:
             raise RunError(f"the vLLM server at {self.url} does not answer {route} ({type(reason).__name__}: {reason})") from None
 
     def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]]):
-        """Per prompt: (completion token ids, their sampling log-probs); one request per completion (its own seed),
-        sent together so that the server batches them."""
-        def complete(prompt_and_seed):
-            prompt, seed = prompt_and_seed
-            choice = self.request("/v1/completions", completion_request(self.model, prompt, options, seed))["choices"][0]
-            return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        """Per prompt: (completion token ids, their sampling log-probs). Without seeds, all the prompts in one request;
+        with seeds, one request per group (rows that repeat a prompt with consecutive seeds, as sampling_seeds gives
+        them) for its G completions, every request in flight at once: the server batches the whole rollout, and draws
+        what the colocated engine draws for the same seeds."""
+        def complete(prompt, seed=None, n=1) -> list:
+            choices = self.request("/v1/completions", completion_request(self.model, prompt, options, seed, n))["choices"]
+            return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])]
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
-            return list(pool.map(complete, zip(prompts, seeds or [None] * len(prompts))))
+        if seeds is None:
+            return complete(prompts)
+        runs = prompt_runs(prompts, seeds)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, len(runs))) as pool:
+            groups = pool.map(lambda run: complete(prompts[run[0]], seeds[run[0]], run[1] - run[0]), runs)
+            return [completion for group in groups for completion in group]
 
     def sleep(self) -> None:
         pass  # the server keeps its memory: it is on other devices

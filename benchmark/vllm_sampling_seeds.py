@@ -4,20 +4,19 @@ rloo_vllm.py gives every completion its own SamplingParams.seed (sampling_seeds:
 the uninterrupted one). vLLM then gives that request a torch.Generator of its own, which its sampler serves one request
 at a time; a request without a seed shares the batch's random numbers. This script builds the engine exactly as
 rloo_vllm.py does (ColocatedVLLM from a parsed Args, the policy's weights pushed) and times one rollout, the same
-prompts (the first of the dataset, through rloo_vllm.tokenize_prompts) and sizes every time, seeded three ways:
+prompts (the dataset's first P, through rloo_vllm.tokenize_prompts) and sizes every time, seeded three ways:
 
-    per-completion seed  P*G requests, seed = sampling_seeds(seed, update, row)   (rloo_vllm.py today)
+    per-completion seed  P*G requests, seed = sampling_seeds(seed, update, row)   (rloo_vllm.py)
     no seed              P*G requests without a seed
-    per-prompt seed, n=G P requests, SamplingParams(n=G, seed=s): vLLM seeds child i with s + i
+    per-prompt seed, n=G P requests, SamplingParams(n=G, seed=s): vLLM seeds child i with s + i (a server's way)
 
 No token ends a completion (no stop ids, EOS ignored): every completion is max_completion_length tokens, so the three
 variants generate the same number of tokens. The variants alternate, repeat after repeat, after one untimed warm-up
-each; the table gives generated tokens per second over the repeats, the ratio of medians to the first variant, and
-the fraction of groups whose G completions are all the same.
+each; the table gives generated tokens per second over the repeats (wall clock, and per CPU-second of this process,
+which other load on the machine disturbs less), the ratio of medians to the first variant, and the fraction of groups
+whose G completions are all the same.
 
-Prompts are cut to --max_prompt_length tokens so that a rollout's prefill fits in one engine step: vLLM 0.32's CPU
-build fails a seeded request whose prompt is prefilled in two steps (chunked prefill: gpu_model_runner.py rewinds the
-request's generator with set_offset, which a CPU torch.Generator does not have), and its step holds 4096 tokens.
+Prompts are cut to --max_prompt_length tokens (16 by default): the rollout is decoding, as RL rollouts mostly are.
 
     python benchmark/vllm_sampling_seeds.py                    # the tests' tiny model (built in a temporary folder)
     python benchmark/vllm_sampling_seeds.py --preset smollm2   # SmolLM2-135M-Instruct, rloo_vllm.py's default model
@@ -43,7 +42,7 @@ def main():
     parser.add_argument("--num_generations", type=int, help="completions per prompt, G (default: the preset's)")
     parser.add_argument("--max_completion_length", type=int, help="tokens per completion (default: the preset's)")
     parser.add_argument("--max_prompt_length", type=int, default=16,
-                        help="prompts keep their last tokens (default 16): see the note on chunked prefill below")
+                        help="prompts keep their last tokens (default 16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rollouts per variant (default 5)")
     parser.add_argument("--seed", type=int, default=1, help="--seed of rloo_vllm.py")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -69,19 +68,16 @@ def main():
     else:
         model = rloo_vllm._embedded_model()
     args = tyro.cli(rloo_vllm.Args, use_underscores=True, args=[
-        "--model_name_or_path", model, "--max_prompt_length", str(options.max_prompt_length), "--seed", str(options.seed), "--num_generations", str(G),
-        "--max_completion_length", str(C), "--temperature", str(options.temperature), "--top_p", str(options.top_p),
-        "--top_k", str(options.top_k)])
+        "--model_name_or_path", model, "--max_prompt_length", str(options.max_prompt_length), "--seed", str(options.seed),
+        "--num_generations", str(G), "--max_completion_length", str(C), "--temperature", str(options.temperature),
+        "--top_p", str(options.top_p), "--top_k", str(options.top_k)])
     tokenizer = rloo_vllm.from_pretrained(AutoTokenizer, args.model_name_or_path)
     policy = rloo_vllm.from_pretrained(AutoModelForCausalLM, args.model_name_or_path)
     train, _ = rloo_vllm.load_datasets(args)
-    prompt_ids, prompt_mask, _ = rloo_vllm.tokenize_prompts(tokenizer, train[:P]["prompt"], args.max_prompt_length,
-                                                            torch.device("cpu"))
+    texts = train[[i % len(train) for i in range(P)]]["prompt"]  # from the top again if the dataset has fewer
+    prompt_ids, prompt_mask, _ = rloo_vllm.tokenize_prompts(tokenizer, texts, args.max_prompt_length, torch.device("cpu"))
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
-    if min(len(rows), 256) * max(map(len, rows)) > 4096:  # 256 requests at a time (max_num_seqs), 4096 tokens a step
-        parser.error(f"{min(len(rows), 256)} prompts of up to {max(map(len, rows))} tokens do not fit in one step of "
-                     "4096 tokens, and seeded requests fail on chunked prefill: lower --max_prompt_length or --prompts")
     started = time.perf_counter()
     engine = rloo_vllm.ColocatedVLLM(args, policy, torch.device("cpu"))
     engine.push_weights(policy)
@@ -104,26 +100,32 @@ def main():
         "no seed": lambda u: [ids for ids, _ in engine.generate(rows, sampling, None)],
         "per-prompt seed, n=G": per_prompt,
     }
-    speeds = {name: [] for name in variants}
+    speeds = {name: [] for name in variants}  # generated tokens per wall-clock second
+    cpu_speeds = {name: [] for name in variants}  # per CPU-second of this process: less sensitive to other load
     identical_groups = {name: [] for name in variants}
     for name, run in variants.items():
         run(0)  # warm-up
     for repeat in range(1, options.repeats + 1):
         for name, run in variants.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out = run(repeat)
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             tokens = sum(map(len, out))
             assert len(out) == P * G and tokens == P * G * C, (name, len(out), tokens)
             speeds[name].append(tokens / seconds)
+            cpu_speeds[name].append(tokens / cpu_seconds)
             identical_groups[name].append(np.mean([len({tuple(ids) for ids in out[g * G:(g + 1) * G]}) == 1
                                                    for g in range(P)]))
 
-    reference = statistics.median(speeds[next(iter(variants))])
-    print(f"{'variant':22s} {'tokens/s median':>16s} {'min':>8s} {'max':>8s} {'ratio':>6s} {'groups all identical':>21s}")
+    first = next(iter(variants))
+    reference, cpu_reference = statistics.median(speeds[first]), statistics.median(cpu_speeds[first])
+    print(f"{'variant':22s} {'tokens/s median':>16s} {'min':>8s} {'max':>8s} {'ratio':>6s} {'tokens/CPU-s median':>20s} "
+          f"{'ratio':>6s} {'groups all identical':>21s}")
     for name, values in speeds.items():
+        cpu = statistics.median(cpu_speeds[name])
         print(f"{name:22s} {statistics.median(values):16.0f} {min(values):8.0f} {max(values):8.0f} "
-              f"{statistics.median(values) / reference:6.2f} {float(np.mean(identical_groups[name])):21.3f}")
+              f"{statistics.median(values) / reference:6.2f} {cpu:20.0f} {cpu / cpu_reference:6.2f} "
+              f"{float(np.mean(identical_groups[name])):21.3f}")
     engine.close()
     workdir.cleanup()
 

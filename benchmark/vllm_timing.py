@@ -60,8 +60,8 @@ def start_server(model: str, workdir: str):
         port = s.getsockname()[1]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--generation-config", "vllm",
-               "--logprobs-mode", "processed_logprobs"]
+               "--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--max-model-len", "512",
+               "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs"]
     start = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=open(os.path.join(workdir, "server.log"), "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)

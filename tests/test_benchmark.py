@@ -212,6 +212,27 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
         assert args.seed == int(command[-1])
 
 
+def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, monkeypatch):
+    """benchmark/experiments/vllm_sampling_learning.sh (--dry_run): the same task for rloo.py and rloo_vllm.py, each
+    seed once, every option accepted; its output folder is made anew, never reused."""
+    out = tmp_path / "out"
+    script = ["bash", os.path.join(ROOT, "benchmark", "experiments", "vllm_sampling_learning.sh")]
+    proc = subprocess.run([*script, "--dry_run"], capture_output=True, text=True, env={**run_env(), "SEEDS": "2", "OUT": str(out)},
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("python ")]
+    assert [(c[1], c[-1]) for c in commands] == [("rloo.py", "1"), ("rloo.py", "2"), ("rloo_vllm.py", "1"),
+                                                 ("rloo_vllm.py", "2")]
+    for command in commands:
+        module = __import__(command[1][:-3])
+        monkeypatch.setattr(sys, "argv", command[1:])
+        module.check_args(module.parse_args())
+        assert [command[i + 1] for i, w in enumerate(command) if w == "--model_name_or_path"] == [f"{out}/tiny/policy"]
+    assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
+    again = subprocess.run(script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
+    assert again.returncode != 0 and "exists" in again.stderr
+
+
 # Last in this file: the server (module-scoped) keeps a core busy from its first use to the end of the module
 @pytest.fixture(scope="module")
 def judge_server(tiny, tmp_path_factory):

@@ -130,6 +130,32 @@ def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
         engine.close()
 
 
+def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(tiny, server):
+    """A server gets a group as one request for its G completions, seeded with the group's first seed (vLLM seeds
+    completion i with seed + i): the samples are those of the colocated engine, seeded per completion. A rollout of more
+    prompt tokens than a step holds (4096) runs too: with chunked prefill, vLLM's CPU runner failed seeded requests."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
+    engine, remote = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu")), rloo_vllm.VLLMServer(args)
+    try:
+        engine.push_weights(policy)
+        remote.push_weights(policy)
+        options = rloo_vllm.sampling_options(args, [], greedy=False)
+        prompts = [[5 + p, 6, 7 + p] for p in range(6) for _ in range(4)]  # 6 groups of G = 4
+        seeds = rloo_vllm.sampling_seeds(3, 1, len(prompts))
+        assert seeds == list(range(seeds[0], seeds[0] + len(prompts)))
+        local = engine.generate(prompts, options, seeds)
+        assert local == remote.generate(prompts, options, seeds)
+        assert len({tuple(ids) for ids, _ in local[:4]}) == 4  # a group's completions differ
+        long_prompts = [[5 + i, *range(6, 35)] for i in range(160)]  # 4800 prompt tokens: one is cut at 4096
+        assert [len(ids) for ids, _ in engine.generate(long_prompts, options, list(range(160)))] == [16] * 160
+    finally:
+        engine.close()
+        remote.close()
+
+
 def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
     """vLLM's NCCL weight transfer needs a GPU, so it cannot run here; what can be checked on CPU is checked: the
     refusal without a GPU, the server's configuration read from its real /server_info, and the address its workers
@@ -161,7 +187,9 @@ def learning_args(tiny, data, *extra):
 def check_learns(tmp_path):
     rows = read_metrics(tmp_path)
     rewards = [r["reward"] for r in rows]
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 1.0, rewards
+    # ~0.006 at the start; after 40 updates 0 to 7 depending on the seed (2.3 +- 2.4 over 24 seeds, README): a run
+    # that does not learn stays near 0
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
     # vLLM sampled from the policy being trained: its log-probs are the trainer's, update after update
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), [
         r["sampling/sampling_logp_difference/max"] for r in rows]
@@ -213,7 +241,7 @@ def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, t
     assert [r["episode"] for r in got[0]] == [8 * i for i in range(1, 7)]
     assert got[0] == expected[0] and got[1] == expected[1]
     assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
-    assert expected[0][-1]["kl"] > 0  # it trained
+    assert expected[0][-1]["kl"] != 0  # it trained (k1 is an estimate: of either sign)
 
 
 def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file, tmp_path):
