@@ -3,9 +3,10 @@
 Every configuration runs the same task with the same seeds and the same settings; only the estimator or the loss
 changes. The runs are rloo.py commands handed to benchmark/launch.py's worker pool (--workers at a time, each run's
 output in <out>/logs/), with --exp_name the configuration's name and W&B project rloo-compare-<preset>, so that
-benchmark/plot.py and openrlbenchmark group them by configuration. They live in <out>/runs/; a finished run (its
-model saved) is not run again, and an interrupted one is removed and run anew, so an interrupted comparison resumes
-where it stopped. The summary is a markdown table: the mean sampled reward of the first and the last --last updates
+benchmark/plot.py and openrlbenchmark group them by configuration. They live in <out>/runs/<exp_name>__<seed>; a
+finished run (its model saved) is not run again and an interrupted one continues from its newest checkpoint (Ctrl-C
+writes one), so an interrupted comparison resumes where it stopped. A run stopped before any checkpoint is run anew as
+<exp_name>__<seed>__2 (3, ...). Nothing is ever removed, and other folders in <out>/runs are left alone. The summary is a markdown table: the mean sampled reward of the first and the last --last updates
 of each configuration (mean and std over seeds), the KL to the reference at the end, the clip fraction and the
 minutes of training per run.
 
@@ -19,8 +20,8 @@ import argparse
 import fcntl
 import math
 import os
+import re
 import shlex
-import shutil
 import statistics
 import sys
 
@@ -71,24 +72,30 @@ def label(name: str) -> str:
     return name.replace(" + ", "_")
 
 
-def finished_runs(out: str) -> dict[tuple[str, int], dict]:
-    """{(exp_name, seed): run} of the runs in out/runs that saved their model; the others (interrupted) are removed."""
-    folder = os.path.join(out, "runs")
-    for name in os.listdir(folder):
-        if not os.path.isdir(os.path.join(folder, name, "model")):
-            if os.path.exists(lock := os.path.join(folder, name, ".lock")):
-                with open(lock) as f:
-                    try:  # the run's process holds this lock while it runs
-                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        sys.exit(f"compare_algorithms.py: error: {folder}/{name} is still running (another comparison "
-                                 "in this --out?): wait for it, or give another --out")
-            shutil.rmtree(os.path.join(folder, name))
-    try:
-        runs = plot.load_runs([folder])
-    except ValueError:  # none yet
-        return {}
-    return {(run["args"]["exp_name"], run["args"]["seed"]): run for run in runs}
+def run_state(out: str, name: str) -> tuple[str, str]:
+    """(run name, state) of the newest attempt at one configuration and seed, in out/runs: state "new" (no attempt yet,
+    or the newest stopped before its first checkpoint: the name is a new attempt's), "finished" (its model saved) or
+    "interrupted" (a checkpoint to continue from: a tmp-checkpoint-<update> is a save that never ended). A run still running is an error: two comparisons in one --out."""
+    attempt, run = 1, name
+    while os.path.exists(os.path.join(out, "runs", f"{name}__{attempt + 1}")):
+        attempt, run = attempt + 1, f"{name}__{attempt + 1}"
+    folder = os.path.join(out, "runs", run)
+    if not os.path.exists(folder):
+        return run, "new"
+    if os.path.exists(lock := os.path.join(folder, ".lock")):
+        with open(lock) as f:
+            try:  # the run's process holds this lock while it runs
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                sys.exit(f"compare_algorithms.py: error: {folder} is still running (another comparison in this --out?): "
+                         "wait for it, or give another --out")
+    model = os.path.join(folder, "model")  # made when the run starts (its claim); the model is in it at the end
+    if all(os.path.isfile(os.path.join(model, f)) for f in ("config.json", "model.safetensors", "tokenizer_config.json")):
+        return run, "finished"
+    checkpoints = os.path.join(folder, "checkpoints")
+    if any(re.fullmatch(r"checkpoint-\d+", c) for c in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])):
+        return run, "interrupted"
+    return f"{name}__{attempt + 1}", "new"
 
 
 def mean_std(values: list[float]) -> str:
@@ -99,6 +106,7 @@ def mean_std(values: list[float]) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"compare_algorithms.py: error: {message}")  # one line, no usage block
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
@@ -107,22 +115,41 @@ def main():
     parser.add_argument("--out", default=None, help="folder of the runs; default runs/compare_<preset>")
     parser.add_argument("rloo_args", nargs="*", help="more arguments for every rloo.py run (after --)")
     cli = parser.parse_args()
+    if cli.workers < 1 or cli.last < 1:
+        parser.error(f"--workers and --last must be at least 1, got {cli.workers} and {cli.last}")
+    if len(set(cli.seeds)) < len(cli.seeds):
+        parser.error(f"--seeds {' '.join(map(str, cli.seeds))} names a seed twice: give each seed once")
+    if given := [w for w in cli.rloo_args if w.split("=")[0] in ("--seed", "--exp_name", "--run_name",
+                                                                   "--resume_from_checkpoint")]:
+        parser.error(f"{given[0].split('=')[0]} after -- is the comparison's to set: use --seeds, or leave it out")
     out = os.path.abspath(cli.out or os.path.join("runs", f"compare_{cli.preset}"))
-    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    try:
+        os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    except OSError as e:  # --out a file, or a folder that cannot be written
+        parser.error(f"cannot make {e.filename} ({e.strerror}): give another --out")
     base = [*COMMON, *PRESETS[cli.preset], *(tiny_setup(out) if cli.preset == "tiny" else []), *cli.rloo_args,
             "--wandb_project_name", f"rloo-compare-{cli.preset}"]
-    commands = [shlex.join([sys.executable, os.path.join(ROOT, "rloo.py"), *base, *CONFIGS[name], "--exp_name", label(name)])
-                for name in cli.configs]
-    finished = finished_runs(out)
-    pending = [run for run in launch.plan_runs(commands, cli.seeds)
-               if (launch.run_label(run["command"]), run["seed"]) not in finished]
+    runs, pending = {}, []  # runs: {(configuration, seed): run name}
+    for name in cli.configs:
+        command = shlex.join([sys.executable, os.path.join(ROOT, "rloo.py"), *base, *CONFIGS[name], "--exp_name", label(name)])
+        for seed in cli.seeds:
+            run, state = run_state(out, f"{label(name)}__{seed}")
+            runs[name, seed] = run
+            if state != "finished":  # a new run, or the interrupted one continued from its newest checkpoint
+                more = " --resume_from_checkpoint latest" if state == "interrupted" else ""
+                pending.append({"name": run, "seed": seed, "command": f"{command} --run_name {run}{more} --seed {seed}"})
     if pending:
-        os.chdir(out)  # the runs write out/runs/<exp_name>__<seed>__<time>
+        os.chdir(out)  # the runs write out/runs/<run name>
         tags = launch.wandb_tags(None, os.environ.get("WANDB_TAGS", ""), launch.git_tag())
-        codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags)
-        if failed := [run["name"] for run, code in zip(pending, codes) if code]:
-            sys.exit(f"compare_algorithms.py: error: {len(failed)} runs failed: see {out}/logs/{failed[0]}.log")
-        finished = finished_runs(out)
+        try:
+            codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags)
+        except KeyboardInterrupt:  # the runs got Ctrl-C too, and wrote a checkpoint each
+            print("compare_algorithms.py: interrupted; the runs stopped with a checkpoint: the same command continues "
+                  "them", file=sys.stderr)
+            sys.exit(130)
+        if failed := [run for run, code in zip(pending, codes) if code]:
+            sys.exit(f"compare_algorithms.py: error: {len(failed)} runs failed: see {failed[0]['log']}")
+    finished = {key: plot.load_run(os.path.join(out, "runs", run)) for key, run in runs.items()}
 
     print(f"| configuration | flags | reward, first {cli.last} updates | reward, last {cli.last} updates | "
           f"kl at the end | clip fraction | minutes per run |")
@@ -130,7 +157,7 @@ def main():
     for name in cli.configs:
         first, last, kl, clipped, minutes = [], [], [], [], []
         for seed in cli.seeds:
-            rows = finished[(label(name), seed)]["rows"]
+            rows = finished[name, seed]["rows"]
             first.append(statistics.mean(r["reward"] for r in rows[:cli.last]))
             last.append(statistics.mean(r["reward"] for r in rows[-cli.last:]))
             kl.append(rows[-1].get("kl", math.nan))  # absent with --beta 0

@@ -184,8 +184,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="of the positions and of sampling")
     parser.add_argument("--output", default=None, help="a new .jsonl file for every judged pair")
     cli = parser.parse_args(argv)
-    if cli.num_examples < 1 or cli.judge_concurrency < 1 or cli.batch_size < 1:
-        parser.error("--num_examples, --judge_concurrency and --batch_size must be at least 1")
+    if min(cli.num_examples, cli.judge_concurrency, cli.batch_size, cli.max_new_tokens, cli.max_prompt_length) < 1:
+        parser.error("--num_examples, --judge_concurrency, --batch_size, --max_new_tokens and --max_prompt_length must "
+                     "be at least 1")
+    if not cli.temperature >= 0:
+        parser.error(f"--temperature must be 0 (greedy) or more, got {cli.temperature}")
     if cli.output and os.path.exists(cli.output):
         parser.error(f"--output {cli.output} exists: give a new file name")
     base_url = cli.judge_base_url.rstrip("/")
@@ -207,6 +210,17 @@ def main(argv=None) -> int:
             open(cli.output, "x").close()  # claimed now, so that a second evaluation cannot write it too
     except (JudgeError, rloo.UsageError, OSError) as e:
         parser.error(str(e))
+    try:
+        return evaluate(cli, dataset, base_url)
+    except BaseException:  # an error, Ctrl-C: the claimed --output (still empty) goes, so that a rerun may use it
+        release_output(cli.output)
+        raise
+
+
+def evaluate(cli, dataset, base_url: str) -> int:
+    """Generate, judge, write --output and print the win rate."""
+    import rloo
+
     dataset = dataset.select(range(min(cli.num_examples, len(dataset))))
     prompts, references = dataset["prompt"], [reference_text(r) for r in dataset[cli.reference_column]]
 
@@ -219,8 +233,7 @@ def main(argv=None) -> int:
             completions = generate_hf(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
                                       cli.max_prompt_length, cli.batch_size, cli.seed)
     except rloo.UsageError as e:  # a tokenizer without a model beside it, damaged weights...
-        release_output(cli.output)
-        parser.error(str(e))
+        sys.exit(f"judge.py: error: {e}")
 
     rng = random.Random(cli.seed)
     model_first = [rng.random() < 0.5 for _ in prompts]  # the model's completion is response 0, else response 1
@@ -231,7 +244,6 @@ def main(argv=None) -> int:
             answers = list(pool.map(lambda i: ask_judge(base_url, cli.judge_model, cli.judge_api_key,
                                                         as_text(prompts[i]), *pairs[i], cli.judge_choice), range(len(pairs))))
         except JudgeError as e:
-            release_output(cli.output)
             sys.exit(f"judge.py: error: {e}")
     verdicts = [verdict(a) for a in answers]
     wins = sum(v == (0 if first else 1) for v, first in zip(verdicts, model_first) if v is not None)

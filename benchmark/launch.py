@@ -15,6 +15,7 @@ prints a line as each run starts and ends. It exits 1 if any run failed, naming 
 
 import argparse
 import concurrent.futures
+import itertools
 import os
 import re
 import shlex
@@ -124,11 +125,26 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
+def new_path(path: str, make) -> str:
+    """path, or path with _2, _3, ... before its extension: the first that make(path) creates anew (make must fail
+    with FileExistsError on an existing one), so nothing is overwritten and two launchers never share one."""
+    stem, ext = os.path.splitext(path)
+    for attempt in itertools.count(1):
+        candidate = path if attempt == 1 else f"{stem}_{attempt}{ext}"
+        try:
+            make(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+
+
 def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
-    """Run one command to its end, its output into log_dir/<name>.log: (exit code, seconds)."""
+    """Run one command to its end, its output into a new log_dir/<name>.log (<name>_2.log, ... beside an earlier one;
+    run["log"] then names it): (exit code, seconds)."""
     start = time.time()
+    run["log"] = new_path(os.path.join(log_dir, f"{run['name']}.log"), lambda p: open(p, "x").close())
     say(f"started  {run['name']}: {run['command']}")
-    with open(os.path.join(log_dir, f"{run['name']}.log"), "w") as log:
+    with open(run["log"], "w") as log:
         code = subprocess.run(run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "WANDB_TAGS": tags}).returncode
     seconds = time.time() - start
@@ -167,6 +183,8 @@ def main(argv=None) -> int:
     cli = parser.parse_args(argv)
     if cli.num_seeds < 1 or cli.workers < 1:
         parser.error(f"--num_seeds and --workers must be at least 1, got {cli.num_seeds} and {cli.workers}")
+    if cli.start_seed < 0:  # the scripts' seeds seed numpy's SeedSequence, which takes no negative number
+        parser.error(f"--start_seed must be 0 or more, got {cli.start_seed}")
     if (cli.slurm_dir or cli.slurm_submit) and not cli.slurm_template:
         parser.error("--slurm_dir and --slurm_submit go with --slurm_template, the job file to fill in")
     if cli.slurm_submit and shutil.which("sbatch") is None:
@@ -189,8 +207,12 @@ def main(argv=None) -> int:
                 elif code := subprocess.run(["sbatch", path]).returncode:
                     raise ValueError(f"sbatch {path} failed (exit code {code}); every job file is in {slurm_dir}")
             return 0
-        log_dir = cli.log_dir or os.path.join("runs", "launch", str(int(time.time())))
-        os.makedirs(log_dir, exist_ok=True)
+        if cli.log_dir:
+            os.makedirs(cli.log_dir, exist_ok=True)  # an existing one is fine: each log is a new file in it
+            log_dir = cli.log_dir
+        else:  # a folder of this launch's own, even beside a launch started in the same second
+            os.makedirs(os.path.join("runs", "launch"), exist_ok=True)
+            log_dir = new_path(os.path.join("runs", "launch", str(int(time.time()))), os.mkdir)
     except OSError as e:  # a --log_dir or --slurm_dir that is a file, or cannot be written
         parser.error(f"cannot write {e.filename} ({e.strerror}): give another --log_dir or --slurm_dir")
     except ValueError as e:
@@ -199,7 +221,7 @@ def main(argv=None) -> int:
     codes = run_all(runs, cli.workers, log_dir, tags)
     failed = [(run, code) for run, code in zip(runs, codes) if code]
     for run, code in failed:
-        print(f"failed (exit code {code}): {run['command']}; its log: {os.path.join(log_dir, run['name'] + '.log')}",
+        print(f"failed (exit code {code}): {run['command']}; its log: {run['log']}",
               file=sys.stderr)
     return 1 if failed else 0
 

@@ -23,27 +23,32 @@ import sys
 import numpy as np
 
 
+def load_run(path: str) -> dict:
+    """One run folder: {"name", "args", "rows"} (rows empty when it logged nothing yet)."""
+    name, metrics = os.path.basename(path), os.path.join(path, "metrics.jsonl")
+    try:
+        with open(metrics) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{metrics} is not JSON lines ({e}): leave that run out with --regex") from None
+    args_file = os.path.join(path, "args.json")
+    args = json.load(open(args_file)) if os.path.isfile(args_file) else {}
+    if "__" in name:  # the default run name, <exp_name>__<seed>__<unix time>: the exp_name of older runs
+        args.setdefault("exp_name", name.split("__")[0])
+    return {"name": name, "args": args, "rows": rows}
+
+
 def load_runs(folders: list[str]) -> list[dict]:
-    """Every run under the folders: {"name", "args", "rows"}, sorted by name."""
+    """Every run under the folders with a non-empty metrics.jsonl: {"name", "args", "rows"}, sorted by name."""
     runs = []
     for folder in folders:
         if not os.path.isdir(folder):
             raise ValueError(f"--runs {folder} is not a folder: give the folder that holds the run folders (runs)")
         for name in sorted(os.listdir(folder)):
-            metrics = os.path.join(folder, name, "metrics.jsonl")
-            if not os.path.isfile(metrics):
-                continue
-            try:
-                with open(metrics) as f:
-                    rows = [json.loads(line) for line in f if line.strip()]
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{metrics} is not JSON lines ({e}): leave that run out with --regex") from None
-            args_file = os.path.join(folder, name, "args.json")
-            args = json.load(open(args_file)) if os.path.isfile(args_file) else {}
-            if "__" in name:  # the default run name, <exp_name>__<seed>__<unix time>: the exp_name of older runs
-                args.setdefault("exp_name", name.split("__")[0])
-            if rows:
-                runs.append({"name": name, "args": args, "rows": rows})
+            if os.path.isfile(os.path.join(folder, name, "metrics.jsonl")):
+                run = load_run(os.path.join(folder, name))
+                if run["rows"]:
+                    runs.append(run)
     if not runs:
         raise ValueError(f"no run with a non-empty metrics.jsonl in {', '.join(folders)}")
     return runs

@@ -3,13 +3,15 @@
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, check_one_line_error, free_port, run_env, start_vllm_server, write_jsonl
+from conftest import (ROOT, check_one_line_error, free_port, run_env, start_vllm_server, wait_for_updates,
+                      write_jsonl)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import judge  # noqa: E402
@@ -107,11 +109,31 @@ def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
     assert (tmp_path / "submitted").read_text().split() == ["more/00_rloo_seed1.sh", "more/01_rloo_multigpu_seed1.sh"]
 
 
+def test_a_log_is_never_overwritten_and_each_launch_has_its_own_folder(tmp_path, monkeypatch):
+    """Two launches in the same second get two folders; a log already in --log_dir stays, the new one goes beside it."""
+    import launch
+    from types import SimpleNamespace
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "time", SimpleNamespace(time=lambda: 1700000000.0))
+    hello = shlex.join([sys.executable, "-c", "print('hello')"])
+    for _ in range(2):
+        assert launch.main(["--command", hello, "--num_seeds", "1"]) == 0
+    assert sorted(os.listdir("runs/launch")) == ["1700000000", "1700000000_2"]
+    assert all(open(f"runs/launch/{d}/00_run_seed1.log").read() == "hello\n" for d in os.listdir("runs/launch"))
+    os.mkdir("logs")
+    (tmp_path / "logs" / "00_run_seed1.log").write_text("mine\n")
+    assert launch.main(["--command", hello, "--num_seeds", "1", "--log_dir", "logs"]) == 0
+    assert (tmp_path / "logs" / "00_run_seed1.log").read_text() == "mine\n"
+    assert (tmp_path / "logs" / "00_run_seed1_2.log").read_text() == "hello\n"
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--command", "python rloo.py --seed 3"], ["names a --seed", "the launcher adds --seed"]),
     (["--command", "python rloo.py 'x"], ["No closing quotation"]),
     (["--command", " "], ["--command is empty"]),
     (["--command", "x", "--workers", "0"], ["--workers must be at least 1"]),
+    (["--command", "x", "--start_seed", "-5"], ["--start_seed must be 0 or more, got -5"]),
     (["--command", "x", "--slurm_submit"], ["go with --slurm_template"]),
     (["--command", "x", "--slurm_template", "nope.sh"], ["cannot read the Slurm template nope.sh"]),
     (["--command", "x", "--slurm_template", "bad.sh"], ["{{partition}}", "does not fill"]),
@@ -172,24 +194,61 @@ def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
 
 def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tmp_path):
     out = tmp_path / "compare"
-    args = [os.path.join(ROOT, "benchmark", "compare_algorithms.py"), "--preset", "tiny", "--configs", "rloo",
-            "token + ppo_clip", "--seeds", 1, 2, "--workers", 2, "--out", out, "--", "--total_episodes", 64]
+    script = os.path.join(ROOT, "benchmark", "compare_algorithms.py")
+    args = [script, "--preset", "tiny", "--configs", "rloo", "token + ppo_clip", "--seeds", 1, 2, "--workers", 2,
+            "--out", out, "--", "--total_episodes", 64]
+    # what a user keeps in the same folder: an interrupted run of their own (no model), a note
+    (out / "runs" / "mine__1__1" / "checkpoints" / "checkpoint-1").mkdir(parents=True)
+    (out / "runs" / "mine__1__1" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "runs" / "notes.txt").write_text("mine\n")
+    theirs = {p: p.read_bytes() for p in (out / "runs").rglob("*") if p.is_file()}
     proc = run_script(*args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    runs = {(json.load(open(out / "runs" / r / "args.json"))["exp_name"], json.load(open(out / "runs" / r / "args.json"))["seed"])
-            for r in os.listdir(out / "runs")}
-    assert runs == {("rloo", 1), ("rloo", 2), ("token_ppo_clip", 1), ("token_ppo_clip", 2)}
-    assert sorted(os.listdir(out / "logs")) == ["00_rloo_seed1.log", "01_rloo_seed2.log", "02_token_ppo_clip_seed1.log",
-                                                "03_token_ppo_clip_seed2.log"]
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| rloo |") or line.startswith("| token + ppo_clip |")]
+    ours = ["rloo__1", "rloo__2", "token_ppo_clip__1", "token_ppo_clip__2"]
+    assert sorted(os.listdir(out / "runs")) == sorted(ours + ["mine__1__1", "notes.txt"])
+    assert [(json.load(open(out / "runs" / r / "args.json"))["exp_name"],
+             json.load(open(out / "runs" / r / "args.json"))["seed"]) for r in ours] == [
+        ("rloo", 1), ("rloo", 2), ("token_ppo_clip", 1), ("token_ppo_clip", 2)]
+    assert sorted(os.listdir(out / "logs")) == [f"{r}.log" for r in ours]
+    table = [line for line in proc.stdout.splitlines() if line.startswith(("| rloo |", "| token + ppo_clip |"))]
     assert len(table) == 2
-    # again: the finished runs are not run again, and an interrupted one (no saved model) is removed
-    (out / "runs" / "rloo__3__1").mkdir()
-    (out / "runs" / "rloo__3__1" / "metrics.jsonl").write_text('{"step": 16}\n')
+    # again: the finished runs are not run again; nothing of the user's is touched
     again = run_script(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "started" not in again.stdout and table == [line for line in again.stdout.splitlines() if line in table]
-    assert not (out / "runs" / "rloo__3__1").exists() and len(os.listdir(out / "runs")) == 4
+    # Ctrl-C during a run: it writes a checkpoint, and the same command continues it to the end
+    longer = [script, "--preset", "tiny", "--configs", "rloo", "--seeds", 3, "--out", out, "--", "--total_episodes", 320]
+    running = subprocess.Popen([sys.executable, *map(str, longer)], cwd=tmp_path, env=run_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    wait_for_updates(running, out / "runs" / "rloo__3" / "metrics.jsonl", 2)
+    os.killpg(running.pid, signal.SIGINT)
+    stopped = running.communicate(timeout=300)
+    assert running.returncode == 130 and "the same command continues" in stopped[1], stopped
+    assert os.listdir(out / "runs" / "rloo__3" / "checkpoints") and not (out / "runs" / "rloo__3" / "model" / "config.json").exists()
+    resumed = run_script(*longer, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in (out / "logs" / "rloo__3_2.log").read_text()
+    assert [r["step"] for r in plot.load_run(out / "runs" / "rloo__3")["rows"]] == list(range(32, 321, 32))  # each once
+    # a run stopped before its first checkpoint stays as it is; the configuration runs anew beside it
+    (out / "runs" / "rloo__4").mkdir()
+    (out / "runs" / "rloo__4" / "metrics.jsonl").write_text('{"step": 1}\n')
+    fresh = run_script(*longer[:6], 4, *longer[7:11], 32, cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert (out / "runs" / "rloo__4" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (out / "runs" / "rloo__4__2" / "model" / "config.json").is_file()
+    assert theirs == {p: p.read_bytes() for p in theirs}
+
+
+@pytest.mark.parametrize("args, needles", [(["--out", "a_file"], ["cannot make", "a_file", "another --out"]),
+                                           (["--workers", "0"], ["--workers and --last must be at least 1"]),
+                                           (["--last", "0"], ["--workers and --last must be at least 1"]),
+                                           (["--seeds", "1", "1"], ["names a seed twice"]),
+                                           (["--", "--seed", "3"], ["--seed after -- is the comparison's"])])
+def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_path):
+    (tmp_path / "a_file").write_text("mine\n")
+    check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "compare_algorithms.py"), *args, cwd=tmp_path),
+                         *needles)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine\n"
 
 
 @pytest.mark.parametrize("experiment, scripts", [("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
@@ -280,10 +339,27 @@ def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_s
                           (["--judge_base_url", url, "--reference_column", "summary"], ["no column 'summary'", "completion"]),
                           (["--judge_base_url", url, "--dataset_split", "validation"], ["no split 'validation'"]),
                           (["--judge_base_url", url, "--output", "taken.jsonl"], ["taken.jsonl exists"]),
+                          (["--judge_base_url", url, "--max_new_tokens", "-3", "--output", "new.jsonl"],
+                           ["--max_new_tokens", "at least 1"]),
+                          (["--judge_base_url", url, "--temperature", "-1", "--output", "new.jsonl"], ["--temperature"]),
                           (["--judge_base_url", url, "--model_name_or_path", "./no_model"], ["could not load", "no_model"])]:
         check_one_line_error(run_script(JUDGE, *common, *args, cwd=tmp_path), *needles)
     assert (tmp_path / "taken.jsonl").read_text() == "mine\n"
     assert sorted(os.listdir(tmp_path)) == ["data", "taken.jsonl"]
+
+
+def test_the_judge_releases_its_output_when_it_fails_after_claiming_it(tiny, judge_server, tmp_path, monkeypatch):
+    """A failure while generating (here an out-of-memory error) leaves no empty --output to block the rerun."""
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(judge, "generate_hf", out_of_memory)
+    args = ["--model_name_or_path", tiny["policy"], "--dataset_name", judge_data(tmp_path), "--judge_model",
+            tiny["policy"], "--judge_base_url", judge_server["url"] + "/v1", "--generator", "hf",
+            "--output", str(tmp_path / "wins.jsonl")]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        judge.main(args)
+    assert not (tmp_path / "wins.jsonl").exists()
 
 
 def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
