@@ -1119,7 +1119,8 @@ def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, op
                  tolerance: float = 0.5) -> None:
     """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
     two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
-    not reach every weight."""
+    not reach every weight. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
+    request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
     outputs = engine.generate(prompts, options, None)
     completion_ids, sampling_logprobs = pad_completions(outputs, options["max_tokens"], 0, options["stop_token_ids"],
@@ -2424,7 +2425,8 @@ if __name__ == "__main__":
     progress.start()
     if server is not None:
         probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
-        check_server(server, *probe, greedy_config, lambda *rollout: rollout_logprobs(policy, *rollout))
+        check_server(server, *probe, greedy_config,
+                     lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0))
     if sample_every and start_update == 0:
         sample_table(episode)
     if checkpoint is not None:

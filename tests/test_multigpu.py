@@ -290,6 +290,18 @@ def server(tiny, tmp_path_factory):
     yield from start_vllm_server(tiny, tmp_path_factory)
 
 
+def test_two_processes_sample_from_the_server_at_another_temperature(tiny, server, prompts_file, tmp_path):
+    """The start-up check compares greedy log-probs at temperature 1 (vLLM's for greedy), whatever --temperature; the
+    samples' log-probs are the trainer's at --temperature."""
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
+                        f"{REWARDS}:count_good", "--total_episodes", 64, "--per_device_train_batch_size", 16,
+                        "--max_completion_length", 8, "--temperature", 0.5, "--num_sample_generations", 0,
+                        "--vllm_server_base_url", server["url"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
+
+
 def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny, server, prompts_file, tmp_path):
     """Only happens if the gathered weights reach the server after every update: the samples come from vLLM."""
     proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,

@@ -210,6 +210,19 @@ def test_a_server_run_raises_a_simple_reward(tiny, server, prompts_file, tmp_pat
     check_learns(tmp_path)
 
 
+@pytest.mark.parametrize("mode, temperature", [("colocate", 0.5), ("server", 2.0)])
+def test_a_run_at_any_temperature_passes_the_engine_check_and_samples_at_it(mode, temperature, tiny, server,
+                                                                           prompts_file, tmp_path):
+    """The engine check compares greedy log-probs with greedy's (temperature 1); the samples' log-probs are the
+    trainer's at --temperature."""
+    where = ["--vllm_mode", "server", "--vllm_server_base_url", server["url"]] if mode == "server" else []
+    proc = run_rloo(*learning_args(tiny, prompts_file, "--total_episodes", 64, "--temperature", temperature, *where),
+                    cwd=tmp_path, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
+
+
 def resume_args(tiny, data, *extra):
     """6 updates of 2 epochs x 2 minibatches with a KL and sample tables, a checkpoint every 3 (as test_resume.py's)."""
     return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:slow_text_length",
