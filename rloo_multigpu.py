@@ -386,6 +386,9 @@ def check_args(args: Args) -> None:
                  "save_steps"]:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.num_sample_generations and not args.num_sample_prompts:
+        raise UsageError("--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
+                         f"{args.num_sample_generations}) empty: give at least 1, or --num_sample_generations 0 for none")
     if args.save_total_limit is not None and args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}")
     if not 0 < args.top_p <= 1:
@@ -1678,6 +1681,8 @@ def launch_world_size() -> int:
 def init_processes(timeout_s: int) -> tuple[int, int, torch.device]:
     """Join torchrun's process group, or form a group of one for a plain `python rloo_multigpu.py`: NCCL for GPU
     tensors, gloo for CPU ones. Returns (rank, world size, this process's device)."""
+    if not timeout_s > 0:  # checked here, not in check_args: the group is formed with it before check_args runs
+        raise UsageError(f"--ddp_timeout must be > 0 seconds, got {timeout_s}")
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -370,6 +370,9 @@ def check_args(args: Args) -> None:
                  "save_steps"]:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.num_sample_generations and not args.num_sample_prompts:
+        raise UsageError("--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
+                         f"{args.num_sample_generations}) empty: give at least 1, or --num_sample_generations 0 for none")
     if args.save_total_limit is not None and args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}")
     if not 0 < args.top_p <= 1:

@@ -91,6 +91,7 @@ OPTIONS = [
     ({"run_name": ".."}, "--run_name names a folder in runs/"),
     ({"exp_name": ""}, "--exp_name names a folder in runs/"),
     ({"output_dir": ""}, "--output_dir is empty"),
+    ({"num_sample_prompts": 0}, "--num_sample_prompts 0 leaves the sample tables (--num_sample_generations 10) empty"),
 ]
 
 

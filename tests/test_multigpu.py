@@ -241,6 +241,11 @@ def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"]], cwd=tmp_path,
                           env={**run_env(), "RANK": "0", "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
     check_one_line_error(proc, "LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not", "torchrun")
+    # a timeout the process group cannot take (it was a C++ stack blaming another process)
+    for timeout in (0, -5):
+        proc = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"], "--ddp_timeout", str(timeout)],
+                              cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=120)
+        check_one_line_error(proc, f"--ddp_timeout must be > 0 seconds, got {timeout}")
     # a vLLM server that is not there
     proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
                         "--vllm_server_host", "127.0.0.1", "--vllm_server_port", free_port(), cwd=tmp_path)
