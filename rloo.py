@@ -1901,11 +1901,12 @@ if __name__ == "__main__":
         logger.log(metrics, episode)
         progress.update(task, advance=1, description=f"reward {metrics['reward']:.3f}  kl {metrics.get('kl', 0):.4f}  "
                                                      f"len {metrics['completions/mean_length']:.1f}")
+        guard.update_done(run_state(update))  # complete: a failure from here on (a sample table's reward) keeps it whole
         if sample_every and (update % sample_every == 0 or update == num_updates):
             sample_table(episode)
+            guard.update_done(run_state(update))  # the table's rows counted in the logs a checkpoint records
 
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
-        guard.update_done(run_state(update))
         if (args.save_steps and update % args.save_steps == 0) or stop_signals:
             save_start = time.perf_counter()
             saved = guard.save()

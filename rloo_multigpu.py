@@ -2389,8 +2389,9 @@ if __name__ == "__main__":
         prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device)
         completion_ids, _ = generate(policy, prompt_ids, prompt_mask, greedy_config)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
-        rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
-                                     {c: batch[c] for c in extra_columns if c in batch})
+        with agreed():  # a reward function that raises on one process stops all of them together, as in the loop
+            rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
+                                         {c: batch[c] for c in extra_columns if c in batch})
         rewards = weighted_reward(rewards, reward_weights).tolist()
         rows = [{"prompt": message_text(p), "completion": c, "reward": r}
                 for p, c, r in zip(batch["prompt"], completions, rewards)]
@@ -2607,11 +2608,12 @@ if __name__ == "__main__":
         logger.log(metrics, episode)
         progress.update(task, advance=1, description=f"reward {metrics['reward']:.3f}  kl {metrics.get('kl', 0):.4f}  "
                                                      f"len {metrics['completions/mean_length']:.1f}")
+        guard.update_done(run_state(update))  # complete: a failure from here on (a sample table's reward) keeps it whole
         if sample_every and (update % sample_every == 0 or update == num_updates):
             sample_table(episode)
+            guard.update_done(run_state(update))  # the table's rows counted in the logs a checkpoint records
 
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
-        guard.update_done(run_state(update))
         stop = int(all_reduce(torch.tensor(stop_signals[0] if stop_signals else 0), dist.ReduceOp.MAX))  # any process
         if (args.save_steps and update % args.save_steps == 0) or stop:
             save_start = time.perf_counter()

@@ -112,6 +112,15 @@ def fails_on_rank_1_at_call_4(completions, **kwargs):
     return count_good(completions)
 
 
+def fails_in_the_second_sample_table(completions, **kwargs):
+    """count_good, until its 5th call on rank 1 (or in a run of one process), which raises: with 6 updates and sample
+    tables at 0, 3 and 6, that call scores the table after update 3."""
+    _calls["n"] += 1
+    if _calls["n"] == 5 and os.environ.get("RANK", "1") == "1":
+        raise RuntimeError("the judge is down")
+    return count_good(completions)
+
+
 def exits_on_rank_1(completions, **kwargs):
     """The process of rank 1 dies at the 3rd call, without a word (as a process killed by the system would)."""
     _calls["n"] += 1

@@ -221,6 +221,17 @@ def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_
     assert os.listdir(tmp_path / "runs" / "run" / "checkpoints") == ["checkpoint-2"]
 
 
+def test_a_reward_function_failing_in_a_sample_table_on_one_process_keeps_the_last_update(tiny, prompts_file, tmp_path):
+    """The table after update 3 fails on rank 1 only: one error line, and the exact state after update 3."""
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:fails_in_the_second_sample_table",
+                                        "--save_steps", 0), cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    (line,) = our_errors(proc.stderr)
+    assert "the judge is down" in line and "(on rank 1)" in line and "the state after update 3" in line, line
+    assert os.listdir(tmp_path / "runs" / "run" / "checkpoints") == ["checkpoint-3"]
+    assert "gloo" not in proc.stderr
+
+
 def test_a_process_that_dies_ends_the_job_without_a_hang(tiny, prompts_file, tmp_path):
     start = time.time()
     proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:exits_on_rank_1"),

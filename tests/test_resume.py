@@ -375,6 +375,22 @@ def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exac
     assert_same_run(faulty_reference, outcome(tmp_path))
 
 
+def test_a_failure_in_a_sample_table_keeps_the_update_before_it_whole(faulty_reference, tiny, prompts_file, tmp_path):
+    # Call 5 scores the sample table after update 3: update 3 is complete, so checkpoint-3 is its exact state
+    proc = run_faulty(tmp_path, tiny, prompts_file, 5)
+    error = check_one_line_error(proc, "reward function text_length raised RuntimeError: the judge is down",
+                                 "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python")
+    assert checkpoint_names(tmp_path) == ["checkpoint-3"] and logged_updates(tmp_path) == 3
+    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = outcome(tmp_path)
+    assert got[0] == faulty_reference[0] and all(torch.equal(got[2][k], faulty_reference[2][k]) for k in got[2])
+    # the samples are the uninterrupted run's but the failed table's
+    missing = [json.loads(line) for line in faulty_reference[1].splitlines() if line not in got[1].splitlines()]
+    assert missing and {row["step"] for row in missing} == {faulty_reference[0][2]["episode"]}
+    assert len(got[1].splitlines()) == len(faulty_reference[1].splitlines()) - len(missing)
+
+
 def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny, prompts_file, tmp_path):
     # Call 5 is the sample table after update 3, whose optimizer steps are done: what they did is kept
     proc = run_faulty(tmp_path, tiny, prompts_file, 5)
