@@ -107,6 +107,7 @@ def measure(implementation: str, model_path: str, batch: int, prompt_length: int
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"logprob_memory.py: error: {message}")  # one line, no usage block
     parser.add_argument("--model", default=rloo.Args.model_name_or_path, help="policy (default: rloo.py's embedded one)")
     parser.add_argument("--batch", type=int, default=16, help="completions in the micro-batch (rloo.py's default: 16)")
     parser.add_argument("--prompt_length", type=int, default=48)

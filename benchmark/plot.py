@@ -26,13 +26,22 @@ import numpy as np
 def load_run(path: str) -> dict:
     """One run folder: {"name", "args", "rows"} (rows empty when it logged nothing yet)."""
     name, metrics = os.path.basename(path), os.path.join(path, "metrics.jsonl")
+    leave_out = "leave that run out with --regex, or move it away"
     try:
         with open(metrics) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{metrics} is not JSON lines ({e}): leave that run out with --regex") from None
+        raise ValueError(f"{metrics} is not JSON lines ({e}): {leave_out}") from None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("episode"), (int, float)):
+            raise ValueError(f"{metrics} line {i + 1} is not a row of metrics with an episode: {leave_out}")
     args_file = os.path.join(path, "args.json")
-    args = json.load(open(args_file)) if os.path.isfile(args_file) else {}
+    try:
+        args = json.load(open(args_file)) if os.path.isfile(args_file) else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{args_file} is not JSON ({e}): {leave_out}") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{args_file} holds a {type(args).__name__}, not the run's options: {leave_out}")
     if "__" in name:  # the default run name, <exp_name>__<seed>__<unix time>: the exp_name of older runs
         args.setdefault("exp_name", name.split("__")[0])
     return {"name": name, "args": args, "rows": rows}
@@ -145,10 +154,19 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="the PNG to write")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     cli = parser.parse_args(argv)
+    if cli.last < 1:
+        parser.error(f"--last must be at least 1, got {cli.last}")
     if not cli.output.lower().endswith(".png"):
         parser.error(f"--output {cli.output} is not a .png file name")
     if os.path.exists(cli.output) and not cli.overwrite:
         parser.error(f"{cli.output} exists: pass --overwrite to replace it, or give another --output")
+    folder = os.path.dirname(os.path.abspath(cli.output))
+    try:  # before the runs are read: an --output that cannot be written is told at once
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot make the folder of --output {cli.output} ({e.strerror}): give another --output")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"cannot write in {folder}, the folder of --output {cli.output}: give another --output")
     try:
         regex = re.compile(cli.regex) if cli.regex is not None else None
     except re.error as e:
@@ -158,11 +176,18 @@ def main(argv=None) -> int:
         found = {k for runs in groups.values() for run in runs for row in run["rows"] for k in row}
         if missing := [m for m in cli.metrics if m not in found]:
             raise ValueError(f"no run logged {', '.join(missing)}; the runs log e.g. {', '.join(sorted(found)[:12])}")
-    except (ValueError, json.JSONDecodeError) as e:
+        if cli.x == "wall" and (bad := next((run["name"] for runs in groups.values() for run in runs
+                                             if not all(isinstance(r.get("eps"), (int, float)) and r["eps"] > 0
+                                                        for r in run["rows"])), None)):
+            raise ValueError(f"run {bad} has a row without a positive eps (episodes per second), which --x wall needs: "
+                             "use --x episode, or leave that run out with --regex")
+    except ValueError as e:
         parser.error(str(e))
     fig = draw(groups, cli.metrics, cli.x, cli.title)
-    os.makedirs(os.path.dirname(os.path.abspath(cli.output)), exist_ok=True)
-    fig.savefig(cli.output, dpi=120)
+    try:
+        fig.savefig(cli.output, dpi=120)
+    except OSError as e:
+        parser.error(f"cannot write --output {cli.output} ({e.strerror}): give another --output")
     print(summary(groups, cli.metrics, cli.last))
     print(f"wrote {cli.output}")
     return 0

@@ -56,6 +56,7 @@ def folder_mb(path: str) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"resume_check.py: error: {message}")  # one line, no usage block
     parser.add_argument("--preset", choices=PRESETS, default="smollm2")
     parser.add_argument("--out", default="resume_check", help="working folder (emptied first)")
     parser.add_argument("extra", nargs="*", help="after --: more rloo.py arguments")

@@ -28,6 +28,7 @@ SAME_AS_TRL_BASELINE = ["--num_generations", "2", "--per_device_train_batch_size
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"step_timing.py: error: {message}")  # one line, no usage block
     parser.add_argument("--preset", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--updates", type=int, default=6, help="updates to run; the first is dropped as warm-up")
     parser.add_argument("rloo_args", nargs="*", help="more arguments for rloo.py (after --)")

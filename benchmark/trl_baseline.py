@@ -30,7 +30,11 @@ import time
 import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import RLOOConfig, RLOOTrainer
+try:
+    from trl import RLOOConfig, RLOOTrainer
+except ImportError:
+    sys.exit("trl_baseline.py: error: TRL is not installed in this Python: run it with TRL's environment, "
+             ".venv-trl/bin/python benchmark/trl_baseline.py (its setup is at the top of this file)")
 from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,6 +90,7 @@ def str2bool(s: str) -> bool:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.error = lambda message: sys.exit(f"trl_baseline.py: error: {message}")  # one line, no usage block
     p.add_argument("--gradient_checkpointing", type=str2bool, default=True)
     p.add_argument("--max_steps", type=int, default=6)
     p.add_argument("--model_dir", default="/tmp/smollm2-hf")

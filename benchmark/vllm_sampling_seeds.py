@@ -37,6 +37,7 @@ PRESETS = {"tiny": dict(prompts=64, num_generations=4, max_completion_length=128
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"vllm_sampling_seeds.py: error: {message}")  # one line, no usage block
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model and default sizes (default tiny)")
     parser.add_argument("--prompts", type=int, help="prompts per rollout, P (default: the preset's)")
     parser.add_argument("--num_generations", type=int, help="completions per prompt, G (default: the preset's)")

@@ -90,6 +90,7 @@ def run(name: str, command: list[str], workdir: str) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"vllm_timing.py: error: {message}")  # one line, no usage block
     parser.add_argument("--preset", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--updates", type=int, default=6, help="updates per run; the first is dropped as warm-up")
     cli = parser.parse_args()

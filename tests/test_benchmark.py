@@ -190,6 +190,23 @@ def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
     check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--output", "taken.png", cwd=tmp_path),
                          "taken.png exists", "--overwrite")
     assert (tmp_path / "taken.png").read_bytes() == b"mine" and not (tmp_path / "new.png").exists()
+    for output, needles in [("taken.png/new.png", ["cannot make the folder of --output taken.png/new.png"]),
+                            ("/proc/new.png", ["/proc/new.png", "give another --output"])]:
+        check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--output", output, cwd=tmp_path), *needles)
+    check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--last", 0, "--output", "new.png", cwd=tmp_path),
+                         "--last must be at least 1")
+    # damaged run files: each names the file and how to leave the run out
+    for name, args_json, rows, x, needles in [
+            ("list_args", "[1, 2]", [{"episode": 8, "reward": 1.0, "eps": 2.0}], "episode", ["args.json holds a list"]),
+            ("no_episode", "{}", [{"episode": 8, "reward": 1.0, "eps": 2.0}, {"reward": 2.0}], "episode",
+             ["metrics.jsonl line 2 is not a row of metrics with an episode"]),
+            ("zero_eps", "{}", [{"episode": 8, "reward": 1.0, "eps": 0}], "wall", ["run zero_eps", "positive eps"])]:
+        (tmp_path / "damaged" / name / name).mkdir(parents=True)
+        (tmp_path / "damaged" / name / name / "args.json").write_text(args_json)
+        write_jsonl(str(tmp_path / "damaged" / name / name / "metrics.jsonl"), rows)
+        check_one_line_error(run_script(PLOT, "--runs", tmp_path / "damaged" / name, "--metrics", "reward", "--x", x,
+                                        "--output", "new.png", cwd=tmp_path), *needles)
+    assert not (tmp_path / "new.png").exists()
 
 
 def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tmp_path):
@@ -249,6 +266,22 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
     check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "compare_algorithms.py"), *args, cwd=tmp_path),
                          *needles)
     assert sorted(os.listdir(tmp_path)) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("script", ["compare_algorithms.py", "logprob_memory.py", "multigpu_timing.py", "resume_check.py",
+                                    "step_timing.py", "trl_baseline.py", "trl_side_by_side.py", "vllm_sampling_seeds.py",
+                                    "vllm_timing.py", "launch.py", "plot.py", "judge.py"])
+def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path):
+    """Not argparse's usage block; trl_baseline.py in TRL's environment (it names that environment in ours)."""
+    python = os.path.join(ROOT, ".venv-trl", "bin", "python") if script == "trl_baseline.py" else sys.executable
+    proc = subprocess.run([python, os.path.join(ROOT, "benchmark", script), "--bogus"], cwd=tmp_path, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    check_one_line_error(proc, f"{script}: error:")
+    assert len(proc.stderr.strip().splitlines()) == 1 and "usage:" not in proc.stderr, proc.stderr
+    assert "--bogus" in proc.stderr or "the following arguments are required" in proc.stderr
+    if script == "trl_baseline.py":
+        check_one_line_error(run_script(os.path.join(ROOT, "benchmark", script), "--bogus", cwd=tmp_path),
+                             "TRL is not installed in this Python", ".venv-trl/bin/python")
 
 
 @pytest.mark.parametrize("experiment, scripts", [("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
