@@ -273,16 +273,25 @@ class RunError(Exception):
     """A run that cannot go on (a checkpoint that cannot be written, training gone non-finite): one line, too."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before training starts: the run stops as on Ctrl-C, and exits 143 (128 + SIGTERM), as a shell reports
+    a process ended by SIGTERM, not Ctrl-C's 130."""
+
+    @staticmethod
+    def handler(signum, frame):
+        raise Terminated()
+
+
 def _report_one_line_error(exc_type, exc, tb):
     """sys.excepthook: UsageError and RunError are one line; anything else keeps its traceback. Either way the run's
     guard first says what the failure leaves behind (RunGuard.on_failure), on the same line. An error every process
     raised together (`agreed`) is reported by rank 0 only; one of a single process, by that process."""
     together = getattr(exc, "agreed", False)
     after = RunGuard.active.on_failure(together) if RunGuard.active else ""
-    if together and os.environ.get("RANK", "0") != "0":
-        return
     where = "" if together or os.environ.get("WORLD_SIZE", "1") == "1" else f" (on rank {os.environ.get('RANK')})"
-    if issubclass(exc_type, (UsageError, RunError)):
+    if together and os.environ.get("RANK", "0") != "0":
+        pass  # rank 0 reports it
+    elif issubclass(exc_type, (UsageError, RunError)):
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}{where}{after}", file=sys.stderr)
     elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
         print(f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{where}{after}", file=sys.stderr)
@@ -293,6 +302,9 @@ def _report_one_line_error(exc_type, exc, tb):
         sys.__excepthook__(exc_type, exc, tb)
         if after or where:
             print(f"{os.path.basename(sys.argv[0])}: error: {type(exc).__name__}{where}{after}", file=sys.stderr)
+    if issubclass(exc_type, Terminated):  # else Python ends the process as on Ctrl-C, whatever the signal was
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
 
 
 def describe(e: BaseException) -> str:
@@ -2194,7 +2206,7 @@ if __name__ == "__main__":
     # Set-up: every check that needs no model comes first; then the run claims its folders
     # ------------------------------------------------------------------------------------------------------------
     launch_world_size()  # the rendezvous variables, checked before anything waits for the other processes
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # until training starts, SIGTERM stops like Ctrl-C
+    signal.signal(signal.SIGTERM, Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
     rank, world_size, device = init_processes(args.ddp_timeout)
     sys.excepthook = _report_one_line_error  # init_process_group wrapped it, to put [rank<N>]: before every line
     # Every process runs the checks; a failure on any stops all of them, reported once by rank 0 (`agreed`)

@@ -266,6 +266,15 @@ class RunError(Exception):
     """A run that cannot go on (a checkpoint that cannot be written, training gone non-finite): one line, too."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before training starts: the run stops as on Ctrl-C, and exits 143 (128 + SIGTERM), as a shell reports
+    a process ended by SIGTERM, not Ctrl-C's 130."""
+
+    @staticmethod
+    def handler(signum, frame):
+        raise Terminated()
+
+
 def _report_one_line_error(exc_type, exc, tb):
     """sys.excepthook: UsageError and RunError are one line; anything else keeps its traceback. Either way the run's
     guard first says what the failure leaves behind (RunGuard.on_failure), on the same line."""
@@ -278,6 +287,9 @@ def _report_one_line_error(exc_type, exc, tb):
         sys.__excepthook__(exc_type, exc, tb)
         if after:
             print(f"{os.path.basename(sys.argv[0])}: error: {type(exc).__name__}{after}", file=sys.stderr)
+    if issubclass(exc_type, Terminated):  # else Python ends the process as on Ctrl-C, whatever the signal was
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
 
 
 def describe(e: BaseException) -> str:
@@ -2061,7 +2073,7 @@ if __name__ == "__main__":
     output_dir = args.output_dir or os.path.join(run_dir, "model")
     if claim_output_dir(output_dir, run_dir):
         guard.created.append(output_dir)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # until training starts, SIGTERM stops like Ctrl-C
+    signal.signal(signal.SIGTERM, Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
 
     random.seed(args.seed)
     np.random.seed(args.seed)

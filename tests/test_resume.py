@@ -163,6 +163,21 @@ def test_sigterm_writes_a_checkpoint_and_its_command_resumes_the_same_run(refere
     assert len(offline_runs) == 2 and len({path.rsplit("-", 1)[1] for path in offline_runs}) == 1
 
 
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_multigpu.py"])
+def test_sigterm_before_training_leaves_nothing_and_exits_143(script, tiny, prompts_file, tmp_path):
+    """Between the run's claim of its folders and its first update (models loading): as on Ctrl-C the run removes what
+    it made, but the exit code is SIGTERM's, 128 + 15, as after training started."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *map(str, train_args(tiny, prompts_file))],
+                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: os.path.exists(tmp_path / "runs" / "run" / "model" / rloo.OUTPUT_CLAIM), proc)
+    time.sleep(0.2)  # the SIGTERM handler is set right after the claim; the models and transformers are still loading
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert f"{script}: error: interrupted before training started" in stderr and "Traceback" not in stderr, stderr
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
+
+
 def test_sigint_checkpoints_and_keeps_the_newest(tiny, prompts_file, tmp_path):
     proc = start(tmp_path, *train_args(tiny, prompts_file, "--save_total_limit", 2, save_steps=1))
     wait_until(lambda: logged_updates(tmp_path) >= 3, proc)
