@@ -1130,11 +1130,17 @@ def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[to
     return metrics
 
 
+WRONG_MODEL = "a server must serve --model_name_or_path (or a model of the same architecture and vocabulary)"
+SHARED_SERVER = ("its weights changed after this run's push: another run sends weights to the same server (a server "
+                 "serves one run at a time: start one per run)")
+
+
 def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, options: dict, logprobs_of,
-                 tolerance: float = 0.5) -> None:
+                 cause: str = WRONG_MODEL, tolerance: float = 0.5) -> None:
     """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
     two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
-    not reach every weight. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
+    not reach every weight (cause: what the error then says). After each rollout from a server: another run pushing its
+    weights to the same server. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
     request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
     outputs = engine.generate(prompts, options, None)
@@ -1147,8 +1153,7 @@ def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, op
                completion_mask).sum() / completion_mask.sum().clamp(min=1)
     if gap > tolerance:
         raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's by "
-                         f"{float(gap):.3g} per token (at most {tolerance} expected); a server must serve "
-                         f"--model_name_or_path (or a model of the same architecture and vocabulary)")
+                         f"{float(gap):.3g} per token (at most {tolerance} expected); {cause}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1745,7 +1750,7 @@ def push_to_server(server, policy, rank: int) -> None:
                 pass
 
 
-def check_server(server, prompt_ids, prompt_mask, options, logprobs_of) -> None:
+def check_server(server, prompt_ids, prompt_mask, options, logprobs_of, cause: str = WRONG_MODEL) -> None:
     """check_engine on every process: the server's answers first, agreed on (a request that fails on one process stops
     all of them before the policy's forward, a collective), then the gap, the same on every process."""
     class AgreedServer:
@@ -1754,7 +1759,7 @@ def check_server(server, prompt_ids, prompt_mask, options, logprobs_of) -> None:
                 return server.generate(*args)
 
     with agreed():
-        check_engine(AgreedServer(), prompt_ids, prompt_mask, options, logprobs_of)
+        check_engine(AgreedServer(), prompt_ids, prompt_mask, options, logprobs_of, cause)
 
 
 def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool) -> torch.nn.Module:
@@ -2443,8 +2448,8 @@ if __name__ == "__main__":
     progress.start()
     if server is not None:
         probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
-        check_server(server, *probe, greedy_config,
-                     lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0))
+        greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
+        check_server(server, *probe, greedy_config, greedy_logprobs)
     if sample_every and start_update == 0:
         sample_table(episode)
     if checkpoint is not None:
@@ -2464,6 +2469,9 @@ if __name__ == "__main__":
             completion_ids, sampling_logprobs = generate(
                 policy, prompt_ids, prompt_mask, generation_config,
                 sampling_seeds(args.seed, update, batch_size)[own_rows:own_rows + local_batch_size])  # (b, C), (b, C) or None
+        if server is not None:  # the server still holds this run's weights: no other run pushed its own
+            with timer("engine_check"):
+                check_server(server, *probe, greedy_config, greedy_logprobs, SHARED_SERVER)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (b, C), (b,)
         mask = completion_mask.float()
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the

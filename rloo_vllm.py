@@ -1212,11 +1212,17 @@ def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[to
     return metrics
 
 
+WRONG_MODEL = "a server must serve --model_name_or_path (or a model of the same architecture and vocabulary)"
+SHARED_SERVER = ("its weights changed after this run's push: another run sends weights to the same server (a server "
+                 "serves one run at a time: start one per run)")
+
+
 def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, options: dict, logprobs_of,
-                 tolerance: float = 0.5) -> None:
+                 cause: str = WRONG_MODEL, tolerance: float = 0.5) -> None:
     """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
     two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
-    not reach every weight. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
+    not reach every weight (cause: what the error then says). After each rollout from a server: another run pushing its
+    weights to the same server. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
     request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
     outputs = engine.generate(prompts, options, None)
@@ -1229,8 +1235,7 @@ def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, op
                completion_mask).sum() / completion_mask.sum().clamp(min=1)
     if gap > tolerance:
         raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's by "
-                         f"{float(gap):.3g} per token (at most {tolerance} expected); a server must serve "
-                         f"--model_name_or_path (or a model of the same architecture and vocabulary)")
+                         f"{float(gap):.3g} per token (at most {tolerance} expected); {cause}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2239,7 +2244,8 @@ if __name__ == "__main__":
                         TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
     task = progress.add_task("", total=num_updates, completed=start_update)
     probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
-    check_engine(engine, *probe, greedy_config, lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0))
+    greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
+    check_engine(engine, *probe, greedy_config, greedy_logprobs)
     progress.start()
     if sample_every and start_update == 0:
         sample_table(episode)
@@ -2259,6 +2265,9 @@ if __name__ == "__main__":
             completion_ids, sampling_logprobs = generate(engine, prompt_ids, prompt_mask, generation_config,
                                                          sampling_seeds(args.seed, update, batch_size))  # (B, C)
         engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
+        if args.vllm_mode == "server":  # the server still holds this run's weights: no other run pushed its own
+            with timer("engine_check"):
+                check_engine(engine, *probe, greedy_config, greedy_logprobs, SHARED_SERVER)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
         mask = completion_mask.float()
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the
