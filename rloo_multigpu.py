@@ -2450,6 +2450,7 @@ if __name__ == "__main__":
         probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
         greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
         check_server(server, *probe, greedy_config, greedy_logprobs)
+        recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
     if sample_every and start_update == 0:
         sample_table(episode)
     if checkpoint is not None:
@@ -2471,7 +2472,7 @@ if __name__ == "__main__":
                 sampling_seeds(args.seed, update, batch_size)[own_rows:own_rows + local_batch_size])  # (b, C), (b, C) or None
         if server is not None:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
-                check_server(server, *probe, greedy_config, greedy_logprobs, SHARED_SERVER)
+                check_server(server, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (b, C), (b,)
         mask = completion_mask.float()
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the

@@ -2246,6 +2246,7 @@ if __name__ == "__main__":
     probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
     greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
     check_engine(engine, *probe, greedy_config, greedy_logprobs)
+    recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
     progress.start()
     if sample_every and start_update == 0:
         sample_table(episode)
@@ -2267,7 +2268,7 @@ if __name__ == "__main__":
         engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
         if args.vllm_mode == "server":  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
-                check_engine(engine, *probe, greedy_config, greedy_logprobs, SHARED_SERVER)
+                check_engine(engine, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
         mask = completion_mask.float()
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the
