@@ -23,6 +23,7 @@ import importlib.util
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -840,6 +841,17 @@ def check_vllm_args(args: Args) -> None:
         raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if args.vllm_cpu_kv_cache_gib <= 0:
         raise UsageError(f"--vllm_cpu_kv_cache_gib must be > 0, got {args.vllm_cpu_kv_cache_gib}")
+    kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if args.vllm_mode == "colocate" and kv_space is not None and kv_space != str(args.vllm_cpu_kv_cache_gib):
+        raise UsageError(f"VLLM_CPU_KVCACHE_SPACE={kv_space} in the environment and --vllm_cpu_kv_cache_gib "
+                         f"{args.vllm_cpu_kv_cache_gib} disagree (the option sets it): give the option the size you want "
+                         "and unset the variable")
+    defaults = {f.name: f.default for f in fields(Args)}
+    server_only = [f for f in ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                               "vllm_server_weight_transfer") if getattr(args, f) != defaults[f]]
+    if args.vllm_mode == "colocate" and server_only:
+        raise UsageError(f"--{server_only[0]} is for a vLLM server and --vllm_mode is colocate: add --vllm_mode server, "
+                         f"or leave --{server_only[0]} out")
     needed = args.max_prompt_length + args.max_completion_length
     if args.vllm_max_model_length is not None and args.vllm_max_model_length < needed:
         raise UsageError(f"--vllm_max_model_length {args.vllm_max_model_length} cannot hold a prompt and its completion "
@@ -930,18 +942,21 @@ def engine_options(args: Args, config_folder: str, device) -> dict:
     are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
     return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=True, seed=args.seed, dtype=vllm_dtype(args),
                 generation_config="vllm", logprobs_mode="processed_logprobs",
-                max_model_len=args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_len=engine_max_model_len(args), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
                 **(cpu_scheduling(args) if device.type == "cpu" else {}))
+
+
+def engine_max_model_len(args: Args) -> int:
+    """The colocated engine's context: --vllm_max_model_length, else a prompt and its completion."""
+    return args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length
 
 
 def cpu_scheduling(args: Args) -> dict:
     """No chunked prefill on CPU: vLLM 0.32's CPU runner fails a seeded request whose prompt is prefilled over two
     steps (it rewinds the request's torch.Generator with set_offset, which a CPU generator does not have); a prompt
     then waits for a step with room for all of it, and a step must hold the longest sequence."""
-    max_model_len = args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, engine_max_model_len(args))}
 
 
 class ColocatedVLLM:
@@ -950,12 +965,22 @@ class ColocatedVLLM:
 
     def __init__(self, args: Args, policy, device):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors pass as is
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_cpu_kv_cache_gib))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_cpu_kv_cache_gib)  # check_vllm_args refused a clash
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave torch's threads to training
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts torch to 1 thread
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the run's own lines stay readable
         from vllm import LLM
 
+        # Its chat-template warmup needs the tokenizer this engine goes without (prompts are token ids), and logs a
+        # traceback; a filter, since vLLM configures its loggers again (levels reset) while the engine starts
+        logging.getLogger("vllm.renderers.base").addFilter(lambda record: record.getMessage() != "Chat template warmup failed")
+        positions = getattr(policy.config, "max_position_embeddings", None)
+        max_model_len = engine_max_model_len(args)
+        if positions is not None and max_model_len > positions:
+            given = (f"--vllm_max_model_length {max_model_len}" if args.vllm_max_model_length else
+                     f"--max_prompt_length + --max_completion_length ({args.max_prompt_length} + {args.max_completion_length})")
+            raise UsageError(f"{given} exceeds the {positions} positions of {args.model_name_or_path} "
+                             "(max_position_embeddings): lower it")
         self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_config_")  # config.json only, no weights
         config = policy.config.to_dict()
         config.pop("quantization_config", None)  # a GGUF file's: the policy itself is de-quantised

@@ -220,6 +220,7 @@ def test_a_run_at_any_temperature_passes_the_engine_check_and_samples_at_it(mode
     proc = run_rloo(*learning_args(tiny, prompts_file, "--total_episodes", 64, "--temperature", temperature, *where),
                     cwd=tmp_path, script="rloo_vllm.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:]  # vLLM's chat-template warmup logged one
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
 
@@ -258,7 +259,7 @@ def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, t
     assert expected[0][-1]["kl"] != 0  # it trained (k1 is an estimate: of either sign)
 
 
-def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file, tmp_path):
+def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file, tmp_path, monkeypatch):
     def refused(*extra, needles):
         args = rloo_vllm.Args(model_name_or_path=tiny["policy"], dataset_name=prompts_file, **dict(extra))
         with pytest.raises(rloo_vllm.UsageError) as e:
@@ -273,12 +274,23 @@ def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file
     refused(("vllm_enable_sleep_mode", True), needles=["needs --vllm_mode colocate and a GPU"])
     refused(("vllm_importance_sampling_mode", "token_mask"), needles=["weights tokens", "sequence_mask"])
     refused(("vllm_importance_sampling_clip_min", 4.0), needles=["0 <= clip_min < clip_max", "clip_min 4.0, clip_max 3.0"])
-    refused(("vllm_server_base_url", "localhost:8000"), needles=["must look like http://host:port"])
-    # One that only vLLM itself can judge: a context longer than the model's positions
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--vllm_max_model_length",
-                    100000, cwd=tmp_path, script="rloo_vllm.py")
-    check_one_line_error(proc, "vLLM could not start an engine", "max_model_len", "--vllm_* options")
-    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # the run it did not start leaves nothing
+    refused(("vllm_mode", "server"), ("vllm_server_base_url", "localhost:8000"), needles=["must look like http://host:port"])
+    # server options in colocate mode were ignored
+    refused(("vllm_server_port", 9000), needles=["--vllm_server_port is for a vLLM server and --vllm_mode is colocate"])
+    refused(("vllm_server_base_url", "http://localhost:8000"), needles=["--vllm_server_base_url is for a vLLM server"])
+    # the environment's KV cache size silently beat the option
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    refused(("vllm_cpu_kv_cache_gib", 2), needles=["VLLM_CPU_KVCACHE_SPACE=4", "--vllm_cpu_kv_cache_gib 2 disagree"])
+    rloo_vllm.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_cpu_kv_cache_gib=4))  # agreeing
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    # a context longer than the model's positions: named as what the user gave (it was "check the --vllm_* options")
+    positions = json.load(open(os.path.join(tiny["policy"], "config.json")))["max_position_embeddings"]
+    for extra, needles in [(["--vllm_max_model_length", 100000], ["--vllm_max_model_length 100000 exceeds the"]),
+                           (["--max_completion_length", positions], [f"--max_completion_length (256 + {positions}) exceeds"])]:
+        proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, *extra, cwd=tmp_path,
+                        script="rloo_vllm.py")
+        check_one_line_error(proc, *needles, f"{positions} positions", "max_position_embeddings")
+        assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # the run it did not start leaves nothing
 
 
 def test_an_unreachable_server_is_one_line_and_leaves_nothing(tiny, prompts_file, tmp_path):
