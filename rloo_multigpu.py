@@ -1006,9 +1006,13 @@ class VLLMServer:
             raise UsageError(f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
                              f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
                              f"--max-model-len {needed}")
+        server_info = self.request("/server_info?config_format=json")  # a dev route: the server's reloads need them
+        mode = ((server_info.get("vllm_config") or {}).get("model_config") or {}).get("logprobs_mode")
+        if mode != "processed_logprobs":  # else its log-probs are not those of the sampling distribution
+            raise UsageError(f"the vLLM server at {self.url} returns log-probs as {mode}, not after temperature: restart "
+                             f"it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})")
         self.nccl = nccl_transfer(args)
         if self.nccl:
-            server_info = self.request("/server_info?config_format=json")
             self.workers = nccl_workers(server_info, self.url)
             check_gpus_apart(server_info, self.url, self.workers)
             self.sender = self.source = None  # vLLM's transfer engine and its weight source, from the first push

@@ -330,6 +330,22 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
     assert line.endswith(f"--resume_from_checkpoint runs/run/checkpoints/{newest}")
 
 
+def test_a_server_started_without_processed_logprobs_is_one_line_before_training(tiny, prompts_file, tmp_path,
+                                                                                  tmp_path_factory):
+    """Its log-probs are not the sampling distribution's (it blamed the model); both server clients say so at once."""
+    servers = start_vllm_server(tiny, tmp_path_factory, logprobs_mode="raw_logprobs")
+    raw = next(servers)
+    try:
+        for script, extra in [("rloo_vllm.py", ["--vllm_mode", "server"]), ("rloo_multigpu.py", [])]:
+            proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, *extra,
+                            "--vllm_server_base_url", raw["url"], cwd=tmp_path, script=script)
+            check_one_line_error(proc, f"the vLLM server at {raw['url']} returns log-probs as raw_logprobs",
+                                 "restart it with --logprobs-mode processed_logprobs")
+            assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
+    finally:
+        servers.close()
+
+
 def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint(tiny, server, prompts_file, tmp_path):
     """The last test of the module: it kills the server."""
     args = [*resume_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"],
