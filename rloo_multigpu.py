@@ -986,6 +986,29 @@ def completion_request(model: str, prompt: list, options: dict, seed: Optional[i
             "skip_special_tokens": False}
 
 
+def shared_memory_folder() -> tempfile.TemporaryDirectory:
+    """Where weights go to a server on this machine: a folder in /dev/shm named by this process's id, removed at the
+    end. A run killed with SIGKILL cannot remove its own: the folders of processes that are gone are removed here."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = re.fullmatch(r"rloo_vllm_weights_(\d+)_\w+", name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)  # signal 0: only whether the process exists
+            continue
+        except ProcessLookupError:
+            pass  # gone
+        except OSError:
+            continue  # PermissionError: another user's process, alive
+        folder = os.path.join(root, name)
+        with contextlib.suppress(OSError):
+            size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+            shutil.rmtree(folder)
+            print(f"removed {folder} ({size / 2**20:.0f} MiB), the weights a killed run left behind")
+    return tempfile.TemporaryDirectory(prefix=f"rloo_vllm_weights_{os.getpid()}_", dir=root)
+
+
 class VLLMServer:
     """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids.
     New weights go by vLLM's NCCL weight transfer (this process is rank 0 of an NCCL group with the server's workers,
@@ -1017,8 +1040,7 @@ class VLLMServer:
             check_gpus_apart(server_info, self.url, self.workers)
             self.sender = self.source = None  # vLLM's transfer engine and its weight source, from the first push
         else:
-            self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_weights_",
-                                                      dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            self.folder = shared_memory_folder()
 
     def request(self, route: str, body: Optional[dict] = None, timeout: Optional[float] = None):
         """GET (body None) or POST JSON; the answer's JSON. A server that cannot be reached or fails: RunError."""

@@ -7,9 +7,11 @@ the end, whatever happens.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import replace
@@ -328,6 +330,26 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
                                 "continue with:")
     newest = max(os.listdir(tmp_path / "runs" / "run" / "checkpoints"), key=lambda c: int(c.split("-")[1]))
     assert line.endswith(f"--resume_from_checkpoint runs/run/checkpoints/{newest}")
+
+
+def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(tiny, server, capsys):
+    """A SIGKILLed server-mode run cannot remove its /dev/shm folder (a model-sized file): the next run removes the
+    folders of processes that are gone, and only those."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, alive = (tempfile.mkdtemp(prefix=f"rloo_vllm_weights_{pid}_", dir="/dev/shm") for pid in (gone.pid, os.getppid()))
+    for folder in (stale, alive):
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(bytes(3 * 2**20))
+    engine = rloo_vllm.VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    try:
+        assert not os.path.exists(stale) and os.path.exists(alive)
+        assert f"removed {stale} (3 MiB)" in capsys.readouterr().out
+        assert os.path.basename(engine.folder.name).startswith(f"rloo_vllm_weights_{os.getpid()}_")
+    finally:
+        engine.close()
+        shutil.rmtree(alive)
+    assert not os.path.exists(engine.folder.name)
 
 
 def test_a_server_started_without_processed_logprobs_is_one_line_before_training(tiny, prompts_file, tmp_path,
