@@ -1093,6 +1093,24 @@ def completion_request(model: str, prompt: list, options: dict, seed: Optional[i
             "skip_special_tokens": False}
 
 
+def check_same_architecture(url: str, served: Optional[str], ours: str) -> None:
+    """The server's model must take the policy's weights: pushing others stops its engine for good ("Worker failed").
+    Compared when both are local folders (a server elsewhere, or a hub id, is left to check_engine's log-probs)."""
+    if not (served and os.path.isdir(served) and os.path.isdir(ours)):
+        return
+    from transformers import AutoConfig
+
+    try:
+        theirs, mine = (AutoConfig.from_pretrained(m).to_dict() for m in (served, ours))
+    except Exception:
+        return
+    for key in ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads"):
+        if theirs.get(key) != mine.get(key):
+            raise UsageError(f"the vLLM server at {url} serves {served}, whose {key} is {theirs.get(key)}, and {ours}'s "
+                             f"is {mine.get(key)}: its engine cannot take these weights; start it with --model {ours}")
+
+
 def shared_memory_folder() -> tempfile.TemporaryDirectory:
     """Where weights go to a server on this machine: a folder in /dev/shm named by this process's id, removed at the
     end. A run killed with SIGKILL cannot remove its own: the folders of processes that are gone are removed here."""
@@ -1137,10 +1155,11 @@ class VLLMServer:
                              f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
                              f"--max-model-len {needed}")
         server_info = self.request("/server_info?config_format=json")  # a dev route: the server's reloads need them
-        mode = ((server_info.get("vllm_config") or {}).get("model_config") or {}).get("logprobs_mode")
-        if mode != "processed_logprobs":  # else its log-probs are not those of the sampling distribution
-            raise UsageError(f"the vLLM server at {self.url} returns log-probs as {mode}, not after temperature: restart "
-                             f"it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})")
+        model_config = (server_info.get("vllm_config") or {}).get("model_config") or {}
+        if model_config.get("logprobs_mode") != "processed_logprobs":  # else not the sampling distribution's log-probs
+            raise UsageError(f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
+                             f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})")
+        check_same_architecture(self.url, model_config.get("model"), args.sft_model_path or args.model_name_or_path)
         self.nccl = nccl_transfer(args)
         if self.nccl:
             self.workers = nccl_workers(server_info, self.url)

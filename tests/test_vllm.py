@@ -352,6 +352,28 @@ def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(
     assert not os.path.exists(engine.folder.name)
 
 
+def test_a_server_whose_model_cannot_take_the_policys_weights_is_one_line_before_any_push(tiny, server, prompts_file,
+                                                                                          tmp_path):
+    """A policy of another size: the push would have stopped the server's engine for good ("Worker failed with error
+    ''"); both server clients refuse before it, and the server still answers."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny["policy"])
+    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 32
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "smaller")
+    AutoTokenizer.from_pretrained(tiny["policy"]).save_pretrained(tmp_path / "smaller")
+    for script, extra in [("rloo_vllm.py", ["--vllm_mode", "server"]), ("rloo_multigpu.py", [])]:
+        proc = run_rloo("--model_name_or_path", tmp_path / "smaller", "--dataset_name", prompts_file, *extra,
+                        "--vllm_server_base_url", server["url"], cwd=tmp_path, script=script)
+        check_one_line_error(proc, f"serves {tiny['policy']}, whose hidden_size is 128", "is 64",
+                             f"start it with --model {tmp_path / 'smaller'}")
+        assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
+    body = {"model": tiny["policy"], "prompt": [1, 2, 3], "max_tokens": 2}
+    request = urllib.request.Request(server["url"] + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    assert len(json.load(urllib.request.urlopen(request, timeout=60))["choices"]) == 1
+
+
 def test_a_server_started_without_processed_logprobs_is_one_line_before_training(tiny, prompts_file, tmp_path,
                                                                                   tmp_path_factory):
     """Its log-probs are not the sampling distribution's (it blamed the model); both server clients say so at once."""
