@@ -295,7 +295,8 @@ def _report_one_line_error(exc_type, exc, tb):
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}{where}{after}", file=sys.stderr)
     elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
         print(f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{where}{after}", file=sys.stderr)
-    elif issubclass(exc_type, dist.DistError):  # a collective failed: another process died or hangs
+    elif issubclass(exc_type, dist.DistError) or "gloo/transport" in str(exc) or "ProcessGroupNCCL" in str(exc):
+        # a collective failed (gloo raises a plain RuntimeError when the peer's socket closes): another process died
         print(f"{os.path.basename(sys.argv[0])}: error: another process stopped answering ({describe(exc)}){where}"
               f"{after}", file=sys.stderr)
     else:

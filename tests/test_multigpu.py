@@ -238,6 +238,9 @@ def test_a_process_that_dies_ends_the_job_without_a_hang(tiny, prompts_file, tmp
                         cwd=tmp_path, timeout=300, env={"RLOO_TEST_EXIT_CODE": "7"})
     assert proc.returncode != 0
     assert time.time() - start < 200
+    # rank 0 says why it stops in one line, without the collective's traceback (torchrun then reports the failure)
+    (line,) = our_errors(proc.stderr)
+    assert "another process stopped answering" in line and "(on rank 0)" in line, line
 
 
 def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
