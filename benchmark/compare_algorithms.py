@@ -117,6 +117,8 @@ def main():
     cli = parser.parse_args()
     if cli.workers < 1 or cli.last < 1:
         parser.error(f"--workers and --last must be at least 1, got {cli.workers} and {cli.last}")
+    if min(cli.seeds) < 0:  # the trainers' seeds seed numpy's SeedSequence, which takes no negative number
+        parser.error(f"--seeds must be 0 or more, got {min(cli.seeds)}")
     if len(set(cli.seeds)) < len(cli.seeds):
         parser.error(f"--seeds {' '.join(map(str, cli.seeds))} names a seed twice: give each seed once")
     if given := [w for w in cli.rloo_args if w.split("=")[0] in ("--seed", "--exp_name", "--run_name",

@@ -260,6 +260,7 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
                                            (["--workers", "0"], ["--workers and --last must be at least 1"]),
                                            (["--last", "0"], ["--workers and --last must be at least 1"]),
                                            (["--seeds", "1", "1"], ["names a seed twice"]),
+                                           (["--seeds", "-1"], ["--seeds must be 0 or more, got -1"]),
                                            (["--", "--seed", "3"], ["--seed after -- is the comparison's"])])
 def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_path):
     (tmp_path / "a_file").write_text("mine\n")
