@@ -146,7 +146,7 @@ def main():
         try:
             codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags)
         except KeyboardInterrupt:  # the runs got Ctrl-C too, and wrote a checkpoint each
-            print("compare_algorithms.py: interrupted; the runs stopped with a checkpoint: the same command continues "
+            print("compare_algorithms.py: error: interrupted; the runs stopped with a checkpoint: the same command continues "
                   "them", file=sys.stderr)
             sys.exit(130)
         if failed := [run for run, code in zip(pending, codes) if code]:

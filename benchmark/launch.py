@@ -138,15 +138,24 @@ def new_path(path: str, make) -> str:
             continue
 
 
+STARTING = threading.Lock()  # held while a run starts; Ctrl-C takes it to stop any further start
+STOPPED = threading.Event()
+
+
 def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
     """Run one command to its end, its output into a new log_dir/<name>.log (<name>_2.log, ... beside an earlier one;
-    run["log"] then names it): (exit code, seconds)."""
+    run["log"] then names it): (exit code, seconds). After Ctrl-C a queued run does not start (exit code 130)."""
     start = time.time()
-    run["log"] = new_path(os.path.join(log_dir, f"{run['name']}.log"), lambda p: open(p, "x").close())
-    say(f"started  {run['name']}: {run['command']}")
-    with open(run["log"], "w") as log:
-        code = subprocess.run(run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "WANDB_TAGS": tags}).returncode
+    with STARTING:
+        if STOPPED.is_set():
+            return 130, 0.0
+        run["log"] = new_path(os.path.join(log_dir, f"{run['name']}.log"), lambda p: open(p, "x").close())
+        say(f"started  {run['name']}: {run['command']}")
+        log = open(run["log"], "w")
+        process = subprocess.Popen(run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "WANDB_TAGS": tags})
+    with log:
+        code = process.wait()
     seconds = time.time() - start
     say(f"finished {run['name']} in {seconds / 60:.1f} min" + (f", exit code {code}" if code else ""))
     return code, seconds
@@ -160,6 +169,8 @@ def run_all(runs: list[dict], workers: int, log_dir: str, tags: str) -> list[int
         try:
             return [f.result()[0] for f in futures]
         except KeyboardInterrupt:  # the runs got Ctrl-C too: they checkpoint and stop; the queued ones never start
+            with STARTING:
+                STOPPED.set()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
 
@@ -218,7 +229,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     print(f"{len(runs)} runs, {cli.workers} at a time, WANDB_TAGS={tags}, logs in {log_dir}", flush=True)
-    codes = run_all(runs, cli.workers, log_dir, tags)
+    try:
+        codes = run_all(runs, cli.workers, log_dir, tags)
+    except KeyboardInterrupt:  # the runs got Ctrl-C too: the trainers wrote a checkpoint each
+        print(f"launch.py: error: interrupted; the runs that had started stopped (a trainer writes a checkpoint and prints the "
+              f"command that continues it: see their logs in {log_dir})", file=sys.stderr)
+        return 130
     failed = [(run, code) for run, code in zip(runs, codes) if code]
     for run, code in failed:
         print(f"failed (exit code {code}): {run['command']}; its log: {run['log']}",

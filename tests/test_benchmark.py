@@ -128,6 +128,19 @@ def test_a_log_is_never_overwritten_and_each_launch_has_its_own_folder(tmp_path,
     assert (tmp_path / "logs" / "00_run_seed1_2.log").read_text() == "hello\n"
 
 
+def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, LAUNCH, "--command", "sleep 60", "--num_seeds", "2", "--log_dir", "logs"],
+                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    while not (tmp_path / "logs" / "00_run_seed1.log").exists():
+        assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.stderr = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130
+    check_one_line_error(proc, "launch.py: error: interrupted", "logs")
+    assert sorted(os.listdir(tmp_path / "logs")) == ["00_run_seed1.log"]  # the queued run never started
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--command", "python rloo.py --seed 3"], ["names a --seed", "the launcher adds --seed"]),
     (["--command", "python rloo.py 'x"], ["No closing quotation"]),
