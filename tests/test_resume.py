@@ -406,18 +406,35 @@ def test_a_failure_in_a_sample_table_keeps_the_update_before_it_whole(faulty_ref
     assert len(got[1].splitlines()) == len(faulty_reference[1].splitlines()) - len(missing)
 
 
+# rloo.py whose 14th optimizer step raises (update 4's second of 4: its first step is done), as an out-of-memory would
+FAILING_STEP = """
+import runpy, sys, torch
+calls, step = [0], torch.optim.AdamW.step
+def failing_step(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 14:
+        raise RuntimeError("CUDA out of memory")
+    return step(self, *args, **kwargs)
+torch.optim.AdamW.step = failing_step
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny, prompts_file, tmp_path):
-    # Call 5 is the sample table after update 3, whose optimizer steps are done: what they did is kept
-    proc = run_faulty(tmp_path, tiny, prompts_file, 5)
-    error = check_one_line_error(proc, "update 3 was cut short: the weights and optimizer state it reached are in "
-                                       "runs/run/checkpoints/checkpoint-3 (a resumed run", "; continue with: python")
-    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / rloo.TRAINING_STATE, weights_only=True)
-    assert state["update"] == 3 and state["episode"] == 24
-    assert state["scheduler"]["last_epoch"] == 12  # 3 updates x 2 epochs x 2 minibatches
+    proc = subprocess.run([sys.executable, "-c", FAILING_STEP, SCRIPT, *map(str, train_args(tiny, prompts_file, save_steps=0))],
+                          cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    assert proc.returncode != 0 and "CUDA out of memory" in proc.stderr
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("rloo.py: error:")]
+    assert ("update 4 was cut short: the weights and optimizer state it reached are in runs/run/checkpoints/checkpoint-4 "
+            "(a resumed run") in error and "; continue with: python" in error
+    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / rloo.TRAINING_STATE, weights_only=True)
+    assert state["update"] == 4 and state["episode"] == 32
+    assert state["scheduler"]["last_epoch"] == 13  # 3 updates x 2 epochs x 2 minibatches, and update 4's first step
     resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = outcome(tmp_path)[0]
-    assert [r["episode"] for r in metrics] == [8, 16, 24, 32, 40, 48]  # no update twice, none missing
+    assert [r["episode"] for r in metrics] == [8, 16, 24, 40, 48]  # no update twice; update 4 never got to its log
 
 
 def test_a_run_that_trained_nothing_leaves_nothing_and_the_same_command_runs_again(tiny, prompts_file, tmp_path):
