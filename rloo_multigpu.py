@@ -856,6 +856,10 @@ def check_vllm_args(args: Args) -> None:
                          f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)")
     if args.vllm_server_base_url is not None and not re.match(r"https?://[^/]+", args.vllm_server_base_url):
         raise UsageError(f"--vllm_server_base_url must look like http://host:port, got {args.vllm_server_base_url!r}")
+    if args.vllm_server_base_url is not None and re.match(r"https?://[^/]+/.*[^/]", args.vllm_server_base_url):
+        root = re.match(r"https?://[^/]+", args.vllm_server_base_url).group(0)
+        raise UsageError(f"--vllm_server_base_url {args.vllm_server_base_url} has a path: give the server's root, {root} "
+                         "(the routes /v1/completions, /collective_rpc... are added to it)")
     if not 0 < args.vllm_server_timeout:
         raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
     low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max

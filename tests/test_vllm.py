@@ -277,6 +277,11 @@ def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file
     refused(("vllm_importance_sampling_mode", "token_mask"), needles=["weights tokens", "sequence_mask"])
     refused(("vllm_importance_sampling_clip_min", 4.0), needles=["0 <= clip_min < clip_max", "clip_min 4.0, clip_max 3.0"])
     refused(("vllm_mode", "server"), ("vllm_server_base_url", "localhost:8000"), needles=["must look like http://host:port"])
+    # an OpenAI-style base URL: its /v1/models was a 404 blamed on a server not started
+    refused(("vllm_mode", "server"), ("vllm_server_base_url", "http://127.0.0.1:8000/v1"),
+            needles=["http://127.0.0.1:8000/v1 has a path: give the server's root, http://127.0.0.1:8000"])
+    rloo_vllm.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_mode="server",
+                                             vllm_server_base_url="http://127.0.0.1:8000/"))  # a root with its slash
     # server options in colocate mode were ignored
     refused(("vllm_server_port", 9000), needles=["--vllm_server_port is for a vLLM server and --vllm_mode is colocate"])
     refused(("vllm_server_base_url", "http://localhost:8000"), needles=["--vllm_server_base_url is for a vLLM server"])
