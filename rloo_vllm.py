@@ -859,12 +859,13 @@ def check_vllm_args(args: Args) -> None:
     if args.vllm_enable_sleep_mode and (args.vllm_mode != "colocate" or not torch.cuda.is_available()):
         raise UsageError("--vllm_enable_sleep_mode frees GPU memory of a colocated engine: it needs --vllm_mode colocate "
                          "and a GPU (vLLM's CPU build has no sleep mode)")
-    if args.vllm_server_base_url is not None and not re.match(r"https?://[^/]+", args.vllm_server_base_url):
-        raise UsageError(f"--vllm_server_base_url must look like http://host:port, got {args.vllm_server_base_url!r}")
-    if args.vllm_server_base_url is not None and re.match(r"https?://[^/]+/.*[^/]", args.vllm_server_base_url):
-        root = re.match(r"https?://[^/]+", args.vllm_server_base_url).group(0)
-        raise UsageError(f"--vllm_server_base_url {args.vllm_server_base_url} has a path: give the server's root, {root} "
-                         "(the routes /v1/completions, /collective_rpc... are added to it)")
+    if (url := args.vllm_server_base_url) is not None:
+        root = re.match(r"https?://[^/]+", url)
+        if root is None:
+            raise UsageError(f"--vllm_server_base_url must look like http://host:port, got {url!r}")
+        if url.rstrip("/") != root.group(0):
+            raise UsageError(f"--vllm_server_base_url {url} has a path: give the server's root, {root.group(0)} (the "
+                             "routes /v1/completions, /collective_rpc... are added to it)")
     if not 0 < args.vllm_server_timeout:
         raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
     low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max

@@ -212,23 +212,19 @@ def test_a_checkpoint_resumes_only_on_as_many_processes(tiny, prompts_file, tmp_
     check_one_line_error(resumed, "written by 2 processes", "this run has 1")
 
 
-def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_checkpoint(tiny, prompts_file, tmp_path):
-    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:fails_on_rank_1_at_call_4",
-                                        "--save_steps", 0), cwd=tmp_path, timeout=300)
+@pytest.mark.parametrize("func, needle, checkpoint", [
+    ("fails_on_rank_1_at_call_4", "checkpoint-2", "checkpoint-2"),  # update 3's rollout: update 2 is the last whole one
+    ("fails_in_the_second_sample_table", "the state after update 3", "checkpoint-3"),  # the table after update 3
+])
+def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_checkpoint(func, needle, checkpoint, tiny,
+                                                                                           prompts_file, tmp_path):
+    """It fails on rank 1 only: one error line from rank 0 naming rank 1, no gloo traceback, the last whole update."""
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:{func}", "--save_steps", 0),
+                        cwd=tmp_path, timeout=300)
     assert proc.returncode != 0
     (line,) = our_errors(proc.stderr)
-    assert "the judge is down" in line and "(on rank 1)" in line and "checkpoint-2" in line, line
-    assert os.listdir(tmp_path / "runs" / "run" / "checkpoints") == ["checkpoint-2"]
-
-
-def test_a_reward_function_failing_in_a_sample_table_on_one_process_keeps_the_last_update(tiny, prompts_file, tmp_path):
-    """The table after update 3 fails on rank 1 only: one error line, and the exact state after update 3."""
-    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:fails_in_the_second_sample_table",
-                                        "--save_steps", 0), cwd=tmp_path, timeout=300)
-    assert proc.returncode != 0
-    (line,) = our_errors(proc.stderr)
-    assert "the judge is down" in line and "(on rank 1)" in line and "the state after update 3" in line, line
-    assert os.listdir(tmp_path / "runs" / "run" / "checkpoints") == ["checkpoint-3"]
+    assert "the judge is down" in line and "(on rank 1)" in line and needle in line, line
+    assert os.listdir(tmp_path / "runs" / "run" / "checkpoints") == [checkpoint]
     assert "gloo" not in proc.stderr
 
 
