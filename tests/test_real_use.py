@@ -78,14 +78,14 @@ def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     pretend_gpu(monkeypatch)
-    options = rloo_vllm.engine_options(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
+    options = rloo_utils.engine_options(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
     assert options["dtype"] == "bfloat16" and options["enable_sleep_mode"] and not options["enforce_eager"]
     inspect.signature(LLM).bind(**options)
     engine_args = EngineArgs(**options)
     assert (engine_args.dtype, engine_args.logprobs_mode, engine_args.generation_config) == (
         "bfloat16", "processed_logprobs", "vllm")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and float32 on the CPU, as the training forward
-    assert rloo_vllm.engine_options(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
+    assert rloo_utils.engine_options(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
@@ -98,7 +98,7 @@ def test_sampling_parameters_and_server_requests_are_vllms(tiny, script):
     rloo = importlib.import_module(script)
     args = rloo.Args(model_name_or_path=tiny["policy"], temperature=0.7, top_p=0.9, top_k=20)
     for greedy in (False, True):
-        options = rloo.sampling_options(args, stop_ids=[2, 3], greedy=greedy)
+        options = rloo_utils.sampling_options(args, stop_ids=[2, 3], greedy=greedy)
         params = SamplingParams(**options, seed=7, detokenize=False)
         assert params.stop_token_ids == [2, 3] and params.logprobs == 0 and params.ignore_eos
         request = CompletionRequest(**rloo_utils.completion_request("model", [5, 6, 7], options, seed=7))

@@ -43,7 +43,7 @@ def hf_greedy(policy, tokenizer, n: int) -> list[list[int]]:
 
 
 def engine_greedy(engine, tokenizer, args) -> list[list[int]]:
-    options = rloo_vllm.sampling_options(args, stop_ids=[], greedy=True)  # no end token: always max_completion_length
+    options = rloo_utils.sampling_options(args, stop_ids=[], greedy=True)  # no end token: always max_completion_length
     return [ids for ids, _ in engine.generate([tokenizer(p).input_ids for p in PROMPTS], options, None)]
 
 
@@ -77,7 +77,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
     probe = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, args.max_prompt_length, torch.device("cpu"))[:2]
     logprobs_of = lambda *rollout: rloo_vllm.completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
-    options = rloo_vllm.sampling_options(args, stop_ids=[], greedy=True)
+    options = rloo_utils.sampling_options(args, stop_ids=[], greedy=True)
     rloo_utils.check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
     with monkeypatch.context() as m:
         m.setattr(rloo_vllm, "weights_for_vllm", lambda p: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"})
@@ -107,14 +107,14 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         args = vllm_args(tiny, temperature=0.7)
         prompt_ids, prompt_mask, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-        outputs = engine.generate(prompts, rloo_vllm.sampling_options(args, [], greedy=False), [1, 2, 3])
+        outputs = engine.generate(prompts, rloo_utils.sampling_options(args, [], greedy=False), [1, 2, 3])
         completion_ids, sampling_logprobs = rloo_utils.pad_completions(outputs, 16, 0, [], torch.device("cpu"))
         with torch.no_grad():
             trainer = rloo_vllm.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids,
                                                     torch.ones_like(completion_ids), 0.7)
         assert (trainer - sampling_logprobs).abs().max() < 1e-4
         # One seed per completion: the same seed gives the same completion, another seed another one
-        again = engine.generate(prompts, rloo_vllm.sampling_options(args, [], greedy=False), [1, 2, 4])
+        again = engine.generate(prompts, rloo_utils.sampling_options(args, [], greedy=False), [1, 2, 4])
         assert again[:2] == outputs[:2] and again[2][0] != outputs[2][0]
     finally:
         engine.close()
@@ -146,9 +146,9 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
     try:
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
         remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
-        options = rloo_vllm.sampling_options(args, [], greedy=False)
+        options = rloo_utils.sampling_options(args, [], greedy=False)
         prompts = [[5 + p, 6, 7 + p] for p in range(6) for _ in range(4)]  # 6 groups of G = 4
-        seeds = rloo_vllm.sampling_seeds(3, 1, len(prompts))
+        seeds = rloo_utils.sampling_seeds(3, 1, len(prompts))
         assert seeds == list(range(seeds[0], seeds[0] + len(prompts)))
         local = engine.generate(prompts, options, seeds)
         assert local == remote.generate(prompts, options, seeds)
