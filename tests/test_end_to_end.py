@@ -232,11 +232,11 @@ def test_token_level_kl_changes_the_token_loss(tiny, prompts_file, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The seed commands, as the README documents them, run to their first update with hub ids swapped for local paths
+# The seed commands, as docs/options.md documents them, run to their first update with hub ids swapped for local paths
 # ----------------------------------------------------------------------------------------------------------------
 def readme_command(name: str) -> list[str]:
-    """The command in the README's block marked <!-- seed command: name -->."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    """The command in docs/options.md's block marked <!-- seed command: name -->."""
+    readme = open(os.path.join(ROOT, "docs", "options.md")).read()
     block = re.search(rf"<!-- seed command: {name} -->\n```bash\n(.*?)```", readme, re.S).group(1)
     return shlex.split(block.replace("\\\n", " "))
 

@@ -71,7 +71,7 @@ def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(tiny, pro
     model = AutoModelForCausalLM.from_pretrained(saved)
     initial = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     assert not torch.equal(model.model.layers[1].mlp.up_proj.weight, initial.model.layers[1].mlp.up_proj.weight)
-    # The shards both processes wrote to the last checkpoint make up the saved model (the README's conversion)
+    # The shards both processes wrote to the last checkpoint make up the saved model (docs/multigpu.md's conversion)
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -265,9 +265,9 @@ def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
 
 
 def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp_path):
-    """The README's torchrun block, hub ids swapped for the test model and local data, on 2 processes instead of 8,
+    """docs/multigpu.md's torchrun block, hub ids swapped for the test model and local data, on 2 processes instead of 8,
     to its first update: a rollout of 16 x 16 x 2 completions per process."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "multigpu.md")).read()
     block = re.search(r"<!-- seed command: tldr multigpu -->\n```bash\n(.*?)```", readme, re.S).group(1)
     argv = shlex.split(block.replace("\\\n", " "))
     assert argv[:4] == ["torchrun", "--nproc_per_node", "8", "rloo_multigpu.py"]

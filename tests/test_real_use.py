@@ -186,8 +186,8 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
             ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
             options = {"max_tokens": 2, "stop_token_ids": []}
             with torch.no_grad():
-                rloo.check_server(ServerFailingOnRank1(rank), ids, mask, options,
-                                  lambda *rollout: rloo.completion_logprobs(policy, *rollout, temperature=1.0))
+                rloo_utils.check_engine(ServerFailingOnRank1(rank), ids, mask, options,
+                                        lambda *rollout: rloo.completion_logprobs(policy, *rollout, temperature=1.0))
         outcome = "no error"
     except Exception as e:
         outcome = f"{type(e).__name__}: {e}"

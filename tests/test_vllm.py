@@ -191,7 +191,7 @@ def learning_args(tiny, data, *extra):
 def check_learns(tmp_path):
     rows = read_metrics(tmp_path)
     rewards = [r["reward"] for r in rows]
-    # ~0.006 at the start; after 40 updates 0 to 7 depending on the seed (2.3 +- 2.4 over 24 seeds, README): a run
+    # ~0.006 at the start; after 40 updates 0 to 7 depending on the seed (2.3 +- 2.4 over 24 seeds, docs/vllm.md): a run
     # that does not learn stays near 0
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
     # vLLM sampled from the policy being trained: its log-probs are the trainer's, update after update
