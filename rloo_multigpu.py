@@ -43,18 +43,19 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 import tyro
 from rich.console import Console
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rloo_utils import (SHARED_SERVER, Logger, ProgressBar, QuietLogger, RunError, RunGuard, StageTimer, Terminated,
-                        UsageError, VLLMServer, agreed, batch_sizes, call_reward_func, check_args, check_engine,
-                        check_skipped_steps, check_vllm_args, claim_run, clip_bounds, embedded_model, end_processes,
-                        from_pretrained, generation_configs, is_chat, launch_world_size, load_datasets,
-                        load_reward_model, load_tokenizers, model_dtype, pad_completions, parse_args, prompt_batches,
-                        report_one_line_error, resume_point, resumed_counters, reward_sources,
-                        rng_states_of_every_process, sampling_options, sampling_seeds, save_model, set_rng_states,
-                        show_samples, stop_after_update_on_signals, stopped_message)
+from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, call_reward_func,
+                        check_args, check_skipped_steps, claim_run, clip_bounds, embedded_model, from_pretrained,
+                        is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype, open_logger,
+                        parse_args, prompt_batches, report_one_line_error, resume_point, resumed_counters,
+                        reward_model_inputs, reward_sources, save_model, set_rng_states, show_samples,
+                        stop_after_update_on_signals, stopped_message)
+from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, end_processes,
+                        generation_configs, launch_world_size, load_sharded_checkpoint, pad_completions,
+                        rng_states_of_every_process, sampling_options, sampling_seeds)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -277,9 +278,7 @@ def resolve_defaults(args: Args) -> Args:
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# KL, advantages, losses
-# ----------------------------------------------------------------------------------------------------------------
+# ---- KL, advantages, losses ------------------------------------------------------------------------------------------
 def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """KL(policy || reference) estimated per sampled token (http://joschu.net/blog/kl-approx.html)."""
     d = logprobs - ref_logprobs
@@ -511,9 +510,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     return grad_norm, finite
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Main: set-up, then the training loop
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Main: set-up, then the training loop ----------------------------------------------------------------------------
 def main(args: Args) -> None:
     launch_world_size()  # the rendezvous variables, checked before anything waits for the other processes
     rank, world_size, device = init_processes(args.ddp_timeout)
@@ -573,9 +570,9 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps)
     if checkpoint is not None:
-        load_checkpoint(checkpoint, policy, optimizer)
+        load_sharded_checkpoint(checkpoint, policy, optimizer)
     if server is not None:  # the server samples from the policy: its weights now, and after every update
-        push_to_server(server, policy, rank)
+        server.push_weights(policy, weights_for_vllm(policy))
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -589,8 +586,7 @@ def main(args: Args) -> None:
     if checkpoint is not None:
         scheduler.load_state_dict(training_state["scheduler"])
     with agreed():
-        logger = Logger(args, run_name, run_dir, resume=training_state["logger"] if checkpoint else None) if rank == 0 \
-            else QuietLogger()
+        logger = open_logger(args, run_dir, training_state)
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
                   f"{G}) on {world_size} processes ({local_batch_size} each), {num_optimizer_steps} optimizer steps, "
                   f"device {device.type}, logs in {run_dir}" +
@@ -682,9 +678,7 @@ def main(args: Args) -> None:
                 "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time, "rng": rng_states_of_every_process(),
                 "logger": logger.state()}
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Training loop
-    # ------------------------------------------------------------------------------------------------------------
+    # ---- Training loop -----------------------------------------------------------------------------------------------
     stop_signals = stop_after_update_on_signals(console)  # Ctrl-C, SIGTERM: a checkpoint after this update, then exit
     batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, start_update, rank, world_size)  # one per update
     start_time = time.time() - seconds_before
@@ -831,7 +825,7 @@ def main(args: Args) -> None:
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         if server is not None:  # Weight sync: the next rollout (and sample table) samples from the updated policy
             with timer("weight_sync"):
-                push_to_server(server, policy, rank)
+                server.push_weights(policy, weights_for_vllm(policy))
         episode += batch_size
         num_tokens += int(prompt_mask.sum() + completion_mask.sum())
         old_logprobs = all_gather_rows(old_logprobs[own_rows:own_rows + local_batch_size])  # as the update filled them in
@@ -892,9 +886,7 @@ def main(args: Args) -> None:
             end_processes(128 + stop)  # as a shell reports a signal: a pipeline must not take this for success
     progress.stop()
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Output
-    # ------------------------------------------------------------------------------------------------------------
+    # ---- Output ------------------------------------------------------------------------------------------------------
     save_model(output_dir, policy, tokenizer, get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
                                                                                                 cpu_offload=True)))
     if server is not None:
@@ -905,9 +897,7 @@ def main(args: Args) -> None:
     end_processes(0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Processes: the group, sharding, and the collectives the algorithm needs
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Processes: the group, sharding, and the collectives the algorithm needs -----------------------------------------
 def uses_vllm_server(args: Args) -> bool:
     return args.vllm_server_host is not None or args.vllm_server_base_url is not None
 
@@ -929,17 +919,6 @@ def init_processes(timeout_s: int) -> tuple[int, int, torch.device]:
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def push_to_server(server, policy, rank: int) -> None:
-    """The policy to the vLLM server: every process gathers the shards tensor by tensor (a collective each), rank 0
-    sends them; a failure on any process stops all of them together (a failed push still gathers the rest)."""
-    with agreed():
-        if rank == 0:
-            server.push_weights(policy, weights_for_vllm(policy))
-        else:
-            for _ in weights_for_vllm(policy).items():
-                pass
 
 
 def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool) -> torch.nn.Module:
@@ -1016,19 +995,7 @@ def reduce_micro_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, list[f
     return {name: reduced[op_of.get(name, dist.ReduceOp.SUM)][i].tolist() for i, name in enumerate(stats)}
 
 
-def load_checkpoint(checkpoint: str, policy, optimizer) -> None:
-    """The sharded policy and optimizer state of a checkpoint, each process reading its own shards."""
-    model_state, optimizer_state = get_state_dict(policy, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp"))
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The vLLM server of rloo_vllm.py: sampling, weight sync, and the sampler-trainer mismatch
-# ----------------------------------------------------------------------------------------------------------------
+# ---- The vLLM server of rloo_vllm.py: sampling, weight sync, and the sampler-trainer mismatch ------------------------
 def weights_for_vllm(policy):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently). Its items()
@@ -1067,20 +1034,7 @@ def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[to
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------------------------
-def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and 0/1 mask of token lists of any lengths, padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
+# ---- Data ------------------------------------------------------------------------------------------------------------
 def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
@@ -1100,9 +1054,7 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -
     return ids.to(device), mask.to(device), num_truncated
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Models
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Models ----------------------------------------------------------------------------------------------------------
 def disable_dropout(model: torch.nn.Module) -> None:
     """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
     for module in model.modules():
@@ -1185,24 +1137,6 @@ def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
 
 
-def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor):
-    """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
-    A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
-    with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
-    would have it, at the EOS of a finished completion and at the last token of a truncated one."""
-    rows = []
-    for prompt, completion, done in zip(prompts, completions, ended.tolist()):
-        if isinstance(prompt, str):
-            row = reward_tokenizer(prompt + completion)["input_ids"]
-            if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
-                row.append(reward_tokenizer.eos_token_id)
-        else:
-            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
-            row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
-        rows.append(row)
-    return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
-
-
 def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
     """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
     declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
@@ -1223,9 +1157,7 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_
     return mask.long(), stopped | holds_eos
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Rewards
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Rewards ---------------------------------------------------------------------------------------------------------
 def message_text(message) -> str:
     """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
     return message if isinstance(message, str) else message[-1]["content"]
@@ -1265,9 +1197,7 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - valid.mean()) / (valid.std() + eps)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README)
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README) --------------------------
 def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
     """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
     its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""

