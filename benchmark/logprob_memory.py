@@ -27,6 +27,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
+import rloo_utils  # noqa: E402
 
 
 # ---- rloo.py before this change (commit 9152136) ----------------------------------------------------------------
@@ -71,7 +72,7 @@ def measure(implementation: str, model_path: str, batch: int, prompt_length: int
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    policy = rloo.from_pretrained(AutoModelForCausalLM, model_path).to(device).train()
+    policy = rloo_utils.from_pretrained(AutoModelForCausalLM, model_path).to(device).train()
     rloo.disable_dropout(policy)
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()

@@ -313,7 +313,7 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
         script = next(w for w in command if w.endswith(".py"))
         module = __import__(script[:-3])
         monkeypatch.setattr(sys, "argv", [script, *command[command.index(script) + 1:]])
-        args = module.parse_args()
+        args = module.parse_args(module.Args)
         module.check_args(args)
         assert args.seed == int(command[-1])
 
@@ -332,7 +332,7 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
     for command in commands:
         module = __import__(command[1][:-3])
         monkeypatch.setattr(sys, "argv", command[1:])
-        module.check_args(module.parse_args())
+        module.check_args(module.parse_args(module.Args))
         assert [command[i + 1] for i, w in enumerate(command) if w == "--model_name_or_path"] == [f"{out}/tiny/policy"]
     assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
     again = subprocess.run(script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
