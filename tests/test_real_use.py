@@ -181,7 +181,7 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
             server = rloo_utils.VLLMServer.__new__(rloo_utils.VLLMServer)
             server.url, server.nccl, server.source = "http://x", True, types.SimpleNamespace(weights=None)
             server.sender = FailingSender(server)
-            rloo.push_to_server(server, policy, rank)
+            server.push_weights(policy, rloo.weights_for_vllm(policy))
         else:
             ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
             options = {"max_tokens": 2, "stop_token_ids": []}
@@ -193,7 +193,7 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
         outcome = f"{type(e).__name__}: {e}"
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"outcome": outcome, "seconds": time.time() - start}, f)
-    dist.destroy_process_group()
+    rloo_utils.end_processes(0)  # as the script ends: the interpreter's teardown of gloo's threads may abort a process
 
 
 @pytest.mark.parametrize("scenario, message", [

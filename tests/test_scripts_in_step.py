@@ -62,7 +62,7 @@ def test_every_intended_difference_is_real(name):
     assert len(sources) > 1, f"{name} is the same in every script: take it off INTENDED_DIFFERENCES"
 
 
-STAGES = ["# Rollout", "# Reward", "# KL", "# Advantage", "# Update", "# Logging", "# Checkpoint", "# Output"]
+STAGES = ["# Rollout", "# Reward", "# KL", "# Advantage", "# Update", "# Logging", "# Checkpoint", "# ---- Output"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
