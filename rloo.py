@@ -6,6 +6,10 @@ clipped surrogate (Schulman et al. 2017), the whole completion being a single ac
 RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO, SAPO) are one flag away:
 --advantage_estimator, --loss_type.
 
+Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
+of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
+of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils.py.
+
     python rloo.py --help        # every option, its default and what it does
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU
 """
@@ -132,7 +136,7 @@ class Args:
     """TRL's name for --advantage_normalization batch"""
     loss_type: Literal["sequence", "token", "cispo", "gspo", "sapo"] = "sequence"
     """policy loss: sequence = clipped surrogate on the sequence ratio (TRL's RLOO); token = -A log p per token;
-    cispo, gspo, sapo as in their papers (formulas in the README)"""
+    cispo, gspo, sapo as in their papers (formulas in docs/algorithm.md)"""
     ppo_clip: bool = False
     """(loss_type token) PPO's clipped surrogate on each token's ratio instead of -A log p"""
     dual_clip: Optional[float] = None
@@ -591,6 +595,7 @@ def main(args: Args) -> None:
         sample_table(episode)
     if checkpoint is not None:
         set_rng_states(training_state["rng"])
+    # From here on a failure leaves a checkpoint: of the last complete update, or of the one it cut short (RunGuard)
     guard.watch(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, run_state(start_update))
     for update in range(start_update + 1, num_updates + 1):
         timer = StageTimer()
@@ -772,7 +777,7 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -
     return ids.to(device), mask.to(device), num_truncated
 
 
-# ---- Models ----------------------------------------------------------------------------------------------------------
+# ---- Log-probabilities and completion masks --------------------------------------------------------------------------
 def disable_dropout(model: torch.nn.Module) -> None:
     """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
     for module in model.modules():
@@ -844,17 +849,6 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return logprobs, F.pad(entropy_from_logits(logits, temperature), (0, C - last))
 
 
-@torch.no_grad()
-def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
-    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
-    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
-    last = last_true_index(attention_mask)  # (B,)
-    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
-
-
 def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
     """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
     declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
@@ -901,6 +895,17 @@ def completion_length(completion_ids, **kwargs) -> list[float]:
 BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length": completion_length}
 
 
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
+    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
+    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    last = last_true_index(attention_mask)  # (B,)
+    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+
+
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
     total = torch.nansum(rewards_per_func * weights, dim=1)
@@ -915,7 +920,7 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - valid.mean()) / (valid.std() + eps)
 
 
-# ---- Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README) --------------------------
+# ---- Metrics (each one's definition, next to old TRL's and TRL 1.16's: docs/metrics.md) ------------------------------
 def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
     """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
     its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""

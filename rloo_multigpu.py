@@ -151,7 +151,7 @@ class Args:
     """TRL's name for --advantage_normalization batch"""
     loss_type: Literal["sequence", "token", "cispo", "gspo", "sapo"] = "sequence"
     """policy loss: sequence = clipped surrogate on the sequence ratio (TRL's RLOO); token = -A log p per token;
-    cispo, gspo, sapo as in their papers (formulas in the README)"""
+    cispo, gspo, sapo as in their papers (formulas in docs/algorithm.md)"""
     ppo_clip: bool = False
     """(loss_type token) PPO's clipped surrogate on each token's ratio instead of -A log p"""
     dual_clip: Optional[float] = None
@@ -208,7 +208,7 @@ class Args:
     ddp_timeout: int = 1800
     """seconds a process waits for the others at a collective before the run fails (a process that died or hangs)"""
 
-    # vLLM server (rloo_vllm.py's server mode; README: the command that starts it)
+    # vLLM server (rloo_vllm.py's server mode; docs/vllm.md: the command that starts it)
     vllm_server_host: Optional[str] = None
     """generate with the vLLM server at this host instead of HF generate on the sharded policy; after every update the
     processes gather the policy tensor by tensor and rank 0 pushes it to the server. None: no server"""
@@ -517,9 +517,10 @@ def main(args: Args) -> None:
     sys.excepthook = report_one_line_error  # init_process_group wrapped it, to put [rank<N>]: before every line
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder).
     # Every process runs the checks; a failure on any stops all of them, reported once by rank 0 (`agreed`)
+    use_server = args.vllm_server_host is not None or args.vllm_server_base_url is not None
     with agreed():
         check_args(args, world_size)
-        check_vllm_args(args, server=uses_vllm_server(args))
+        check_vllm_args(args, server=use_server)
         args = resolve_defaults(args)
         batch_size, mini_batch_size, num_updates = batch_sizes(args, world_size)  # over all processes
         local_batch_size = batch_size // world_size  # the completions each process rolls out
@@ -529,7 +530,7 @@ def main(args: Args) -> None:
         reward_funcs, reward_names, reward_weights = reward_sources(args, BUILTIN_REWARD_FUNCS)  # (F,) weights
         train_dataset, eval_dataset = load_datasets(args)
         extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
-        server = VLLMServer(args) if uses_vllm_server(args) else None  # reachable, before the run claims anything
+        server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
     run_dir, output_dir, guard = claim_run(args, checkpoint, batch_size)
     run_name = os.path.basename(run_dir)
 
@@ -692,6 +693,7 @@ def main(args: Args) -> None:
         sample_table(episode)
     if checkpoint is not None:
         set_rng_states(training_state["rng"][rank])
+    # From here on a failure leaves a checkpoint: of the last complete update, or of the one it cut short (RunGuard)
     guard.watch(save_weights, {"scheduler": scheduler}, logger, run_state(start_update))
     for update in range(start_update + 1, num_updates + 1):
         timer = StageTimer()
@@ -898,10 +900,6 @@ def main(args: Args) -> None:
 
 
 # ---- Processes: the group, sharding, and the collectives the algorithm needs -----------------------------------------
-def uses_vllm_server(args: Args) -> bool:
-    return args.vllm_server_host is not None or args.vllm_server_base_url is not None
-
-
 def init_processes(timeout_s: int) -> tuple[int, int, torch.device]:
     """Join torchrun's process group, or form a group of one for a plain `python rloo_multigpu.py`: NCCL for GPU
     tensors, gloo for CPU ones. Returns (rank, world size, this process's device)."""
@@ -1054,7 +1052,7 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -
     return ids.to(device), mask.to(device), num_truncated
 
 
-# ---- Models ----------------------------------------------------------------------------------------------------------
+# ---- Log-probabilities and completion masks --------------------------------------------------------------------------
 def disable_dropout(model: torch.nn.Module) -> None:
     """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
     for module in model.modules():
@@ -1126,17 +1124,6 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return logprobs, F.pad(entropy_from_logits(logits, temperature), (0, C - last))
 
 
-@torch.no_grad()
-def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
-    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
-    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
-    last = last_true_index(attention_mask)  # (B,)
-    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
-
-
 def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
     """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
     declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
@@ -1183,6 +1170,17 @@ def completion_length(completion_ids, **kwargs) -> list[float]:
 BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length": completion_length}
 
 
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
+    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
+    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    last = last_true_index(attention_mask)  # (B,)
+    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+
+
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
     total = torch.nansum(rewards_per_func * weights, dim=1)
@@ -1197,7 +1195,7 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - valid.mean()) / (valid.std() + eps)
 
 
-# ---- Logging (each metric's definition, next to old TRL's and TRL 1.16's, is in the README) --------------------------
+# ---- Metrics (each one's definition, next to old TRL's and TRL 1.16's: docs/metrics.md) ------------------------------
 def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
     """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
     its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""

@@ -1,7 +1,7 @@
 """Seconds per update of rloo.py and rloo_vllm.py (colocate, and server), side by side, split by stage.
 
 One invocation runs the same work three times, one after the other with nothing else running: rloo.py (HF generate),
-rloo_vllm.py with the engine in its process, and rloo_vllm.py against a vLLM server this script starts (as the README
+rloo_vllm.py with the engine in its process, and rloo_vllm.py against a vLLM server this script starts (as docs/vllm.md
 does) and stops. Each run's first update is dropped (warm-up); engine and server start-up are outside the updates and
 printed apart.
 

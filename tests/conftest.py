@@ -174,9 +174,9 @@ def free_port() -> int:
 
 
 def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_logprobs"):
-    """vLLM's OpenAI-compatible server on the tiny model, as the README starts it, for a module-scoped fixture (a
+    """vLLM's OpenAI-compatible server on the tiny model, as docs/vllm.md starts it, for a module-scoped fixture (a
     server keeps a core busy: no longer than its tests need it); stopped at the end. logprobs_mode: what a server
-    started otherwise than the README says returns."""
+    started otherwise than docs/vllm.md says returns."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port),

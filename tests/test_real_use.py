@@ -235,7 +235,7 @@ def test_a_server_on_the_trainers_gpu_is_refused(script, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(rloo_utils.UsageError, match="runs on GPU 0, which this trainer uses too"):
         rloo_utils.check_gpus_apart(server_info(), "http://127.0.0.1:8000", workers=1)  # both see every GPU: both on 0
-    rloo_utils.check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # the README's layout
+    rloo_utils.check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # docs/vllm.md's layout
     rloo_utils.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)
     with pytest.raises(rloo_utils.UsageError, match="runs on GPU 3"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
