@@ -1590,34 +1590,32 @@ class VLLMServer:
         process stops all of them together (a push that failed half-way still goes through every gather)."""
         weights = iter(weights.items())
         with agreed():
-            if get_rank() == 0:
-                self.send_weights(policy, weights)
-            for _ in weights:
-                pass
+            try:
+                if get_rank() == 0:
+                    self.send_weights(policy, weights)
+            finally:  # a push that failed half-way still goes through every gather: all processes then stop together
+                for _ in weights:
+                    pass
 
     def send_weights(self, policy, weights) -> None:
-        try:
-            if self.nccl:
-                self.push_over_nccl(policy, weights)
-            else:
-                from safetensors.torch import save_file
+        if self.nccl:
+            self.push_over_nccl(policy, weights)
+        else:
+            from safetensors.torch import save_file
 
-                needed = sum(v.numel() * v.element_size() for v in policy.state_dict().values())
-                free = shutil.disk_usage(self.folder.name).free
-                if free < needed:
-                    raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
-                                     f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
-                                     "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)")
-                # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
-                tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights}
-                partial = os.path.join(self.folder.name, "model.safetensors.partial")
-                save_file(tensors, partial)
-                os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
-                self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
-            self.request("/reset_prefix_cache", {})
-        finally:  # a push that failed half-way still goes through every gather: all processes then stop together
-            for _ in weights:
-                pass
+            needed = sum(v.numel() * v.element_size() for v in policy.state_dict().values())
+            free = shutil.disk_usage(self.folder.name).free
+            if free < needed:
+                raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
+                                 f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
+                                 "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)")
+            # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
+            tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights}
+            partial = os.path.join(self.folder.name, "model.safetensors.partial")
+            save_file(tensors, partial)
+            os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
+            self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
+        self.request("/reset_prefix_cache", {})
 
     def push_over_nccl(self, policy, weights) -> None:
         """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
