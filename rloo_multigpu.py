@@ -13,6 +13,10 @@ the loss of each process is its share of the global loss, and FSDP sums the grad
 Generation is HF generate on the sharded policy, or rloo_vllm.py's vLLM server (--vllm_server_host), to which the
 processes push the policy after every update, gathered one tensor at a time.
 
+Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
+of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
+of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils.py.
+
     python rloo_multigpu.py --help                            # every option; batch sizes are per process
     torchrun --nproc_per_node 2 rloo_multigpu.py              # the embedded default on 2 processes
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 rloo_multigpu.py ...

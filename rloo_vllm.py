@@ -10,6 +10,10 @@ This is rloo.py with generation moved to vLLM: a vLLM engine in this process (--
 (--vllm_mode server) to which the policy's weights are pushed after every update. The loss uses the training model's
 log-probs, as in rloo.py; vLLM's own log-probs measure the sampler-trainer mismatch and weight the loss to correct it.
 
+Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
+of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
+of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils.py.
+
     python rloo_vllm.py --help   # every option, its default and what it does
     python rloo_vllm.py          # the embedded default, as rloo.py's, with vLLM sampling
 """
