@@ -34,12 +34,13 @@ import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
-from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, call_reward_func,
-                        check_args, check_skipped_steps, claim_run, clip_bounds, embedded_model, from_pretrained,
+from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, builds_own_positions,
+                        call_reward_func, check_args, check_skipped_steps, claim_run, clip_bounds, content_text,
+                        embedded_model, from_pretrained, image_column, image_prompt_rows, image_token_ids, images_batch,
                         is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype, open_logger,
-                        parse_args, prompt_batches, report_one_line_error, resume_point, resumed_counters,
+                        parse_args, policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
                         reward_model_inputs, reward_sources, save_model, set_rng_states, show_samples,
-                        stop_after_update_on_signals, stopped_message)
+                        stop_after_update_on_signals, stopped_message, vision_inputs)
 from rloo_utils import (generation_configs, rng_states)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -464,6 +465,7 @@ def main(args: Args) -> None:
     reward_funcs, reward_names, reward_weights = reward_sources(args, BUILTIN_REWARD_FUNCS)  # (F,) weights
     train_dataset, eval_dataset = load_datasets(args)
     extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+    image_col = image_column(train_dataset.column_names, args.dataset_name)  # vision-language prompts; None: text
     run_dir, output_dir, guard = claim_run(args, checkpoint, batch_size)
     run_name = os.path.basename(run_dir)
 
@@ -475,11 +477,9 @@ def main(args: Args) -> None:
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     console = Console()
 
-    from transformers import AutoModelForCausalLM
-
-    tokenizer, reward_tokenizer = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]))
-    policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path,
-                             dtype=model_dtype(args.dtype)).to(device)
+    tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
+    policy = from_pretrained(policy_class(args.sft_model_path or args.model_name_or_path),
+                             args.sft_model_path or args.model_name_or_path, dtype=model_dtype(args.dtype)).to(device)
     reward_model = None
     if args.reward_model_path:
         reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).to(device, torch.float32)
@@ -491,9 +491,10 @@ def main(args: Args) -> None:
     # the policy's (also with --bf16: both run under the same autocast), so that the KL is exactly 0 before training.
     ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
     if checkpoint is not None:
-        policy.load_state_dict(from_pretrained(AutoModelForCausalLM, os.path.join(checkpoint, "policy")).state_dict())
+        policy.load_state_dict(from_pretrained(type(policy), os.path.join(checkpoint, "policy")).state_dict())
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
-    generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id)  # sampling, greedy
+    never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+    generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -515,15 +516,15 @@ def main(args: Args) -> None:
                   f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}" +
                   (f"; resumed from {checkpoint}" if checkpoint else ""))
 
-    def generate(model, prompt_ids, prompt_mask, config) -> torch.Tensor:
+    def generate(model, prompt_ids, prompt_mask, config, images=None) -> torch.Tensor:
         """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks."""
         model.eval()
         chunks = []
         for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
+            rows = slice(i, i + args.local_rollout_forward_batch_size)
             with torch.no_grad(), autocast():
-                out = model.generate(input_ids=prompt_ids[i:i + args.local_rollout_forward_batch_size],
-                                     attention_mask=prompt_mask[i:i + args.local_rollout_forward_batch_size],
-                                     generation_config=config)
+                out = model.generate(input_ids=prompt_ids[rows], attention_mask=prompt_mask[rows], generation_config=config,
+                                     **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, device, model.dtype)))
             chunks.append(F.pad(out[:, prompt_ids.shape[1]:], (0, args.max_completion_length - out.shape[1] + prompt_ids.shape[1]),
                                 value=tokenizer.pad_token_id))
         return torch.cat(chunks)
@@ -554,18 +555,20 @@ def main(args: Args) -> None:
                                                completion_ids=ids_list, **columns))
         return torch.stack(per_source, 1).to(device), texts
 
-    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images) -> torch.Tensor:
         chunk = args.local_rollout_forward_batch_size
         with torch.no_grad(), autocast():
             return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
-                                                  completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature)
+                                                  completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature,
+                                                  images=images_batch(images, slice(i, i + chunk), device, model.dtype))
                               for i in range(0, len(prompt_ids), chunk)]).float()
 
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
         batch = eval_dataset[:args.num_sample_prompts]
-        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device)
-        completion_ids = generate(policy, prompt_ids, prompt_mask, greedy_config)
+        prompt_ids, prompt_mask, _, images = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device,
+                                                              processor, batch.get(image_col))
+        completion_ids = generate(policy, prompt_ids, prompt_mask, greedy_config, images)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
                                      {c: batch[c] for c in extra_columns if c in batch})
@@ -577,7 +580,7 @@ def main(args: Args) -> None:
     def save_weights(folder: str) -> None:
         """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
         policy.save_pretrained(os.path.join(folder, "policy"))
-        tokenizer.save_pretrained(os.path.join(folder, "policy"))
+        (processor or tokenizer).save_pretrained(os.path.join(folder, "policy"))
 
     def run_state(update: int) -> dict:
         """The training state after `update`: all a checkpoint holds but the weights, optimizer and scheduler (RunGuard
@@ -605,19 +608,20 @@ def main(args: Args) -> None:
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        prompt_ids, prompt_mask, num_truncated = tokenize_prompts(tokenizer, prompts, args.max_prompt_length, device)  # (B, P)
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(tokenizer, prompts, args.max_prompt_length,
+                                                                          device, processor, columns.get(image_col))  # (B, P)
         with timer("generation"):
-            completion_ids = generate(policy, prompt_ids, prompt_mask, generation_config)  # (B, C)
+            completion_ids = generate(policy, prompt_ids, prompt_mask, generation_config, images)  # (B, C)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
         mask = completion_mask.float()
         # log pi_old: a forward of its own only when the KL or a later minibatch needs it; else the update's forward fills it
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         if not ratio_is_one or ref_policy is not None:
             with timer("old_logprobs"):
-                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
+                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)
         if ref_policy is not None:
             with timer("reference_forward"):
-                ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+                ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (B, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         with timer("reward"):
@@ -664,7 +668,8 @@ def main(args: Args) -> None:
                         with autocast():
                             logprobs, entropy = completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx],
                                                                     completion_ids[idx], completion_mask[idx],
-                                                                    args.temperature, with_entropy=True)  # (b, C)
+                                                                    args.temperature, with_entropy=True,
+                                                                    images=images_batch(images, idx, device, policy.dtype))  # (b, C)
                         if on_policy:  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
                             old_logprobs[idx] = logprobs.detach()
                         old = old_logprobs[idx]
@@ -751,17 +756,21 @@ def main(args: Args) -> None:
     progress.stop()
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    save_model(output_dir, policy, tokenizer)
+    save_model(output_dir, policy, processor or tokenizer)
     RunGuard.active = None  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")
 
 
 # ---- Data ------------------------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device, processor=None, images=None):
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
-    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated."""
+    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
+    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens."""
+    if images is not None:
+        rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length)
+        return *(t.to(device) for t in left_pad(rows, tokenizer.pad_token_id)), 0, image_tensors
     rows = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -774,7 +783,7 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -
     rows = [r if len(r) <= max_prompt_length else r[:1] + r[len(r) - max_prompt_length + 1:] if keep_bos(r)
             else r[-max_prompt_length:] for r in rows]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
-    return ids.to(device), mask.to(device), num_truncated
+    return ids.to(device), mask.to(device), num_truncated, None
 
 
 # ---- Log-probabilities and completion masks --------------------------------------------------------------------------
@@ -830,8 +839,9 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                        with_entropy: bool = False):
+                        with_entropy: bool = False, images: Optional[dict] = None):
     """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
+    images: the rows' image tensors (images_batch), for a VLM.
 
     Columns that are padding in every row (left of the longest prompt, right of the longest completion) are cut
     before the forward pass and the result is zero-padded back to C columns.
@@ -841,8 +851,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
     input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
     attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                   logits_to_keep=last + 1, use_cache=False).logits[:, :-1]  # (B, last, V), bf16 under autocast
+    position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=last + 1,
+                   use_cache=False, **vision_inputs(model, input_ids, images)).logits[:, :-1]  # (B, last, V), bf16 under autocast
     logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last], temperature), (0, C - last))
     if not with_entropy:
         return logprobs
@@ -872,7 +883,7 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_
 # ---- Rewards ---------------------------------------------------------------------------------------------------------
 def message_text(message) -> str:
     """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
-    return message if isinstance(message, str) else message[-1]["content"]
+    return message if isinstance(message, str) else content_text(message[-1]["content"])
 
 
 @functools.cache

@@ -51,15 +51,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, call_reward_func,
-                        check_args, check_skipped_steps, claim_run, clip_bounds, embedded_model, from_pretrained,
+from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, builds_own_positions,
+                        call_reward_func, check_args, check_skipped_steps, claim_run, clip_bounds, content_text,
+                        embedded_model, from_pretrained, image_column, image_prompt_rows, image_token_ids, images_batch,
                         is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype, open_logger,
-                        parse_args, prompt_batches, report_one_line_error, resume_point, resumed_counters,
+                        parse_args, policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
                         reward_model_inputs, reward_sources, save_model, set_rng_states, show_samples,
-                        stop_after_update_on_signals, stopped_message)
+                        stop_after_update_on_signals, stopped_message, vision_inputs)
 from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, end_processes,
                         generation_configs, launch_world_size, load_sharded_checkpoint, pad_completions,
-                        rng_states_of_every_process, sampling_options, sampling_seeds)
+                        rng_states_of_every_process, sampling_options, sampling_seeds, text_prompts)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -535,6 +536,7 @@ def main(args: Args) -> None:
         train_dataset, eval_dataset = load_datasets(args)
         extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
         server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
+    image_col = image_column(train_dataset.column_names, args.dataset_name)  # vision-language prompts; None: text
     run_dir, output_dir, guard = claim_run(args, checkpoint, batch_size)
     run_name = os.path.basename(run_dir)
 
@@ -546,13 +548,11 @@ def main(args: Args) -> None:
     autocast = contextlib.nullcontext  # bf16 is FSDP's mixed precision (shard)
     console = Console(quiet=rank != 0)
 
-    from transformers import AutoModelForCausalLM
-
     # Every process loads the models into CPU memory; shard() then keeps only its shards, on its device
     with agreed():
-        tokenizer, reward_tokenizer = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]))
-        policy = from_pretrained(AutoModelForCausalLM, args.sft_model_path or args.model_name_or_path,
-                                 dtype=model_dtype(args.dtype))
+        tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
+        policy = from_pretrained(policy_class(args.sft_model_path or args.model_name_or_path),
+                                 args.sft_model_path or args.model_name_or_path, dtype=model_dtype(args.dtype))
         reward_model = None
         if args.reward_model_path:
             reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).float()
@@ -567,9 +567,10 @@ def main(args: Args) -> None:
     policy, ref_policy, reward_model = (shard(model, mesh, args.bf16, args.fsdp_cpu_offload) if model is not None
                                         else None for model in (policy, ref_policy, reward_model))
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
-    generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id)  # sampling, greedy
+    never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+    generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy
     if server is not None:  # vLLM's sampling parameters for the same semantics
-        generation_config, greedy_config = (sampling_options(args, stop_ids, greedy) for greedy in (False, True))
+        generation_config, greedy_config = (sampling_options(args, stop_ids, greedy, never_sampled) for greedy in (False, True))
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -597,12 +598,11 @@ def main(args: Args) -> None:
                   f"device {device.type}, logs in {run_dir}" +
                   (f"; resumed from {checkpoint}" if checkpoint else ""))
 
-    def generate(model, prompt_ids, prompt_mask, config, seeds=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(B, C) completion ids, padded with pad_token_id to max_completion_length, and (B, C) the sampler's log-probs
-        of them (the vLLM server's; None from HF generate). The server gets one seed per completion. HF generate runs
-        in chunks, each sampling from the seed of its first row, so that a rollout does not depend on the number of
-        processes when the chunks are the same; the sharded model's forward is a collective: with synced_gpus a
-        process whose completions have all ended goes on with the others."""
+    def generate(model, prompt_ids, prompt_mask, config, images=None, seeds=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(B, C) completion ids, padded to max_completion_length, and (B, C) the sampler's log-probs of them (the vLLM
+        server's, one seed per completion; None from HF generate). HF generate runs in chunks, each sampling from the
+        seed of its first row, so that a rollout does not depend on the number of processes; the sharded model's
+        forward is a collective: with synced_gpus a process whose completions have all ended goes on with the others."""
         if server is not None:
             prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # without the left padding
             with agreed():  # a request that fails on one process stops every process
@@ -615,9 +615,10 @@ def main(args: Args) -> None:
                 with torch.no_grad(), autocast(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     if seeds is not None:
                         torch.manual_seed(seeds[i])
-                    out = model.generate(input_ids=prompt_ids[i:i + args.local_rollout_forward_batch_size],
-                                         attention_mask=prompt_mask[i:i + args.local_rollout_forward_batch_size],
-                                         generation_config=config, synced_gpus=world_size > 1)
+                    rows = slice(i, i + args.local_rollout_forward_batch_size)
+                    out = model.generate(input_ids=prompt_ids[rows], attention_mask=prompt_mask[rows], generation_config=config,
+                                         synced_gpus=world_size > 1, **vision_inputs(model, prompt_ids[rows],
+                                                                                     images_batch(images, rows, device, model.dtype)))
                 chunks.append(F.pad(out[:, prompt_ids.shape[1]:], (0, args.max_completion_length - out.shape[1] + prompt_ids.shape[1]),
                                     value=tokenizer.pad_token_id))
         return torch.cat(chunks), None
@@ -648,19 +649,21 @@ def main(args: Args) -> None:
                                                completion_ids=ids_list, **columns))
         return torch.stack(per_source, 1).to(device), texts
 
-    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images) -> torch.Tensor:
         chunk = args.local_rollout_forward_batch_size
         with torch.no_grad(), autocast():
             return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
-                                                  completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature)
+                                                  completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature,
+                                                  images=images_batch(images, slice(i, i + chunk), device, model.dtype))
                               for i in range(0, len(prompt_ids), chunk)]).float()
 
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table. Every process generates
         them (the sharded forward needs all of them); rank 0 shows them."""
         batch = eval_dataset[:args.num_sample_prompts]
-        prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device)
-        completion_ids, _ = generate(policy, prompt_ids, prompt_mask, greedy_config)
+        prompt_ids, prompt_mask, _, images = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device,
+                                                              processor, batch.get(image_col))
+        completion_ids, _ = generate(policy, prompt_ids, prompt_mask, greedy_config, images)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         with agreed():  # a reward function that raises on one process stops all of them together, as in the loop
             rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
@@ -689,7 +692,7 @@ def main(args: Args) -> None:
     start_time = time.time() - seconds_before
     progress = ProgressBar(console, num_updates, start_update)
     if server is not None:
-        probe = tokenize_prompts(tokenizer, train_dataset[:2]["prompt"], args.max_prompt_length, device)[:2]
+        probe = tokenize_prompts(tokenizer, text_prompts(train_dataset[:2]["prompt"]), args.max_prompt_length, device)[:2]
         greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
         check_engine(server, *probe, greedy_config, greedy_logprobs)
         recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
@@ -708,10 +711,11 @@ def main(args: Args) -> None:
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        prompt_ids, prompt_mask, num_truncated = tokenize_prompts(tokenizer, prompts, args.max_prompt_length, device)  # (b, P)
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(tokenizer, prompts, args.max_prompt_length,
+                                                                          device, processor, columns.get(image_col))  # (b, P)
         with timer("generation"):
             completion_ids, sampling_logprobs = generate(
-                policy, prompt_ids, prompt_mask, generation_config,
+                policy, prompt_ids, prompt_mask, generation_config, images,
                 sampling_seeds(args.seed, update, batch_size)[own_rows:own_rows + local_batch_size])  # (b, C), (b, C) or None
         if server is not None:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
@@ -724,10 +728,10 @@ def main(args: Args) -> None:
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (b, C)
         if not ratio_is_one or ref_policy is not None or is_correction:
             with timer("old_logprobs"):
-                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
+                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)
         if ref_policy is not None:
             with timer("reference_forward"):
-                ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (b, C)
+                ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (b, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
@@ -796,7 +800,8 @@ def main(args: Args) -> None:
                         with autocast():
                             logprobs, entropy = completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx],
                                                                     completion_ids[idx], completion_mask[idx],
-                                                                    args.temperature, with_entropy=True)  # (b, C)
+                                                                    args.temperature, with_entropy=True,
+                                                                    images=images_batch(images, idx - own_rows, device, policy.dtype))
                         if on_policy:  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
                             old_logprobs[idx] = logprobs.detach()
                         old = old_logprobs[idx]
@@ -893,7 +898,7 @@ def main(args: Args) -> None:
     progress.stop()
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    save_model(output_dir, policy, tokenizer, get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
+    save_model(output_dir, policy, processor or tokenizer, get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
                                                                                                 cpu_offload=True)))
     if server is not None:
         server.close()
@@ -925,7 +930,8 @@ def init_processes(timeout_s: int) -> tuple[int, int, torch.device]:
 
 def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool) -> torch.nn.Module:
     """FSDP2: each decoder layer (the classes transformers lists in _no_split_modules) is a unit whose weights are
-    gathered for its forward and freed after it; the root holds the rest (embeddings, tied LM head, norm). A reward
+    gathered for its forward and freed after it; the root holds the rest (embeddings, tied LM head, norm). A VLM's
+    vision tower is sharded the same way: its encoder layers and patch embeddings are in _no_split_modules. A reward
     model's backbone and score head are units of their own: reward_model_scores calls them one by one. Gradients are
     summed over the processes, not averaged: each process's loss is already its share of the global loss."""
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -940,6 +946,8 @@ def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool
         fully_shard(getattr(model, model.base_model_prefix), **options)
         fully_shard(model.score, **options)
     fully_shard(model, **options)
+    if getattr(model.config, "vision_config", None) is not None:  # generate runs a VLM's vision tower before the model's
+        model._get_fsdp_state()._lazy_init()  # forward, and FSDP2 makes the first unit to run the root: fix it now
     for module in model.modules():
         if isinstance(module, FSDPModule):  # a plain sum (gloo has no pre-multiplied sum), divided by 1
             module.set_gradient_divide_factor(1.0)
@@ -1037,10 +1045,14 @@ def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[to
 
 
 # ---- Data ------------------------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device, processor=None, images=None):
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
-    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated."""
+    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
+    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens."""
+    if images is not None:
+        rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length)
+        return *(t.to(device) for t in left_pad(rows, tokenizer.pad_token_id)), 0, image_tensors
     rows = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -1053,7 +1065,7 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device) -
     rows = [r if len(r) <= max_prompt_length else r[:1] + r[len(r) - max_prompt_length + 1:] if keep_bos(r)
             else r[-max_prompt_length:] for r in rows]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
-    return ids.to(device), mask.to(device), num_truncated
+    return ids.to(device), mask.to(device), num_truncated, None
 
 
 # ---- Log-probabilities and completion masks --------------------------------------------------------------------------
@@ -1109,8 +1121,9 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                        with_entropy: bool = False):
+                        with_entropy: bool = False, images: Optional[dict] = None):
     """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
+    images: the rows' image tensors (images_batch), for a VLM.
 
     Columns that are padding in every row (left of the longest prompt, right of the longest completion) are cut
     before the forward pass and the result is zero-padded back to C columns.
@@ -1120,8 +1133,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
     input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
     attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                   logits_to_keep=last + 1, use_cache=False).logits[:, :-1]  # (B, last, V), bf16 under autocast
+    position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=last + 1,
+                   use_cache=False, **vision_inputs(model, input_ids, images)).logits[:, :-1]  # (B, last, V), bf16 under autocast
     logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last], temperature), (0, C - last))
     if not with_entropy:
         return logprobs
@@ -1151,7 +1165,7 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_
 # ---- Rewards ---------------------------------------------------------------------------------------------------------
 def message_text(message) -> str:
     """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
-    return message if isinstance(message, str) else message[-1]["content"]
+    return message if isinstance(message, str) else content_text(message[-1]["content"])
 
 
 @functools.cache

@@ -354,6 +354,10 @@ def load_prompt_dataset(name: str, split: str):
             raise UsageError(f"{where} has a column {column!r}, the name of an argument every reward function gets "
                              f"({', '.join(REWARD_FUNC_ARGUMENTS)}): rename the column")
     check_prompts(dataset["prompt"], where)
+    column = image_column(dataset.column_names, where)
+    if column:
+        local = os.path.isfile(name) or os.path.isdir(name)
+        dataset = with_images(dataset, column, where, os.path.dirname(data_files[split][0]) if local else os.getcwd())
     return dataset
 
 
@@ -384,9 +388,16 @@ def check_data_file(path: str, fmt: str) -> None:
 
 
 def is_chat(prompt) -> bool:
-    """A list of chat messages, each a dict with string 'role' and 'content'."""
+    """A list of chat messages, each a dict with a string 'role' and a 'content' that is a string or (vision-language
+    prompts, as TRL's) a list of parts {"type": "text", "text": ...} and {"type": "image"}."""
     return isinstance(prompt, list) and len(prompt) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and is_content(m.get("content")) for m in prompt)
+
+
+def is_content(content) -> bool:
+    return isinstance(content, str) or isinstance(content, list) and all(
+        isinstance(part, dict) and (part.get("type") == "image" or part.get("type") == "text" and
+                                    isinstance(part.get("text"), str)) for part in content)
 
 
 def check_prompts(prompts: list, where: str) -> None:
@@ -486,32 +497,53 @@ def load_reward_model(path: str):
     return model
 
 
-def load_tokenizers(args, chat_prompts: bool):
-    """The policy's tokenizer, checked (its pad token the EOS where it has none), and the reward model's own tokenizer
-    where it reads text differently from the policy's (else None)."""
-    from transformers import AutoTokenizer
+def load_tokenizers(args, chat_prompts: bool, images: Optional[str] = None):
+    """The policy's tokenizer, checked (its pad token the EOS where it has none); the reward model's own tokenizer
+    where it reads text differently from the policy's (else None); and a vision-language policy's processor (else
+    None), which turns a prompt and its images into the model's inputs. `images`: the dataset's image column."""
+    from transformers import AutoProcessor, AutoTokenizer
 
-    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
-    check_tokenizer(tokenizer, args.model_name_or_path, chat_prompts, args.stop_token_id)
+    path = args.model_name_or_path
+    processor = None
+    if is_vision_language(args.sft_model_path or path):
+        processor = from_pretrained(AutoProcessor, path)
+        if images and getattr(processor, "image_processor", None) is None:
+            raise UsageError(f"{path} has no image processor (AutoProcessor gave a {type(processor).__name__}), so its "
+                             "images cannot be read: save the model's processor (preprocessor_config.json) with it")
+        if images and (getattr(args, "vllm_mode", None) == "server" or getattr(args, "vllm_server_host", None) or
+                       getattr(args, "vllm_server_base_url", None)):
+            raise UsageError("image prompts go to vLLM's engine in this process only: its server's completions API takes "
+                             "token ids without images; use --vllm_mode colocate (rloo_vllm.py) or HF generate "
+                             "(rloo_multigpu.py without a server)")
+    elif images:
+        raise UsageError(f"the dataset has an {images!r} column, but {args.sft_model_path or path} is a text-only model "
+                         "(its config has no vision_config): give a vision-language model (LLaVA, Qwen2-VL, ...) or "
+                         "drop the column")
+    tokenizer = getattr(processor, "tokenizer", None) or from_pretrained(AutoTokenizer, path)
+    if processor is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = getattr(processor, "chat_template", None)  # a VLM keeps it in the processor
+    check_tokenizer(tokenizer, path, chat_prompts, args.stop_token_id)
     reward_tokenizer = None
     if args.reward_model_path:
         reward_tokenizer = load_reward_tokenizer(args.reward_model_path, tokenizer, chat_prompts)
+        if images and reward_tokenizer is None:  # a reward model reads text: the prompt again, without image tokens
+            reward_tokenizer = tokenizer
         check_reward_model_config(args.reward_model_path, reward_tokenizer or tokenizer, reward_tokenizer is not None)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, reward_tokenizer
+    return tokenizer, reward_tokenizer, processor
 
 
-def generation_configs(args, stop_ids: list[int], pad_token_id: int):
+def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampled: Optional[list[int]] = None):
     """HF generate's configs: sampling (--temperature, --top_p, --top_k), and greedy (the sample tables); a completion
-    ends only at stop_ids."""
+    ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens)."""
     from transformers import GenerationConfig
 
     sampling = GenerationConfig(max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True,
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, eos_token_id=stop_ids,
-                                pad_token_id=pad_token_id)
+                                pad_token_id=pad_token_id, suppress_tokens=never_sampled or None)
     greedy = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False, eos_token_id=stop_ids,
-                              pad_token_id=pad_token_id)
+                              pad_token_id=pad_token_id, suppress_tokens=never_sampled or None)
     return sampling, greedy
 
 
@@ -538,6 +570,7 @@ def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str],
             if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
                 row.append(reward_tokenizer.eos_token_id)
         else:
+            prompt = [{**m, "content": content_text(m["content"])} for m in prompt]  # a reward model reads text
             text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
             row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
         rows.append(row)
@@ -623,6 +656,172 @@ def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> to
             raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
         out.append(v)
     return torch.tensor(out, dtype=torch.float32)
+
+
+# ---- Images: vision-language prompts (TRL's `image` / `images` columns) ----------------------------------------------
+IMAGE_COLUMNS = ("image", "images")  # one image per row, or a list
+
+
+def image_column(column_names: list[str], where: str) -> Optional[str]:
+    found = [c for c in IMAGE_COLUMNS if c in column_names]
+    if len(found) > 1:
+        raise UsageError(f"{where} has both an 'image' and an 'images' column: keep one (one image per row, or a list)")
+    return found[0] if found else None
+
+
+def row_images(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def with_images(dataset, column: str, where: str, base_dir: str):
+    """The image column as datasets' Image feature (PIL images when read), every image checked readable now rather
+    than at the update that meets it. A path in a data file is relative to that file's folder; URLs are not fetched
+    (give files, or a dataset whose column is already an Image feature)."""
+    import PIL.Image
+    from datasets import Image, List
+
+    if not is_chat(dataset[0]["prompt"]):
+        raise UsageError(f"{where} has an {column!r} column, but its prompts are plain strings: images go with chat "
+                         "prompts (lists of messages), as in TRL")
+    raw = dataset.cast_column(column, Image(decode=False) if column == "image" else List(Image(decode=False))) \
+        if is_image_feature(dataset.features[column]) else dataset
+    resolved = []
+    for i, (prompt, value) in enumerate(zip(dataset["prompt"], raw[column])):
+        items = row_images(value) if value is not None else []
+        if not items:
+            raise UsageError(f"{where}: row {i} has no image in its {column!r} column; every row needs one (the vision "
+                             "tower runs on every batch): drop the row, or the column")
+        placeholders = sum(part.get("type") == "image" for m in prompt if isinstance(m["content"], list) for part in m["content"])
+        if placeholders not in (0, len(items)):
+            raise UsageError(f"{where}: prompt {i} holds {placeholders} image placeholders for {len(items)} images: give "
+                             "one {\"type\": \"image\"} part per image, or none (then they go before the first user text)")
+        paths = []
+        for item in items:
+            if isinstance(item, dict) and item.get("bytes"):
+                source, shown = io.BytesIO(item["bytes"]), f"image bytes of row {i}"
+            else:
+                path = item.get("path") if isinstance(item, dict) else item
+                if not isinstance(path, str) or path.startswith(("http://", "https://")):
+                    raise UsageError(f"{where}: row {i}'s image is {str(path)[:80]!r}, not a file: give image files "
+                                     "(paths relative to the data file), or download the images first")
+                path = source = shown = os.path.join(base_dir, os.path.expanduser(path))
+                if not os.path.isfile(path):
+                    raise UsageError(f"{where}: image file {path} (row {i}) does not exist")
+                paths.append(path)
+            try:
+                with PIL.Image.open(source) as image:
+                    image.verify()
+            except Exception as e:
+                raise UsageError(f"{where}: {shown} (row {i}) is not a readable image ({describe(e)})") from None
+        resolved.append(paths if column == "images" else paths[0] if paths else None)
+    if not is_image_feature(dataset.features[column]):
+        dataset = dataset.remove_columns(column).add_column(column, resolved)
+    return dataset.cast_column(column, Image() if column == "image" else List(Image()))
+
+
+def is_image_feature(feature) -> bool:
+    return type(feature).__name__ == "Image" or type(getattr(feature, "feature", None)).__name__ == "Image"
+
+
+def text_prompts(prompts: list) -> list:
+    """The prompts with their text only (image parts dropped): a text probe of a vision-language policy."""
+    return [p if isinstance(p, str) else [{**m, "content": content_text(m["content"])} for m in p] for p in prompts]
+
+
+def content_text(content) -> str:
+    """The text of a message's content: a string, or its text parts joined (image parts dropped)."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p.get("type") == "text")
+
+
+def with_image_placeholders(prompt: list[dict], num_images: int) -> list[dict]:
+    """The messages with content as lists of parts, as a VLM's chat template reads them; where the prompt holds no
+    image part, num_images of them go before the text of the first user message (TRL's prepare_multimodal_messages)."""
+    messages = [{**m, "content": [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str)
+                 else [p if p.get("type") == "text" else {"type": "image"} for p in m["content"]]} for m in prompt]
+    if not any(p["type"] == "image" for m in messages for p in m["content"]):
+        first_user = next((m for m in messages if m["role"] == "user"), messages[0])
+        first_user["content"] = [{"type": "image"}] * num_images + first_user["content"]
+    return messages
+
+
+def is_vision_language(path: str) -> bool:
+    """A model whose config has a vision tower (LLaVA, Qwen2-VL, Gemma 3, ...). A .gguf file is a text model."""
+    if path.endswith(".gguf"):
+        return False
+    from transformers import AutoConfig
+
+    return getattr(from_pretrained(AutoConfig, path), "vision_config", None) is not None
+
+
+def policy_class(path: str):
+    """The transformers Auto class of the policy: image-text-to-text for a vision-language model, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+
+
+def image_token_ids(config) -> list[int]:
+    """The ids that stand for an image in a VLM's input (LLaVA's <image>; Qwen2-VL's <|image_pad|>, its vision
+    start/end and video tokens): a completion must never hold one, so generation never samples them."""
+    names = re.compile(r"(image|video|vision|boi|eoi)\w*_token_(id|index)")
+    text_config = getattr(config, "text_config", config)
+    return sorted({v for k, v in config.to_dict().items() if names.fullmatch(k) and isinstance(v, int) and
+                   0 <= v < getattr(text_config, "vocab_size", 1 << 62)})
+
+
+def image_prompt_rows(processor, prompts: list, images: list, max_prompt_length: int):
+    """Per prompt: its token ids, each image placeholder expanded by the processor into that image's tokens, and its
+    image tensors (pixel_values; image_grid_thw for Qwen2-VL; ...) on the CPU. Adjacent copies of one prompt (a
+    group's G rows) are encoded once and share their tensors. A prompt is never truncated (cut image tokens would no
+    longer match the pixels, as TRL warns): a longer one is refused."""
+    rows, tensors = [], []
+    for i, (prompt, value) in enumerate(zip(prompts, images)):
+        if i and prompt is prompts[i - 1] and value is images[i - 1]:
+            rows.append(rows[-1])
+            tensors.append(tensors[-1])
+            continue
+        row_imgs = [image.convert("RGB") for image in row_images(value)]
+        text = processor.apply_chat_template(with_image_placeholders(prompt, len(row_imgs)), tokenize=False,
+                                             add_generation_prompt=True)
+        encoded = processor(text=[text], images=row_imgs, return_tensors="pt")
+        ids = encoded["input_ids"][0].tolist()
+        if len(ids) > max_prompt_length:
+            raise RunError(f"a prompt with its image tokens is {len(ids)} tokens, over --max_prompt_length "
+                           f"{max_prompt_length}, and cutting image tokens would break it: raise --max_prompt_length, "
+                           "or filter the dataset")
+        rows.append(ids)
+        tensors.append({k: v for k, v in encoded.items() if torch.is_tensor(v) and k not in
+                        ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")})
+    return rows, tensors
+
+
+def images_batch(images: Optional[list[dict]], rows, device, dtype) -> dict:
+    """The image tensors of some rows (a slice, or a tensor of indices) for one forward: each key's tensors of the
+    rows concatenated (LLaVA's (images, 3, H, W) pixels, Qwen2-VL's (patches, D) pixels and (images, 3) grid), floats
+    in the model's dtype. {} for text prompts."""
+    if images is None:
+        return {}
+    picked = images[rows] if isinstance(rows, slice) else [images[i] for i in rows.tolist()]
+    return {k: torch.cat([r[k] for r in picked]).to(device, dtype if picked[0][k].is_floating_point() else None)
+            for k in picked[0]}
+
+
+def vision_inputs(model, input_ids: torch.Tensor, images: dict) -> dict:
+    """The keyword arguments of a VLM's forward for `images` (images_batch): those tensors, and for a family whose
+    rotary positions read each token's modality (Qwen2-VL's mrope: mm_token_type_ids, 1 at an image token) that mark
+    for these ids."""
+    if not images:
+        return {}
+    config = getattr(model, "config", None)
+    if "image_grid_thw" in images and getattr(config, "image_token_id", None) is not None:
+        images = {**images, "mm_token_type_ids": (input_ids == config.image_token_id).int()}
+    return images
+
+
+def builds_own_positions(model) -> bool:
+    """A family whose rotary positions are its own (Qwen2-VL's 3-axis mrope, from the image grid and the attention
+    mask): it must be given no position_ids."""
+    return hasattr(getattr(model, "model", None), "get_rope_index")
 
 
 # ---- Logging and progress --------------------------------------------------------------------------------------------
@@ -1312,14 +1511,15 @@ def vllm_dtype(args) -> str:
     return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def sampling_options(args, stop_ids: list[int], greedy: bool) -> dict:
+def sampling_options(args, stop_ids: list[int], greedy: bool, never_sampled: Optional[list[int]] = None) -> dict:
     """vLLM's sampling parameters for HF generate's semantics (rloo.py's): only stop_ids end a completion (vLLM's own EOS
-    handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, and the sampled
-    token's log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs)."""
+    handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, the sampled token's
+    log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs), and never_sampled (a
+    VLM's image tokens) get vLLM's lowest logit bias, -100."""
     sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p,
                                                      "top_k": args.top_k}
     return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
-            "ignore_eos": True, "logprobs": 0}
+            "ignore_eos": True, "logprobs": 0, **({"logit_bias": {i: -100.0 for i in never_sampled}} if never_sampled else {})}
 
 
 def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
@@ -1332,10 +1532,11 @@ def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
     return [base + row for row in range(n)]
 
 
-def engine_options(args, config_folder: str, device) -> dict:
+def engine_options(args, config_folder: str, device, multimodal: bool = False) -> dict:
     """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
     are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
-    return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=True, seed=args.seed, dtype=vllm_dtype(args),
+    return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=not multimodal,  # a VLM's images: its processor
+                seed=args.seed, dtype=vllm_dtype(args),
                 generation_config="vllm", logprobs_mode="processed_logprobs",
                 max_model_len=engine_max_model_len(args), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
@@ -1354,9 +1555,10 @@ def cpu_scheduling(args) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, engine_max_model_len(args))}
 
 
-def start_colocated_engine(args, policy, device):
+def start_colocated_engine(args, policy, device, processor=None):
     """A vllm.LLM in this process (TRL's vllm_mode="colocate"), on the training device, built from the policy's config
-    with placeholder weights (the policy's are pushed). Returns the engine and the folder of its config.json."""
+    with placeholder weights (the policy's are pushed). Returns the engine and the folder of its config.json. A VLM's
+    processor goes in the folder too: vLLM turns each image into the model's inputs with it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors pass as is
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_cpu_kv_cache_gib)  # check_vllm_args refused a clash
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave torch's threads to training
@@ -1379,8 +1581,10 @@ def start_colocated_engine(args, policy, device):
     config.pop("quantization_config", None)  # a GGUF file's: the policy itself is de-quantised
     with open(os.path.join(folder.name, "config.json"), "w") as f:
         json.dump(config, f)
+    if processor is not None:
+        processor.save_pretrained(folder.name)
     try:
-        return LLM(**engine_options(args, folder.name, device)), folder
+        return LLM(**engine_options(args, folder.name, device, multimodal=processor is not None)), folder
     except Exception as e:
         detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
         raise UsageError(f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
@@ -1565,7 +1769,7 @@ class VLLMServer:
             reason = getattr(e, "reason", e)
             raise RunError(f"the vLLM server at {self.url} does not answer {route} ({type(reason).__name__}: {reason})") from None
 
-    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]]):
+    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]], images=None):
         """Per prompt: (completion token ids, their sampling log-probs). Without seeds, all the prompts in one request;
         with seeds, one request per group (rows that repeat a prompt with consecutive seeds, as sampling_seeds gives
         them) for its G completions, every request in flight at once: the server batches the whole rollout, and draws

@@ -295,7 +295,8 @@ def test_reward_model_scores_read_the_last_real_token(tiny):
 def test_tokenize_prompts_left_pads_and_left_truncates(tiny):
     tok = tiny["tokenizer"]
     long_text, short_text = "the movie was good and the plot was great", "the film"
-    ids, mask, truncated = rloo.tokenize_prompts(tok, [long_text, short_text], 4, "cpu")
+    ids, mask, truncated, images = rloo.tokenize_prompts(tok, [long_text, short_text], 4, "cpu")
+    assert images is None  # text prompts carry no image tensors
     full = tok(long_text, add_special_tokens=False)["input_ids"]
     assert truncated == 1 and ids.shape[1] == 4
     assert ids[0].tolist() == full[-4:]  # the end of the prompt is kept
@@ -317,14 +318,14 @@ def test_plain_prompts_get_the_bos_and_chat_prompts_get_it_once(tiny):
     tok = with_bos(tiny["tokenizer"])  # BOS is <|im_start|>, which the chat template also opens every message with
     bos, text = tok.bos_token_id, "the movie was good"
     assert tok(text)["input_ids"][0] == bos
-    ids, mask, _ = rloo.tokenize_prompts(tok, [text], 64, "cpu")
+    ids, mask, _, _ = rloo.tokenize_prompts(tok, [text], 64, "cpu")
     assert ids[0].tolist() == [bos] + tok(text, add_special_tokens=False)["input_ids"]
     chat = [{"role": "user", "content": text}]
-    ids, _, _ = rloo.tokenize_prompts(tok, [chat], 64, "cpu")
+    ids, _, _, _ = rloo.tokenize_prompts(tok, [chat], 64, "cpu")
     templated = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert ids[0].tolist() == tok(templated, add_special_tokens=False)["input_ids"] and ids[0, 1] != bos
     # Truncated from the left, a prompt keeps its BOS and its last tokens.
-    ids, _, truncated = rloo.tokenize_prompts(tok, ["the movie was good and the plot was great"], 4, "cpu")
+    ids, _, truncated, _ = rloo.tokenize_prompts(tok, ["the movie was good and the plot was great"], 4, "cpu")
     assert truncated == 1 and ids[0].tolist() == [bos] + tok("the movie was good and the plot was great",
                                                               add_special_tokens=False)["input_ids"][-3:]
 

@@ -105,7 +105,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
         args = vllm_args(tiny, temperature=0.7)
-        prompt_ids, prompt_mask, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
+        prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
         outputs = engine.generate(prompts, rloo_utils.sampling_options(args, [], greedy=False), [1, 2, 3])
         completion_ids, sampling_logprobs = rloo_utils.pad_completions(outputs, 16, 0, [], torch.device("cpu"))
