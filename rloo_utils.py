@@ -371,6 +371,12 @@ def load_datasets(args):
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
         raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
                          f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
+    if image_column(train.column_names, "") and (getattr(args, "vllm_mode", None) == "server" or
+                                                  getattr(args, "vllm_server_host", None) or
+                                                  getattr(args, "vllm_server_base_url", None)):
+        raise UsageError(f"dataset {args.dataset_name} holds images, which a vLLM server's completions API (token ids in) "
+                         "cannot take: use --vllm_mode colocate (rloo_vllm.py), or HF generate (rloo_multigpu.py "
+                         "without --vllm_server_host)")
     return train, test or train
 
 
@@ -506,15 +512,15 @@ def load_tokenizers(args, chat_prompts: bool, images: Optional[str] = None):
     path = args.model_name_or_path
     processor = None
     if is_vision_language(args.sft_model_path or path):
-        processor = from_pretrained(AutoProcessor, path)
+        try:
+            processor = AutoProcessor.from_pretrained(path)
+        except Exception as e:  # no preprocessor_config.json: fine for text prompts, the tokenizer reads them
+            found = f"AutoProcessor: {describe(e)[:160]}"
+        else:
+            found = f"AutoProcessor gave a {type(processor).__name__}"
         if images and getattr(processor, "image_processor", None) is None:
-            raise UsageError(f"{path} has no image processor (AutoProcessor gave a {type(processor).__name__}), so its "
-                             "images cannot be read: save the model's processor (preprocessor_config.json) with it")
-        if images and (getattr(args, "vllm_mode", None) == "server" or getattr(args, "vllm_server_host", None) or
-                       getattr(args, "vllm_server_base_url", None)):
-            raise UsageError("image prompts go to vLLM's engine in this process only: its server's completions API takes "
-                             "token ids without images; use --vllm_mode colocate (rloo_vllm.py) or HF generate "
-                             "(rloo_multigpu.py without a server)")
+            raise UsageError(f"{path} has no image processor ({found}), so its images cannot be read: save the "
+                             "model's processor (preprocessor_config.json) with it")
     elif images:
         raise UsageError(f"the dataset has an {images!r} column, but {args.sft_model_path or path} is a text-only model "
                          "(its config has no vision_config): give a vision-language model (LLaVA, Qwen2-VL, ...) or "
@@ -1385,12 +1391,18 @@ def load_sharded_checkpoint(checkpoint: str, policy, optimizer) -> None:
     """The sharded policy and optimizer state of a checkpoint (torch.distributed.checkpoint shards in dcp/), each
     process reading its own shards."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
     model_state, optimizer_state = get_state_dict(policy, optimizer)
+    # A weight that never had a gradient (a VLM's vision layers after the one it reads) has no AdamW state to load
+    saved = dcp.FileSystemReader(os.path.join(checkpoint, "dcp")).read_metadata().state_dict_metadata
+    optimizer_state["state"] = {name: values for name, values in optimizer_state["state"].items()
+                                if all(f"optimizer.state.{name}.{key}" in saved for key in values)}
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp"))
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_model_state_dict(policy, state["model"])
+    set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
 
 
 def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:

@@ -611,8 +611,7 @@ def main(args: Args) -> None:
         with torch.no_grad(), autocast():
             return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
                                                   completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature,
-                                                  images=images_batch(images, range(i, min(i + chunk, len(prompt_ids))),
-                                                                      device, model.dtype))
+                                                  images=images_batch(images, slice(i, i + chunk), device, model.dtype))
                               for i in range(0, len(prompt_ids), chunk)]).float()
 
     def sample_table(step: int) -> None:

@@ -204,3 +204,85 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+# ---- A tiny vision-language policy (LLaVA: a CLIP vision tower, a Llama language model) and a task on images --------
+VLM_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
+                     "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+COLOUR_REWARD = '''
+def colour_named(completions, image, **kwargs):
+    """1 when the completion's first word names the colour of the image (its strongest channel), else 0."""
+    rewards = []
+    for completion, picture in zip(completions, image):
+        r, g, b = picture.convert("RGB").getpixel((0, 0))
+        colour = ["red", "green", "blue"][[r, g, b].index(max(r, g, b))]
+        words = completion[-1]["content"].split()
+        rewards.append(float(bool(words) and words[0] == colour))
+    return rewards
+'''
+
+
+def word_tokenizer(words: list[str], special: list[str], chat_template: str, **special_tokens):
+    """A word-level tokenizer (a vocabulary of a few words: a random policy names a colour often enough to learn)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(special + words)}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token=special[0]))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level.add_special_tokens(special)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token=special[0], bos_token=special[1],
+                                        eos_token=special[2], **special_tokens)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def build_tiny_vlm(path: str) -> dict:
+    """A ~100k-parameter LLaVA saved in bf16 (as hub checkpoints are) with its processor at path/llava; 48 solid-colour
+    images (red, green or blue, jittered, of varied widths) with the prompt "what colour is this image" at
+    path/data/train.jsonl (paths relative to it); the reward function colour_named at path/colour_reward.py."""
+    import random
+
+    import torch
+    from PIL import Image
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+    tokenizer = word_tokenizer(list(COLOURS) + "what colour is this image the a it user assistant".split(), special,
+                               VLM_CHAT_TEMPLATE, extra_special_tokens={"image_token": "<image>"})
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                       tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=16, patch_size=8, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=special.index("<image>"),
+                         vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model_dir = os.path.join(path, "llava")
+    LlavaForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(model_dir)
+    LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+                   tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
+                   chat_template=VLM_CHAT_TEMPLATE, num_additional_image_tokens=1).save_pretrained(model_dir)
+    rng = random.Random(0)
+    os.makedirs(os.path.join(path, "data", "images"))
+    rows = []
+    for i in range(48):
+        colour = list(COLOURS)[i % 3]
+        rgb = tuple(max(0, min(255, v + rng.randint(-20, 20))) for v in COLOURS[colour])
+        Image.new("RGB", (16 + rng.randint(0, 8), 16), rgb).save(os.path.join(path, "data", "images", f"{i}.png"))
+        rows.append({"prompt": [{"role": "user", "content": "what colour is this image"}], "image": f"images/{i}.png"})
+    data = write_jsonl(os.path.join(path, "data", "train.jsonl"), rows)
+    with open(os.path.join(path, "colour_reward.py"), "w") as f:
+        f.write(COLOUR_REWARD)
+    return {"policy": model_dir, "data": data, "reward": os.path.join(path, "colour_reward.py") + ":colour_named",
+            "tokenizer": tokenizer, "root": path}
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")))
