@@ -371,12 +371,10 @@ def load_datasets(args):
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
         raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
                          f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
-    if image_column(train.column_names, "") and (getattr(args, "vllm_mode", None) == "server" or
-                                                  getattr(args, "vllm_server_host", None) or
-                                                  getattr(args, "vllm_server_base_url", None)):
-        raise UsageError(f"dataset {args.dataset_name} holds images, which a vLLM server's completions API (token ids in) "
-                         "cannot take: use --vllm_mode colocate (rloo_vllm.py), or HF generate (rloo_multigpu.py "
-                         "without --vllm_server_host)")
+    if image_column(train.column_names, "") and not hasattr(args, "vllm_mode") and (
+            getattr(args, "vllm_server_host", None) or getattr(args, "vllm_server_base_url", None)):
+        raise UsageError(f"dataset {args.dataset_name} holds images, which go to a vLLM server only with --vllm_mode "
+                         "server (rloo_vllm.py): leave out --vllm_server_host / --vllm_server_base_url (HF generate)")
     return train, test or train
 
 
@@ -1677,12 +1675,33 @@ def completion_request(model: str, prompt: list, options: dict, seed: Optional[i
             "skip_special_tokens": False}
 
 
-def prompt_runs(prompts: list[list[int]], seeds: Optional[list[int]]) -> list[tuple[int, int]]:
-    """[start, end) of each run of rows that repeat one prompt with consecutive seeds (or without seeds): one request
-    with n = end - start (and seed seeds[start]) draws exactly those rows."""
+GENERATE_ROUTE = "/inference/v1/generate"  # vLLM's tokens-in, tokens-out route (vllm serve --enable-scale-out)
+
+
+def generate_request(prompt: list[int], images, options: dict, seed: Optional[int], n: int) -> dict:
+    """The body of a request to GENERATE_ROUTE: the prompt's token ids (its image tokens expanded, as the trainer's),
+    its images as PNG data URLs (vLLM's own processor reads them), and sampling_options with n and the seed (completion
+    i seeded seed + i, as /v1/completions does) as vLLM's SamplingParams; token ids and log-probs come back."""
+    parts = [{"type": "image_url", "url": png_data_url(image)} for image in row_images(images)] if images else []
+    return {"token_ids": prompt, "sampling_params": {**options, "n": n, "seed": seed, "detokenize": False},
+            **({"content_parts": parts} if parts else {})}
+
+
+def png_data_url(image) -> str:
+    import base64
+
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def prompt_runs(prompts: list[list[int]], seeds: Optional[list[int]], images=None) -> list[tuple[int, int]]:
+    """[start, end) of each run of rows that repeat one prompt (and its images, the same objects) with consecutive
+    seeds (or without seeds): one request with n = end - start (and seed seeds[start]) draws exactly those rows."""
     runs, start = [], 0
     for row in range(1, len(prompts) + 1):
         if (row == len(prompts) or prompts[row] != prompts[start] or
+                (images is not None and images[row] is not images[start]) or
                 (seeds is not None and seeds[row] != seeds[start] + row - start)):
             runs.append((start, row))
             start = row
@@ -1773,6 +1792,9 @@ class VLLMServer:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
+            if e.code == 404 and route == GENERATE_ROUTE:
+                raise RunError(f"the vLLM server at {self.url} has no {route} route, which image prompts go through: "
+                               f"start it with --enable-scale-out ({SERVER_COMMAND} --enable-scale-out)") from None
             if e.code == 404 and route.startswith(("/collective_rpc", "/reset_prefix_cache", "/server_info")):
                 raise RunError(f"the vLLM server at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
                                f"({SERVER_COMMAND})") from None
@@ -1785,16 +1807,24 @@ class VLLMServer:
         """Per prompt: (completion token ids, their sampling log-probs). Without seeds, all the prompts in one request;
         with seeds, one request per group (rows that repeat a prompt with consecutive seeds, as sampling_seeds gives
         them) for its G completions, every request in flight at once: the server batches the whole rollout, and draws
-        what the colocated engine draws for the same seeds."""
+        what the colocated engine draws for the same seeds. With images (each row's), through vLLM's tokens-in route,
+        which takes them beside the token ids (/v1/completions takes none): one request per group, seeded or not."""
         def complete(prompt, seed=None, n=1) -> list:
             choices = self.request("/v1/completions", completion_request(self.model, prompt, options, seed, n))["choices"]
             return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])]
 
-        if seeds is None:
+        def complete_with_images(row, seed=None, n=1) -> list:
+            body = generate_request(prompts[row], images[row], options, seed, n)
+            choices = self.request(GENERATE_ROUTE, body)["choices"]
+            return [(c["token_ids"], [lp["logprob"] for lp in c["logprobs"]["content"]])
+                    for c in sorted(choices, key=lambda c: c["index"])]
+
+        if seeds is None and images is None:
             return complete(prompts)
-        runs = prompt_runs(prompts, seeds)
+        runs = prompt_runs(prompts, seeds, images)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, len(runs))) as pool:
-            groups = pool.map(lambda run: complete(prompts[run[0]], seeds[run[0]], run[1] - run[0]), runs)
+            groups = pool.map(lambda run: complete(prompts[run[0]], seeds[run[0]], run[1] - run[0]) if images is None else
+                              complete_with_images(run[0], seeds and seeds[run[0]], run[1] - run[0]), runs)
             return [completion for group in groups for completion in group]
 
     def sleep(self) -> None:

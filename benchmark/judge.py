@@ -71,7 +71,7 @@ def generate_hf(model_path: str, prompts: list, max_new_tokens: int, temperature
                               **sampling)
     texts = []
     for i in range(0, len(prompts), batch_size):
-        ids, mask, _ = rloo.tokenize_prompts(tokenizer, prompts[i:i + batch_size], max_prompt_length, device)
+        ids, mask, _, _ = rloo.tokenize_prompts(tokenizer, prompts[i:i + batch_size], max_prompt_length, device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
         completion_mask, _ = rloo.completion_mask_from(out, stop_ids, stop_ids)
@@ -96,7 +96,7 @@ def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperatu
     from vllm import LLM, SamplingParams
 
     tokenizer = rloo_utils.from_pretrained(AutoTokenizer, model_path)
-    ids, mask, _ = rloo.tokenize_prompts(tokenizer, prompts, max_prompt_length, torch.device("cpu"))
+    ids, mask, _, _ = rloo.tokenize_prompts(tokenizer, prompts, max_prompt_length, torch.device("cpu"))
     try:  # the EOS ids the model declares, as HF generate stops at them
         model_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:  # no generation_config.json

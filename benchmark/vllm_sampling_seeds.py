@@ -77,7 +77,7 @@ def main():
     policy = rloo_utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path)
     train, _ = rloo_utils.load_datasets(args)
     texts = train[[i % len(train) for i in range(P)]]["prompt"]  # from the top again if the dataset has fewer
-    prompt_ids, prompt_mask, _ = rloo_vllm.tokenize_prompts(tokenizer, texts, args.max_prompt_length, torch.device("cpu"))
+    prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(tokenizer, texts, args.max_prompt_length, torch.device("cpu"))
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
     started = time.perf_counter()

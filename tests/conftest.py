@@ -181,7 +181,7 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port),
                "--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--max-model-len", "512",
-               "--generation-config", "vllm", "--logprobs-mode", logprobs_mode]
+               "--generation-config", "vllm", "--logprobs-mode", logprobs_mode, "--enable-scale-out"]
     env = {**run_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -248,6 +248,27 @@ def test_vllm_gets_the_images_in_its_own_input_format(tiny_vlm, monkeypatch):
     assert options["skip_tokenizer_init"] is False and EngineArgs(**options).skip_tokenizer_init is False
 
 
+def test_a_vllm_server_gets_the_images_beside_the_token_ids(tiny_vlm):
+    """rloo_vllm.py --vllm_mode server: an image prompt goes to vLLM's tokens-in route (vllm serve --enable-scale-out)
+    as its token ids with its images as PNG data URLs; the body is one the real vLLM's request model accepts as it
+    arrives over HTTP (n, seed, the image tokens' bias), and vLLM's media connector reads back the very pixels. (That
+    route's sampling is held equal to /v1/completions' on a real server in tests/test_vllm.py.)"""
+    import rloo_vllm
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.multimodal.media import MediaConnector
+
+    image = colour_images(2, sizes=((20, 16),))[1]
+    options = rloo_utils.sampling_options(rloo_vllm.Args(max_completion_length=3), [2], False, [3])
+    body = rloo_utils.generate_request([1, 3, 3, 3, 3, 5], image, options, 7, 4)
+    request = GenerateRequest.model_validate(json.loads(json.dumps(body)))
+    params = request.sampling_params
+    assert (request.token_ids, params.n, params.seed, params.logit_bias, params.logprobs) == ([1, 3, 3, 3, 3, 5], 4, 7,
+                                                                                              {3: -100.0}, 0)
+    decoded = MediaConnector().fetch_image(request.content_parts[0]["url"])
+    assert decoded.size == (20, 16) and decoded.getpixel((5, 5)) == image.getpixel((5, 5))
+    assert rloo_utils.prompt_runs([[1], [1], [1], [1]], None, [image, image, "other", "other"]) == [(0, 2), (2, 4)]
+
+
 def bad_vlm_data(tiny_vlm, tmp_path, rows, files=None):
     for name, content in (files or {}).items():
         with open(tmp_path / name, "wb") as f:
@@ -291,8 +312,8 @@ def test_bad_image_input_is_one_line(case, tiny_vlm, tiny, tmp_path):
         data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": CHAT, "image": "https://example.com/cat.png"}])
         needles = ["not a file", "download the images first"]
     elif case == "server":
-        extra, script = ["--vllm_mode", "server"], "rloo_vllm.py"
-        needles = ["holds images", "--vllm_mode colocate"]
+        extra, script = ["--vllm_server_host", "127.0.0.1"], "rloo_multigpu.py"
+        needles = ["holds images", "--vllm_mode server"]
     elif case == "no image processor":
         stripped = tmp_path / "llava_without_processor"
         shutil.copytree(tiny_vlm["policy"], stripped)

@@ -152,6 +152,8 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
         assert seeds == list(range(seeds[0], seeds[0] + len(prompts)))
         local = engine.generate(prompts, options, seeds)
         assert local == remote.generate(prompts, options, seeds)
+        # the tokens-in route that image prompts take (rows without images here: a text model) draws the same
+        assert local == remote.generate(prompts, options, seeds, images=[[]] * len(prompts))
         assert len({tuple(ids) for ids, _ in local[:4]}) == 4  # a group's completions differ
         long_prompts = [[5 + i, *range(6, 35)] for i in range(160)]  # 4800 prompt tokens: one is cut at 4096
         assert [len(ids) for ids, _ in engine.generate(long_prompts, options, list(range(160)))] == [16] * 160
