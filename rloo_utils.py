@@ -801,13 +801,21 @@ def image_prompt_rows(processor, prompts: list, images: list, max_prompt_length:
 
 def images_batch(images: Optional[list[dict]], rows, device, dtype) -> dict:
     """The image tensors of some rows (a slice, or a tensor of indices) for one forward: each key's tensors of the
-    rows concatenated (LLaVA's (images, 3, H, W) pixels, Qwen2-VL's (patches, D) pixels and (images, 3) grid), floats
-    in the model's dtype. {} for text prompts."""
+    rows concatenated (LLaVA's (images, 3, H, W) pixels, LLaVA-NeXT's (images, patches, 3, H, W) and sizes, Qwen2-VL's
+    (patches, D) pixels and (images, 3) grid), floats in the model's dtype. {} for text prompts."""
     if images is None:
         return {}
     picked = images[rows] if isinstance(rows, slice) else [images[i] for i in rows.tolist()]
-    return {k: torch.cat([r[k] for r in picked]).to(device, dtype if picked[0][k].is_floating_point() else None)
+    return {k: padded_cat([r[k] for r in picked]).to(device, dtype if picked[0][k].is_floating_point() else None)
             for k in picked[0]}
+
+
+def padded_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenated along dim 0; rows that differ in a later dim (LLaVA-NeXT's patches per image, by its aspect ratio)
+    zero-padded to the largest, as its processor pads a batch: the model reads each image's own patches only."""
+    shape = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors))]
+    return torch.cat([torch.nn.functional.pad(t, [p for d in reversed(range(1, t.dim())) for p in (0, shape[d - 1] - t.shape[d])])
+                      for t in tensors])
 
 
 def vision_inputs(model, input_ids: torch.Tensor, images: dict) -> dict:

@@ -87,7 +87,7 @@ def llava_batch(tiny_vlm, images, texts):
     """Left-padded prompt ids and per-row image tensors, as the scripts build them."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_vlm["policy"])
+    processor = AutoProcessor.from_pretrained(tiny_vlm["policy"] if isinstance(tiny_vlm, dict) else tiny_vlm)
     prompts = [[{"role": "user", "content": text}] for text in texts]
     return processor, rloo.tokenize_prompts(processor.tokenizer, prompts, 64, "cpu", processor, images)
 
@@ -104,24 +104,62 @@ def logprobs_alone_and_together(model, prompt_ids, prompt_mask, image_rows, comp
     return together, alone
 
 
-def test_llava_images_reach_the_log_prob_forward_as_they_would_alone(tiny_vlm):
+def build_tiny_llava_next(path: str) -> str:
+    """A tiny LLaVA-NeXT: each image is cut into a grid of 16x16 tiles chosen by its aspect ratio, plus a base tile, so
+    images of other shapes have other numbers of patches (the processor pads them per batch; the scripts per row)."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessorPil, LlavaNextProcessor)
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+    tokenizer = word_tokenizer(list(COLOURS) + "what colour is this image the a it user assistant".split(), special,
+                               VLM_CHAT_TEMPLATE, extra_special_tokens={"image_token": "<image>"})
+    pinpoints = [[16, 32], [32, 16], [32, 32]]
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=16, patch_size=8, projection_dim=32),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                                tie_word_embeddings=True, eos_token_id=2, pad_token_id=0),
+        image_token_id=3, vision_feature_layer=-1, vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlavaNextForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(path)
+    LlavaNextProcessor(image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": 16}, image_grid_pinpoints=pinpoints,
+                                                                  crop_size={"height": 16, "width": 16}),
+                       tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
+                       chat_template=VLM_CHAT_TEMPLATE, num_additional_image_tokens=1).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+def test_llava_images_reach_the_log_prob_forward_as_they_would_alone(family, tiny_vlm, tmp_path):
     """A left-padded batch of prompts with their images gives each row the log-probs it has unpadded and alone: the
-    rows' pixels are concatenated in row order, and the positions count real tokens."""
+    rows' pixels are concatenated in row order (LLaVA-NeXT's padded to the most patches: 3 for a square or 2:1 image,
+    5 for a larger square), and the positions count real tokens."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm["policy"], dtype=torch.float32)
-    images = colour_images(3)
+    path = tiny_vlm["policy"] if family == "llava" else build_tiny_llava_next(str(tmp_path / "llava_next"))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    images = colour_images(3, sizes=((16, 16), (40, 16), (32, 32)))
     _, (prompt_ids, prompt_mask, truncated, image_rows) = llava_batch(
-        tiny_vlm, images, ["what colour is this image", "what colour", "colour is it the red a blue"])
-    assert truncated == 0 and len(image_rows) == 3 and image_rows[0]["pixel_values"].shape == (1, 3, 16, 16)
-    assert (prompt_ids == 3).sum(1).tolist() == [4, 4, 4]  # each <image> expanded into its (16/8)^2 patch tokens
+        path, images, ["what colour is this image", "what colour", "colour is it the red a blue"])
+    assert truncated == 0 and len(image_rows) == 3
+    if family == "llava":
+        assert image_rows[0]["pixel_values"].shape == (1, 3, 16, 16)
+        assert (prompt_ids == 3).sum(1).tolist() == [4, 4, 4]  # each <image> expanded into its (16/8)^2 patch tokens
+    else:
+        assert [r["pixel_values"].shape[1] for r in image_rows] == [3, 3, 5]
+        assert (prompt_ids == 3).sum(1).tolist() == [10, 14, 24]  # by the image's size and shape
     assert len(set(prompt_mask.sum(1).tolist())) == 3  # three lengths: left padding in two rows
     completion_ids = torch.tensor([[4, 5, 2], [6, 4, 2], [5, 5, 2]])
     together, alone = logprobs_alone_and_together(model, prompt_ids, prompt_mask, image_rows, completion_ids)
     torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
-    # and the images matter: another image gives other log-probs
-    swapped = [image_rows[1], image_rows[2], image_rows[0]]
-    other, _ = logprobs_alone_and_together(model, prompt_ids, prompt_mask, swapped, completion_ids)
+    # and the images matter: the same shapes in other colours give other log-probs
+    from PIL import Image
+
+    recoloured = [Image.new("RGB", image.size, list(COLOURS.values())[(i + 1) % 3]) for i, image in enumerate(images)]
+    other_rows = llava_batch(path, recoloured, ["what colour is this image", "what colour", "colour is it the red a blue"])[1][3]
+    other, _ = logprobs_alone_and_together(model, prompt_ids, prompt_mask, other_rows, completion_ids)
     assert (other - together).abs().max() > 1e-4
 
 
@@ -161,42 +199,49 @@ def test_image_tokens_are_never_sampled(tiny_vlm, tmp_path):
     assert SamplingParams(**options).logit_bias == {image_id: -100.0}  # the real vLLM takes them as they are
 
 
-def build_tiny_qwen2_vl(path: str):
+def build_tiny_qwen2_vl(path: str, family: str = "qwen2_vl"):
     """A tiny Qwen2-VL (its 3-axis mrope reads the image grid) and its image processor. Qwen2-VL's processor needs
     torchvision (its video processor), which has no CPU build here: the prompt ids are expanded by hand, each image's
     <|image_pad|> repeated grid_t * grid_h * grid_w / merge_size^2 times, as the processor does."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil)
 
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                "<|video_pad|>"]
     template = VLM_CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
     tokenizer = word_tokenizer(list(COLOURS) + "what colour is this image user assistant".split(), special, template)
     ids = {t: special.index(t) for t in special}
-    config = Qwen2VLConfig(
+    config_class, model_class = ((Qwen2VLConfig, Qwen2VLForConditionalGeneration) if family == "qwen2_vl" else
+                                 (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration))
+    vision = (dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                   temporal_patch_size=2, in_chans=3) if family == "qwen2_vl" else  # Qwen2.5-VL: windowed attention
+              dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1], in_channels=3))
+    config = config_class(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
                          rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0},
                          eos_token_id=ids["<|im_end|>"], pad_token_id=0, tie_word_embeddings=True),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
                                                temporal_patch_size=2)
     return path, tokenizer, image_processor
 
 
-def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(tmp_path):
-    """Qwen2-VL's rope has 3 axes laid out over each image's patch grid: the scripts give it no position_ids (it
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path):
+    """Qwen2-VL's (and Qwen2.5-VL's) rope has 3 axes laid out over each image's patch grid: the scripts give it no position_ids (it
     builds them from the mask and image_grid_thw, with mm_token_type_ids marking image tokens), and concatenate the
     rows' patches in row order (images of 1 and 4 merged patches). A left-padded batch then gives each row its
     log-probs alone, in bf16 as loaded from a hub-like checkpoint; generation never samples an image token."""
     from transformers import AutoModelForImageTextToText
 
-    path, tokenizer, image_processor = build_tiny_qwen2_vl(str(tmp_path / "qwen2_vl"))
+    path, tokenizer, image_processor = build_tiny_qwen2_vl(str(tmp_path / family), family)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype="auto")
     assert model.dtype == torch.bfloat16 and rloo_utils.builds_own_positions(model)
     images = colour_images(3, sizes=((28, 28), (56, 56), (56, 28)))
