@@ -602,11 +602,12 @@ def main(args: Args) -> None:
         """(B, C) completion ids, padded to max_completion_length, and (B, C) the sampler's log-probs of them (the vLLM
         server's, one seed per completion; None from HF generate). HF generate runs in chunks, each sampling from the
         seed of its first row, so that a rollout does not depend on the number of processes; the sharded model's
-        forward is a collective: with synced_gpus a process whose completions have all ended goes on with the others."""
+        forward is a collective: with synced_gpus a process whose completions have all ended goes on with the others.
+        images: the rows' image tensors for HF generate; the rows' images as the dataset holds them for the server."""
         if server is not None:
             prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # without the left padding
             with agreed():  # a request that fails on one process stops every process
-                return pad_completions(server.generate(prompts, config, seeds), args.max_completion_length,
+                return pad_completions(server.generate(prompts, config, seeds, images), args.max_completion_length,
                                        tokenizer.pad_token_id, stop_ids, device)
         model.eval()
         chunks = []
@@ -663,7 +664,7 @@ def main(args: Args) -> None:
         batch = eval_dataset[:args.num_sample_prompts]
         prompt_ids, prompt_mask, _, images = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device,
                                                               processor, batch.get(image_col))
-        completion_ids, _ = generate(policy, prompt_ids, prompt_mask, greedy_config, images)
+        completion_ids, _ = generate(policy, prompt_ids, prompt_mask, greedy_config, batch.get(image_col) if server else images)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         with agreed():  # a reward function that raises on one process stops all of them together, as in the loop
             rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
@@ -715,7 +716,7 @@ def main(args: Args) -> None:
                                                                           device, processor, columns.get(image_col))  # (b, P)
         with timer("generation"):
             completion_ids, sampling_logprobs = generate(
-                policy, prompt_ids, prompt_mask, generation_config, images,
+                policy, prompt_ids, prompt_mask, generation_config, columns.get(image_col) if server else images,
                 sampling_seeds(args.seed, update, batch_size)[own_rows:own_rows + local_batch_size])  # (b, C), (b, C) or None
         if server is not None:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):

@@ -371,10 +371,6 @@ def load_datasets(args):
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
         raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
                          f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
-    if image_column(train.column_names, "") and not hasattr(args, "vllm_mode") and (
-            getattr(args, "vllm_server_host", None) or getattr(args, "vllm_server_base_url", None)):
-        raise UsageError(f"dataset {args.dataset_name} holds images, which go to a vLLM server only with --vllm_mode "
-                         "server (rloo_vllm.py): leave out --vllm_server_host / --vllm_server_base_url (HF generate)")
     return train, test or train
 
 

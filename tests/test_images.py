@@ -314,7 +314,7 @@ def test_a_vllm_server_gets_the_images_beside_the_token_ids(tiny_vlm):
     assert rloo_utils.prompt_runs([[1], [1], [1], [1]], None, [image, image, "other", "other"]) == [(0, 2), (2, 4)]
 
 
-def bad_vlm_data(tiny_vlm, tmp_path, rows, files=None):
+def bad_vlm_data(tmp_path, rows, files=None):
     for name, content in (files or {}).items():
         with open(tmp_path / name, "wb") as f:
             f.write(content)
@@ -325,40 +325,37 @@ CHAT = [{"role": "user", "content": "what colour is this image"}]
 
 
 @pytest.mark.parametrize("case", ["text model", "missing file", "not an image", "string prompts", "both columns",
-                                  "placeholders", "no image", "url", "server", "no image processor", "too long"])
+                                  "placeholders", "no image", "url", "no image processor", "too long"])
 def test_bad_image_input_is_one_line(case, tiny_vlm, tiny, tmp_path):
     good = os.path.join(os.path.dirname(tiny_vlm["data"]), "images", "0.png")
-    extra, needles, script = [], [], "rloo.py"
+    extra, needles = [], []
     data = tiny_vlm["data"]
     if case == "text model":
         extra, needles = ["--model_name_or_path", tiny["policy"]], ["'image' column", "text-only model", "vision_config"]
     elif case == "missing file":
-        data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": CHAT, "image": "nowhere.png"}])
+        data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "image": "nowhere.png"}])
         needles = ["nowhere.png (row 0) does not exist"]
     elif case == "not an image":
         os.makedirs(tmp_path / "bad")
-        data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": CHAT, "image": good}, {"prompt": CHAT, "image": "junk.png"}],
+        data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "image": good}, {"prompt": CHAT, "image": "junk.png"}],
                             {"bad/junk.png": b"not a png at all"})
         needles = ["junk.png (row 1) is not a readable image"]
     elif case == "string prompts":
-        data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": "what colour", "image": good}])
+        data = bad_vlm_data(tmp_path, [{"prompt": "what colour", "image": good}])
         needles = ["plain strings", "chat"]
     elif case == "both columns":
-        data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": CHAT, "image": good, "images": [good]}])
+        data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "image": good, "images": [good]}])
         needles = ["both an 'image' and an 'images' column"]
     elif case == "placeholders":
         two = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what"}]}]
-        data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": two, "images": [good]}])
+        data = bad_vlm_data(tmp_path, [{"prompt": two, "images": [good]}])
         needles = ["prompt 0 holds 2 image placeholders for 1 images"]
     elif case == "no image":
-        data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": CHAT, "images": [good]}, {"prompt": CHAT, "images": []}])
+        data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "images": [good]}, {"prompt": CHAT, "images": []}])
         needles = ["row 1 has no image"]
     elif case == "url":
-        data = bad_vlm_data(tiny_vlm, tmp_path, [{"prompt": CHAT, "image": "https://example.com/cat.png"}])
+        data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "image": "https://example.com/cat.png"}])
         needles = ["not a file", "download the images first"]
-    elif case == "server":
-        extra, script = ["--vllm_server_host", "127.0.0.1"], "rloo_multigpu.py"
-        needles = ["holds images", "--vllm_mode server"]
     elif case == "no image processor":
         stripped = tmp_path / "llava_without_processor"
         shutil.copytree(tiny_vlm["policy"], stripped)
@@ -366,7 +363,7 @@ def test_bad_image_input_is_one_line(case, tiny_vlm, tiny, tmp_path):
         extra, needles = ["--model_name_or_path", stripped], ["has no image processor"]
     elif case == "too long":
         extra, needles = ["--max_prompt_length", 8], ["over --max_prompt_length 8", "raise --max_prompt_length"]
-    proc = vlm_run(tiny_vlm, tmp_path, "--dataset_name", data, *extra, script=script)
+    proc = vlm_run(tiny_vlm, tmp_path, "--dataset_name", data, *extra)
     check_one_line_error(proc, *needles)
 
 
