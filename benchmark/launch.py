@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -156,6 +157,8 @@ def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
                                    env={**os.environ, "WANDB_TAGS": tags})
     with log:
         code = process.wait()
+    if code in (130, -signal.SIGINT):  # Ctrl-C reached this run: stop here, before the main thread hears of it
+        STOPPED.set()
     seconds = time.time() - start
     say(f"finished {run['name']} in {seconds / 60:.1f} min" + (f", exit code {code}" if code else ""))
     return code, seconds
@@ -167,7 +170,10 @@ def run_all(runs: list[dict], workers: int, log_dir: str, tags: str) -> list[int
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(run_one, run, log_dir, tags) for run in runs]
         try:
-            return [f.result()[0] for f in futures]
+            codes = [f.result()[0] for f in futures]
+            if STOPPED.is_set():  # a run took Ctrl-C (the queue stopped) though the launcher did not
+                raise KeyboardInterrupt
+            return codes
         except KeyboardInterrupt:  # the runs got Ctrl-C too: they checkpoint and stop; the queued ones never start
             with STARTING:
                 STOPPED.set()

@@ -141,6 +141,15 @@ def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["00_run_seed1.log"]  # the queued run never started
 
 
+def test_a_run_that_took_ctrl_c_alone_stops_the_queue(tmp_path):
+    # the run's own Ctrl-C ends it before the launcher's signal handler runs: its worker must not start the next
+    proc = run_script(LAUNCH, "--command", "sh -c 'kill -INT $$' x", "--num_seeds", "2", "--log_dir", "logs",
+                      cwd=tmp_path)
+    assert proc.returncode == 130
+    check_one_line_error(proc, "launch.py: error: interrupted", "logs")
+    assert sorted(os.listdir(tmp_path / "logs")) == ["00_run_seed1.log"]
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--command", "python rloo.py --seed 3"], ["names a --seed", "the launcher adds --seed"]),
     (["--command", "python rloo.py 'x"], ["No closing quotation"]),
