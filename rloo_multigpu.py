@@ -23,7 +23,6 @@ of the algorithm never needs (checks, run folders, checkpoints and resume, loggi
 """
 
 import contextlib
-import copy
 import datetime
 import functools
 import math
@@ -47,20 +46,21 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 import tyro
 from rich.console import Console
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, builds_own_positions,
                         call_reward_func, check_args, check_skipped_steps, claim_run, clip_bounds, content_text,
-                        embedded_model, from_pretrained, image_column, image_prompt_rows, image_token_ids, images_batch,
+                        embedded_model, image_column, image_prompt_rows, image_token_ids, images_batch,
                         is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype, open_logger,
                         parse_args, policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
-                        reward_model_inputs, reward_sources, save_model, set_rng_states, show_samples,
+                        reward_model_inputs, reward_sources, set_rng_states, show_samples,
                         stop_after_update_on_signals, stopped_message, vision_inputs)
-from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, end_processes,
-                        generation_configs, launch_world_size, load_sharded_checkpoint, pad_completions,
-                        rng_states_of_every_process, sampling_options, sampling_seeds, text_prompts)
+from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, empty_model,
+                        end_processes, generation_configs, launch_world_size, load_shards, load_sharded_checkpoint,
+                        pad_completions, rng_states_of_every_process, sampling_options, sampling_seeds,
+                        save_sharded_model, text_prompts)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -548,24 +548,24 @@ def main(args: Args) -> None:
     autocast = contextlib.nullcontext  # bf16 is FSDP's mixed precision (shard)
     console = Console(quiet=rank != 0)
 
-    # Every process loads the models into CPU memory; shard() then keeps only its shards, on its device
+    # Every process builds the models on the meta device (no memory) and shards them; each then reads only its shards of
+    # the weights (load_shards), so that no process holds a whole model. The reference is the initial policy, frozen,
+    # needed only for the KL penalty, sharded as the policy is (also with --bf16: both compute in bf16 from fp32
+    # shards), so that the KL is exactly 0 before training. A resumed policy's weights come from its checkpoint.
     with agreed():
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
-        policy = from_pretrained(policy_class(args.sft_model_path or args.model_name_or_path),
-                                 args.sft_model_path or args.model_name_or_path, dtype=model_dtype(args.dtype))
-        reward_model = None
-        if args.reward_model_path:
-            reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).float()
+        policy_path = args.sft_model_path or args.model_name_or_path
+        policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype), weights=checkpoint is None)
+        ref_policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype)) if args.beta > 0 else None
+        reward_model = load_reward_model(args.reward_model_path, sharded=True) if args.reward_model_path else None
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    # The reference is a frozen copy of the initial policy, needed only for the KL penalty, sharded as the policy is
-    # (also with --bf16: both compute in bf16 from fp32 shards), so that the KL is exactly 0 before training.
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
     mesh = init_device_mesh(device.type, (world_size,))
-    policy, ref_policy, reward_model = (shard(model, mesh, args.bf16, args.fsdp_cpu_offload) if model is not None
-                                        else None for model in (policy, ref_policy, reward_model))
+    for model in (policy, ref_policy, reward_model):
+        if model is not None:
+            shard(model, mesh, args.bf16, args.fsdp_cpu_offload).requires_grad_(model is policy)  # only the policy learns
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
     never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy
@@ -899,8 +899,7 @@ def main(args: Args) -> None:
     progress.stop()
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    save_model(output_dir, policy, processor or tokenizer, get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
-                                                                                                cpu_offload=True)))
+    save_sharded_model(output_dir, policy, processor or tokenizer)
     if server is not None:
         server.close()
     RunGuard.active = None  # the model is saved: nothing left to rescue
@@ -930,8 +929,9 @@ def init_processes(timeout_s: int) -> tuple[int, int, torch.device]:
 
 
 def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool) -> torch.nn.Module:
-    """FSDP2: each decoder layer (the classes transformers lists in _no_split_modules) is a unit whose weights are
-    gathered for its forward and freed after it; the root holds the rest (embeddings, tied LM head, norm). A VLM's
+    """FSDP2, then the weights of a model built empty read into its shards (load_shards). Each decoder layer (the
+    classes transformers lists in _no_split_modules) is a unit whose weights are gathered for its forward and freed
+    after it; the root holds the rest (embeddings, tied LM head, norm). A VLM's
     vision tower is sharded the same way: its encoder layers and patch embeddings are in _no_split_modules. A reward
     model's backbone and score head are units of their own: reward_model_scores calls them one by one. Gradients are
     summed over the processes, not averaged: each process's loss is already its share of the global loss."""
@@ -947,6 +947,7 @@ def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool
         fully_shard(getattr(model, model.base_model_prefix), **options)
         fully_shard(model.score, **options)
     fully_shard(model, **options)
+    load_shards(model, "cpu" if cpu_offload else mesh.device_type)  # the weights of an empty_model, each process its own
     if getattr(model.config, "vision_config", None) is not None:  # generate runs a VLM's vision tower before the model's
         model._get_fsdp_state()._lazy_init()  # forward, and FSDP2 makes the first unit to run the root: fix it now
     for module in model.modules():

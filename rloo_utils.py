@@ -485,12 +485,18 @@ def load_reward_tokenizer(path: str, tokenizer, chat_prompts: bool):
     return reward_tokenizer
 
 
-def load_reward_model(path: str):
-    """The reward model, refused if its score head is not in its weights (a causal LM would get a random one)."""
+def load_reward_model(path: str, sharded: bool = False):
+    """The reward model, refused if its score head is not in its weights (a causal LM would get a random one).
+    sharded: an empty_model in float32, to be sharded and filled by load_shards."""
     from transformers import AutoModelForSequenceClassification
 
-    model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=1, output_loading_info=True)
-    missing = sorted(k for k in info["missing_keys"] if "score" in k)
+    if sharded:
+        model = empty_model(AutoModelForSequenceClassification, path, torch.float32, num_labels=1)
+        missing_keys = model.missing_weights
+    else:
+        model, info = from_pretrained(AutoModelForSequenceClassification, path, num_labels=1, output_loading_info=True)
+        missing_keys = info["missing_keys"]
+    missing = sorted(k for k in missing_keys if "score" in k)
     if missing or not hasattr(model, "score"):
         raise UsageError(f"--reward_model_path {path} has no trained score head ({', '.join(missing) or 'no score'} "
                          "missing from its weights): a new head would give random rewards")
@@ -1031,6 +1037,194 @@ def from_rank_0(value):
     values = [value]
     dist.broadcast_object_list(values)
     return values[0]
+
+
+# ---- Sharded models: built empty, each process reading and writing only its own shards ------------------------------
+def checkpoint_weights(path: str) -> Optional[tuple[str, dict]]:
+    """The folder of path's safetensors weights (a hub id fetched to the local cache, as from_pretrained does) and
+    {name: (shape, dtype)} of every tensor in them, read from the files' headers; None where the weights are not
+    safetensors in transformers' layout (a .gguf file, .bin weights, a hub id that cannot be fetched)."""
+    from safetensors import safe_open
+
+    if path.endswith(".gguf"):
+        return None
+    folder = path
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(path, allow_patterns=["*.json", "model*.safetensors"])
+        except Exception:  # from_pretrained, the way it goes then, reports what is wrong
+            return None
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        return None
+    tensors = {}
+    try:
+        for file in files:
+            with safe_open(os.path.join(folder, file), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+    except Exception as e:  # a missing shard, a damaged file
+        raise UsageError(f"could not load {path} ({describe(e)})") from None
+    return folder, tensors
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwargs):
+    """auto_class.from_pretrained(path, dtype=dtype, **config_kwargs), but on the meta device (no memory), to be sharded
+    and then filled by load_shards, so that no process holds the whole model: each reads its own slices of path's
+    safetensors files. Where the files hold other tensors than the model's, renamed at most (experts that
+    transformers fuses on load, a .gguf file), rank 0 loads the model whole here and load_shards sends each process its
+    shards. weights=False: the
+    weights come from elsewhere (a checkpoint to resume) and are not read. The model's `missing_weights`: those path
+    does not hold, which from_pretrained would initialise anew (rank 0's, where rank 0 loads it; none when streamed)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    config = from_pretrained(AutoConfig, path, **config_kwargs)
+    found = checkpoint_weights(path)
+    if dtype == "auto":  # as from_pretrained: the config's dtype, else that of the first floating-point weight
+        dtypes = [SAFETENSORS_DTYPES.get(d) for _, d in (found or (None, {}))[1].values()]
+        first = next((d for d in dtypes if d is not None and d.is_floating_point), None)
+        dtype = getattr(config, "dtype", None) or first or torch.float32
+    with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read: keep them
+        model = auto_class.from_config(config, dtype=dtype)
+    model.tie_weights()  # (from_pretrained ties them after loading)
+    model.eval()  # as from_pretrained returns a model
+    folder = found[0] if found else os.path.dirname(os.path.abspath(path)) if path.endswith(".gguf") else path
+    if model.can_generate() and os.path.isfile(os.path.join(folder, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    # The names a checkpoint holds each weight under: a tied weight (the LM head of tied embeddings) once, under the
+    # name transformers saves it under (renamed as its conversions for the model's family revert them: LLaVA's
+    # language_model.model.* for model.language_model.*), as save_pretrained writes them
+    tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+    state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+    name_of = {id(tensor): name for name, tensor in state.items()}
+    saved_as = {name_of.get(id(tensor)): saved for saved, tensor in revert_weight_conversion(model, dict(state)).items()}
+    streamed = found is not None and saved_as.keys() == state.keys() and all(  # (renamed only, never converted)
+        found[1].get(saved_as[name], (None,))[0] == tuple(tensor.shape) for name, tensor in state.items())
+    model.pretrained_weights = None
+    model.missing_weights = []
+    # (kept for save_sharded_model: once sharded, the model's classes are FSDP's, for which transformers knows no names)
+    model.saved_names = saved_as if saved_as.keys() == state.keys() else None
+    if weights and streamed:
+        model.pretrained_weights = (found[0], saved_as)
+    elif weights:
+        full = None
+        if get_rank() == 0:
+            loaded, info = from_pretrained(auto_class, path, dtype=dtype, output_loading_info=True, **config_kwargs)
+            full, model.missing_weights = loaded.state_dict(), sorted(info["missing_keys"])
+        model.pretrained_weights = (None, full)
+    return model
+
+
+def load_shards(model, device) -> None:
+    """Allocate the shards of an empty_model, sharded (FSDP2), on `device` (the CPU with FSDP's CPU offload), and fill
+    them with its weights: each process reads only its own slices of the safetensors files (torch.distributed.checkpoint's
+    HuggingFaceStorageReader, casting to the model's dtype), or rank 0 sends each process its shards of the whole model
+    it loaded (set_model_state_dict's broadcast_from_rank0, one tensor at a time). A collective: every process calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    if "pretrained_weights" not in model.__dict__:  # loaded whole (from_pretrained), then sharded: its shards are filled
+        return
+    source = model.__dict__.pop("pretrained_weights")
+    buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for module, name, b in buffers:  # computed at build and on the device FSDP put them on: to_empty left them blank
+        module._buffers[name] = b
+    if source is None:  # filled by the caller (a resumed checkpoint)
+        return
+    folder, saved_as_or_full = source
+    if folder is not None:  # saved_as: the model's name of each weight -> its name in the files
+        state = get_model_state_dict(model)
+        in_files = {saved: state[name] for name, saved in saved_as_or_full.items()}
+        dcp.load(in_files, storage_reader=dcp.HuggingFaceStorageReader(folder),
+                 planner=DefaultLoadPlanner(allow_partial_load=True))  # (the files' other tensors: a tied head's copy)
+        set_model_state_dict(model, {name: in_files[saved] for name, saved in saved_as_or_full.items()},
+                             options=StateDictOptions(strict=False))
+    else:
+        set_model_state_dict(model, saved_as_or_full if get_rank() == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = "5GB") -> None:
+    """save_pretrained's folder (config, generation config, safetensors weights in files of at most max_shard_size and
+    their index, the tokenizer) of a sharded empty_model, under the names save_pretrained gives the weights, without
+    any process holding the whole model: the weights are gathered one tensor at a time (every process takes part)
+    and rank 0 appends each to its file, whose header it wrote first from the shapes (the safetensors format: a
+    little-endian u64 header length, the JSON header, the tensors' bytes). A model that transformers saves as other
+    tensors (fused experts, split again) is gathered on rank 0 and saved by save_pretrained. A collective: every
+    process calls it; a failure on rank 0 still goes through every gather, then stops all of them."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if getattr(model, "saved_names", None) is None:  # saved as other tensors than the model's (experts split apart)
+        save_model(output_dir, model, tokenizer, get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+        return
+    state = get_model_state_dict(model)
+    saved = {saved_name: state[name] for name, saved_name in model.saved_names.items()}  # a tied weight once
+    shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in saved.items()}
+    split = split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    error = None
+    with agreed():
+        for file, names in split.filename_to_tensors.items():
+            stream = None
+            if get_rank() == 0 and error is None:
+                try:
+                    header, offset = {"__metadata__": {"format": "pt"}}, 0
+                    for name in names:
+                        size = shapes[name].numel() * shapes[name].element_size()
+                        header[name] = {"dtype": dtype_names[shapes[name].dtype], "shape": list(shapes[name].shape),
+                                        "data_offsets": [offset, offset + size]}
+                        offset += size
+                    header = json.dumps(header, separators=(",", ":")).encode()
+                    header += b" " * (-len(header) % 8)  # the tensors' bytes start 8-byte aligned, as safetensors'
+                    os.makedirs(output_dir, exist_ok=True)
+                    stream = open(os.path.join(output_dir, file), "wb")
+                    stream.write(len(header).to_bytes(8, "little") + header)
+                except Exception as e:
+                    error = e
+            for name in names:
+                tensor = saved[name]
+                if hasattr(tensor, "full_tensor"):  # a shard: gathered where the group's collectives run
+                    tensor = tensor.to(tensor.device_mesh.device_type).full_tensor()
+                if stream is not None and error is None:
+                    try:
+                        stream.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+                    except Exception as e:
+                        error = e
+            if stream is not None:
+                stream.close()
+        if error is not None:
+            raise RunError(f"could not save the trained model to {output_dir} ({describe(error)})")
+        if get_rank() == 0:
+            if split.is_sharded:
+                with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+            model.config.dtype = str(model.dtype).split(".")[1]  # what save_pretrained records with the weights
+            model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+            model.config.save_pretrained(output_dir)
+            if model.can_generate():
+                model.generation_config.save_pretrained(output_dir)
+            tokenizer.save_pretrained(output_dir)
+            if not is_saved_model(output_dir):
+                raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are "
+                               "missing after saving")
 
 
 # ---- Run folders, checkpoints and exact resume -----------------------------------------------------------------------

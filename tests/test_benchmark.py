@@ -291,7 +291,8 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine\n"
 
 
-@pytest.mark.parametrize("script", ["compare_algorithms.py", "logprob_memory.py", "multigpu_timing.py", "resume_check.py",
+@pytest.mark.parametrize("script", ["compare_algorithms.py", "logprob_memory.py", "multigpu_memory.py", "multigpu_timing.py",
+                                    "resume_check.py",
                                     "step_timing.py", "trl_baseline.py", "trl_side_by_side.py", "vllm_sampling_seeds.py",
                                     "vllm_timing.py", "launch.py", "plot.py", "judge.py"])
 def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path):
@@ -305,6 +306,22 @@ def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path)
     if script == "trl_baseline.py":
         check_one_line_error(run_script(os.path.join(ROOT, "benchmark", script), "--bogus", cwd=tmp_path),
                              "TRL is not installed in this Python", ".venv-trl/bin/python")
+
+
+def test_the_memory_benchmark_reads_each_process_s_own_peak(tmp_path):
+    """multigpu_memory.py on a small model: a peak per process of each run, from the process itself (getrusage), and
+    a run of 2 processes whose every process holds less than the single process (each has half the model)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "multigpu_memory.py"), "--hidden_size", "512",
+                           "--num_layers", "4", "--intermediate_size", "2048", "--output", "out.json"], cwd=tmp_path,
+                          env=run_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "out.json") as f:
+        runs = json.load(f)["results"]["now"]
+    single, (rank0, rank1) = runs["1"]["peaks"][0], runs["2"]["peaks"]
+    assert 300 < rank0 < single and 300 < rank1 < single, runs
+    assert "| now | 2 |" in proc.stdout
+    check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "multigpu_memory.py"), "--processes", "2",
+                                    cwd=tmp_path), "--processes must start with 1")
 
 
 @pytest.mark.parametrize("experiment, scripts", [("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
