@@ -1069,7 +1069,8 @@ def checkpoint_weights(path: str) -> Optional[tuple[str, dict]]:
         for file in files:
             with safe_open(os.path.join(folder, file), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                    tensor = f.get_slice(name)
+                    tensors[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
     except Exception as e:  # a missing shard, a damaged file
         raise UsageError(f"could not load {path} ({describe(e)})") from None
     return folder, tensors
@@ -1083,10 +1084,10 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
     """auto_class.from_pretrained(path, dtype=dtype, **config_kwargs), but on the meta device (no memory), to be sharded
     and then filled by load_shards, so that no process holds the whole model: each reads its own slices of path's
     safetensors files. Where the files hold other tensors than the model's, renamed at most (experts that
-    transformers fuses on load, a .gguf file), rank 0 loads the model whole here and load_shards sends each process its
-    shards. weights=False: the
-    weights come from elsewhere (a checkpoint to resume) and are not read. The model's `missing_weights`: those path
-    does not hold, which from_pretrained would initialise anew (rank 0's, where rank 0 loads it; none when streamed)."""
+    transformers fuses on load, a .gguf file), rank 0 loads the model whole here and load_shards sends each process
+    its shards. weights=False: the weights come from elsewhere (a checkpoint to resume) and are not read. The model's
+    `missing_weights`: those path does not hold, which from_pretrained would initialise anew (rank 0's, where rank 0
+    loads it; none when streamed); its `saved_names`: each weight's name in the files (None: not a renaming)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, GenerationConfig
     from transformers.core_model_loading import revert_weight_conversion
@@ -1111,12 +1112,12 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
     state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
     name_of = {id(tensor): name for name, tensor in state.items()}
     saved_as = {name_of.get(id(tensor)): saved for saved, tensor in revert_weight_conversion(model, dict(state)).items()}
-    streamed = found is not None and saved_as.keys() == state.keys() and all(  # (renamed only, never converted)
+    # (kept for save_sharded_model: once sharded, the model's classes are FSDP's, for which transformers knows no names)
+    model.saved_names = saved_as if saved_as.keys() == state.keys() else None  # None: tensors converted, not renamed
+    streamed = found is not None and model.saved_names is not None and all(
         found[1].get(saved_as[name], (None,))[0] == tuple(tensor.shape) for name, tensor in state.items())
     model.pretrained_weights = None
     model.missing_weights = []
-    # (kept for save_sharded_model: once sharded, the model's classes are FSDP's, for which transformers knows no names)
-    model.saved_names = saved_as if saved_as.keys() == state.keys() else None
     if weights and streamed:
         model.pretrained_weights = (found[0], saved_as)
     elif weights:
@@ -1159,18 +1160,32 @@ def load_shards(model, device) -> None:
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
+def safetensors_header(shapes: dict) -> bytes:
+    """The start of a safetensors file whose tensors (meta tensors: their shapes and dtypes) follow in this order: a
+    little-endian u64 length, then the JSON header of each tensor's dtype, shape and byte range, padded with spaces so
+    that the tensors' bytes start 8-byte aligned, as safetensors writes it."""
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in shapes.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(header, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header
+
+
 def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = "5GB") -> None:
     """save_pretrained's folder (config, generation config, safetensors weights in files of at most max_shard_size and
     their index, the tokenizer) of a sharded empty_model, under the names save_pretrained gives the weights, without
     any process holding the whole model: the weights are gathered one tensor at a time (every process takes part)
-    and rank 0 appends each to its file, whose header it wrote first from the shapes (the safetensors format: a
-    little-endian u64 header length, the JSON header, the tensors' bytes). A model that transformers saves as other
-    tensors (fused experts, split again) is gathered on rank 0 and saved by save_pretrained. A collective: every
-    process calls it; a failure on rank 0 still goes through every gather, then stops all of them."""
+    and rank 0 appends each to its file, whose header it wrote first from the shapes. A model that transformers saves
+    as other tensors (fused experts, split again) is gathered on rank 0 and saved by save_pretrained. A collective:
+    every process calls it; a failure on rank 0 still goes through every gather, then stops all of them."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if getattr(model, "saved_names", None) is None:  # saved as other tensors than the model's (experts split apart)
+    if model.saved_names is None:  # saved as other tensors than the model's (experts split apart)
         save_model(output_dir, model, tokenizer, get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
         return
@@ -1179,24 +1194,15 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
     shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in saved.items()}
     split = split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
     error = None
     with agreed():
         for file, names in split.filename_to_tensors.items():
             stream = None
             if get_rank() == 0 and error is None:
                 try:
-                    header, offset = {"__metadata__": {"format": "pt"}}, 0
-                    for name in names:
-                        size = shapes[name].numel() * shapes[name].element_size()
-                        header[name] = {"dtype": dtype_names[shapes[name].dtype], "shape": list(shapes[name].shape),
-                                        "data_offsets": [offset, offset + size]}
-                        offset += size
-                    header = json.dumps(header, separators=(",", ":")).encode()
-                    header += b" " * (-len(header) % 8)  # the tensors' bytes start 8-byte aligned, as safetensors'
                     os.makedirs(output_dir, exist_ok=True)
                     stream = open(os.path.join(output_dir, file), "wb")
-                    stream.write(len(header).to_bytes(8, "little") + header)
+                    stream.write(safetensors_header({name: shapes[name] for name in names}))
                 except Exception as e:
                     error = e
             for name in names:
