@@ -41,26 +41,24 @@ from typing import Annotated, Literal, NamedTuple, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import torch.utils.checkpoint
 import tyro
 from rich.console import Console
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, builds_own_positions,
-                        call_reward_func, check_args, check_skipped_steps, claim_run, clip_bounds, content_text,
-                        embedded_model, image_column, image_prompt_rows, image_token_ids, images_batch,
-                        is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype, open_logger,
-                        parse_args, policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
-                        reward_model_inputs, reward_sources, set_rng_states, show_samples,
+from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, adapter_disabled, add_adapter,
+                        batch_sizes, builds_own_positions, call_reward_func, check_args, check_skipped_steps, claim_run,
+                        clip_bounds, content_text, embedded_model, image_column, image_prompt_rows, image_token_ids,
+                        images_batch, is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype,
+                        open_logger, parse_args, policy_class, prompt_batches, report_one_line_error, resume_point,
+                        resumed_counters, reward_model_inputs, reward_sources, set_rng_states, show_samples,
                         stop_after_update_on_signals, stopped_message, vision_inputs)
 from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, empty_model,
-                        end_processes, generation_configs, launch_world_size, load_shards, load_sharded_checkpoint,
-                        pad_completions, rng_states_of_every_process, sampling_options, sampling_seeds,
-                        save_sharded_model, text_prompts)
+                        end_processes, generation_configs, launch_world_size, load_sharded_checkpoint, load_shards,
+                        merged_weights, pad_completions, rng_states_of_every_process, sampling_options, sampling_seeds,
+                        save_sharded_checkpoint, save_sharded_model, text_prompts, transformers_model, whole)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -100,6 +98,28 @@ class Args:
     """the split the sample completions are drawn from (train prompts are used if it does not exist)"""
     max_prompt_length: int = 256
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
+
+    # LoRA adapters (peft; TRL's ModelConfig names)
+    use_peft: bool = False
+    """train LoRA adapters (Hu et al. 2021) on the frozen policy instead of all its weights: AdamW's states and the
+    gradients are the adapters' only, and the reference is the policy with its adapter disabled (no copy of the model)"""
+    lora_r: int = 16
+    """rank r of each adapter B A"""
+    lora_alpha: int = 32
+    """each adapter adds (alpha / r) B A to its layer's weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in the update's forward (TRL's default is 0.05; 0 here, as the model's own
+    dropout is always off: the update's log-probs are then those of the policy that sampled)"""
+    lora_target_modules: Optional[list[str]] = None
+    """names of the linear layers that get adapters (e.g. q_proj v_proj), or all-linear (every one but the output
+    layer); None: peft's default for the architecture (Llama, Qwen: q_proj v_proj)"""
+    lora_modules_to_save: Optional[list[str]] = None
+    """layers trained in full next to the adapters (e.g. lm_head), saved with them"""
+    use_dora: bool = False
+    """DoRA (Liu et al. 2024): each adapted weight is a trained magnitude times the direction of W + (alpha / r) B A"""
+    save_merged_model: bool = False
+    """also save the policy with its adapter merged into its weights, a plain transformers model (e.g. for serving with
+    vLLM), to <output_dir>/merged; the adapter folder is <output_dir>"""
 
     # Reward
     reward_model_path: Optional[str] = None
@@ -259,7 +279,7 @@ class Args:
 
 # Options a resumed run may change: none of them alters what is computed.
 RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
-                     "wandb_project_name", "wandb_entity", "output_dir", "ddp_timeout",
+                     "wandb_project_name", "wandb_entity", "output_dir", "save_merged_model", "ddp_timeout",
                      # where the server is changes no sample
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
                      "vllm_server_weight_transfer",
@@ -555,17 +575,24 @@ def main(args: Args) -> None:
     with agreed():
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
         policy_path = args.sft_model_path or args.model_name_or_path
-        policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype), weights=checkpoint is None)
-        ref_policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype)) if args.beta > 0 else None
+        policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype),
+                             weights=checkpoint is None or args.use_peft)  # (a LoRA checkpoint holds the adapter only)
+        ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype))
+                      if args.beta > 0 and not args.use_peft else None)
         reward_model = load_reward_model(args.reward_model_path, sharded=True) if args.reward_model_path else None
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
+    # With --use_peft the reference is the policy itself with its adapter disabled: the frozen weights, no copy
+    if args.use_peft:
+        policy = add_adapter(policy, args)
+        ref_policy = policy if args.beta > 0 else None
     mesh = init_device_mesh(device.type, (world_size,))
-    for model in (policy, ref_policy, reward_model):
-        if model is not None:
-            shard(model, mesh, args.bf16, args.fsdp_cpu_offload).requires_grad_(model is policy)  # only the policy learns
+    for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
+        shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
+        if model is not policy:  # only the policy learns
+            model.requires_grad_(False)
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
     never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy
@@ -573,7 +600,7 @@ def main(args: Args) -> None:
         generation_config, greedy_config = (sampling_options(args, stop_ids, greedy, never_sampled) for greedy in (False, True))
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps)
     if checkpoint is not None:
         load_sharded_checkpoint(checkpoint, policy, optimizer)
@@ -651,6 +678,7 @@ def main(args: Args) -> None:
         return torch.stack(per_source, 1).to(device), texts
 
     def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images) -> torch.Tensor:
+        model.eval()  # no adapter dropout: the sampling policy's log-probs
         chunk = args.local_rollout_forward_batch_size
         with torch.no_grad(), autocast():
             return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
@@ -675,10 +703,8 @@ def main(args: Args) -> None:
         show_samples(console, logger, rows, step)
 
     def save_weights(folder: str) -> None:
-        """The policy and optimizer state of a checkpoint: every process writes its shards (torch.distributed.checkpoint,
-        which fsyncs them)."""
-        model_state, optimizer_state = get_state_dict(policy, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(folder, "dcp"))
+        """The policy and optimizer state of a checkpoint: every process writes its shards."""
+        save_sharded_checkpoint(folder, policy, optimizer)
 
     def run_state(update: int) -> dict:
         """The training state after `update`: all a checkpoint holds but the weights, optimizer and scheduler (RunGuard
@@ -731,7 +757,7 @@ def main(args: Args) -> None:
             with timer("old_logprobs"):
                 old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)
         if ref_policy is not None:
-            with timer("reference_forward"):
+            with timer("reference_forward"), adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (b, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
@@ -899,7 +925,9 @@ def main(args: Args) -> None:
     progress.stop()
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    save_sharded_model(output_dir, policy, processor or tokenizer)
+    save_sharded_model(output_dir, policy, processor or tokenizer)  # with --use_peft: the adapter
+    if args.save_merged_model:
+        save_sharded_model(os.path.join(output_dir, "merged"), policy, processor or tokenizer, merged=True)
     if server is not None:
         server.close()
     RunGuard.active = None  # the model is saved: nothing left to rescue
@@ -946,10 +974,11 @@ def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool
     if hasattr(model, "score"):
         fully_shard(getattr(model, model.base_model_prefix), **options)
         fully_shard(model.score, **options)
-    fully_shard(model, **options)
+    root = transformers_model(model)  # (not a peft wrapper, whose forward generate goes around)
+    fully_shard(root, **options)
     load_shards(model, "cpu" if cpu_offload else mesh.device_type)  # the weights of an empty_model, each process its own
     if getattr(model.config, "vision_config", None) is not None:  # generate runs a VLM's vision tower before the model's
-        model._get_fsdp_state()._lazy_init()  # forward, and FSDP2 makes the first unit to run the root: fix it now
+        root._get_fsdp_state()._lazy_init()  # forward, and FSDP2 makes the first unit to run the root: fix it now
     for module in model.modules():
         if isinstance(module, FSDPModule):  # a plain sum (gloo has no pre-multiplied sum), divided by 1
             module.set_gradient_divide_factor(1.0)
@@ -964,8 +993,8 @@ def gathered(model: torch.nn.Module, enabled: bool):
     if not enabled:
         yield
         return
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    model.set_reshard_after_forward(False)
+    units, root = [m for m in model.modules() if isinstance(m, FSDPModule)], transformers_model(model)
+    root.set_reshard_after_forward(False)
     for unit in units:
         unit.unshard()
     try:
@@ -973,8 +1002,8 @@ def gathered(model: torch.nn.Module, enabled: bool):
     finally:
         for unit in units:
             unit.reshard()
-        model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
+        root.set_reshard_after_forward(True)
+        root.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
 
 
 def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
@@ -1010,12 +1039,11 @@ def reduce_micro_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, list[f
 # ---- The vLLM server of rloo_vllm.py: sampling, weight sync, and the sampler-trainer mismatch ------------------------
 def weights_for_vllm(policy):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
-    (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently). Its items()
-    gathers the shards one tensor at a time: a collective, through which every process must go, tensor for tensor,
+    (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
+    adapter merged into its weights (the trained copy unchanged). Its items() gathers the shards one tensor at a time: a collective, through which every process must go, tensor for tensor,
     while rank 0 sends them; the whole model is never on one device. With --fsdp_cpu_offload the shards are in CPU
     memory: each goes to the GPU to be gathered there (over NCCL, as torch's own full state dict does)."""
-    return types.SimpleNamespace(items=lambda: ((name, tensor.to(tensor.device_mesh.device_type).full_tensor())
-                                                for name, tensor in policy.state_dict().items()))
+    return types.SimpleNamespace(items=lambda: merged_weights(policy, gather=whole))
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:

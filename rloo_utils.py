@@ -211,6 +211,7 @@ def check_args(args, world_size: int = 1) -> None:
     if args.epsilon is not None and args.epsilon >= 1:
         raise UsageError(f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}")
     check_estimator_and_loss(args)
+    check_adapter_args(args)
     if args.num_generations < 2:
         raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
     batch_size, _, num_updates = batch_sizes(args, world_size)
@@ -1138,26 +1139,40 @@ def load_shards(model, device) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    if "pretrained_weights" not in model.__dict__:  # loaded whole (from_pretrained), then sharded: its shards are filled
+    if "pretrained_weights" not in transformers_model(model).__dict__:  # loaded whole, then sharded: its shards are filled
         return
-    source = model.__dict__.pop("pretrained_weights")
+    source = transformers_model(model).__dict__.pop("pretrained_weights")
     buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None]
     model.to_empty(device=device)
     for module, name, b in buffers:  # computed at build and on the device FSDP put them on: to_empty left them blank
         module._buffers[name] = b
-    if source is None:  # filled by the caller (a resumed checkpoint)
-        return
-    folder, saved_as_or_full = source
-    if folder is not None:  # saved_as: the model's name of each weight -> its name in the files
-        state = get_model_state_dict(model)
-        in_files = {saved: state[name] for name, saved in saved_as_or_full.items()}
-        dcp.load(in_files, storage_reader=dcp.HuggingFaceStorageReader(folder),
-                 planner=DefaultLoadPlanner(allow_partial_load=True))  # (the files' other tensors: a tied head's copy)
-        set_model_state_dict(model, {name: in_files[saved] for name, saved in saved_as_or_full.items()},
-                             options=StateDictOptions(strict=False))
-    else:
-        set_model_state_dict(model, saved_as_or_full if get_rank() == 0 else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if source is not None:  # (None: filled by the caller, from a resumed checkpoint)
+        folder, saved_as_or_full = source  # keyed by the names of the model without adapters (plain_name)
+        names = {name: plain_name(name) for name in get_model_state_dict(model)}
+        if folder is not None:  # saved_as: the model's name of each weight -> its name in the files
+            state = get_model_state_dict(model)
+            saved_as = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in saved_as_or_full}
+            in_files = {saved: state[name] for name, saved in saved_as.items()}
+            dcp.load(in_files, storage_reader=dcp.HuggingFaceStorageReader(folder),
+                     planner=DefaultLoadPlanner(allow_partial_load=True))  # (the files' other tensors: a tied head's copy)
+            set_model_state_dict(model, {name: in_files[saved] for name, saved in saved_as.items()},
+                                 options=StateDictOptions(strict=False))
+        else:
+            full = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in saved_as_or_full}
+            set_model_state_dict(model, full if get_rank() == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    if getattr(model, "adapter_init", None) is not None:  # LoRA adapters drawn at build, the same on every process
+        set_model_state_dict(model, model.adapter_init, options=StateDictOptions(full_state_dict=True, strict=False))
+        with torch.no_grad():  # DoRA's magnitudes: the row norms of the weights now read (both sharded by rows)
+            for module in model.modules():
+                if getattr(module, "use_dora", {}).get("default"):
+                    module.lora_magnitude_vector["default"].weight.copy_(
+                        torch.linalg.norm(module.get_base_layer().weight, dim=1))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A shard (DTensor) gathered whole, where the group's collectives run (a collective); any other tensor as it is."""
+    return tensor.to(tensor.device_mesh.device_type).full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def safetensors_header(shapes: dict) -> bytes:
@@ -1175,22 +1190,33 @@ def safetensors_header(shapes: dict) -> bytes:
     return len(header).to_bytes(8, "little") + header
 
 
-def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = "5GB") -> None:
+def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = "5GB", merged: bool = False) -> None:
     """save_pretrained's folder (config, generation config, safetensors weights in files of at most max_shard_size and
     their index, the tokenizer) of a sharded empty_model, under the names save_pretrained gives the weights, without
     any process holding the whole model: the weights are gathered one tensor at a time (every process takes part)
     and rank 0 appends each to its file, whose header it wrote first from the shapes. A model that transformers saves
     as other tensors (fused experts, split again) is gathered on rank 0 and saved by save_pretrained. A collective:
-    every process calls it; a failure on rank 0 still goes through every gather, then stops all of them."""
+    every process calls it; a failure on rank 0 still goes through every gather, then stops all of them. A peft model
+    saves its adapter, or with merged=True the model with the adapter merged into its weights."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if model.saved_names is None:  # saved as other tensors than the model's (experts split apart)
-        save_model(output_dir, model, tokenizer, get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    if is_peft_model(model) and not merged:  # the adapter: small, gathered whole
+        trained = trained_names(model)
+        save_model(output_dir, model, tokenizer, {name: whole(t).cpu() for name, t in get_model_state_dict(model).items()
+                                                  if name in trained})
         return
-    state = get_model_state_dict(model)
-    saved = {saved_name: state[name] for name, saved_name in model.saved_names.items()}  # a tied weight once
+    saved_names, layers = transformers_model(model).saved_names, adapter_layers(model)
+    if saved_names is None:  # saved as other tensors than the model's (experts split apart): whole on rank 0
+        state = {}
+        for name, tensor in merged_weights(model, whole):
+            if get_rank() == 0:
+                state[name] = tensor.cpu()
+        save_model(output_dir, model, tokenizer, state, merged=True)
+        return
+    state = plain_state_dict(model)
+    plain = {saved_name: name for name, saved_name in saved_names.items()}
+    saved = {saved_name: state[name] for name, saved_name in saved_names.items()}  # a tied weight once
     shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in saved.items()}
     split = split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
@@ -1206,9 +1232,9 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
                 except Exception as e:
                     error = e
             for name in names:
-                tensor = saved[name]
-                if hasattr(tensor, "full_tensor"):  # a shard: gathered where the group's collectives run
-                    tensor = tensor.to(tensor.device_mesh.device_type).full_tensor()
+                tensor = whole(saved[name])
+                if plain[name] in layers:  # its adapter merged in
+                    tensor = merged_weight(layers[plain[name]], tensor, whole)
                 if stream is not None and error is None:
                     try:
                         stream.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
@@ -1223,7 +1249,7 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
                 with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
                     json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
             model.config.dtype = str(model.dtype).split(".")[1]  # what save_pretrained records with the weights
-            model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+            model.config.architectures = [type(transformers_model(model)).__name__.removeprefix("FSDP")]
             model.config.save_pretrained(output_dir)
             if model.can_generate():
                 model.generation_config.save_pretrained(output_dir)
@@ -1231,6 +1257,169 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
             if not is_saved_model(output_dir):
                 raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are "
                                "missing after saving")
+
+
+# ---- LoRA adapters (peft): the policy trains low-rank adapters on its frozen weights -----------------------------------
+LORA_OPTIONS = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_dora",
+                "save_merged_model"]
+
+
+def check_adapter_args(args) -> None:
+    """The LoRA options: only with --use_peft, in range, and never a reward model that is the policy's own weights."""
+    defaults = {field.name: field.default for field in fields(args)}
+    given = [f"--{name}" for name in LORA_OPTIONS if getattr(args, name) != defaults[name]]
+    if given and not args.use_peft:
+        raise UsageError(f"{' '.join(given)} set{'s' if len(given) == 1 else ''} up LoRA adapters, which --use_peft "
+                         "turns on: add --use_peft, or leave them out")
+    if not args.use_peft:
+        return
+    if args.lora_r < 1 or not args.lora_alpha > 0:
+        raise UsageError(f"--lora_r must be >= 1 and --lora_alpha > 0, got {args.lora_r} and {args.lora_alpha}")
+    if not 0 <= args.lora_dropout < 1:
+        raise UsageError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.lora_target_modules == []:
+        raise UsageError("--lora_target_modules is empty: name the layers that get adapters (or all-linear), or leave "
+                         "it out for peft's default of the architecture")
+    policy = args.sft_model_path or args.model_name_or_path
+    if args.reward_model_path is not None and same_path(args.reward_model_path, policy):
+        raise UsageError(f"--reward_model_path {args.reward_model_path} is the policy's own model: with --use_peft the "
+                         "policy's weights are the base its adapter trains on, not a reward model; give a sequence "
+                         "classifier trained to score completions")
+
+
+def same_path(a: str, b: str) -> bool:
+    return a == b or looks_local(a) and looks_local(b) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def is_peft_model(model) -> bool:
+    return "peft" in sys.modules and isinstance(model, sys.modules["peft"].PeftModel)
+
+
+def transformers_model(model):
+    """The transformers model itself, or the one a peft adapter wraps (its modules hold the adapter layers)."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def add_adapter(model, args):
+    """--use_peft: the model frozen, with LoRA adapters (Hu et al. 2021; DoRA, Liu et al. 2024, with --use_dora) on the
+    layers --lora_target_modules names (peft's get_peft_model). The adapters are drawn from --seed alone, as peft draws
+    them (A: Kaiming-uniform, B = 0, so that the policy starts as the model), the same in every script and process.
+    Of a model built empty (empty_model) they are drawn on the CPU and kept in `adapter_init` for load_shards, which
+    also computes DoRA's magnitudes (the row norms of the weights) once the weights are read."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer, Linear
+
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=targets[0] if targets and len(targets) == 1 else targets,  # "all-linear", as TRL
+                        modules_to_save=args.lora_modules_to_save,
+                        use_dora=args.use_dora, task_type="CAUSAL_LM")
+    where = args.sft_model_path or args.model_name_or_path
+    try:
+        model = get_peft_model(model, config)
+    except (ValueError, KeyError, TypeError) as e:  # no layer matched; an architecture peft has no default for
+        targets = " ".join(args.lora_target_modules or ["(peft's default)"])
+        raise UsageError(f"--lora_target_modules {targets} gives {where} no adapter ({describe(e)}): name its linear "
+                         "layers (e.g. q_proj v_proj), or all-linear") from None
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    others = sorted(f"{name} ({type(module.get_base_layer()).__name__})" for name, module in layers.items()
+                    if not isinstance(module, Linear))
+    if others:
+        raise UsageError(f"--lora_target_modules gives adapters to layers that are not linear: {', '.join(others[:3])}; "
+                         "only linear layers take them here (merged into the weights vLLM samples from): leave those out")
+    built_empty = any(p.is_meta for p in model.parameters())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        for module in layers.values():
+            if built_empty:
+                module.lora_A.to_empty(device="cpu")
+                module.lora_B.to_empty(device="cpu")
+            module.reset_lora_parameters("default", True)
+    if built_empty:
+        model.adapter_init = {name: p.detach().clone() for name, p in model.named_parameters()
+                              if ".lora_A." in name or ".lora_B." in name}
+    return model
+
+
+def adapter_disabled(model):
+    """The base model for the duration of the block: a peft model with its adapters off (the reference of --use_peft)."""
+    return model.disable_adapter() if is_peft_model(model) else contextlib.nullcontext()
+
+
+def plain_name(name: str) -> str:
+    """A peft model's weight name as the model without adapters names it."""
+    name = name.removeprefix("base_model.model.")
+    for part in (".base_layer", ".original_module", ".modules_to_save.default"):
+        name = name.replace(part, "")
+    return name
+
+
+def plain_state_dict(model) -> dict:
+    """state_dict() under the names of the model without adapters: of a peft model the base weights (where an adapter
+    sits, the weight before merging; a --lora_modules_to_save layer's trained copy), without the adapters' own."""
+    if not is_peft_model(model):
+        return model.state_dict()
+    return {plain_name(name): tensor for name, tensor in model.state_dict().items()
+            if ".lora_" not in name and ".original_module." not in name}
+
+
+def adapter_layers(model) -> dict:
+    """{plain name of a weight: the LoRA layer whose adapter merges into it}."""
+    if not is_peft_model(model):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    return {plain_name(f"{name}.weight"): m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged_weight(layer, weight: torch.Tensor, gather: Callable = lambda t: t) -> torch.Tensor:
+    """W + (alpha / r) B A of a LoRA layer, from its whole base weight; DoRA: m (W + s B A) / ||W + s B A|| row by row
+    (Liu et al. 2024, eq. 5), as peft merges them. gather: a shard -> the whole tensor. The layer is not changed (peft's
+    merge_adapter would add and later subtract the delta in place, which rounds the trained weights)."""
+    A, B = gather(layer.lora_A["default"].weight.detach()), gather(layer.lora_B["default"].weight.detach())
+    delta = (B.float() @ A.float()) * layer.scaling["default"]  # (out, in)
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    merged = weight.float() + delta
+    if layer.use_dora["default"]:
+        magnitude = gather(layer.lora_magnitude_vector["default"].weight.detach()).float()  # (out,)
+        merged = merged * (magnitude / merged.norm(dim=1)).view(-1, 1)
+    return merged.to(weight.dtype)
+
+
+def merged_weights(model, gather: Callable = lambda t: t):
+    """(name, tensor) of every weight of the model as a plain transformers model, its adapters merged in, one tensor at
+    a time (of sharded weights, each gathered: a collective every process goes through in the same order)."""
+    layers = adapter_layers(model)
+    for name, tensor in plain_state_dict(model).items():
+        tensor = gather(tensor.detach())
+        yield name, merged_weight(layers[name], tensor, gather) if name in layers else tensor
+
+
+def trained_names(model) -> Optional[set]:
+    """The weights a checkpoint holds of a peft model: its adapters (and --lora_modules_to_save layers), the frozen
+    base being read again from the model's files; None: all of them."""
+    return {name for name, p in model.named_parameters() if p.requires_grad} if is_peft_model(model) else None
+
+
+def load_checkpoint_weights(policy, folder: str) -> None:
+    """The policy weights of a rloo.py / rloo_vllm.py checkpoint, saved by save_pretrained: a whole model, or a peft
+    model's adapter (adapter_model.safetensors), each checked to fit the policy exactly."""
+    if not is_peft_model(policy):
+        policy.load_state_dict(from_pretrained(type(policy), folder).state_dict())
+        return
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        adapter = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    except Exception as e:
+        raise UsageError(f"could not load the adapter of {folder} ({describe(e)})") from None
+    result = set_peft_model_state_dict(policy, adapter)
+    missing = sorted(name for name in result.missing_keys if name in trained_names(policy))
+    if missing or result.unexpected_keys:
+        raise UsageError(f"the adapter of {folder} does not fit the policy (missing {missing[:2]}, unexpected "
+                         f"{result.unexpected_keys[:2]}): resume with the --lora_* options the run was started with")
 
 
 # ---- Run folders, checkpoints and exact resume -----------------------------------------------------------------------
@@ -1330,18 +1519,23 @@ def claim_output_dir(output_dir: str, run_dir: str) -> bool:
 
 
 def is_saved_model(folder: str) -> bool:
-    """What save_pretrained writes: config.json and the weights (one file, or an index of shards)."""
-    return os.path.isfile(os.path.join(folder, "config.json")) and any(
-        os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+    """What save_pretrained writes: config.json and the weights (one file, or an index of shards), or a peft adapter."""
+    exists = lambda *names: all(os.path.isfile(os.path.join(folder, name)) for name in names)  # noqa: E731
+    return (exists("config.json") and (exists("model.safetensors") or exists("model.safetensors.index.json"))
+            or exists("adapter_config.json", "adapter_model.safetensors"))
 
 
-def save_model(output_dir: str, policy, tokenizer, state_dict: Optional[dict] = None) -> None:
+def save_model(output_dir: str, policy, tokenizer, state_dict: Optional[dict] = None, merged: bool = False) -> None:
     """save_pretrained (of `state_dict`, the whole of a sharded policy, when given) by rank 0, checked: transformers
-    only logs a warning when it cannot write the folder."""
+    only logs a warning when it cannot write the folder. A peft model saves its adapter, or with merged=True the
+    transformers model with the adapter merged into its weights (merged_weights)."""
+    if merged and state_dict is None:
+        state_dict = dict(merged_weights(policy))
+    model = transformers_model(policy) if merged else policy
     with agreed():
         if get_rank() == 0:
             try:
-                policy.save_pretrained(output_dir, state_dict=state_dict)
+                model.save_pretrained(output_dir, state_dict=state_dict)
                 tokenizer.save_pretrained(output_dir)
             except Exception as e:
                 raise RunError(f"could not save the trained model to {output_dir} ({describe(e)})") from None
@@ -1589,21 +1783,38 @@ def resumed_counters(training_state: Optional[dict]) -> tuple[int, int, int, int
             *(training_state[k] for k in ("skipped_steps", "skipped_in_a_row", "seconds")))
 
 
+def sharded_training_state(policy, optimizer) -> tuple[dict, dict]:
+    """The policy's (a peft model's adapter only: trained_names) and the optimizer's state dicts of shards."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(policy, optimizer)
+    trained = trained_names(policy)
+    return {k: v for k, v in model_state.items() if trained is None or k in trained}, optimizer_state
+
+
+def save_sharded_checkpoint(folder: str, policy, optimizer) -> None:
+    """The policy and optimizer state of a checkpoint: every process writes its shards (torch.distributed.checkpoint,
+    which fsyncs them)."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optimizer_state = sharded_training_state(policy, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(folder, "dcp"))
+
+
 def load_sharded_checkpoint(checkpoint: str, policy, optimizer) -> None:
     """The sharded policy and optimizer state of a checkpoint (torch.distributed.checkpoint shards in dcp/), each
     process reading its own shards."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    model_state, optimizer_state = get_state_dict(policy, optimizer)
+    model_state, optimizer_state = sharded_training_state(policy, optimizer)
     # A weight that never had a gradient (a VLM's vision layers after the one it reads) has no AdamW state to load
     saved = dcp.FileSystemReader(os.path.join(checkpoint, "dcp")).read_metadata().state_dict_metadata
     optimizer_state["state"] = {name: values for name, values in optimizer_state["state"].items()
                                 if all(f"optimizer.state.{name}.{key}" in saved for key in values)}
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp"))
-    set_model_state_dict(policy, state["model"])
+    set_model_state_dict(policy, state["model"], options=StateDictOptions(strict=trained_names(policy) is None))
     set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
 
 
@@ -1860,7 +2071,7 @@ def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
         weights = iter(())
 
         def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
-            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in policy.state_dict().items()]
+            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in plain_state_dict(policy).items()]
 
         def __iter__(self):
             return ((k, v.detach()) for k, v in self.weights)
@@ -2053,7 +2264,7 @@ class VLLMServer:
         else:
             from safetensors.torch import save_file
 
-            needed = sum(v.numel() * v.element_size() for v in policy.state_dict().values())
+            needed = sum(v.numel() * v.element_size() for v in plain_state_dict(policy).values())
             free = shutil.disk_usage(self.folder.name).free
             if free < needed:
                 raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "

@@ -27,6 +27,7 @@ import signal
 import statistics
 import sys
 import time
+import types
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Annotated, Literal, NamedTuple, Optional
@@ -38,15 +39,16 @@ import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
-from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, batch_sizes, builds_own_positions,
-                        call_reward_func, check_args, check_skipped_steps, claim_run, clip_bounds, content_text,
-                        embedded_model, from_pretrained, image_column, image_prompt_rows, image_token_ids, images_batch,
-                        is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype, open_logger,
-                        parse_args, policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
-                        reward_model_inputs, reward_sources, save_model, set_rng_states, show_samples,
-                        stop_after_update_on_signals, stopped_message, vision_inputs)
-from rloo_utils import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, pad_completions, rng_states,
-                        row_images, sampling_options, sampling_seeds, start_colocated_engine, text_prompts)
+from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, adapter_disabled, add_adapter,
+                        batch_sizes, builds_own_positions, call_reward_func, check_args, check_skipped_steps, claim_run,
+                        clip_bounds, content_text, embedded_model, from_pretrained, image_column, image_prompt_rows,
+                        image_token_ids, images_batch, is_chat, left_pad, load_checkpoint_weights, load_datasets,
+                        load_reward_model, load_tokenizers, model_dtype, open_logger, parse_args, policy_class,
+                        prompt_batches, report_one_line_error, resume_point, resumed_counters, reward_model_inputs,
+                        reward_sources, save_model, set_rng_states, show_samples, stop_after_update_on_signals,
+                        stopped_message, vision_inputs)
+from rloo_utils import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, merged_weights, pad_completions,
+                        rng_states, row_images, sampling_options, sampling_seeds, start_colocated_engine, text_prompts)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -86,6 +88,28 @@ class Args:
     """the split the sample completions are drawn from (train prompts are used if it does not exist)"""
     max_prompt_length: int = 256
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
+
+    # LoRA adapters (peft; TRL's ModelConfig names)
+    use_peft: bool = False
+    """train LoRA adapters (Hu et al. 2021) on the frozen policy instead of all its weights: AdamW's states and the
+    gradients are the adapters' only, and the reference is the policy with its adapter disabled (no copy of the model)"""
+    lora_r: int = 16
+    """rank r of each adapter B A"""
+    lora_alpha: int = 32
+    """each adapter adds (alpha / r) B A to its layer's weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in the update's forward (TRL's default is 0.05; 0 here, as the model's own
+    dropout is always off: the update's log-probs are then those of the policy that sampled)"""
+    lora_target_modules: Optional[list[str]] = None
+    """names of the linear layers that get adapters (e.g. q_proj v_proj), or all-linear (every one but the output
+    layer); None: peft's default for the architecture (Llama, Qwen: q_proj v_proj)"""
+    lora_modules_to_save: Optional[list[str]] = None
+    """layers trained in full next to the adapters (e.g. lm_head), saved with them"""
+    use_dora: bool = False
+    """DoRA (Liu et al. 2024): each adapted weight is a trained magnitude times the direction of W + (alpha / r) B A"""
+    save_merged_model: bool = False
+    """also save the policy with its adapter merged into its weights, a plain transformers model (e.g. for serving with
+    vLLM), to <output_dir>/merged; the adapter folder is <output_dir>"""
 
     # Reward
     reward_model_path: Optional[str] = None
@@ -249,7 +273,7 @@ class Args:
 
 # Options a resumed run may change: none of them alters what is computed.
 RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
-                     "wandb_project_name", "wandb_entity", "output_dir",
+                     "wandb_project_name", "wandb_entity", "output_dir", "save_merged_model",
                      # where the server is and how much memory the engine takes change no sample
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
                      "vllm_server_weight_transfer",
@@ -539,11 +563,14 @@ def main(args: Args) -> None:
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    # The reference is a frozen copy of the initial policy, needed only for the KL penalty. Its weights stay fp32 like
+    # The reference is the initial policy, frozen, needed only for the KL penalty: a copy whose weights stay fp32 like
     # the policy's (also with --bf16: both run under the same autocast), so that the KL is exactly 0 before training.
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
+    # With --use_peft it is the policy itself with its adapter disabled: the frozen weights, which need no copy.
+    if args.use_peft:
+        policy = add_adapter(policy, args)
+    ref_policy = (policy if args.use_peft else copy.deepcopy(policy).eval().requires_grad_(False)) if args.beta > 0 else None
     if checkpoint is not None:
-        policy.load_state_dict(from_pretrained(type(policy), os.path.join(checkpoint, "policy")).state_dict())
+        load_checkpoint_weights(policy, os.path.join(checkpoint, "policy"))
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
     never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     generation_config = sampling_options(args, stop_ids, False, never_sampled)  # vLLM's sampling parameters
@@ -554,7 +581,7 @@ def main(args: Args) -> None:
     engine.push_weights(policy, weights_for_vllm(policy))
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps)
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
@@ -607,6 +634,7 @@ def main(args: Args) -> None:
         return torch.stack(per_source, 1).to(device), texts
 
     def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images) -> torch.Tensor:
+        model.eval()  # no adapter dropout: the sampling policy's log-probs
         chunk = args.local_rollout_forward_batch_size
         with torch.no_grad(), autocast():
             return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
@@ -681,7 +709,7 @@ def main(args: Args) -> None:
             with timer("old_logprobs"):
                 old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)
         if ref_policy is not None:
-            with timer("reference_forward"):
+            with timer("reference_forward"), adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (B, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
@@ -833,18 +861,20 @@ def main(args: Args) -> None:
 
     # ---- Output ------------------------------------------------------------------------------------------------------
     engine.close()
-    save_model(output_dir, policy, processor or tokenizer)
+    save_model(output_dir, policy, processor or tokenizer)  # with --use_peft: the adapter
+    if args.save_merged_model:
+        save_model(os.path.join(output_dir, "merged"), policy, processor or tokenizer, merged=True)
     RunGuard.active = None  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")
 
 
 # ---- vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch --------
-def weights_for_vllm(policy) -> dict[str, torch.Tensor]:
-    """Every tensor of the policy under its checkpoint name. state_dict() keeps lm_head.weight when the embeddings are
-    tied (save_pretrained drops it): without it vLLM would keep its old LM head and sample from a model that is not
-    the policy, silently."""
-    return policy.state_dict()
+def weights_for_vllm(policy):
+    """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
+    (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
+    adapter merged into its weights (the trained copy unchanged). Its items() yields them one tensor at a time."""
+    return types.SimpleNamespace(items=lambda: merged_weights(policy))
 
 
 class ColocatedVLLM:
