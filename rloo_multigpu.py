@@ -101,25 +101,22 @@ class Args:
 
     # LoRA adapters (peft; TRL's ModelConfig names)
     use_peft: bool = False
-    """train LoRA adapters (Hu et al. 2021) on the frozen policy instead of all its weights: AdamW's states and the
-    gradients are the adapters' only, and the reference is the policy with its adapter disabled (no copy of the model)"""
+    """train LoRA adapters (Hu et al. 2021) on the frozen policy: gradients and AdamW states only for them; the reference
+    is the policy with its adapter disabled (no copy of the model)"""
     lora_r: int = 16
     """rank r of each adapter B A"""
     lora_alpha: int = 32
     """each adapter adds (alpha / r) B A to its layer's weight"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input in the update's forward (TRL's default is 0.05; 0 here, as the model's own
-    dropout is always off: the update's log-probs are then those of the policy that sampled)"""
+    """dropout on the adapters' input in the update (TRL: 0.05; 0 here, so the update's log-probs are the sampler's)"""
     lora_target_modules: Optional[list[str]] = None
-    """names of the linear layers that get adapters (e.g. q_proj v_proj), or all-linear (every one but the output
-    layer); None: peft's default for the architecture (Llama, Qwen: q_proj v_proj)"""
+    """the linear layers that get adapters (e.g. q_proj v_proj), or all-linear; None: peft's default for the model"""
     lora_modules_to_save: Optional[list[str]] = None
     """layers trained in full next to the adapters (e.g. lm_head), saved with them"""
     use_dora: bool = False
-    """DoRA (Liu et al. 2024): each adapted weight is a trained magnitude times the direction of W + (alpha / r) B A"""
+    """DoRA (Liu et al. 2024): a trained magnitude times the direction of W + (alpha / r) B A"""
     save_merged_model: bool = False
-    """also save the policy with its adapter merged into its weights, a plain transformers model (e.g. for serving with
-    vLLM), to <output_dir>/merged; the adapter folder is <output_dir>"""
+    """also save the policy with its adapter merged in (a plain model, e.g. for vLLM) to <output_dir>/merged"""
 
     # Reward
     reward_model_path: Optional[str] = None
@@ -571,28 +568,26 @@ def main(args: Args) -> None:
     # Every process builds the models on the meta device (no memory) and shards them; each then reads only its shards of
     # the weights (load_shards), so that no process holds a whole model. The reference is the initial policy, frozen,
     # needed only for the KL penalty, sharded as the policy is (also with --bf16: both compute in bf16 from fp32
-    # shards), so that the KL is exactly 0 before training. A resumed policy's weights come from its checkpoint.
+    # shards), so that the KL is exactly 0 before training; with --use_peft the policy itself with its adapter disabled
+    # (no copy). A resumed policy's weights come from its checkpoint (with --use_peft its adapter's).
     with agreed():
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
         policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype),
                              weights=checkpoint is None or args.use_peft)  # (a LoRA checkpoint holds the adapter only)
-        ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype))
-                      if args.beta > 0 and not args.use_peft else None)
-        reward_model = load_reward_model(args.reward_model_path, sharded=True) if args.reward_model_path else None
+        ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype)).requires_grad_(False)
+                      if args.beta > 0 and not args.use_peft else None)  # only the policy learns
+        reward_model = load_reward_model(args.reward_model_path, sharded=True).requires_grad_(False) if args.reward_model_path else None
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    # With --use_peft the reference is the policy itself with its adapter disabled: the frozen weights, no copy
     if args.use_peft:
         policy = add_adapter(policy, args)
         ref_policy = policy if args.beta > 0 else None
     mesh = init_device_mesh(device.type, (world_size,))
     for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
         shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
-        if model is not policy:  # only the policy learns
-            model.requires_grad_(False)
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
     never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy

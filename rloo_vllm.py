@@ -91,25 +91,22 @@ class Args:
 
     # LoRA adapters (peft; TRL's ModelConfig names)
     use_peft: bool = False
-    """train LoRA adapters (Hu et al. 2021) on the frozen policy instead of all its weights: AdamW's states and the
-    gradients are the adapters' only, and the reference is the policy with its adapter disabled (no copy of the model)"""
+    """train LoRA adapters (Hu et al. 2021) on the frozen policy: gradients and AdamW states only for them; the reference
+    is the policy with its adapter disabled (no copy of the model)"""
     lora_r: int = 16
     """rank r of each adapter B A"""
     lora_alpha: int = 32
     """each adapter adds (alpha / r) B A to its layer's weight"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input in the update's forward (TRL's default is 0.05; 0 here, as the model's own
-    dropout is always off: the update's log-probs are then those of the policy that sampled)"""
+    """dropout on the adapters' input in the update (TRL: 0.05; 0 here, so the update's log-probs are the sampler's)"""
     lora_target_modules: Optional[list[str]] = None
-    """names of the linear layers that get adapters (e.g. q_proj v_proj), or all-linear (every one but the output
-    layer); None: peft's default for the architecture (Llama, Qwen: q_proj v_proj)"""
+    """the linear layers that get adapters (e.g. q_proj v_proj), or all-linear; None: peft's default for the model"""
     lora_modules_to_save: Optional[list[str]] = None
     """layers trained in full next to the adapters (e.g. lm_head), saved with them"""
     use_dora: bool = False
-    """DoRA (Liu et al. 2024): each adapted weight is a trained magnitude times the direction of W + (alpha / r) B A"""
+    """DoRA (Liu et al. 2024): a trained magnitude times the direction of W + (alpha / r) B A"""
     save_merged_model: bool = False
-    """also save the policy with its adapter merged into its weights, a plain transformers model (e.g. for serving with
-    vLLM), to <output_dir>/merged; the adapter folder is <output_dir>"""
+    """also save the policy with its adapter merged in (a plain model, e.g. for vLLM) to <output_dir>/merged"""
 
     # Reward
     reward_model_path: Optional[str] = None
@@ -566,9 +563,10 @@ def main(args: Args) -> None:
     # The reference is the initial policy, frozen, needed only for the KL penalty: a copy whose weights stay fp32 like
     # the policy's (also with --bf16: both run under the same autocast), so that the KL is exactly 0 before training.
     # With --use_peft it is the policy itself with its adapter disabled: the frozen weights, which need no copy.
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not args.use_peft else None
     if args.use_peft:
         policy = add_adapter(policy, args)
-    ref_policy = (policy if args.use_peft else copy.deepcopy(policy).eval().requires_grad_(False)) if args.beta > 0 else None
+        ref_policy = policy if args.beta > 0 else None
     if checkpoint is not None:
         load_checkpoint_weights(policy, os.path.join(checkpoint, "policy"))
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
