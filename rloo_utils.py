@@ -1311,7 +1311,7 @@ def add_adapter(model, args):
 
     targets = args.lora_target_modules
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets[0] if targets and len(targets) == 1 else targets,  # "all-linear", as TRL
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,  # (a list: names)
                         modules_to_save=args.lora_modules_to_save,
                         use_dora=args.use_dora, task_type="CAUSAL_LM")
     where = args.sft_model_path or args.model_name_or_path

@@ -365,3 +365,16 @@ def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny,
     assert (logprobs - saved_model_logprobs(completion)).abs().max() > 1e-2  # the initial model is another model
     completion, logprobs = greedy_after_reloading(saved)
     torch.testing.assert_close(logprobs, saved_model_logprobs(completion), atol=1e-4, rtol=0)
+
+
+def test_two_processes_push_the_merged_lora_policy_to_the_server(tiny, server, prompts_file, tmp_path):
+    """The LoRA policy's shards gathered and merged one weight at a time: the server samples from the trained policy."""
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
+                        f"{REWARDS}:text_length", "--total_episodes", 96, "--per_device_train_batch_size", 16,
+                        "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_sample_generations", 0,
+                        "--use_peft", "--lora_target_modules", "all-linear", "--vllm_server_base_url", server["url"],
+                        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
+    assert rows[-1]["kl"] != 0  # the adapter moved the policy away from its reference, the base
