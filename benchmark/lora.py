@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=40, help="updates of 16 completions per run (the default's 40)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--lora", default=LORA, help=f"the LoRA run's options (default: {LORA})")
+    parser.add_argument("--options", default="", help="options of both runs (another model, data or reward)")
     parser.add_argument("--output", default=None, help="draw the reward and KL curves of both runs to this PNG")
     parser.add_argument("--keep", default=None, help="keep the run folders here (default: a temporary folder)")
     cli = parser.parse_args()
@@ -62,13 +63,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         workdir = cli.keep or scratch
         os.makedirs(workdir, exist_ok=True)
-        results = {"lora": run("lora", shlex.split(cli.lora), cli.updates, cli.seed, workdir),
-                   "full": run("full", [], cli.updates, cli.seed, workdir)}
+        both = shlex.split(cli.options)
+        results = {"lora": run("lora", both + shlex.split(cli.lora), cli.updates, cli.seed, workdir),
+                   "full": run("full", both, cli.updates, cli.seed, workdir)}
         if cli.output:
             subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "plot.py"), "--runs",
                             os.path.join(workdir, "runs"), "--regex", "^(full|lora)__", "--metrics", "reward", "kl",
                             "--output", cli.output], check=True)
-    print(f"embedded default, {cli.updates} updates of 16 completions, seed {cli.seed}; LoRA: {cli.lora}")
+    print(f"{'embedded default' if not both else cli.options}, {cli.updates} updates of 16 completions, seed "
+          f"{cli.seed}; LoRA: {cli.lora}")
     print("| run | peak resident memory (MiB) | seconds per update | of which the update (s) | reward, first 10% -> "
           "last 10% | kl, last 10% | whole run (s) |")
     print("|---|---|---|---|---|---|---|")

@@ -292,7 +292,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
 
 
 @pytest.mark.parametrize("script", ["compare_algorithms.py", "logprob_memory.py", "multigpu_memory.py", "multigpu_timing.py",
-                                    "resume_check.py",
+                                    "resume_check.py", "lora.py",
                                     "step_timing.py", "trl_baseline.py", "trl_side_by_side.py", "vllm_sampling_seeds.py",
                                     "vllm_timing.py", "launch.py", "plot.py", "judge.py"])
 def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path):
@@ -322,6 +322,22 @@ def test_the_memory_benchmark_reads_each_process_s_own_peak(tmp_path):
     assert "| now | 2 |" in proc.stdout
     check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "multigpu_memory.py"), "--processes", "2",
                                     cwd=tmp_path), "--processes must start with 1")
+
+
+def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file, tmp_path):
+    """benchmark/lora.py on the test model: a row per run (peak memory, seconds per update, rewards) and the curves."""
+    options = (f"--model_name_or_path {tiny['policy']} --dataset_name {prompts_file} --reward_funcs "
+               f"{os.path.join(ROOT, 'tests', 'reward_fixtures.py')}:text_length --max_completion_length 8")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "lora.py"), "--updates", "3", "--options",
+                           options, "--output", "curves.png"], cwd=tmp_path, env=run_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in proc.stdout.splitlines()
+            if line.startswith(("| lora |", "| full |"))}
+    assert rows.keys() == {"lora", "full"} and all(float(cells[0]) > 100 and float(cells[1]) > 0 for cells in rows.values())
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "lora.py"), "--updates", "1", cwd=tmp_path),
+                         "--updates must be >= 2")
 
 
 @pytest.mark.parametrize("experiment, scripts", [("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),

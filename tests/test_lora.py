@@ -215,3 +215,28 @@ def test_bad_lora_options_are_one_line_and_leave_nothing(extra, needles, tiny, p
                     "--per_device_train_batch_size", 4, *extra, cwd=tmp_path)
     check_one_line_error(proc, *needles)
     assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # no run folder left
+
+
+def test_a_sigkilled_lora_run_on_two_processes_resumes_as_the_same_run(tiny, prompts_file, tmp_path):
+    """rloo_multigpu.py's checkpoint holds the adapter's shards and their AdamW states; the base is read again."""
+    from safetensors.torch import load_file
+    from test_multigpu import resume_args, run_torchrun, torchrun, worker_pids
+
+    args = resume_args(tiny, prompts_file, "--use_peft", "--lora_target_modules", "all-linear")
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    reference.mkdir(), killed.mkdir()
+    proc = run_torchrun(2, *args, cwd=reference)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.Popen([*torchrun(2), *map(str, args)], cwd=killed, env=run_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_for_updates(proc, killed / "runs" / "run" / "metrics.jsonl", 4)
+    for pid in worker_pids(proc.pid).values():
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert sorted(os.listdir(killed / "runs" / "run" / "checkpoints"))[-1] == "checkpoint-3"
+    resumed = run_torchrun(2, *args, "--resume_from_checkpoint", "latest", cwd=killed)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    outcome = [([{k: v for k, v in r.items() if not wall_clock(k)} for r in read_metrics(folder)],
+                load_file(folder / "runs" / "run" / "model" / "adapter_model.safetensors")) for folder in (reference, killed)]
+    assert len(outcome[0][0]) == 6 and outcome[1][0] == outcome[0][0]
+    assert all(torch.equal(outcome[1][1][k], outcome[0][1][k]) for k in outcome[0][1])
