@@ -521,7 +521,8 @@ def main(args: Args) -> None:
     generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps)
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and

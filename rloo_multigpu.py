@@ -595,7 +595,8 @@ def main(args: Args) -> None:
         generation_config, greedy_config = (sampling_options(args, stop_ids, greedy, never_sampled) for greedy in (False, True))
 
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps)
     if checkpoint is not None:
         load_sharded_checkpoint(checkpoint, policy, optimizer)

@@ -1315,6 +1315,15 @@ def add_adapter(model, args):
                         modules_to_save=args.lora_modules_to_save,
                         use_dora=args.use_dora, task_type="CAUSAL_LM")
     where = args.sft_model_path or args.model_name_or_path
+    names_of = defaultdict(list)  # a weight shared by several modules (tied embeddings and LM head) has several names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of[id(p)].append(name.rpartition(".")[0])
+    tied = {module for names in names_of.values() if len(names) > 1 for module in names}
+    untied = [t for t in args.lora_modules_to_save or [] if any(m == t or m.endswith(f".{t}") for m in tied)]
+    if untied:
+        raise UsageError(f"--lora_modules_to_save {' '.join(untied)}: its weight is tied to another layer's in {where} "
+                         "(tie_word_embeddings); a trained copy would untie them, which vLLM and a saved model's config "
+                         "undo: leave it out")
     try:
         model = get_peft_model(model, config)
     except (ValueError, KeyError, TypeError) as e:  # no layer matched; an architecture peft has no default for
@@ -1327,6 +1336,11 @@ def add_adapter(model, args):
     if others:
         raise UsageError(f"--lora_target_modules gives adapters to layers that are not linear: {', '.join(others[:3])}; "
                          "only linear layers take them here (merged into the weights vLLM samples from): leave those out")
+    on_tied = sorted(name for name in layers if plain_name(name) in tied)
+    if on_tied:
+        raise UsageError(f"--lora_target_modules gives an adapter to {on_tied[0].removeprefix('base_model.model.')}, "
+                         f"whose weight is tied to another layer's in {where} (tie_word_embeddings); merged, it would "
+                         "untie them, which vLLM and a saved model's config undo: leave it out")
     built_empty = any(p.is_meta for p in model.parameters())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)

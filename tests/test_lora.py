@@ -207,6 +207,8 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
                                                                 "q_projection"]),
     (["--use_peft", "--lora_target_modules", "embed_tokens"], ["not linear", "model.embed_tokens (Embedding)"]),
     (["--use_peft", "--lora_dropout", 1.0], ["--lora_dropout must be in [0, 1)"]),
+    (["--use_peft", "--lora_modules_to_save", "lm_head"], ["--lora_modules_to_save lm_head: its weight is tied"]),
+    (["--use_peft", "--lora_target_modules", "q_proj", "lm_head"], ["adapter to lm_head, whose weight is tied"]),
     (["--use_peft", "--reward_model_path", "POLICY"], ["is the policy's own model", "sequence classifier"]),
 ])
 def test_bad_lora_options_are_one_line_and_leave_nothing(extra, needles, tiny, prompts_file, tmp_path):
