@@ -47,7 +47,8 @@ def trained_a_little(model, seed: int = 0) -> None:
 def test_merged_weights_are_peft_merge_and_leave_the_trained_copy_unchanged(tiny, dora):
     from transformers import AutoModelForCausalLM
 
-    model = rloo_utils.add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), lora_options(use_dora=dora))
+    options = lora_options(use_dora=dora, lora_modules_to_save=["norm"] if dora else None)  # every norm trained in full
+    model = rloo_utils.add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), options)
     trained_a_little(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     merged = dict(rloo_utils.merged_weights(model))
@@ -184,7 +185,8 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
-    lora = ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "up_proj", "--use_dora", "--save_merged_model"]
+    lora = ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "up_proj", "--use_dora", "--lora_modules_to_save",
+            "norm", "--save_merged_model"]
     proc = run_rloo(*same_batch_args(tiny, prompts_file, 16, *lora), cwd=one, script="rloo_multigpu.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8, *lora), cwd=two)
@@ -196,6 +198,7 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     a1, a2 = (load_file(d / "runs" / "run" / "model" / "adapter_model.safetensors") for d in (one, two))
     assert a1.keys() == a2.keys() and any("lora_magnitude_vector" in k for k in a1)  # DoRA's magnitudes trained too
+    assert any(k.endswith("model.norm.weight") for k in a1)  # and the layers saved in full
     for k in a1:
         torch.testing.assert_close(a2[k], a1[k], rtol=1e-3, atol=1e-4)
     assert logits_in_a_fresh_process(str(two / "runs" / "run" / "model"), tiny["policy"], two)["merged_gap"] < 1e-4
