@@ -1148,9 +1148,9 @@ def load_shards(model, device) -> None:
         module._buffers[name] = b
     if source is not None:  # (None: filled by the caller, from a resumed checkpoint)
         folder, saved_as_or_full = source  # keyed by the names of the model without adapters (plain_name)
-        names = {name: plain_name(name) for name in get_model_state_dict(model)}
+        state = get_model_state_dict(model)
+        names = {name: plain_name(name) for name in state}
         if folder is not None:  # saved_as: the model's name of each weight -> its name in the files
-            state = get_model_state_dict(model)
             saved_as = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in saved_as_or_full}
             in_files = {saved: state[name] for name, saved in saved_as.items()}
             dcp.load(in_files, storage_reader=dcp.HuggingFaceStorageReader(folder),
