@@ -836,7 +836,7 @@ def vision_inputs(model, input_ids: torch.Tensor, images: dict) -> dict:
 def builds_own_positions(model) -> bool:
     """A family whose rotary positions are its own (Qwen2-VL's 3-axis mrope, from the image grid and the attention
     mask): it must be given no position_ids."""
-    return hasattr(getattr(model, "model", None), "get_rope_index")
+    return hasattr(getattr(transformers_model(model), "model", None), "get_rope_index")
 
 
 # ---- Logging and progress --------------------------------------------------------------------------------------------
@@ -1149,7 +1149,7 @@ def load_shards(model, device) -> None:
     if source is not None:  # (None: filled by the caller, from a resumed checkpoint)
         folder, saved_as_or_full = source  # keyed by the names of the model without adapters (plain_name)
         state = get_model_state_dict(model)
-        names = {name: plain_name(name) for name in state}
+        names = {name: plain_name(name) if is_peft_model(model) else name for name in state}
         if folder is not None:  # saved_as: the model's name of each weight -> its name in the files
             saved_as = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in saved_as_or_full}
             in_files = {saved: state[name] for name, saved in saved_as.items()}
@@ -1302,8 +1302,9 @@ def transformers_model(model):
 
 def add_adapter(model, args):
     """--use_peft: the model frozen, with LoRA adapters (Hu et al. 2021; DoRA, Liu et al. 2024, with --use_dora) on the
-    layers --lora_target_modules names (peft's get_peft_model). The adapters are drawn from --seed alone, as peft draws
-    them (A: Kaiming-uniform, B = 0, so that the policy starts as the model), the same in every script and process.
+    layers --lora_target_modules names (peft's get_peft_model). The adapters are drawn as peft draws them (A:
+    Kaiming-uniform, B = 0, so that the policy starts as the model) from a generator of --seed alone, on the CPU: the
+    same adapters in every script, process and device, and no other random state touched.
     Of a model built empty (empty_model) they are drawn on the CPU and kept in `adapter_init` for load_shards, which
     also computes DoRA's magnitudes (the row norms of the weights) once the weights are read."""
     from peft import LoraConfig, get_peft_model
@@ -1336,19 +1337,25 @@ def add_adapter(model, args):
     if others:
         raise UsageError(f"--lora_target_modules gives adapters to layers that are not linear: {', '.join(others[:3])}; "
                          "only linear layers take them here (merged into the weights vLLM samples from): leave those out")
+    transposed = sorted(name for name, module in layers.items() if module.fan_in_fan_out)
+    if args.use_dora and transposed:
+        raise UsageError(f"--use_dora on {transposed[0].removeprefix('base_model.model.')}, a layer that stores its "
+                         "weight transposed (GPT-2's Conv1D): DoRA's row norms are not supported there; leave out --use_dora")
     on_tied = sorted(name for name in layers if plain_name(name) in tied)
     if on_tied:
         raise UsageError(f"--lora_target_modules gives an adapter to {on_tied[0].removeprefix('base_model.model.')}, "
                          f"whose weight is tied to another layer's in {where} (tie_word_embeddings); merged, it would "
                          "untie them, which vLLM and a saved model's config undo: leave it out")
     built_empty = any(p.is_meta for p in model.parameters())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)  # on the CPU whatever the device: the same draws everywhere
+    with torch.no_grad():
         for module in layers.values():
             if built_empty:
                 module.lora_A.to_empty(device="cpu")
                 module.lora_B.to_empty(device="cpu")
-            module.reset_lora_parameters("default", True)
+            A = module.lora_A["default"].weight  # (r, in)
+            A.copy_(torch.nn.init.kaiming_uniform_(torch.empty(A.shape), a=math.sqrt(5), generator=generator))
+            module.lora_B["default"].weight.zero_()
     if built_empty:
         model.adapter_init = {name: p.detach().clone() for name, p in model.named_parameters()
                               if ".lora_A." in name or ".lora_B." in name}
@@ -1429,7 +1436,11 @@ def load_checkpoint_weights(policy, folder: str) -> None:
         adapter = load_file(os.path.join(folder, "adapter_model.safetensors"))
     except Exception as e:
         raise UsageError(f"could not load the adapter of {folder} ({describe(e)})") from None
-    result = set_peft_model_state_dict(policy, adapter)
+    try:
+        result = set_peft_model_state_dict(policy, adapter)
+    except RuntimeError as e:  # shapes that do not fit (another rank)
+        raise UsageError(f"the adapter of {folder} does not fit the policy ({describe(e)}): resume with the --lora_* "
+                         "options the run was started with") from None
     missing = sorted(name for name in result.missing_keys if name in trained_names(policy))
     if missing or result.unexpected_keys:
         raise UsageError(f"the adapter of {folder} does not fit the policy (missing {missing[:2]}, unexpected "

@@ -258,6 +258,14 @@ def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path)
     completion_ids = torch.tensor([[7, 8, 2], [9, 7, 2], [8, 8, 2]])
     together, alone = logprobs_alone_and_together(model, prompt_ids, prompt_mask, image_rows, completion_ids)
     torch.testing.assert_close(together, alone, rtol=0, atol=0.02)  # bf16 weights, fp32 log-softmax
+    # with LoRA adapters (--use_peft; B = 0: the same model) it still builds its own positions
+    from types import SimpleNamespace
+    lora = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"],
+                           lora_modules_to_save=None, use_dora=False, seed=1, model_name_or_path=path, sft_model_path=None)
+    adapted = rloo_utils.add_adapter(model, lora)
+    assert rloo_utils.builds_own_positions(adapted)
+    torch.testing.assert_close(logprobs_alone_and_together(adapted, prompt_ids, prompt_mask, image_rows, completion_ids)[0],
+                               together, rtol=0, atol=0)
     args = rloo.Args(max_completion_length=4, temperature=1.0)
     sampling, _ = rloo_utils.generation_configs(args, [2], 0, rloo_utils.image_token_ids(model.config))
     pixels = rloo_utils.images_batch(image_rows, slice(0, None), "cpu", model.dtype)

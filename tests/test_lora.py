@@ -83,6 +83,19 @@ def test_an_adapter_drawn_on_a_model_built_empty_is_the_one_drawn_on_the_loaded_
     assert all(not p.any() for k, p in adapter.items() if ".lora_B." in k)  # B = 0: the policy starts as the model
 
 
+def test_dora_on_a_transposed_layer_is_one_line():
+    """GPT-2's Conv1D stores its weight (in, out): peft takes it as linear, but DoRA's row norms would be the columns."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(rloo_utils.UsageError, match="--use_dora on transformer.h.0.attn.c_attn, a layer that stores"):
+        rloo_utils.add_adapter(model, lora_options(lora_target_modules=["c_attn"], use_dora=True))
+    adapted = rloo_utils.add_adapter(GPT2LMHeadModel(model.config), lora_options(lora_target_modules=["c_attn"]))
+    trained_a_little(adapted)  # plain LoRA on it merges as peft does
+    expected = copy.deepcopy(adapted).merge_and_unload().state_dict()
+    assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in rloo_utils.merged_weights(adapted))
+
+
 def base_args(tiny, data, *extra):
     """3 updates of 2 epochs x 2 minibatches with a KL, a sample table and a checkpoint every update."""
     return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:text_length",
