@@ -102,7 +102,7 @@ class Args:
     lora_target_modules: Optional[list[str]] = None
     """the linear layers that get adapters (e.g. q_proj v_proj), or all-linear; None: peft's default for the model"""
     lora_modules_to_save: Optional[list[str]] = None
-    """layers trained in full next to the adapters (e.g. lm_head), saved with them"""
+    """layers trained in full next to the adapters (e.g. an untied lm_head), saved with them"""
     use_dora: bool = False
     """DoRA (Liu et al. 2024): a trained magnitude times the direction of W + (alpha / r) B A"""
     save_merged_model: bool = False
