@@ -1157,9 +1157,9 @@ def load_shards(model, device) -> None:
                      planner=DefaultLoadPlanner(allow_partial_load=True))  # (the files' other tensors: a tied head's copy)
             set_model_state_dict(model, {name: in_files[saved] for name, saved in saved_as.items()},
                                  options=StateDictOptions(strict=False))
-        else:
-            full = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in saved_as_or_full}
-            set_model_state_dict(model, full if get_rank() == 0 else {},
+        else:  # the whole model's state dict on rank 0 (None elsewhere)
+            full = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in (saved_as_or_full or {})}
+            set_model_state_dict(model, full,
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
     if getattr(model, "adapter_init", None) is not None:  # LoRA adapters drawn at build, the same on every process
         set_model_state_dict(model, model.adapter_init, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -258,3 +258,32 @@ def test_a_sigkilled_lora_run_on_two_processes_resumes_as_the_same_run(tiny, pro
                 load_file(folder / "runs" / "run" / "model" / "adapter_model.safetensors")) for folder in (reference, killed)]
     assert len(outcome[0][0]) == 6 and outcome[1][0] == outcome[0][0]
     assert all(torch.equal(outcome[1][1][k], outcome[0][1][k]) for k in outcome[0][1])
+
+
+def test_a_lora_policy_whose_files_rank_0_reads_whole_trains_on_two_processes(tiny, prompts_file, tmp_path):
+    """Where the files are not the model's tensors (Mixtral's experts, fused by transformers on load; the GGUF default)
+    rank 0 loads the base whole and sends each process its shards: the frozen weights arrive as they are."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+    from test_multigpu import run_torchrun
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=len(tiny["tokenizer"]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                           num_experts_per_tok=2, eos_token_id=tiny["tokenizer"].eos_token_id,
+                           pad_token_id=tiny["tokenizer"].pad_token_id, bos_token_id=tiny["tokenizer"].bos_token_id)
+    path = str(tmp_path / "mixtral")
+    MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    tiny["tokenizer"].save_pretrained(path)
+    proc = run_torchrun(2, "--model_name_or_path", path, "--dataset_name", prompts_file, "--reward_funcs",
+                        f"{REWARDS}:text_length", "--total_episodes", 32, "--per_device_train_batch_size", 8,
+                        "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_sample_generations", 0,
+                        "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--save_merged_model", "--run_name",
+                        "run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert rows[0]["kl"] == 0 and rows[-1]["kl"] != 0
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "run" / "model" / "merged").state_dict()
+    assert merged.keys() == base.keys()
+    for name in base:  # the experts and every other frozen weight as the files hold them; the adapted ones moved
+        assert torch.equal(merged[name], base[name]) != (name.endswith(("q_proj.weight", "v_proj.weight"))), name

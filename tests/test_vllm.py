@@ -216,6 +216,20 @@ def test_a_server_run_raises_a_simple_reward(tiny, server, prompts_file, tmp_pat
     check_learns(tmp_path)
 
 
+def test_a_lora_run_samples_from_the_merged_weights_on_the_server(tiny, server, prompts_file, tmp_path):
+    """--use_peft pushes the base weights with the adapter merged in (the trained copy left as it is): the server's
+    log-probs are the trainer's after every update, while the adapter moves the policy away from the base."""
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
+                    f"{REWARDS}:text_length", "--total_episodes", 96, "--per_device_train_batch_size", 32,
+                    "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_sample_generations", 0, "--use_peft",
+                    "--lora_target_modules", "all-linear", "--vllm_mode", "server", "--vllm_server_base_url", server["url"],
+                    cwd=tmp_path, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
+    assert rows[-1]["kl"] != 0  # the adapter moved the policy away from its reference, the base
+
+
 @pytest.mark.parametrize("mode, temperature", [("colocate", 0.5), ("server", 2.0)])
 def test_a_run_at_any_temperature_passes_the_engine_check_and_samples_at_it(mode, temperature, tiny, server,
                                                                            prompts_file, tmp_path):
@@ -419,16 +433,3 @@ def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint
     with open(metrics) as f:
         assert len([json.loads(row) for row in f]) >= 2
 
-
-def test_a_lora_run_samples_from_the_merged_weights_on_the_server(tiny, server, prompts_file, tmp_path):
-    """--use_peft pushes the base weights with the adapter merged in (the trained copy left as it is): the server's
-    log-probs are the trainer's after every update, while the adapter moves the policy away from the base."""
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:text_length", "--total_episodes", 96, "--per_device_train_batch_size", 32,
-                    "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_sample_generations", 0, "--use_peft",
-                    "--lora_target_modules", "all-linear", "--vllm_mode", "server", "--vllm_server_base_url", server["url"],
-                    cwd=tmp_path, script="rloo_vllm.py")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(tmp_path)
-    assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
-    assert rows[-1]["kl"] != 0  # the adapter moved the policy away from its reference, the base
