@@ -568,8 +568,8 @@ def main(args: Args) -> None:
     # Every process builds the models on the meta device (no memory) and shards them; each then reads only its shards of
     # the weights (load_shards), so that no process holds a whole model. The reference is the initial policy, frozen,
     # needed only for the KL penalty, sharded as the policy is (also with --bf16: both compute in bf16 from fp32
-    # shards), so that the KL is exactly 0 before training; with --use_peft the policy itself with its adapter disabled
-    # (no copy). A resumed policy's weights come from its checkpoint (with --use_peft its adapter's).
+    # shards), so that the KL is exactly 0 before training; with --use_peft the policy, adapter disabled. A resumed
+    # policy's weights (with --use_peft its adapter's) come from its checkpoint.
     with agreed():
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
         policy_path = args.sft_model_path or args.model_name_or_path
@@ -577,7 +577,7 @@ def main(args: Args) -> None:
                              weights=checkpoint is None or args.use_peft)  # (a LoRA checkpoint holds the adapter only)
         ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype)).requires_grad_(False)
                       if args.beta > 0 and not args.use_peft else None)  # only the policy learns
-        reward_model = load_reward_model(args.reward_model_path, sharded=True).requires_grad_(False) if args.reward_model_path else None
+        reward_model = load_reward_model(args.reward_model_path, sharded=True) if args.reward_model_path else None
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
@@ -1036,9 +1036,9 @@ def reduce_micro_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, list[f
 def weights_for_vllm(policy):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
-    adapter merged into its weights (the trained copy unchanged). Its items() gathers the shards one tensor at a time: a collective, through which every process must go, tensor for tensor,
-    while rank 0 sends them; the whole model is never on one device. With --fsdp_cpu_offload the shards are in CPU
-    memory: each goes to the GPU to be gathered there (over NCCL, as torch's own full state dict does)."""
+    adapter merged into its weights (the trained copy unchanged). Its items() gathers the shards one tensor at a time,
+    a collective every process goes through while rank 0 sends them: no device holds the whole model. With
+    --fsdp_cpu_offload each shard goes from CPU memory to the GPU to be gathered there (NCCL, as torch's own does)."""
     return types.SimpleNamespace(items=lambda: merged_weights(policy, gather=whole))
 
 

@@ -487,8 +487,8 @@ def load_reward_tokenizer(path: str, tokenizer, chat_prompts: bool):
 
 
 def load_reward_model(path: str, sharded: bool = False):
-    """The reward model, refused if its score head is not in its weights (a causal LM would get a random one).
-    sharded: an empty_model in float32, to be sharded and filled by load_shards."""
+    """The reward model, frozen (eval mode, no gradients), refused if its score head is not in its weights (a causal LM
+    would get a random one). sharded: an empty_model in float32, to be sharded and filled by load_shards."""
     from transformers import AutoModelForSequenceClassification
 
     if sharded:
@@ -501,7 +501,7 @@ def load_reward_model(path: str, sharded: bool = False):
     if missing or not hasattr(model, "score"):
         raise UsageError(f"--reward_model_path {path} has no trained score head ({', '.join(missing) or 'no score'} "
                          "missing from its weights): a new head would give random rewards")
-    return model
+    return model.eval().requires_grad_(False)
 
 
 def load_tokenizers(args, chat_prompts: bool, images: Optional[str] = None):
@@ -1438,13 +1438,15 @@ def load_checkpoint_weights(policy, folder: str) -> None:
         raise UsageError(f"could not load the adapter of {folder} ({describe(e)})") from None
     try:
         result = set_peft_model_state_dict(policy, adapter)
+        trained = trained_names(policy)
+        missing = sorted(name for name in result.missing_keys if name in trained)
+        unexpected = result.unexpected_keys
+        problem = f"missing {missing[:2]}, unexpected {unexpected[:2]}" if missing or unexpected else ""
     except RuntimeError as e:  # shapes that do not fit (another rank)
-        raise UsageError(f"the adapter of {folder} does not fit the policy ({describe(e)}): resume with the --lora_* "
-                         "options the run was started with") from None
-    missing = sorted(name for name in result.missing_keys if name in trained_names(policy))
-    if missing or result.unexpected_keys:
-        raise UsageError(f"the adapter of {folder} does not fit the policy (missing {missing[:2]}, unexpected "
-                         f"{result.unexpected_keys[:2]}): resume with the --lora_* options the run was started with")
+        problem = describe(e)
+    if problem:
+        raise UsageError(f"the adapter of {folder} does not fit the policy ({problem}): resume with the --lora_* "
+                         "options the run was started with")
 
 
 # ---- Run folders, checkpoints and exact resume -----------------------------------------------------------------------

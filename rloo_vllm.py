@@ -555,7 +555,7 @@ def main(args: Args) -> None:
                              args.sft_model_path or args.model_name_or_path, dtype=model_dtype(args.dtype)).to(device)
     reward_model = None
     if args.reward_model_path:
-        reward_model = load_reward_model(args.reward_model_path).eval().requires_grad_(False).to(device, torch.float32)
+        reward_model = load_reward_model(args.reward_model_path).to(device, torch.float32)
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
