@@ -30,7 +30,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import sys
 import time
 import types
@@ -48,19 +47,19 @@ from rich.console import Console
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rloo_utils import (ProgressBar, RunError, RunGuard, StageTimer, Terminated, adapter_disabled, add_adapter,
-                        batch_sizes, builds_own_positions, call_reward_func, check_args, check_skipped_steps, claim_run,
-                        clip_bounds, content_text, embedded_model, image_column, image_prompt_rows, image_token_ids,
-                        images_batch, is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, model_dtype,
-                        open_logger, parse_args, policy_class, prompt_batches, report_one_line_error, resume_point,
-                        resumed_counters, reward_model_inputs, reward_sources, set_rng_states, show_samples,
-                        stop_after_update_on_signals, stopped_message, vision_inputs)
+from rloo_utils import (EMBEDDED_DATASET, JsonObject, ProgressBar, RewardLogs, RunError, RunGuard, StageTimer,
+                        Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes, builds_own_positions,
+                        call_reward_funcs, check_args, check_skipped_steps, claim_run, clip_bounds, completion_metrics,
+                        completion_rows, content_text, embedded_model, gather_objects, image_column, image_prompt_rows,
+                        image_token_ids, images_batch, is_chat, left_pad, load_datasets, load_reward_model,
+                        load_tokenizers, lr_scheduler, model_dtype, open_logger, parse_args, policy_class,
+                        prompt_batches, report_one_line_error, resume_point, resumed_counters, reward_model_inputs,
+                        reward_sources, set_rng_states, show_samples, stop_after_update_on_signals, stopped_message,
+                        update_metrics, vision_inputs)
 from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, empty_model,
                         end_processes, generation_configs, launch_world_size, load_sharded_checkpoint, load_shards,
                         merged_weights, pad_completions, rng_states_of_every_process, sampling_options, sampling_seeds,
                         save_sharded_checkpoint, save_sharded_model, text_prompts, transformers_model, whole)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -90,7 +89,13 @@ class Args:
     """the policy's weights (and AdamW's states) in training, as TRL's model_init_kwargs dtype; auto: the checkpoint's
     own (bfloat16 for most hub models). Keep float32: an Adam step at a small learning rate is below bfloat16's spacing
     and rounds to nothing, so training stalls silently; --bf16 gives bf16 compute on fp32 weights"""
-    dataset_name: str = os.path.join(HERE, "data", "movie_reviews")
+    model_revision: Optional[str] = None
+    """the policy's version on the hub: a branch, tag or commit; None: main"""
+    trust_remote_code: bool = False
+    """run the modelling code a hub model ships (an architecture transformers lacks): only for code you trust"""
+    attn_implementation: Optional[str] = None
+    """the policy's attention kernel (eager, sdpa, flash_attention_2, ...); None: transformers' choice"""
+    dataset_name: str = EMBEDDED_DATASET
     """a hub dataset id, or a local .jsonl/.json/.parquet/.csv file or a folder of them (one split per file name)"""
     dataset_train_split: str = "train"
     """the split to train on"""
@@ -98,6 +103,8 @@ class Args:
     """the split the sample completions are drawn from (train prompts are used if it does not exist)"""
     max_prompt_length: int = 256
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
+    chat_template_kwargs: JsonObject = None
+    """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
 
     # LoRA adapters (peft; TRL's ModelConfig names)
     use_peft: bool = False
@@ -145,6 +152,12 @@ class Args:
     """nucleus sampling"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    min_p: Optional[float] = None
+    """min-p sampling: only tokens at least min_p times as likely as the likeliest one (None: off)"""
+    repetition_penalty: float = 1.0
+    """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
+    generation_kwargs: JsonObject = None
+    """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
     stop_token: Optional[Literal["eos"]] = None
     """old-TRL flag: end completions at EOS (done anyway unless --ignore_eos; accepted for the seed commands)"""
     stop_token_id: Optional[int] = None
@@ -205,10 +218,12 @@ class Args:
     """passes over each rollout batch (ratio != 1 from the second minibatch on)"""
     learning_rate: float = 3e-5
     """AdamW learning rate"""
-    lr_scheduler_type: Literal["linear", "constant"] = "linear"
-    """learning-rate schedule after warm-up"""
-    warmup_steps: int = 0
-    """optimizer steps of linear warm-up from 0"""
+    lr_scheduler_type: Literal["linear", "constant", "cosine", "cosine_with_min_lr"] = "linear"
+    """learning-rate schedule after warm-up: to 0 linearly or along a half cosine, constant, or cosine to a floor"""
+    lr_scheduler_kwargs: JsonObject = None
+    """the schedule's arguments as JSON (transformers'): '{"min_lr_rate": 0.1}' for cosine_with_min_lr, num_cycles"""
+    warmup_steps: float = 0
+    """optimizer steps of linear warm-up from 0; below 1, a fraction of all optimizer steps (TRL's warmup_ratio)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -261,6 +276,10 @@ class Args:
     """how many times to print and log a table of sample completions (0: never)"""
     num_sample_prompts: int = 4
     """prompts in each sample table"""
+    log_completions: bool = False
+    """each update, print and log (completions.jsonl, W&B) the sampled completions with their rewards and advantages"""
+    num_completions_to_print: Optional[int] = None
+    """rows of that table printed each update (all are logged); None: all"""
 
     # Checkpoints and faults
     save_steps: int = 0
@@ -512,13 +531,6 @@ def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
-def lr_scheduler(optimizer, kind: str, warmup_steps: int, total_steps: int):
-    """Linear warm-up from 0 over warmup_steps optimizer steps, then linear decay to 0 at total_steps, or constant."""
-    from transformers import get_scheduler
-
-    return get_scheduler({"linear": "linear", "constant": "constant_with_warmup"}[kind], optimizer, warmup_steps, total_steps)
-
-
 def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
     weights or Adam's moments. Returns the gradient norm before clipping and whether the step was taken. `loss` and
@@ -574,8 +586,10 @@ def main(args: Args) -> None:
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
         policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype),
-                             weights=checkpoint is None or args.use_peft)  # (a LoRA checkpoint holds the adapter only)
-        ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype)).requires_grad_(False)
+                             weights=checkpoint is None or args.use_peft,  # (a LoRA checkpoint holds the adapter only)
+                             attn_implementation=args.attn_implementation)
+        ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype),
+                                  attn_implementation=args.attn_implementation).requires_grad_(False)
                       if args.beta > 0 and not args.use_peft else None)  # only the policy learns
         reward_model = load_reward_model(args.reward_model_path, sharded=True) if args.reward_model_path else None
     disable_dropout(policy)
@@ -594,10 +608,14 @@ def main(args: Args) -> None:
     if server is not None:  # vLLM's sampling parameters for the same semantics
         generation_config, greedy_config = (sampling_options(args, stop_ids, greedy, never_sampled) for greedy in (False, True))
 
-    num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+    steps_per_update = args.num_ppo_epochs * args.num_mini_batches
+    num_optimizer_steps = num_updates * steps_per_update
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = lr_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, num_optimizer_steps)
+    scheduler = lr_scheduler(optimizer, args, num_optimizer_steps)
+    # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
+    trainer_state = TrainerState(max_steps=num_optimizer_steps, num_train_epochs=args.total_episodes / G / len(train_dataset))
+    reward_logs = RewardLogs()
     if checkpoint is not None:
         load_sharded_checkpoint(checkpoint, policy, optimizer)
     if server is not None:  # the server samples from the policy: its weights now, and after every update
@@ -661,16 +679,17 @@ def main(args: Args) -> None:
                 input_ids = torch.cat([prompt_ids, completion_ids], 1)
                 attention_mask = torch.cat([prompt_mask, completion_mask], 1)
             else:
-                input_ids, attention_mask = (t.to(device) for t in reward_model_inputs(reward_tokenizer, prompts, texts, ended))
+                input_ids, attention_mask = (t.to(device) for t in reward_model_inputs(reward_tokenizer, prompts, texts, ended,
+                                                                                      args.chat_template_kwargs))
             with autocast():
                 per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk])
                                              for i in range(0, len(input_ids), chunk)]).cpu())
             if not per_source[0].isfinite().all():
                 raise RunError(f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][~per_source[0].isfinite()][0]}) "
                                f"at index {int((~per_source[0].isfinite()).nonzero()[0])}: check its weights, or leave out --bf16")
-        for func, name in zip(reward_funcs, reward_names[len(per_source):]):
-            per_source.append(call_reward_func(func, name, len(texts), prompts=prompts, completions=completions,
-                                               completion_ids=ids_list, **columns))
+        per_source += call_reward_funcs(reward_funcs, reward_names[len(per_source):], len(texts), prompts=prompts,
+                                        completions=completions, completion_ids=ids_list, trainer_state=trainer_state,
+                                        log_extra=reward_logs.log_extra, log_metric=reward_logs.log_metric, **columns)
         return torch.stack(per_source, 1).to(device), texts
 
     def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images) -> torch.Tensor:
@@ -687,12 +706,13 @@ def main(args: Args) -> None:
         them (the sharded forward needs all of them); rank 0 shows them."""
         batch = eval_dataset[:args.num_sample_prompts]
         prompt_ids, prompt_mask, _, images = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device,
-                                                              processor, batch.get(image_col))
+                                                              processor, batch.get(image_col), args.chat_template_kwargs)
         completion_ids, _ = generate(policy, prompt_ids, prompt_mask, greedy_config, batch.get(image_col) if server else images)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         with agreed():  # a reward function that raises on one process stops all of them together, as in the loop
             rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
                                          {c: batch[c] for c in extra_columns if c in batch})
+        reward_logs.clear()  # what reward functions logged on these prompts is not the update's
         rewards = weighted_reward(rewards, reward_weights).tolist()
         rows = [{"prompt": message_text(p), "completion": c, "reward": r}
                 for p, c, r in zip(batch["prompt"], completions, rewards)]
@@ -734,8 +754,8 @@ def main(args: Args) -> None:
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(tokenizer, prompts, args.max_prompt_length,
-                                                                          device, processor, columns.get(image_col))  # (b, P)
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
+            tokenizer, prompts, args.max_prompt_length, device, processor, columns.get(image_col), args.chat_template_kwargs)  # (b, P)
         with timer("generation"):
             completion_ids, sampling_logprobs = generate(
                 policy, prompt_ids, prompt_mask, generation_config, columns.get(image_col) if server else images,
@@ -757,8 +777,9 @@ def main(args: Args) -> None:
                 ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (b, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
+        trainer_state.global_step, trainer_state.epoch = (update - 1) * steps_per_update, (episode / G) / len(train_dataset)
         with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
-            rewards_per_func, _ = score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns)  # (b, F)
+            rewards_per_func, completions = score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns)  # (b, F)
 
         # The whole batch on every process, in rank order: the rewards, baselines, normalisations and metrics below are
         # those of one process holding every row; each process then updates on its own rows, from own_rows on.
@@ -868,8 +889,10 @@ def main(args: Args) -> None:
         micro = reduce_micro_stats(stats)  # of the global micro-batches
         losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
+        logged_columns, logged_metrics = reward_logs.take(len(prompts))  # what reward functions logged
         metrics = {
             "episode": episode,
+            "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
             "eps": episode / (time.time() - start_time),
             "num_tokens": num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
@@ -891,12 +914,17 @@ def main(args: Args) -> None:
             "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
+            **logged_metrics,
         }
         if ref_policy is not None:
             metrics["objective/kl"] = float(kl.sum(1).mean())
             metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
         logger.log(metrics, episode)
         progress.update(metrics)
+        if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
+            rows = completion_rows([message_text(p) for p in gather_objects(prompts)], gather_objects(completions),
+                                   rewards_per_func, reward_names, advantages, logged_columns)
+            show_samples(console, logger, rows, episode, "completions", args.num_completions_to_print)
         guard.update_done(run_state(update))  # complete: a failure from here on (a sample table's reward) keeps it whole
         if sample_every and (update % sample_every == 0 or update == num_updates):
             sample_table(episode)
@@ -1071,20 +1099,22 @@ def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[to
 
 
 # ---- Data ------------------------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device, processor=None, images=None):
+def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device, processor=None, images=None,
+                     chat_template_kwargs: Optional[dict] = None):
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
     than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
     (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens."""
     if images is not None:
-        rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length)
+        rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length, chat_template_kwargs)
         return *(t.to(device) for t in left_pad(rows, tokenizer.pad_token_id)), 0, image_tensors
     rows = []
     for prompt in prompts:
         if isinstance(prompt, str):
             rows.append(tokenizer(prompt)["input_ids"])
         else:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
             rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     num_truncated = sum(len(r) > max_prompt_length for r in rows)
     keep_bos = lambda r: r[0] == tokenizer.bos_token_id and max_prompt_length > 1  # noqa: E731
@@ -1253,44 +1283,6 @@ def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rl
         values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
         metrics[f"rewards/{name}/mean"] = float(values.mean())
         metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
-    return metrics
-
-
-def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
-    """Lengths in real tokens (EOS included) of all completions and of those that ended (0 if none did), the fraction
-    that did not end, and old TRL's count of EOS tokens (here only real ones: never padding)."""
-    lengths = completion_mask.sum(1).float()  # (B,)
-    terminated = lengths[ended] if ended.any() else torch.zeros(1)
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & completion_mask.bool()
-    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean()),
-            "completions/mean_terminated_length": float(terminated.mean()),
-            "completions/min_terminated_length": float(terminated.min()),
-            "completions/max_terminated_length": float(terminated.max()), "val/num_eos_tokens": int(is_eos.sum())}
-
-
-def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]) -> dict:
-    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
-    units = max(sum(micro["units"]), 1.0)
-    clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
-    entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
-    ratios = [r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])]  # each micro-batch's mean token ratio
-    metrics = {
-        "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
-        "entropy": entropy, "policy/entropy_avg": entropy,
-        "clip_ratio/region_mean": clip_fraction, "policy/clipfrac_avg": clip_fraction,
-        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units, "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
-        "clip_ratio/low_min": statistics.fmean(micro["low_min"]), "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
-        "policy/approxkl_avg": sum(micro["approxkl"]) / units,
-        "loss/policy_avg": statistics.fmean(losses),
-        "val/ratio": statistics.fmean(ratios),
-        "val/ratio_var": statistics.variance(ratios) if len(ratios) > 1 else math.nan,
-        "optim/grad_norm": statistics.fmean(grad_norms),
-    }
-    if "dual_clipped" in micro:
-        metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
-    if "sapo_gate" in micro:
-        metrics["sapo/gate_mean"] = sum(micro["sapo_gate"]) / units
     return metrics
 
 

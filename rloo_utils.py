@@ -8,11 +8,14 @@ Work under torch.distributed (rloo_multigpu.py) and in one process alike: with n
 `agreed()` lets an error through as it is.
 """
 
+import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import importlib
 import importlib.util
+import inspect
 import io
 import itertools
 import json
@@ -25,6 +28,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -32,8 +36,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
-from dataclasses import asdict, fields, replace
-from typing import Callable, Optional
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Annotated, Callable, Optional
 
 import numpy as np
 import torch
@@ -162,6 +166,31 @@ PATH_OPTIONS = ["model_name_or_path", "sft_model_path", "dataset_name", "reward_
 MAY_BE_INFINITE = {"max_grad_norm", "reward_clip_range"}
 
 
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{text!r} is not JSON ({e.msg}); give an object such as '{{\"key\": 1}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{text!r} is not a JSON object; give one such as '{{\"key\": 1}}'")
+    return value
+
+
+# An option that takes keyword arguments as a JSON object (TRL's dict options, e.g. --chat_template_kwargs)
+JsonObject = Annotated[Optional[dict], tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="JSON", instance_from_str=lambda words: json_object(words[0]),
+    is_instance=lambda value: value is None or isinstance(value, dict), str_from_instance=lambda value: [json.dumps(value)])]
+# The default --dataset_name: this folder's movie-review openings, named relative to it so that a run's config (the env
+# id openrlbenchmark groups runs by) is the same on every machine
+EMBEDDED_DATASET = "data/movie_reviews"
+
+
+def dataset_path(name: str) -> str:
+    """--dataset_name as a path to read: the embedded dataset is found next to the scripts from any working folder."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    return here if name == EMBEDDED_DATASET and not os.path.exists(name) else name
+
+
 def expand_user_paths(args):
     expanded = {name: os.path.expanduser(getattr(args, name)) for name in PATH_OPTIONS if getattr(args, name)}
     if args.reward_funcs is not None:
@@ -212,6 +241,7 @@ def check_args(args, world_size: int = 1) -> None:
         raise UsageError(f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}")
     check_estimator_and_loss(args)
     check_adapter_args(args)
+    check_trl_options(args)
     if args.num_generations < 2:
         raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
     batch_size, _, num_updates = batch_sizes(args, world_size)
@@ -231,6 +261,66 @@ def check_args(args, world_size: int = 1) -> None:
         path = getattr(args, name)
         if path is not None and looks_local(path) and not os.path.exists(path):
             raise UsageError(f"--{name} {path} does not exist")
+    set_model_options(args)
+
+
+# Sampling options the scripts set themselves, which --generation_kwargs must not override: the flag to use instead
+OWN_SAMPLING_OPTIONS = {"temperature": "--temperature", "top_p": "--top_p", "top_k": "--top_k", "min_p": "--min_p",
+                        "repetition_penalty": "--repetition_penalty", "max_new_tokens": "--max_completion_length",
+                        "max_tokens": "--max_completion_length", "max_length": "--max_completion_length",
+                        "eos_token_id": "--stop_token_id", "stop_token_ids": "--stop_token_id", "ignore_eos": "--ignore_eos",
+                        "seed": "--seed", "n": "--num_generations", "num_return_sequences": "--num_generations"}
+# ...and those that would break the rollout: one sampled completion per row with its log-probs, as token ids
+RESERVED_SAMPLING_OPTIONS = {"do_sample", "num_beams", "num_beam_groups", "pad_token_id", "suppress_tokens", "logprobs",
+                             "detokenize", "min_tokens", "min_new_tokens", "stop", "output_kind", "logit_bias"}
+
+
+def check_trl_options(args) -> None:
+    """The options TRL users bring (model loading, sampling, the schedule, completion tables)."""
+    if args.model_revision is not None and os.path.exists(args.sft_model_path or args.model_name_or_path):
+        raise UsageError(f"--model_revision {args.model_revision} picks a version of a hub model, but "
+                         f"{args.sft_model_path or args.model_name_or_path} is a local path: leave it out")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min_p must be in [0, 1], got {args.min_p}")
+    if not args.repetition_penalty > 0:
+        raise UsageError(f"--repetition_penalty must be > 0 (1: none), got {args.repetition_penalty}")
+    vllm = hasattr(args, "vllm_mode") or getattr(args, "vllm_server_host", None) or getattr(args, "vllm_server_base_url", None)
+    for key in args.generation_kwargs or {}:
+        if key in OWN_SAMPLING_OPTIONS:
+            raise UsageError(f"--generation_kwargs sets {key}, which {OWN_SAMPLING_OPTIONS[key]} sets: use that option")
+        if key in RESERVED_SAMPLING_OPTIONS:
+            raise UsageError(f"--generation_kwargs sets {key}, which the rollout sets itself (one sampled completion per "
+                             "row, as token ids with their log-probs): leave it out")
+    if args.generation_kwargs and not vllm:
+        from transformers import GenerationConfig
+
+        known = GenerationConfig().to_dict()
+        unknown = sorted(set(args.generation_kwargs) - set(known))
+        if unknown:
+            raise UsageError(f"--generation_kwargs: {', '.join(unknown)} is not an option of transformers' GenerationConfig "
+                             "(rloo.py and rloo_multigpu.py generate with HF generate; vLLM's SamplingParams options go to "
+                             "rloo_vllm.py)")
+    if args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps):
+        raise UsageError(f"--warmup_steps {args.warmup_steps}: give a number of steps (a whole number), or a fraction of "
+                         "all optimizer steps below 1")
+    try:  # cosine_with_min_lr needs min_lr or min_lr_rate; a misspelt key is a TypeError only when the schedule is made
+        from transformers import get_scheduler
+
+        get_scheduler(SCHEDULES[args.lr_scheduler_type], torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 0,
+                      10, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs "
+                         f"{json.dumps(args.lr_scheduler_kwargs)}: {describe(e)}") from None
+    if args.num_completions_to_print is not None and not args.log_completions:
+        raise UsageError("--num_completions_to_print limits the table of --log_completions: add --log_completions")
+    if args.num_completions_to_print is not None and args.num_completions_to_print < 1:
+        raise UsageError(f"--num_completions_to_print must be >= 1 (or left out to print them all), got "
+                         f"{args.num_completions_to_print}")
+
+
+# --lr_scheduler_type -> transformers' schedule: each with a linear warm-up from 0 over --warmup_steps
+SCHEDULES = {"linear": "linear", "constant": "constant_with_warmup", "cosine": "cosine",
+             "cosine_with_min_lr": "cosine_with_min_lr"}
 
 
 def check_estimator_and_loss(args) -> None:
@@ -239,10 +329,6 @@ def check_estimator_and_loss(args) -> None:
         raise UsageError(f"--normalize_advantages means --advantage_normalization batch, which contradicts "
                          f"--advantage_normalization {args.advantage_normalization}; give one of them")
     normalization = "batch" if args.normalize_advantages else args.advantage_normalization
-    if normalization == "batch" and args.advantage_estimator == "rloo":
-        raise UsageError("--advantage_estimator rloo does not take batch normalisation (--advantage_normalization batch "
-                         "or --normalize_advantages): whitening over the batch cancels the leave-one-out n/(n-1) and "
-                         "gives --advantage_estimator reinforce_pp")
     if normalization == "batch" and args.advantage_estimator == "dr_grpo":
         raise UsageError("--advantage_estimator dr_grpo does not take batch normalisation: Dr. GRPO drops the division by "
                          "a std; use --advantage_estimator reinforce_pp to whiten group-centred advantages over the batch")
@@ -365,10 +451,10 @@ def load_prompt_dataset(name: str, split: str):
 def load_datasets(args):
     """The train split, and the split the sample tables draw from (the train split if there is no test split); both
     hold prompts of one kind (strings, or chat messages)."""
-    train = load_prompt_dataset(args.dataset_name, args.dataset_train_split)
+    train = load_prompt_dataset(dataset_path(args.dataset_name), args.dataset_train_split)
     if train is None:
         raise UsageError(f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)")
-    test = load_prompt_dataset(args.dataset_name, args.dataset_test_split)
+    test = load_prompt_dataset(dataset_path(args.dataset_name), args.dataset_test_split)
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
         raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
                          f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
@@ -414,8 +500,24 @@ def check_prompts(prompts: list, where: str) -> None:
                          "chat messages with string 'role' and 'content'")
 
 
+# Path -> the options every load of its files takes (--model_revision, --trust_remote_code): set_model_options
+MODEL_OPTIONS: dict[str, dict] = {}
+
+
+def set_model_options(args) -> None:
+    """TRL's model_init_kwargs for every load of the policy's files (config, tokenizer, processor, weights, in every
+    process): --model_revision and --trust_remote_code; the reward model's get --trust_remote_code."""
+    MODEL_OPTIONS.clear()
+    if args.reward_model_path:
+        MODEL_OPTIONS[args.reward_model_path] = {"trust_remote_code": args.trust_remote_code}
+    for path in filter(None, [args.model_name_or_path, args.sft_model_path]):
+        MODEL_OPTIONS[path] = {"trust_remote_code": args.trust_remote_code,
+                               **({"revision": args.model_revision} if args.model_revision else {})}
+
+
 def from_pretrained(auto_class, path: str, **kwargs):
     """Load a hub id, a folder or a .gguf file (de-quantised) with a one-line error when it cannot be loaded."""
+    kwargs = {**MODEL_OPTIONS.get(path, {}), **kwargs}
     if path.endswith(".gguf"):
         kwargs["gguf_file"] = os.path.basename(path)
         path = os.path.dirname(os.path.abspath(path))
@@ -514,7 +616,7 @@ def load_tokenizers(args, chat_prompts: bool, images: Optional[str] = None):
     processor = None
     if is_vision_language(args.sft_model_path or path):
         try:
-            processor = AutoProcessor.from_pretrained(path)
+            processor = AutoProcessor.from_pretrained(path, **MODEL_OPTIONS.get(path, {}))
         except Exception as e:  # no preprocessor_config.json: fine for text prompts, the tokenizer reads them
             found = f"AutoProcessor: {describe(e)[:160]}"
         else:
@@ -542,13 +644,16 @@ def load_tokenizers(args, chat_prompts: bool, images: Optional[str] = None):
 
 
 def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampled: Optional[list[int]] = None):
-    """HF generate's configs: sampling (--temperature, --top_p, --top_k), and greedy (the sample tables); a completion
+    """HF generate's configs: sampling (--temperature, --top_p, --top_k, --min_p, --repetition_penalty,
+    --generation_kwargs), and greedy (the sample tables); a completion
     ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens)."""
     from transformers import GenerationConfig
 
     sampling = GenerationConfig(max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True,
-                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, eos_token_id=stop_ids,
-                                pad_token_id=pad_token_id, suppress_tokens=never_sampled or None)
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, eos_token_id=stop_ids,
+                                pad_token_id=pad_token_id, suppress_tokens=never_sampled or None,
+                                **(args.generation_kwargs or {}))
     greedy = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False, eos_token_id=stop_ids,
                               pad_token_id=pad_token_id, suppress_tokens=never_sampled or None)
     return sampling, greedy
@@ -565,11 +670,13 @@ def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor):
+def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor,
+                        chat_template_kwargs: Optional[dict] = None):
     """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
     A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
     with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
-    would have it, at the EOS of a finished completion and at the last token of a truncated one."""
+    would have it, at the EOS of a finished completion and at the last token of a truncated one. chat_template_kwargs:
+    the template's own arguments (--chat_template_kwargs)."""
     rows = []
     for prompt, completion, done in zip(prompts, completions, ended.tolist()):
         if isinstance(prompt, str):
@@ -578,7 +685,8 @@ def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str],
                 row.append(reward_tokenizer.eos_token_id)
         else:
             prompt = [{**m, "content": content_text(m["content"])} for m in prompt]  # a reward model reads text
-            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False,
+                                                        **(chat_template_kwargs or {}))
             row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
         rows.append(row)
     return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
@@ -634,14 +742,102 @@ def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], 
     return [load_reward_func(s, builtin) for s in specs], names, weights
 
 
-def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
-    """Call a TRL-style reward function and check what it returns: (B,) floats, NaN where it returned None."""
+@dataclass
+class TrainerState:
+    """What TRL gives reward functions as `trainer_state` (transformers' TrainerState, the fields a reward function
+    reads to shape its reward over training): optimizer steps done and in all, passes over the training prompts."""
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    num_train_epochs: float = 0.0
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
+
+
+class RewardLogs:
+    """TRL's `log_extra` and `log_metric`, which reward functions are given: extra columns of the training
+    completions table (--log_completions), and metrics, each the mean of what the update's calls logged."""
+
+    def __init__(self):
+        self.columns, self.metrics = defaultdict(list), defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+    def take(self, num_rows: int) -> tuple[dict[str, list], dict[str, float]]:
+        """The columns and the metrics logged since the last take, over every process (rank order, as the batch is
+        gathered; None in the rows of a process that gave no such column); then empty."""
+        mine = (dict(self.columns), dict(self.metrics), num_rows)
+        everyone = [mine]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        self.clear()
+        columns = {name: [v for c, _, n in everyone for v in c.get(name, [None] * n)]
+                   for name in sorted({name for c, _, _ in everyone for name in c})}
+        metrics = {}
+        for name in sorted({name for _, m, _ in everyone for name in m}):
+            values = [v for _, m, _ in everyone for v in m.get(name, [])]
+            metrics[name] = sum(values) / len(values)
+        return columns, metrics
+
+    def clear(self) -> None:
+        self.columns.clear()
+        self.metrics.clear()
+
+
+@functools.cache
+def reward_event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every call of the async reward functions: a client they keep (an HTTP session) stays bound to
+    the loop it was made on, so a fresh loop per update would break it."""
+    return asyncio.new_event_loop()
+
+
+def await_all(awaitables: list) -> list:
+    """Their results (or the exceptions they raised), awaited concurrently on the reward functions' event loop."""
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    return reward_event_loop().run_until_complete(gather())
+
+
+def call_reward_funcs(funcs: list[Callable], names: list[str], batch_size: int, **kwargs) -> list[torch.Tensor]:
+    """Call each TRL-style reward function with the same keyword arguments (TRL 1.16's: prompts, completions,
+    completion_ids, the dataset's other columns, trainer_state, log_extra, log_metric); the async ones run concurrently,
+    as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None."""
+    results = [call_reward_func(func, name, batch_size, run_awaitable=False, **kwargs) for func, name in zip(funcs, names)]
+    pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+    if pending:
+        for i, value in zip(pending, await_all([results[i] for i in pending])):
+            results[i] = check_reward_values(value, names[i], batch_size)
+    return results
+
+
+def call_reward_func(func: Callable, name: str, batch_size: int, run_awaitable: bool = True, **kwargs):
+    """Call a TRL-style reward function and check what it returns: (B,) floats, NaN where it returned None. An async
+    function's result is awaited (or, without run_awaitable, returned as it is, for call_reward_funcs to await)."""
     try:
         values = func(**kwargs)
     except SystemExit as e:  # it must not end the run quietly
         raise UsageError(f"reward function {name} called sys.exit({e.code!r})") from None
     except Exception as e:
         raise UsageError(f"reward function {name} raised {describe(e)}") from None
+    if inspect.isawaitable(values):
+        if not run_awaitable:
+            return values
+        values = await_all([values])[0]
+    return check_reward_values(values, name, batch_size)
+
+
+def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
+    """What a reward function returned (or raised, awaited) as (B,) floats, NaN for None; else a one-line error."""
+    if isinstance(values, SystemExit):
+        raise UsageError(f"reward function {name} called sys.exit({values.code!r})")
+    if isinstance(values, BaseException):
+        raise UsageError(f"reward function {name} raised {describe(values)}")
     if torch.is_tensor(values) or isinstance(values, np.ndarray):
         values = values.tolist() if values.ndim == 1 else values
     if not isinstance(values, (list, tuple)) or len(values) != batch_size:
@@ -776,7 +972,8 @@ def image_token_ids(config) -> list[int]:
                    0 <= v < getattr(text_config, "vocab_size", 1 << 62)})
 
 
-def image_prompt_rows(processor, prompts: list, images: list, max_prompt_length: int):
+def image_prompt_rows(processor, prompts: list, images: list, max_prompt_length: int,
+                      chat_template_kwargs: Optional[dict] = None):
     """Per prompt: its token ids, each image placeholder expanded by the processor into that image's tokens, and its
     image tensors (pixel_values; image_grid_thw for Qwen2-VL; ...) on the CPU. Adjacent copies of one prompt (a
     group's G rows) are encoded once and share their tensors. A prompt is never truncated (cut image tokens would no
@@ -789,7 +986,7 @@ def image_prompt_rows(processor, prompts: list, images: list, max_prompt_length:
             continue
         row_imgs = [image.convert("RGB") for image in row_images(value)]
         text = processor.apply_chat_template(with_image_placeholders(prompt, len(row_imgs)), tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **(chat_template_kwargs or {}))
         encoded = processor(text=[text], images=row_imgs, return_tensors="pt")
         ids = encoded["input_ids"][0].tolist()
         if len(ids) > max_prompt_length:
@@ -867,8 +1064,9 @@ class Logger:
         self.writer = SummaryWriter(run_dir, purge_step=None if self.last_step is None else self.last_step + 1)
         self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                              "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        self.run_dir = run_dir
         self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self.samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a")
+        self.table_files = {}  # name -> its .jsonl, opened at its first rows
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the options, for tools that read runs offline
             json.dump(asdict(args), f, indent=2)
 
@@ -881,27 +1079,32 @@ class Logger:
         self.metrics_file.flush()
         self.last_step = step
 
-    def log_samples(self, rows: list[dict], step: int) -> None:
-        cell = lambda v: str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
-        self.writer.add_text("samples", "|prompt|completion|reward|\n|-|-|-|\n" + "\n".join(
-            f"|{cell(r['prompt'])}|{cell(r['completion'])}|{r['reward']:.3f}|" for r in rows), step)
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """A table's rows (`samples`: greedy sample completions; `completions`: the sampled training ones, with their
+        rewards and advantages) to <name>.jsonl, TensorBoard's text and a W&B table."""
+        cell = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
+        columns = list(rows[0])
+        self.writer.add_text(name, f"|{'|'.join(columns)}|\n|{'-|' * len(columns)}\n" + "\n".join(
+            "|" + "|".join(cell(v) for v in r.values()) + "|" for r in rows), step)
         if self.wandb and step >= self.wandb_first_step:
             import wandb
 
-            self.wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
+            self.wandb.log({name: wandb.Table(columns=columns, data=[list(r.values()) for r in rows])}, step=step)
+        if name not in self.table_files:
+            self.table_files[name] = open(os.path.join(self.run_dir, f"{name}.jsonl"), "a")
         for r in rows:
-            self.samples_file.write(json.dumps({"step": step, **r}) + "\n")
-        self.samples_file.flush()
+            self.table_files[name].write(json.dumps({"step": step, **r}) + "\n")
+        self.table_files[name].flush()
 
     def state(self) -> dict:
         """What a resumed run needs to continue these logs: their sizes, the last step, the W&B run id."""
-        return {"sizes": {"metrics.jsonl": self.metrics_file.tell(), "samples.jsonl": self.samples_file.tell()},
-                "step": self.last_step, "wandb_id": self.wandb_id}
+        files = [self.metrics_file, *self.table_files.values()]
+        return {"sizes": {os.path.basename(f.name): f.tell() for f in files}, "step": self.last_step, "wandb_id": self.wandb_id}
 
     def close(self, failed: bool = False) -> None:
         self.writer.close()
-        self.metrics_file.close()
-        self.samples_file.close()
+        for f in [self.metrics_file, *self.table_files.values()]:
+            f.close()
         if self.wandb:
             self.wandb.finish(exit_code=1 if failed else 0)
 
@@ -912,7 +1115,7 @@ class QuietLogger:
     def log(self, *args, **kwargs):
         pass
 
-    log_samples = close = log
+    log_table = close = log
 
     def state(self) -> dict:
         return {}
@@ -926,13 +1129,83 @@ def open_logger(args, run_dir: str, training_state: Optional[dict]):
     return Logger(args, os.path.basename(run_dir), run_dir, resume=training_state["logger"] if training_state else None)
 
 
-def show_samples(console, logger, rows: list[dict], step: int) -> None:
-    """A sample table (rows of prompt, completion, reward): printed, and logged."""
-    table = Table("prompt", "completion", "reward", title=f"sample completions at episode {step}", show_lines=True)
-    for r in rows:
-        table.add_row(r["prompt"], r["completion"], f"{r['reward']:.3f}")
+def show_samples(console, logger, rows: list[dict], step: int, name: str = "samples", num_printed=None) -> None:
+    """A table of completions (rows of prompt, completion, then numbers): logged, and num_printed of its rows (None:
+    all) printed. `samples`: the greedy sample completions; `completions`: the sampled training ones (--log_completions)."""
+    table = Table(*rows[0], title=f"{'sample' if name == 'samples' else 'training'} completions at episode {step}",
+                  show_lines=True)
+    for r in rows[:num_printed]:
+        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()))
     console.print(table)
-    logger.log_samples(rows, step)
+    logger.log_table(name, rows, step)
+
+
+def gather_objects(items: list) -> list:
+    """Every process's items (texts), in rank order: the batch as one process holding every row sees it."""
+    if not dist.is_initialized():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
+def completion_rows(prompts: list[str], completions: list[str], rewards_per_func: torch.Tensor, reward_names: list[str],
+                    advantages: torch.Tensor, logged_columns: dict[str, list]) -> list[dict]:
+    """The rows of TRL's table of sampled completions (--log_completions): prompt, completion, each reward source's
+    value (NaN: it returned None), the advantage, then the columns reward functions logged (log_extra)."""
+    rewards, advantages = rewards_per_func.tolist(), advantages.tolist()
+    return [{"prompt": prompt, "completion": completion, **dict(zip(reward_names, rewards[i])), "advantage": advantages[i],
+             **{name: values[i] for name, values in logged_columns.items()}}
+            for i, (prompt, completion) in enumerate(zip(prompts, completions))]
+
+
+def lr_scheduler(optimizer, args, total_steps: int):
+    """Linear warm-up from 0 over --warmup_steps optimizer steps (below 1: that fraction of total_steps, rounded up, as
+    transformers does), then the --lr_scheduler_type schedule until total_steps."""
+    from transformers import get_scheduler
+
+    warmup_steps = math.ceil(args.warmup_steps * total_steps) if args.warmup_steps < 1 else int(args.warmup_steps)
+    return get_scheduler(SCHEDULES[args.lr_scheduler_type], optimizer, warmup_steps, total_steps,
+                         scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+
+
+# ---- Metrics of an update (each one's definition, next to old TRL's and TRL 1.16's: docs/metrics.md) ------------
+def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
+    """Lengths in real tokens (EOS included) of all completions and of those that ended (0 if none did), the fraction
+    that did not end, and old TRL's count of EOS tokens (here only real ones: never padding)."""
+    lengths = completion_mask.sum(1).float()  # (B,)
+    terminated = lengths[ended] if ended.any() else torch.zeros(1)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & completion_mask.bool()
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max()), "val/num_eos_tokens": int(is_eos.sum())}
+
+
+def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]) -> dict:
+    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
+    units = max(sum(micro["units"]), 1.0)
+    clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
+    entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
+    ratios = [r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])]  # each micro-batch's mean token ratio
+    metrics = {
+        "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
+        "entropy": entropy, "policy/entropy_avg": entropy,
+        "clip_ratio/region_mean": clip_fraction, "policy/clipfrac_avg": clip_fraction,
+        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units, "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
+        "clip_ratio/low_min": statistics.fmean(micro["low_min"]), "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
+        "policy/approxkl_avg": sum(micro["approxkl"]) / units,
+        "loss/policy_avg": statistics.fmean(losses),
+        "val/ratio": statistics.fmean(ratios),
+        "val/ratio_var": statistics.variance(ratios) if len(ratios) > 1 else math.nan,
+        "optim/grad_norm": statistics.fmean(grad_norms),
+    }
+    if "dual_clipped" in micro:
+        metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
+    if "sapo_gate" in micro:
+        metrics["sapo/gate_mean"] = sum(micro["sapo_gate"]) / units
+    return metrics
 
 
 class StageTimer:
@@ -1054,7 +1327,8 @@ def checkpoint_weights(path: str) -> Optional[tuple[str, dict]]:
         try:
             from huggingface_hub import snapshot_download
 
-            folder = snapshot_download(path, allow_patterns=["*.json", "model*.safetensors"])
+            folder = snapshot_download(path, allow_patterns=["*.json", "model*.safetensors"],
+                                       revision=MODEL_OPTIONS.get(path, {}).get("revision"))
         except Exception:  # from_pretrained, the way it goes then, reports what is wrong
             return None
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -1100,7 +1374,8 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
         first = next((d for d in dtypes if d is not None and d.is_floating_point), None)
         dtype = getattr(config, "dtype", None) or first or torch.float32
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read: keep them
-        model = auto_class.from_config(config, dtype=dtype)
+        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=MODEL_OPTIONS.get(path, {}).get(
+            "trust_remote_code", False), **{k: v for k, v in config_kwargs.items() if k == "attn_implementation"})
     model.tie_weights()  # (from_pretrained ties them after loading)
     model.eval()  # as from_pretrained returns a model
     folder = found[0] if found else os.path.dirname(os.path.abspath(path)) if path.endswith(".gguf") else path
@@ -1249,8 +1524,13 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
                 with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
                     json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
             model.config.dtype = str(model.dtype).split(".")[1]  # what save_pretrained records with the weights
-            model.config.architectures = [type(transformers_model(model)).__name__.removeprefix("FSDP")]
+            name = type(transformers_model(model)).__name__.removeprefix("FSDP")
+            model.config.architectures = [name]
             model.config.save_pretrained(output_dir)
+            if getattr(model, "_auto_class", None) is not None:  # its own code (--trust_remote_code), as save_pretrained
+                from transformers.dynamic_module_utils import custom_object_save
+
+                custom_object_save(next(c for c in type(transformers_model(model)).__mro__ if c.__name__ == name), output_dir)
             if model.can_generate():
                 model.generation_config.save_pretrained(output_dir)
             tokenizer.save_pretrained(output_dir)
@@ -1901,6 +2181,13 @@ NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 def check_vllm_args(args, server: bool) -> None:
     """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
     generates (else a colocated engine, for a script with --vllm_mode, or HF generate)."""
+    if args.generation_kwargs and importlib.util.find_spec("vllm") is not None:
+        from vllm import SamplingParams
+
+        unknown = sorted(set(args.generation_kwargs) - set(SamplingParams.__struct_fields__))
+        if unknown:
+            raise UsageError(f"--generation_kwargs: {', '.join(unknown)} is not an option of vLLM's SamplingParams (vLLM "
+                             "generates here; transformers' GenerationConfig options go to rloo.py)")
     if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
         if not server and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")
@@ -1968,8 +2255,9 @@ def sampling_options(args, stop_ids: list[int], greedy: bool, never_sampled: Opt
     handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, the sampled token's
     log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs), and never_sampled (a
     VLM's image tokens) get vLLM's lowest logit bias, -100."""
-    sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p,
-                                                     "top_k": args.top_k}
+    sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                                     "min_p": args.min_p or 0.0, "repetition_penalty": args.repetition_penalty,
+                                                     **(args.generation_kwargs or {})}
     return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
             "ignore_eos": True, "logprobs": 0, **({"logit_bias": {i: -100.0 for i in never_sampled}} if never_sampled else {})}
 
@@ -1988,7 +2276,7 @@ def engine_options(args, config_folder: str, device, multimodal: bool = False) -
     """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
     are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
     return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=not multimodal,  # a VLM's images: its processor
-                seed=args.seed, dtype=vllm_dtype(args),
+                seed=args.seed, dtype=vllm_dtype(args), trust_remote_code=args.trust_remote_code,
                 generation_config="vllm", logprobs_mode="processed_logprobs",
                 max_model_len=engine_max_model_len(args), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
@@ -2158,7 +2446,7 @@ def check_same_architecture(url: str, served: Optional[str], ours: str) -> None:
     from transformers import AutoConfig
 
     try:
-        theirs, mine = (AutoConfig.from_pretrained(m).to_dict() for m in (served, ours))
+        theirs, mine = (AutoConfig.from_pretrained(m, **MODEL_OPTIONS.get(m, {})).to_dict() for m in (served, ours))
     except Exception:
         return
     for key in ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -356,10 +356,11 @@ def test_dataset_folder_gives_one_split_per_file(tmp_path):
     assert rloo_utils.load_prompt_dataset(str(tmp_path), "validation") is None
 
 
-def test_lr_schedule_warmup_then_linear_or_constant():
-    def rates(kind, steps):
+def test_lr_schedules_after_a_warmup_of_steps_or_of_a_fraction_of_them():
+    def rates(kind, steps, warmup_steps=2, **kwargs):
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        scheduler = rloo.lr_scheduler(optimizer, kind, warmup_steps=2, total_steps=6)
+        args = rloo.Args(lr_scheduler_type=kind, warmup_steps=warmup_steps, lr_scheduler_kwargs=kwargs or None)
+        scheduler = rloo_utils.lr_scheduler(optimizer, args, total_steps=6)
         rates = []
         for _ in range(steps):
             rates.append(scheduler.get_last_lr()[0])
@@ -369,6 +370,15 @@ def test_lr_schedule_warmup_then_linear_or_constant():
 
     assert rates("linear", 7) == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
     assert rates("constant", 4) == [0.0, 0.5, 1.0, 1.0]
+    # half a cosine from the peak to 0 after the warm-up: 1 at step 2, 0.5 half-way (step 4), 0 at the end
+    cosine = rates("cosine", 7)
+    assert cosine[:3] == [0.0, 0.5, 1.0] and cosine[4] == pytest.approx(0.5) and cosine[6] == pytest.approx(0.0)
+    # the same curve squeezed into [min_lr_rate, 1]
+    floor = rates("cosine_with_min_lr", 7, min_lr_rate=0.1)
+    assert floor[2:] == pytest.approx([0.1 + 0.9 * c for c in cosine[2:]])
+    # below 1, --warmup_steps is a fraction of all optimizer steps, rounded up as transformers does: ceil(0.25 * 6) = 2
+    assert rates("linear", 7, warmup_steps=0.25) == rates("linear", 7, warmup_steps=2)
+    assert rates("linear", 3, warmup_steps=0.5) == [0.0, 1 / 3, 2 / 3]
 
 
 def test_batch_semantics_follow_old_trl():

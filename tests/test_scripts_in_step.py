@@ -43,7 +43,7 @@ SHARED = sorted({name for a in SCRIPTS for b in SCRIPTS if a < b for name in DEF
 
 def test_the_scripts_share_the_algorithm():
     assert len(SCRIPTS) >= 2 and len(SHARED) > 40  # this guard would pass vacuously on scripts that share nothing
-    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "update_metrics", "main"]:
+    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "reward_metrics", "main"]:
         assert name in SHARED
 
 

@@ -14,8 +14,8 @@ Learning curves from the local runs:
 python benchmark/plot.py --runs runs/compare_tiny/runs --metrics reward clip_ratio/region_mean loss/policy_avg \\
     --output benchmark/results/algorithms_tiny.png
 
-From W&B, after a run with -- --track (pip install openrlbenchmark==0.2.1a5; replace ?we=... with your entity):
-python -m openrlbenchmark.rlops_multi_metrics \\
+From W&B, after a run with -- --track (openrlbenchmark 0.3.1 in an environment of its own, benchmark/requirements-openrlbenchmark.txt; replace ?we=... with your entity):
+.venv-openrlbenchmark/bin/python -m openrlbenchmark.rlops_multi_metrics \\
     --filters '?we=${WANDB_ENTITY:-your-entity}&wpn=rloo-compare-tiny&xaxis=train/episode&ceik=wandb_project_name&cen=exp_name&metrics=train/reward&metrics=train/clip_ratio/region_mean&metrics=train/loss/policy_avg' \\
         "rloo?tag=$tag" "grpo?tag=$tag" "dr_grpo?tag=$tag" "reinforce_pp?tag=$tag" "token_ppo_clip?tag=$tag" \\
         "cispo?tag=$tag" "gspo?tag=$tag" "sapo?tag=$tag" \\

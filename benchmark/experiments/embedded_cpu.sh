@@ -19,8 +19,8 @@ Learning curves from the local runs (runs/*/metrics.jsonl):
 python benchmark/plot.py --runs runs --regex '^(rloo|rloo_vllm)__' \\
     --metrics reward kl completions/mean_length --output benchmark/results/embedded_cpu.png
 
-From W&B (pip install openrlbenchmark==0.2.1a5; replace ?we=... with your entity, and the tag with --pr's pr-N if given):
-python -m openrlbenchmark.rlops_multi_metrics \\
+From W&B (openrlbenchmark 0.3.1 in an environment of its own, benchmark/requirements-openrlbenchmark.txt; replace ?we=... with your entity, and the tag with --pr's pr-N if given):
+.venv-openrlbenchmark/bin/python -m openrlbenchmark.rlops_multi_metrics \\
     --filters '?we=${WANDB_ENTITY:-your-entity}&wpn=rloo&xaxis=train/episode&ceik=dataset_name&cen=exp_name&metrics=train/reward&metrics=train/kl&metrics=train/completions/mean_length&metrics=train/objective/rlhf_reward' \\
         "rloo?tag=$tag" "rloo_vllm?tag=$tag" \\
     --env-ids data/movie_reviews \\

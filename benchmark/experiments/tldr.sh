@@ -31,8 +31,8 @@ Learning curves from the local runs:
 python benchmark/plot.py --runs runs --regex '^(rloo_vllm|rloo_multigpu)__' \\
     --metrics objective/rlhf_reward objective/scores objective/kl completions/mean_length --output benchmark/results/tldr.png
 
-From W&B (pip install openrlbenchmark==0.2.1a5; replace ?we=... with your entity, and the tag with --pr's pr-N if given):
-python -m openrlbenchmark.rlops_multi_metrics \\
+From W&B (openrlbenchmark 0.3.1 in an environment of its own, benchmark/requirements-openrlbenchmark.txt; replace ?we=... with your entity, and the tag with --pr's pr-N if given):
+.venv-openrlbenchmark/bin/python -m openrlbenchmark.rlops_multi_metrics \\
     --filters '?we=${WANDB_ENTITY:-your-entity}&wpn=rloo&xaxis=train/episode&ceik=dataset_name&cen=exp_name&metrics=train/objective/rlhf_reward&metrics=train/objective/scores&metrics=train/objective/kl&metrics=train/objective/non_score_reward&metrics=train/objective/entropy&metrics=train/policy/approxkl_avg&metrics=train/policy/clipfrac_avg&metrics=train/loss/policy_avg&metrics=train/policy/entropy_avg&metrics=train/val/ratio&metrics=train/val/ratio_var&metrics=train/val/num_eos_tokens&metrics=train/lr&metrics=train/eps' \\
         "rloo_vllm?tag=$tag" "rloo_multigpu?tag=$tag" \\
     --env-ids trl-internal-testing/tldr-preference-sft-trl-style \\
@@ -41,6 +41,9 @@ python -m openrlbenchmark.rlops_multi_metrics \\
     --pc.xlabel "Episode" \\
     --output-filename benchmark/results/tldr_openrlbenchmark \\
     --scan-history
+
+Next to TRL's public RLOO runs of the same experiment (TRL's own filter group and ours, in one plot):
+python benchmark/experiments/openrlbenchmark_trl.py --entity ${WANDB_ENTITY:-your-entity}${tag:+ --tag $tag}
 
 Win rate against the reference TL;DRs (the seed's evaluation: 51.2% for TRL's RLOO model, 33.0% for the SFT model):
 python benchmark/judge.py --model_name_or_path runs/<run_name>/model --dataset_name trl-lib/tldr --dataset_split test \\
