@@ -36,7 +36,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Annotated, Callable, Optional
 
 import numpy as np
@@ -200,11 +200,11 @@ def expand_user_paths(args):
 
 def check_args(args, world_size: int = 1) -> None:
     """Every option on its own and with the others (the vLLM ones: check_vllm_args), before anything is loaded."""
-    for field in fields(args):
-        value = getattr(args, field.name)
+    for option in fields(args):
+        value = getattr(args, option.name)
         for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and field.name not in MAY_BE_INFINITE):
-                raise UsageError(f"--{field.name} must be a finite number, got {v}")
+            if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and option.name not in MAY_BE_INFINITE):
+                raise UsageError(f"--{option.name} must be a finite number, got {v}")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
     for name in ["run_name", "exp_name"]:
@@ -272,7 +272,11 @@ OWN_SAMPLING_OPTIONS = {"temperature": "--temperature", "top_p": "--top_p", "top
                         "seed": "--seed", "n": "--num_generations", "num_return_sequences": "--num_generations"}
 # ...and those that would break the rollout: one sampled completion per row with its log-probs, as token ids
 RESERVED_SAMPLING_OPTIONS = {"do_sample", "num_beams", "num_beam_groups", "pad_token_id", "suppress_tokens", "logprobs",
-                             "detokenize", "min_tokens", "min_new_tokens", "stop", "output_kind", "logit_bias"}
+                             "logprob_token_ids", "detokenize", "min_tokens", "min_new_tokens", "output_kind", "logit_bias",
+                             "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                             "output_hidden_states"}
+# ...and those that read text, which the rollout does not make (prompts and completions are token ids)
+TEXT_SAMPLING_OPTIONS = {"stop", "stop_strings", "bad_words", "structured_outputs", "guided_decoding"}
 
 
 def check_trl_options(args) -> None:
@@ -291,6 +295,9 @@ def check_trl_options(args) -> None:
         if key in RESERVED_SAMPLING_OPTIONS:
             raise UsageError(f"--generation_kwargs sets {key}, which the rollout sets itself (one sampled completion per "
                              "row, as token ids with their log-probs): leave it out")
+        if key in TEXT_SAMPLING_OPTIONS:
+            raise UsageError(f"--generation_kwargs sets {key}, which works on text, but the rollout samples token ids "
+                             "without decoding them: end completions with --stop_token_id, or score them in a reward function")
     if args.generation_kwargs and not vllm:
         from transformers import GenerationConfig
 
@@ -303,14 +310,17 @@ def check_trl_options(args) -> None:
     if args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps):
         raise UsageError(f"--warmup_steps {args.warmup_steps}: give a number of steps (a whole number), or a fraction of "
                          "all optimizer steps below 1")
-    try:  # cosine_with_min_lr needs min_lr or min_lr_rate; a misspelt key is a TypeError only when the schedule is made
-        from transformers import get_scheduler
-
-        get_scheduler(SCHEDULES[args.lr_scheduler_type], torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 0,
-                      10, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs "
-                         f"{json.dumps(args.lr_scheduler_kwargs)}: {describe(e)}") from None
+    kwargs = args.lr_scheduler_kwargs or {}
+    for key, value in kwargs.items():  # (checked here, without importing transformers before the run's claim)
+        if key not in SCHEDULE_ARGUMENTS[args.lr_scheduler_type]:
+            takes = ", ".join(sorted(SCHEDULE_ARGUMENTS[args.lr_scheduler_type])) or "nothing"
+            raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs {json.dumps(kwargs)}: "
+                             f"{key} is not an argument of that schedule (it takes {takes})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise UsageError(f"--lr_scheduler_kwargs: {key} must be a number >= 0, got {value!r}")
+    if args.lr_scheduler_type == "cosine_with_min_lr" and len({"min_lr", "min_lr_rate"} & set(kwargs)) != 1:
+        raise UsageError("--lr_scheduler_type cosine_with_min_lr needs one of min_lr or min_lr_rate in --lr_scheduler_kwargs "
+                         "(e.g. '{\"min_lr_rate\": 0.1}': the floor is 10% of --learning_rate)")
     if args.num_completions_to_print is not None and not args.log_completions:
         raise UsageError("--num_completions_to_print limits the table of --log_completions: add --log_completions")
     if args.num_completions_to_print is not None and args.num_completions_to_print < 1:
@@ -321,6 +331,9 @@ def check_trl_options(args) -> None:
 # --lr_scheduler_type -> transformers' schedule: each with a linear warm-up from 0 over --warmup_steps
 SCHEDULES = {"linear": "linear", "constant": "constant_with_warmup", "cosine": "cosine",
              "cosine_with_min_lr": "cosine_with_min_lr"}
+# ...and the arguments each takes in --lr_scheduler_kwargs (transformers' get_scheduler)
+SCHEDULE_ARGUMENTS = {"linear": set(), "constant": set(), "cosine": {"num_cycles"},
+                      "cosine_with_min_lr": {"num_cycles", "min_lr", "min_lr_rate"}}
 
 
 def check_estimator_and_loss(args) -> None:
@@ -366,7 +379,7 @@ DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv"
 
 
 # The arguments a script passes to every reward function: a data column of the same name would collide with one
-REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids")
+REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def embedded_model() -> str:
@@ -750,8 +763,8 @@ class TrainerState:
     max_steps: int = 0
     epoch: float = 0.0
     num_train_epochs: float = 0.0
-    is_world_process_zero: bool = True
-    is_local_process_zero: bool = True
+    is_world_process_zero: bool = field(default_factory=lambda: get_rank() == 0)
+    is_local_process_zero: bool = field(default_factory=lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0)
 
 
 class RewardLogs:
@@ -776,6 +789,11 @@ class RewardLogs:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
         self.clear()
+        for c, _, n in everyone:
+            for name, values in c.items():
+                if len(values) != n:
+                    raise RunError(f"a reward function's log_extra({name!r}, values) gave {len(values)} values for {n} "
+                                   "completions: one value per completion, once per call")
         columns = {name: [v for c, _, n in everyone for v in c.get(name, [None] * n)]
                    for name in sorted({name for c, _, _ in everyone for name in c})}
         metrics = {}
@@ -798,8 +816,14 @@ def reward_event_loop() -> asyncio.AbstractEventLoop:
 
 def await_all(awaitables: list) -> list:
     """Their results (or the exceptions they raised), awaited concurrently on the reward functions' event loop."""
+    async def settle(awaitable):
+        try:
+            return await awaitable
+        except (Exception, SystemExit) as e:  # (gather's return_exceptions lets a SystemExit end the process)
+            return e
+
     async def gather():
-        return await asyncio.gather(*awaitables, return_exceptions=True)
+        return await asyncio.gather(*(settle(a) for a in awaitables))
 
     return reward_event_loop().run_until_complete(gather())
 
@@ -1037,6 +1061,9 @@ def builds_own_positions(model) -> bool:
 
 
 # ---- Logging and progress --------------------------------------------------------------------------------------------
+TABLES = ("samples", "completions")  # the tables a run logs (Logger.log_table), each to <name>.jsonl
+
+
 class Logger:
     """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
 
@@ -1045,9 +1072,10 @@ class Logger:
         resumed run logs those updates again: no step appears twice, none is missing."""
         from torch.utils.tensorboard import SummaryWriter
 
-        for name, size in (resume or {}).get("sizes", {}).items():
-            if os.path.getsize(path := os.path.join(run_dir, name)) > size:
-                os.truncate(path, size)
+        sizes = (resume or {}).get("sizes", {})
+        for name in set(sizes) | ({f"{table}.jsonl" for table in TABLES} if resume else set()):
+            if os.path.exists(path := os.path.join(run_dir, name)) and os.path.getsize(path) > sizes.get(name, 0):
+                os.truncate(path, sizes.get(name, 0))  # (a table begun after the checkpoint is emptied)
         self.last_step = resume["step"] if resume else None
         self.wandb, self.wandb_id, self.wandb_first_step = None, None, 0
         if args.track:
@@ -1093,13 +1121,15 @@ class Logger:
         if name not in self.table_files:
             self.table_files[name] = open(os.path.join(self.run_dir, f"{name}.jsonl"), "a")
         for r in rows:
-            self.table_files[name].write(json.dumps({"step": step, **r}) + "\n")
+            self.table_files[name].write(json.dumps({"step": step, **r}, default=plain_value) + "\n")
         self.table_files[name].flush()
 
     def state(self) -> dict:
         """What a resumed run needs to continue these logs: their sizes, the last step, the W&B run id."""
-        files = [self.metrics_file, *self.table_files.values()]
-        return {"sizes": {os.path.basename(f.name): f.tell() for f in files}, "step": self.last_step, "wandb_id": self.wandb_id}
+        tables = [f"{table}.jsonl" for table in TABLES if os.path.exists(os.path.join(self.run_dir, f"{table}.jsonl"))]
+        return {"sizes": {"metrics.jsonl": self.metrics_file.tell(),
+                          **{name: os.path.getsize(os.path.join(self.run_dir, name)) for name in tables}},
+                "step": self.last_step, "wandb_id": self.wandb_id}
 
     def close(self, failed: bool = False) -> None:
         self.writer.close()
@@ -1107,6 +1137,11 @@ class Logger:
             f.close()
         if self.wandb:
             self.wandb.finish(exit_code=1 if failed else 0)
+
+
+def plain_value(value):
+    """A numpy or torch scalar (what a reward function may log with log_extra) as a Python one, else its text."""
+    return value.item() if hasattr(value, "item") else str(value)
 
 
 class QuietLogger:
@@ -1374,8 +1409,10 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
         first = next((d for d in dtypes if d is not None and d.is_floating_point), None)
         dtype = getattr(config, "dtype", None) or first or torch.float32
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read: keep them
-        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=MODEL_OPTIONS.get(path, {}).get(
-            "trust_remote_code", False), **{k: v for k, v in config_kwargs.items() if k == "attn_implementation"})
+        options = MODEL_OPTIONS.get(path, {})
+        code = {"trust_remote_code": True} if options.get("trust_remote_code") and getattr(config, "auto_map", None) else {}
+        model = auto_class.from_config(config, dtype=dtype, **code,
+                                       **{k: v for k, v in config_kwargs.items() if k == "attn_implementation"})
     model.tie_weights()  # (from_pretrained ties them after loading)
     model.eval()  # as from_pretrained returns a model
     folder = found[0] if found else os.path.dirname(os.path.abspath(path)) if path.endswith(".gguf") else path
@@ -1898,9 +1935,13 @@ def check_resumable(args, checkpoint: str, resumable_changes: set[str]) -> None:
     except (OSError, ValueError, AssertionError) as e:
         raise UsageError(f"{path} is missing or damaged ({describe(e)}): move {checkpoint} away and resume again "
                          "(`latest` then takes the checkpoint before it)") from None
+    defaults = json.loads(json.dumps({f.name: f.default for f in fields(args)}, default=str))
     for name, value in json.loads(json.dumps(asdict(args))).items():
-        if name not in resumable_changes and saved.get(name) != value:
-            raise UsageError(f"--{name} is {value} here but {saved.get(name)} in {checkpoint}: resume with the options "
+        before = saved.get(name, defaults[name])  # an option added since the run started was at its default
+        if name == "dataset_name" and os.path.abspath(dataset_path(before)) == os.path.abspath(dataset_path(value)):
+            continue  # the embedded dataset, by its absolute path (older runs) or its relative name
+        if name not in resumable_changes and before != value:
+            raise UsageError(f"--{name} is {value} here but {before} in {checkpoint}: resume with the options "
                              f"the run was started with (only {', '.join(sorted(resumable_changes))} may change)")
 
 
@@ -2181,13 +2222,14 @@ NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 def check_vllm_args(args, server: bool) -> None:
     """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
     generates (else a colocated engine, for a script with --vllm_mode, or HF generate)."""
-    if args.generation_kwargs and importlib.util.find_spec("vllm") is not None:
+    if args.generation_kwargs and (server or hasattr(args, "vllm_mode")) and importlib.util.find_spec("vllm") is not None:
         from vllm import SamplingParams
 
-        unknown = sorted(set(args.generation_kwargs) - set(SamplingParams.__struct_fields__))
+        unknown = sorted(k for k in args.generation_kwargs if k not in SamplingParams.__struct_fields__ or k.startswith("_"))
         if unknown:
             raise UsageError(f"--generation_kwargs: {', '.join(unknown)} is not an option of vLLM's SamplingParams (vLLM "
-                             "generates here; transformers' GenerationConfig options go to rloo.py)")
+                             "generates here; transformers' GenerationConfig options go to HF generate, without a vLLM "
+                             "server)")
     if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
         if not server and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")

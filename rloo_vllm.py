@@ -289,7 +289,8 @@ class Args:
 
 # Options a resumed run may change: none of them alters what is computed.
 RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
-                     "wandb_project_name", "wandb_entity", "output_dir", "save_merged_model",
+                     "wandb_project_name", "wandb_entity", "output_dir", "log_completions", "num_completions_to_print",
+                     "save_merged_model",
                      # where the server is and how much memory the engine takes change no sample
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
                      "vllm_server_weight_transfer",
@@ -597,7 +598,8 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
-    trainer_state = TrainerState(max_steps=num_optimizer_steps, num_train_epochs=args.total_episodes / G / len(train_dataset))
+    trainer_state = TrainerState(max_steps=num_optimizer_steps,
+                                 num_train_epochs=math.ceil(args.total_episodes / G / len(train_dataset)))
     reward_logs = RewardLogs()
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and

@@ -53,6 +53,8 @@ EARLY = [
     (["--generation_kwargs", '{"temperature": 0.5}'], ["--generation_kwargs sets temperature, which --temperature sets"]),
     (["--generation_kwargs", '{"num_beams": 4}'], ["--generation_kwargs sets num_beams, which the rollout sets itself"]),
     (["--generation_kwargs", '{"no_repeat_ngrams": 2}'], ["no_repeat_ngrams is not an option of transformers' GenerationConfig"]),
+    (["--generation_kwargs", '{"return_dict_in_generate": true}'], ["sets return_dict_in_generate, which the rollout sets"]),
+    (["--generation_kwargs", '{"stop_strings": ["."]}'], ["sets stop_strings, which works on text"]),
     (["--lr_scheduler_type", "cosine_with_min_lr"], ["--lr_scheduler_type cosine_with_min_lr", "min_lr or min_lr_rate"]),
     (["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}'],
      ["--lr_scheduler_type cosine with --lr_scheduler_kwargs", "min_lr_rate"]),

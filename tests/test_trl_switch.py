@@ -64,6 +64,8 @@ def test_reward_functions_written_for_trl_run_unchanged(script, tiny, tmp_path):
         assert row["trainer_state/epoch"] == pytest.approx((update - 1) * prompts_per_update / num_train_prompts)
         assert row["global_step"] == update * steps_per_update  # TRL 1.x's x-axis: optimizer steps done
         assert row["async/same_loop_as_first_call"] == 1.0
+        # rank 0's only (the mean over 2 processes is 1/2), as TRL gives it
+        assert row["trainer_state/is_world_process_zero"] == (0.5 if script == "rloo_multigpu.py" else 1.0)
         table = [r for r in rows if r["step"] == row["episode"]]
         assert len(table) == prompts_per_update * G
         assert set(table[0]) == {"step", "prompt", "completion", "curriculum_reward", "the_reward",
@@ -266,3 +268,64 @@ def test_the_readme_maps_every_rlooconfig_field_of_trl():
     for trl_name, ours in table.items():
         for flag in re.findall(r"`--([a-z0-9_]+)[` ]", ours):
             assert flag in options, f"the row of {trl_name} names --{flag}, which no script has"
+
+
+def test_what_reward_functions_log_is_checked_and_kept_whole(tmp_path):
+    """An async function's sys.exit is one line (not the end of the run); a log_extra column of the wrong length is
+    one line; numpy values a function logs go to completions.jsonl as numbers."""
+    import numpy as np
+
+    async def exits(**kwargs):
+        raise SystemExit(0)
+
+    with pytest.raises(rloo_utils.UsageError, match=r"reward function exits called sys.exit\(0\)"):
+        rloo_utils.call_reward_funcs([exits], ["exits"], 2, completions=["a", "b"])
+    logs = rloo_utils.RewardLogs()
+    logs.log_extra("short", [1])
+    with pytest.raises(rloo_utils.RunError, match="log_extra\\('short', values\\) gave 1 values for 2 completions"):
+        logs.take(2)
+    logger = rloo_utils.Logger(rloo.Args(), "run", str(tmp_path))
+    logger.log_table("completions", [{"prompt": "p", "completion": "c", "ok": np.bool_(True), "n": np.int64(3)}], 8)
+    logger.close()
+    assert jsonl(tmp_path / "completions.jsonl") == [{"step": 8, "prompt": "p", "completion": "c", "ok": True, "n": 3}]
+
+
+def test_a_resumed_run_cuts_every_table_back_to_its_checkpoint(tmp_path):
+    """A table begun or grown after the checkpoint (--log_completions may be added at resume) is cut back, so no row
+    appears twice."""
+    logger = rloo_utils.Logger(rloo.Args(), "run", str(tmp_path))
+    logger.log_table("samples", [{"prompt": "p", "completion": "c", "reward": 1.0}], 0)
+    state = logger.state()  # the checkpoint: one sample row, no completions table yet
+    logger.log_table("samples", [{"prompt": "p", "completion": "d", "reward": 0.0}], 16)
+    logger.log_table("completions", [{"prompt": "p", "completion": "d", "advantage": 0.5}], 16)
+    logger.close()
+    rloo_utils.Logger(rloo.Args(), "run", str(tmp_path), resume=state).close()
+    assert [r["step"] for r in jsonl(tmp_path / "samples.jsonl")] == [0]
+    assert jsonl(tmp_path / "completions.jsonl") == []
+
+
+def test_a_run_started_before_the_new_options_resumes(tmp_path):
+    """Its args.json lacks the options added since (they were at their defaults) and names the embedded dataset by
+    its absolute path: the same run; a changed option is still refused."""
+    args = rloo.resolve_defaults(rloo.Args())
+    saved = json.loads(json.dumps(dataclasses.asdict(args)))
+    for name in ["trust_remote_code", "repetition_penalty", "min_p", "generation_kwargs", "log_completions"]:
+        del saved[name]
+    saved["dataset_name"] = os.path.join(ROOT, "data", "movie_reviews")
+    (tmp_path / "args.json").write_text(json.dumps(saved))
+    rloo_utils.check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
+    with pytest.raises(rloo_utils.UsageError, match="--repetition_penalty is 1.1 here but 1.0 in"):
+        rloo_utils.check_resumable(dataclasses.replace(args, repetition_penalty=1.1), str(tmp_path), rloo.RESUMABLE_CHANGES)
+
+
+def test_generation_kwargs_go_to_the_generator_that_samples():
+    """rloo_multigpu.py generates with HF generate unless a vLLM server does: GenerationConfig's keys, then
+    SamplingParams' (vLLM installed or not)."""
+    import rloo_multigpu
+
+    hf = rloo_multigpu.Args(generation_kwargs={"no_repeat_ngram_size": 3, "cache_implementation": "static"})
+    rloo_utils.check_args(hf)
+    rloo_utils.check_vllm_args(hf, server=False)
+    served = dataclasses.replace(hf, vllm_server_host="127.0.0.1")
+    with pytest.raises(rloo_utils.UsageError, match="is not an option of vLLM's SamplingParams"):
+        rloo_utils.check_vllm_args(served, server=True)

@@ -14,6 +14,7 @@ def curriculum_reward(completions, trainer_state, **kwargs):
     kwargs["log_metric"]("trainer_state/global_step", trainer_state.global_step)
     kwargs["log_metric"]("trainer_state/epoch", trainer_state.epoch)
     kwargs["log_metric"]("trainer_state/max_steps", trainer_state.max_steps)
+    kwargs["log_metric"]("trainer_state/is_world_process_zero", float(trainer_state.is_world_process_zero))
     return [len(completion[0]["content"]) / 100 * (1 - progress) for completion in completions]
 
 
