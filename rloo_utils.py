@@ -762,7 +762,7 @@ class TrainerState:
     global_step: int = 0
     max_steps: int = 0
     epoch: float = 0.0
-    num_train_epochs: float = 0.0
+    num_train_epochs: int = 0
     is_world_process_zero: bool = field(default_factory=lambda: get_rank() == 0)
     is_local_process_zero: bool = field(default_factory=lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0)
 
@@ -832,28 +832,22 @@ def call_reward_funcs(funcs: list[Callable], names: list[str], batch_size: int, 
     """Call each TRL-style reward function with the same keyword arguments (TRL 1.16's: prompts, completions,
     completion_ids, the dataset's other columns, trainer_state, log_extra, log_metric); the async ones run concurrently,
     as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None."""
-    results = [call_reward_func(func, name, batch_size, run_awaitable=False, **kwargs) for func, name in zip(funcs, names)]
+    results = []
+    for func in funcs:
+        try:
+            results.append(func(**kwargs))  # an async function's coroutine, awaited below with the others
+        except (Exception, SystemExit) as e:  # it must not end the run quietly: check_reward_values names it
+            results.append(e)
     pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
     if pending:
         for i, value in zip(pending, await_all([results[i] for i in pending])):
-            results[i] = check_reward_values(value, names[i], batch_size)
-    return results
+            results[i] = value
+    return [check_reward_values(values, name, batch_size) for values, name in zip(results, names)]
 
 
-def call_reward_func(func: Callable, name: str, batch_size: int, run_awaitable: bool = True, **kwargs):
-    """Call a TRL-style reward function and check what it returns: (B,) floats, NaN where it returned None. An async
-    function's result is awaited (or, without run_awaitable, returned as it is, for call_reward_funcs to await)."""
-    try:
-        values = func(**kwargs)
-    except SystemExit as e:  # it must not end the run quietly
-        raise UsageError(f"reward function {name} called sys.exit({e.code!r})") from None
-    except Exception as e:
-        raise UsageError(f"reward function {name} raised {describe(e)}") from None
-    if inspect.isawaitable(values):
-        if not run_awaitable:
-            return values
-        values = await_all([values])[0]
-    return check_reward_values(values, name, batch_size)
+def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
+    """One reward function's (B,) rewards (call_reward_funcs)."""
+    return call_reward_funcs([func], [name], batch_size, **kwargs)[0]
 
 
 def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
@@ -1411,8 +1405,7 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read: keep them
         options = MODEL_OPTIONS.get(path, {})
         code = {"trust_remote_code": True} if options.get("trust_remote_code") and getattr(config, "auto_map", None) else {}
-        model = auto_class.from_config(config, dtype=dtype, **code,
-                                       **{k: v for k, v in config_kwargs.items() if k == "attn_implementation"})
+        model = auto_class.from_config(config, dtype=dtype, **code)  # (config_kwargs' attn_implementation: in config)
     model.tie_weights()  # (from_pretrained ties them after loading)
     model.eval()  # as from_pretrained returns a model
     folder = found[0] if found else os.path.dirname(os.path.abspath(path)) if path.endswith(".gguf") else path
