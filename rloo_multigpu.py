@@ -52,10 +52,10 @@ from rloo_utils import (EMBEDDED_DATASET, JsonObject, ProgressBar, RewardLogs, R
                         call_reward_funcs, check_args, check_skipped_steps, claim_run, clip_bounds, completion_metrics,
                         completion_rows, content_text, embedded_model, gather_objects, image_column, image_prompt_rows,
                         image_token_ids, images_batch, is_chat, left_pad, load_datasets, load_reward_model,
-                        load_tokenizers, lr_scheduler, model_dtype, open_logger, parse_args, policy_class,
-                        prompt_batches, report_one_line_error, resume_point, resumed_counters, reward_model_inputs,
-                        reward_sources, set_rng_states, show_samples, stop_after_update_on_signals, stopped_message,
-                        update_metrics, vision_inputs)
+                        load_tokenizers, logits_at, lr_scheduler, model_dtype, open_logger, pack_sequences,
+                        packing_layout, parse_args, policy_class, prompt_batches, report_one_line_error, resume_point,
+                        resumed_counters, reward_model_inputs, reward_sources, set_rng_states, show_samples,
+                        stop_after_update_on_signals, stopped_message, update_metrics, vision_inputs)
 from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, empty_model,
                         end_processes, generation_configs, launch_world_size, load_sharded_checkpoint, load_shards,
                         merged_weights, pad_completions, rng_states_of_every_process, sampling_options, sampling_seeds,
@@ -235,6 +235,9 @@ class Args:
     (reference and reward model too) and the optimizer stay fp32"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    padding_free: bool = True
+    """forwards of the update, log-probs and reward model on real tokens only: sequences packed into rows, positions
+    restarting per sequence (same results within rounding; padded where attention would cross sequences, said at start)"""
     gather_for_generation: bool = True
     """gather the whole policy on every process while it generates (old TRL's ds3_gather_for_generation), so that
     generate's many one-token forward passes gather nothing; turn off for a model whose full copy does not fit one
@@ -626,6 +629,9 @@ def main(args: Args) -> None:
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
+    packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy")  # None: padded
+    reward_packing = packing_layout(reward_model and getattr(reward_model, reward_model.base_model_prefix), args.padding_free,
+                                    False, console, "reward model")
     local_mini_batch_size = mini_batch_size // world_size
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
@@ -684,7 +690,7 @@ def main(args: Args) -> None:
                 input_ids, attention_mask = (t.to(device) for t in reward_model_inputs(reward_tokenizer, prompts, texts, ended,
                                                                                       args.chat_template_kwargs))
             with autocast():
-                per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk])
+                per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk], reward_packing)
                                              for i in range(0, len(input_ids), chunk)]).cpu())
             if not per_source[0].isfinite().all():
                 raise RunError(f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][~per_source[0].isfinite()][0]}) "
@@ -700,7 +706,7 @@ def main(args: Args) -> None:
         with torch.no_grad(), autocast():
             return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
                                                   completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature,
-                                                  images=images_batch(images, slice(i, i + chunk), device, model.dtype))
+                                                  images=images_batch(images, slice(i, i + chunk), device, model.dtype), packing=packing)
                               for i in range(0, len(prompt_ids), chunk)]).float()
 
     def sample_table(step: int) -> None:
@@ -847,7 +853,8 @@ def main(args: Args) -> None:
                             logprobs, entropy = completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx],
                                                                     completion_ids[idx], completion_mask[idx],
                                                                     args.temperature, with_entropy=True,
-                                                                    images=images_batch(images, idx - own_rows, device, policy.dtype))
+                                                                    images=images_batch(images, idx - own_rows, device, policy.dtype),
+                                                                    packing=packing)  # (b, C)
                         if on_policy:  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
                             old_logprobs[idx] = logprobs.detach()
                         old = old_logprobs[idx]
@@ -1179,14 +1186,24 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                        with_entropy: bool = False, images: Optional[dict] = None):
+                        with_entropy: bool = False, images: Optional[dict] = None, packing: Optional[str] = None):
     """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
     images: the rows' image tensors (images_batch), for a VLM.
 
-    Columns that are padding in every row (left of the longest prompt, right of the longest completion) are cut
-    before the forward pass and the result is zero-padded back to C columns.
+    Padded (packing None): columns that are padding in every row (left of the longest prompt, right of the longest
+    completion) are cut before the forward pass and the result is zero-padded back to C columns. Padding-free: the
+    real tokens only (pack_sequences), logits only where a completion token is predicted; 0 at padding.
     """
     C = completion_ids.shape[1]
+    if packing:
+        ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1),
+                                               torch.cat([prompt_mask, completion_mask], 1), packing)
+        real = completion_mask.bool()  # (B, C); each token is predicted at the index before its own
+        with logits_at(model, index[:, prompt_ids.shape[1]:][real] - 1):
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits  # (1, K, V): K real tokens
+        unpack = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (1, K) -> (B, C)
+        logprobs = unpack(selective_log_softmax(logits, completion_ids[real][None], temperature))
+        return (logprobs, unpack(entropy_from_logits(logits, temperature))) if with_entropy else logprobs
     first = int(prompt_mask.any(0).nonzero()[0])
     last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
     input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
@@ -1247,13 +1264,18 @@ BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length":
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, input_ids, attention_mask) -> torch.Tensor:
+def reward_model_scores(reward_model, input_ids, attention_mask, packing: Optional[str] = None) -> torch.Tensor:
     """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
-    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS)."""
+    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS).
+    Padding-free with `packing` (pack_sequences), as completion_logprobs."""
     backbone = getattr(reward_model, reward_model.base_model_prefix)
+    last = last_true_index(attention_mask)  # (B,)
+    if packing:
+        ids, positions, index = pack_sequences(input_ids, attention_mask, packing)
+        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state.flatten(0, 1)
+        return reward_model.score(hidden[index[torch.arange(len(last)), last]]).squeeze(-1).float()
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
-    last = last_true_index(attention_mask)  # (B,)
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
 
 

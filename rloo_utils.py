@@ -1054,6 +1054,77 @@ def builds_own_positions(model) -> bool:
     return hasattr(getattr(transformers_model(model), "model", None), "get_rope_index")
 
 
+# ---- Padding-free forwards: the real tokens of a micro-batch, packed into rows ------------------------------------------
+# Attention implementations that keep packed sequences apart in any number of rows: transformers' mask utilities build
+# a block-causal mask per row from position ids that restart at 0. Any other (flash attention's varlen kernels, which
+# read each sequence's start from the position ids) gets the whole micro-batch in one row.
+PACKED_ROWS = {"eager": "rows", "sdpa": "rows", "flex_attention": "rows"}
+
+
+@torch.no_grad()
+def packing_layout(model, wanted: bool, images: bool, console, name: str) -> Optional[str]:
+    """How pack_sequences lays out the padding-free forwards of `model` (a causal LM, or a reward model's backbone):
+    "rows", "one_row", or None for padded forwards: with image prompts, for a family whose positions are its own, and
+    where a probe finds packed sequences seeing each other (a sequence's outputs must not change with the tokens of the
+    one before it in its row; OPT's mask, for one, ignores position ids). Said in one line when it falls back."""
+    if not wanted or model is None:
+        return None
+    config = transformers_model(model).config
+    implementation = config._attn_implementation or "eager"
+    why = "image prompts are not packed" if images else "its positions are its own (mrope)" if builds_own_positions(model) else None
+    if why is None:
+        device = next(model.parameters()).device
+        ids = torch.arange(1, 17, device=device) % config.get_text_config().vocab_size  # (16,): two fronts, then one sequence
+        positions = torch.cat([torch.arange(5), torch.arange(11)]).to(device)[None]
+        was_training = model.training
+        model.eval()  # no adapter dropout: the two forwards must differ only by the front sequence
+        outputs = [model(input_ids=torch.cat([front, ids[5:]])[None], position_ids=positions, use_cache=False)[0][0, 5:]
+                   for front in (ids[:5], ids[:5].flip(0))]
+        model.train(was_training)
+        if not torch.allclose(*outputs, rtol=1e-3, atol=1e-3 * float(outputs[0].abs().max())):
+            why = f"with attention {implementation!r}, {type(transformers_model(model)).__name__}'s packed sequences see each other"
+    if why:
+        console.print(f"{name}: padded forwards, not padding-free: {why}")
+        return None
+    return PACKED_ROWS.get(implementation, "one_row")
+
+
+def pack_sequences(ids: torch.Tensor, mask: torch.Tensor, layout: str):
+    """The real tokens (mask 1) of each row of (B, T) `ids`, as one sequence each, packed into rows with position ids
+    restarting at 0 (packing_layout). "rows": first-fit decreasing into rows as long as the longest sequence, so that
+    attention costs no more than in padded rows while the other layers see only real tokens (Krell et al. 2021);
+    "one_row": all in one row. Returns ids (R, L), position ids (R, L), and each token's (B, T) index into the
+    flattened rows (meaningful where mask is 1). A row's free end is filler that follows its last sequence, which
+    causal attention keeps from reaching any real token."""
+    real = mask.bool()
+    lengths = mask.sum(1).tolist()
+    L = max(1, sum(lengths) if layout == "one_row" else max(lengths))
+    room, start = [], [0] * len(lengths)  # room left in each row; each sequence's start in the flattened rows
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, left in enumerate(room) if left >= lengths[i]), len(room))
+        if row == len(room):
+            room.append(L)
+        start[i], room[row] = row * L + L - room[row], room[row] - lengths[i]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # (B, T): as position_ids_from gives the padded rows
+    index = torch.tensor(start, device=ids.device)[:, None] + positions  # (B, T)
+    packed_ids = torch.zeros(len(room) * L, dtype=ids.dtype, device=ids.device).index_put_((index[real],), ids[real])
+    packed_positions = (torch.arange(len(room) * L, device=ids.device) % L).index_put_((index[real],), positions[real])
+    return packed_ids.view(len(room), L), packed_positions.view(len(room), L), index
+
+
+@contextlib.contextmanager
+def logits_at(model, index: torch.Tensor):
+    """Only the hidden states at `index` of the flattened (R, L) rows reach the output layer, so the logits are
+    (1, K, V), one per predicted token. A pre-hook on the output layer keeps what the model does after it (a logit
+    cap or scale) as it is."""
+    keep = lambda module, args: (args[0].flatten(0, 1)[index][None], *args[1:])  # noqa: E731
+    handle = model.get_output_embeddings().register_forward_pre_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 # ---- Logging and progress --------------------------------------------------------------------------------------------
 TABLES = ("samples", "completions")  # the tables a run logs (Logger.log_table), each to <name>.jsonl
 
@@ -1917,6 +1988,10 @@ def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
     return spec
 
 
+# Options added with a default that computes differently from the runs started before them: what those runs did
+OLDER_RUNS = {"padding_free": False}
+
+
 def check_resumable(args, checkpoint: str, resumable_changes: set[str]) -> None:
     """A resumed run is the run it continues: every option that changes what is computed must be the same (only the
     options in resumable_changes may differ)."""
@@ -1930,7 +2005,7 @@ def check_resumable(args, checkpoint: str, resumable_changes: set[str]) -> None:
                          "(`latest` then takes the checkpoint before it)") from None
     defaults = json.loads(json.dumps({f.name: f.default for f in fields(args)}, default=str))
     for name, value in json.loads(json.dumps(asdict(args))).items():
-        before = saved.get(name, defaults[name])  # an option added since the run started was at its default
+        before = saved.get(name, OLDER_RUNS.get(name, defaults[name]))  # an option added since: at its default, or as before
         if name == "dataset_name" and os.path.abspath(dataset_path(before)) == os.path.abspath(dataset_path(value)):
             continue  # the embedded dataset, by its absolute path (older runs) or its relative name
         if name not in resumable_changes and before != value:

@@ -1,0 +1,169 @@
+"""Padding-free forwards (--padding_free): the real tokens of a micro-batch packed into rows give the padded path's
+log-probs, entropies, gradients, reward-model scores and, run end to end, every metric; where packed sequences would
+see each other the scripts fall back to padded forwards, and say so."""
+
+import json
+import os
+
+import pytest
+import torch
+from rich.console import Console
+
+from conftest import run_rloo
+from test_multigpu import run_torchrun
+
+import rloo  # noqa: E402  (each_script swaps in each script in turn)
+import rloo_utils  # noqa: E402
+
+
+def tiny_model(family: str, attention: str):
+    """A 2-layer model of `family` with random weights, eval mode, the given attention implementation."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
+    model = {
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            intermediate_size=128, num_key_value_heads=1, **common)),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=300, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)),
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(  # routed per token
+            intermediate_size=128, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)),
+        "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(  # a logit cap after the output layer
+            intermediate_size=128, num_key_value_heads=2, head_dim=32, final_logit_softcapping=5.0, **common)),
+        "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(  # its mask ignores the position ids
+            vocab_size=300, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=2,
+            word_embed_proj_dim=64)),
+    }[family]()
+    model.config._attn_implementation = attention
+    return model.eval()
+
+
+def ragged_batch():
+    """Left-padded prompts and right-padded completions of spread lengths, one completion empty: (B, P), (B, C)."""
+    g = torch.Generator().manual_seed(1)
+    B, P, C = 6, 7, 9
+    prompt_lengths, completion_lengths = torch.tensor([7, 3, 1, 5, 7, 2]), torch.tensor([9, 1, 4, 0, 6, 9])
+    prompt_mask = (torch.arange(P)[None] >= P - prompt_lengths[:, None]).long()
+    completion_mask = (torch.arange(C)[None] < completion_lengths[:, None]).long()
+    return (torch.randint(3, 300, (B, P), generator=g), prompt_mask, torch.randint(3, 300, (B, C), generator=g),
+            completion_mask)
+
+
+def test_pack_sequences_packs_real_tokens_with_positions_restarting():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    lengths = mask.sum(1)  # 16, 4, 5, 5, 13, 11
+    for layout, rows, length in [("rows", 4, 16), ("one_row", 1, 54)]:
+        packed, positions, index = rloo_utils.pack_sequences(ids, mask, layout)
+        assert packed.shape == positions.shape == (rows, length)
+        real = mask.bool()
+        assert torch.equal(packed.flatten()[index[real]], ids[real])  # every real token, where index says
+        assert len(set(index[real].tolist())) == int(lengths.sum())  # each in a place of its own
+        assert torch.equal(positions.flatten()[index[real]], rloo.position_ids_from(mask)[real])
+        starts = index[torch.arange(len(ids)), mask.argmax(1)]  # each sequence's first token: position 0, in one row
+        ends = starts + lengths - 1
+        assert (positions.flatten()[starts] == 0).all() and torch.equal(starts // length, ends // length)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "gemma2"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_packed_logprobs_entropies_and_gradients_are_the_padded_ones(each_script, family, attention):
+    """In every script, both layouts: the log-probs and entropies of the real completion tokens and the gradient of a
+    loss on them equal the padded forward's, to float rounding; padding positions are 0."""
+    model = tiny_model(family, attention)
+    assert rloo.packing_layout(model, True, False, Console(quiet=True), "policy") == "rows"
+    batch = ragged_batch()
+    real = batch[3].bool()
+
+    def forward(packing):
+        model.zero_grad()
+        logprobs, entropy = rloo.completion_logprobs(model, *batch, 0.7, with_entropy=True, packing=packing)
+        (logprobs * real).sum().backward()
+        return logprobs, entropy, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    padded = forward(None)
+    for packing in ["rows", "one_row"]:
+        logprobs, entropy, grads = forward(packing)
+        torch.testing.assert_close(logprobs[real], padded[0][real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy[real], padded[1][real], rtol=1e-5, atol=1e-5)
+        assert (logprobs[~real] == 0).all() and (entropy[~real] == 0).all()
+        assert len(grads) == len(padded[2])
+        for packed_grad, padded_grad in zip(grads, padded[2]):
+            torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_reward_model_scores_are_the_padded_ones(each_script, tiny):
+    from transformers import AutoModelForSequenceClassification
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny["reward"]).eval()
+    torch.nn.init.normal_(reward_model.score.weight)  # a head that reads the hidden state: scores far apart
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    padded = rloo.reward_model_scores(reward_model, ids, mask)
+    assert padded.std() > 0.1
+    layout = rloo.packing_layout(reward_model.model, True, False, Console(quiet=True), "reward model")
+    for packing in [layout, "one_row"]:
+        torch.testing.assert_close(rloo.reward_model_scores(reward_model, ids, mask, packing), padded, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
+    """OPT's mask reads the attention mask alone, not the position ids: packed, its sequences would attend across
+    (the probe finds it, and the log-probs would differ); image prompts are never packed."""
+    console = Console(record=True, width=200)
+    opt = tiny_model("opt", "sdpa")
+    assert rloo_utils.packing_layout(opt, True, False, console, "policy") is None
+    assert "policy: padded forwards, not padding-free: with attention 'sdpa', OPTForCausalLM's packed sequences " \
+           "see each other" in console.export_text()
+    batch, real = ragged_batch(), ragged_batch()[3].bool()
+    padded = rloo.completion_logprobs(opt, *batch, 1.0)
+    assert not torch.allclose(rloo.completion_logprobs(opt, *batch, 1.0, packing="rows")[real], padded[real], atol=1e-3)
+    llama = tiny_model("llama", "sdpa")
+    assert rloo_utils.packing_layout(llama, True, True, console, "policy") is None
+    assert "policy: padded forwards, not padding-free: image prompts are not packed" in console.export_text()
+    assert rloo_utils.packing_layout(llama, False, False, console, "policy") is None  # --no_padding_free
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
+def test_every_metric_of_a_run_is_the_same_padded_and_padding_free(script, tiny, prompts_file, tmp_path):
+    """4 updates of 2 epochs x 2 minibatches with a reward model and the KL: every logged metric but the wall-clock
+    ones equal to float rounding, padded (--no_padding_free) or padding-free (the default)."""
+    options = ["--model_name_or_path", tiny["policy"], "--reward_model_path", tiny["reward"], "--dataset_name",
+               prompts_file, "--num_generations", 4, "--per_device_train_batch_size", 4, "--num_mini_batches", 2,
+               "--num_ppo_epochs", 2, "--total_episodes", 32, "--max_completion_length", 12, "--beta", 0.1,
+               "--num_sample_generations", 0]
+    metrics = {}
+    for path in ["--padding_free", "--no_padding_free"]:
+        cwd = tmp_path / path.strip("-")
+        cwd.mkdir()
+        if script == "rloo_multigpu.py":  # 2 processes of 8 rows each
+            proc = run_torchrun(2, *options, "--per_device_train_batch_size", 2, path, cwd=cwd)
+        else:
+            proc = run_rloo(*options, path, cwd=cwd, script=script)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "padded forwards" not in proc.stdout
+        (run,) = os.listdir(cwd / "runs")
+        with open(cwd / "runs" / run / "metrics.jsonl") as f:
+            metrics[path] = [json.loads(line) for line in f]
+    wall_clock = lambda k: k in ("eps", "step_time") or k.startswith(("perf/", "time/"))  # noqa: E731
+    assert len(metrics["--padding_free"]) == len(metrics["--no_padding_free"]) == 4  # 8 completions an update
+    for packed, padded in zip(metrics["--padding_free"], metrics["--no_padding_free"]):
+        assert packed.keys() == padded.keys()
+        for key in packed:
+            if not wall_clock(key):
+                assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-5, nan_ok=True), key
+
+
+def test_a_run_started_before_padding_free_resumes_padded_only(tmp_path):
+    """Runs of older versions computed padded forwards: their args.json lacks the option, and a resume must keep
+    computing as they did (exact resume), so the default is refused in one line and --no_padding_free is the same run."""
+    import dataclasses
+
+    args = rloo.resolve_defaults(rloo.Args())
+    saved = json.loads(json.dumps(dataclasses.asdict(args)))
+    del saved["padding_free"]
+    (tmp_path / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(rloo_utils.UsageError, match="--padding_free is True here but False in"):
+        rloo_utils.check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
+    rloo_utils.check_resumable(dataclasses.replace(args, padding_free=False), str(tmp_path), rloo.RESUMABLE_CHANGES)
