@@ -1188,33 +1188,30 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
                         with_entropy: bool = False, images: Optional[dict] = None, packing: Optional[str] = None):
     """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
-    images: the rows' image tensors (images_batch), for a VLM.
-
-    Padded (packing None): columns that are padding in every row (left of the longest prompt, right of the longest
-    completion) are cut before the forward pass and the result is zero-padded back to C columns. Padding-free: the
-    real tokens only (pack_sequences), logits only where a completion token is predicted; 0 at padding.
+    images: the rows' image tensors (images_batch), for a VLM. packing: pack_sequences' layout (padding-free), or None:
+    padded rows, cut of the columns that are padding in every row (left of the longest prompt, right of the longest
+    completion). Padding positions get 0.
     """
     C = completion_ids.shape[1]
-    if packing:
+    if packing:  # the real tokens only; logits (1, K, V) where each of the K real completion tokens is predicted
         ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1),
                                                torch.cat([prompt_mask, completion_mask], 1), packing)
-        real = completion_mask.bool()  # (B, C); each token is predicted at the index before its own
-        with logits_at(model, index[:, prompt_ids.shape[1]:][real] - 1):
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits  # (1, K, V): K real tokens
-        unpack = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (1, K) -> (B, C)
-        logprobs = unpack(selective_log_softmax(logits, completion_ids[real][None], temperature))
-        return (logprobs, unpack(entropy_from_logits(logits, temperature))) if with_entropy else logprobs
-    first = int(prompt_mask.any(0).nonzero()[0])
-    last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
-    input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
-    attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-    position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=last + 1,
-                   use_cache=False, **vision_inputs(model, input_ids, images)).logits[:, :-1]  # (B, last, V), bf16 under autocast
-    logprobs = F.pad(selective_log_softmax(logits, completion_ids[:, :last], temperature), (0, C - last))
-    if not with_entropy:
-        return logprobs
-    return logprobs, F.pad(entropy_from_logits(logits, temperature), (0, C - last))
+        real = completion_mask.bool()  # (B, C)
+        with logits_at(model, index[:, prompt_ids.shape[1]:][real] - 1):  # a token is predicted at the index before it
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        targets, fit = completion_ids[real][None], lambda values: values.new_zeros(real.shape).masked_scatter(
+            real, values)
+    else:
+        first = int(prompt_mask.any(0).nonzero()[0])
+        last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
+        input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
+        attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
+        position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=last + 1, use_cache=False, **vision_inputs(model, input_ids, images)).logits[:, :-1]
+        targets, fit = completion_ids[:, :last], lambda values: F.pad(values, (0, C - last))
+    logprobs = fit(selective_log_softmax(logits, targets, temperature))  # bf16 logits under autocast, fp32 log-probs
+    return (logprobs, fit(entropy_from_logits(logits, temperature))) if with_entropy else logprobs
 
 
 def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:

@@ -3,6 +3,7 @@ training-time stage, and peak memory; or the embedded default run with each path
 
     python benchmark/padding_free.py                  # SmolLM2-135M-Instruct, completions spread over 1..128 tokens
     python benchmark/padding_free.py --embedded       # `python rloo.py` (the embedded default), each path
+    python benchmark/padding_free.py --embedded -- --max_completion_length 128   # ... with more arguments for rloo.py
 
 The workload is the forward work of one update of rloo.py on --batch completions, each stage as rloo.py runs it,
 with its own functions: prompts of the embedded dataset (--batch / G prompts, G = 4 completions each) under the chat
@@ -133,8 +134,11 @@ def worker(path: str, cli) -> dict:
                 torch.cuda.synchronize()
             seconds[stage].append(time.perf_counter() - start)
     padded = cli.batch * (int(prompt_mask.any(0).sum()) + C)
+    order = torch.randperm(cli.batch, generator=torch.Generator().manual_seed(3))  # as policy_forward_backward
+    tokens = (prompt_mask.sum(1) + completion_mask.sum(1)).cpu()[order]
+    micro = [int(tokens[i:i + cli.per_device_train_batch_size].sum()) for i in range(0, cli.batch, cli.per_device_train_batch_size)]
     return {"seconds": {k: statistics.mean(v) for k, v in seconds.items()}, "peak_mib": (memory_now(device, True) - held) / 2**20,
-            "real_tokens": real, "padded_positions": padded, "packing": packing,
+            "real_tokens": real, "micro_batch_tokens": micro, "padded_positions": padded, "packing": packing,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU"}
 
 
@@ -157,6 +161,9 @@ def variable_length(cli) -> None:
         print(f"{stage:<26}{a:>10.3f}{b:>16.3f}{a / b:>9.2f}x")
     a, b = (statistics.mean(r["peak_mib"] for r in results[p]) for p in PATHS)
     print(f"{'peak memory (MiB)':<26}{a:>10.0f}{b:>16.0f}{a / b:>9.2f}x")
+    micro = first["micro_batch_tokens"]
+    print(f"real tokens per micro-batch: {micro} (heaviest {max(micro) / statistics.mean(micro):.2f}x the mean: what a "
+          "token budget per micro-batch would even out)")
 
 
 def embedded(cli) -> None:
@@ -167,7 +174,7 @@ def embedded(cli) -> None:
                 name = f"{path}_{round_}"
                 subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--total_episodes", str(16 * cli.updates),
                                 "--run_name", name, "--num_sample_generations", "0",
-                                "--padding_free" if path == "padding_free" else "--no_padding_free"],
+                                "--padding_free" if path == "padding_free" else "--no_padding_free", *cli.rloo_args],
                                cwd=workdir, check=True, stdout=subprocess.DEVNULL)
                 with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
                     rows[path] += [json.loads(line) for line in f][1:]
@@ -194,7 +201,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="processes of each path, alternating")
     parser.add_argument("--embedded", action="store_true", help="time `python rloo.py` itself, with each path")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
+    parser.add_argument("rloo_args", nargs="*", help="--embedded: more arguments for rloo.py (after --)")
     cli = parser.parse_args()
+    for name in ["batch", "max_completion_length", "per_device_train_batch_size", "local_rollout_forward_batch_size",
+                 "updates", "rounds"]:
+        if getattr(cli, name) < 1:
+            parser.error(f"--{name} must be 1 or more, got {getattr(cli, name)}")
+    if cli.rloo_args and not cli.embedded:
+        parser.error("arguments after -- go to rloo.py, which only --embedded runs")
     if cli.worker:
         print(json.dumps(worker(cli.worker, cli)))
     elif cli.embedded:

@@ -292,7 +292,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
 
 
 @pytest.mark.parametrize("script", ["compare_algorithms.py", "logprob_memory.py", "multigpu_memory.py", "multigpu_timing.py",
-                                    "resume_check.py", "lora.py",
+                                    "resume_check.py", "lora.py", "padding_free.py",
                                     "step_timing.py", "trl_baseline.py", "trl_side_by_side.py", "vllm_sampling_seeds.py",
                                     "vllm_timing.py", "launch.py", "plot.py", "judge.py"])
 def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path):
@@ -484,3 +484,27 @@ def test_the_trl_comparison_refuses_an_output_it_could_not_write_before_running(
                              *needles)
     assert (tmp_path / "a_file").read_text() == (tmp_path / "taken.png").read_text() == "mine\n"
     assert sorted(os.listdir(tmp_path)) == ["a_file", "taken.png"]
+
+
+def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_file, tmp_path):
+    """benchmark/padding_free.py on the test model: every stage of both paths, the workload's padding, each path's peak;
+    --embedded runs rloo.py with each path and reads its stage timings."""
+    script = os.path.join(ROOT, "benchmark", "padding_free.py")
+    proc = subprocess.run([sys.executable, script, "--model", tiny["policy"], "--batch", "8", "--max_completion_length",
+                           "16", "--per_device_train_batch_size", "4", "--rounds", "1"], cwd=tmp_path, env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 completions of 1..16 tokens (geometric)" in proc.stdout and "padding-free layout 'rows'" in proc.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:6]}
+    assert sorted(rows) == sorted(["old_logprobs", "reference_forward", "reward", "policy_forward_backward"])
+    assert all(float(padded) > 0 and float(packed) > 0 for padded, packed, _ in rows.values()), proc.stdout
+    assert "peak memory (MiB)" in proc.stdout and "real tokens per micro-batch: [" in proc.stdout
+    proc = subprocess.run([sys.executable, script, "--embedded", "--updates", "2", "--rounds", "1", "--",
+                           "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
+                           "--max_completion_length", "8"], cwd=tmp_path, env=run_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    update = next(line.split() for line in proc.stdout.splitlines() if line.startswith("update "))
+    assert float(update[1]) > 0 and float(update[2]) > 0, proc.stdout
+    check_one_line_error(run_script(script, "--batch", "0", cwd=tmp_path), "--batch must be 1 or more, got 0")
+    assert os.listdir(tmp_path) == []

@@ -91,8 +91,9 @@ def test_the_plumbing_lives_once_and_knows_no_script():
 # (issue 25 added to rloo_multigpu.py's: the synced generate's image inputs, each process's own rows of the images;
 # issue 26: the models built empty, each process reading its own shards, the reference read again, not copied).
 # Issue 27 added the LoRA options to each Args (17 lines of --help) and the adapter's few lines to main, its plumbing
-# going to rloo_utils.py.
-SIZE = {"rloo.py": 1020, "rloo_vllm.py": 1175, "rloo_multigpu.py": 1300}
+# going to rloo_utils.py. Issue 29 added padding-free forwards: the option, the layout at set-up and the packed branch of
+# completion_logprobs and reward_model_scores (19 lines), the packing itself going to rloo_utils.py.
+SIZE = {"rloo.py": 1035, "rloo_vllm.py": 1190, "rloo_multigpu.py": 1315}
 DIFFERENCE = {"rloo_vllm.py": 250, "rloo_multigpu.py": 470}
 
 
