@@ -629,9 +629,9 @@ def main(args: Args) -> None:
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
-    packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy")  # None: padded
+    packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy", autocast)  # or None
     reward_packing = packing_layout(reward_model and getattr(reward_model, reward_model.base_model_prefix), args.padding_free,
-                                    False, console, "reward model")
+                                    False, console, "reward model", autocast)
     local_mini_batch_size = mini_batch_size // world_size
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 

@@ -1062,31 +1062,55 @@ PACKED_ROWS = {"eager": "rows", "sdpa": "rows", "flex_attention": "rows"}
 
 
 @torch.no_grad()
-def packing_layout(model, wanted: bool, images: bool, console, name: str) -> Optional[str]:
+def packing_layout(model, wanted: bool, images: bool, console, name: str, autocast=contextlib.nullcontext) -> Optional[str]:
     """How pack_sequences lays out the padding-free forwards of `model` (a causal LM, or a reward model's backbone):
     "rows", "one_row", or None for padded forwards: with image prompts, for a family whose positions are its own, and
-    where a probe finds packed sequences seeing each other (a sequence's outputs must not change with the tokens of the
-    one before it in its row; OPT's mask, for one, ignores position ids). Said in one line when it falls back."""
+    where packing_probe finds a packed sequence computed otherwise than alone. Said in one line when it falls back."""
     if not wanted or model is None:
         return None
     config = transformers_model(model).config
     implementation = config._attn_implementation or "eager"
     why = "image prompts are not packed" if images else "its positions are its own (mrope)" if builds_own_positions(model) else None
-    if why is None:
-        device = next(model.parameters()).device
-        ids = torch.arange(1, 17, device=device) % config.get_text_config().vocab_size  # (16,): two fronts, then one sequence
-        positions = torch.cat([torch.arange(5), torch.arange(11)]).to(device)[None]
-        was_training = model.training
-        model.eval()  # no adapter dropout: the two forwards must differ only by the front sequence
-        outputs = [model(input_ids=torch.cat([front, ids[5:]])[None], position_ids=positions, use_cache=False)[0][0, 5:]
-                   for front in (ids[:5], ids[:5].flip(0))]
-        model.train(was_training)
-        if not torch.allclose(*outputs, rtol=1e-3, atol=1e-3 * float(outputs[0].abs().max())):
-            why = f"with attention {implementation!r}, {type(transformers_model(model)).__name__}'s packed sequences see each other"
+    if why is None and (failure := packing_probe(model, config.get_text_config().vocab_size, autocast)):
+        why = f"with attention {implementation!r}, {type(transformers_model(model)).__name__.removeprefix('FSDP')} {failure}"
     if why:
         console.print(f"{name}: padded forwards, not padding-free: {why}")
         return None
     return PACKED_ROWS.get(implementation, "one_row")
+
+
+def packing_probe(model, vocab_size: int, autocast) -> Optional[str]:
+    """What goes wrong when `model` runs a sequence packed after another, as the training forwards will (under their
+    autocast; a causal LM's logits picked by logits_at), or None: its outputs must not change with the tokens of the
+    sequence before it (OPT's mask, for one, ignores position ids), and must be those of the sequence alone."""
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 17, device=device) % vocab_size  # (16,): a front sequence of 5 tokens, then one of 11
+    positions = torch.cat([torch.arange(5), torch.arange(11)]).to(device)[None]
+    causal = transformers_model(model).can_generate()  # else a backbone: its hidden states
+
+    def second_sequence(front):  # (11, V) logits or (11, H) hidden states
+        picked = logits_at(model, torch.arange(5, 16, device=device)) if causal else contextlib.nullcontext()
+        with autocast(), picked:
+            out = model(input_ids=torch.cat([front, ids[5:]])[None], position_ids=positions, use_cache=False)[0]
+        assert out.shape[1] == (11 if causal else 16), f"its output layer gave {out.shape[1]} positions, not 11"
+        return out[0, -11:]
+
+    was_training = model.training
+    model.eval()  # no adapter dropout: the forwards must differ only by what they are given
+    try:
+        packed, other_front = second_sequence(ids[:5]), second_sequence(ids[:5].flip(0))
+        with autocast():
+            alone = model(input_ids=ids[5:][None], use_cache=False)[0][0]
+    except Exception as e:  # an output layer the pre-hook cannot pick from, an attention that refuses position ids...
+        return f"fails the packing probe ({describe(e)})"
+    finally:
+        model.train(was_training)
+    scale = float(alone.abs().max())
+    if not torch.allclose(packed, other_front, rtol=1e-3, atol=1e-3 * scale):
+        return "lets packed sequences see each other"
+    if not torch.allclose(packed, alone, rtol=3e-2, atol=3e-2 * scale):  # other shapes: bf16 rounding may differ
+        return "computes a packed sequence otherwise than alone"
+    return None
 
 
 def pack_sequences(ids: torch.Tensor, mask: torch.Tensor, layout: str):

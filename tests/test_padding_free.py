@@ -114,7 +114,7 @@ def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
     console = Console(record=True, width=200)
     opt = tiny_model("opt", "sdpa")
     assert rloo_utils.packing_layout(opt, True, False, console, "policy") is None
-    assert "policy: padded forwards, not padding-free: with attention 'sdpa', OPTForCausalLM's packed sequences " \
+    assert "policy: padded forwards, not padding-free: with attention 'sdpa', OPTForCausalLM lets packed sequences " \
            "see each other" in console.export_text()
     batch, real = ragged_batch(), ragged_batch()[3].bool()
     padded = rloo.completion_logprobs(opt, *batch, 1.0)
@@ -167,3 +167,28 @@ def test_a_run_started_before_padding_free_resumes_padded_only(tmp_path):
     with pytest.raises(rloo_utils.UsageError, match="--padding_free is True here but False in"):
         rloo_utils.check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
     rloo_utils.check_resumable(dataclasses.replace(args, padding_free=False), str(tmp_path), rloo.RESUMABLE_CHANGES)
+
+
+def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_cannot_pick_from():
+    """The probe's forwards run under the autocast it is given (flash attention takes no fp32); a model that makes
+    its logits without calling its output layer (the pre-hook never fires: all 16 positions come back) is padded."""
+    import torch.nn.functional as F
+    import transformers
+
+    llama = tiny_model("llama", "sdpa")
+    seen = []
+    llama.model.register_forward_hook(lambda module, args, out: seen.append(torch.is_autocast_enabled("cpu")))
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    assert rloo_utils.packing_layout(llama, True, False, Console(quiet=True), "policy", bf16) == "rows"
+    assert seen == [True, True, True]
+
+    class LogitsByHand(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+            return transformers.modeling_outputs.CausalLMOutputWithPast(logits=F.linear(hidden, self.lm_head.weight))
+
+    console = Console(record=True, width=200)
+    by_hand = LogitsByHand(llama.config).eval()
+    assert rloo_utils.packing_layout(by_hand, True, False, console, "policy") is None
+    assert "LogitsByHand fails the packing probe (AssertionError: its output layer gave 16 positions, not 11)" \
+        in console.export_text()
