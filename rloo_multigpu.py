@@ -1199,8 +1199,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         real = completion_mask.bool()  # (B, C)
         with logits_at(model, index[:, prompt_ids.shape[1]:][real] - 1):  # a token is predicted at the index before it
             logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        targets, fit = completion_ids[real][None], lambda values: values.new_zeros(real.shape).masked_scatter(
-            real, values)
+        targets = completion_ids[real][None]  # (1, K)
+        fit = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (1, K) -> (B, C)
     else:
         first = int(prompt_mask.any(0).nonzero()[0])
         last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1

@@ -1058,7 +1058,7 @@ def builds_own_positions(model) -> bool:
 # Attention implementations that keep packed sequences apart in any number of rows: transformers' mask utilities build
 # a block-causal mask per row from position ids that restart at 0. Any other (flash attention's varlen kernels, which
 # read each sequence's start from the position ids) gets the whole micro-batch in one row.
-PACKED_ROWS = {"eager": "rows", "sdpa": "rows", "flex_attention": "rows"}
+PACKED_ROWS = ("eager", "sdpa", "flex_attention")
 
 
 @torch.no_grad()
@@ -1076,7 +1076,7 @@ def packing_layout(model, wanted: bool, images: bool, console, name: str, autoca
     if why:
         console.print(f"{name}: padded forwards, not padding-free: {why}")
         return None
-    return PACKED_ROWS.get(implementation, "one_row")
+    return "rows" if implementation in PACKED_ROWS else "one_row"
 
 
 def packing_probe(model, vocab_size: int, autocast) -> Optional[str]:

@@ -27,6 +27,7 @@ first update of each run.
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -64,7 +65,7 @@ def worker(path: str, cli) -> dict:
     torch.manual_seed(0)
     policy = rloo_utils.from_pretrained(AutoModelForCausalLM, cli.model).to(device)
     rloo.disable_dropout(policy)
-    reference = rloo_utils.from_pretrained(AutoModelForCausalLM, cli.model).to(device).eval().requires_grad_(False)
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy, as rloo.py makes it
     config = rloo_utils.from_pretrained(AutoConfig, cli.model)
     config.num_labels = 1
     reward_model = AutoModelForSequenceClassification.from_config(config)
@@ -74,7 +75,8 @@ def worker(path: str, cli) -> dict:
     console = Console(quiet=True)
     wanted = path == "padding_free"
     packing = rloo_utils.packing_layout(policy, wanted, False, console, "policy")
-    reward_packing = rloo_utils.packing_layout(reward_model.model, wanted, False, console, "reward model")
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    reward_packing = rloo_utils.packing_layout(backbone, wanted, False, console, "reward model")
     if wanted and (packing is None or reward_packing is None):
         sys.exit(f"padding_free.py: {cli.model} cannot run padding-free here")
 
@@ -136,8 +138,10 @@ def worker(path: str, cli) -> dict:
     padded = cli.batch * (int(prompt_mask.any(0).sum()) + C)
     order = torch.randperm(cli.batch, generator=torch.Generator().manual_seed(3))  # as policy_forward_backward
     tokens = (prompt_mask.sum(1) + completion_mask.sum(1)).cpu()[order]
-    micro = [int(tokens[i:i + cli.per_device_train_batch_size].sum()) for i in range(0, cli.batch, cli.per_device_train_batch_size)]
-    return {"seconds": {k: statistics.mean(v) for k, v in seconds.items()}, "peak_mib": (memory_now(device, True) - held) / 2**20,
+    step = cli.per_device_train_batch_size
+    micro = [int(tokens[i:i + step].sum()) for i in range(0, cli.batch, step)]
+    return {"seconds": {k: statistics.mean(v) for k, v in seconds.items()},
+            "peak_mib": (memory_now(device, True) - held) / 2**20,
             "real_tokens": real, "micro_batch_tokens": micro, "padded_positions": padded, "packing": packing,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU"}
 
