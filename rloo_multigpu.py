@@ -34,7 +34,7 @@ import sys
 import time
 import types
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal, NamedTuple, Optional
 
 import numpy as np
@@ -47,15 +47,16 @@ from rich.console import Console
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rloo_utils import (EMBEDDED_DATASET, JsonObject, ProgressBar, RewardLogs, RunError, RunGuard, StageTimer,
-                        Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes, builds_own_positions,
-                        call_reward_funcs, check_args, check_skipped_steps, claim_run, clip_bounds, completion_metrics,
-                        completion_rows, content_text, embedded_model, gather_objects, image_column, image_prompt_rows,
-                        image_token_ids, images_batch, is_chat, left_pad, load_datasets, load_reward_model,
-                        load_tokenizers, logits_at, lr_scheduler, model_dtype, open_logger, pack_sequences,
-                        packing_layout, parse_args, policy_class, prompt_batches, report_one_line_error, resume_point,
-                        resumed_counters, reward_model_inputs, reward_sources, set_rng_states, show_samples,
-                        stop_after_update_on_signals, stopped_message, update_metrics, vision_inputs)
+from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, ProgressBar, RewardLogs, RunError, RunGuard,
+                        StageTimer, Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes,
+                        bf16_by_default, builds_own_positions, call_reward_funcs, check_args, check_skipped_steps,
+                        claim_run, clip_bounds, completion_metrics, completion_rows, content_text, embedded_model,
+                        frozen_linear_weights_to, gather_objects, image_column, image_prompt_rows, image_token_ids,
+                        images_batch, is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, logits_at,
+                        lr_scheduler, model_dtype, open_logger, pack_sequences, packing_layout, parse_args,
+                        policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
+                        reward_model_inputs, reward_sources, set_rng_states, set_up_cuda, show_samples,
+                        stop_after_update_on_signals, stopped_message, update_metrics, vision_inputs, weights_finite)
 from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, empty_model,
                         end_processes, generation_configs, launch_world_size, load_sharded_checkpoint, load_shards,
                         merged_weights, pad_completions, rng_states_of_every_process, sampling_options, sampling_seeds,
@@ -230,9 +231,11 @@ class Args:
     """gradient clipping by global norm"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk during the rollout, on each process"""
-    bf16: bool = False
-    """bf16 mixed precision (FSDP2): weights gathered and used in bf16, gradients reduced in fp32; the sharded weights
-    (reference and reward model too) and the optimizer stay fp32"""
+    bf16: bool = field(default_factory=bf16_by_default)
+    """bf16 mixed precision (FSDP2): weights gathered and used in bf16, gradients reduced in fp32; the trained shards
+    and the optimizer stay fp32 (frozen linear layers are held in bf16). Default: on a GPU that computes bf16, else off"""
+    tf32: bool = True
+    """(GPU) fp32 matrix products in TF32 (what is left in fp32: --no_bf16 runs, fp32 steps of a bf16 run)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     padding_free: bool = True
@@ -537,13 +540,17 @@ def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
 
 def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
-    weights or Adam's moments. Returns the gradient norm before clipping and whether the step was taken. `loss` and
+    weights or Adam's moments; a step that leaves a weight non-finite stops the run, those weights unsaved. Returns the
+    gradient norm before clipping and whether the step was taken. `loss` and
     the norm are global, so every process takes the same decision."""
     # over all shards; on the loss's device (with --fsdp_cpu_offload the gradients, and so the norm, are in CPU memory)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).full_tensor().to(loss.device)
     finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
     if finite:
         optimizer.step()
+        if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
+            raise NonFiniteWeights("an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
+                                   "their dtype's range): they are not kept; lower --learning_rate")
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, finite
 
@@ -552,6 +559,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
 def main(args: Args) -> None:
     launch_world_size()  # the rendezvous variables, checked before anything waits for the other processes
     rank, world_size, device = init_processes(args.ddp_timeout)
+    set_up_cuda(args.tf32)
     sys.excepthook = report_one_line_error  # init_process_group wrapped it, to put [rank<N>]: before every line
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder).
     # Every process runs the checks; a failure on any stops all of them, reported once by rank 0 (`agreed`)
@@ -583,16 +591,16 @@ def main(args: Args) -> None:
 
     # Every process builds the models on the meta device (no memory) and shards them; each then reads only its shards of
     # the weights (load_shards), so that no process holds a whole model. The reference is the initial policy, frozen,
-    # needed only for the KL penalty, sharded as the policy is (also with --bf16: both compute in bf16 from fp32
-    # shards), so that the KL is exactly 0 before training; with --use_peft the policy, adapter disabled. A resumed
-    # policy's weights (with --use_peft its adapter's) come from its checkpoint.
+    # needed only for the KL penalty, sharded as the policy is (with --bf16 both compute in bf16, its frozen linear
+    # layers held so), so that the KL is exactly 0 before training; with --use_peft the policy, adapter disabled. A
+    # resumed policy's weights (with --use_peft its adapter's) come from its checkpoint.
     with agreed():
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
         policy_path = args.sft_model_path or args.model_name_or_path
-        policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype),
+        policy = empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype, policy_path),
                              weights=checkpoint is None or args.use_peft,  # (a LoRA checkpoint holds the adapter only)
                              attn_implementation=args.attn_implementation)
-        ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype),
+        ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype, policy_path),
                                   attn_implementation=args.attn_implementation).requires_grad_(False)
                       if args.beta > 0 and not args.use_peft else None)  # only the policy learns
         reward_model = load_reward_model(args.reward_model_path, sharded=True) if args.reward_model_path else None
@@ -603,6 +611,8 @@ def main(args: Args) -> None:
     if args.use_peft:
         policy = add_adapter(policy, args)
         ref_policy = policy if args.beta > 0 else None
+    for model in (policy, ref_policy, reward_model):  # frozen linear layers in bf16 under --bf16, as FSDP gathers them
+        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
     mesh = init_device_mesh(device.type, (world_size,))
     for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
         shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
@@ -644,7 +654,8 @@ def main(args: Args) -> None:
         logger = open_logger(args, run_dir, training_state)
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
                   f"{G}) on {world_size} processes ({local_batch_size} each), {num_optimizer_steps} optimizer steps, "
-                  f"device {device.type}, logs in {run_dir}" +
+                  f"device {device.type} ({'bf16' if args.bf16 else 'fp32'} compute; --no_bf16 / --bf16 to change), logs in "
+                  f"{run_dir}" +
                   (f"; resumed from {checkpoint}" if checkpoint else ""))
 
     def generate(model, prompt_ids, prompt_mask, config, images=None, seeds=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -744,7 +755,9 @@ def main(args: Args) -> None:
     progress = ProgressBar(console, num_updates, start_update)
     if server is not None:
         probe = tokenize_prompts(tokenizer, text_prompts(train_dataset[:2]["prompt"]), args.max_prompt_length, device)[:2]
-        greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
+        def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast, packing)
+            with torch.no_grad(), autocast():
+                return completion_logprobs(policy, *rollout, temperature=1.0, packing=packing)
         check_engine(server, *probe, greedy_config, greedy_logprobs)
         recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
     if sample_every and start_update == 0:

@@ -56,6 +56,10 @@ class RunError(Exception):
     """A run that cannot go on (a checkpoint that cannot be written, training gone non-finite): one line, too."""
 
 
+class NonFiniteWeights(RunError):
+    """An optimizer step left an inf or NaN weight: the run stops, and RunGuard writes nothing of those weights."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM before training starts: the run stops as on Ctrl-C, and exits 143 (128 + SIGTERM), as a shell reports
     a process ended by SIGTERM, not Ctrl-C's 130."""
@@ -70,7 +74,7 @@ def report_one_line_error(exc_type, exc, tb):
     guard first says what the failure leaves behind (RunGuard.on_failure), on the same line. An error every process
     raised together (`agreed`) is reported by rank 0 only; one of a single process, by that process."""
     together = getattr(exc, "agreed", False)
-    after = RunGuard.active.on_failure(together) if RunGuard.active else ""
+    after = RunGuard.active.on_failure(together, not issubclass(exc_type, NonFiniteWeights)) if RunGuard.active else ""
     where = "" if together or os.environ.get("WORLD_SIZE", "1") == "1" else f" (on rank {os.environ.get('RANK')})"
     if together and os.environ.get("RANK", "0") != "0":
         pass  # rank 0 reports it
@@ -244,6 +248,9 @@ def check_args(args, world_size: int = 1) -> None:
     check_trl_options(args)
     if args.num_generations < 2:
         raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
+    if args.dtype == "float16":
+        raise UsageError("--dtype float16: AdamW's eps and (1 - beta2) g^2 underflow in float16 and the first step writes "
+                         "inf/NaN into the weights; train float32 weights (--bf16 computes in bf16 on them)")
     batch_size, _, num_updates = batch_sizes(args, world_size)
     if batch_size // world_size % args.num_generations:  # the completions of a prompt stay on one process
         raise UsageError(f"the rollout batch{' of each process' if world_size > 1 else ''} (per_device_train_batch_size "
@@ -545,9 +552,25 @@ def from_pretrained(auto_class, path: str, **kwargs):
     return loaded
 
 
-def model_dtype(name: str):
-    """--dtype as from_pretrained takes it: a torch dtype, or "auto" (the dtype the checkpoint's config names)."""
-    return name if name == "auto" else getattr(torch, name)
+def model_dtype(name: str, path: str):
+    """--dtype as from_pretrained takes it for the policy at `path`: a torch dtype, or "auto" (the checkpoint's own).
+    Never float16 (check_args refuses it): a float16 checkpoint (Pythia, OPT, GPT-NeoX) is trained in float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.float32 if checkpoint_dtype(path) == torch.float16 else "auto"
+
+
+def checkpoint_dtype(path: str, config=None, found=None) -> torch.dtype:
+    """The dtype from_pretrained(path, dtype="auto") loads: the config's, else that of the first floating-point
+    weight of its safetensors files, else float32. config, found: AutoConfig's and checkpoint_weights' of path."""
+    from transformers import AutoConfig
+
+    config = config or from_pretrained(AutoConfig, path)
+    found = found if found is not None else checkpoint_weights(path)
+    dtypes = [SAFETENSORS_DTYPES.get(d) for _, d in (found or (None, {}))[1].values()]
+    first = next((d for d in dtypes if d is not None and d.is_floating_point), None)
+    dtype = getattr(config, "dtype", None) or first or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def check_tokenizer(tokenizer, path: str, chat_prompts: bool, stop_token_id: Optional[int]) -> None:
@@ -1054,6 +1077,60 @@ def builds_own_positions(model) -> bool:
     return hasattr(getattr(transformers_model(model), "model", None), "get_rope_index")
 
 
+# ---- Precision and memory: what a GPU computes in, and what the frozen models hold ------------------------------------
+def bf16_by_default() -> bool:
+    """--bf16 left out: on where the device computes bf16 natively (a CUDA GPU that supports it, as TRL's RLOOConfig
+    defaults to bf16), off on the CPU, where the embedded default's numbers are fp32's."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def expandable_segments_by_default() -> None:
+    """On a GPU, the caching allocator's expandable segments: packed micro-batches change shape at every step and
+    would fragment fixed blocks. Unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF says otherwise (vLLM turns them
+    off around its own pool). Called when this module is imported: the allocator reads the variable once, when CUDA
+    starts, and a script's Args start it to see whether the GPU computes bf16."""
+    if torch.cuda.is_available() and not os.environ.get("PYTORCH_ALLOC_CONF") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+expandable_segments_by_default()
+
+
+def set_up_cuda(tf32: bool) -> None:
+    """On a GPU: fp32 matrix products in TF32 unless --no_tf32 (an H100 multiplies fp32 at 67 TFLOP/s, TF32 at 495)."""
+    if not torch.cuda.is_available():
+        return
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if tf32 else "ieee"
+
+
+def frozen_linear_weights_to(model, dtype: Optional[torch.dtype]) -> None:
+    """The frozen weights of `model`'s linear layers (all of a reference or reward model's; a LoRA policy's base) in
+    `dtype`, the dtype autocast computes in (None: unchanged). Autocast casts a linear layer's weight and bias to it at
+    every forward anyway, so the forwards are the same to the last digit (the KL before the first update stays 0)
+    with half the memory. Kept as they are: weights that autocast leaves in fp32 (embeddings, norms), a weight shared
+    with another module (an LM head tied to the embeddings), and with DoRA the base layers, whose row norms peft
+    computes from the weight as stored."""
+    if dtype is None or model is None:
+        return
+    modules_of = defaultdict(int)
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            modules_of[id(p)] += 1
+    dora_bases = {id(m.get_base_layer()) for m in model.modules() if any(getattr(m, "use_dora", {}).values())}
+    for module in model.modules():
+        if (type(module) is torch.nn.Linear and id(module) not in dora_bases and
+                all(not p.requires_grad and modules_of[id(p)] == 1 for p in module.parameters())):
+            module.to(dtype)
+
+
+def weights_finite(params: list[torch.Tensor]) -> bool:
+    """Whether every weight is finite, after an optimizer step: a finite gradient can still leave an inf/NaN weight
+    (a step past the dtype's range). One norm over all of them (of sharded weights, over every shard)."""
+    norm = torch.nn.utils.get_total_norm([p.detach() for p in params])
+    return bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+
+
 # ---- Padding-free forwards: the real tokens of a micro-batch, packed into rows ------------------------------------------
 # Attention implementations that keep packed sequences apart in any number of rows: transformers' mask utilities build
 # a block-causal mask per row from position ids that restart at 0. Any other (flash attention's varlen kernels, which
@@ -1493,10 +1570,8 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
 
     config = from_pretrained(AutoConfig, path, **config_kwargs)
     found = checkpoint_weights(path)
-    if dtype == "auto":  # as from_pretrained: the config's dtype, else that of the first floating-point weight
-        dtypes = [SAFETENSORS_DTYPES.get(d) for _, d in (found or (None, {}))[1].values()]
-        first = next((d for d in dtypes if d is not None and d.is_floating_point), None)
-        dtype = getattr(config, "dtype", None) or first or torch.float32
+    if dtype == "auto":  # as from_pretrained
+        dtype = checkpoint_dtype(path, config, found)
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read: keep them
         options = MODEL_OPTIONS.get(path, {})
         code = {"trust_remote_code": True} if options.get("trust_remote_code") and getattr(config, "auto_map", None) else {}
@@ -2181,18 +2256,23 @@ class RunGuard:
                 shutil.rmtree(old)
         return path
 
-    def on_failure(self, together: bool) -> str:
+    def on_failure(self, together: bool, weights_kept: bool = True) -> str:
         """Called once, for the error that ends the run; returns the end of its error line. together: every process
-        raised it at the same point (`agreed`), so that they can write a checkpoint together."""
+        raised it at the same point (`agreed`), so that they can write a checkpoint together. weights_kept False: the
+        weights in memory are broken (NonFiniteWeights) and only an earlier checkpoint holds any worth keeping."""
         RunGuard.active = None
         stepped = self.watching and self.optimizer_steps() != self.steps_at_state  # the weights may have moved
-        if not self.watching or not stepped and self.state["update"] == self.first_update:  # nothing new was trained
+        found = checkpoint_dirs(self.run_dir) if self.watching else []
+        if not weights_kept and found:
+            return (f"; nothing of this update was saved; the newest checkpoint is {found[-1]}; continue with: "
+                    f"{resume_command(sys.argv, found[-1])}")
+        if not self.watching or not weights_kept or not stepped and self.state["update"] == self.first_update:
+            # nothing new was trained, or nothing worth keeping
             if get_rank() == 0:
                 for path in self.created:
                     shutil.rmtree(path, ignore_errors=True)
-            return ""
+            return "" if weights_kept else "; nothing was saved"
         if not together and get_world_size() > 1:  # the other processes are elsewhere: none can help to save
-            found = checkpoint_dirs(self.run_dir)
             return (f"; every process stops; the newest checkpoint is {found[-1]}; continue with: "
                     f"{resume_command(sys.argv, found[-1])}" if found else "; every process stops (no checkpoint yet)")
         state = self.state

@@ -28,7 +28,7 @@ import sys
 import time
 import types
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal, NamedTuple, Optional
 
 import numpy as np
@@ -38,15 +38,16 @@ import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
-from rloo_utils import (EMBEDDED_DATASET, JsonObject, ProgressBar, RewardLogs, RunError, RunGuard, StageTimer,
-                        Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes, builds_own_positions,
-                        call_reward_funcs, check_args, check_skipped_steps, claim_run, clip_bounds, completion_metrics,
-                        completion_rows, content_text, embedded_model, gather_objects, image_column, image_prompt_rows,
-                        image_token_ids, images_batch, is_chat, left_pad, load_datasets, load_reward_model,
-                        load_tokenizers, logits_at, lr_scheduler, model_dtype, open_logger, pack_sequences,
-                        packing_layout, parse_args, policy_class, prompt_batches, report_one_line_error, resume_point,
-                        resumed_counters, reward_model_inputs, reward_sources, set_rng_states, show_samples,
-                        stop_after_update_on_signals, stopped_message, update_metrics, vision_inputs)
+from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, ProgressBar, RewardLogs, RunError, RunGuard,
+                        StageTimer, Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes,
+                        bf16_by_default, builds_own_positions, call_reward_funcs, check_args, check_skipped_steps,
+                        claim_run, clip_bounds, completion_metrics, completion_rows, content_text, embedded_model,
+                        frozen_linear_weights_to, gather_objects, image_column, image_prompt_rows, image_token_ids,
+                        images_batch, is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, logits_at,
+                        lr_scheduler, model_dtype, open_logger, pack_sequences, packing_layout, parse_args,
+                        policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
+                        reward_model_inputs, reward_sources, set_rng_states, set_up_cuda, show_samples,
+                        stop_after_update_on_signals, stopped_message, update_metrics, vision_inputs, weights_finite)
 from rloo_utils import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, from_pretrained,
                         load_checkpoint_weights, merged_weights, pad_completions, rng_states, row_images,
                         sampling_options, sampling_seeds, save_model, start_colocated_engine, text_prompts)
@@ -260,8 +261,11 @@ class Args:
     """gradient clipping by global norm"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk during the rollout"""
-    bf16: bool = False
-    """bf16 autocast for every forward pass; all weights (reference and reward model too) and the optimizer stay fp32"""
+    bf16: bool = field(default_factory=bf16_by_default)
+    """bf16 autocast for every forward pass; the trained weights and the optimizer stay fp32 (frozen linear layers, of the
+    reference, reward model or LoRA base, are held in bf16). Default: on a GPU that computes bf16, else off"""
+    tf32: bool = True
+    """(GPU) fp32 matrix products in TF32 (what is left in fp32: --no_bf16 runs, fp32 steps of a bf16 run)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     padding_free: bool = True
@@ -531,11 +535,15 @@ def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
 
 def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
-    weights or Adam's moments. Returns the gradient norm before clipping and whether the step was taken."""
+    weights or Adam's moments; a step that leaves a weight non-finite stops the run, those weights unsaved. Returns the
+    gradient norm before clipping and whether the step was taken."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
     if finite:
         optimizer.step()
+        if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
+            raise NonFiniteWeights("an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
+                                   "their dtype's range): they are not kept; lower --learning_rate")
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, finite
 
@@ -562,13 +570,14 @@ def main(args: Args) -> None:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    set_up_cuda(args.tf32)
     reward_weights = reward_weights.to(device)
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     console = Console()
 
     tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
-    policy = from_pretrained(policy_class(args.sft_model_path or args.model_name_or_path), args.sft_model_path or
-                             args.model_name_or_path, dtype=model_dtype(args.dtype),
+    policy_path = args.sft_model_path or args.model_name_or_path
+    policy = from_pretrained(policy_class(policy_path), policy_path, dtype=model_dtype(args.dtype, policy_path),
                              attn_implementation=args.attn_implementation).to(device)
     reward_model = None
     if args.reward_model_path:
@@ -577,13 +586,16 @@ def main(args: Args) -> None:
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    # The reference is the initial policy, frozen, needed only for the KL penalty: a copy whose weights stay fp32 like
-    # the policy's (also with --bf16: both run under the same autocast), so that the KL is exactly 0 before training.
-    # With --use_peft it is the policy itself with its adapter disabled: the frozen weights, which need no copy.
+    # The reference is the initial policy, frozen, needed only for the KL penalty: a copy that runs under the policy's
+    # autocast, so that the KL is exactly 0 before training. With --use_peft it is the policy itself with its adapter
+    # disabled: the frozen weights, which need no copy. Frozen linear layers (the reference's, the reward model's, a
+    # LoRA policy's base) are held in bf16 under --bf16, as autocast would cast them at every forward: half the memory.
     ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not args.use_peft else None
     if args.use_peft:
         policy = add_adapter(policy, args)
         ref_policy = policy if args.beta > 0 else None
+    for model in (policy, ref_policy, reward_model):
+        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
     if checkpoint is not None:
         load_checkpoint_weights(policy, os.path.join(checkpoint, "policy"))
     eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
@@ -621,7 +633,8 @@ def main(args: Args) -> None:
         scheduler.load_state_dict(training_state["scheduler"])
     logger = open_logger(args, run_dir, training_state)
     console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
-                  f"{G}), {num_optimizer_steps} optimizer steps, device {device}, logs in {run_dir}" +
+                  f"{G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
+                  f"compute; --no_bf16 / --bf16 to change), logs in {run_dir}" +
                   (f"; resumed from {checkpoint}" if checkpoint else ""))
 
     def generate(engine, prompt_ids, prompt_mask, config, images=None, seeds=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -700,7 +713,9 @@ def main(args: Args) -> None:
     start_time = time.time() - seconds_before
     progress = ProgressBar(console, num_updates, start_update)
     probe = tokenize_prompts(tokenizer, text_prompts(train_dataset[:2]["prompt"]), args.max_prompt_length, device)[:2]
-    greedy_logprobs = lambda *rollout: completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
+    def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast, packing)
+        with torch.no_grad(), autocast():
+            return completion_logprobs(policy, *rollout, temperature=1.0, packing=packing)
     check_engine(engine, *probe, greedy_config, greedy_logprobs)
     recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
     if sample_every and start_update == 0:
