@@ -634,7 +634,7 @@ def main(args: Args) -> None:
     if checkpoint is not None:
         load_sharded_checkpoint(checkpoint, policy, optimizer)
     if server is not None:  # the server samples from the policy: its weights now, and after every update
-        server.push_weights(policy, weights_for_vllm(policy))
+        server.push_weights(policy, weights_for_vllm(policy, server.dtype))
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -703,6 +703,7 @@ def main(args: Args) -> None:
             with autocast():
                 per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk], reward_packing)
                                              for i in range(0, len(input_ids), chunk)]).cpu())
+            reshard(reward_model)
             if not per_source[0].isfinite().all():
                 raise RunError(f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][~per_source[0].isfinite()][0]}) "
                                f"at index {int((~per_source[0].isfinite()).nonzero()[0])}: check its weights, or leave out --bf16")
@@ -796,6 +797,8 @@ def main(args: Args) -> None:
         if ref_policy is not None:
             with timer("reference_forward"), adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (b, C)
+            if ref_policy is not policy:
+                reshard(ref_policy)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         trainer_state.global_step, trainer_state.epoch = (update - 1) * steps_per_update, (episode / G) / len(train_dataset)
@@ -902,7 +905,7 @@ def main(args: Args) -> None:
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         if server is not None:  # Weight sync: the next rollout (and sample table) samples from the updated policy
             with timer("weight_sync"):
-                server.push_weights(policy, weights_for_vllm(policy))
+                server.push_weights(policy, weights_for_vllm(policy, server.dtype))
         episode += batch_size
         num_tokens += int(prompt_mask.sum() + completion_mask.sum())
         old_logprobs = all_gather_rows(old_logprobs[own_rows:own_rows + local_batch_size])  # as the update filled them in
@@ -1032,6 +1035,15 @@ def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Every unit of a model that only runs forwards (the reference, the reward model) back in shards: FSDP2 never
+    reshards a root after its forward (lazy init clears the root's post-forward mesh), only a backward does, so without
+    this the root's weights (embeddings, LM head; a reward model's backbone and score head) would stay gathered."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module, enabled: bool):
     """The sharded model whole on every process for the duration of the block (FSDP2's unshard of every unit),
@@ -1083,13 +1095,14 @@ def reduce_micro_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, list[f
 
 
 # ---- The vLLM server of rloo_vllm.py: sampling, weight sync, and the sampler-trainer mismatch ------------------------
-def weights_for_vllm(policy):
+def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
     adapter merged into its weights (the trained copy unchanged). Its items() gathers the shards one tensor at a time,
     a collective every process goes through while rank 0 sends them: no device holds the whole model. With
-    --fsdp_cpu_offload each shard goes from CPU memory to the GPU to be gathered there (NCCL, as torch's own does)."""
-    return types.SimpleNamespace(items=lambda: merged_weights(policy, gather=whole))
+    --fsdp_cpu_offload each shard goes from CPU memory to the GPU to be gathered there (NCCL, as torch's own does). In
+    the server's dtype (bf16 on a GPU), cast before the gather: half the bytes of fp32 gathered and sent."""
+    return types.SimpleNamespace(items=lambda: merged_weights(policy, gather=whole, dtype=dtype))
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:

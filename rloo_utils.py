@@ -1888,13 +1888,18 @@ def merged_weight(layer, weight: torch.Tensor, gather: Callable = lambda t: t) -
     return merged.to(weight.dtype)
 
 
-def merged_weights(model, gather: Callable = lambda t: t):
+def merged_weights(model, gather: Callable = lambda t: t, dtype: Optional[torch.dtype] = None):
     """(name, tensor) of every weight of the model as a plain transformers model, its adapters merged in, one tensor at
-    a time (of sharded weights, each gathered: a collective every process goes through in the same order)."""
+    a time (of sharded weights, each gathered: a collective every process goes through in the same order). dtype: the
+    floating-point tensors in it (a push to vLLM in the engine's dtype), cast before they are gathered; a merged weight
+    is merged from its whole base weight, then cast."""
     layers = adapter_layers(model)
+    cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t  # noqa: E731
     for name, tensor in plain_state_dict(model).items():
-        tensor = gather(tensor.detach())
-        yield name, merged_weight(layers[name], tensor, gather) if name in layers else tensor
+        if name in layers:
+            yield name, cast(merged_weight(layers[name], gather(tensor.detach()), gather))
+        else:
+            yield name, gather(cast(tensor.detach()))
 
 
 def trained_names(model) -> Optional[set]:
@@ -2588,10 +2593,10 @@ def rendezvous_address(url: str) -> tuple[str, int]:
         return address, probe.getsockname()[1]
 
 
-def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
+def nccl_sender_parts(url: str, timeout: float, workers: int, policy, dtype: Optional[torch.dtype] = None):
     """What vLLM's NCCL trainer-side engine is built from: the init info (this process is the sender, rank 0 of a group
     with the server's workers), the HTTP client of the server's weight-transfer routes, and the weight source, whose
-    `weights` are set to the (name, tensor) pairs of each push."""
+    `weights` are set to the (name, tensor) pairs of each push, its floating-point tensors in `dtype`."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -2600,7 +2605,8 @@ def nccl_sender_parts(url: str, timeout: float, workers: int, policy):
         weights = iter(())
 
         def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
-            return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in plain_state_dict(policy).items()]
+            return [ParamMeta(k, dtype if dtype is not None and v.is_floating_point() else v.dtype, tuple(v.shape))
+                    for k, v in plain_state_dict(policy).items()]
 
         def __iter__(self):
             return ((k, v.detach()) for k, v in self.weights)
@@ -2693,6 +2699,20 @@ def shared_memory_folder() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=f"rloo_vllm_weights_{os.getpid()}_", dir=root)
 
 
+@contextlib.contextmanager
+def weight_push():
+    """Around a push of the policy's weights to vLLM, on a GPU: the optimizer's kernels done before vLLM reads the
+    weights on a stream of its own (vllm/distributed/weight_transfer/packed_tensor.py), and the copies the push
+    made (gathered, cast, merged) given back to the GPU after it."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 class VLLMServer:
     """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids.
     New weights go by vLLM's NCCL weight transfer (this process is rank 0 of an NCCL group with the server's workers,
@@ -2719,6 +2739,8 @@ class VLLMServer:
             raise UsageError(f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
                              f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})")
         check_same_architecture(self.url, model_config.get("model"), args.sft_model_path or args.model_name_or_path)
+        served_dtype = getattr(torch, str(model_config.get("dtype")).removeprefix("torch."), None)
+        self.dtype = served_dtype if isinstance(served_dtype, torch.dtype) else None  # pushes in it (None: as trained)
         self.nccl = nccl_transfer(args)
         if self.nccl:
             self.workers = nccl_workers(server_info, self.url)
@@ -2775,11 +2797,11 @@ class VLLMServer:
         pass  # the server keeps its memory: it is on other devices
 
     def push_weights(self, policy, weights) -> None:
-        """weights: the script's weights_for_vllm(policy), whose items() are (name, tensor) pairs. Of sharded weights
-        each item is a gather, a collective: every process goes through them and rank 0 sends them; a failure on any
-        process stops all of them together (a push that failed half-way still goes through every gather)."""
+        """weights: the script's weights_for_vllm(policy, self.dtype), whose items() are (name, tensor) pairs. Of sharded
+        weights each item is a gather, a collective: every process goes through them and rank 0 sends them; a failure on
+        any process stops all of them together (a push that failed half-way still goes through every gather)."""
         weights = iter(weights.items())
-        with agreed():
+        with agreed(), weight_push():
             try:
                 if get_rank() == 0:
                     self.send_weights(policy, weights)
@@ -2814,7 +2836,8 @@ class VLLMServer:
             if self.sender is None:
                 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-                init_info, client, self.source = nccl_sender_parts(self.url, self.timeout, self.workers, policy)
+                init_info, client, self.source = nccl_sender_parts(self.url, self.timeout, self.workers, policy,
+                                                                   self.dtype)
                 self.sender = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self.source)
             self.source.weights = weights
             self.sender.send_weights()

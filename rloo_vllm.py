@@ -50,7 +50,8 @@ from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, Progress
                         stop_after_update_on_signals, stopped_message, update_metrics, vision_inputs, weights_finite)
 from rloo_utils import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, from_pretrained,
                         load_checkpoint_weights, merged_weights, pad_completions, rng_states, row_images,
-                        sampling_options, sampling_seeds, save_model, start_colocated_engine, text_prompts)
+                        sampling_options, sampling_seeds, save_model, start_colocated_engine, text_prompts, vllm_dtype,
+                        weight_push)
 
 
 @dataclass
@@ -605,7 +606,7 @@ def main(args: Args) -> None:
     # vLLM samples from the policy: its weights are pushed now (a resumed run's are the checkpoint's) and after every
     # update; check_engine (below) makes sure that they arrived.
     engine = server or ColocatedVLLM(args, policy, device, processor)
-    engine.push_weights(policy, weights_for_vllm(policy))
+    engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -846,7 +847,7 @@ def main(args: Args) -> None:
                 skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         # Weight sync: the next rollout (and sample table) samples from the updated policy
         with timer("weight_sync"):
-            engine.push_weights(policy, weights_for_vllm(policy))
+            engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
         episode += batch_size
         num_tokens += int(prompt_mask.sum() + completion_mask.sum())
 
@@ -920,11 +921,12 @@ def main(args: Args) -> None:
 
 
 # ---- vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch --------
-def weights_for_vllm(policy):
+def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
-    adapter merged into its weights (the trained copy unchanged). Its items() yields them one tensor at a time."""
-    return types.SimpleNamespace(items=lambda: merged_weights(policy))
+    adapter merged into its weights (the trained copy unchanged), in the engine's dtype (bf16 on a GPU: half the
+    bytes of fp32). Its items() yields them one tensor at a time."""
+    return types.SimpleNamespace(items=lambda: merged_weights(policy, dtype=dtype))
 
 
 class ColocatedVLLM:
@@ -933,6 +935,7 @@ class ColocatedVLLM:
 
     def __init__(self, args: Args, policy, device, processor=None):
         self.llm, self.folder = start_colocated_engine(args, policy, device, processor)
+        self.dtype = getattr(torch, vllm_dtype(args))  # what the engine holds its weights in
         self.sleep_mode = args.vllm_enable_sleep_mode
 
     def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]], images=None):
@@ -953,10 +956,11 @@ class ColocatedVLLM:
             self.llm.sleep(level=2)
 
     def push_weights(self, policy, weights) -> None:
-        """weights: weights_for_vllm(policy)."""
+        """weights: weights_for_vllm(policy, self.dtype)."""
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        with weight_push():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         if self.sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights

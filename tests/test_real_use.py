@@ -179,9 +179,10 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
     try:
         if scenario == "push":
             server = rloo_utils.VLLMServer.__new__(rloo_utils.VLLMServer)
-            server.url, server.nccl, server.source = "http://x", True, types.SimpleNamespace(weights=None)
+            server.url, server.nccl, server.dtype = "http://x", True, None
+            server.source = types.SimpleNamespace(weights=None)
             server.sender = FailingSender(server)
-            server.push_weights(policy, rloo.weights_for_vllm(policy))
+            server.push_weights(policy, rloo.weights_for_vllm(policy, server.dtype))
         else:
             ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
             options = {"max_tokens": 2, "stop_token_ids": []}
@@ -255,12 +256,13 @@ def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, 
     from transformers import AutoModelForCausalLM
 
     server = rloo_utils.VLLMServer.__new__(rloo_utils.VLLMServer)
-    server.url, server.nccl, server.folder = "http://x", False, types.SimpleNamespace(name=str(tmp_path / "weights"))
+    server.url, server.nccl, server.dtype = "http://x", False, None
+    server.folder = types.SimpleNamespace(name=str(tmp_path / "weights"))
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(rloo_utils.shutil, "disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
     with pytest.raises(rloo_utils.UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-        server.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+        server.push_weights(policy, rloo_vllm.weights_for_vllm(policy, server.dtype))
     assert not (tmp_path / "weights").exists()
 
 

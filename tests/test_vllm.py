@@ -63,7 +63,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     assert policy.config.tie_word_embeddings
-    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
     before = engine_greedy(engine, tokenizer, args)
     assert before == hf_greedy(policy, tokenizer, args.max_completion_length)
 
@@ -71,7 +71,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     after_hf = hf_greedy(policy, tokenizer, args.max_completion_length)
     assert after_hf != before  # the update changes the greedy output...
     assert engine_greedy(engine, tokenizer, args) == before  # ...which the engine shows only once pushed
-    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
     assert engine_greedy(engine, tokenizer, args) == after_hf
 
     # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
@@ -80,14 +80,14 @@ def check_pushes(engine, tiny, args, monkeypatch):
     options = rloo_utils.sampling_options(args, stop_ids=[], greedy=True)
     rloo_utils.check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
     with monkeypatch.context() as m:
-        m.setattr(rloo_vllm, "weights_for_vllm", lambda p: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"})
+        m.setattr(rloo_vllm, "weights_for_vllm", lambda p, dtype: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"})
         with torch.no_grad():
             policy.get_input_embeddings().weight.mul_(-1.0)
-        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
     assert engine_greedy(engine, tokenizer, args) != hf_greedy(policy, tokenizer, args.max_completion_length)
     with pytest.raises(rloo_utils.UsageError, match="does not sample from the policy"):
         rloo_utils.check_engine(engine, *probe, options, logprobs_of)
-    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
     assert engine_greedy(engine, tokenizer, args) == hf_greedy(policy, tokenizer, args.max_completion_length)
 
 
@@ -103,7 +103,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
 
         tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
         args = vllm_args(tiny, temperature=0.7)
         prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
@@ -144,8 +144,8 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
     engine, remote = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu")), rloo_utils.VLLMServer(args)
     try:
-        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
-        remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy))
+        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+        remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy, remote.dtype))
         options = rloo_utils.sampling_options(args, [], greedy=False)
         prompts = [[5 + p, 6, 7 + p] for p in range(6) for _ in range(4)]  # 6 groups of G = 4
         seeds = rloo_utils.sampling_seeds(3, 1, len(prompts))
@@ -343,7 +343,7 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
     try:
         deadline = time.time() + 120
         while run.poll() is None and time.time() < deadline:
-            intruder.push_weights(other, rloo_vllm.weights_for_vllm(other))
+            intruder.push_weights(other, rloo_vllm.weights_for_vllm(other, intruder.dtype))
             time.sleep(0.05)
     finally:
         intruder.close()
