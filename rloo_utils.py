@@ -1213,6 +1213,17 @@ def pack_sequences(ids: torch.Tensor, mask: torch.Tensor, layout: str):
     return packed_ids.view(len(room), L), packed_positions.view(len(room), L), index
 
 
+def varlen_kwargs(mask: torch.Tensor, layout: str) -> dict:
+    """With the one-row layout (flash attention), where each sequence of pack_sequences' row begins and how long the
+    longest is, as transformers' flash attention takes them (int32 (N + 1,) cumulative lengths, an int): else it works
+    them out from the position ids in every layer, a host sync each. {} for the other layouts (a block mask)."""
+    if layout != "one_row":
+        return {}
+    lengths = sorted((n for n in mask.sum(1).tolist() if n), reverse=True)  # pack_sequences' order: longest first
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=mask.device)
+    return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": lengths[0], "max_length_k": lengths[0]}
+
+
 @contextlib.contextmanager
 def logits_at(model, index: torch.Tensor):
     """Only the hidden states at `index` of the flattened (R, L) rows reach the output layer, so the logits are

@@ -47,7 +47,8 @@ from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, Progress
                         lr_scheduler, model_dtype, open_logger, pack_sequences, packing_layout, parse_args,
                         policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
                         reward_model_inputs, reward_sources, set_rng_states, set_up_cuda, show_samples,
-                        stop_after_update_on_signals, stopped_message, update_metrics, vision_inputs, weights_finite)
+                        stop_after_update_on_signals, stopped_message, update_metrics, varlen_kwargs, vision_inputs,
+                        weights_finite)
 from rloo_utils import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, from_pretrained,
                         load_checkpoint_weights, merged_weights, pad_completions, rng_states, row_images,
                         sampling_options, sampling_seeds, save_model, start_colocated_engine, text_prompts, vllm_dtype,
@@ -1084,11 +1085,11 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """
     C = completion_ids.shape[1]
     if packing:  # the real tokens only; logits (1, K, V) where each of the K real completion tokens is predicted
-        ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1),
-                                               torch.cat([prompt_mask, completion_mask], 1), packing)
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1), mask, packing)
         real = completion_mask.bool()  # (B, C)
         with logits_at(model, index[:, prompt_ids.shape[1]:][real] - 1):  # a token is predicted at the index before it
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(mask, packing)).logits
         targets = completion_ids[real][None]  # (1, K)
         fit = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (1, K) -> (B, C)
     else:
@@ -1159,7 +1160,8 @@ def reward_model_scores(reward_model, input_ids, attention_mask, packing: Option
     last = last_true_index(attention_mask)  # (B,)
     if packing:
         ids, positions, index = pack_sequences(input_ids, attention_mask, packing)
-        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state.flatten(0, 1)
+        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False,
+                          **varlen_kwargs(attention_mask, packing)).last_hidden_state.flatten(0, 1)
         return reward_model.score(hidden[index[torch.arange(len(last)), last]]).squeeze(-1).float()
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state

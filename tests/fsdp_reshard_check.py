@@ -39,20 +39,21 @@ def inputs(vocab_size: int, pad_token_id: int, rank: int):
 
 
 def run_case(model: torch.nn.Module, forward, whole_forward) -> dict:
-    """forward() twice under no_grad around rloo_multigpu.reshard, with what is gathered at each point."""
+    """forward() twice under no_grad, each followed by rloo_multigpu.reshard (the second by FSDP2's reshard() of the
+    outermost unit first), with what is gathered at each point."""
     report = {"units": sum(isinstance(m, FSDPModule) for m in model.modules()),
               "parameters": len(list(model.named_parameters())),
               "before_forward": gathered_names(model)}
     with torch.no_grad():
         first = forward()
     report["after_forward"] = gathered_names(model)
-    model.reshard()  # FSDP2's own, on the outermost unit only (not recursive)
-    report["after_outer_reshard_only"] = gathered_names(model)
     rloo_multigpu.reshard(model)
     report["after_reshard"] = gathered_names(model)
     with torch.no_grad():
         second = forward()
     report["after_second_forward"] = gathered_names(model)
+    model.reshard()  # FSDP2's own, on the outermost unit only (not recursive)
+    report["after_outer_reshard_only"] = gathered_names(model)
     rloo_multigpu.reshard(model)
     report["after_second_reshard"] = gathered_names(model)
     report["outputs_equal"] = torch.equal(first, second)
