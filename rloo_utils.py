@@ -57,7 +57,10 @@ class RunError(Exception):
 
 
 class NonFiniteWeights(RunError):
-    """An optimizer step left an inf or NaN weight: the run stops, and RunGuard writes nothing of those weights."""
+    """An optimizer step left an inf or NaN weight: the run stops, and RunGuard writes nothing of those weights.
+    weights_finite looks at every shard on every process, so all of them raise it together (reported once)."""
+
+    agreed = True
 
 
 class Terminated(KeyboardInterrupt):
