@@ -35,7 +35,7 @@ import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Literal, NamedTuple, Optional
+from typing import Annotated, Callable, Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -49,19 +49,20 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, ProgressBar, RewardLogs, RunError, RunGuard,
                         StageTimer, Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes,
-                        bf16_by_default, builds_own_positions, call_reward_funcs, check_args, check_skipped_steps,
-                        claim_run, clip_bounds, completion_metrics, completion_rows, content_text, embedded_model,
-                        frozen_linear_weights_to, gather_objects, image_column, image_prompt_rows, image_token_ids,
-                        images_batch, is_chat, left_pad, load_datasets, load_reward_model, load_tokenizers, logits_at,
-                        lr_scheduler, model_dtype, open_logger, pack_sequences, packing_layout, parse_args,
-                        policy_class, prompt_batches, report_one_line_error, resume_point, resumed_counters,
-                        reward_model_inputs, reward_sources, set_rng_states, set_up_cuda, show_samples,
-                        stop_after_update_on_signals, stopped_message, update_metrics, varlen_kwargs, vision_inputs,
-                        weights_finite)
+                        bf16_by_default, builds_own_positions, call_reward_funcs, check_args, check_output_layer,
+                        check_skipped_steps, claim_run, clip_bounds, completion_metrics, completion_rows, content_text,
+                        embedded_model, frozen_linear_weights_to, gather_objects, image_column, image_prompt_rows,
+                        image_token_ids, images_batch, is_chat, left_pad, load_datasets, load_reward_model,
+                        load_tokenizers, lr_scheduler, model_dtype, open_logger, output_layer, output_layer_inputs,
+                        pack_sequences, packing_layout, parse_args, policy_class, prompt_batches,
+                        report_one_line_error, resume_point, resumed_counters, reward_model_inputs, reward_sources,
+                        set_rng_states, set_up_cuda, show_samples, stop_after_update_on_signals, stopped_message,
+                        update_metrics, varlen_kwargs, vision_inputs, weights_finite)
 from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, empty_model,
                         end_processes, generation_configs, launch_world_size, load_sharded_checkpoint, load_shards,
-                        merged_weights, pad_completions, rng_states_of_every_process, sampling_options, sampling_seeds,
-                        save_sharded_checkpoint, save_sharded_model, text_prompts, transformers_model, whole)
+                        merged_weights, pad_completions, rng_states_of_every_process, sampler_support,
+                        sampling_options, sampling_seeds, save_sharded_checkpoint, save_sharded_model, text_prompts,
+                        transformers_model, whole)
 
 
 @dataclass
@@ -622,6 +623,7 @@ def main(args: Args) -> None:
     generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy
     if server is not None:  # vLLM's sampling parameters for the same semantics
         generation_config, greedy_config = (sampling_options(args, stop_ids, greedy, never_sampled) for greedy in (False, True))
+    support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # what vLLM samples from
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -640,6 +642,7 @@ def main(args: Args) -> None:
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
+    check_output_layer(policy, autocast, "policy")  # the log-probs are made from the output layer's inputs
     packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy", autocast)  # or None
     reward_packing = packing_layout(reward_model and getattr(reward_model, reward_model.base_model_prefix), args.padding_free,
                                     False, console, "reward model", autocast)
@@ -713,14 +716,17 @@ def main(args: Args) -> None:
                                         log_extra=reward_logs.log_extra, log_metric=reward_logs.log_metric, **columns)
         return torch.stack(per_source, 1).to(device), texts
 
-    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images) -> torch.Tensor:
+    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images, support=None):
+        """(B, C) log-probs of the completions; with a sampler's support also (B, C) log-probs on its distribution."""
         model.eval()  # no adapter dropout: the sampling policy's log-probs
         chunk = args.local_rollout_forward_batch_size
         with torch.no_grad(), autocast():
-            return torch.cat([completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
-                                                  completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature,
-                                                  images=images_batch(images, slice(i, i + chunk), device, model.dtype), packing=packing)
-                              for i in range(0, len(prompt_ids), chunk)]).float()
+            chunks = [completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
+                                          completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature,
+                                          images=images_batch(images, slice(i, i + chunk), device, model.dtype),
+                                          packing=packing, support=support)
+                      for i in range(0, len(prompt_ids), chunk)]
+        return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
 
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table. Every process generates
@@ -789,12 +795,15 @@ def main(args: Args) -> None:
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (b, C), (b,)
         mask = completion_mask.float()
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the
-        # update's forward fills it
+        # update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
+        # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
         is_correction = server is not None and args.vllm_importance_sampling_correction
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (b, C)
-        if not ratio_is_one or ref_policy is not None or is_correction:
+        trainer_sampling_logprobs = old_logprobs
+        if not ratio_is_one or ref_policy is not None or is_correction or support is not None:
             with timer("old_logprobs"):
-                old_logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)
+                logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images, support)
+                old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
             with timer("reference_forward"), adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (b, C)
@@ -813,6 +822,7 @@ def main(args: Args) -> None:
             completion_ids, completion_mask, ended, old_logprobs, rewards_per_func))  # (B, C), (B, C), (B,), (B, C), (B, F)
         ref_logprobs = all_gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
         sampling_logprobs = all_gather_rows(sampling_logprobs) if server is not None else None  # (B, C)
+        trainer_sampling_logprobs = all_gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
         mask = completion_mask.float()
         num_truncated = int(all_reduce(torch.tensor(num_truncated)))
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
@@ -843,7 +853,7 @@ def main(args: Args) -> None:
         loss_advantages, loss_token_advantages, is_weights = advantages, per_token_advantages, None
         if is_correction:
             is_weights = importance_sampling_weights(
-                old_logprobs, sampling_logprobs, mask, args.vllm_importance_sampling_mode,
+                trainer_sampling_logprobs, sampling_logprobs, mask, args.vllm_importance_sampling_mode,
                 args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)  # (B, 1) or (B, C)
             loss_token_advantages = per_token_advantages * is_weights
             if is_weights.shape[1] == 1:
@@ -924,7 +934,7 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
             **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
-            **(sampling_metrics(old_logprobs, sampling_logprobs, mask, is_weights) if server is not None else {}),
+            **(sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights) if server is not None else {}),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -1178,67 +1188,68 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-# Positions of (B, T, V) logits handled at a time: the fp32 work copies stay at 64 MB whatever the vocabulary
+# Positions whose logits are made at a time: a chunk's fp32 logits stay at 64 MB whatever the vocabulary
 LOGIT_CHUNK_ELEMENTS = 2**24
 
 
-def positions_per_chunk(logits: torch.Tensor) -> int:
-    """How many positions of (B, T, V) logits make a chunk of at most LOGIT_CHUNK_ELEMENTS elements."""
-    return max(1, LOGIT_CHUNK_ELEMENTS // (logits.shape[0] * logits.shape[2]))
+def logprobs_through_output_layer(output_layer, transform, hidden: torch.Tensor, ids: torch.Tensor, temperature: float,
+                                  with_entropy: bool = False, support: Optional[Callable] = None):
+    """(K,) fp32 log softmax(transform(output_layer(hidden)) / temperature)[ids], from the (K, H) hidden states that
+    predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time, and with gradients each chunk's
+    logits are made again in the backward pass (activation checkpointing) rather than kept, so the step's peak memory
+    stops growing with K x V (TRL 1.16 does the same). Detached, after it: with_entropy, the (K,) entropies
+    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the tokens
+    the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
+    def chunk_logprobs(chunk, chunk_ids):  # (k, H), (k,) -> tuple of (k,)
+        logits = transform(output_layer(chunk)).float() / temperature  # (k, V)
+        logprobs = logits.log_softmax(-1)
+        out = [logprobs.gather(-1, chunk_ids[:, None]).squeeze(-1)]
+        with torch.no_grad():
+            if with_entropy:
+                out.append(-(logprobs.exp() * logprobs).sum(-1))
+            if support is not None:
+                kept = support(logits).scatter(-1, chunk_ids[:, None], True)
+                out.append(logits.masked_fill(~kept, -math.inf).log_softmax(-1).gather(-1, chunk_ids[:, None]).squeeze(-1))
+        return tuple(out)
 
-
-def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, T) fp32 log softmax(logits / temperature)[ids], without a (B, T, V) fp32 copy of the logits: a chunk of
-    positions at a time, and with gradients each chunk is recomputed in the backward pass rather than kept (activation
-    checkpointing), so only the logits as the model made them (bf16 under autocast) stay until the backward."""
-    def chunk_logprobs(chunk, chunk_ids):  # (B, t, V), (B, t) -> (B, t)
-        chunk = chunk.float() / temperature
-        return chunk.gather(-1, chunk_ids.unsqueeze(-1)).squeeze(-1) - chunk.logsumexp(-1)
-
-    keep_graph = torch.is_grad_enabled() and logits.requires_grad
-    step = positions_per_chunk(logits)
-    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
-                      if keep_graph else chunk_logprobs(chunk, chunk_ids)
-                      for chunk, chunk_ids in zip(logits.split(step, dim=1), ids.split(step, dim=1))], dim=1)
-
-
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, T) entropy H = -sum_v p_v log p_v of softmax(logits / temperature), in fp32, a chunk of positions at a time."""
-    entropies = []
-    for chunk in logits.split(positions_per_chunk(logits), dim=1):
-        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
-        entropies.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(entropies, dim=1)
+    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters()))
+    step = max(1, LOGIT_CHUNK_ELEMENTS // output_layer.weight.shape[0])
+    chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False) if keep_graph
+              else chunk_logprobs(chunk, chunk_ids) for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))]
+    outputs = [torch.cat(values) for values in zip(*chunks)]  # K = 0: one empty chunk
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                        with_entropy: bool = False, images: Optional[dict] = None, packing: Optional[str] = None):
-    """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; optionally entropies.
-    images: the rows' image tensors (images_batch), for a VLM. packing: pack_sequences' layout (padding-free), or None:
-    padded rows, cut of the columns that are padding in every row (left of the longest prompt, right of the longest
+                        with_entropy: bool = False, images: Optional[dict] = None, packing: Optional[str] = None,
+                        support: Optional[Callable] = None):
+    """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; with_entropy, also the
+    entropies, and with a sampler's `support`, the log-probs on its distribution (logprobs_through_output_layer).
+    The forward stops at the output layer's inputs where a real completion token is predicted, (K, H). images: the
+    rows' image tensors (images_batch), for a VLM. packing: pack_sequences' layout (padding-free), or None: padded
+    rows, cut of the columns that are padding in every row (left of the longest prompt, right of the longest
     completion). Padding positions get 0.
     """
-    C = completion_ids.shape[1]
-    if packing:  # the real tokens only; logits (1, K, V) where each of the K real completion tokens is predicted
+    real = completion_mask.bool()  # (B, C)
+    if packing:  # the real tokens only
         mask = torch.cat([prompt_mask, completion_mask], 1)
         ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1), mask, packing)
-        real = completion_mask.bool()  # (B, C)
-        with logits_at(model, index[:, prompt_ids.shape[1]:][real] - 1):  # a token is predicted at the index before it
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(mask, packing)).logits
-        targets = completion_ids[real][None]  # (1, K)
-        fit = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (1, K) -> (B, C)
+        with output_layer_inputs(model, index[:, prompt_ids.shape[1]:][real] - 1) as hidden:  # a token is predicted
+            model(input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(mask, packing))  # before it
     else:
         first = int(prompt_mask.any(0).nonzero()[0])
         last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
-        input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
+        input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)  # (B, L)
         attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
         position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=last + 1, use_cache=False, **vision_inputs(model, input_ids, images)).logits[:, :-1]
-        targets, fit = completion_ids[:, :last], lambda values: F.pad(values, (0, C - last))
-    logprobs = fit(selective_log_softmax(logits, targets, temperature))  # bf16 logits under autocast, fp32 log-probs
-    return (logprobs, fit(entropy_from_logits(logits, temperature))) if with_entropy else logprobs
+        index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)[:, -last - 1:-1]  # (B, last)
+        with output_layer_inputs(model, index[real[:, :last]]) as hidden:
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                  **vision_inputs(model, input_ids, images))
+    out = logprobs_through_output_layer(*output_layer(model), hidden[0], completion_ids[real], temperature, with_entropy,
+                                        support)
+    fit = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (K,) -> (B, C)
+    return fit(out) if isinstance(out, torch.Tensor) else tuple(fit(values) for values in out)
 
 
 def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:

@@ -1161,27 +1161,30 @@ def packing_layout(model, wanted: bool, images: bool, console, name: str, autoca
 
 def packing_probe(model, vocab_size: int, autocast) -> Optional[str]:
     """What goes wrong when `model` runs a sequence packed after another, as the training forwards will (under their
-    autocast; a causal LM's logits picked by logits_at), or None: its outputs must not change with the tokens of the
-    sequence before it (OPT's mask, for one, ignores position ids), and must be those of the sequence alone."""
+    autocast; a causal LM's output-layer inputs caught by output_layer_inputs), or None: its outputs must not change
+    with the tokens of the sequence before it (OPT's mask, for one, ignores position ids), and must be those of the
+    sequence alone."""
     device = next(model.parameters()).device
     ids = torch.arange(1, 17, device=device) % vocab_size  # (16,): a front sequence of 5 tokens, then one of 11
     positions = torch.cat([torch.arange(5), torch.arange(11)]).to(device)[None]
     causal = transformers_model(model).can_generate()  # else a backbone: its hidden states
 
-    def second_sequence(front):  # (11, V) logits or (11, H) hidden states
-        picked = logits_at(model, torch.arange(5, 16, device=device)) if causal else contextlib.nullcontext()
-        with autocast(), picked:
-            out = model(input_ids=torch.cat([front, ids[5:]])[None], position_ids=positions, use_cache=False)[0]
-        assert out.shape[1] == (11 if causal else 16), f"its output layer gave {out.shape[1]} positions, not 11"
-        return out[0, -11:]
+    def second_sequence(input_ids, position_ids=None):  # (11, H) hidden states
+        if not causal:
+            with autocast():
+                return model(input_ids=input_ids[None], position_ids=position_ids, use_cache=False)[0][0, -11:]
+        with autocast(), output_layer_inputs(model, torch.arange(len(input_ids) - 11, len(input_ids), device=device)) as caught:
+            model(input_ids=input_ids[None], position_ids=position_ids, use_cache=False)
+        assert caught and caught[0].shape[0] == 11, "its output layer was not given the positions picked"
+        return caught[0]
 
     was_training = model.training
     model.eval()  # no adapter dropout: the forwards must differ only by what they are given
     try:
-        packed, other_front = second_sequence(ids[:5]), second_sequence(ids[:5].flip(0))
-        with autocast():
-            alone = model(input_ids=ids[5:][None], use_cache=False)[0][0]
-    except Exception as e:  # an output layer the pre-hook cannot pick from, an attention that refuses position ids...
+        packed = second_sequence(torch.cat([ids[:5], ids[5:]]), positions)
+        other_front = second_sequence(torch.cat([ids[:5].flip(0), ids[5:]]), positions)
+        alone = second_sequence(ids[5:])
+    except Exception as e:  # an output layer the pre-hook cannot catch, an attention that refuses position ids...
         return f"fails the packing probe ({describe(e)})"
     finally:
         model.train(was_training)
@@ -1228,16 +1231,63 @@ def varlen_kwargs(mask: torch.Tensor, layout: str) -> dict:
 
 
 @contextlib.contextmanager
-def logits_at(model, index: torch.Tensor):
-    """Only the hidden states at `index` of the flattened (R, L) rows reach the output layer, so the logits are
-    (1, K, V), one per predicted token. A pre-hook on the output layer keeps what the model does after it (a logit
-    cap or scale) as it is."""
-    keep = lambda module, args: (args[0].flatten(0, 1)[index][None], *args[1:])  # noqa: E731
-    handle = model.get_output_embeddings().register_forward_pre_hook(keep)
+def output_layer_inputs(model, index: torch.Tensor):
+    """Catch the hidden states at `index` of the flattened (R, L) rows as they reach the output layer: (K, H), one per
+    predicted token, appended to the list this yields. The output layer gets none of them, so the forward makes no
+    logits: the caller makes them a chunk of positions at a time (logprobs_through_output_layer)."""
+    caught = []
+
+    def catch(module, args):
+        hidden = args[0].flatten(0, 1)[index]  # (K, H)
+        caught.append(hidden)
+        return (hidden[None, :0], *args[1:])  # (1, 0, H): logits of no position
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(catch)
     try:
-        yield
+        yield caught
     finally:
         handle.remove()
+
+
+def output_layer(model) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The output layer of a causal LM, and what the model does to its logits before returning them: Gemma's soft cap
+    (final_logit_softcapping), Cohere's logit_scale, Granite's logits_scaling; nothing for the others. check_output_layer
+    holds a model to it at start."""
+    config = transformers_model(model).config.get_text_config()
+    scale = float(getattr(transformers_model(model), "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def transform(logits):
+        logits = logits * scale if scale != 1.0 else logits
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    return model.get_output_embeddings(), transform
+
+
+@torch.no_grad()
+def check_output_layer(model, autocast, name: str) -> None:
+    """The log-probs are made from the output layer's inputs (output_layer_inputs, output_layer): one line before any
+    training if `model` returns logits that its output layer and output_layer's transform do not give."""
+    device = next(model.parameters()).device
+    ids = (torch.arange(1, 9, device=device) % transformers_model(model).config.get_text_config().vocab_size)[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast():
+            whole = model(input_ids=ids, use_cache=False).logits[0].float()  # (8, V)
+            with output_layer_inputs(model, torch.arange(8, device=device)) as hidden:
+                model(input_ids=ids, use_cache=False)
+            layer, transform = output_layer(model)
+            ours = transform(layer(hidden[0])).float() if hidden else None
+    finally:
+        model.train(was_training)
+    model_name = type(transformers_model(model)).__name__.removeprefix("FSDP")
+    if ours is None:
+        raise UsageError(f"{name}: {model_name} makes its logits without calling its output layer "
+                         "(get_output_embeddings()), from whose inputs the log-probs here are made")
+    if ours.shape != whole.shape or not torch.allclose(ours, whole, rtol=1e-3, atol=1e-3 * float(whole.abs().max())):
+        raise UsageError(f"{name}: {model_name} changes its logits after its output layer in a way the log-probs here "
+                         "do not reproduce (known: a soft cap, logit_scale, logits_scaling): add it to rloo_utils.output_layer")
 
 
 # ---- Logging and progress --------------------------------------------------------------------------------------------
@@ -2493,6 +2543,33 @@ def sampling_options(args, stop_ids: list[int], greedy: bool, never_sampled: Opt
                                                      **(args.generation_kwargs or {})}
     return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
             "ignore_eos": True, "logprobs": 0, **({"logit_bias": {i: -100.0 for i in never_sampled}} if never_sampled else {})}
+
+
+def sampler_support(top_k: int, top_p: float, min_p: Optional[float]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The tokens vLLM's sampler can draw, as a function of (k, V) fp32 logits already divided by the temperature
+    giving a (k, V) bool mask; None where it can draw any token. As vllm/v1/sample: min-p after the temperature
+    (MinPLogitsProcessor), then top-k (ties kept), then top-p over what top-k kept (apply_top_k_top_p). vLLM's
+    log-probs (processed_logprobs) are renormalised over these tokens: the off-policy correction compares the
+    trainer's log-probs on the same distribution."""
+    if not top_k and top_p >= 1 and not min_p:
+        return None
+
+    def support(logits: torch.Tensor) -> torch.Tensor:
+        kept = torch.ones_like(logits, dtype=torch.bool)
+        if min_p:
+            probs = logits.softmax(-1)
+            kept &= probs >= min_p * probs.amax(-1, keepdim=True)
+        if top_k and top_k < logits.shape[-1]:
+            kth_largest = logits.masked_fill(~kept, -math.inf).topk(top_k, -1).values[:, -1:]
+            kept &= logits >= kth_largest
+        if top_p < 1:
+            ascending, order = logits.masked_fill(~kept, -math.inf).sort(-1)
+            tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p  # the least likely tokens that hold at most 1 - p
+            tail[:, -1] = False  # the likeliest token always stays
+            kept &= ~torch.zeros_like(kept).scatter(-1, order, tail)
+        return kept
+
+    return support
 
 
 def sampling_seeds(seed: int, update: int, n: int) -> list[int]:

@@ -173,48 +173,73 @@ def test_on_policy_ratio_is_exactly_one_and_the_loss_is_reinforce():
 # ----------------------------------------------------------------------------------------------------------------
 # Log-probs, entropy, masks
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("chunk_elements", [2**24, 2 * 7])  # one chunk; a chunk per position
-def test_selective_log_softmax_and_entropy_by_hand_in_chunks(monkeypatch, chunk_elements):
+def plain_logprobs_and_entropy(layer, transform, hidden, ids, temperature):
+    """log softmax(transform(layer(hidden)) / T)[ids] and the entropy, from the whole (K, V) logits."""
+    logprobs = torch.log_softmax(transform(layer(hidden)).float() / temperature, -1)
+    return logprobs.gather(-1, ids[:, None]).squeeze(-1), -(logprobs.exp() * logprobs).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_elements", [2**24, 7, 3 * 7])  # one chunk; a chunk per position; 3 positions a chunk
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_logprobs_through_the_output_layer_by_hand_in_chunks(monkeypatch, chunk_elements, soft_cap):
+    """The log-probs, entropies and gradients (of the hidden states and the output layer) made a chunk of positions at
+    a time equal those of the whole (K, V) logits; a transform after the output layer (Gemma's soft cap) is applied."""
     monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
-    logits = torch.randn(2, 3, 7, requires_grad=True)
-    ids = torch.randint(7, (2, 3))
-    weights = torch.randn(2, 3)
-    out = rloo.selective_log_softmax(logits, ids, temperature=0.7)
-    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)
+    layer = torch.nn.Linear(5, 7, bias=False)
+    transform = (lambda x: soft_cap * torch.tanh(x / soft_cap)) if soft_cap else (lambda x: x)
+    hidden = torch.randn(8, 5, requires_grad=True)
+    ids = torch.randint(7, (8,))
+    weights = torch.randn(8)
+    out, entropy = rloo.logprobs_through_output_layer(layer, transform, hidden, ids, 0.7, with_entropy=True)
+    expected, expected_entropy = plain_logprobs_and_entropy(layer, transform, hidden, ids, 0.7)
     torch.testing.assert_close(out, expected)
-    # The gradient, recomputed chunk by chunk in the backward pass, is the plain one.
-    torch.testing.assert_close(torch.autograd.grad((out * weights).sum(), logits)[0],
-                               torch.autograd.grad((expected * weights).sum(), logits)[0])
-    probs = torch.softmax(logits.detach() / 0.7, -1)
-    torch.testing.assert_close(rloo.entropy_from_logits(logits.detach(), 0.7), -(probs * probs.log()).sum(-1))
-    uniform = torch.zeros(1, 2, 7)
-    torch.testing.assert_close(rloo.entropy_from_logits(uniform), torch.full((1, 2), math.log(7)))
-    peaked = torch.tensor([[[100.0, 0.0, 0.0]]])
-    assert rloo.entropy_from_logits(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(entropy, expected_entropy.detach())
+    assert not entropy.requires_grad  # the entropy is logged, not trained
+    # The gradient, the chunks' logits made again in the backward pass, is the plain one, for both inputs.
+    got = torch.autograd.grad((out * weights).sum(), [hidden, layer.weight])
+    want = torch.autograd.grad((expected * weights).sum(), [hidden, layer.weight])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    # By hand: a uniform distribution has entropy log V; a peaked one 0
+    zero = torch.nn.Linear(5, 7, bias=False)
+    torch.nn.init.zeros_(zero.weight)
+    _, uniform = rloo.logprobs_through_output_layer(zero, lambda x: x, torch.randn(2, 5), torch.tensor([0, 1]), 1.0, True)
+    torch.testing.assert_close(uniform, torch.full((2,), math.log(7)))
+    with torch.no_grad():
+        zero.weight[3, 0] = 100.0
+    _, peaked = rloo.logprobs_through_output_layer(zero, lambda x: x, torch.tensor([[1.0, 0, 0, 0, 0]]), torch.tensor([3]), 1.0, True)
+    assert peaked.item() == pytest.approx(0.0, abs=1e-6)
+    # No position: empty log-probs, and a backward that reaches nothing
+    empty = rloo.logprobs_through_output_layer(layer, transform, hidden[:0], ids[:0], 1.0)
+    assert empty.shape == (0,) and empty.dtype == torch.float32
 
 
-def test_log_probs_of_bf16_logits_keep_no_fp32_copy_for_the_backward_pass(monkeypatch):
-    """What autograd saves for the backward pass of the log-probs: the bf16 logits as the model made them, never an
-    fp32 (B, T, V) copy (with a 150k vocabulary that copy is gigabytes per micro-batch)."""
-    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", 4 * 2 * 50)  # two positions per chunk
-    logits = torch.randn(4, 6, 50).bfloat16().requires_grad_()
-    ids = torch.randint(50, (4, 6))
+def test_log_probs_keep_no_vocabulary_sized_tensor_for_the_backward_pass(monkeypatch):
+    """What autograd saves for the backward pass of the log-probs: the (K, H) hidden states and the output layer's
+    weight, never a (K, V) tensor of logits, bf16 or fp32 (with a 150k vocabulary and 8k tokens that is gigabytes); the
+    gradient under bf16 autocast is the plain one up to bf16 rounding."""
+    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", 2 * 50)  # two positions per chunk
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(24, 16, requires_grad=True)
+    ids = torch.randint(50, (24,))
     saved = []
 
     def pack(t):
-        saved.append((t.dtype, t.numel()))
+        saved.append(tuple(t.shape))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = rloo.selective_log_softmax(logits, ids, temperature=0.9)
-    fp32_saved = sum(n for dtype, n in saved if dtype == torch.float32)
-    assert fp32_saved < logits.numel() / 2, saved
-    (grad,) = torch.autograd.grad(out.sum(), logits)
-    full = logits.detach().float().requires_grad_()
-    (expected,) = torch.autograd.grad(torch.log_softmax(full / 0.9, -1).gather(-1, ids[..., None]).sum(), full)
-    torch.testing.assert_close(grad.float(), expected, atol=1e-2, rtol=1e-2)  # bf16 rounding of the gradient
-    torch.testing.assert_close(out, torch.log_softmax(full.detach() / 0.9, -1).gather(-1, ids[..., None]).squeeze(-1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        out = rloo.logprobs_through_output_layer(layer, lambda x: x, hidden, ids, 0.9)
+    assert out.dtype == torch.float32
+    assert all(50 not in shape or shape == (50, 16) for shape in saved), saved  # the weight (V, H); no chunk's (2, V)
+    (grad,) = torch.autograd.grad(out.sum(), hidden)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected, _ = plain_logprobs_and_entropy(layer, lambda x: x, hidden, ids, 0.9)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), hidden)
+    torch.testing.assert_close(out, expected.detach())
+    torch.testing.assert_close(grad, expected_grad, atol=1e-2, rtol=1e-2)
 
 
 def test_completion_mask_keeps_the_first_stop_token_and_nothing_after():

@@ -2,6 +2,7 @@
 log-probs, entropies, gradients, reward-model scores and, run end to end, every metric; where packed sequences would
 see each other the scripts fall back to padded forwards, and say so."""
 
+import contextlib
 import json
 import os
 
@@ -31,6 +32,10 @@ def tiny_model(family: str, attention: str):
             intermediate_size=128, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)),
         "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(  # a logit cap after the output layer
             intermediate_size=128, num_key_value_heads=2, head_dim=32, final_logit_softcapping=5.0, **common)),
+        "cohere": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(  # logits times logit_scale
+            intermediate_size=128, num_key_value_heads=1, logit_scale=0.25, **common)),
+        "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(  # logits / logits_scaling
+            intermediate_size=128, num_key_value_heads=1, logits_scaling=4.0, **common)),
         "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(  # its mask ignores the position ids
             vocab_size=300, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=2,
             word_embed_proj_dim=64)),
@@ -91,6 +96,54 @@ def test_packed_logprobs_entropies_and_gradients_are_the_padded_ones(each_script
         assert len(grads) == len(padded[2])
         for packed_grad, padded_grad in zip(grads, padded[2]):
             torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "cohere", "granite"])
+def test_logprobs_entropies_and_gradients_are_those_of_the_whole_logits(each_script, family, monkeypatch):
+    """In every script, padded and both packed layouts: the log-probs, entropies and gradients made from the output
+    layer's inputs a few positions at a time equal those of each row's whole (T, V) logits as the model returns them
+    (after Gemma's soft cap, Cohere's logit_scale, Granite's logits_scaling), one unpadded forward per row."""
+    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", 3 * 300)  # 3 positions a chunk
+    model = tiny_model(family, "sdpa")
+    rloo.check_output_layer(model, contextlib.nullcontext, "policy")
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch = ragged_batch()
+    real = completion_mask.bool()
+    model.zero_grad()
+    expected_logprobs, expected_entropy = torch.zeros(real.shape), torch.zeros(real.shape)
+    for row in range(len(prompt_ids)):
+        prompt, completion = prompt_ids[row][prompt_mask[row].bool()], completion_ids[row][real[row]]
+        logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1:-1]  # (c, V), whole
+        logp = torch.log_softmax(logits.float() / 0.7, -1)
+        picked = logp.gather(-1, completion[:, None]).squeeze(-1)
+        picked.sum().backward()
+        expected_logprobs[row, real[row]], expected_entropy[row, real[row]] = picked.detach(), -(logp.exp() * logp).sum(-1).detach()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    for packing in [None, "rows", "one_row"]:
+        model.zero_grad()
+        logprobs, entropy = rloo.completion_logprobs(model, *batch, 0.7, with_entropy=True, packing=packing)
+        (logprobs * real).sum().backward()
+        torch.testing.assert_close(logprobs, expected_logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
+        for param, expected in zip(model.parameters(), expected_grads):
+            torch.testing.assert_close(param.grad, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_that_changes_its_logits_otherwise_is_refused_in_one_line():
+    """A model whose returned logits are not its output layer's (with a known transform) cannot get its log-probs from
+    the output layer's inputs: check_output_layer refuses it before any training."""
+    import transformers
+
+    class Shifted(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2 + 1
+            return out
+
+    model = tiny_model("llama", "sdpa")
+    shifted = Shifted(model.config).eval()
+    with pytest.raises(rloo_utils.UsageError, match="Shifted changes its logits after its output layer"):
+        rloo_utils.check_output_layer(shifted, contextlib.nullcontext, "policy")
+    rloo_utils.check_output_layer(model, contextlib.nullcontext, "policy")
 
 
 def test_packed_reward_model_scores_are_the_padded_ones(each_script, tiny):
@@ -190,5 +243,7 @@ def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_ca
     console = Console(record=True, width=200)
     by_hand = LogitsByHand(llama.config).eval()
     assert rloo_utils.packing_layout(by_hand, True, False, console, "policy") is None
-    assert "LogitsByHand fails the packing probe (AssertionError: its output layer gave 16 positions, not 11)" \
+    assert "LogitsByHand fails the packing probe (AssertionError: its output layer was not given the positions picked)" \
         in console.export_text()
+    with pytest.raises(rloo_utils.UsageError, match="LogitsByHand makes its logits without calling its output layer"):
+        rloo_utils.check_output_layer(by_hand, contextlib.nullcontext, "policy")  # which every script runs at start

@@ -244,6 +244,48 @@ def test_a_run_at_any_temperature_passes_the_engine_check_and_samples_at_it(mode
     assert len(rows) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
 
 
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.9, None), (5, 1.0, None), (0, 1.0, 0.2), (7, 0.8, 0.05)])
+def test_the_trainer_takes_log_probs_on_the_tokens_vllms_sampler_can_draw(top_k, top_p, min_p):
+    """sampler_support keeps the tokens vLLM's own code keeps (vllm/v1/sample: min-p after the temperature, then top-k
+    and top-p), and the log-probs renormalised over them are vLLM's processed log-probs."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3 / 0.7  # (k, V), already divided by the temperature
+    logits[0, :5] = logits[0, 5]  # ties at the top-k boundary are kept, as vLLM keeps them
+    vllm_logits = logits.clone()
+    if min_p:  # vLLM's MinPLogitsProcessor.apply, in its own words: below min_p x the top probability is -inf
+        probs = vllm_logits.softmax(-1)
+        vllm_logits.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p, -float("inf"))
+    vllm_logits = apply_top_k_top_p_pytorch(vllm_logits, torch.full((6,), top_k) if top_k else None,
+                                           torch.full((6,), top_p) if top_p < 1 else None, allow_cpu_sync=True)
+    kept = rloo_utils.sampler_support(top_k, top_p, min_p)(logits)
+    assert torch.equal(kept, vllm_logits.isfinite()) and 0 < kept.sum() < kept.numel()
+    # The log-probs of drawn tokens on that distribution are vLLM's processed_logprobs
+    layer = torch.nn.Linear(40, 40, bias=False)
+    torch.nn.init.eye_(layer.weight)
+    ids = vllm_logits.argmax(-1)
+    _, on_support = rloo_vllm.logprobs_through_output_layer(layer, lambda x: x, logits, ids, 1.0,
+                                                             support=rloo_utils.sampler_support(top_k, top_p, min_p))
+    torch.testing.assert_close(on_support, vllm_logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1))
+    assert rloo_utils.sampler_support(0, 1.0, None) is None and rloo_utils.sampler_support(0, 1.0, 0.0) is None
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_with_top_p_the_importance_ratio_is_one_before_any_update(mode, tiny, server, prompts_file, tmp_path):
+    """vLLM's log-probs with --top_p 0.9 are renormalised over the tokens it kept; the trainer's are taken on the same
+    distribution, so at the first update (the trainer's weights are the engine's) the mean ratio is 1 to 1e-3. On the
+    full distribution it would be the kept mass, about 0.9 a token on the random test model (0.9 ** 16 a completion)."""
+    where = ["--vllm_mode", "server", "--vllm_server_base_url", server["url"]] if mode == "server" else []
+    proc = run_rloo(*learning_args(tiny, prompts_file, "--total_episodes", 32, "--top_p", 0.9, "--max_completion_length",
+                                   16, "--vllm_importance_sampling_mode", "sequence_truncate", *where),
+                    cwd=tmp_path, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = read_metrics(tmp_path)
+    assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, row
+    assert row["sampling/sampling_logp_difference/mean"] < 1e-3, row
+
+
 def resume_args(tiny, data, *extra):
     """6 updates of 2 epochs x 2 minibatches with a KL and sample tables, a checkpoint every 3 (as test_resume.py's)."""
     return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:slow_text_length",
