@@ -623,7 +623,7 @@ def main(args: Args) -> None:
     generation_config, greedy_config = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled)  # sampling, greedy
     if server is not None:  # vLLM's sampling parameters for the same semantics
         generation_config, greedy_config = (sampling_options(args, stop_ids, greedy, never_sampled) for greedy in (False, True))
-    support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # what vLLM samples from
+    support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -802,7 +802,8 @@ def main(args: Args) -> None:
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or is_correction or support is not None:
             with timer("old_logprobs"):
-                logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images, support)
+                logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images,
+                                            support)
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
             with timer("reference_forward"), adapter_disabled(ref_policy):
@@ -934,7 +935,8 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
             **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
-            **(sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights) if server is not None else {}),
+            **(sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights) if server is not None
+               else {}),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -1198,8 +1200,8 @@ def logprobs_through_output_layer(output_layer, transform, hidden: torch.Tensor,
     predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time, and with gradients each chunk's
     logits are made again in the backward pass (activation checkpointing) rather than kept, so the step's peak memory
     stops growing with K x V (TRL 1.16 does the same). Detached, after it: with_entropy, the (K,) entropies
-    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the tokens
-    the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
+    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the
+    tokens the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
     def chunk_logprobs(chunk, chunk_ids):  # (k, H), (k,) -> tuple of (k,)
         logits = transform(output_layer(chunk)).float() / temperature  # (k, V)
         logprobs = logits.log_softmax(-1)
@@ -1209,10 +1211,12 @@ def logprobs_through_output_layer(output_layer, transform, hidden: torch.Tensor,
                 out.append(-(logprobs.exp() * logprobs).sum(-1))
             if support is not None:
                 kept = support(logits).scatter(-1, chunk_ids[:, None], True)
-                out.append(logits.masked_fill(~kept, -math.inf).log_softmax(-1).gather(-1, chunk_ids[:, None]).squeeze(-1))
+                renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
+                out.append(renormalised.gather(-1, chunk_ids[:, None]).squeeze(-1))
         return tuple(out)
 
-    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters()))
+    trained = hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters())
+    keep_graph = torch.is_grad_enabled() and trained
     step = max(1, LOGIT_CHUNK_ELEMENTS // output_layer.weight.shape[0])
     chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False) if keep_graph
               else chunk_logprobs(chunk, chunk_ids) for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))]
@@ -1242,11 +1246,13 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)  # (B, L)
         attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
         position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
-        index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)[:, -last - 1:-1]  # (B, last)
+        flat_index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)  # (B, L)
+        index = flat_index[:, -last - 1:-1]  # (B, last): where completion tokens 0..last-1 are predicted
         with output_layer_inputs(model, index[real[:, :last]]) as hidden:
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                   **vision_inputs(model, input_ids, images))
-    out = logprobs_through_output_layer(*output_layer(model), hidden[0], completion_ids[real], temperature, with_entropy,
+    layer, transform = output_layer(model)
+    out = logprobs_through_output_layer(layer, transform, hidden[0], completion_ids[real], temperature, with_entropy,
                                         support)
     fit = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (K,) -> (B, C)
     return fit(out) if isinstance(out, torch.Tensor) else tuple(fit(values) for values in out)

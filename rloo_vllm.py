@@ -755,9 +755,10 @@ def main(args: Args) -> None:
         # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         trainer_sampling_logprobs = old_logprobs
-        if not ratio_is_one or ref_policy is not None or args.vllm_importance_sampling_correction or support is not None:
+        if not ratio_is_one or ref_policy is not None or args.vllm_importance_sampling_correction or support:
             with timer("old_logprobs"):
-                logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images, support)
+                logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images,
+                                            support)
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
             with timer("reference_forward"), adapter_disabled(ref_policy):
@@ -1060,8 +1061,8 @@ def logprobs_through_output_layer(output_layer, transform, hidden: torch.Tensor,
     predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time, and with gradients each chunk's
     logits are made again in the backward pass (activation checkpointing) rather than kept, so the step's peak memory
     stops growing with K x V (TRL 1.16 does the same). Detached, after it: with_entropy, the (K,) entropies
-    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the tokens
-    the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
+    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the
+    tokens the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
     def chunk_logprobs(chunk, chunk_ids):  # (k, H), (k,) -> tuple of (k,)
         logits = transform(output_layer(chunk)).float() / temperature  # (k, V)
         logprobs = logits.log_softmax(-1)
@@ -1071,10 +1072,12 @@ def logprobs_through_output_layer(output_layer, transform, hidden: torch.Tensor,
                 out.append(-(logprobs.exp() * logprobs).sum(-1))
             if support is not None:
                 kept = support(logits).scatter(-1, chunk_ids[:, None], True)
-                out.append(logits.masked_fill(~kept, -math.inf).log_softmax(-1).gather(-1, chunk_ids[:, None]).squeeze(-1))
+                renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
+                out.append(renormalised.gather(-1, chunk_ids[:, None]).squeeze(-1))
         return tuple(out)
 
-    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters()))
+    trained = hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters())
+    keep_graph = torch.is_grad_enabled() and trained
     step = max(1, LOGIT_CHUNK_ELEMENTS // output_layer.weight.shape[0])
     chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False) if keep_graph
               else chunk_logprobs(chunk, chunk_ids) for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))]
@@ -1104,11 +1107,13 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)  # (B, L)
         attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
         position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
-        index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)[:, -last - 1:-1]  # (B, last)
+        flat_index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)  # (B, L)
+        index = flat_index[:, -last - 1:-1]  # (B, last): where completion tokens 0..last-1 are predicted
         with output_layer_inputs(model, index[real[:, :last]]) as hidden:
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                   **vision_inputs(model, input_ids, images))
-    out = logprobs_through_output_layer(*output_layer(model), hidden[0], completion_ids[real], temperature, with_entropy,
+    layer, transform = output_layer(model)
+    out = logprobs_through_output_layer(layer, transform, hidden[0], completion_ids[real], temperature, with_entropy,
                                         support)
     fit = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (K,) -> (B, C)
     return fit(out) if isinstance(out, torch.Tensor) else tuple(fit(values) for values in out)

@@ -21,7 +21,11 @@ micro-batch of --batch random prompts and completions: 2 x (16 + 16) tokens by d
 byte counted here), and of AdamW's state after optimizer.step(); each divided by the model's parameter count (without
 the adapters). Each measurement runs in a fresh process. Before the update, each
 also checks that the reference's log-probs under bf16 autocast are those of the policy to the last bit (KL 0).
-The activations of the backward are not counted (benchmark/logprob_memory.py measures those of the log-probs).
+The activations of the backward are not counted there (benchmark/logprob_memory.py measures those of the log-probs).
+"peak of an update" is the resident set's high-water mark (VmHWM, reset after the set-up) over the rollout's forwards,
+the update's forward and backward and the optimizer step, less the resident set before the model was built, with
+glibc told to map every block of 64 KiB or more on its own (MALLOC_MMAP_THRESHOLD_) so that freed tensors leave it:
+held bytes, the activations and the allocator's slack.
 """
 
 import argparse
@@ -67,8 +71,15 @@ def composition(model) -> dict:
             "other": count(set(unique) - linear - embedding)}
 
 
+def cpu_memory(field: str) -> int:
+    """VmRSS or VmHWM of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def measure(setup: str, variant: str, cli) -> dict:
     """Bytes held per stage in this process: setup "full" (with a reference) or "lora", variant "before" or "after"."""
+    base = cpu_memory("VmRSS")  # the interpreter and torch, before any model
     policy = build_model(cli)
     counts = composition(policy)
     if setup == "full":
@@ -89,6 +100,8 @@ def measure(setup: str, variant: str, cli) -> dict:
     completion_ids = torch.randint(cli.vocab_size, (cli.batch, cli.completion_length), generator=generator)
     batch = (prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids), 1.0)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here: the rollout's forwards, the update's forward and backward, the step
 
     # Before any update: the reference's log-probs are the policy's (rloo.py's rollout forwards: eval, no grad)
     policy.eval()
@@ -125,7 +138,8 @@ def measure(setup: str, variant: str, cli) -> dict:
     add("gradients", [p.grad for model in (policy, ref) for p in model.parameters() if p.grad is not None])
     optimizer.step()
     add("adamw", [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)])
-    return {"held": held, "counts": counts, "trainable": sum(p.numel() for p in trainable), "kl": kl,
+    return {"held": held, "peak": cpu_memory("VmHWM") - base, "counts": counts,
+            "trainable": sum(p.numel() for p in trainable), "kl": kl,
             "frozen_dtypes": dtypes, "backward_s": backward_s}
 
 
@@ -155,7 +169,8 @@ def main():
     for setup in ["full", "lora"]:
         for variant in ["before", "after"]:
             out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", setup, variant],
-                                 capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                 capture_output=True, text=True,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
             if out.returncode:
                 last = (out.stderr.strip().splitlines() or [""])[-1]
                 sys.exit(f"memory_per_parameter.py: error: the {setup} {variant} measurement failed: {last}")
@@ -187,6 +202,9 @@ def main():
         total_before, total_after = sum(before.values()) / n, sum(after.values()) / n
         print(f"| **{label[setup]}: total** | **{total_before:.3f}** | **{total_after:.3f}** "
               f"({1 - total_after / total_before:.1%} less) |")
+        peak_before, peak_after = (results[setup, v]["peak"] / n for v in ("before", "after"))
+        print(f"| {label[setup]}: peak of an update (resident set) | {peak_before:.3f} | {peak_after:.3f} "
+              f"({1 - peak_after / peak_before:.1%} less) |")
     print()
     ref = {v: results["full", v]["held"]["frozen"] / n for v in ("before", "after")}
     print(f"The reference's share: {ref['before']:.3f} -> {ref['after']:.3f} B/param: its linear layers' weights "

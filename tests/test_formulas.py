@@ -204,11 +204,13 @@ def test_logprobs_through_the_output_layer_by_hand_in_chunks(monkeypatch, chunk_
     # By hand: a uniform distribution has entropy log V; a peaked one 0
     zero = torch.nn.Linear(5, 7, bias=False)
     torch.nn.init.zeros_(zero.weight)
-    _, uniform = rloo.logprobs_through_output_layer(zero, lambda x: x, torch.randn(2, 5), torch.tensor([0, 1]), 1.0, True)
+    identity = lambda x: x  # noqa: E731
+    _, uniform = rloo.logprobs_through_output_layer(zero, identity, torch.randn(2, 5), torch.tensor([0, 1]), 1.0, True)
     torch.testing.assert_close(uniform, torch.full((2,), math.log(7)))
     with torch.no_grad():
         zero.weight[3, 0] = 100.0
-    _, peaked = rloo.logprobs_through_output_layer(zero, lambda x: x, torch.tensor([[1.0, 0, 0, 0, 0]]), torch.tensor([3]), 1.0, True)
+    one_hot = torch.tensor([[1.0, 0, 0, 0, 0]])
+    _, peaked = rloo.logprobs_through_output_layer(zero, identity, one_hot, torch.tensor([3]), 1.0, True)
     assert peaked.item() == pytest.approx(0.0, abs=1e-6)
     # No position: empty log-probs, and a backward that reaches nothing
     empty = rloo.logprobs_through_output_layer(layer, transform, hidden[:0], ids[:0], 1.0)

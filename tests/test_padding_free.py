@@ -116,7 +116,8 @@ def test_logprobs_entropies_and_gradients_are_those_of_the_whole_logits(each_scr
         logp = torch.log_softmax(logits.float() / 0.7, -1)
         picked = logp.gather(-1, completion[:, None]).squeeze(-1)
         picked.sum().backward()
-        expected_logprobs[row, real[row]], expected_entropy[row, real[row]] = picked.detach(), -(logp.exp() * logp).sum(-1).detach()
+        expected_logprobs[row, real[row]] = picked.detach()
+        expected_entropy[row, real[row]] = -(logp.exp() * logp).sum(-1).detach()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     for packing in [None, "rows", "one_row"]:
         model.zero_grad()
@@ -243,7 +244,7 @@ def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_ca
     console = Console(record=True, width=200)
     by_hand = LogitsByHand(llama.config).eval()
     assert rloo_utils.packing_layout(by_hand, True, False, console, "policy") is None
-    assert "LogitsByHand fails the packing probe (AssertionError: its output layer was not given the positions picked)" \
-        in console.export_text()
+    assert ("LogitsByHand fails the packing probe (AssertionError: its output layer was not given the positions "
+            "picked)") in console.export_text()
     with pytest.raises(rloo_utils.UsageError, match="LogitsByHand makes its logits without calling its output layer"):
         rloo_utils.check_output_layer(by_hand, contextlib.nullcontext, "policy")  # which every script runs at start

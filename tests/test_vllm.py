@@ -271,15 +271,17 @@ def test_the_trainer_takes_log_probs_on_the_tokens_vllms_sampler_can_draw(top_k,
     assert rloo_utils.sampler_support(0, 1.0, None) is None and rloo_utils.sampler_support(0, 1.0, 0.0) is None
 
 
-@pytest.mark.parametrize("mode", ["colocate", "server"])
-def test_with_top_p_the_importance_ratio_is_one_before_any_update(mode, tiny, server, prompts_file, tmp_path):
+@pytest.mark.parametrize("script, mode", [("rloo_vllm.py", "colocate"), ("rloo_vllm.py", "server"),
+                                          ("rloo_multigpu.py", "server")])
+def test_with_top_p_the_importance_ratio_is_one_before_any_update(script, mode, tiny, server, prompts_file, tmp_path):
     """vLLM's log-probs with --top_p 0.9 are renormalised over the tokens it kept; the trainer's are taken on the same
     distribution, so at the first update (the trainer's weights are the engine's) the mean ratio is 1 to 1e-3. On the
     full distribution it would be the kept mass, about 0.9 a token on the random test model (0.9 ** 16 a completion)."""
-    where = ["--vllm_mode", "server", "--vllm_server_base_url", server["url"]] if mode == "server" else []
-    proc = run_rloo(*learning_args(tiny, prompts_file, "--total_episodes", 32, "--top_p", 0.9, "--max_completion_length",
-                                   16, "--vllm_importance_sampling_mode", "sequence_truncate", *where),
-                    cwd=tmp_path, script="rloo_vllm.py")
+    where = ["--vllm_server_base_url", server["url"]] if mode == "server" else []
+    where += ["--vllm_mode", mode] if script == "rloo_vllm.py" else []
+    proc = run_rloo(*learning_args(tiny, prompts_file, "--total_episodes", 32, "--top_p", 0.9,
+                                   "--max_completion_length", 16, "--vllm_importance_sampling_mode", "sequence_truncate",
+                                   *where), cwd=tmp_path, script=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = read_metrics(tmp_path)
     assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, row
