@@ -508,3 +508,18 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
     assert float(update[1]) > 0 and float(update[2]) > 0, proc.stdout
     check_one_line_error(run_script(script, "--batch", "0", cwd=tmp_path), "--batch must be 1 or more, got 0")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("before", ["49250cc", "9152136"])
+def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tiny, tmp_path):
+    """benchmark/logprob_memory.py on the test model: the code each --before names (kept in the script) and rloo.py's
+    own run a micro-batch's forward and backward, each in a process of its own, and the table has both peaks."""
+    script = os.path.join(ROOT, "benchmark", "logprob_memory.py")
+    proc = subprocess.run([sys.executable, script, "--model", tiny["policy"], "--before", before, "--batch", "2",
+                           "--prompt_length", "4", "--completion_lengths", "8"], cwd=tmp_path, env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"before: rloo.py as of commit {before}" in proc.stdout
+    length, precision, before_mib, after_mib, _ = proc.stdout.strip().splitlines()[-1].split()
+    assert (length, precision) == ("8", "fp32") and float(before_mib) >= 0 and float(after_mib) >= 0, proc.stdout
+    assert os.listdir(tmp_path) == []
