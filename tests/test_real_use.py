@@ -65,6 +65,7 @@ def gpu_args(tiny, **kwargs):
 
 def pretend_gpu(monkeypatch, count=2, current=0):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)  # (Args' --bf16 default reads it)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
 
