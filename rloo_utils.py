@@ -31,6 +31,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -64,12 +65,17 @@ class NonFiniteWeights(RunError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM before training starts: the run stops as on Ctrl-C, and exits 143 (128 + SIGTERM), as a shell reports
-    a process ended by SIGTERM, not Ctrl-C's 130."""
+    """SIGTERM before training starts, or a second Ctrl-C or SIGTERM during training (the first lets the update finish,
+    stop_after_update_on_signals): the run stops at once, as on Ctrl-C, and exits 128 + the signal, as a shell reports
+    a process a signal ended (143 for SIGTERM, not Ctrl-C's 130)."""
+
+    def __init__(self, signum: int = signal.SIGTERM, training: bool = False):
+        super().__init__()
+        self.signum, self.training = signum, training
 
     @staticmethod
     def handler(signum, frame):
-        raise Terminated()
+        raise Terminated(signum)
 
 
 def report_one_line_error(exc_type, exc, tb):
@@ -83,6 +89,9 @@ def report_one_line_error(exc_type, exc, tb):
         pass  # rank 0 reports it
     elif issubclass(exc_type, (UsageError, RunError)):
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}{where}{after}", file=sys.stderr)
+    elif getattr(exc, "training", False):  # a second Ctrl-C or SIGTERM: the update is not waited for
+        print(f"{os.path.basename(sys.argv[0])}: error: {signal.Signals(exc.signum).name} a second time: stopped at "
+              f"once, without finishing the update{where}{after}", file=sys.stderr)
     elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
         print(f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{where}{after}", file=sys.stderr)
     elif issubclass(exc_type, dist.DistError) or "gloo/transport" in str(exc) or "ProcessGroupNCCL" in str(exc):
@@ -95,7 +104,7 @@ def report_one_line_error(exc_type, exc, tb):
             print(f"{os.path.basename(sys.argv[0])}: error: {type(exc).__name__}{where}{after}", file=sys.stderr)
     if issubclass(exc_type, Terminated):  # else Python ends the process as on Ctrl-C, whatever the signal was
         sys.stderr.flush()
-        os._exit(128 + signal.SIGTERM)
+        os._exit(128 + exc.signum)
 
 
 def describe(e: BaseException) -> str:
@@ -130,8 +139,10 @@ def parse_args(args_class):
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip(" │") for line in wide.getvalue().splitlines()[1:]]
         rule = lambda line: line and not line.strip("─╰╯")  # noqa: E731
         message = " ".join(line for line in itertools.takewhile(lambda line: not rule(line), lines) if line)
-        print(f"{os.path.basename(sys.argv[0])}: error: {message or 'could not parse the options'} "
-              f"(`python {sys.argv[0]} --help` lists them)", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")  # torchrun's; parsing comes before the process group
+        if not (rank.isdigit() and int(rank) > 0):  # every process fails alike: rank 0 says it once for all
+            print(f"{os.path.basename(sys.argv[0])}: error: {message or 'could not parse the options'} "
+                  f"(`python {sys.argv[0]} --help` lists them)", file=sys.stderr)
         sys.exit(2)  # argparse's status for a usage error
     sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
     return expand_user_paths(args)
@@ -173,11 +184,26 @@ PATH_OPTIONS = ["model_name_or_path", "sft_model_path", "dataset_name", "reward_
 MAY_BE_INFINITE = {"max_grad_norm", "reward_clip_range"}
 
 
+def finite_json_number(text: str) -> float:
+    """A JSON number as a float, refused past float64 (1e400 would parse as inf); NaN and Infinity, which Python's json
+    accepts but JSON does not, are refused by json_object."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past the range of a float: give a finite number")
+    return value
+
+
+def not_a_json_number(word: str):
+    raise ValueError(f"{word} is not a JSON number: give a finite number")
+
+
 def json_object(text: str) -> dict:
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=finite_json_number, parse_constant=not_a_json_number)
     except json.JSONDecodeError as e:
         raise ValueError(f"{text!r} is not JSON ({e.msg}); give an object such as '{{\"key\": 1}}'") from None
+    except ValueError as e:
+        raise ValueError(f"{text!r}: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{text!r} is not a JSON object; give one such as '{{\"key\": 1}}'")
     return value
@@ -212,6 +238,12 @@ def check_args(args, world_size: int = 1) -> None:
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and option.name not in MAY_BE_INFINITE):
                 raise UsageError(f"--{option.name} must be a finite number, got {v}")
+            if isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX:  # inf once in a float32 tensor
+                raise UsageError(f"--{option.name} {v:g} is past the float32 range (+-{FLOAT32_MAX:.3g}) the run "
+                                 "computes in: give a smaller number")
+            if isinstance(v, float) and 0 < abs(v) < FLOAT32_TINY:  # 0 once in float32: a temperature dividing by it
+                raise UsageError(f"--{option.name} {v:g} is below the smallest normal float32 ({FLOAT32_TINY:.3g}), "
+                                 "which the run computes in: give a larger number (or 0 where 0 is meant)")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
     for name in ["run_name", "exp_name"]:
@@ -241,7 +273,7 @@ def check_args(args, world_size: int = 1) -> None:
         raise UsageError(f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
-    for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg"]:
+    for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg", "reward_timeout"]:
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
     if args.epsilon is not None and args.epsilon >= 1:
@@ -261,6 +293,11 @@ def check_args(args, world_size: int = 1) -> None:
                          f"divisible by --num_generations {args.num_generations}")
     if num_updates < 1:
         raise UsageError(f"--total_episodes {args.total_episodes} is smaller than one rollout batch ({batch_size})")
+    num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
+    if args.warmup_steps >= 1 and args.warmup_steps >= num_optimizer_steps:
+        raise UsageError(f"--warmup_steps {args.warmup_steps:g} is not shorter than the run ({num_optimizer_steps} "
+                         "optimizer steps): the rate would never reach --learning_rate; give fewer steps, or a "
+                         "fraction below 1")
     if args.reward_clip_range is not None:
         if len(args.reward_clip_range) not in (1, 2):
             raise UsageError("--reward_clip_range takes one number c (meaning [-c, c]) or two numbers lo hi")
@@ -281,12 +318,21 @@ OWN_SAMPLING_OPTIONS = {"temperature": "--temperature", "top_p": "--top_p", "top
                         "eos_token_id": "--stop_token_id", "stop_token_ids": "--stop_token_id", "ignore_eos": "--ignore_eos",
                         "seed": "--seed", "n": "--num_generations", "num_return_sequences": "--num_generations"}
 # ...and those that would break the rollout: one sampled completion per row with its log-probs, as token ids
+# (min_length keeps EOS from being sampled; max_time cuts completions by the clock, as the machine's load decides)
 RESERVED_SAMPLING_OPTIONS = {"do_sample", "num_beams", "num_beam_groups", "pad_token_id", "suppress_tokens", "logprobs",
-                             "logprob_token_ids", "detokenize", "min_tokens", "min_new_tokens", "output_kind", "logit_bias",
-                             "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-                             "output_hidden_states"}
+                             "logprob_token_ids", "detokenize", "min_tokens", "min_new_tokens", "min_length",
+                             "max_time", "output_kind", "logit_bias", "return_dict_in_generate", "output_scores",
+                             "output_logits", "output_attentions", "output_hidden_states"}
 # ...and those that read text, which the rollout does not make (prompts and completions are token ids)
 TEXT_SAMPLING_OPTIONS = {"stop", "stop_strings", "bad_words", "structured_outputs", "guided_decoding"}
+
+
+# apply_chat_template's own arguments (transformers' tokenizers and processors), which a prompt's tokenization sets:
+# --chat_template_kwargs passes only what reaches the template (its variables, tools, documents, chat_template)
+CHAT_TEMPLATE_CALL_ARGUMENTS = {"conversation", "add_generation_prompt", "continue_final_message", "tokenize",
+                                "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+                                "load_audio_from_video"}
 
 
 def check_trl_options(args) -> None:
@@ -317,6 +363,12 @@ def check_trl_options(args) -> None:
             raise UsageError(f"--generation_kwargs: {', '.join(unknown)} is not an option of transformers' GenerationConfig "
                              "(rloo.py and rloo_multigpu.py generate with HF generate; vLLM's SamplingParams options go to "
                              "rloo_vllm.py)")
+        try_generation_kwargs(args.generation_kwargs)
+    reserved = sorted(set(args.chat_template_kwargs or {}) & CHAT_TEMPLATE_CALL_ARGUMENTS)
+    if reserved:
+        raise UsageError(f"--chat_template_kwargs sets {', '.join(reserved)}, an argument of apply_chat_template that "
+                         "the prompt's tokenization sets itself: give only the template's own variables (e.g. "
+                         "enable_thinking), tools, documents or chat_template")
     if args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps):
         raise UsageError(f"--warmup_steps {args.warmup_steps}: give a number of steps (a whole number), or a fraction of "
                          "all optimizer steps below 1")
@@ -328,6 +380,16 @@ def check_trl_options(args) -> None:
                              f"{key} is not an argument of that schedule (it takes {takes})")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise UsageError(f"--lr_scheduler_kwargs: {key} must be a number >= 0, got {value!r}")
+    # What the schedule would take and misuse: a floor above the rate climbs to it, no cycles never decays
+    if not 0 <= kwargs.get("min_lr_rate", 0) <= 1:
+        raise UsageError("--lr_scheduler_kwargs: min_lr_rate is the floor as a fraction of --learning_rate, in [0, 1], "
+                         f"got {kwargs['min_lr_rate']}")
+    if kwargs.get("min_lr", 0) > args.learning_rate:
+        raise UsageError(f"--lr_scheduler_kwargs: min_lr {kwargs['min_lr']} is above --learning_rate "
+                         f"{args.learning_rate}, so the schedule would climb to it: give a floor at or below the rate")
+    if kwargs.get("num_cycles", 1) == 0:
+        raise UsageError("--lr_scheduler_kwargs: num_cycles 0 never decays the rate: use --lr_scheduler_type constant, "
+                         "or a number of cycles > 0 (0.5: one half-cosine to the floor)")
     if args.lr_scheduler_type == "cosine_with_min_lr" and len({"min_lr", "min_lr_rate"} & set(kwargs)) != 1:
         raise UsageError("--lr_scheduler_type cosine_with_min_lr needs one of min_lr or min_lr_rate in --lr_scheduler_kwargs "
                          "(e.g. '{\"min_lr_rate\": 0.1}': the floor is 10% of --learning_rate)")
@@ -336,6 +398,24 @@ def check_trl_options(args) -> None:
     if args.num_completions_to_print is not None and args.num_completions_to_print < 1:
         raise UsageError(f"--num_completions_to_print must be >= 1 (or left out to print them all), got "
                          f"{args.num_completions_to_print}")
+
+
+def try_generation_kwargs(generation_kwargs: dict) -> None:
+    """--generation_kwargs as HF generate takes them, tried on a one-layer stand-in model (milliseconds) so that a
+    value it cannot use (a string where a number belongs, an unknown cache) is one line before the policy loads."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1,
+                         num_key_value_heads=1)
+    try:
+        generation_config = GenerationConfig(do_sample=True, max_new_tokens=2, pad_token_id=0, **generation_kwargs)
+        generation_config.validate(strict=True)
+        with torch.random.fork_rng(devices=[]):  # the run's random streams stay as its seed set them
+            prompt = torch.ones(1, 2, dtype=torch.long)
+            LlamaForCausalLM(config).generate(prompt, attention_mask=prompt, generation_config=generation_config)
+    except Exception as e:
+        raise UsageError(f"--generation_kwargs {json.dumps(generation_kwargs)}: HF generate cannot use it "
+                         f"({describe(e)})") from None
 
 
 # --lr_scheduler_type -> transformers' schedule: each with a linear warm-up from 0 over --warmup_steps
@@ -481,6 +561,10 @@ def load_datasets(args):
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
         raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
                          f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
+    if args.chat_template_kwargs and not is_chat(train[0]["prompt"]):
+        raise UsageError(f"--chat_template_kwargs goes to the chat template, but the prompts of {args.dataset_name} "
+                         "are plain strings, which are tokenized without one: give chat prompts (lists of messages), "
+                         "or leave it out")
     return train, test or train
 
 
@@ -645,10 +729,12 @@ def load_reward_model(path: str, sharded: bool = False):
     return model.eval().requires_grad_(False)
 
 
-def load_tokenizers(args, chat_prompts: bool, images: Optional[str] = None):
-    """The policy's tokenizer, checked (its pad token the EOS where it has none); the reward model's own tokenizer
-    where it reads text differently from the policy's (else None); and a vision-language policy's processor (else
-    None), which turns a prompt and its images into the model's inputs. `images`: the dataset's image column."""
+def load_tokenizers(args, first_prompt, images: Optional[str] = None):
+    """The policy's tokenizer, checked (its pad token the EOS where it has none, its chat template rendering the first
+    prompt); the reward model's own tokenizer where it reads text differently from the policy's (else None); and a
+    vision-language policy's processor (else None), which turns a prompt and its images into the model's inputs.
+    `images`: the dataset's image column."""
+    chat_prompts = is_chat(first_prompt)
     from transformers import AutoProcessor, AutoTokenizer
 
     path = args.model_name_or_path
@@ -671,6 +757,14 @@ def load_tokenizers(args, chat_prompts: bool, images: Optional[str] = None):
     if processor is not None and not tokenizer.chat_template:
         tokenizer.chat_template = getattr(processor, "chat_template", None)  # a VLM keeps it in the processor
     check_tokenizer(tokenizer, path, chat_prompts, args.stop_token_id)
+    if chat_prompts and processor is None:  # a template, or --chat_template_kwargs, it cannot render: one line now
+        try:
+            tokenizer.apply_chat_template(first_prompt, tokenize=False, add_generation_prompt=True,
+                                          **(args.chat_template_kwargs or {}))
+        except Exception as e:
+            raise UsageError(f"the chat template of {path} cannot render the first prompt"
+                             f"{' with --chat_template_kwargs' if args.chat_template_kwargs else ''} ({describe(e)})") \
+                from None
     reward_tokenizer = None
     if args.reward_model_path:
         reward_tokenizer = load_reward_tokenizer(args.reward_model_path, tokenizer, chat_prompts)
@@ -778,6 +872,9 @@ def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], 
     weights = torch.tensor(args.reward_weights or [1.0] * len(names))
     if len(weights) != len(names):
         raise UsageError(f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})")
+    if not weights.any():
+        raise UsageError("--reward_weights are all 0: no reward would reach the advantages, and the run would train on "
+                         "nothing but its KL penalty; give a source a weight")
     return [load_reward_func(s, builtin) for s in specs], names, weights
 
 
@@ -795,7 +892,10 @@ class TrainerState:
 
 class RewardLogs:
     """TRL's `log_extra` and `log_metric`, which reward functions are given: extra columns of the training
-    completions table (--log_completions), and metrics, each the mean of what the update's calls logged."""
+    completions table (--log_completions), and metrics, each the mean of what the update's calls logged. A function's
+    metric is logged as `log_metric/<name>`, so that it never passes for (or replaces) one the run logs itself (TRL
+    would average a `reward` it logged with the run's own); a column named as one of the table's own is renamed
+    `log_extra/<name>` (completion_rows)."""
 
     def __init__(self):
         self.columns, self.metrics = defaultdict(list), defaultdict(list)
@@ -825,7 +925,7 @@ class RewardLogs:
         metrics = {}
         for name in sorted({name for _, m, _ in everyone for name in m}):
             values = [v for _, m, _ in everyone for v in m.get(name, [])]
-            metrics[name] = sum(values) / len(values)
+            metrics[f"log_metric/{name}"] = sum(values) / len(values)
         return columns, metrics
 
     def clear(self) -> None:
@@ -854,26 +954,60 @@ def await_all(awaitables: list) -> list:
     return reward_event_loop().run_until_complete(gather())
 
 
-def call_reward_funcs(funcs: list[Callable], names: list[str], batch_size: int, **kwargs) -> list[torch.Tensor]:
+def call_reward_funcs(funcs: list[Callable], names: list[str], batch_size: int, timeout: Optional[float], /,
+                      **kwargs) -> list[torch.Tensor]:
     """Call each TRL-style reward function with the same keyword arguments (TRL 1.16's: prompts, completions,
     completion_ids, the dataset's other columns, trainer_state, log_extra, log_metric); the async ones run concurrently,
-    as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None."""
+    as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None. timeout (--reward_timeout): the
+    seconds each plain function, and the async ones together, may take; None: no limit."""
     results = []
-    for func in funcs:
-        try:
-            results.append(func(**kwargs))  # an async function's coroutine, awaited below with the others
+    for func, name in zip(funcs, names):
+        try:  # an async function gives its coroutine, awaited below with the others
+            results.append(within(timeout, f"reward function {name}", func, **kwargs))
+        except RewardTimeout:
+            raise
         except (Exception, SystemExit) as e:  # it must not end the run quietly: check_reward_values names it
             results.append(e)
     pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
     if pending:
-        for i, value in zip(pending, await_all([results[i] for i in pending])):
+        awaited = within(timeout, "async reward functions " + ", ".join(names[i] for i in pending), await_all,
+                         [results[i] for i in pending])
+        for i, value in zip(pending, awaited):
             results[i] = value
     return [check_reward_values(values, name, batch_size) for values, name in zip(results, names)]
 
 
+class RewardTimeout(RunError):
+    """A reward function past --reward_timeout (an HTTP judge that hangs): the run stops, keeping its checkpoint."""
+
+
+def within(timeout: Optional[float], what: str, func: Callable, *args, **kwargs):
+    """func(*args, **kwargs), in this thread when timeout is None; else in a daemon thread given `timeout` seconds,
+    after which RewardTimeout is raised and the thread left behind (Python cannot stop it; it ends with the process).
+    Waiting on it, this thread still takes Ctrl-C and SIGTERM."""
+    if timeout is None:
+        return func(*args, **kwargs)
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = func(*args, **kwargs)
+        except BaseException as e:  # re-raised in the calling thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=call, name=what, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RewardTimeout(f"{what} did not return within --reward_timeout {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
-    """One reward function's (B,) rewards (call_reward_funcs)."""
-    return call_reward_funcs([func], [name], batch_size, **kwargs)[0]
+    """One reward function's (B,) rewards (call_reward_funcs), with no time limit."""
+    return call_reward_funcs([func], [name], batch_size, None, **kwargs)[0]
 
 
 def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
@@ -901,8 +1035,28 @@ def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
             raise UsageError(f"reward function {name} returned an int too large for a float at index {i}") from None
         if not math.isfinite(v):
             raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
+        if abs(v) > FLOAT32_MAX:
+            raise UsageError(f"reward function {name} returned {v:.3g} at index {i}, past the float32 range of the "
+                             f"rewards (+-{FLOAT32_MAX:.3g}): scale its values down")
         out.append(v)
     return torch.tensor(out, dtype=torch.float32)
+
+
+FLOAT32_MAX, FLOAT32_TINY = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+
+
+def check_reward_range(scores: torch.Tensor, update: int) -> None:
+    """(B,) rewards (NaN: not scored) whose sums or squares overflow float32 would end as inf advantages, every step
+    skipped, or, divided by an overflowed std, as advantages of 0 that train nothing: one line instead, at the update
+    that meets them (the checkpoint of the one before is kept)."""
+    scored = scores[~scores.isnan()].float()
+    sums = scored.abs().sum()  # bounds every sum of the baselines and means
+    squares = (scored - scored.mean()).square().sum() if sums.isfinite() else sums  # bounds every std's, group or batch
+    if scored.isfinite().all() and sums.isfinite() and squares.isfinite():
+        return
+    raise RunError(f"the rewards of update {update} reach {scored.nan_to_num().abs().max():.3g}, too large for float32 "
+                   "once summed or squared (the baselines, the std of --normalize_reward and of group normalisation): "
+                   "scale them down (a reward function's values, --reward_weights)")
 
 
 # ---- Images: vision-language prompts (TRL's `image` / `images` columns) ----------------------------------------------
@@ -952,6 +1106,9 @@ def with_images(dataset, column: str, where: str, base_dir: str):
                     raise UsageError(f"{where}: row {i}'s image is {str(path)[:80]!r}, not a file: give image files "
                                      "(paths relative to the data file), or download the images first")
                 path = source = shown = os.path.join(base_dir, os.path.expanduser(path))
+                if os.path.isdir(path):
+                    raise UsageError(f"{where}: image {path} (row {i}) is a folder, not an image file: give the file "
+                                     "of each image")
                 if not os.path.isfile(path):
                     raise UsageError(f"{where}: image file {path} (row {i}) does not exist")
                 paths.append(path)
@@ -1420,10 +1577,13 @@ def gather_objects(items: list) -> list:
 def completion_rows(prompts: list[str], completions: list[str], rewards_per_func: torch.Tensor, reward_names: list[str],
                     advantages: torch.Tensor, logged_columns: dict[str, list]) -> list[dict]:
     """The rows of TRL's table of sampled completions (--log_completions): prompt, completion, each reward source's
-    value (NaN: it returned None), the advantage, then the columns reward functions logged (log_extra)."""
+    value (NaN: it returned None), the advantage, then the columns reward functions logged (log_extra), each under its
+    own name unless the table has a column of that name: then as `log_extra/<name>`."""
     rewards, advantages = rewards_per_func.tolist(), advantages.tolist()
+    own = {"step", "prompt", "completion", "advantage", *reward_names}  # (step: each row's, in completions.jsonl)
+    logged = {name if name not in own else f"log_extra/{name}": values for name, values in logged_columns.items()}
     return [{"prompt": prompt, "completion": completion, **dict(zip(reward_names, rewards[i])), "advantage": advantages[i],
-             **{name: values[i] for name, values in logged_columns.items()}}
+             **{name: values[i] for name, values in logged.items()}}
             for i, (prompt, completion) in enumerate(zip(prompts, completions))]
 
 
@@ -1512,14 +1672,19 @@ class ProgressBar:
 
 def stop_after_update_on_signals(console) -> list[int]:
     """SIGINT (Ctrl-C) and SIGTERM (a scheduler preempting the job) let the current update finish, then the run writes
-    a checkpoint and exits; the same signal a second time stops it at once. Returns the list the signals go into."""
+    a checkpoint and exits. A second one (a scheduler's grace period ending, an update that cannot finish: a hung
+    reward) stops it at once, and RunGuard still writes the checkpoint of the last complete update; a third ends the
+    process as the signal does. Returns the list the signals go into."""
     received = []
 
     def request_stop(signum, frame):
+        if received:
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, signal.SIG_DFL)
+            raise Terminated(signum, training=True)
         received.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
         console.print(f"{signal.Signals(signum).name}: finishing this update, then writing a checkpoint "
-                      "(send it again to stop now)")
+                      "(send it again to stop now, keeping the checkpoint of the last complete update)")
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
@@ -1867,6 +2032,11 @@ def add_adapter(model, args):
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of[id(p)].append(name.rpartition(".")[0])
     tied = {module for names in names_of.values() if len(names) > 1 for module in names}
+    modules = [name for name, _ in model.named_modules()]  # peft trains in full each one whose name ends with one given
+    unmatched = [t for t in args.lora_modules_to_save or [] if not any(m.endswith(t) for m in modules)]
+    if unmatched:
+        raise UsageError(f"--lora_modules_to_save {' '.join(unmatched)} names no layer of {where}, so nothing of it "
+                         "would train: name layers it has (e.g. lm_head, score), or leave it out")
     untied = [t for t in args.lora_modules_to_save or [] if any(m == t or m.endswith(f".{t}") for m in tied)]
     if untied:
         raise UsageError(f"--lora_modules_to_save {' '.join(untied)}: its weight is tied to another layer's in {where} "
@@ -1977,9 +2147,10 @@ def trained_names(model) -> Optional[set]:
 
 def load_checkpoint_weights(policy, folder: str) -> None:
     """The policy weights of a rloo.py / rloo_vllm.py checkpoint, saved by save_pretrained: a whole model, or a peft
-    model's adapter (adapter_model.safetensors), each checked to fit the policy exactly."""
+    model's adapter (adapter_model.safetensors), each checked to fit the policy exactly, and to be finite."""
     if not is_peft_model(policy):
         policy.load_state_dict(from_pretrained(type(policy), folder).state_dict())
+        check_checkpoint_finite(policy, folder)
         return
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -1999,6 +2170,16 @@ def load_checkpoint_weights(policy, folder: str) -> None:
     if problem:
         raise UsageError(f"the adapter of {folder} does not fit the policy ({problem}): resume with the --lora_* "
                          "options the run was started with")
+    check_checkpoint_finite(policy, folder)
+
+
+def check_checkpoint_finite(policy, folder: str) -> None:
+    """A checkpoint's trained weights with an inf or NaN (a run never writes one: NonFiniteWeights) would train on
+    garbage: refused, on every process together."""
+    if not weights_finite([p for p in policy.parameters() if p.requires_grad]):
+        error = UsageError(f"{folder} holds non-finite weights: resume from an earlier checkpoint")
+        error.agreed = True
+        raise error
 
 
 # ---- Run folders, checkpoints and exact resume -----------------------------------------------------------------------
@@ -2408,6 +2589,7 @@ def load_sharded_checkpoint(checkpoint: str, policy, optimizer) -> None:
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp"))
     set_model_state_dict(policy, state["model"], options=StateDictOptions(strict=trained_names(policy) is None))
     set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+    check_checkpoint_finite(policy, checkpoint)
 
 
 def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:
@@ -2443,8 +2625,10 @@ def claim_run(args, checkpoint: Optional[str], batch_size: int) -> tuple[str, st
     return run_dir, output_dir, guard
 
 
-def check_skipped_steps(skipped_in_a_row: int, max_skipped_steps: int, update: int) -> None:
-    if skipped_in_a_row >= max_skipped_steps:
+def check_skipped_steps(skipped_in_a_row: int, max_skipped_steps: int, update: int, num_optimizer_steps: int) -> None:
+    """Too many skipped steps in a row stop the run; so does a run shorter than that whose every step was skipped,
+    which trained nothing and must not end as if it had."""
+    if skipped_in_a_row >= min(max_skipped_steps, num_optimizer_steps):
         raise RunError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (update {update}): "
                        "stopping rather than training on garbage (check the rewards; a new run can start from the "
                        "weights of the checkpoint before with a lower --learning_rate)")
@@ -2474,6 +2658,13 @@ def check_vllm_args(args, server: bool) -> None:
             raise UsageError(f"--generation_kwargs: {', '.join(unknown)} is not an option of vLLM's SamplingParams (vLLM "
                              "generates here; transformers' GenerationConfig options go to HF generate, without a vLLM "
                              "server)")
+        import msgspec
+
+        try:  # each value converted to its field's type and checked as SamplingParams checks it
+            msgspec.convert(args.generation_kwargs, SamplingParams)
+        except Exception as e:
+            raise UsageError(f"--generation_kwargs {json.dumps(args.generation_kwargs)}: vLLM's SamplingParams cannot "
+                             f"use it ({describe(e)})") from None
     if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
         if not server and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")

@@ -41,11 +41,11 @@ from rich.console import Console
 from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, ProgressBar, RewardLogs, RunError, RunGuard,
                         StageTimer, Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes,
                         bf16_by_default, builds_own_positions, call_reward_funcs, check_args, check_output_layer,
-                        check_skipped_steps, claim_run, clip_bounds, completion_metrics, completion_rows, content_text,
-                        embedded_model, frozen_linear_weights_to, gather_objects, image_column, image_prompt_rows,
-                        image_token_ids, images_batch, is_chat, left_pad, load_datasets, load_reward_model,
-                        load_tokenizers, lr_scheduler, model_dtype, open_logger, output_layer, output_layer_inputs,
-                        pack_sequences, packing_layout, parse_args, policy_class, prompt_batches,
+                        check_reward_range, check_skipped_steps, claim_run, clip_bounds, completion_metrics,
+                        completion_rows, content_text, embedded_model, frozen_linear_weights_to, gather_objects,
+                        image_column, image_prompt_rows, image_token_ids, images_batch, left_pad, load_datasets,
+                        load_reward_model, load_tokenizers, lr_scheduler, model_dtype, open_logger, output_layer,
+                        output_layer_inputs, pack_sequences, packing_layout, parse_args, policy_class, prompt_batches,
                         report_one_line_error, resume_point, resumed_counters, reward_model_inputs, reward_sources,
                         set_rng_states, set_up_cuda, show_samples, stop_after_update_on_signals, stopped_message,
                         update_metrics, varlen_kwargs, vision_inputs, weights_finite)
@@ -127,6 +127,9 @@ class Args:
     None: vader_sentiment, unless there is a reward model"""
     reward_weights: Optional[list[float]] = None
     """one weight per reward source, the reward model first; None: all 1.0"""
+    reward_timeout: Optional[float] = None
+    """seconds each reward function's call (the async ones': together) may take; past it the run stops, keeping its
+    last checkpoint. None: no limit (a hung function waits for Ctrl-C or SIGTERM twice)"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of a completion that did not stop by itself ("EOS trick")"""
     normalize_reward: bool = False
@@ -299,7 +302,7 @@ class Args:
 # Options a resumed run may change: none of them alters what is computed.
 RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
                      "wandb_project_name", "wandb_entity", "output_dir", "log_completions", "num_completions_to_print",
-                     "save_merged_model",
+                     "save_merged_model", "reward_timeout",
                      # where the server is and how much memory the engine takes change no sample
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
                      "vllm_server_weight_transfer",
@@ -577,7 +580,7 @@ def main(args: Args) -> None:
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     console = Console()
 
-    tokenizer, reward_tokenizer, processor = load_tokenizers(args, is_chat(train_dataset[0]["prompt"]), image_col)
+    tokenizer, reward_tokenizer, processor = load_tokenizers(args, train_dataset[0]["prompt"], image_col)
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = from_pretrained(policy_class(policy_path), policy_path, dtype=model_dtype(args.dtype, policy_path),
                              attn_implementation=args.attn_implementation).to(device)
@@ -670,9 +673,10 @@ def main(args: Args) -> None:
             if not per_source[0].isfinite().all():
                 raise RunError(f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][~per_source[0].isfinite()][0]}) "
                                f"at index {int((~per_source[0].isfinite()).nonzero()[0])}: check its weights, or leave out --bf16")
-        per_source += call_reward_funcs(reward_funcs, reward_names[len(per_source):], len(texts), prompts=prompts,
-                                        completions=completions, completion_ids=ids_list, trainer_state=trainer_state,
-                                        log_extra=reward_logs.log_extra, log_metric=reward_logs.log_metric, **columns)
+        per_source += call_reward_funcs(reward_funcs, reward_names[len(per_source):], len(texts), args.reward_timeout,
+                                        prompts=prompts, completions=completions, completion_ids=ids_list,
+                                        trainer_state=trainer_state, log_extra=reward_logs.log_extra,
+                                        log_metric=reward_logs.log_metric, **columns)
         return torch.stack(per_source, 1).to(device), texts
 
     def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images, support=None):
@@ -771,6 +775,7 @@ def main(args: Args) -> None:
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
             scores = torch.where(ended, scores, scores - args.missing_eos_penalty)
+        check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
         if args.normalize_reward:
             scores = whiten_nan(scores, eps=1e-8)
         if args.reward_clip_range is not None:
@@ -912,7 +917,7 @@ def main(args: Args) -> None:
             save_start = time.perf_counter()
             saved = guard.save()
             console.print(f"wrote {saved} in {time.perf_counter() - save_start:.2f} s")
-        check_skipped_steps(skipped_in_a_row, args.max_skipped_steps, update)
+        check_skipped_steps(skipped_in_a_row, args.max_skipped_steps, update, num_optimizer_steps)
         if stop:
             progress.stop()
             logger.close()

@@ -72,6 +72,15 @@ def label(name: str) -> str:
     return name.replace(" + ", "_")
 
 
+def is_saved_model(folder: str) -> bool:
+    """rloo_utils.is_saved_model: a full model, its shards with their index, or a LoRA adapter."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import rloo_utils  # imported here: it imports torch, which a parse error need not wait for
+
+    return rloo_utils.is_saved_model(folder)
+
+
 def run_state(out: str, name: str) -> tuple[str, str]:
     """(run name, state) of the newest attempt at one configuration and seed, in out/runs: state "new" (no attempt yet,
     or the newest stopped before its first checkpoint: the name is a new attempt's), "finished" (its model saved) or
@@ -90,7 +99,8 @@ def run_state(out: str, name: str) -> tuple[str, str]:
                 sys.exit(f"compare_algorithms.py: error: {folder} is still running (another comparison in this --out?): "
                          "wait for it, or give another --out")
     model = os.path.join(folder, "model")  # made when the run starts (its claim); the model is in it at the end
-    if all(os.path.isfile(os.path.join(model, f)) for f in ("config.json", "model.safetensors", "tokenizer_config.json")):
+    # the tokenizer is saved after the weights: with it, the save has ended
+    if is_saved_model(model) and os.path.isfile(os.path.join(model, "tokenizer_config.json")):
         return run, "finished"
     checkpoints = os.path.join(folder, "checkpoints")
     if any(re.fullmatch(r"checkpoint-\d+", c) for c in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])):

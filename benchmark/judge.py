@@ -80,6 +80,52 @@ def generate_hf(model_path: str, prompts: list, max_new_tokens: int, temperature
     return texts
 
 
+def vllm_environment() -> bool:
+    """Set vLLM's CPU backend up when there is no GPU (a bounded KV cache, torch's threads left as they are), before
+    vLLM is imported; returns whether it runs on the CPU."""
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return cpu
+
+
+def check_vllm() -> None:
+    """--generator vllm (the default): vLLM imports here, checked before the model loads."""
+    vllm_environment()
+    try:
+        import vllm  # noqa: F401
+    except (ImportError, OSError) as e:  # not installed, or a build that does not match this machine (its libraries)
+        raise JudgeError(f"--generator vllm (the default) needs vLLM, which cannot be imported here ({e}): install it "
+                         "(pip install vllm), or give --generator hf (transformers' generate)") from None
+
+
+def check_model_folder(path: str) -> None:
+    """A local --model_name_or_path must hold a model (config.json, or a LoRA adapter's adapter_config.json): a run
+    folder or an unfinished run is named as such, rather than left to the tokenizer's error."""
+    import rloo_utils
+
+    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in ("config.json",
+                                                                                      "adapter_config.json")):
+        return  # a hub id, a .gguf file, a model: loading it says what is wrong, if anything
+    given = f"--model_name_or_path {path} holds no trained model (no config.json)"
+    model, checkpoints = os.path.join(path, "model"), rloo_utils.checkpoint_dirs(path)
+    if rloo_utils.is_saved_model(model):
+        raise JudgeError(f"{given}: it is a run folder, whose model is {model}: give that")
+    if checkpoints:
+        policy = os.path.join(checkpoints[-1], "policy")
+        if rloo_utils.is_saved_model(policy):
+            raise JudgeError(f"{given}: it is the folder of a run that has not finished; its newest checkpoint's model "
+                             f"is {policy}: give that, or continue the run to its end")
+        raise JudgeError(f"{given}: it is the folder of a run that has not finished, and its newest checkpoint "
+                         f"{checkpoints[-1]} holds sharded weights (dcp/), not a model: continue the run to its end")
+    if os.path.isdir(model) or os.path.isfile(os.path.join(path, "args.json")):
+        raise JudgeError(f"{given}: it is the folder of a run that has not finished and has no checkpoint yet")
+    raise JudgeError(f"{given}: give the folder a run saved its model in (runs/<run_name>/model), or a hub id")
+
+
 def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperature: float, max_prompt_length: int,
                   seed: int) -> list[str]:
     """The model's completion of each prompt with a vLLM engine in this process (the same prompt tokens as HF)."""
@@ -89,10 +135,7 @@ def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperatu
     import rloo
     import rloo_utils
 
-    cpu = not torch.cuda.is_available()
-    if cpu:  # vLLM's CPU backend: a bounded KV cache, and torch's threads left as they are
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    cpu = vllm_environment()
     from vllm import LLM, SamplingParams
 
     tokenizer = rloo_utils.from_pretrained(AutoTokenizer, model_path)
@@ -198,6 +241,8 @@ def main(argv=None) -> int:
     import rloo_utils
 
     try:  # everything that can be refused is checked before the model generates
+        if cli.generator == "vllm":
+            check_vllm()
         check_judge(base_url, cli.judge_model, cli.judge_api_key)
         dataset = rloo_utils.load_prompt_dataset(os.path.expanduser(cli.dataset_name), cli.dataset_split)
         if dataset is None:
@@ -207,6 +252,7 @@ def main(argv=None) -> int:
                              f"{cli.reference_column!r}; its columns are {dataset.column_names}: give --reference_column")
         from transformers import AutoTokenizer
 
+        check_model_folder(os.path.expanduser(cli.model_name_or_path))
         rloo_utils.from_pretrained(AutoTokenizer, cli.model_name_or_path)  # the model is there (its tokenizer loads)
         if cli.output:
             open(cli.output, "x").close()  # claimed now, so that a second evaluation cannot write it too

@@ -1,10 +1,14 @@
 """Reward functions the end-to-end tests pass as `tests/reward_fixtures.py:NAME`, TRL-style."""
 
+import asyncio
 import functools
+import gc
 import math
 import os
 import sys
 import time
+
+import torch
 
 
 def _text(completion):
@@ -54,8 +58,29 @@ def always_none(completions, **kwargs):
 
 
 def huge(completions, **kwargs):
-    """Finite rewards so large that the gradient overflows to inf: every optimizer step must be skipped."""
+    """Finite rewards whose squares overflow float32 (the std of a group): the run must stop with one line."""
     return [3e38 if i % 4 == 0 else 0.0 for i in range(len(completions))]
+
+
+def huge_from_the_second_update(completions, trainer_state, **kwargs):
+    """Rewards of 1e30 from the second update on: the grpo std of a group overflows, which would zero the advantages."""
+    scale = 1e30 if trainer_state.global_step > 0 else 1.0
+    return [scale * len(_text(c)) for c in completions]
+
+
+def poisons_gradients(completions, **kwargs):
+    """Ordinary rewards; on its first call it puts inf into every gradient of the policy (hooks on its trainable
+    weights), a stand-in for a backward that overflows: every optimizer step must be skipped."""
+    global POISONED
+    if not POISONED:
+        models = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module) and hasattr(m, "generate")]
+        for p in (p for m in models for p in m.parameters() if p.requires_grad):
+            p.register_hook(lambda grad: torch.full_like(grad, math.inf))
+        POISONED = True
+    return [len(_text(c)) / 10 for c in completions]
+
+
+POISONED = False
 
 
 def text_length(completions, **kwargs):
@@ -112,6 +137,14 @@ def fails_on_rank_1_at_call_4(completions, **kwargs):
     return count_good(completions)
 
 
+def hangs_on_rank_1_at_call_4(completions, **kwargs):
+    """count_good, until the 4th call on the process of rank 1, which never returns (a judge that hangs)."""
+    _calls["n"] += 1
+    if _calls["n"] == 4 and os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return count_good(completions)
+
+
 def fails_in_the_second_sample_table(completions, **kwargs):
     """count_good, until its 5th call on rank 1 (or in a run of one process), which raises: with 6 updates and sample
     tables at 0, 3 and 6, that call scores the table after update 3."""
@@ -127,3 +160,20 @@ def exits_on_rank_1(completions, **kwargs):
     if _calls["n"] == 3 and os.environ.get("RANK") == "1":
         os._exit(int(os.environ.get("RLOO_TEST_EXIT_CODE", "1")))
     return count_good(completions)
+
+
+def hangs_from_the_second_update(completions, trainer_state, **kwargs):
+    """Text length, then from the second update on never returns (an HTTP judge that hangs), after writing `hanging`
+    in the working folder so that a test knows when."""
+    if trainer_state.global_step > 0:
+        open("hanging", "w").close()
+        time.sleep(3600)
+    return [len(_text(c)) / 10 for c in completions]
+
+
+async def async_hangs_from_the_second_update(completions, trainer_state, **kwargs):
+    """The same, awaited: an async judge whose request never ends."""
+    if trainer_state.global_step > 0:
+        open("hanging", "w").close()
+        await asyncio.sleep(3600)
+    return [len(_text(c)) / 10 for c in completions]

@@ -36,6 +36,7 @@ EARLY = [
     (["--total_episodes", 4], ["--total_episodes 4 is smaller than one rollout batch (16)"]),
     (["--reward_clip_range", 2, 1], ["--reward_clip_range needs lo < hi"]),
     (["--reward_weights", 1, 2], ["--reward_weights has 2 values for 1 reward sources"]),
+    (["--reward_weights", 0], ["--reward_weights are all 0: no reward would reach the advantages"]),
     (["--reward_funcs", "no_such_reward"], ["unknown reward function 'no_such_reward'"]),
     (["--reward_funcs", f"{REWARDS}:no_such_function"], ["has no function 'no_such_function'"]),
     (["--reward_funcs", "/nowhere/rewards.py:f"], ["reward function file /nowhere/rewards.py does not exist"]),
@@ -104,6 +105,28 @@ OPTIONS = [
     ({"exp_name": ""}, "--exp_name names a folder in runs/"),
     ({"output_dir": ""}, "--output_dir is empty"),
     ({"num_sample_prompts": 0}, "--num_sample_prompts 0 leaves the sample tables (--num_sample_generations 10) empty"),
+    # Values that pass as numbers but not as what the run makes of them: past float32, or past what a schedule means
+    ({"missing_eos_penalty": 1e39}, "--missing_eos_penalty 1e+39 is past the float32 range"),
+    ({"reward_weights": [1.0, -2e200]}, "--reward_weights -2e+200 is past the float32 range"),
+    ({"reward_timeout": 0.0}, "--reward_timeout must be > 0, got 0.0"),
+    ({"temperature": 1e-300}, "--temperature 1e-300 is below the smallest normal float32"),  # 1/T: inf logits
+    ({"learning_rate": 1e-40}, "--learning_rate 1e-40 is below the smallest normal float32"),  # steps of 0
+    ({"generation_kwargs": {"max_time": 0.01}}, "--generation_kwargs sets max_time, which the rollout sets itself"),
+    ({"generation_kwargs": {"min_length": 50}}, "--generation_kwargs sets min_length, which the rollout sets itself"),
+    ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 50}},
+     "min_lr_rate is the floor as a fraction of --learning_rate, in [0, 1], got 50"),
+    ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1.0}},
+     "min_lr 1.0 is above --learning_rate 3e-05, so the schedule would climb to it"),
+    ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 0}}, "num_cycles 0 never decays the rate"),
+    ({"warmup_steps": 4, "total_episodes": 64, "per_device_train_batch_size": 16},
+     "--warmup_steps 4 is not shorter than the run (4 optimizer steps)"),
+    # --generation_kwargs values HF generate cannot use, tried before the policy loads
+    ({"generation_kwargs": {"typical_p": "abc"}}, "HF generate cannot use it (TypeError: '<' not supported"),
+    ({"generation_kwargs": {"cache_implementation": "nope"}},
+     "HF generate cannot use it (ValueError: Invalid `cache_implementation`"),
+    ({"generation_kwargs": {"sequence_bias": 5}}, "HF generate cannot use it (ValueError: `sequence_bias` has to be"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False, "tokenize": True}},
+     "--chat_template_kwargs sets add_generation_prompt, tokenize, an argument of apply_chat_template"),
 ]
 
 
@@ -111,6 +134,26 @@ OPTIONS = [
 def test_options_that_make_no_sense(options, needle):
     with pytest.raises(rloo_utils.UsageError, match=re.escape(needle)):
         rloo_utils.check_args(rloo.Args(**options))
+
+
+def test_generation_kwargs_values_that_generate_takes_are_accepted():
+    rloo_utils.check_args(rloo.Args(generation_kwargs={"typical_p": 0.9, "no_repeat_ngram_size": 3}))
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"presence_penalty": "x"}, "vLLM's SamplingParams cannot use it (ValidationError: Expected `float`, got `str`"),
+    ({"frequency_penalty": 5}, "frequency_penalty must be in [-2, 2], got 5.0"),
+])
+def test_generation_kwargs_values_vllm_cannot_use_are_refused_before_loading(kwargs, needle):
+    import rloo_vllm
+
+    with pytest.raises(rloo_utils.UsageError, match=re.escape(needle)):
+        rloo_utils.check_vllm_args(rloo_vllm.Args(generation_kwargs=kwargs), server=False)
+
+
+def test_chat_template_kwargs_with_plain_string_prompts_are_refused(prompts_file):
+    with pytest.raises(rloo_utils.UsageError, match="--chat_template_kwargs goes to the chat template, but the"):
+        rloo_utils.load_datasets(rloo.Args(dataset_name=prompts_file, chat_template_kwargs={"enable_thinking": False}))
 
 
 def test_infinite_values_that_mean_something_are_accepted():
@@ -343,6 +386,8 @@ def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
     ("ab", "must return a list of 2 floats (or None), got a str"),
     ([10**400, 1.0], "returned an int too large for a float at index 0"),
     ([1.0, True], "returned True (a bool) at index 1"),
+    ([1.0, 1e39], "returned 1e+39 at index 1, past the float32 range of the rewards"),  # finite in float64, inf in 32
+    ([2.0**200, 1.0], "returned 1.61e+60 at index 0, past the float32 range"),
 ])
 def test_reward_function_results_that_are_refused(returned, needle):
     with pytest.raises(rloo_utils.UsageError, match=re.escape(f"reward function f {needle}")):
@@ -384,6 +429,9 @@ def test_callable_instances_and_partials_are_reward_functions(tiny, prompts_file
     (["--beta", "abc"], "Error parsing --kl_coef/--beta: could not convert string to float: 'abc'"),
     (["--no_such_flag", "1"], "Unrecognized options: --no_such_flag, 1"),
     (["--loss_type", "nope"], "invalid choice 'nope' for argument '--loss_type'"),
+    # JSON accepts no NaN or Infinity (Python's json does), and 1e400 would parse as inf: refused as they parse
+    (["--lr_scheduler_kwargs", '{"min_lr_rate": Infinity}'], "Infinity is not a JSON number: give a finite number"),
+    (["--generation_kwargs", '{"typical_p": 1e400}'], "1e400 is past the range of a float: give a finite number"),
 ])
 def test_parse_errors_are_one_line(argv, needle, tmp_path):
     proc = run_rloo(*argv, cwd=tmp_path)

@@ -14,6 +14,7 @@ from conftest import (ROOT, check_one_line_error, free_port, run_env, start_vllm
                       write_jsonl)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+import compare_algorithms  # noqa: E402
 import judge  # noqa: E402
 import plot  # noqa: E402
 
@@ -278,6 +279,39 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
     assert theirs == {p: p.read_bytes() for p in theirs}
 
 
+@pytest.mark.parametrize("files", [["model.safetensors", "config.json"],
+                                   ["model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                                    "model-00002-of-00002.safetensors", "config.json"],
+                                   ["adapter_model.safetensors", "adapter_config.json"]],
+                         ids=["one weights file", "shards with their index", "lora adapter"])
+def test_compare_algorithms_takes_every_saved_model_for_a_finished_run(files, tmp_path):
+    """What the scripts save (save_pretrained's one file or shards, peft's adapter) and then the tokenizer: a finished
+    run, not trained again; without the tokenizer the save did not end (and no checkpoint: a new attempt)."""
+    model = tmp_path / "runs" / "rloo__1" / "model"
+    model.mkdir(parents=True)
+    for name in [*files, "tokenizer_config.json"]:
+        (model / name).write_text("{}")
+    assert compare_algorithms.run_state(str(tmp_path), "rloo__1") == ("rloo__1", "finished")
+    os.remove(model / "tokenizer_config.json")
+    assert compare_algorithms.run_state(str(tmp_path), "rloo__1") == ("rloo__1__2", "new")
+
+
+def test_compare_algorithms_does_not_train_a_finished_lora_run_again(tmp_path):
+    """A --use_peft comparison run again: its run (an adapter in <run>/model) is finished, not trained anew."""
+    out = tmp_path / "compare"
+    args = [os.path.join(ROOT, "benchmark", "compare_algorithms.py"), "--preset", "tiny", "--configs", "rloo",
+            "--seeds", 1, "--out", out, "--", "--total_episodes", 64, "--use_peft"]
+    proc = run_script(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.listdir(out / "runs") == ["rloo__1"]
+    assert (out / "runs" / "rloo__1" / "model" / "adapter_model.safetensors").is_file()
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| rloo |"))
+    again = run_script(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "started" not in again.stdout and row in again.stdout.splitlines()
+    assert os.listdir(out / "runs") == ["rloo__1"]
+
+
 @pytest.mark.parametrize("args, needles", [(["--out", "a_file"], ["cannot make", "a_file", "another --out"]),
                                            (["--workers", "0"], ["--workers and --last must be at least 1"]),
                                            (["--last", "0"], ["--workers and --last must be at least 1"]),
@@ -379,6 +413,86 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
     assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
     again = subprocess.run(script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
     assert again.returncode != 0 and "exists" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def judge_stand_in():
+    """An OpenAI-compatible endpoint with no model behind it: it serves --judge_model "judge" and answers every
+    comparison "0" (for the checks before generating, and runs whose verdicts do not matter)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # /models
+            self.answer({"object": "list", "data": [{"id": "judge", "object": "model"}]})
+
+        def do_POST(self):  # /chat/completions
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.answer({"choices": [{"message": {"role": "assistant", "content": "0"}}]})
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
+def test_the_judge_without_vllm_says_so_in_one_line_before_loading_the_model(tiny, judge_stand_in, tmp_path):
+    """The default generator where vLLM does not import (a stand-in package first on the path that raises, as a
+    missing or broken install does): one line naming the fixes, before the model loads or --output is claimed.
+    --generator hf needs no vLLM."""
+    (tmp_path / "shim" / "vllm").mkdir(parents=True)
+    (tmp_path / "shim" / "vllm" / "__init__.py").write_text("raise ImportError('vllm is a stand-in here')\n")
+    no_vllm = {"PYTHONPATH": str(tmp_path / "shim")}
+    args = ["--model_name_or_path", tiny["policy"], "--dataset_name", judge_data(tmp_path), "--judge_base_url",
+            judge_stand_in, "--judge_model", "judge", "--max_new_tokens", 4]
+    proc = run_script(JUDGE, *args, "--output", "wins.jsonl", cwd=tmp_path, env=no_vllm)
+    check_one_line_error(proc, "--generator vllm (the default) needs vLLM", "a stand-in here", "pip install vllm",
+                         "--generator hf")
+    assert "generating" not in proc.stdout and not (tmp_path / "wins.jsonl").exists()
+    proc = run_script(JUDGE, *args, "--generator", "hf", cwd=tmp_path, env=no_vllm)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Model win rate:" in proc.stdout and "12 judged pairs" in proc.stdout
+
+
+def test_the_judge_says_a_folder_without_a_model_holds_none_and_where_its_model_is(tiny, judge_stand_in, tmp_path):
+    """A run folder, an unfinished run (its newest checkpoint's policy/, or sharded checkpoints, or none yet) or any
+    other folder without a model: one line saying it holds no trained model and what it is, not a tokenizer's error."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(tiny["policy"], runs / "done" / "model")
+    for update in (1, 2, 10):  # newest by number, not by name; a tmp- checkpoint is a save that never ended
+        shutil.copytree(tiny["policy"], runs / "stopped" / "checkpoints" / f"checkpoint-{update}" / "policy")
+        (runs / "stopped" / "checkpoints" / f"checkpoint-{update}" / "training_state.pt").write_bytes(b"")
+    shutil.copytree(tiny["policy"], runs / "stopped" / "checkpoints" / "tmp-checkpoint-11" / "policy")
+    (runs / "stopped" / "model").mkdir()
+    (runs / "sharded" / "checkpoints" / "checkpoint-4" / "dcp").mkdir(parents=True)
+    (runs / "sharded" / "checkpoints" / "checkpoint-4" / "training_state.pt").write_bytes(b"")
+    (runs / "starting" / "model").mkdir(parents=True)
+    (runs / "starting" / "args.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    data = judge_data(tmp_path)
+    for folder, needles in [(runs / "done", ["it is a run folder", f"whose model is {runs / 'done' / 'model'}"]),
+                            (runs / "stopped", ["has not finished", "stopped/checkpoints/checkpoint-10/policy"]),
+                            (runs / "sharded", ["has not finished", "checkpoint-4 holds sharded weights (dcp/)"]),
+                            (runs / "starting", ["has not finished and has no checkpoint yet"]),
+                            (tmp_path / "empty", ["runs/<run_name>/model"])]:
+        line = check_one_line_error(run_script(JUDGE, "--model_name_or_path", folder, "--dataset_name", data,
+                                               "--judge_base_url", judge_stand_in, "--judge_model", "judge",
+                                               "--generator", "hf", cwd=tmp_path),
+                                    f"--model_name_or_path {folder} holds no trained model", *needles)
+        assert "tokenizer" not in line.lower(), line
 
 
 # Last in this file: the server (module-scoped) keeps a core busy from its first use to the end of the module

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, run_env, run_rloo, write_jsonl
+from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo, write_jsonl
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 # Metric names of both TRL generations (seeds 001 and 003, and TRL 1.16's RLOOTrainer), which openrlbenchmark
@@ -106,17 +106,38 @@ def test_old_trl_flag_names_are_aliases(tiny, prompts_file, tmp_path):
 
 
 def test_non_finite_gradient_steps_are_skipped_and_counted(tiny, prompts_file, tmp_path):
+    """Every step of a run shorter than --max_skipped_steps skipped: it trained nothing, and must not end as if it had
+    ("saved the trained model"); each skipped step is counted in the logs, and no step moved a weight."""
     out = tmp_path / "model"
-    proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:huge", "--beta", 0, "--output_dir", out),
-                    cwd=tmp_path)
-    check_ok(proc)
+    proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:poisons_gradients", "--beta", 0,
+                           "--output_dir", out, "--run_name", "run"), cwd=tmp_path)
+    check_one_line_error(proc, "4 optimizer steps in a row had a non-finite loss or gradient (update 4)")
+    assert "saved the trained model" not in proc.stdout
     rows = read_metrics(tmp_path)
     assert [r["optim/skipped_steps"] for r in rows] == [1, 2, 3, 4]
     from transformers import AutoModelForCausalLM
 
-    trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    checkpoint = tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / "policy"
+    trained = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(tiny["policy"]).state_dict()
     assert all(torch.equal(trained[k], initial[k]) for k in initial)  # no step was taken on a broken gradient
+
+
+@pytest.mark.parametrize("func,options,needles", [
+    ("huge", [], ["the rewards of update 1 reach 3e+38, too large for float32"]),
+    ("huge_from_the_second_update", ["--advantage_estimator", "grpo"], ["the rewards of update 2 reach", "float32"]),
+])
+def test_rewards_past_float32_stop_the_run_with_one_line(func, options, needles, tiny, prompts_file, tmp_path):
+    """Rewards whose sums or squares overflow float32 would skip every step (inf advantages) or zero every advantage
+    (a group std of inf): the run stops at the update that meets them, and what it trained before is kept."""
+    proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:{func}", "--beta", 0, "--run_name", "run",
+                           "--num_sample_generations", 0, *options), cwd=tmp_path)
+    line = check_one_line_error(proc, *needles, "scale them down")
+    if func == "huge":  # nothing trained: nothing left behind, so that the same command can run again
+        assert not os.path.exists(tmp_path / "runs" / "run")
+    else:
+        assert "runs/run/checkpoints/checkpoint-1" in line
+        assert len(read_metrics(tmp_path)) == 1
 
 
 def test_learning_raises_a_simple_reward(tiny, prompts_file, tmp_path):

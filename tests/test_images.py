@@ -297,7 +297,9 @@ def test_vllm_gets_the_images_in_its_own_input_format(tiny_vlm, monkeypatch):
     assert first["prompt_token_ids"] == [1, 3, 3, 3, 3, 5] and len(first["multi_modal_data"]["image"]) == 1
     parsed = MultiModalDataParser().parse_mm_data(second["multi_modal_data"])
     assert parsed.get_count("image") == 1
-    options = rloo_utils.engine_options(rloo_vllm.Args(), "/config", torch.device("cpu"), multimodal=True)
+    # A real folder (config and processor, as the engine's): with HF_HUB_OFFLINE=1 EngineArgs resolves the model as a
+    # local path or a cached hub id, and a made-up path is neither
+    options = rloo_utils.engine_options(rloo_vllm.Args(), tiny_vlm["policy"], torch.device("cpu"), multimodal=True)
     assert options["skip_tokenizer_init"] is False and EngineArgs(**options).skip_tokenizer_init is False
 
 
@@ -332,8 +334,8 @@ def bad_vlm_data(tmp_path, rows, files=None):
 CHAT = [{"role": "user", "content": "what colour is this image"}]
 
 
-@pytest.mark.parametrize("case", ["text model", "missing file", "not an image", "string prompts", "both columns",
-                                  "placeholders", "no image", "url", "no image processor", "too long"])
+@pytest.mark.parametrize("case", ["text model", "missing file", "a folder", "not an image", "string prompts",
+                                  "both columns", "placeholders", "no image", "url", "no image processor", "too long"])
 def test_bad_image_input_is_one_line(case, tiny_vlm, tiny, tmp_path):
     good = os.path.join(os.path.dirname(tiny_vlm["data"]), "images", "0.png")
     extra, needles = [], []
@@ -343,6 +345,10 @@ def test_bad_image_input_is_one_line(case, tiny_vlm, tiny, tmp_path):
     elif case == "missing file":
         data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "image": "nowhere.png"}])
         needles = ["nowhere.png (row 0) does not exist"]
+    elif case == "a folder":  # not "does not exist": it does, as a folder
+        os.makedirs(tmp_path / "bad" / "pictures")
+        data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "image": "pictures"}])
+        needles = ["pictures (row 0) is a folder, not an image file"]
     elif case == "not an image":
         os.makedirs(tmp_path / "bad")
         data = bad_vlm_data(tmp_path, [{"prompt": CHAT, "image": good}, {"prompt": CHAT, "image": "junk.png"}],
@@ -382,8 +388,8 @@ def test_a_text_reward_model_scores_the_text_of_image_prompts(tiny_vlm, tiny, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(f"rewards/{name}/mean" in rows[0] for name in ("reward", "colour_named"))
-    tokenizer = rloo_utils.load_tokenizers(rloo.Args(model_name_or_path=tiny_vlm["policy"],
-                                                     reward_model_path=tiny["reward"]), True, "image")[1]
+    args = rloo.Args(model_name_or_path=tiny_vlm["policy"], reward_model_path=tiny["reward"])
+    tokenizer = rloo_utils.load_tokenizers(args, [{"role": "user", "content": "hi"}], "image")[1]
     ids, _ = rloo_utils.reward_model_inputs(tokenizer, [[{"role": "user", "content": [{"type": "image"}, {
         "type": "text", "text": "what colour"}]}]], ["red"], torch.tensor([True]))
     texts = tokenizer.decode(ids[0])

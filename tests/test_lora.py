@@ -224,6 +224,8 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
     (["--use_peft", "--lora_target_modules", "embed_tokens"], ["not linear", "model.embed_tokens (Embedding)"]),
     (["--use_peft", "--lora_dropout", 1.0], ["--lora_dropout must be in [0, 1)"]),
     (["--use_peft", "--lora_modules_to_save", "lm_head"], ["--lora_modules_to_save lm_head: its weight is tied"]),
+    (["--use_peft", "--lora_modules_to_save", "norm", "no_such_layer"],  # (norm: peft's suffix match finds them)
+     ["--lora_modules_to_save no_such_layer names no layer of", "nothing of it would train"]),
     (["--use_peft", "--lora_target_modules", "q_proj", "lm_head"], ["adapter to lm_head, whose weight is tied"]),
     (["--use_peft", "--reward_model_path", "POLICY"], ["is the policy's own model", "sequence classifier"]),
 ])

@@ -233,6 +233,16 @@ def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_
     assert "gloo" not in proc.stderr
 
 
+def test_a_reward_function_hanging_on_one_process_stops_all_at_its_timeout_with_a_checkpoint(tiny, prompts_file,
+                                                                                              tmp_path):
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:hangs_on_rank_1_at_call_4",
+                                        "--save_steps", 0, "--reward_timeout", 3), cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    (line,) = our_errors(proc.stderr)
+    assert "hangs_on_rank_1_at_call_4 did not return within --reward_timeout 3 s (on rank 1)" in line, line
+    assert "checkpoint-2" in line and os.listdir(tmp_path / "runs" / "run" / "checkpoints") == ["checkpoint-2"]
+
+
 def test_a_process_that_dies_ends_the_job_without_a_hang(tiny, prompts_file, tmp_path):
     start = time.time()
     proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:exits_on_rank_1"),
@@ -252,6 +262,11 @@ def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
     (line,) = our_errors(proc.stderr)
     assert "of each process" in line and "--num_generations 4" in line, line
     assert not os.path.exists(tmp_path / "runs")
+    # a --generation_kwargs value HF generate cannot take (it was a traceback per process, after the model loaded)
+    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
+                        "--generation_kwargs", '{"typical_p": "abc"}', cwd=tmp_path)
+    (line,) = our_errors(proc.stderr)
+    assert "HF generate cannot use it (TypeError" in line and "Traceback" not in proc.stderr, line
     # a rendezvous variable missing
     proc = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"]], cwd=tmp_path,
                           env={**run_env(), "RANK": "0", "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
@@ -267,6 +282,24 @@ def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
     (line,) = our_errors(proc.stderr)
     assert "does not answer /v1/models" in line and "start the server first" in line, line
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_a_parse_error_is_said_once_not_once_per_process(tmp_path):
+    """The options are parsed before the process group, each process alike: rank 0 alone says why (torchrun's RANK;
+    unset, a plain `python`), and every process exits 2. Then under torchrun itself: one line for the two."""
+    for rank in ("0", "1"):
+        proc = subprocess.run([sys.executable, SCRIPT, "--no_such_option"], cwd=tmp_path, capture_output=True,
+                              env={**run_env(), "RANK": rank, "WORLD_SIZE": "2"}, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        if rank == "0":
+            line = check_one_line_error(proc, "Unrecognized options: --no_such_option", "--help` lists them")
+            assert proc.stderr.strip() == line
+        else:
+            assert proc.stderr == "" and proc.stdout == ""
+    proc = run_torchrun(2, "--no_such_option", cwd=tmp_path)
+    assert proc.returncode != 0
+    (line,) = our_errors(proc.stderr)
+    assert "Unrecognized options: --no_such_option" in line, line
 
 
 def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp_path):

@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import glob
 import json
+import math
 import os
 import shlex
 import signal
@@ -191,6 +192,36 @@ def test_sigint_checkpoints_and_keeps_the_newest(tiny, prompts_file, tmp_path):
     assert "stopped by SIGINT" in (tmp_path / "stdout.txt").read_text()
 
 
+def hung_run_args(tiny, data, func, *extra):
+    """3 updates whose reward function hangs from the second update on; no checkpoint but the ones a failure writes."""
+    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:{func}",
+            "--total_episodes", 48, "--per_device_train_batch_size", 16, "--max_completion_length", 8,
+            "--num_sample_generations", 0, "--save_steps", 0, "--run_name", "run", *extra]
+
+
+def test_a_second_sigterm_stops_a_hung_update_and_keeps_the_last_complete_one(tiny, prompts_file, tmp_path):
+    """The first SIGTERM waits for the update, which a hung reward never finishes; the second (a scheduler's grace
+    period ending) stops at once, and the checkpoint of the last complete update is written all the same."""
+    proc = start(tmp_path, *hung_run_args(tiny, prompts_file, "hangs_from_the_second_update"))
+    wait_until(lambda: os.path.exists(tmp_path / "hanging"), proc)
+    proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "finishing this update" in (tmp_path / "stdout.txt").read_text(), proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    stderr = (tmp_path / "stderr.txt").read_text()
+    check_one_line_error(subprocess.CompletedProcess([], 143, "", stderr), "SIGTERM a second time: stopped at once",
+                         "the state after update 1 is in runs/run/checkpoints/checkpoint-1; continue with: python")
+    assert checkpoint_names(tmp_path) == ["checkpoint-1"] and logged_updates(tmp_path) == 1
+
+
+@pytest.mark.parametrize("func", ["hangs_from_the_second_update", "async_hangs_from_the_second_update"])
+def test_a_reward_past_its_timeout_stops_the_run_and_keeps_the_last_complete_update(func, tiny, prompts_file, tmp_path):
+    proc = run_rloo(*hung_run_args(tiny, prompts_file, func, "--reward_timeout", 3), cwd=tmp_path, timeout=300)
+    check_one_line_error(proc, f"{func} did not return within --reward_timeout 3 s",
+                         "the state after update 1 is in runs/run/checkpoints/checkpoint-1; continue with: python")
+    assert proc.returncode == 1 and checkpoint_names(tmp_path) == ["checkpoint-1"] and logged_updates(tmp_path) == 1
+
+
 def test_a_failed_save_is_an_error_naming_the_path_and_the_earlier_checkpoint_stays(tiny, prompts_file, tmp_path):
     proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("fail", "tmp-checkpoint-6"))
     proc.wait(timeout=300)
@@ -311,7 +342,8 @@ def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 def test_skipped_steps_in_a_row_stop_the_run_after_a_checkpoint(tiny, prompts_file, tmp_path):
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:huge", "--beta", 0, "--total_episodes", 64, "--per_device_train_batch_size", 8,
+                    f"{REWARDS}:poisons_gradients", "--beta", 0, "--total_episodes", 64,
+                    "--per_device_train_batch_size", 8,
                     "--max_completion_length", 8, "--num_sample_generations", 0, "--max_skipped_steps", 2,
                     "--run_name", "run", cwd=tmp_path)
     check_one_line_error(proc, "2 optimizer steps in a row had a non-finite loss or gradient (update 2)",
@@ -582,6 +614,28 @@ def test_a_sound_checkpoint_passes_the_checks(saved_run):
     args, run_dir, checkpoint = saved_run
     rloo_utils.check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
     assert rloo_utils.load_training_state(checkpoint, run_dir, sharded=False)["update"] == 2
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_a_checkpoint_with_non_finite_weights_is_refused(saved_run, tiny, use_peft):
+    """A run never writes one (NonFiniteWeights stops it first); one from elsewhere must not be trained on."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    args, run_dir, checkpoint = saved_run
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    folder = os.path.join(checkpoint, "policy")
+    if use_peft:
+        args = dataclasses.replace(args, use_peft=True, lora_target_modules=["q_proj"])
+        policy = rloo_utils.add_adapter(policy, args)
+        policy.save_pretrained(folder)
+    path = os.path.join(folder, "adapter_model.safetensors" if use_peft else "model.safetensors")
+    weights = load_file(path)
+    name = sorted(k for k in weights if "lora_B" in k or not use_peft)[0]
+    weights[name][0, 0] = math.nan
+    save_file(weights, path, metadata={"format": "pt"})
+    with pytest.raises(rloo_utils.UsageError, match="checkpoint-2/policy holds non-finite weights: resume from an"):
+        rloo_utils.load_checkpoint_weights(policy, folder)
 
 
 DAMAGE = [

@@ -59,22 +59,27 @@ def test_reward_functions_written_for_trl_run_unchanged(script, tiny, tmp_path):
     assert len(metrics) == updates and len(rows) == updates * prompts_per_update * G
     for update, row in enumerate(metrics, 1):
         # trainer_state as the reward functions saw it, before the update's optimizer steps
-        assert row["trainer_state/global_step"] == (update - 1) * steps_per_update
-        assert row["trainer_state/max_steps"] == updates * steps_per_update
-        assert row["trainer_state/epoch"] == pytest.approx((update - 1) * prompts_per_update / num_train_prompts)
+        assert row["log_metric/trainer_state/global_step"] == (update - 1) * steps_per_update
+        assert row["log_metric/trainer_state/max_steps"] == updates * steps_per_update
+        epoch = (update - 1) * prompts_per_update / num_train_prompts
+        assert row["log_metric/trainer_state/epoch"] == pytest.approx(epoch)
         assert row["global_step"] == update * steps_per_update  # TRL 1.x's x-axis: optimizer steps done
-        assert row["async/same_loop_as_first_call"] == 1.0
+        assert row["log_metric/async/same_loop_as_first_call"] == 1.0
         # rank 0's only (the mean over 2 processes is 1/2), as TRL gives it
-        assert row["trainer_state/is_world_process_zero"] == (0.5 if script == "rloo_multigpu.py" else 1.0)
+        assert row["log_metric/trainer_state/is_world_process_zero"] == (0.5 if script == "rloo_multigpu.py" else 1.0)
         table = [r for r in rows if r["step"] == row["episode"]]
         assert len(table) == prompts_per_update * G
         assert set(table[0]) == {"step", "prompt", "completion", "curriculum_reward", "the_reward",
-                                 "async_length_reward", "advantage", "says_the", "completion_again"}
+                                 "async_length_reward", "advantage", "says_the", "completion_again",
+                                 "log_extra/completion", "log_extra/advantage", "log_extra/step"}
         for r in table:  # each logged column lines up with its row, on every process's rows
             assert r["completion_again"] == r["completion"] and r["says_the"] == ("the" in r["completion"].split())
+            assert r["log_extra/completion"] == "not the completion" and r["log_extra/advantage"] == 1e9
             assert r["the_reward"] == float(r["says_the"])
             assert r["async_length_reward"] == len(r["completion"].split())
-        assert row["fraction_saying_the"] == pytest.approx(sum(r["says_the"] for r in table) / len(table))
+        assert row["log_metric/fraction_saying_the"] == pytest.approx(sum(r["says_the"] for r in table) / len(table))
+        assert row["log_metric/reward"] == -1e9 and row["log_metric/episode"] == -1  # a function's, under its own name
+        assert row["episode"] == update * prompts_per_update * G
         assert row["reward"] == pytest.approx(sum(r["curriculum_reward"] + r["the_reward"] + r["async_length_reward"]
                                                   for r in table) / len(table), rel=1e-5)
         for g in range(prompts_per_update):  # leave-one-out advantages of a group sum to 0

@@ -25,8 +25,13 @@ def the_reward(completions, log_extra=None, log_metric=None, **kwargs):
     if log_extra:
         log_extra("says_the", says_the)
         log_extra("completion_again", contents)  # to check that every column lines up with its row
+        log_extra("completion", ["not the completion"] * len(contents))  # the table's own columns: never replaced
+        log_extra("advantage", [1e9] * len(contents))
+        log_extra("step", [-1] * len(contents))  # each row's step in completions.jsonl
     if log_metric:
         log_metric("fraction_saying_the", sum(says_the) / len(says_the))
+        log_metric("reward", -1e9)  # the run's own metrics: never replaced, nor averaged with it
+        log_metric("episode", -1)
     return [1.0 if s else 0.0 for s in says_the]
 
 
