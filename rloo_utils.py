@@ -193,17 +193,25 @@ def finite_json_number(text: str) -> float:
     return value
 
 
+def finite_json_int(text: str) -> int:
+    """A JSON integer, refused past the range of a float (every option takes it as one)."""
+    if abs(value := int(text)) > sys.float_info.max:
+        raise ValueError(f"{text[:20]}... ({len(text)} digits) is past the range of a float: give a finite number")
+    return value
+
+
 def not_a_json_number(word: str):
     raise ValueError(f"{word} is not a JSON number: give a finite number")
 
 
 def json_object(text: str) -> dict:
     try:
-        value = json.loads(text, parse_float=finite_json_number, parse_constant=not_a_json_number)
+        value = json.loads(text, parse_float=finite_json_number, parse_int=finite_json_int,
+                           parse_constant=not_a_json_number)
     except json.JSONDecodeError as e:
         raise ValueError(f"{text!r} is not JSON ({e.msg}); give an object such as '{{\"key\": 1}}'") from None
     except ValueError as e:
-        raise ValueError(f"{text!r}: {e}") from None
+        raise ValueError(f"{text if len(text) <= 80 else text[:60] + '...'!r}: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{text!r} is not a JSON object; give one such as '{{\"key\": 1}}'")
     return value
@@ -1054,7 +1062,7 @@ def check_reward_range(scores: torch.Tensor, update: int) -> None:
     squares = (scored - scored.mean()).square().sum() if sums.isfinite() else sums  # bounds every std's, group or batch
     if scored.isfinite().all() and sums.isfinite() and squares.isfinite():
         return
-    raise RunError(f"the rewards of update {update} reach {scored.nan_to_num().abs().max():.3g}, too large for float32 "
+    raise RunError(f"the rewards of update {update} reach {scored.abs().max():.3g}, too large for float32 "
                    "once summed or squared (the baselines, the std of --normalize_reward and of group normalisation): "
                    "scale them down (a reward function's values, --reward_weights)")
 

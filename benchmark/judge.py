@@ -102,11 +102,16 @@ def check_vllm() -> None:
                          "(pip install vllm), or give --generator hf (transformers' generate)") from None
 
 
-def check_model_folder(path: str) -> None:
-    """A local --model_name_or_path must hold a model (config.json, or a LoRA adapter's adapter_config.json): a run
-    folder or an unfinished run is named as such, rather than left to the tokenizer's error."""
+def check_model_folder(path: str, generator: str) -> None:
+    """A local --model_name_or_path must hold a model (config.json, or a LoRA adapter's adapter_config.json, which
+    HF generate loads on its base but a vLLM engine cannot): a run folder or an unfinished run is named as such,
+    rather than left to the tokenizer's error."""
     import rloo_utils
 
+    if generator == "vllm" and os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise JudgeError(f"--model_name_or_path {path} holds a LoRA adapter, which a vLLM engine does not load as a "
+                         "model: give its merged model (a --use_peft run with --save_merged_model writes it to "
+                         "<model>/merged), or --generator hf")
     if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in ("config.json",
                                                                                       "adapter_config.json")):
         return  # a hub id, a .gguf file, a model: loading it says what is wrong, if anything
@@ -237,6 +242,7 @@ def main(argv=None) -> int:
     if cli.output and os.path.exists(cli.output):
         parser.error(f"--output {cli.output} exists: give a new file name")
     base_url = cli.judge_base_url.rstrip("/")
+    cli.model_name_or_path = os.path.expanduser(cli.model_name_or_path)  # (~: for the checks and every load)
 
     import rloo_utils
 
@@ -252,7 +258,7 @@ def main(argv=None) -> int:
                              f"{cli.reference_column!r}; its columns are {dataset.column_names}: give --reference_column")
         from transformers import AutoTokenizer
 
-        check_model_folder(os.path.expanduser(cli.model_name_or_path))
+        check_model_folder(cli.model_name_or_path, cli.generator)
         rloo_utils.from_pretrained(AutoTokenizer, cli.model_name_or_path)  # the model is there (its tokenizer loads)
         if cli.output:
             open(cli.output, "x").close()  # claimed now, so that a second evaluation cannot write it too

@@ -432,6 +432,7 @@ def test_callable_instances_and_partials_are_reward_functions(tiny, prompts_file
     # JSON accepts no NaN or Infinity (Python's json does), and 1e400 would parse as inf: refused as they parse
     (["--lr_scheduler_kwargs", '{"min_lr_rate": Infinity}'], "Infinity is not a JSON number: give a finite number"),
     (["--generation_kwargs", '{"typical_p": 1e400}'], "1e400 is past the range of a float: give a finite number"),
+    (["--lr_scheduler_kwargs", '{"min_lr": 1' + "0" * 400 + "}"], "(401 digits) is past the range of a float"),
 ])
 def test_parse_errors_are_one_line(argv, needle, tmp_path):
     proc = run_rloo(*argv, cwd=tmp_path)

@@ -495,6 +495,20 @@ def test_the_judge_says_a_folder_without_a_model_holds_none_and_where_its_model_
         assert "tokenizer" not in line.lower(), line
 
 
+def test_the_judge_refuses_a_lora_adapter_for_its_vllm_generator_before_loading(tiny, judge_stand_in, tmp_path):
+    """A --use_peft run's model is an adapter: HF generate loads it on its base, a vLLM engine cannot (a traceback
+    after the checks): one line naming the merged model, and ~ expanded as for every path."""
+    adapter = tmp_path / "lora_run" / "model"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": tiny["policy"]}))
+    proc = run_script(JUDGE, "--model_name_or_path", "~/lora_run/model", "--dataset_name", judge_data(tmp_path),
+                      "--judge_base_url", judge_stand_in, "--judge_model", "judge", cwd=tmp_path,
+                      env={"HOME": str(tmp_path)})
+    line = check_one_line_error(proc, f"--model_name_or_path {adapter} holds a LoRA adapter", "--save_merged_model",
+                                "--generator hf")
+    assert "generating" not in proc.stdout, line
+
+
 # Last in this file: the server (module-scoped) keeps a core busy from its first use to the end of the module
 @pytest.fixture(scope="module")
 def judge_server(tiny, tmp_path_factory):
