@@ -283,8 +283,9 @@ def test_what_reward_functions_log_is_checked_and_kept_whole(tmp_path):
     async def exits(**kwargs):
         raise SystemExit(0)
 
-    with pytest.raises(rloo_utils.UsageError, match=r"reward function exits called sys.exit\(0\)"):
-        rloo_utils.call_reward_funcs([exits], ["exits"], 2, completions=["a", "b"])
+    for timeout in (None, 5.0):  # (with a --reward_timeout, the event loop runs in a thread of its own)
+        with pytest.raises(rloo_utils.UsageError, match=r"reward function exits called sys.exit\(0\)"):
+            rloo_utils.call_reward_funcs([exits], ["exits"], 2, timeout, completions=["a", "b"])
     logs = rloo_utils.RewardLogs()
     logs.log_extra("short", [1])
     with pytest.raises(rloo_utils.RunError, match="log_extra\\('short', values\\) gave 1 values for 2 completions"):
