@@ -1,4 +1,4 @@
-"""Time Hugging Face TRL's RLOOTrainer on CPU on the same small workload as our rloo.py.
+"""Time Hugging Face TRL's RLOOTrainer on the same workload as our rloo.py (on a GPU when there is one, else the CPU).
 
 Setup (a separate venv, as the README's test command makes it; torch first so pip does not pull CUDA wheels):
 
@@ -69,6 +69,11 @@ def count_good_reward(completions, **kwargs):
     return count_good(completions)
 
 
+def completion_length(completion_ids, **kwargs):
+    """rloo.py's built-in reward of the same name: the number of completion tokens (the GPU timing's reward)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
 class StepTimer(TrainerCallback):
     def __init__(self):
         self.durations, self.logs, self._t0 = [], [], None
@@ -99,7 +104,12 @@ def main():
     p.add_argument("--min_new_tokens", type=int, default=0,
                    help="passed to generate(); 0 (default) stops at EOS like rloo.py; max_completion_length forces full length")
     p.add_argument("--output_dir", default="/tmp/trl-rloo-bench")
-    p.add_argument("--reward", choices=["vader", "count_good"], default="vader")
+    p.add_argument("--reward", choices=["vader", "count_good", "completion_length"], default="vader")
+    p.add_argument("--num_generations", type=int, default=2)
+    p.add_argument("--per_device_train_batch_size", type=int, default=8, help="completions per step")
+    p.add_argument("--beta", type=float, default=0.05)
+    p.add_argument("--bf16", type=str2bool, default=False,
+                   help="bf16 mixed precision (fp32 weights), as rloo.py --bf16; on a GPU when there is one, else CPU")
     p.add_argument("--learning_rate", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log_file", default=None, help="write each step's seconds, episode, reward and length here")
@@ -111,16 +121,17 @@ def main():
     dataset = load_dataset("json", data_files=args.dataset, split="train")
 
     config = RLOOConfig(
-        output_dir=args.output_dir, num_generations=2, per_device_train_batch_size=8,
+        output_dir=args.output_dir, num_generations=args.num_generations,
+        per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=1, max_completion_length=args.max_completion_length,
         generation_kwargs={"min_new_tokens": min_new} if min_new > 0 else None,
-        beta=0.05, learning_rate=args.learning_rate, temperature=1.0, num_iterations=1,
-        gradient_checkpointing=args.gradient_checkpointing, bf16=False, use_cpu=True,
+        beta=args.beta, learning_rate=args.learning_rate, temperature=1.0, num_iterations=1,
+        gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
         model_init_kwargs={"dtype": torch.float32}, max_steps=args.max_steps, seed=args.seed,
         logging_steps=1, report_to="none", save_strategy="no",
     )
     timer = StepTimer()
-    reward = vader_reward if args.reward == "vader" else count_good_reward
+    reward = {"vader": vader_reward, "count_good": count_good_reward, "completion_length": completion_length}[args.reward]
     trainer = RLOOTrainer(model=args.model_dir, reward_funcs=reward, args=config,
                           train_dataset=dataset, callbacks=[timer])
     print(f"loadavg at start (1,5,15 min): {os.getloadavg()}, cpus: {os.cpu_count()}")

@@ -1,0 +1,736 @@
+"""One command for a GPU machine: every CUDA path of the three scripts' trainers run, checked and timed, in one report.
+
+    python benchmark/gpu/check.py --out gpu_report                       # on a CUDA machine (docs/gpu.md)
+    python benchmark/gpu/check.py --out gpu_report --only timing_rloo timing_trl
+    python benchmark/gpu/check.py --device cpu --size tiny --out report  # the same parts on the CPU, tiny models
+
+It builds its models from configs (nothing is downloaded): the tests' tiny Llama and reward model, the same policy saved
+in bf16, the tiny LLaVA, and for the timings a Llama of Qwen2.5-0.5B's shape (hidden 896, 24 layers, vocabulary 151,936,
+random weights: it samples long completions, as a timing wants). Then it runs the parts below, each in a process of its
+own under its own time limit, so that one failing or hanging never stops the others:
+
+    rloo_fp32 / rloo_bf16            rloo.py, 4 updates of the tiny model with a KL, in fp32 and under --bf16
+    rloo_gradient_checkpointing      ... with --gradient_checkpointing
+    rloo_padded                      ... with --no_padding_free
+    rloo_padding_free_<attention>    ... padding-free with --attn_implementation sdpa, eager, flash_attention_2 (this one
+                                     when the flash_attn package imports)
+    rloo_lora                        ... with --use_peft (the adapter saved)
+    rloo_bf16_saved_model            a policy saved in bf16, trained in fp32 at lr 1e-5 (steps bf16 would round away)
+    rloo_vlm                         the tiny LLaVA, images in the prompts
+    rloo_learns                      40 updates of the tiny model learning to say "good": the reward must rise
+    memory_per_parameter             benchmark/memory_per_parameter.py's bytes per parameter (tensor accounting)
+    multigpu_1_process               rloo_multigpu.py under torchrun, 1 process (NCCL on a GPU): FSDP2, bf16 mixed
+                                     precision, gradient checkpointing, sharded loading, a checkpoint every 2 updates,
+                                     SIGKILL after the first, `--resume_from_checkpoint latest`, and the resumed run
+                                     compared with the same run never interrupted (metrics, samples, final weights)
+    multigpu_<N>_processes           the same on every GPU of the machine (2 processes on a CPU), with --fsdp_cpu_offload
+    timing_rloo                      rloo.py on the 0.5B model, bf16, HF generation: seconds per update and per stage
+    timing_trl                       TRL's RLOOTrainer on the same work (benchmark/trl_baseline.py), when TRL imports
+
+The checks run --jobs at a time (their seconds are not timings); the two timings run afterwards, one at a time, with
+nothing else running. The report (report.md and report.json in --out) holds the device as torch names it, the versions,
+every command as a user would type it, each part's numbers, and each failure with the end of its output and its
+traceback; it is rewritten as each part ends, so a command killed at its limit still leaves what had finished.
+
+Wheels in --wheels (benchmark/gpu/download_wheels.sh fetches them) are installed first into a temporary folder, put
+first on every part's PYTHONPATH: the GPU machine lacks tyro and datasets, and has an older transformers.
+"""
+
+import argparse
+import concurrent.futures
+import contextlib
+import glob
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+THIS = os.path.abspath(__file__)
+REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
+STAGES = ["generation", "old_logprobs", "reference_forward", "reward", "policy_forward_backward", "optimizer"]
+WALL_CLOCK = ("eps", "step_time")  # with every perf/ and time/ metric: what two identical runs may differ in
+MARKER = "RLOO_GPU_CHECK_PART"  # in the environment of every process a part starts, so that all of them can be killed
+SKIPPED = 3  # exit status of a part that cannot run here (the reason on its last line)
+WORK_MARK = ".rloo_gpu_check"  # in a --work folder the kit made: it may delete its own models/ and parts/ there
+
+
+class Skip(Exception):
+    """A part that cannot run on this machine (no flash_attn, no TRL): reported as skipped, with the reason."""
+
+
+# ---- The models ---------------------------------------------------------------------------------------------------------
+
+def build_models(work: str, size: str, device: str) -> dict:
+    """Every model and prompt file the parts use, built from configs into work/models (once: reused when present)."""
+    models = os.path.join(work, "models")
+    done = os.path.join(models, "models.json")
+    if os.path.exists(done):
+        with open(done) as f:
+            return json.load(f)
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import WORDS, build_tiny_models, build_tiny_vlm, write_jsonl
+
+    shutil.rmtree(models, ignore_errors=True)
+    tiny = build_tiny_models(os.path.join(models, "tiny"))
+    # The tiny policy saved in bf16, as hub checkpoints are (the scripts train it in fp32: --dtype float32)
+    tiny_bf16 = os.path.join(models, "tiny_bf16")
+    shutil.copytree(tiny["policy"], tiny_bf16)
+    weights = os.path.join(tiny_bf16, "model.safetensors")
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    vlm = build_tiny_vlm(os.path.join(models, "vlm"))
+    rng = random.Random(1)
+    prompts = write_jsonl(os.path.join(models, "prompts.jsonl"),
+                          [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)])
+    timing, timing_prompts = build_timing_model(os.path.join(models, "timing"), size, device)
+    paths = {"tiny": tiny["policy"], "reward_model": tiny["reward"], "tiny_bf16": tiny_bf16, "prompts": prompts,
+             "vlm": vlm["policy"], "vlm_data": vlm["data"], "vlm_reward": vlm["reward"], "timing": timing,
+             "timing_prompts": timing_prompts}
+    with open(done, "w") as f:
+        json.dump(paths, f)
+    return paths
+
+
+def build_timing_model(path: str, size: str, device: str) -> tuple[str, str]:
+    """A Llama of Qwen2.5-0.5B's shape (size full: 494M parameters) or a small one (tiny), random weights saved in bf16,
+    with a word-level tokenizer of the same vocabulary (w3, w4, ...: none can be downloaded), and 64 prompts of 16-48
+    words. (A Qwen2 config would make AutoTokenizer rebuild Qwen2's own byte-level BPE from this vocabulary.)"""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    shape = (dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, head_dim=64, vocab_size=151936) if size == "full" else
+             dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, vocab_size=4096))
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, shape["vocab_size"])}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    config = LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
+                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialising 0.5B random weights is quicker on the GPU
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    rng = random.Random(2)
+    prompts = os.path.join(path, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        for _ in range(64):
+            words_of_prompt = [f"w{rng.randrange(3, shape['vocab_size'])}" for _ in range(rng.randint(16, 48))]
+            f.write(json.dumps({"prompt": " ".join(words_of_prompt)}) + "\n")
+    return path, prompts
+
+
+# ---- Running the scripts ------------------------------------------------------------------------------------------------
+
+class Part:
+    """What a part's process knows: where its runs go, the models, the device, and the commands it ran (for the report)."""
+
+    def __init__(self, name: str, work: str, device: str, size: str, nproc: int, trl_python: str):
+        self.device, self.size, self.nproc, self.trl_python = device, size, nproc, trl_python
+        with open(os.path.join(work, "models", "models.json")) as f:
+            self.models = json.load(f)
+        self.folder = os.path.join(work, "parts", name)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        os.makedirs(self.folder)
+        self.commands: list[str] = []
+        self.runs = 0
+
+    def save_commands(self) -> None:
+        with open(os.path.join(self.folder, "commands.json"), "w") as f:
+            json.dump(self.commands, f)
+
+    def start(self, script: str, args: list, cwd: str, nproc=None, python=sys.executable) -> tuple[subprocess.Popen, str]:
+        """Start a script as a user would (under torchrun when nproc is given), through --measure for its peak memory."""
+        os.makedirs(cwd, exist_ok=True)
+        args = [str(a) for a in args]
+        launcher = [python] if nproc is None else \
+            [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        shown = ["python"] if nproc is None else ["torchrun", "--standalone", "--nproc_per_node", str(nproc)]
+        self.commands.append(f"cd {cwd} && {shlex.join([*shown, os.path.relpath(script, ROOT), *args])}")
+        self.save_commands()
+        self.runs += 1
+        log = os.path.join(self.folder, f"run{self.runs}.log")
+        with open(log, "w") as out:
+            proc = subprocess.Popen([*launcher, THIS, "--measure", os.path.join(cwd, "peak"), script, *args], cwd=cwd,
+                                    env=os.environ, stdout=out, stderr=subprocess.STDOUT)
+        return proc, log
+
+    def run(self, script: str, *args, cwd: str, nproc=None, python=sys.executable) -> str:
+        """Run a script to its end; its output, or an error with the end of it."""
+        proc, log = self.start(script, list(args), cwd, nproc, python)
+        proc.wait()
+        with open(log) as f:
+            output = f.read()
+        if proc.returncode:
+            raise RuntimeError(f"{os.path.basename(script)} exited with {proc.returncode}; the end of its output:\n"
+                               f"{output[-4000:]}")
+        return output
+
+    def rloo(self, *args, cwd: str, script="rloo.py", nproc=None) -> dict:
+        """rloo.py (or another script) on the tiny model to its end; checked, and summed up."""
+        output = self.run(os.path.join(ROOT, script), *args, cwd=cwd, nproc=nproc)
+        if f"device {self.device}" not in " ".join(output.split()):  # rich wraps long lines
+            raise RuntimeError(f"{script} did not say it ran on device {self.device}:\n{output[-2000:]}")
+        return summary(os.path.join(cwd, "runs", "run"), output)
+
+
+def summary(run_dir: str, output: str) -> dict:
+    """A finished run's numbers: every metric finite, the model saved; seconds per update (after the first), the first
+    and last rewards, peak memory of each process, and what the script said about its forwards."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    bad = sorted({k for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)
+                  and k != "val/ratio_var"})  # NaN for a single micro-batch (docs/metrics.md)
+    if not rows or bad:
+        raise RuntimeError(f"{run_dir}: {len(rows)} updates logged; non-finite metrics: {bad}")
+    if not saved(run_dir):
+        raise RuntimeError(f"{run_dir}: no weights were saved in model/")
+    timed = rows[1:] or rows
+    said = [line.strip() for line in output.splitlines() if "padded forwards" in line or "padding-free" in line]
+    return {"updates": len(rows), "seconds_per_update": round(statistics.mean(r["time/update"] for r in timed), 4),
+            "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"], "kl_last": rows[-1].get("kl"),
+            **peaks(os.path.dirname(os.path.dirname(run_dir))), **({"forwards": said[:2]} if said else {})}
+
+
+def saved(run_dir: str) -> bool:
+    """The run saved its trained weights (model/ holds a marker from the start on)."""
+    return bool(glob.glob(os.path.join(run_dir, "model", "*.safetensors")))
+
+
+def peaks(cwd: str) -> dict:
+    """The peak memory that --measure wrote for each process of the last run in cwd (GiB)."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(cwd, "peak.*"))):
+        with open(path) as f:
+            found[path.rsplit(".", 1)[1]] = json.load(f)
+    if not found:
+        return {}
+    key = "cuda_max_allocated_gib" if any("cuda_max_allocated_gib" in p for p in found.values()) else "max_rss_gib"
+    return {f"peak_{key}": [found[rank].get(key) for rank in sorted(found, key=int)]}
+
+
+def measure(peak_file: str, script: str, args: list[str]) -> None:
+    """Run a script as `python SCRIPT args` would, and at its exit write this process's peak memory to peak_file.RANK:
+    torch.cuda.max_memory_allocated when it used CUDA, and the resident set's high-water mark."""
+    import atexit
+    import runpy
+
+    def write_peak():
+        peak = {}
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            peak["cuda_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 4)
+            peak["cuda_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 4)
+        with contextlib.suppress(OSError), open("/proc/self/status") as f:
+            hwm = [line.split()[1] for line in f if line.startswith("VmHWM")]
+            peak["max_rss_gib"] = round(int(hwm[0]) / 2**20, 4) if hwm else None
+        with open(f"{peak_file}.{os.environ.get('RANK', '0')}", "w") as f:
+            json.dump(peak, f)
+
+    atexit.register(write_peak)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT.py`: its folder first
+    runpy.run_path(script, run_name="__main__")
+
+
+# ---- The parts ----------------------------------------------------------------------------------------------------------
+
+def tiny_args(part: Part, *extra, reward: tuple = ()) -> list:
+    """4 updates of 8 completions (2 prompts x 4) of up to 8 tokens of the tiny model, with a KL and a sample table,
+    scored by the tiny reward model (its random head never ties the scores: every update moves the weights)."""
+    return ["--model_name_or_path", part.models["tiny"], "--dataset_name", part.models["prompts"],
+            *(reward or ("--reward_model_path", part.models["reward_model"])),
+            "--total_episodes", 32, "--per_device_train_batch_size", 8,
+            "--num_generations", 4, "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.05,
+            "--num_sample_generations", 1, "--run_name", "run", *extra]
+
+
+def rloo_variant(*options):
+    def part(p: Part) -> dict:
+        return p.rloo(*tiny_args(p, *options), cwd=p.folder)
+    return part
+
+
+def padding_free(attention: str):
+    def part(p: Part) -> dict:
+        if attention == "flash_attention_2":
+            import importlib.util
+            if p.device != "cuda" or importlib.util.find_spec("flash_attn") is None:
+                raise Skip("the flash_attn package does not import here" if p.device == "cuda" else "needs CUDA")
+        return p.rloo(*tiny_args(p, "--bf16", "--attn_implementation", attention), cwd=p.folder)
+    return part
+
+
+def rloo_lora(p: Part) -> dict:
+    result = p.rloo(*tiny_args(p, "--bf16", "--use_peft", "--lora_r", 8), cwd=p.folder)
+    if not os.path.exists(os.path.join(p.folder, "runs", "run", "model", "adapter_config.json")):
+        raise RuntimeError("the LoRA run saved no adapter (model/adapter_config.json)")
+    return result
+
+
+def rloo_bf16_saved_model(p: Part) -> dict:
+    """The policy saved in bf16 is trained in fp32 (--dtype float32) at lr 1e-5: steps far below bf16's spacing near the
+    weights (~1e-4 at 0.02), which bf16 weights would round away. The saved model must have moved."""
+    from safetensors.torch import load_file
+
+    result = p.rloo(*tiny_args(p, "--bf16", "--dtype", "float32", "--learning_rate", 1e-5, "--beta", 0,
+                               "--model_name_or_path", p.models["tiny_bf16"]), cwd=p.folder)
+    before = load_file(os.path.join(p.models["tiny_bf16"], "model.safetensors"))
+    after = load_file(os.path.join(p.folder, "runs", "run", "model", "model.safetensors"))
+    changed = sum(int((after[k].float() != before[k].float()).sum()) for k in before)
+    total = sum(v.numel() for v in before.values())
+    result.update(saved_dtype=str(next(iter(after.values())).dtype), fraction_of_weights_changed=round(changed / total, 4))
+    if changed < 0.2 * total:
+        raise RuntimeError(f"only {changed} of {total} weights changed: the small steps were rounded away ({result})")
+    return result
+
+
+def rloo_vlm(p: Part) -> dict:
+    m = p.models
+    return p.rloo("--model_name_or_path", m["vlm"], "--dataset_name", m["vlm_data"], "--reward_funcs", m["vlm_reward"],
+                  "--total_episodes", 64, "--num_generations", 4, "--per_device_train_batch_size", 16,
+                  "--max_completion_length", 3, "--learning_rate", 3e-3, "--beta", 0.05, "--num_sample_generations", 1,
+                  "--bf16", "--run_name", "run", cwd=p.folder)
+
+
+def rloo_learns(p: Part) -> dict:
+    """tests/test_end_to_end.py's task: 40 updates of 32 completions; the mean reward of the last 5 updates must pass
+    that of the first 5 by 0.5 (the test asks 1.0 of the CPU's run; a GPU rounds otherwise)."""
+    result = p.rloo(*tiny_args(p, "--total_episodes", 1280, "--per_device_train_batch_size", 32, "--beta", 0,
+                               "--num_sample_generations", 0, "--seed", 3,
+                               reward=("--reward_funcs", f"{REWARDS}:count_good")), cwd=p.folder)
+    with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
+        rewards = [json.loads(line)["reward"] for line in f]
+    result.update(reward_first_5=round(statistics.mean(rewards[:5]), 3), reward_last_5=round(statistics.mean(rewards[-5:]), 3))
+    if result["reward_last_5"] < result["reward_first_5"] + 0.5:
+        raise RuntimeError(f"the reward did not rise: {result}")
+    return result
+
+
+def memory_per_parameter(p: Part) -> dict:
+    quick = ["--hidden_size", 256, "--heads", 4, "--num_layers", 4, "--vocab_size", 8000] if p.size == "tiny" else []
+    output = p.run(os.path.join(ROOT, "benchmark", "memory_per_parameter.py"), *quick, cwd=p.folder)
+    lines = output.strip().splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    return {"model": lines[0], "table": table, "notes": [line for line in lines[lines.index(table[-1]) + 1:] if line]}
+
+
+def multigpu(nproc_of, *options):
+    """rloo_multigpu.py: the same run whole, and killed (SIGKILL, every process) after its first checkpoint, then resumed
+    with `--resume_from_checkpoint latest`; the two must be the same run."""
+    def part(p: Part) -> dict:
+        nproc = nproc_of(p)
+        args = tiny_args(p, "--total_episodes", 48, "--save_steps", 2, "--bf16", "--gradient_checkpointing", *options)
+        whole = p.rloo(*args, cwd=os.path.join(p.folder, "whole"), script="rloo_multigpu.py", nproc=nproc)
+        killed = os.path.join(p.folder, "killed")
+        proc, log = p.start(os.path.join(ROOT, "rloo_multigpu.py"), args, killed, nproc)
+        metrics = os.path.join(killed, "runs", "run", "metrics.jsonl")
+        while proc.poll() is None and logged(metrics) < 3:  # checkpoint-2 is written before update 3 is logged
+            time.sleep(0.05)
+        kill_marked(os.environ[MARKER])
+        proc.wait()
+        if saved(os.path.join(killed, "runs", "run")):
+            raise RuntimeError("the run ended before it could be killed; nothing was resumed")
+        killed_at = logged(metrics)
+        resumed = p.rloo(*args, "--resume_from_checkpoint", "latest", cwd=killed, script="rloo_multigpu.py", nproc=nproc)
+        differences = compare_runs(os.path.join(p.folder, "whole", "runs", "run"), os.path.join(killed, "runs", "run"))
+        result = {"processes": nproc, "killed_after_update": killed_at, "uninterrupted": whole, "resumed": resumed,
+                  "resume_differences": differences or "none: the same run"}
+        if differences:
+            raise RuntimeError(f"the resumed run is not the uninterrupted one: {json.dumps(differences)}")
+        return result
+    return part
+
+
+def logged(metrics: str) -> int:
+    with contextlib.suppress(OSError), open(metrics) as f:
+        return sum(1 for line in f if line.endswith("\n"))
+    return 0
+
+
+def compare_runs(a: str, b: str) -> dict:
+    """How two run folders differ: metrics (all but wall-clock ones), sample tables, final weights. {} when the same."""
+    import torch
+    from safetensors.torch import load_file
+
+    def metrics(run):
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK and not k.startswith(("perf/",
+                    "time/"))} for line in f]
+    differences = {}
+    ma, mb = metrics(a), metrics(b)
+    if len(ma) != len(mb):
+        differences["updates"] = [len(ma), len(mb)]
+    for i, (ra, rb) in enumerate(zip(ma, mb)):
+        for key in sorted(set(ra) | set(rb)):
+            if json.dumps(ra.get(key)) != json.dumps(rb.get(key)):  # NaN equals NaN here
+                differences.setdefault("metrics", {}).setdefault(key, []).append([i + 1, ra.get(key), rb.get(key)])
+    samples = [open(os.path.join(run, "samples.jsonl")).read() for run in (a, b)]
+    if samples[0] != samples[1]:
+        differences["samples"] = "the sample tables differ"
+    wa, wb = (load_file(os.path.join(run, "model", "model.safetensors")) for run in (a, b))
+    gaps = {k: float((wa[k].float() - wb[k].float()).abs().max()) for k in wa if not torch.equal(wa[k], wb[k])}
+    if gaps:
+        differences["weights_max_abs_difference"] = max(gaps.values())
+    return differences
+
+
+def timing_args(p: Part, updates: int) -> dict:
+    """The timing workload: 32 completions (8 prompts x 4) of up to 256 tokens (32 at size tiny), beta 0.05, lr 1e-6,
+    one optimizer step per update, bf16 on a GPU (fp32 on a CPU), no gradient checkpointing."""
+    return {"completions": 32, "generations": 4, "max_tokens": 256 if p.size == "full" else 32, "updates": updates,
+            "bf16": p.device == "cuda"}
+
+
+def timing_rloo(p: Part) -> dict:
+    w = timing_args(p, updates=5)
+    output = p.run(os.path.join(ROOT, "rloo.py"), "--model_name_or_path", p.models["timing"], "--dataset_name",
+                   p.models["timing_prompts"], "--reward_funcs", "completion_length", "--num_generations",
+                   w["generations"], "--per_device_train_batch_size", w["completions"], "--max_completion_length",
+                   w["max_tokens"], "--total_episodes", w["completions"] * w["updates"], "--beta", 0.05,
+                   "--learning_rate", 1e-6, "--num_sample_generations", 0, "--dtype", "float32",
+                   "--bf16" if w["bf16"] else "--no_bf16", "--run_name", "run", cwd=p.folder)
+    with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f][1:]  # the first update warms up
+    mean = lambda key: statistics.mean(r.get(key, 0.0) for r in rows)  # noqa: E731
+    stages = {stage: round(mean("time/" + stage), 4) for stage in STAGES}
+    return {"workload": w, "seconds_per_update": round(mean("time/update"), 4),
+            "seconds_per_update_min": round(min(r["time/update"] for r in rows), 4), "stages": stages,
+            "other": round(mean("time/update") - sum(stages.values()), 4),
+            "tokens_per_completion": round(mean("completions/mean_length"), 1),
+            "tokens_per_second": round(mean("perf/tokens_per_second"), 1), **peaks(p.folder),
+            "said": [line for line in output.splitlines() if "optimizer steps" in line][:1]}
+
+
+def timing_trl(p: Part) -> dict:
+    w = timing_args(p, updates=5)
+    try:
+        found = subprocess.run([p.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
+    except OSError as e:
+        raise Skip(f"--trl_python {p.trl_python} does not run: {e}")
+    if found.returncode:
+        raise Skip(f"TRL does not import with {p.trl_python}: {found.stderr.strip().splitlines()[-1:]}")
+    steps = os.path.join(p.folder, "steps.jsonl")
+    p.run(os.path.join(ROOT, "benchmark", "trl_baseline.py"), "--model_dir", p.models["timing"], "--dataset",
+          p.models["timing_prompts"], "--reward", "completion_length", "--num_generations", w["generations"],
+          "--per_device_train_batch_size", w["completions"], "--max_completion_length", w["max_tokens"],
+          "--max_steps", w["updates"], "--beta", 0.05, "--learning_rate", 1e-6, "--bf16", str(w["bf16"]).lower(),
+          "--gradient_checkpointing", "false", "--output_dir", os.path.join(p.folder, "trl"), "--log_file", steps,
+          cwd=p.folder, python=p.trl_python)
+    with open(steps) as f:
+        rows = [json.loads(line) for line in f][1:]
+    return {"workload": w, "trl": found.stdout.strip(), "seconds_per_update": round(statistics.mean(r["seconds"] for r in rows), 4),
+            "seconds_per_update_min": round(min(r["seconds"] for r in rows), 4),
+            "tokens_per_completion": round(statistics.mean(r["completions/mean_length"] for r in rows), 1), **peaks(p.folder)}
+
+
+PARTS = {  # name: (function, is a timing)
+    "rloo_fp32": (rloo_variant("--no_bf16"), False),
+    "rloo_bf16": (rloo_variant("--bf16"), False),
+    "rloo_gradient_checkpointing": (rloo_variant("--bf16", "--gradient_checkpointing"), False),
+    "rloo_padded": (rloo_variant("--bf16", "--no_padding_free"), False),
+    "rloo_padding_free_sdpa": (padding_free("sdpa"), False),
+    "rloo_padding_free_eager": (padding_free("eager"), False),
+    "rloo_padding_free_flash_attention_2": (padding_free("flash_attention_2"), False),
+    "rloo_lora": (rloo_lora, False),
+    "rloo_bf16_saved_model": (rloo_bf16_saved_model, False),
+    "rloo_vlm": (rloo_vlm, False),
+    "rloo_learns": (rloo_learns, False),
+    "memory_per_parameter": (memory_per_parameter, False),
+    "multigpu_1_process": (multigpu(lambda p: 1), False),
+    "multigpu_every_process": (multigpu(lambda p: p.nproc, "--fsdp_cpu_offload"), False),
+    "timing_rloo": (timing_rloo, True),
+    "timing_trl": (timing_trl, True),
+}
+
+
+def run_part(name: str, work: str, device: str, size: str, nproc: int, trl_python: str) -> None:
+    """The body of a part's process: its result (or the reason it was skipped) in parts/<name>/result.json."""
+    part = Part(name, work, device, size, nproc, trl_python)
+    try:
+        result = {"status": "passed", "results": PARTS[name][0](part)}
+    except Skip as e:
+        result = {"status": "skipped", "reason": str(e)}
+    with open(os.path.join(part.folder, "result.json"), "w") as f:
+        json.dump(result, f, default=str)
+    if result["status"] == "skipped":
+        sys.exit(SKIPPED)
+
+
+# ---- The orchestration and the report -----------------------------------------------------------------------------------
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every other process whose environment holds MARKER=marker (torchrun's workers leave its process group),
+    again until none is left (one may have started another meanwhile)."""
+    needle = f"{MARKER}={marker}".encode() + b"\0"
+    for _ in range(5):
+        killed = 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+                if int(pid) != os.getpid() and needle in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed += 1
+        if not killed:
+            return
+        time.sleep(0.1)
+
+
+def launch(command: list[str], timeout: float, env: dict, marker: str) -> dict:
+    """Run one part's process under a time limit, every process it starts killed at the limit: status, seconds, output."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**env, MARKER: marker},
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=max(timeout, 1))
+            status = {0: "passed", SKIPPED: "skipped"}.get(proc.returncode, "failed")
+        except subprocess.TimeoutExpired:
+            kill_marked(marker)
+            proc.wait()
+            status = "timed out"
+        out.seek(0)
+        output = out.read()
+    return {"status": status, "seconds": round(time.perf_counter() - start, 1), "exit": proc.returncode,
+            "output": output[-6000:]}
+
+
+def environment(env: dict) -> dict:
+    """The device as torch names it, and the versions the parts run with (their PYTHONPATH)."""
+    probe = r"""
+import json, platform, sys, importlib.metadata as m
+import torch
+out = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
+       "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+       "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    out.update(device_memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
+               bf16_supported=torch.cuda.is_bf16_supported())
+for name in ["transformers", "peft", "accelerate", "tyro", "datasets", "trl", "tokenizers", "safetensors",
+             "huggingface_hub", "pyarrow", "flash_attn", "vaderSentiment", "wandb", "vllm"]:
+    try:
+        out[name] = m.version(name)
+    except m.PackageNotFoundError:
+        out[name] = None
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    found = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        found["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    return found
+
+
+def install_wheels(wheels: str, work: str, env: dict) -> dict:
+    """pip install --no-index --no-deps every wheel of the folder into work/site, first on PYTHONPATH."""
+    found = sorted(glob.glob(os.path.join(wheels, "*.whl")))
+    if not found:
+        return {"wheels": f"none in {wheels}: the parts run with this Python's own packages"}
+    site = os.path.join(work, "site")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", site, *found], capture_output=True, text=True)
+    if proc.returncode:
+        return {"wheels": f"pip install of {wheels} failed: {proc.stderr[-1500:]}"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+    return {"wheels": [os.path.basename(w) for w in found]}
+
+
+def write_report(out: str, report: dict) -> None:
+    """report.json (everything), and report.md: the parts in a table, the timings side by side, the memory table,
+    each failure's output, and the commands."""
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    e, parts = report["environment"], report["parts"]
+    trl = parts.get("timing_trl", {}).get("results", {}).get("trl") or e.get("trl")
+    lines = [f"# GPU check: {', '.join(e.get('devices') or []) or 'no CUDA device'} ({report['device']}, size "
+             f"{report['size']})", "",
+             f"{report['started']}, {report['seconds']:.0f} s. torch {e.get('torch')} (CUDA {e.get('cuda')}), "
+             f"Python {e.get('python')}, transformers {e.get('transformers')}, peft {e.get('peft')}, trl {trl}, "
+             f"datasets {e.get('datasets')}, tyro {e.get('tyro')}, flash_attn {e.get('flash_attn')}; "
+             f"nvidia-smi: {e.get('nvidia_smi', '-')}", "",
+             f"Command: `{report['command']}`", "", "| part | status | seconds | numbers |", "|---|---|---|---|"]
+    for name, part in parts.items():
+        numbers = part.get("reason") or brief(part.get("results", {}))
+        lines.append(f"| {name} | {part['status']} | {part.get('seconds', '')} | {numbers} |")
+    timings = {name: parts[name]["results"] for name in ("timing_rloo", "timing_trl") if "results" in parts.get(name, {})}
+    if timings:
+        workload = next(iter(timings.values()))["workload"]
+        lines += ["", "## Seconds per update, rloo.py and TRL's RLOOTrainer", "",
+                  f"{workload['completions']} completions ({workload['completions'] // workload['generations']} prompts "
+                  f"x {workload['generations']}) of up to {workload['max_tokens']} tokens, "
+                  f"{'bf16' if workload['bf16'] else 'fp32'}, mean of updates 2-{workload['updates']}, one after the "
+                  "other with nothing else running.", "", "| | " + " | ".join(timings) + " |",
+                  "|---|" + "---|" * len(timings)]
+        rows = [("seconds per update", "seconds_per_update"), ("fastest update", "seconds_per_update_min"),
+                ("tokens per completion", "tokens_per_completion"), ("peak GPU memory (GiB)", "peak_cuda_max_allocated_gib"),
+                ("peak resident memory (GiB)", "peak_max_rss_gib")]
+        rows += [(f"{stage} (s)", stage) for stage in STAGES]
+        for label, key in rows:
+            values = [t.get(key, t.get("stages", {}).get(key)) for t in timings.values()]
+            if any(v is not None for v in values):
+                lines.append(f"| {label} | " + " | ".join("" if v is None else str(v) for v in values) + " |")
+    if "results" in parts.get("memory_per_parameter", {}):
+        memory = parts["memory_per_parameter"]["results"]
+        lines += ["", "## Bytes per parameter (benchmark/memory_per_parameter.py)", "", memory["model"], "",
+                  *memory["table"], "", *memory["notes"]]
+    for name, part in parts.items():
+        if part["status"] in ("failed", "timed out"):
+            lines += ["", f"## {name}: {part['status']}", "", "```", part.get("output", "")[-3000:], "```"]
+    lines += ["", "## Commands", ""]
+    for name, part in parts.items():
+        lines += [f"- {name}: " + "; ".join(f"`{c}`" for c in part.get("commands", []))]
+    lines += ["", "Wheels: " + (", ".join(report["wheels"]) if isinstance(report["wheels"], list) else report["wheels"])]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def brief(results: dict) -> str:
+    """The numbers of a part that fit a table cell (all of them are in report.json)."""
+    keep = ("seconds_per_update", "tokens_per_completion", "reward_first_5", "reward_last_5", "kl_last",
+            "peak_cuda_max_allocated_gib", "peak_max_rss_gib", "fraction_of_weights_changed", "saved_dtype", "forwards",
+            "processes", "killed_after_update", "resume_differences")
+    shown = {k: v for k, v in {**results.get("uninterrupted", {}), **results}.items() if k in keep}
+    if "table" in results:
+        return "the table below"
+    return json.dumps(shown, default=str).replace("|", "/")[:1500]
+
+
+def check_folders(parser, cli) -> None:
+    """Before anything runs: numbers in range, and folders the kit may write: --out new, or holding no report; --work
+    new, empty, or one the kit made (it deletes its models/ and parts/ there), so that nothing of the user's is lost."""
+    for option, value, least in (("--jobs", cli.jobs, 1), ("--nproc", cli.nproc, 1), ("--part_timeout", cli.part_timeout, 1),
+                                 ("--deadline", cli.deadline, 1)):
+        if value is not None and not value >= least:
+            parser.error(f"{option} is {value}: give at least {least}")
+    if os.path.exists(cli.out) and not os.path.isdir(cli.out):
+        parser.error(f"--out {cli.out} is a file: give a folder for report.md and report.json")
+    if any(os.path.exists(os.path.join(cli.out, name)) for name in ("report.md", "report.json")):
+        parser.error(f"--out {cli.out} holds a report already: give another folder, or move that report first")
+    if cli.work and os.path.exists(cli.work):
+        if not os.path.isdir(cli.work):
+            parser.error(f"--work {cli.work} is a file: give a folder")
+        if os.listdir(cli.work) and not os.path.exists(os.path.join(cli.work, WORK_MARK)):
+            parser.error(f"--work {cli.work} holds files the kit did not make: give a new or empty folder")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = lambda message: sys.exit(f"check.py: error: {message}")  # one line, no usage block
+    parser.add_argument("--out", help="folder for report.md and report.json (made if absent)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--size", choices=["full", "tiny"], default=None,
+                        help="full: the timing model of Qwen2.5-0.5B's shape (default on cuda); tiny: a small one")
+    parser.add_argument("--only", nargs="+", choices=list(PARTS), help="run these parts alone")
+    parser.add_argument("--jobs", type=int, default=None, help="checks run at once (default: 4 on cuda, 1 on cpu)")
+    parser.add_argument("--part_timeout", type=float, default=240, help="seconds each part may take")
+    parser.add_argument("--deadline", type=float, default=560,
+                        help="seconds for the whole command (a part is cut at it, and none starts after it): the "
+                             "report is written before a command limit of 10 minutes stops it")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes of multigpu_every_process (default: every GPU, 2 on cpu)")
+    parser.add_argument("--wheels", default=os.path.join(ROOT, "benchmark", "gpu", "wheels"))
+    parser.add_argument("--trl_python", default=sys.executable, help="the Python that runs TRL (timing_trl)")
+    parser.add_argument("--work", default=None, help="scratch folder (models are reused from it when present)")
+    parser.add_argument("--measure", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # PEAK SCRIPT ARGS...
+    parser.add_argument("--part", nargs=6, help=argparse.SUPPRESS)  # NAME WORK DEVICE SIZE NPROC TRL_PYTHON
+    parser.add_argument("--models", nargs=3, help=argparse.SUPPRESS)  # WORK SIZE DEVICE
+    if sys.argv[1:2] == ["--measure"]:  # the script's own arguments follow: not ours to parse
+        return measure(sys.argv[2], sys.argv[3], sys.argv[4:])
+    cli = parser.parse_args()
+    if cli.part:
+        name, work, device, size, nproc, trl_python = cli.part
+        return run_part(name, work, device, size, int(nproc), trl_python)
+    if cli.models:
+        return print(json.dumps(build_models(*cli.models)))
+    if not cli.out:
+        parser.error("--out is required: the folder for report.md and report.json")
+
+    started, clock = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter()
+    deadline = clock + cli.deadline
+    size = cli.size or ("full" if cli.device == "cuda" else "tiny")
+    jobs = cli.jobs or (4 if cli.device == "cuda" else 1)
+    check_folders(parser, cli)
+    os.makedirs(cli.out, exist_ok=True)
+    work = cli.work or tempfile.mkdtemp(prefix="rloo_gpu_check_")
+    os.makedirs(work, exist_ok=True)
+    open(os.path.join(work, WORK_MARK), "w").close()
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    trl_python = os.path.abspath(cli.trl_python) if os.sep in cli.trl_python else cli.trl_python
+    if cli.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the scripts take a GPU when they see one
+    wheels = install_wheels(cli.wheels, work, env)
+    found = environment(env)
+    if cli.device == "cuda" and not found.get("cuda_available"):
+        sys.exit(f"check.py: error: torch sees no CUDA device here ({found.get('error') or found.get('torch')}): "
+                 "run with --device cpu --size tiny for the CPU check")
+    nproc = cli.nproc or (len(found.get("devices") or []) if cli.device == "cuda" else 2)
+    report = {"command": shlex.join(["python", os.path.relpath(THIS, ROOT), *sys.argv[1:]]), "started": started,
+              "device": cli.device, "size": size, "environment": found, "wheels": wheels["wheels"], "work": work,
+              "parts": {}, "seconds": 0.0}
+    names = cli.only or list(PARTS)
+    report["parts"] = {name: {"status": "not run"} for name in names}
+
+    def record(name: str, outcome: dict) -> None:
+        with contextlib.suppress(OSError), open(os.path.join(work, "parts", name, "result.json")) as f:
+            outcome.update(json.load(f))
+        if outcome.get("status") == "passed" and outcome.get("exit") not in (0, None):
+            outcome["status"] = "failed"
+        with contextlib.suppress(OSError), open(os.path.join(work, "parts", name, "commands.json")) as f:
+            outcome["commands"] = json.load(f)
+        report["parts"][name] = outcome
+        report["seconds"] = time.perf_counter() - clock
+        write_report(cli.out, report)
+        print(f"{name}: {outcome['status']} ({outcome.get('seconds')} s)", flush=True)
+
+    def part(name: str) -> None:
+        left = deadline - time.perf_counter()
+        if left < 5:
+            return record(name, {"status": "not run", "reason": f"--deadline {cli.deadline:.0f} s reached"})
+        command = [sys.executable, THIS, "--part", name, work, cli.device, size, str(nproc), trl_python]
+        record(name, launch(command, min(cli.part_timeout, left), env, f"{work}:{name}"))
+
+    print(f"check.py: {cli.device} ({', '.join(found.get('devices') or []) or 'no CUDA device'}), size {size}, "
+          f"work folder {work}, report in {cli.out}", flush=True)
+    models = launch([sys.executable, THIS, "--models", work, size, cli.device], deadline - time.perf_counter(), env,
+                    f"{work}:models")
+    report["models"] = {k: models[k] for k in ("status", "seconds")}
+    if models["status"] != "passed":
+        for name in names:
+            report["parts"][name] = {"status": "not run", "reason": "the models could not be built"}
+        report["models"]["output"] = models["output"]
+        write_report(cli.out, report)
+        sys.exit(f"check.py: error: building the models failed; the end of its output:\n{models['output'][-3000:]}")
+    checks = [name for name in names if not PARTS[name][1]]
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(part, checks))
+    for name in names:  # the timings, one at a time, nothing else running
+        if PARTS[name][1]:
+            part(name)
+    report["seconds"] = time.perf_counter() - clock
+    write_report(cli.out, report)
+    failed = [n for n, p in report["parts"].items() if p["status"] not in ("passed", "skipped")]
+    print(f"check.py: {len(names) - len(failed)} of {len(names)} parts passed or skipped in {report['seconds']:.0f} s; "
+          f"report in {os.path.join(cli.out, 'report.md')}" + (f"; not passed: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
