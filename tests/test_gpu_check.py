@@ -46,7 +46,7 @@ def test_every_part_passes_on_the_cpu_and_the_report_says_what_ran(kit):
     for name in statuses:
         assert f"| {name} | passed |" in markdown
         assert report["parts"][name]["commands"], name  # as a user would type them
-    assert report["parts"]["rloo_lora"]["commands"][0].endswith("--use_peft --lora_r 8")
+    assert report["parts"]["rloo_lora"]["commands"][0].endswith("--lora_r 8 --bf16 --use_peft")
     assert " python rloo.py --model_name_or_path " in report["parts"]["rloo_fp32"]["commands"][0]
     assert "## Seconds per update, rloo.py and TRL's RLOOTrainer" in markdown and "| seconds per update | " in markdown
     assert "| setup | before B/param | after B/param |" in markdown

@@ -225,12 +225,16 @@ def peaks(cwd: str) -> dict:
 
 
 def measure(peak_file: str, script: str, args: list[str]) -> None:
-    """Run a script as `python SCRIPT args` would, and at its exit write this process's peak memory to peak_file.RANK:
-    torch.cuda.max_memory_allocated when it used CUDA, and the resident set's high-water mark."""
+    """Run a script as `python SCRIPT args` would, and at its exit (atexit, or os._exit) write this process's peak memory
+    to peak_file.RANK: torch.cuda.max_memory_allocated when it used CUDA, and the resident set's high-water mark."""
     import atexit
     import runpy
 
+    owner = os.getpid()
+
     def write_peak():
+        if os.getpid() != owner:  # a forked child leaving (a data loader's, say) writes nothing
+            return
         peak = {}
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
@@ -242,7 +246,12 @@ def measure(peak_file: str, script: str, args: list[str]) -> None:
         with open(f"{peak_file}.{os.environ.get('RANK', '0')}", "w") as f:
             json.dump(peak, f)
 
+    def exit_after_writing_peak(code, real_exit=os._exit):  # rloo_multigpu.py leaves with os._exit (end_processes)
+        write_peak()
+        real_exit(code)
+
     atexit.register(write_peak)
+    os._exit = exit_after_writing_peak
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT.py`: its folder first
     runpy.run_path(script, run_name="__main__")
@@ -250,14 +259,17 @@ def measure(peak_file: str, script: str, args: list[str]) -> None:
 
 # ---- The parts ----------------------------------------------------------------------------------------------------------
 
-def tiny_args(part: Part, *extra, reward: tuple = ()) -> list:
+def tiny_args(part: Part, *flags: str, **options) -> list:
     """4 updates of 8 completions (2 prompts x 4) of up to 8 tokens of the tiny model, with a KL and a sample table,
-    scored by the tiny reward model (its random head never ties the scores: every update moves the weights)."""
-    return ["--model_name_or_path", part.models["tiny"], "--dataset_name", part.models["prompts"],
-            *(reward or ("--reward_model_path", part.models["reward_model"])),
-            "--total_episodes", 32, "--per_device_train_batch_size", 8,
-            "--num_generations", 4, "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.05,
-            "--num_sample_generations", 1, "--run_name", "run", *extra]
+    scored by the tiny reward model (its random head never ties the scores: every update moves the weights); options
+    given by name replace these, and the flags follow."""
+    defaults = {"model_name_or_path": part.models["tiny"], "dataset_name": part.models["prompts"],
+                "reward_model_path": part.models["reward_model"], "total_episodes": 32, "per_device_train_batch_size": 8,
+                "num_generations": 4, "max_completion_length": 8, "learning_rate": 3e-3, "beta": 0.05,
+                "num_sample_generations": 1, "run_name": "run"}
+    if "reward_funcs" in options and "reward_model_path" not in options:
+        del defaults["reward_model_path"]
+    return [item for name, value in {**defaults, **options}.items() for item in (f"--{name}", value)] + list(flags)
 
 
 def rloo_variant(*options):
@@ -272,12 +284,12 @@ def padding_free(attention: str):
             import importlib.util
             if p.device != "cuda" or importlib.util.find_spec("flash_attn") is None:
                 raise Skip("the flash_attn package does not import here" if p.device == "cuda" else "needs CUDA")
-        return p.rloo(*tiny_args(p, "--bf16", "--attn_implementation", attention), cwd=p.folder)
+        return p.rloo(*tiny_args(p, "--bf16", attn_implementation=attention), cwd=p.folder)
     return part
 
 
 def rloo_lora(p: Part) -> dict:
-    result = p.rloo(*tiny_args(p, "--bf16", "--use_peft", "--lora_r", 8), cwd=p.folder)
+    result = p.rloo(*tiny_args(p, "--bf16", "--use_peft", lora_r=8), cwd=p.folder)
     if not os.path.exists(os.path.join(p.folder, "runs", "run", "model", "adapter_config.json")):
         raise RuntimeError("the LoRA run saved no adapter (model/adapter_config.json)")
     return result
@@ -288,8 +300,8 @@ def rloo_bf16_saved_model(p: Part) -> dict:
     weights (~1e-4 at 0.02), which bf16 weights would round away. The saved model must have moved."""
     from safetensors.torch import load_file
 
-    result = p.rloo(*tiny_args(p, "--bf16", "--dtype", "float32", "--learning_rate", 1e-5, "--beta", 0,
-                               "--model_name_or_path", p.models["tiny_bf16"]), cwd=p.folder)
+    result = p.rloo(*tiny_args(p, "--bf16", model_name_or_path=p.models["tiny_bf16"], dtype="float32",
+                               learning_rate=1e-5, beta=0), cwd=p.folder)
     before = load_file(os.path.join(p.models["tiny_bf16"], "model.safetensors"))
     after = load_file(os.path.join(p.folder, "runs", "run", "model", "model.safetensors"))
     changed = sum(int((after[k].float() != before[k].float()).sum()) for k in before)
@@ -311,9 +323,8 @@ def rloo_vlm(p: Part) -> dict:
 def rloo_learns(p: Part) -> dict:
     """tests/test_end_to_end.py's task: 40 updates of 32 completions; the mean reward of the last 5 updates must pass
     that of the first 5 by 0.5 (the test asks 1.0 of the CPU's run; a GPU rounds otherwise)."""
-    result = p.rloo(*tiny_args(p, "--total_episodes", 1280, "--per_device_train_batch_size", 32, "--beta", 0,
-                               "--num_sample_generations", 0, "--seed", 3,
-                               reward=("--reward_funcs", f"{REWARDS}:count_good")), cwd=p.folder)
+    result = p.rloo(*tiny_args(p, reward_funcs=f"{REWARDS}:count_good", total_episodes=1280,
+                               per_device_train_batch_size=32, beta=0, num_sample_generations=0, seed=3), cwd=p.folder)
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
         rewards = [json.loads(line)["reward"] for line in f]
     result.update(reward_first_5=round(statistics.mean(rewards[:5]), 3), reward_last_5=round(statistics.mean(rewards[-5:]), 3))
@@ -332,10 +343,12 @@ def memory_per_parameter(p: Part) -> dict:
 
 def multigpu(nproc_of, *options):
     """rloo_multigpu.py: the same run whole, and killed (SIGKILL, every process) after its first checkpoint, then resumed
-    with `--resume_from_checkpoint latest`; the two must be the same run."""
+    with `--resume_from_checkpoint latest`; the two must be the same run. A reward function that takes 0.25 s next to the
+    reward model keeps the updates slow enough to be killed in the middle of the run, however fast the GPU."""
     def part(p: Part) -> dict:
         nproc = nproc_of(p)
-        args = tiny_args(p, "--total_episodes", 48, "--save_steps", 2, "--bf16", "--gradient_checkpointing", *options)
+        args = tiny_args(p, "--bf16", "--gradient_checkpointing", *options, total_episodes=48, save_steps=2,
+                         reward_model_path=p.models["reward_model"], reward_funcs=f"{REWARDS}:slow_text_length")
         whole = p.rloo(*args, cwd=os.path.join(p.folder, "whole"), script="rloo_multigpu.py", nproc=nproc)
         killed = os.path.join(p.folder, "killed")
         proc, log = p.start(os.path.join(ROOT, "rloo_multigpu.py"), args, killed, nproc)
