@@ -4,6 +4,7 @@ without stopping the others, and carried wheels go first on the parts' path."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,6 +94,44 @@ def test_a_failing_or_hanging_part_is_reported_and_killed_whole(tmp_path):
             assert f.read().split(") ")[-1].startswith("Z")
     except FileNotFoundError:
         pass
+
+
+def marked_processes(work) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"{check.MARKER}={work}:".encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_stopped_check_kills_every_process_of_its_parts_and_keeps_the_report(tmp_path):
+    """SIGTERM (as Ctrl-C) while a part runs rloo.py: nothing of it runs on, the report says what was interrupted; and
+    while it ran, a second check on its work folder was refused in one line."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, CHECK, "--device", "cpu", "--out", out, "--work", work, "--only",
+                             "rloo_learns", "--wheels", tmp_path / "none"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log = work / "parts" / "rloo_learns" / "run1.log"
+    deadline = time.time() + 300
+    while not (log.exists() and "updates of 32 completions" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert marked_processes(work), "rloo.py is not running"
+    second = subprocess.run([sys.executable, CHECK, "--device", "cpu", "--out", tmp_path / "out2", "--work", work],
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0 and "Traceback" not in second.stderr and "is in use by another check.py" in second.stderr
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "check.py: stopped by SIGTERM; report in" in proc.stderr.read()
+    with open(out / "report.json") as f:
+        report = json.load(f)
+    assert report["parts"]["rloo_learns"]["status"] == "interrupted" and report["interrupted_by"] == "SIGTERM"
+    assert "| rloo_learns | interrupted |" in (out / "report.md").read_text()
+    time.sleep(0.5)
+    assert marked_processes(work) == []
 
 
 def test_carried_wheels_go_first_on_the_parts_path(tmp_path):

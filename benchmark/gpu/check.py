@@ -39,6 +39,7 @@ first on every part's PYTHONPATH: the GPU machine lacks tyro and datasets, and h
 import argparse
 import concurrent.futures
 import contextlib
+import fcntl
 import glob
 import json
 import math
@@ -51,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -487,15 +489,17 @@ def run_part(name: str, work: str, device: str, size: str, nproc: int, trl_pytho
 
 # ---- The orchestration and the report -----------------------------------------------------------------------------------
 
-def kill_marked(marker: str) -> None:
-    """SIGKILL every other process whose environment holds MARKER=marker (torchrun's workers leave its process group),
-    again until none is left (one may have started another meanwhile)."""
-    needle = f"{MARKER}={marker}".encode() + b"\0"
+def kill_marked(marker: str, prefix: bool = False) -> None:
+    """SIGKILL every other process whose environment holds MARKER=marker (or a marker that starts so, with prefix): what
+    a part started, torchrun's workers too, which leave its process group. Again until none is left (one may have
+    started another meanwhile)."""
+    needle = f"{MARKER}={marker}".encode()
     for _ in range(5):
         killed = 0
         for pid in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-                if int(pid) != os.getpid() and needle in f.read():
+                entries = f.read().split(b"\0")
+                if int(pid) != os.getpid() and any(e == needle or prefix and e.startswith(needle) for e in entries):
                     os.kill(int(pid), signal.SIGKILL)
                     killed += 1
         if not killed:
@@ -680,10 +684,14 @@ def main():
     size = cli.size or ("full" if cli.device == "cuda" else "tiny")
     jobs = cli.jobs or (4 if cli.device == "cuda" else 1)
     check_folders(parser, cli)
-    os.makedirs(cli.out, exist_ok=True)
     work = cli.work or tempfile.mkdtemp(prefix="rloo_gpu_check_")
     os.makedirs(work, exist_ok=True)
-    open(os.path.join(work, WORK_MARK), "w").close()
+    lock = open(os.path.join(work, WORK_MARK), "a")  # held to the end: two checks never share a work folder
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        parser.error(f"--work {work} is in use by another check.py: give another folder")
+    os.makedirs(cli.out, exist_ok=True)
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
     trl_python = os.path.abspath(cli.trl_python) if os.sep in cli.trl_python else cli.trl_python
@@ -700,6 +708,21 @@ def main():
               "parts": {}, "seconds": 0.0}
     names = cli.only or list(PARTS)
     report["parts"] = {name: {"status": "not run"} for name in names}
+    running, stopping = set(), threading.Event()
+
+    def interrupted(signum, frame):
+        """Ctrl-C or SIGTERM: every process of the parts killed, the report written with what had finished."""
+        stopping.set()  # before the kill: a part whose process dies of it records nothing over "interrupted"
+        for name in list(running):
+            report["parts"][name] = {"status": "interrupted"}
+        kill_marked(f"{work}:", prefix=True)
+        report["interrupted_by"], report["seconds"] = signal.Signals(signum).name, time.perf_counter() - clock
+        write_report(cli.out, report)
+        print(f"check.py: stopped by {signal.Signals(signum).name}; report in {cli.out}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
 
     def record(name: str, outcome: dict) -> None:
         with contextlib.suppress(OSError), open(os.path.join(work, "parts", name, "result.json")) as f:
@@ -715,10 +738,16 @@ def main():
 
     def part(name: str) -> None:
         left = deadline - time.perf_counter()
+        if stopping.is_set():
+            return
         if left < 5:
             return record(name, {"status": "not run", "reason": f"--deadline {cli.deadline:.0f} s reached"})
         command = [sys.executable, THIS, "--part", name, work, cli.device, size, str(nproc), trl_python]
-        record(name, launch(command, min(cli.part_timeout, left), env, f"{work}:{name}"))
+        running.add(name)
+        outcome = launch(command, min(cli.part_timeout, left), env, f"{work}:{name}")
+        running.discard(name)
+        if not stopping.is_set():
+            record(name, outcome)
 
     print(f"check.py: {cli.device} ({', '.join(found.get('devices') or []) or 'no CUDA device'}), size {size}, "
           f"work folder {work}, report in {cli.out}", flush=True)
