@@ -72,12 +72,15 @@ class Skip(Exception):
 # ---- The models ---------------------------------------------------------------------------------------------------------
 
 def build_models(work: str, size: str, device: str) -> dict:
-    """Every model and prompt file the parts use, built from configs into work/models (once: reused when present)."""
+    """Every model and prompt file the parts use, built from configs into work/models (once: reused when present and of
+    this --size)."""
     models = os.path.join(work, "models")
     done = os.path.join(models, "models.json")
     if os.path.exists(done):
         with open(done) as f:
-            return json.load(f)
+            built = json.load(f)
+        if built["size"] == size:
+            return built
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -92,12 +95,16 @@ def build_models(work: str, size: str, device: str) -> dict:
     weights = os.path.join(tiny_bf16, "model.safetensors")
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(weights).items()}, weights,
               metadata={"format": "pt"})
+    with open(os.path.join(tiny_bf16, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(tiny_bf16, "config.json"), "w") as f:
+        json.dump({**config, "dtype": "bfloat16"}, f, indent=2)
     vlm = build_tiny_vlm(os.path.join(models, "vlm"))
     rng = random.Random(1)
     prompts = write_jsonl(os.path.join(models, "prompts.jsonl"),
                           [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)])
     timing, timing_prompts = build_timing_model(os.path.join(models, "timing"), size, device)
-    paths = {"tiny": tiny["policy"], "reward_model": tiny["reward"], "tiny_bf16": tiny_bf16, "prompts": prompts,
+    paths = {"size": size, "tiny": tiny["policy"], "reward_model": tiny["reward"], "tiny_bf16": tiny_bf16, "prompts": prompts,
              "vlm": vlm["policy"], "vlm_data": vlm["data"], "vlm_reward": vlm["reward"], "timing": timing,
              "timing_prompts": timing_prompts}
     with open(done, "w") as f:
