@@ -691,14 +691,16 @@ def main():
     size = cli.size or ("full" if cli.device == "cuda" else "tiny")
     jobs = cli.jobs or (4 if cli.device == "cuda" else 1)
     check_folders(parser, cli)
-    work = cli.work or tempfile.mkdtemp(prefix="rloo_gpu_check_")
-    os.makedirs(work, exist_ok=True)
-    lock = open(os.path.join(work, WORK_MARK), "a")  # held to the end: two checks never share a work folder
     try:
+        work = cli.work or tempfile.mkdtemp(prefix="rloo_gpu_check_")
+        os.makedirs(work, exist_ok=True)
+        lock = open(os.path.join(work, WORK_MARK), "a")  # held to the end: two checks never share a work folder
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.makedirs(cli.out, exist_ok=True)
     except BlockingIOError:
         parser.error(f"--work {work} is in use by another check.py: give another folder")
-    os.makedirs(cli.out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot write there: {e}: give --out and --work folders you can write")
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
     trl_python = os.path.abspath(cli.trl_python) if os.sep in cli.trl_python else cli.trl_python
