@@ -672,10 +672,9 @@ def main():
     parser.add_argument("--wheels", default=os.path.join(ROOT, "benchmark", "gpu", "wheels"))
     parser.add_argument("--trl_python", default=sys.executable, help="the Python that runs TRL (timing_trl)")
     parser.add_argument("--work", default=None, help="scratch folder (models are reused from it when present)")
-    parser.add_argument("--measure", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # PEAK SCRIPT ARGS...
     parser.add_argument("--part", nargs=6, help=argparse.SUPPRESS)  # NAME WORK DEVICE SIZE NPROC TRL_PYTHON
     parser.add_argument("--models", nargs=3, help=argparse.SUPPRESS)  # WORK SIZE DEVICE
-    if sys.argv[1:2] == ["--measure"]:  # the script's own arguments follow: not ours to parse
+    if sys.argv[1:2] == ["--measure"]:  # internal: --measure PEAK SCRIPT ARGS..., the script's arguments not ours to parse
         return measure(sys.argv[2], sys.argv[3], sys.argv[4:])
     cli = parser.parse_args()
     if cli.part:
