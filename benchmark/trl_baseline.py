@@ -102,7 +102,8 @@ def main():
     p.add_argument("--dataset", default=os.path.join(REPO_ROOT, "data/movie_reviews/train.jsonl"))
     p.add_argument("--max_completion_length", type=int, default=64)
     p.add_argument("--min_new_tokens", type=int, default=0,
-                   help="passed to generate(); 0 (default) stops at EOS like rloo.py; max_completion_length forces full length")
+                   help="passed to generate(); 0 (default) stops at EOS like rloo.py; "
+                        "max_completion_length forces full length")
     p.add_argument("--output_dir", default="/tmp/trl-rloo-bench")
     p.add_argument("--reward", choices=["vader", "count_good", "completion_length"], default="vader")
     p.add_argument("--num_generations", type=int, default=2)
@@ -131,7 +132,8 @@ def main():
         logging_steps=1, report_to="none", save_strategy="no",
     )
     timer = StepTimer()
-    reward = {"vader": vader_reward, "count_good": count_good_reward, "completion_length": completion_length}[args.reward]
+    rewards = {"vader": vader_reward, "count_good": count_good_reward, "completion_length": completion_length}
+    reward = rewards[args.reward]
     trainer = RLOOTrainer(model=args.model_dir, reward_funcs=reward, args=config,
                           train_dataset=dataset, callbacks=[timer])
     print(f"loadavg at start (1,5,15 min): {os.getloadavg()}, cpus: {os.cpu_count()}")

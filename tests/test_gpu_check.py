@@ -68,7 +68,8 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
         assert 3 <= result["killed_after_update"] < 6 and result["resumed"]["updates"] == 6, name
         assert len(result["uninterrupted"]["peak_max_rss_gib"]) == processes, name
     memory = parts["memory_per_parameter"]
-    assert memory["table"][0] == "| setup | before B/param | after B/param |" and memory["model"].startswith("Llama, hidden 256")
+    assert memory["table"][0] == "| setup | before B/param | after B/param |"
+    assert memory["model"].startswith("Llama, hidden 256")
     assert any(line.startswith("| **full + KL: total** | **20.000** |") for line in memory["table"])
     rloo, trl = parts["timing_rloo"], parts["timing_trl"]
     assert set(rloo["stages"]) == set(check.STAGES) and rloo["seconds_per_update"] > sum(rloo["stages"].values())
@@ -78,14 +79,17 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
 
 def test_a_failing_or_hanging_part_is_reported_and_killed_whole(tmp_path):
     """A part's process and everything it started (a worker in a session of its own too) die at the part's limit."""
-    failed = check.launch([sys.executable, "-c", "print('before'); raise SystemExit('boom')"], 30, dict(os.environ), "a")
+    fails = [sys.executable, "-c", "print('before'); raise SystemExit('boom')"]
+    failed = check.launch(fails, 30, dict(os.environ), "a")
     assert failed["status"] == "failed" and failed["exit"] == 1 and "before" in failed["output"]
     assert "boom" in failed["output"]
     skipped = check.launch([sys.executable, "-c", f"raise SystemExit({check.SKIPPED})"], 30, dict(os.environ), "b")
     assert skipped["status"] == "skipped"
     worker_pid = tmp_path / "worker.pid"
-    hangs = (f"import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],"
-             f" start_new_session=True); open({str(worker_pid)!r}, 'w').write(str(w.pid)); time.sleep(300)")
+    hangs = ("import subprocess, sys, time\n"
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+             f"open({str(worker_pid)!r}, 'w').write(str(w.pid))\n"
+             "time.sleep(300)")
     start = time.perf_counter()
     hung = check.launch([sys.executable, "-c", hangs], 5, dict(os.environ), "c")
     assert hung["status"] == "timed out" and time.perf_counter() - start < 30
@@ -122,7 +126,8 @@ def test_a_stopped_check_kills_every_process_of_its_parts_and_keeps_the_report(t
     assert marked_processes(work), "rloo.py is not running"
     second = subprocess.run([sys.executable, CHECK, "--device", "cpu", "--out", tmp_path / "out2", "--work", work],
                             capture_output=True, text=True, timeout=120)
-    assert second.returncode != 0 and "Traceback" not in second.stderr and "is in use by another check.py" in second.stderr
+    assert second.returncode != 0 and "Traceback" not in second.stderr
+    assert "is in use by another check.py" in second.stderr
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     assert "check.py: stopped by SIGTERM; report in" in proc.stderr.read()
@@ -143,7 +148,8 @@ def test_carried_wheels_go_first_on_the_parts_path(tmp_path):
                  "kit_probe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
         for name, text in files.items():
             z.writestr(name, text)
-        z.writestr("kit_probe-1.0.dist-info/RECORD", "".join(f"{n},,\n" for n in [*files, "kit_probe-1.0.dist-info/RECORD"]))
+        record = "kit_probe-1.0.dist-info/RECORD"
+        z.writestr(record, "".join(f"{n},,\n" for n in [*files, record]))
     env = {"PYTHONPATH": "/elsewhere"}
     installed = check.install_wheels(str(wheels), str(tmp_path / "work"), env)
     assert installed["wheels"] == ["kit_probe-1.0-py3-none-any.whl"]
@@ -180,4 +186,5 @@ def test_asking_for_cuda_without_one_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, CHECK, "--out", tmp_path / "r", "--wheels", tmp_path / "none"],
                           capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "check.py: error: torch sees no CUDA device here" in proc.stderr and "--device cpu --size tiny" in proc.stderr
+    assert "check.py: error: torch sees no CUDA device here" in proc.stderr
+    assert "--device cpu --size tiny" in proc.stderr

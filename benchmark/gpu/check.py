@@ -12,8 +12,8 @@ own under its own time limit, so that one failing or hanging never stops the oth
     rloo_fp32 / rloo_bf16            rloo.py, 4 updates of the tiny model with a KL, in fp32 and under --bf16
     rloo_gradient_checkpointing      ... with --gradient_checkpointing
     rloo_padded                      ... with --no_padding_free
-    rloo_padding_free_<attention>    ... padding-free with --attn_implementation sdpa, eager, flash_attention_2 (this one
-                                     when the flash_attn package imports)
+    rloo_padding_free_<attention>    ... padding-free with --attn_implementation sdpa, eager, flash_attention_2
+                                     (this one when the flash_attn package imports)
     rloo_lora                        ... with --use_peft (the adapter saved)
     rloo_bf16_saved_model            a policy saved in bf16, trained in fp32 at lr 1e-5 (steps bf16 would round away)
     rloo_vlm                         the tiny LLaVA, images in the prompts
@@ -23,7 +23,8 @@ own under its own time limit, so that one failing or hanging never stops the oth
                                      precision, gradient checkpointing, sharded loading, a checkpoint every 2 updates,
                                      SIGKILL after the first, `--resume_from_checkpoint latest`, and the resumed run
                                      compared with the same run never interrupted (metrics, samples, final weights)
-    multigpu_<N>_processes           the same on every GPU of the machine (2 processes on a CPU), with --fsdp_cpu_offload
+    multigpu_every_process           the same on every GPU of the machine (2 processes on a CPU), with
+                                     --fsdp_cpu_offload
     timing_rloo                      rloo.py on the 0.5B model, bf16, HF generation: seconds per update and per stage
     timing_trl                       TRL's RLOOTrainer on the same work (benchmark/trl_baseline.py), when TRL imports
 
@@ -69,7 +70,7 @@ class Skip(Exception):
     """A part that cannot run on this machine (no flash_attn, no TRL): reported as skipped, with the reason."""
 
 
-# ---- The models ---------------------------------------------------------------------------------------------------------
+# ---- The models ------------------------------------------------------------------------------------------------------
 
 def build_models(work: str, size: str, device: str) -> dict:
     """Every model and prompt file the parts use, built from configs into work/models (once: reused when present and of
@@ -101,12 +102,12 @@ def build_models(work: str, size: str, device: str) -> dict:
         json.dump({**config, "dtype": "bfloat16"}, f, indent=2)
     vlm = build_tiny_vlm(os.path.join(models, "vlm"))
     rng = random.Random(1)
-    prompts = write_jsonl(os.path.join(models, "prompts.jsonl"),
-                          [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)])
+    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)]
+    prompts = write_jsonl(os.path.join(models, "prompts.jsonl"), rows)
     timing, timing_prompts = build_timing_model(os.path.join(models, "timing"), size, device)
-    paths = {"size": size, "tiny": tiny["policy"], "reward_model": tiny["reward"], "tiny_bf16": tiny_bf16, "prompts": prompts,
-             "vlm": vlm["policy"], "vlm_data": vlm["data"], "vlm_reward": vlm["reward"], "timing": timing,
-             "timing_prompts": timing_prompts}
+    paths = {"size": size, "tiny": tiny["policy"], "reward_model": tiny["reward"], "tiny_bf16": tiny_bf16,
+             "prompts": prompts, "vlm": vlm["policy"], "vlm_data": vlm["data"], "vlm_reward": vlm["reward"],
+             "timing": timing, "timing_prompts": timing_prompts}
     with open(done, "w") as f:
         json.dump(paths, f)
     return paths
@@ -144,10 +145,10 @@ def build_timing_model(path: str, size: str, device: str) -> tuple[str, str]:
     return path, prompts
 
 
-# ---- Running the scripts ------------------------------------------------------------------------------------------------
+# ---- Running the scripts ---------------------------------------------------------------------------------------------
 
 class Part:
-    """What a part's process knows: where its runs go, the models, the device, and the commands it ran (for the report)."""
+    """What a part's process knows: where its runs go, the models, the device; the commands it ran, for the report."""
 
     def __init__(self, name: str, work: str, device: str, size: str, nproc: int, trl_python: str):
         self.device, self.size, self.nproc, self.trl_python = device, size, nproc, trl_python
@@ -163,8 +164,9 @@ class Part:
         with open(os.path.join(self.folder, "commands.json"), "w") as f:
             json.dump(self.commands, f)
 
-    def start(self, script: str, args: list, cwd: str, nproc=None, python=sys.executable) -> tuple[subprocess.Popen, str]:
-        """Start a script as a user would (under torchrun when nproc is given), through --measure for its peak memory."""
+    def start(self, script: str, args: list, cwd: str, nproc=None, python=sys.executable) -> tuple:
+        """Start a script as a user would (under torchrun when nproc is given), through --measure for its peak memory:
+        (the process, its log)."""
         os.makedirs(cwd, exist_ok=True)
         args = [str(a) for a in args]
         launcher = [python] if nproc is None else \
@@ -234,8 +236,9 @@ def peaks(cwd: str) -> dict:
 
 
 def measure(peak_file: str, script: str, args: list[str]) -> None:
-    """Run a script as `python SCRIPT args` would, and at its exit (atexit, or os._exit) write this process's peak memory
-    to peak_file.RANK: torch.cuda.max_memory_allocated when it used CUDA, and the resident set's high-water mark."""
+    """Run a script as `python SCRIPT args` would, and at its exit (atexit, or os._exit) write this process's peak
+    memory to peak_file.RANK: torch.cuda.max_memory_allocated when it used CUDA, and the resident set's high-water
+    mark."""
     import atexit
     import runpy
 
@@ -266,19 +269,24 @@ def measure(peak_file: str, script: str, args: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-# ---- The parts ----------------------------------------------------------------------------------------------------------
+# ---- The parts -------------------------------------------------------------------------------------------------------
 
 def tiny_args(part: Part, *flags: str, **options) -> list:
     """4 updates of 8 completions (2 prompts x 4) of up to 8 tokens of the tiny model, with a KL and a sample table,
     scored by the tiny reward model (its random head never ties the scores: every update moves the weights); options
     given by name replace these, and the flags follow."""
     defaults = {"model_name_or_path": part.models["tiny"], "dataset_name": part.models["prompts"],
-                "reward_model_path": part.models["reward_model"], "total_episodes": 32, "per_device_train_batch_size": 8,
-                "num_generations": 4, "max_completion_length": 8, "learning_rate": 3e-3, "beta": 0.05,
-                "num_sample_generations": 1, "run_name": "run"}
+                "reward_model_path": part.models["reward_model"], "total_episodes": 32,
+                "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
+                "learning_rate": 3e-3, "beta": 0.05, "num_sample_generations": 1, "run_name": "run"}
     if "reward_funcs" in options and "reward_model_path" not in options:
         del defaults["reward_model_path"]
-    return [item for name, value in {**defaults, **options}.items() for item in (f"--{name}", value)] + list(flags)
+    return as_args({**defaults, **options}) + list(flags)
+
+
+def as_args(options: dict) -> list:
+    """{"beta": 0.05, ...} as a command line's ["--beta", 0.05, ...]."""
+    return [item for name, value in options.items() for item in (f"--{name}", value)]
 
 
 def rloo_variant(*options):
@@ -315,7 +323,8 @@ def rloo_bf16_saved_model(p: Part) -> dict:
     after = load_file(os.path.join(p.folder, "runs", "run", "model", "model.safetensors"))
     changed = sum(int((after[k].float() != before[k].float()).sum()) for k in before)
     total = sum(v.numel() for v in before.values())
-    result.update(saved_dtype=str(next(iter(after.values())).dtype), fraction_of_weights_changed=round(changed / total, 4))
+    result.update(saved_dtype=str(next(iter(after.values())).dtype),
+                  fraction_of_weights_changed=round(changed / total, 4))
     if changed < 0.2 * total:
         raise RuntimeError(f"only {changed} of {total} weights changed: the small steps were rounded away ({result})")
     return result
@@ -336,7 +345,8 @@ def rloo_learns(p: Part) -> dict:
                                per_device_train_batch_size=32, beta=0, num_sample_generations=0, seed=3), cwd=p.folder)
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
         rewards = [json.loads(line)["reward"] for line in f]
-    result.update(reward_first_5=round(statistics.mean(rewards[:5]), 3), reward_last_5=round(statistics.mean(rewards[-5:]), 3))
+    result.update(reward_first_5=round(statistics.mean(rewards[:5]), 3),
+                  reward_last_5=round(statistics.mean(rewards[-5:]), 3))
     if result["reward_last_5"] < result["reward_first_5"] + 0.5:
         raise RuntimeError(f"the reward did not rise: {result}")
     return result
@@ -351,9 +361,10 @@ def memory_per_parameter(p: Part) -> dict:
 
 
 def multigpu(nproc_of, *options):
-    """rloo_multigpu.py: the same run whole, and killed (SIGKILL, every process) after its first checkpoint, then resumed
-    with `--resume_from_checkpoint latest`; the two must be the same run. A reward function that takes 0.25 s next to the
-    reward model keeps the updates slow enough to be killed in the middle of the run, however fast the GPU."""
+    """rloo_multigpu.py: the same run whole, and killed (SIGKILL, every process) after its first checkpoint, then
+    resumed with `--resume_from_checkpoint latest`; the two must be the same run. A reward function that takes 0.25 s
+    next to the reward model keeps the updates slow enough to be killed in the middle of the run, however fast the
+    GPU."""
     def part(p: Part) -> dict:
         nproc = nproc_of(p)
         args = tiny_args(p, "--bf16", "--gradient_checkpointing", *options, total_episodes=48, save_steps=2,
@@ -369,7 +380,8 @@ def multigpu(nproc_of, *options):
         if saved(os.path.join(killed, "runs", "run")):
             raise RuntimeError("the run ended before it could be killed; nothing was resumed")
         killed_at = logged(metrics)
-        resumed = p.rloo(*args, "--resume_from_checkpoint", "latest", cwd=killed, script="rloo_multigpu.py", nproc=nproc)
+        resumed = p.rloo(*args, "--resume_from_checkpoint", "latest", cwd=killed, script="rloo_multigpu.py",
+                         nproc=nproc)
         differences = compare_runs(os.path.join(p.folder, "whole", "runs", "run"), os.path.join(killed, "runs", "run"))
         result = {"processes": nproc, "killed_after_update": killed_at, "uninterrupted": whole, "resumed": resumed,
                   "resume_differences": differences or "none: the same run"}
@@ -421,15 +433,19 @@ def timing_args(p: Part, updates: int) -> dict:
 
 def timing_rloo(p: Part) -> dict:
     w = timing_args(p, updates=5)
-    output = p.run(os.path.join(ROOT, "rloo.py"), "--model_name_or_path", p.models["timing"], "--dataset_name",
-                   p.models["timing_prompts"], "--reward_funcs", "completion_length", "--num_generations",
-                   w["generations"], "--per_device_train_batch_size", w["completions"], "--max_completion_length",
-                   w["max_tokens"], "--total_episodes", w["completions"] * w["updates"], "--beta", 0.05,
-                   "--learning_rate", 1e-6, "--num_sample_generations", 0, "--dtype", "float32",
-                   "--bf16" if w["bf16"] else "--no_bf16", "--run_name", "run", cwd=p.folder)
+    options = {"model_name_or_path": p.models["timing"], "dataset_name": p.models["timing_prompts"],
+               "reward_funcs": "completion_length", "num_generations": w["generations"],
+               "per_device_train_batch_size": w["completions"], "max_completion_length": w["max_tokens"],
+               "total_episodes": w["completions"] * w["updates"], "beta": 0.05, "learning_rate": 1e-6,
+               "num_sample_generations": 0, "dtype": "float32", "run_name": "run"}
+    output = p.run(os.path.join(ROOT, "rloo.py"), *as_args(options), "--bf16" if w["bf16"] else "--no_bf16",
+                   cwd=p.folder)
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]  # the first update warms up
-    mean = lambda key: statistics.mean(r.get(key, 0.0) for r in rows)  # noqa: E731
+
+    def mean(key):
+        return statistics.mean(r.get(key, 0.0) for r in rows)
+
     stages = {stage: round(mean("time/" + stage), 4) for stage in STAGES}
     return {"workload": w, "seconds_per_update": round(mean("time/update"), 4),
             "seconds_per_update_min": round(min(r["time/update"] for r in rows), 4), "stages": stages,
@@ -442,23 +458,26 @@ def timing_rloo(p: Part) -> dict:
 def timing_trl(p: Part) -> dict:
     w = timing_args(p, updates=5)
     try:
-        found = subprocess.run([p.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
+        found = subprocess.run([p.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
+                               text=True)
     except OSError as e:
         raise Skip(f"--trl_python {p.trl_python} does not run: {e}")
     if found.returncode:
         raise Skip(f"TRL does not import with {p.trl_python}: {found.stderr.strip().splitlines()[-1:]}")
     steps = os.path.join(p.folder, "steps.jsonl")
-    p.run(os.path.join(ROOT, "benchmark", "trl_baseline.py"), "--model_dir", p.models["timing"], "--dataset",
-          p.models["timing_prompts"], "--reward", "completion_length", "--num_generations", w["generations"],
-          "--per_device_train_batch_size", w["completions"], "--max_completion_length", w["max_tokens"],
-          "--max_steps", w["updates"], "--beta", 0.05, "--learning_rate", 1e-6, "--bf16", str(w["bf16"]).lower(),
-          "--gradient_checkpointing", "false", "--output_dir", os.path.join(p.folder, "trl"), "--log_file", steps,
-          cwd=p.folder, python=p.trl_python)
+    options = {"model_dir": p.models["timing"], "dataset": p.models["timing_prompts"], "reward": "completion_length",
+               "num_generations": w["generations"], "per_device_train_batch_size": w["completions"],
+               "max_completion_length": w["max_tokens"], "max_steps": w["updates"], "beta": 0.05, "learning_rate": 1e-6,
+               "bf16": str(w["bf16"]).lower(), "gradient_checkpointing": "false",
+               "output_dir": os.path.join(p.folder, "trl"), "log_file": steps}
+    p.run(os.path.join(ROOT, "benchmark", "trl_baseline.py"), *as_args(options), cwd=p.folder, python=p.trl_python)
     with open(steps) as f:
-        rows = [json.loads(line) for line in f][1:]
-    return {"workload": w, "trl": found.stdout.strip(), "seconds_per_update": round(statistics.mean(r["seconds"] for r in rows), 4),
-            "seconds_per_update_min": round(min(r["seconds"] for r in rows), 4),
-            "tokens_per_completion": round(statistics.mean(r["completions/mean_length"] for r in rows), 1), **peaks(p.folder)}
+        rows = [json.loads(line) for line in f][1:]  # the first step warms up
+    seconds = [r["seconds"] for r in rows]
+    return {"workload": w, "trl": found.stdout.strip(), "seconds_per_update": round(statistics.mean(seconds), 4),
+            "seconds_per_update_min": round(min(seconds), 4),
+            "tokens_per_completion": round(statistics.mean(r["completions/mean_length"] for r in rows), 1),
+            **peaks(p.folder)}
 
 
 PARTS = {  # name: (function, is a timing)
@@ -494,7 +513,7 @@ def run_part(name: str, work: str, device: str, size: str, nproc: int, trl_pytho
         sys.exit(SKIPPED)
 
 
-# ---- The orchestration and the report -----------------------------------------------------------------------------------
+# ---- The orchestration and the report --------------------------------------------------------------------------------
 
 def kill_marked(marker: str, prefix: bool = False) -> None:
     """SIGKILL every other process whose environment holds MARKER=marker (or a marker that starts so, with prefix): what
@@ -515,7 +534,8 @@ def kill_marked(marker: str, prefix: bool = False) -> None:
 
 
 def launch(command: list[str], timeout: float, env: dict, marker: str) -> dict:
-    """Run one part's process under a time limit, every process it starts killed at the limit: status, seconds, output."""
+    """Run one part's process under a time limit, every process it starts killed at the limit: its status, seconds
+    and output."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**env, MARKER: marker},
@@ -593,17 +613,19 @@ def write_report(out: str, report: dict) -> None:
     for name, part in parts.items():
         numbers = part.get("reason") or brief(part.get("results", {}))
         lines.append(f"| {name} | {part['status']} | {part.get('seconds', '')} | {numbers} |")
-    timings = {name: parts[name]["results"] for name in ("timing_rloo", "timing_trl") if "results" in parts.get(name, {})}
+    timings = {name: parts[name]["results"] for name in ("timing_rloo", "timing_trl")
+               if "results" in parts.get(name, {})}
     if timings:
         workload = next(iter(timings.values()))["workload"]
         lines += ["", "## Seconds per update, rloo.py and TRL's RLOOTrainer", "",
-                  f"{workload['completions']} completions ({workload['completions'] // workload['generations']} prompts "
-                  f"x {workload['generations']}) of up to {workload['max_tokens']} tokens, "
+                  f"{workload['completions']} completions ({workload['completions'] // workload['generations']} "
+                  f"prompts x {workload['generations']}) of up to {workload['max_tokens']} tokens, "
                   f"{'bf16' if workload['bf16'] else 'fp32'}, mean of updates 2-{workload['updates']}, one after the "
                   "other with nothing else running.", "", "| | " + " | ".join(timings) + " |",
                   "|---|" + "---|" * len(timings)]
         rows = [("seconds per update", "seconds_per_update"), ("fastest update", "seconds_per_update_min"),
-                ("tokens per completion", "tokens_per_completion"), ("peak GPU memory (GiB)", "peak_cuda_max_allocated_gib"),
+                ("tokens per completion", "tokens_per_completion"),
+                ("peak GPU memory (GiB)", "peak_cuda_max_allocated_gib"),
                 ("peak resident memory (GiB)", "peak_max_rss_gib")]
         rows += [(f"{stage} (s)", stage) for stage in STAGES]
         for label, key in rows:
@@ -620,7 +642,8 @@ def write_report(out: str, report: dict) -> None:
     lines += ["", "## Commands", ""]
     for name, part in parts.items():
         lines += [f"- {name}: " + "; ".join(f"`{c}`" for c in part.get("commands", []))]
-    lines += ["", "Wheels: " + (", ".join(report["wheels"]) if isinstance(report["wheels"], list) else report["wheels"])]
+    wheels = report["wheels"]
+    lines += ["", "Wheels: " + (", ".join(wheels) if isinstance(wheels, list) else wheels)]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -639,10 +662,10 @@ def brief(results: dict) -> str:
 def check_folders(parser, cli) -> None:
     """Before anything runs: numbers in range, and folders the kit may write: --out new, or holding no report; --work
     new, empty, or one the kit made (it deletes its models/ and parts/ there), so that nothing of the user's is lost."""
-    for option, value, least in (("--jobs", cli.jobs, 1), ("--nproc", cli.nproc, 1), ("--part_timeout", cli.part_timeout, 1),
-                                 ("--deadline", cli.deadline, 1)):
-        if value is not None and not value >= least:
-            parser.error(f"{option} is {value}: give at least {least}")
+    for option, value in (("--jobs", cli.jobs), ("--nproc", cli.nproc), ("--part_timeout", cli.part_timeout),
+                          ("--deadline", cli.deadline)):
+        if value is not None and not value >= 1:
+            parser.error(f"{option} is {value}: give at least 1")
     if os.path.exists(cli.out) and not os.path.isdir(cli.out):
         parser.error(f"--out {cli.out} is a file: give a folder for report.md and report.json")
     if any(os.path.exists(os.path.join(cli.out, name)) for name in ("report.md", "report.json")):
@@ -674,7 +697,7 @@ def main():
     parser.add_argument("--work", default=None, help="scratch folder (models are reused from it when present)")
     parser.add_argument("--part", nargs=6, help=argparse.SUPPRESS)  # NAME WORK DEVICE SIZE NPROC TRL_PYTHON
     parser.add_argument("--models", nargs=3, help=argparse.SUPPRESS)  # WORK SIZE DEVICE
-    if sys.argv[1:2] == ["--measure"]:  # internal: --measure PEAK SCRIPT ARGS..., the script's arguments not ours to parse
+    if sys.argv[1:2] == ["--measure"]:  # internal: --measure PEAK SCRIPT ARGS... (the script's arguments, not ours)
         return measure(sys.argv[2], sys.argv[3], sys.argv[4:])
     cli = parser.parse_args()
     if cli.part:
