@@ -93,11 +93,21 @@ def test_a_failing_or_hanging_part_is_reported_and_killed_whole(tmp_path):
     start = time.perf_counter()
     hung = check.launch([sys.executable, "-c", hangs], 5, dict(os.environ), "c")
     assert hung["status"] == "timed out" and time.perf_counter() - start < 30
-    try:  # dead: a zombie until init reaps it, or gone
-        with open(f"/proc/{int(worker_pid.read_text())}/stat") as f:
-            assert f.read().split(") ")[-1].startswith("Z")
-    except FileNotFoundError:
-        pass
+    assert wait_until_dead([int(worker_pid.read_text())])
+
+
+def wait_until_dead(pids: list[int], seconds: float = 30) -> bool:
+    """Every one of pids dead (a zombie until init reaps it, or gone) within the time: SIGKILL takes a moment."""
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return not f.read().split(") ")[-1].startswith("Z")
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + seconds
+    while any(map(alive, pids)) and time.time() < deadline:
+        time.sleep(0.1)
+    return not any(map(alive, pids))
 
 
 def marked_processes(work) -> list[int]:
@@ -135,8 +145,7 @@ def test_a_stopped_check_kills_every_process_of_its_parts_and_keeps_the_report(t
         report = json.load(f)
     assert report["parts"]["rloo_learns"]["status"] == "interrupted" and report["interrupted_by"] == "SIGTERM"
     assert "| rloo_learns | interrupted |" in (out / "report.md").read_text()
-    time.sleep(0.5)
-    assert marked_processes(work) == []
+    assert wait_until_dead(marked_processes(work))
 
 
 def test_carried_wheels_go_first_on_the_parts_path(tmp_path):
