@@ -2623,6 +2623,8 @@ def claim_run(args, checkpoint: Optional[str], batch_size: int) -> tuple[str, st
         if get_rank() == 0:
             run_dir = run_dir_of(checkpoint) if checkpoint else claim_run_dir(args)
             lock = lock_run_dir(run_dir)
+            if checkpoint:  # the run may have gone on, and ended, between finding its newest checkpoint and the lock
+                find_checkpoint(checkpoint, None)
     run_dir = from_rank_0(run_dir)
     guard = RunGuard(args, run_dir, created=[] if checkpoint else [run_dir], batch_size=batch_size)
     guard.lock = lock  # held (open) until the process ends

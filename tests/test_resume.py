@@ -497,14 +497,30 @@ def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_m
 
 
 def test_a_resume_while_the_run_is_still_running_is_refused(tiny, prompts_file, tmp_path):
-    proc = start(tmp_path, *train_args(tiny, prompts_file, save_steps=1))
+    long_run = ("--total_episodes", 4800)  # 600 updates: still running when the second process starts, on any machine
+    proc = start(tmp_path, *train_args(tiny, prompts_file, *long_run, save_steps=1))
     try:
         wait_until(lambda: os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-1"), proc)
-        second = run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", "latest", save_steps=1), cwd=tmp_path)
+        second = run_rloo(*train_args(tiny, prompts_file, *long_run, "--resume_from_checkpoint", "latest", save_steps=1),
+                          cwd=tmp_path)
         check_one_line_error(second, "runs/run is in use by another run", f"(pid {proc.pid})")
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_run_that_went_on_after_its_newest_checkpoint_was_found_is_not_resumed(tmp_path, monkeypatch):
+    """Found "latest", then the run wrote a newer checkpoint (and ended) before this process took the lock: resuming
+    from the older one would train updates again over the newer one's folder. Refused once the lock is held."""
+    monkeypatch.chdir(tmp_path)
+    folder = os.path.join("runs", "run", "checkpoints")
+    make_checkpoint(os.path.join(folder, "checkpoint-4"))
+    found = rloo_utils.find_checkpoint("latest", "run")
+    make_checkpoint(os.path.join(folder, "checkpoint-5"))  # the other run, meanwhile
+    args = rloo.Args(run_name="run", resume_from_checkpoint="latest")
+    with pytest.raises(rloo_utils.UsageError, match="has a newer checkpoint, .*checkpoint-5, which resuming from"):
+        rloo_utils.claim_run(args, found, batch_size=8)
+    assert sorted(os.listdir(folder)) == ["checkpoint-4", "checkpoint-5"]  # nothing of the run touched
 
 
 def test_an_existing_file_as_output_dir_is_refused_before_training_and_kept(tiny, prompts_file, tmp_path):

@@ -361,13 +361,13 @@ def memory_per_parameter(p: Part) -> dict:
 
 
 def multigpu(nproc_of, *options):
-    """rloo_multigpu.py: the same run whole, and killed (SIGKILL, every process) after its first checkpoint, then
-    resumed with `--resume_from_checkpoint latest`; the two must be the same run. A reward function that takes 0.25 s
-    next to the reward model keeps the updates slow enough to be killed in the middle of the run, however fast the
-    GPU."""
+    """rloo_multigpu.py, 6 updates of 8 completions per process: the same run whole, and killed (SIGKILL, every
+    process) after its first checkpoint, then resumed with `--resume_from_checkpoint latest`; the two must be the same
+    run. A reward function that takes 0.25 s next to the reward model keeps the updates slow enough to be killed in the
+    middle of the run, however fast the GPU."""
     def part(p: Part) -> dict:
         nproc = nproc_of(p)
-        args = tiny_args(p, "--bf16", "--gradient_checkpointing", *options, total_episodes=48, save_steps=2,
+        args = tiny_args(p, "--bf16", "--gradient_checkpointing", *options, total_episodes=48 * nproc, save_steps=2,
                          reward_model_path=p.models["reward_model"], reward_funcs=f"{REWARDS}:slow_text_length")
         whole = p.rloo(*args, cwd=os.path.join(p.folder, "whole"), script="rloo_multigpu.py", nproc=nproc)
         killed = os.path.join(p.folder, "killed")
