@@ -684,7 +684,8 @@ def main():
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--size", choices=["full", "tiny"], default=None,
                         help="full: the timing model of Qwen2.5-0.5B's shape (default on cuda); tiny: a small one")
-    parser.add_argument("--only", nargs="+", choices=list(PARTS), help="run these parts alone")
+    parser.add_argument("--only", nargs="+", choices=list(PARTS), metavar="PART",
+                        help=f"run these parts alone: {', '.join(PARTS)}")
     parser.add_argument("--jobs", type=int, default=None, help="checks run at once (default: 4 on cuda, 1 on cpu)")
     parser.add_argument("--part_timeout", type=float, default=240, help="seconds each part may take")
     parser.add_argument("--deadline", type=float, default=560,
@@ -731,6 +732,8 @@ def main():
     wheels = install_wheels(cli.wheels, work, env)
     found = environment(env)
     if cli.device == "cuda" and not found.get("cuda_available"):
+        if not cli.work:  # the temporary folder this command made: nothing of it is kept
+            shutil.rmtree(work, ignore_errors=True)
         sys.exit(f"check.py: error: torch sees no CUDA device here ({found.get('error') or found.get('torch')}): "
                  "run with --device cpu --size tiny for the CPU check")
     nproc = cli.nproc or (len(found.get("devices") or []) if cli.device == "cuda" else 2)
