@@ -15,7 +15,7 @@ processes push the policy after every update, gathered one tensor at a time.
 
 Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
 of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
-of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils.py.
+of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils/.
 
     python rloo_multigpu.py --help                            # every option; batch sizes are per process
     torchrun --nproc_per_node 2 rloo_multigpu.py              # the embedded default on 2 processes
@@ -47,22 +47,29 @@ from rich.console import Console
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, ProgressBar, RewardLogs, RunError, RunGuard,
-                        StageTimer, Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes,
-                        bf16_by_default, builds_own_positions, call_reward_funcs, check_args, check_output_layer,
-                        check_reward_range, check_skipped_steps, claim_run, clip_bounds, completion_metrics,
-                        completion_rows, content_text, embedded_model, frozen_linear_weights_to, gather_objects,
-                        image_column, image_prompt_rows, image_token_ids, images_batch, left_pad, load_datasets,
-                        load_reward_model, load_tokenizers, lr_scheduler, model_dtype, open_logger, output_layer,
-                        output_layer_inputs, pack_sequences, packing_layout, parse_args, policy_class, prompt_batches,
-                        report_one_line_error, resume_point, resumed_counters, reward_model_inputs, reward_sources,
-                        set_rng_states, set_up_cuda, show_samples, stop_after_update_on_signals, stopped_message,
-                        update_metrics, varlen_kwargs, vision_inputs, weights_finite)
-from rloo_utils import (SHARED_SERVER, UsageError, VLLMServer, agreed, check_engine, check_vllm_args, empty_model,
-                        end_processes, generation_configs, launch_world_size, load_sharded_checkpoint, load_shards,
-                        merged_weights, pad_completions, rng_states_of_every_process, sampler_support,
-                        sampling_options, sampling_seeds, save_sharded_checkpoint, save_sharded_model, text_prompts,
-                        transformers_model, whole)
+from rloo_utils.checkpoints import (RunGuard, check_skipped_steps, claim_run, report_one_line_error, resume_point,
+                                    resumed_counters, rng_states_of_every_process, set_rng_states,
+                                    stop_after_update_on_signals, stopped_message)
+from rloo_utils.data import (EMBEDDED_DATASET, content_text, image_column, left_pad, load_datasets, prompt_batches,
+                             text_prompts)
+from rloo_utils.errors import NonFiniteWeights, RunError, Terminated, UsageError
+from rloo_utils.logs import (ProgressBar, StageTimer, completion_metrics, completion_rows, gather_objects, open_logger,
+                             show_samples, update_metrics)
+from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights, transformers_model
+from rloo_utils.models import (bf16_by_default, embedded_model, frozen_linear_weights_to, generation_configs,
+                               load_tokenizers, model_dtype, policy_class, set_up_cuda, weights_finite)
+from rloo_utils.options import (JsonObject, batch_sizes, check_args, clip_bounds, launch_world_size, lr_scheduler,
+                                parse_args)
+from rloo_utils.packing import (check_output_layer, output_layer, output_layer_inputs, pack_sequences, packing_layout,
+                                varlen_kwargs)
+from rloo_utils.processes import agreed, end_processes, whole
+from rloo_utils.rewards import (RewardLogs, TrainerState, call_reward_funcs, check_reward_range, reward_model_inputs,
+                                reward_sources)
+from rloo_utils.sharded import (empty_model, load_sharded_checkpoint, load_sharded_reward_model, load_shards,
+                                save_sharded_checkpoint, save_sharded_model)
+from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
+from rloo_utils.vllm_engine import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, pad_completions,
+                                    sampler_support, sampling_options, sampling_seeds)
 
 
 @dataclass
@@ -608,7 +615,7 @@ def main(args: Args) -> None:
         ref_policy = (empty_model(policy_class(policy_path), policy_path, model_dtype(args.dtype, policy_path),
                                   attn_implementation=args.attn_implementation).requires_grad_(False)
                       if args.beta > 0 and not args.use_peft else None)  # only the policy learns
-        reward_model = load_reward_model(args.reward_model_path, sharded=True) if args.reward_model_path else None
+        reward_model = load_sharded_reward_model(args.reward_model_path) if args.reward_model_path else None
     disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()

@@ -12,7 +12,7 @@ log-probs, as in rloo.py; vLLM's own log-probs measure the sampler-trainer misma
 
 Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
 of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
-of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils.py.
+of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils/.
 
     python rloo_vllm.py --help   # every option, its default and what it does
     python rloo_vllm.py          # the embedded default, as rloo.py's, with vLLM sampling
@@ -38,21 +38,27 @@ import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
-from rloo_utils import (EMBEDDED_DATASET, JsonObject, NonFiniteWeights, ProgressBar, RewardLogs, RunError, RunGuard,
-                        StageTimer, Terminated, TrainerState, adapter_disabled, add_adapter, batch_sizes,
-                        bf16_by_default, builds_own_positions, call_reward_funcs, check_args, check_output_layer,
-                        check_reward_range, check_skipped_steps, claim_run, clip_bounds, completion_metrics,
-                        completion_rows, content_text, embedded_model, frozen_linear_weights_to, gather_objects,
-                        image_column, image_prompt_rows, image_token_ids, images_batch, left_pad, load_datasets,
-                        load_reward_model, load_tokenizers, lr_scheduler, model_dtype, open_logger, output_layer,
-                        output_layer_inputs, pack_sequences, packing_layout, parse_args, policy_class, prompt_batches,
-                        report_one_line_error, resume_point, resumed_counters, reward_model_inputs, reward_sources,
-                        set_rng_states, set_up_cuda, show_samples, stop_after_update_on_signals, stopped_message,
-                        update_metrics, varlen_kwargs, vision_inputs, weights_finite)
-from rloo_utils import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, from_pretrained,
-                        load_checkpoint_weights, merged_weights, pad_completions, rng_states, row_images,
-                        sampler_support, sampling_options, sampling_seeds, save_model, start_colocated_engine,
-                        text_prompts, vllm_dtype, weight_push)
+from rloo_utils.checkpoints import (RunGuard, check_skipped_steps, claim_run, load_checkpoint_weights,
+                                    report_one_line_error, resume_point, resumed_counters, rng_states, save_model,
+                                    set_rng_states, stop_after_update_on_signals, stopped_message)
+from rloo_utils.data import (EMBEDDED_DATASET, content_text, image_column, left_pad, load_datasets, prompt_batches,
+                             row_images, text_prompts)
+from rloo_utils.errors import NonFiniteWeights, RunError, Terminated
+from rloo_utils.logs import (ProgressBar, StageTimer, completion_metrics, completion_rows, gather_objects, open_logger,
+                             show_samples, update_metrics)
+from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights
+from rloo_utils.models import (bf16_by_default, embedded_model, from_pretrained, frozen_linear_weights_to,
+                               load_reward_model, load_tokenizers, model_dtype, policy_class, set_up_cuda,
+                               weights_finite)
+from rloo_utils.options import JsonObject, batch_sizes, check_args, clip_bounds, lr_scheduler, parse_args
+from rloo_utils.packing import (check_output_layer, output_layer, output_layer_inputs, pack_sequences, packing_layout,
+                                varlen_kwargs)
+from rloo_utils.rewards import (RewardLogs, TrainerState, call_reward_funcs, check_reward_range, reward_model_inputs,
+                                reward_sources)
+from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
+from rloo_utils.vllm_engine import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, pad_completions,
+                                    sampler_support, sampling_options, sampling_seeds, start_colocated_engine,
+                                    vllm_dtype, weight_push)
 
 
 @dataclass

@@ -73,12 +73,12 @@ def label(name: str) -> str:
 
 
 def is_saved_model(folder: str) -> bool:
-    """rloo_utils.is_saved_model: a full model, its shards with their index, or a LoRA adapter."""
+    """is_saved_model: a full model, its shards with their index, or a LoRA adapter."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import rloo_utils  # imported here: it imports torch, which a parse error need not wait for
+    from rloo_utils.checkpoints import is_saved_model
 
-    return rloo_utils.is_saved_model(folder)
+    return is_saved_model(folder)
 
 
 def run_state(out: str, name: str) -> tuple[str, str]:

@@ -57,14 +57,14 @@ def generate_hf(model_path: str, prompts: list, max_new_tokens: int, temperature
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     import rloo
-    import rloo_utils
+    from rloo_utils.models import from_pretrained
 
     torch.manual_seed(seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = rloo_utils.from_pretrained(AutoTokenizer, model_path)
+    tokenizer = from_pretrained(AutoTokenizer, model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = rloo_utils.from_pretrained(AutoModelForCausalLM, model_path).to(device).eval()
+    model = from_pretrained(AutoModelForCausalLM, model_path).to(device).eval()
     _, stop_ids = rloo.end_token_ids(tokenizer, model.generation_config.eos_token_id, None, False)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
@@ -106,7 +106,7 @@ def check_model_folder(path: str, generator: str) -> None:
     """A local --model_name_or_path must hold a model (config.json, or a LoRA adapter's adapter_config.json, which
     HF generate loads on its base but a vLLM engine cannot): a run folder or an unfinished run is named as such,
     rather than left to the tokenizer's error."""
-    import rloo_utils
+    from rloo_utils.checkpoints import checkpoint_dirs, is_saved_model
 
     if generator == "vllm" and os.path.isfile(os.path.join(path, "adapter_config.json")):
         raise JudgeError(f"--model_name_or_path {path} holds a LoRA adapter, which a vLLM engine does not load as a "
@@ -116,12 +116,12 @@ def check_model_folder(path: str, generator: str) -> None:
                                                                                       "adapter_config.json")):
         return  # a hub id, a .gguf file, a model: loading it says what is wrong, if anything
     given = f"--model_name_or_path {path} holds no trained model (no config.json)"
-    model, checkpoints = os.path.join(path, "model"), rloo_utils.checkpoint_dirs(path)
-    if rloo_utils.is_saved_model(model):
+    model, checkpoints = os.path.join(path, "model"), checkpoint_dirs(path)
+    if is_saved_model(model):
         raise JudgeError(f"{given}: it is a run folder, whose model is {model}: give that")
     if checkpoints:
         policy = os.path.join(checkpoints[-1], "policy")
-        if rloo_utils.is_saved_model(policy):
+        if is_saved_model(policy):
             raise JudgeError(f"{given}: it is the folder of a run that has not finished; its newest checkpoint's model "
                              f"is {policy}: give that, or continue the run to its end")
         raise JudgeError(f"{given}: it is the folder of a run that has not finished, and its newest checkpoint "
@@ -138,12 +138,12 @@ def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperatu
     from transformers import AutoTokenizer, GenerationConfig
 
     import rloo
-    import rloo_utils
+    from rloo_utils.models import from_pretrained
 
     cpu = vllm_environment()
     from vllm import LLM, SamplingParams
 
-    tokenizer = rloo_utils.from_pretrained(AutoTokenizer, model_path)
+    tokenizer = from_pretrained(AutoTokenizer, model_path)
     ids, mask, _, _ = rloo.tokenize_prompts(tokenizer, prompts, max_prompt_length, torch.device("cpu"))
     try:  # the EOS ids the model declares, as HF generate stops at them
         model_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -244,13 +244,15 @@ def main(argv=None) -> int:
     base_url = cli.judge_base_url.rstrip("/")
     cli.model_name_or_path = os.path.expanduser(cli.model_name_or_path)  # (~: for the checks and every load)
 
-    import rloo_utils
+    from rloo_utils.data import load_prompt_dataset
+    from rloo_utils.errors import UsageError
+    from rloo_utils.models import from_pretrained
 
     try:  # everything that can be refused is checked before the model generates
         if cli.generator == "vllm":
             check_vllm()
         check_judge(base_url, cli.judge_model, cli.judge_api_key)
-        dataset = rloo_utils.load_prompt_dataset(os.path.expanduser(cli.dataset_name), cli.dataset_split)
+        dataset = load_prompt_dataset(os.path.expanduser(cli.dataset_name), cli.dataset_split)
         if dataset is None:
             raise JudgeError(f"dataset {cli.dataset_name} has no split {cli.dataset_split!r}: give --dataset_split")
         if cli.reference_column not in dataset.column_names:
@@ -259,10 +261,10 @@ def main(argv=None) -> int:
         from transformers import AutoTokenizer
 
         check_model_folder(cli.model_name_or_path, cli.generator)
-        rloo_utils.from_pretrained(AutoTokenizer, cli.model_name_or_path)  # the model is there (its tokenizer loads)
+        from_pretrained(AutoTokenizer, cli.model_name_or_path)  # the model is there (its tokenizer loads)
         if cli.output:
             open(cli.output, "x").close()  # claimed now, so that a second evaluation cannot write it too
-    except (JudgeError, rloo_utils.UsageError, OSError) as e:
+    except (JudgeError, UsageError, OSError) as e:
         parser.error(str(e))
     try:
         return evaluate(cli, dataset, base_url)
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
 
 def evaluate(cli, dataset, base_url: str) -> int:
     """Generate, judge, write --output and print the win rate."""
-    import rloo_utils
+    from rloo_utils.errors import UsageError
 
     dataset = dataset.select(range(min(cli.num_examples, len(dataset))))
     prompts, references = dataset["prompt"], [reference_text(r) for r in dataset[cli.reference_column]]
@@ -286,7 +288,7 @@ def evaluate(cli, dataset, base_url: str) -> int:
         else:
             completions = generate_hf(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
                                       cli.max_prompt_length, cli.batch_size, cli.seed)
-    except rloo_utils.UsageError as e:  # a tokenizer without a model beside it, damaged weights...
+    except UsageError as e:  # a tokenizer without a model beside it, damaged weights...
         sys.exit(f"judge.py: error: {e}")
 
     rng = random.Random(cli.seed)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
-import rloo_utils  # noqa: E402
+from rloo_utils.models import from_pretrained  # noqa: E402
 
 QWEN_SHAPE = "qwen2.5-0.5b-shape"
 
@@ -120,7 +120,7 @@ def load_policy(model_path: str):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     if model_path != QWEN_SHAPE:
-        return rloo_utils.from_pretrained(AutoModelForCausalLM, model_path)
+        return from_pretrained(AutoModelForCausalLM, model_path)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=1,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,

@@ -1,5 +1,5 @@
 """Bytes per parameter that a --bf16 run holds in weights, gradients and AdamW states, before and after frozen linear
-layers are held in bf16 (rloo_utils.frozen_linear_weights_to): a full fine-tune with a KL penalty, and LoRA.
+layers are held in bf16 (frozen_linear_weights_to): a full fine-tune with a KL penalty, and LoRA.
 
     python benchmark/memory_per_parameter.py            # a Llama of 109.5M random weights (~2 min on 2 CPU cores)
     python benchmark/memory_per_parameter.py --untied   # an LM head of its own, which is cast too
@@ -8,7 +8,7 @@ layers are held in bf16 (rloo_utils.frozen_linear_weights_to): a full fine-tune 
 The model is a Llama built from its config with random weights (by default hidden 768, 12 layers of 12 heads,
 intermediate 2048, vocabulary 32000, the LM head tied to the embeddings), on the CPU, set up as rloo.py main() sets it
 up: the full fine-tune's reference is copy.deepcopy(policy).eval().requires_grad_(False); LoRA's policy is
-rloo_utils.add_adapter(policy, ...) (by default adapters of rank 16 on every linear layer, as benchmark/lora.py) and
+add_adapter(policy, ...) (by default adapters of rank 16 on every linear layer, as benchmark/lora.py) and
 its reference is the same model with the adapters disabled, no copy; AdamW over the trainable parameters. "after"
 then applies frozen_linear_weights_to(model, torch.bfloat16) to the policy and the reference, as rloo.py does under
 --bf16; "before" skips it, which is what rloo.py did before. (rloo.py casts a reward model's linear layers too: no
@@ -42,7 +42,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
-import rloo_utils  # noqa: E402
+from rloo_utils.lora import adapter_disabled, add_adapter  # noqa: E402
+from rloo_utils.models import frozen_linear_weights_to  # noqa: E402
 
 STAGES = ["policy", "frozen", "gradients", "adamw"]
 
@@ -89,11 +90,11 @@ def measure(setup: str, variant: str, cli) -> dict:
                                      lora_target_modules=cli.lora_target_modules, lora_modules_to_save=None,
                                      use_dora=False, seed=cli.seed, sft_model_path=None,
                                      model_name_or_path="a random Llama")
-        policy = rloo_utils.add_adapter(policy, lora)
+        policy = add_adapter(policy, lora)
         ref = policy
     if variant == "after":
         for model in (policy, ref):
-            rloo_utils.frozen_linear_weights_to(model, torch.bfloat16)
+            frozen_linear_weights_to(model, torch.bfloat16)
 
     generator = torch.Generator().manual_seed(cli.seed)
     prompt_ids = torch.randint(cli.vocab_size, (cli.batch, cli.prompt_length), generator=generator)
@@ -107,7 +108,7 @@ def measure(setup: str, variant: str, cli) -> dict:
     policy.eval()
     with torch.no_grad(), autocast():
         policy_logprobs = rloo.completion_logprobs(policy, *batch)
-        with rloo_utils.adapter_disabled(ref):  # LoRA: the base; a full fine-tune's copy: as it is
+        with adapter_disabled(ref):  # LoRA: the base; a full fine-tune's copy: as it is
             ref_logprobs = rloo.completion_logprobs(ref.eval(), *batch)
     kl = {"equal": torch.equal(policy_logprobs, ref_logprobs),
           "max_abs_diff": float((policy_logprobs - ref_logprobs).abs().max()),

@@ -42,7 +42,8 @@ from rich.console import Console
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
-import rloo_utils  # noqa: E402
+from rloo_utils.models import from_pretrained  # noqa: E402
+from rloo_utils.packing import packing_layout  # noqa: E402
 
 PATHS = ["padded", "padding_free"]
 STAGES = ["old_logprobs", "reference_forward", "reward", "policy_forward_backward"]
@@ -63,20 +64,20 @@ def worker(path: str, cli) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    policy = rloo_utils.from_pretrained(AutoModelForCausalLM, cli.model).to(device)
+    policy = from_pretrained(AutoModelForCausalLM, cli.model).to(device)
     rloo.disable_dropout(policy)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy, as rloo.py makes it
-    config = rloo_utils.from_pretrained(AutoConfig, cli.model)
+    config = from_pretrained(AutoConfig, cli.model)
     config.num_labels = 1
     reward_model = AutoModelForSequenceClassification.from_config(config)
     reward_model.load_state_dict(policy.state_dict(), strict=False)  # the backbone's weights; the head stays random
     reward_model = reward_model.to(device).eval().requires_grad_(False)
-    tokenizer = rloo_utils.from_pretrained(AutoTokenizer, cli.model)
+    tokenizer = from_pretrained(AutoTokenizer, cli.model)
     console = Console(quiet=True)
     wanted = path == "padding_free"
-    packing = rloo_utils.packing_layout(policy, wanted, False, console, "policy")
+    packing = packing_layout(policy, wanted, False, console, "policy")
     backbone = getattr(reward_model, reward_model.base_model_prefix)
-    reward_packing = rloo_utils.packing_layout(backbone, wanted, False, console, "reward model")
+    reward_packing = packing_layout(backbone, wanted, False, console, "reward model")
     if wanted and (packing is None or reward_packing is None):
         sys.exit(f"padding_free.py: {cli.model} cannot run padding-free here")
 

@@ -59,7 +59,9 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rloo_vllm
-    import rloo_utils
+    from rloo_utils.data import load_datasets
+    from rloo_utils.models import embedded_model, from_pretrained
+    from rloo_utils.vllm_engine import sampling_options, sampling_seeds
 
     workdir = tempfile.TemporaryDirectory(prefix="vllm_sampling_seeds_")
     if options.preset == "tiny":
@@ -68,14 +70,14 @@ def main():
 
         model = build_tiny_models(workdir.name)["policy"]
     else:
-        model = rloo_utils.embedded_model()
+        model = embedded_model()
     args = tyro.cli(rloo_vllm.Args, use_underscores=True, args=[
         "--model_name_or_path", model, "--max_prompt_length", str(options.max_prompt_length), "--seed", str(options.seed),
         "--num_generations", str(G), "--max_completion_length", str(C), "--temperature", str(options.temperature),
         "--top_p", str(options.top_p), "--top_k", str(options.top_k)])
-    tokenizer = rloo_utils.from_pretrained(AutoTokenizer, args.model_name_or_path)
-    policy = rloo_utils.from_pretrained(AutoModelForCausalLM, args.model_name_or_path)
-    train, _ = rloo_utils.load_datasets(args)
+    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
+    policy = from_pretrained(AutoModelForCausalLM, args.model_name_or_path)
+    train, _ = load_datasets(args)
     texts = train[[i % len(train) for i in range(P)]]["prompt"]  # from the top again if the dataset has fewer
     prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(tokenizer, texts, args.max_prompt_length, torch.device("cpu"))
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
@@ -86,18 +88,18 @@ def main():
     print(f"{options.preset}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, engine up in "
           f"{time.perf_counter() - started:.0f} s; rollout {P} prompts x G={G} x {C} tokens = {P * G * C} tokens, "
           f"{options.repeats} repeats, {torch.get_num_threads()} threads")
-    sampling = rloo_utils.sampling_options(args, stop_ids=[], greedy=False)  # no end token: always C tokens
+    sampling = sampling_options(args, stop_ids=[], greedy=False)  # no end token: always C tokens
 
     def per_prompt(update):
         from vllm import SamplingParams
 
-        base = rloo_utils.sampling_seeds(args.seed, update, 1)[0]
+        base = sampling_seeds(args.seed, update, 1)[0]
         params = [SamplingParams(**sampling, n=G, seed=base + j * G, detokenize=False) for j in range(P)]
         outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(c.token_ids) for out in outputs for c in out.outputs]
 
     variants = {
-        "per-completion seed": lambda u: [ids for ids, _ in engine.generate(rows, sampling, rloo_utils.sampling_seeds(
+        "per-completion seed": lambda u: [ids for ids, _ in engine.generate(rows, sampling, sampling_seeds(
             args.seed, u, len(rows)))],
         "no seed": lambda u: [ids for ids, _ in engine.generate(rows, sampling, None)],
         "per-prompt seed, n=G": per_prompt,

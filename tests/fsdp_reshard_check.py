@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rloo_multigpu  # noqa: E402
-import rloo_utils  # noqa: E402
+from rloo_utils.models import from_pretrained, policy_class  # noqa: E402
+from rloo_utils.processes import end_processes  # noqa: E402
+from rloo_utils.sharded import empty_model, load_sharded_reward_model  # noqa: E402
 
 
 def gathered_names(model: torch.nn.Module) -> list[str]:
@@ -72,20 +74,20 @@ def main(out: str, policy_path: str, reward_path: str) -> None:
     reports = {}
 
     # The reference policy: one root (embeddings, norm, tied LM head) over the decoder layers' units
-    auto_class = rloo_utils.policy_class(policy_path)
-    reference = rloo_utils.empty_model(auto_class, policy_path, torch.float32).requires_grad_(False)
+    auto_class = policy_class(policy_path)
+    reference = empty_model(auto_class, policy_path, torch.float32).requires_grad_(False)
     reference = rloo_multigpu.shard(reference, mesh, False, False)
     ids, mask = inputs(reference.config.vocab_size, reference.config.pad_token_id, rank)
-    whole = rloo_utils.from_pretrained(auto_class, policy_path, dtype=torch.float32).eval()
+    whole = from_pretrained(auto_class, policy_path, dtype=torch.float32).eval()
     logits = lambda m: m(input_ids=ids, attention_mask=mask, use_cache=False).logits  # noqa: E731
     with torch.no_grad():
         expected = logits(whole)
     reports["reference"] = run_case(reference, lambda: logits(reference), lambda: expected)
 
     # The reward model: its backbone and score head, units of their own, called one by one (each becomes a root)
-    reward_model = rloo_utils.load_reward_model(reward_path, sharded=True)
+    reward_model = load_sharded_reward_model(reward_path)
     reward_model = rloo_multigpu.shard(reward_model, mesh, False, False)
-    whole = rloo_utils.from_pretrained(AutoModelForSequenceClassification, reward_path, num_labels=1,
+    whole = from_pretrained(AutoModelForSequenceClassification, reward_path, num_labels=1,
                                        dtype=torch.float32).eval()
     expected = rloo_multigpu.reward_model_scores(whole, ids, mask)
     reports["reward_model"] = run_case(reward_model, lambda: rloo_multigpu.reward_model_scores(reward_model, ids, mask),
@@ -97,7 +99,7 @@ def main(out: str, policy_path: str, reward_path: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(everyone, f, indent=1)
-    rloo_utils.end_processes(0)  # (as the scripts end: gloo's teardown at exit may abort a process)
+    end_processes(0)  # (as the scripts end: gloo's teardown at exit may abort a process)
 
 
 if __name__ == "__main__":

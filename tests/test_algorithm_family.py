@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rloo
-import rloo_utils
+from rloo_utils.options import check_args
 from conftest import read_metrics, run_rloo
 
 
@@ -19,7 +19,7 @@ def args_for(*argv: str) -> rloo.Args:
     import tyro
 
     args = tyro.cli(rloo.Args, args=list(argv), use_underscores=True)
-    rloo_utils.check_args(args)
+    check_args(args)
     return rloo.resolve_defaults(args)
 
 

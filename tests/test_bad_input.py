@@ -18,7 +18,12 @@ import tyro
 from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo, write_jsonl
 
 import rloo
-import rloo_utils
+from rloo_utils.data import load_datasets, load_prompt_dataset
+from rloo_utils.errors import UsageError
+from rloo_utils.models import check_reward_model_config, load_reward_tokenizer
+from rloo_utils.options import check_args
+from rloo_utils.rewards import call_reward_func
+from rloo_utils.vllm_engine import check_vllm_args
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 
@@ -132,12 +137,12 @@ OPTIONS = [
 
 @pytest.mark.parametrize("options,needle", OPTIONS, ids=[next(iter(o)) + str(i) for i, (o, _) in enumerate(OPTIONS)])
 def test_options_that_make_no_sense(options, needle):
-    with pytest.raises(rloo_utils.UsageError, match=re.escape(needle)):
-        rloo_utils.check_args(rloo.Args(**options))
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        check_args(rloo.Args(**options))
 
 
 def test_generation_kwargs_values_that_generate_takes_are_accepted():
-    rloo_utils.check_args(rloo.Args(generation_kwargs={"typical_p": 0.9, "no_repeat_ngram_size": 3}))
+    check_args(rloo.Args(generation_kwargs={"typical_p": 0.9, "no_repeat_ngram_size": 3}))
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -147,17 +152,17 @@ def test_generation_kwargs_values_that_generate_takes_are_accepted():
 def test_generation_kwargs_values_vllm_cannot_use_are_refused_before_loading(kwargs, needle):
     import rloo_vllm
 
-    with pytest.raises(rloo_utils.UsageError, match=re.escape(needle)):
-        rloo_utils.check_vllm_args(rloo_vllm.Args(generation_kwargs=kwargs), server=False)
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        check_vllm_args(rloo_vllm.Args(generation_kwargs=kwargs), server=False)
 
 
 def test_chat_template_kwargs_with_plain_string_prompts_are_refused(prompts_file):
-    with pytest.raises(rloo_utils.UsageError, match="--chat_template_kwargs goes to the chat template, but the"):
-        rloo_utils.load_datasets(rloo.Args(dataset_name=prompts_file, chat_template_kwargs={"enable_thinking": False}))
+    with pytest.raises(UsageError, match="--chat_template_kwargs goes to the chat template, but the"):
+        load_datasets(rloo.Args(dataset_name=prompts_file, chat_template_kwargs={"enable_thinking": False}))
 
 
 def test_infinite_values_that_mean_something_are_accepted():
-    rloo_utils.check_args(rloo.Args(max_grad_norm=math.inf, reward_clip_range=[-math.inf, 5.0]))  # no clipping; one-sided
+    check_args(rloo.Args(max_grad_norm=math.inf, reward_clip_range=[-math.inf, 5.0]))  # no clipping; one-sided
 
 
 THROUGH_THE_SCRIPT = [["--num_generations", 1], ["--beta", "nan"], ["--ppo_clip"], ["--save_steps", -1]]
@@ -170,8 +175,8 @@ def test_checked_before_models_load(extra, needles, prompts_file, tmp_path):
     # (each costs ~2 s of importing torch), except for a few that show the whole path is one line.
     if extra not in THROUGH_THE_SCRIPT:
         try:
-            rloo_utils.check_args(tyro.cli(rloo.Args, args=argv, use_underscores=True))
-        except rloo_utils.UsageError as e:
+            check_args(tyro.cli(rloo.Args, args=argv, use_underscores=True))
+        except UsageError as e:
             assert all(needle in str(e) for needle in needles), str(e)
             return
     # A policy path that would fail to load proves the check came first, unless the check is about that path.
@@ -216,8 +221,8 @@ def test_broken_reward_functions(func, needle, tiny, prompts_file, tmp_path):
     import reward_fixtures
 
     if func != "raises":  # in-process: the script's path to a one-line error is the same for all four
-        with pytest.raises(rloo_utils.UsageError, match=re.escape(needle)):
-            rloo_utils.call_reward_func(getattr(reward_fixtures, func), func, 16, completions=["x"] * 16, prompts=["p"] * 16)
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            call_reward_func(getattr(reward_fixtures, func), func, 16, completions=["x"] * 16, prompts=["p"] * 16)
         return
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
                     f"{REWARDS}:{func}", "--num_sample_generations", 0, "--output_dir", tmp_path / "out", cwd=tmp_path)
@@ -259,8 +264,8 @@ DATA = [
 @pytest.mark.parametrize("rows,needle", DATA, ids=[str(i) for i in range(len(DATA))])
 def test_bad_prompts_and_columns(rows, needle, tmp_path):
     data = write_jsonl(str(tmp_path / "d.jsonl"), rows)
-    with pytest.raises(rloo_utils.UsageError, match=re.escape(needle)):
-        rloo_utils.load_prompt_dataset(data, "train")
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        load_prompt_dataset(data, "train")
 
 
 def test_bad_prompts_are_one_line_before_anything_is_made(tmp_path):
@@ -285,8 +290,8 @@ def test_bad_data_files(files, needle, tmp_path):
     folder.mkdir()
     for name, content in files.items():
         (folder / name).write_bytes(content)
-    with pytest.raises(rloo_utils.UsageError, match=re.escape(needle.format(d=folder))):
-        rloo_utils.load_datasets(rloo.Args(dataset_name=str(folder)))
+    with pytest.raises(UsageError, match=re.escape(needle.format(d=folder))):
+        load_datasets(rloo.Args(dataset_name=str(folder)))
 
 
 def test_a_file_datasets_cannot_parse_is_one_line(tmp_path):
@@ -360,15 +365,15 @@ def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
     check_one_line_error(run(tiny["policy"]), f"--reward_model_path {tiny['policy']} is a LlamaForCausalLM, not a reward model")
     # The config checks in-process (the same function the script calls before any weights load)
     two_labels = save_classifier(tiny, tmp_path / "two_labels", num_labels=2)
-    with pytest.raises(rloo_utils.UsageError, match=f"--reward_model_path {two_labels} has 2 labels; a reward model has one"):
-        rloo_utils.check_reward_model_config(str(two_labels), tiny["tokenizer"], False)
+    with pytest.raises(UsageError, match=f"--reward_model_path {two_labels} has 2 labels; a reward model has one"):
+        check_reward_model_config(str(two_labels), tiny["tokenizer"], False)
     small = save_classifier(tiny, tmp_path / "small_vocab", num_labels=1, vocab_size=100)
-    assert rloo_utils.load_reward_tokenizer(str(small), tiny["tokenizer"], False) is None  # no tokenizer: it reads the policy's ids
-    with pytest.raises(rloo_utils.UsageError, match=re.escape(f"--reward_model_path {small} knows 100 token ids, but the policy's "
+    assert load_reward_tokenizer(str(small), tiny["tokenizer"], False) is None  # no tokenizer: it reads the policy's ids
+    with pytest.raises(UsageError, match=re.escape(f"--reward_model_path {small} knows 100 token ids, but the policy's "
                                                         "tokenizer (it has none of its own, so it reads those ids) has 400")):
-        rloo_utils.check_reward_model_config(str(small), tiny["tokenizer"], False)
-    with pytest.raises(rloo_utils.UsageError, match="but its own tokenizer has 400"):
-        rloo_utils.check_reward_model_config(str(small), tiny["tokenizer"], True)
+        check_reward_model_config(str(small), tiny["tokenizer"], False)
+    with pytest.raises(UsageError, match="but its own tokenizer has 400"):
+        check_reward_model_config(str(small), tiny["tokenizer"], True)
     # A config that names no architecture (as a GGUF file's), over weights that have no score head (a causal LM's)
     headless = tmp_path / "headless"
     shutil.copytree(tiny["policy"], headless)
@@ -390,13 +395,13 @@ def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
     ([2.0**200, 1.0], "returned 1.61e+60 at index 0, past the float32 range"),
 ])
 def test_reward_function_results_that_are_refused(returned, needle):
-    with pytest.raises(rloo_utils.UsageError, match=re.escape(f"reward function f {needle}")):
-        rloo_utils.call_reward_func(lambda **kwargs: returned, "f", 2, completions=["a", "b"])
+    with pytest.raises(UsageError, match=re.escape(f"reward function f {needle}")):
+        call_reward_func(lambda **kwargs: returned, "f", 2, completions=["a", "b"])
 
 
 def test_arrays_and_tensors_are_lists_of_floats():
-    assert rloo_utils.call_reward_func(lambda **kwargs: np.array([1, 2]), "f", 2).tolist() == [1.0, 2.0]
-    assert rloo_utils.call_reward_func(lambda **kwargs: torch.tensor([0.5, -1.0]), "f", 2).tolist() == [0.5, -1.0]
+    assert call_reward_func(lambda **kwargs: np.array([1, 2]), "f", 2).tolist() == [1.0, 2.0]
+    assert call_reward_func(lambda **kwargs: torch.tensor([0.5, -1.0]), "f", 2).tolist() == [0.5, -1.0]
 
 
 def test_a_reward_function_cannot_end_the_run_quietly(tiny, prompts_file, tmp_path):

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import rloo
-import rloo_utils
+from rloo_utils.data import load_prompt_dataset
+from rloo_utils.errors import UsageError
+from rloo_utils.options import batch_sizes, lr_scheduler
+from rloo_utils.rewards import call_reward_func, load_reward_func, reward_model_inputs
 
 pytestmark = pytest.mark.usefixtures("each_script")  # every test runs against every script that has the function
 
@@ -71,16 +74,16 @@ def test_whiten_nan_keeps_nan_rows_and_uses_the_others():
 
 
 def test_call_reward_func_turns_none_into_nan_and_checks_values():
-    out = rloo_utils.call_reward_func(lambda completions, **kw: [1, None, 2.5], "f", 3, completions=["a", "b", "c"])
+    out = call_reward_func(lambda completions, **kw: [1, None, 2.5], "f", 3, completions=["a", "b", "c"])
     assert out[0] == 1 and out[1].isnan() and out[2] == 2.5
-    with pytest.raises(rloo_utils.UsageError, match="reward function f returned nan at index 0"):
-        rloo_utils.call_reward_func(lambda **kw: [math.nan], "f", 1)
-    with pytest.raises(rloo_utils.UsageError, match="returned 'x'"):
-        rloo_utils.call_reward_func(lambda **kw: ["x"], "f", 1)
-    with pytest.raises(rloo_utils.UsageError, match="list of 2 floats"):
-        rloo_utils.call_reward_func(lambda **kw: [1.0], "f", 2)
-    with pytest.raises(rloo_utils.UsageError, match="f raised ZeroDivisionError"):
-        rloo_utils.call_reward_func(lambda **kw: [1 / 0], "f", 1)
+    with pytest.raises(UsageError, match="reward function f returned nan at index 0"):
+        call_reward_func(lambda **kw: [math.nan], "f", 1)
+    with pytest.raises(UsageError, match="returned 'x'"):
+        call_reward_func(lambda **kw: ["x"], "f", 1)
+    with pytest.raises(UsageError, match="list of 2 floats"):
+        call_reward_func(lambda **kw: [1.0], "f", 2)
+    with pytest.raises(UsageError, match="f raised ZeroDivisionError"):
+        call_reward_func(lambda **kw: [1 / 0], "f", 1)
 
 
 def test_vader_sentiment_reads_plain_and_conversational_completions():
@@ -91,15 +94,15 @@ def test_vader_sentiment_reads_plain_and_conversational_completions():
 
 
 def test_load_reward_func_by_name_module_and_file(tmp_path):
-    assert rloo_utils.load_reward_func("vader_sentiment", rloo.BUILTIN_REWARD_FUNCS) is rloo.vader_sentiment
-    assert rloo_utils.load_reward_func("math:sqrt", {})(4) == 2
+    assert load_reward_func("vader_sentiment", rloo.BUILTIN_REWARD_FUNCS) is rloo.vader_sentiment
+    assert load_reward_func("math:sqrt", {})(4) == 2
     file = tmp_path / "my_rewards.py"
     file.write_text("def shout(completions, **kw):\n    return [float(c.count('!')) for c in completions]\n")
-    assert rloo_utils.load_reward_func(f"{file}:shout", {})(completions=["a!!"]) == [2.0]
-    with pytest.raises(rloo_utils.UsageError, match="unknown reward function 'nope'"):
-        rloo_utils.load_reward_func("nope", rloo.BUILTIN_REWARD_FUNCS)
-    with pytest.raises(rloo_utils.UsageError, match="has no function 'missing'"):
-        rloo_utils.load_reward_func(f"{file}:missing", {})
+    assert load_reward_func(f"{file}:shout", {})(completions=["a!!"]) == [2.0]
+    with pytest.raises(UsageError, match="unknown reward function 'nope'"):
+        load_reward_func("nope", rloo.BUILTIN_REWARD_FUNCS)
+    with pytest.raises(UsageError, match="has no function 'missing'"):
+        load_reward_func(f"{file}:missing", {})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,13 +365,13 @@ def test_reward_model_inputs_in_its_own_tokens(tiny):
     text its special tokens and its EOS after a completion that ended, where the policy's ids would have theirs."""
     tok = with_bos(tiny["tokenizer"])
     eos = tok.eos_token_id
-    ids, mask = rloo_utils.reward_model_inputs(tok, ["the movie", "the film"], [" was good", " was"], torch.tensor([True, False]))
+    ids, mask = reward_model_inputs(tok, ["the movie", "the film"], [" was good", " was"], torch.tensor([True, False]))
     ended = tok("the movie was good")["input_ids"] + [eos]
     truncated = tok("the film was")["input_ids"]
     assert ids[0].tolist() == ended and ids[1, -len(truncated):].tolist() == truncated
     assert mask.sum(1).tolist() == [len(ended), len(truncated)]  # left-padded
     chat = [{"role": "user", "content": "the movie"}]
-    ids, _ = rloo_utils.reward_model_inputs(tok, [chat], ["was good"], torch.tensor([True]))
+    ids, _ = reward_model_inputs(tok, [chat], ["was good"], torch.tensor([True]))
     text = tok.apply_chat_template(chat + [{"role": "assistant", "content": "was good"}], tokenize=False)
     assert ids[0].tolist() == tok(text, add_special_tokens=False)["input_ids"]
 
@@ -378,16 +381,16 @@ def test_dataset_folder_gives_one_split_per_file(tmp_path):
 
     write_jsonl(str(tmp_path / "descriptiveness.jsonl"), [{"prompt": "a", "x": 1}, {"prompt": "b", "x": 2}])
     write_jsonl(str(tmp_path / "test.jsonl"), [{"prompt": "c", "x": 3}])
-    assert rloo_utils.load_prompt_dataset(str(tmp_path), "descriptiveness")["prompt"] == ["a", "b"]
-    assert rloo_utils.load_prompt_dataset(str(tmp_path), "test")["x"] == [3]
-    assert rloo_utils.load_prompt_dataset(str(tmp_path), "validation") is None
+    assert load_prompt_dataset(str(tmp_path), "descriptiveness")["prompt"] == ["a", "b"]
+    assert load_prompt_dataset(str(tmp_path), "test")["x"] == [3]
+    assert load_prompt_dataset(str(tmp_path), "validation") is None
 
 
 def test_lr_schedules_after_a_warmup_of_steps_or_of_a_fraction_of_them():
     def rates(kind, steps, warmup_steps=2, **kwargs):
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         args = rloo.Args(lr_scheduler_type=kind, warmup_steps=warmup_steps, lr_scheduler_kwargs=kwargs or None)
-        scheduler = rloo_utils.lr_scheduler(optimizer, args, total_steps=6)
+        scheduler = lr_scheduler(optimizer, args, total_steps=6)
         rates = []
         for _ in range(steps):
             rates.append(scheduler.get_last_lr()[0])
@@ -410,4 +413,4 @@ def test_lr_schedules_after_a_warmup_of_steps_or_of_a_fraction_of_them():
 
 def test_batch_semantics_follow_old_trl():
     args = rloo.Args(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2, total_episodes=100)
-    assert rloo_utils.batch_sizes(args) == (24, 12, 4)
+    assert batch_sizes(args) == (24, 12, 4)

@@ -14,7 +14,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from test_padding_free import ragged_batch, tiny_model
 
 import rloo  # noqa: E402  (each_script swaps in each script in turn)
-import rloo_utils  # noqa: E402
+from rloo_utils.lora import adapter_layers, merged_weight, merged_weights, plain_state_dict  # noqa: E402
+from rloo_utils.packing import PACKED_ROWS, pack_sequences, packing_layout, varlen_kwargs  # noqa: E402
+from rloo_utils.vllm_engine import VLLMServer, nccl_sender_parts, weight_push  # noqa: E402
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 CALLS = []  # what varlen_recorder saw, one dict per layer call
@@ -47,7 +49,7 @@ def test_varlen_kwargs_are_the_bounds_of_pack_sequences_one_row():
     prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
     mask = torch.cat([prompt_mask, completion_mask], 1)  # lengths 16, 4, 5, 5, 13, 11
     mask[2] = 0  # an empty row takes no place in the row
-    kwargs = rloo_utils.varlen_kwargs(mask, "one_row")
+    kwargs = varlen_kwargs(mask, "one_row")
     assert set(kwargs) == set(VARLEN)
     expected = torch.tensor([0, 16, 29, 40, 45, 49], dtype=torch.int32)  # longest first
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
@@ -57,10 +59,10 @@ def test_varlen_kwargs_are_the_bounds_of_pack_sequences_one_row():
         assert type(kwargs[name]) is int and kwargs[name] == 16
     # the bounds are where pack_sequences' one row starts each sequence (its position ids restart at 0)
     ids = torch.cat([prompt_ids, completion_ids], 1)
-    _, positions, _ = rloo_utils.pack_sequences(ids, mask, "one_row")
+    _, positions, _ = pack_sequences(ids, mask, "one_row")
     assert positions.shape == (1, 49)
     assert (positions[0] == 0).nonzero().flatten().tolist() == expected[:-1].tolist()
-    assert rloo_utils.varlen_kwargs(mask, "rows") == {}
+    assert varlen_kwargs(mask, "rows") == {}
 
 
 def test_one_row_forwards_hand_the_attention_each_sequences_bounds(each_script):
@@ -68,9 +70,9 @@ def test_one_row_forwards_hand_the_attention_each_sequences_bounds(each_script):
     the padded forward's; packing_layout picks the one-row layout for it (it is not in PACKED_ROWS)."""
     model = tiny_model("llama", "varlen_recorder")
     assert model.config._attn_implementation == "varlen_recorder"
-    assert "varlen_recorder" not in rloo_utils.PACKED_ROWS
+    assert "varlen_recorder" not in PACKED_ROWS
     CALLS.clear()
-    assert rloo_utils.packing_layout(model, True, False, Console(quiet=True), "policy") == "one_row"
+    assert packing_layout(model, True, False, Console(quiet=True), "policy") == "one_row"
     assert CALLS  # the probe ran through it
 
     batch, real = ragged_batch(), ragged_batch()[3].bool()
@@ -108,7 +110,7 @@ def test_one_row_reward_model_scores_hand_the_backbone_the_bounds(each_script):
     reward_model.config._attn_implementation = "varlen_recorder"
     CALLS.clear()
     packed = rloo.reward_model_scores(reward_model, ids, mask, "one_row")
-    assert len(CALLS) == 2 and all(torch.equal(call["cu_seq_lens_q"], rloo_utils.varlen_kwargs(mask, "one_row")
+    assert len(CALLS) == 2 and all(torch.equal(call["cu_seq_lens_q"], varlen_kwargs(mask, "one_row")
                                                ["cu_seq_lens_q"]) for call in CALLS)
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
 
@@ -136,7 +138,7 @@ def lora_policy():
 def test_merged_weights_in_bf16_are_the_fp32_weights_cast():
     model = llama_with_an_integer_buffer()
     state = model.state_dict()
-    pushed = dict(rloo_utils.merged_weights(model, dtype=torch.bfloat16))
+    pushed = dict(merged_weights(model, dtype=torch.bfloat16))
     assert list(pushed) == list(state)
     for name, tensor in pushed.items():
         if state[name].is_floating_point():
@@ -145,22 +147,22 @@ def test_merged_weights_in_bf16_are_the_fp32_weights_cast():
         else:
             assert tensor.dtype == torch.int64 and torch.equal(tensor, state[name]), name
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the trained weights stay as they are
-    assert all(t.dtype == state[k].dtype for k, t in rloo_utils.merged_weights(model))  # no dtype: as trained
+    assert all(t.dtype == state[k].dtype for k, t in merged_weights(model))  # no dtype: as trained
 
 
 def test_merged_lora_weights_in_bf16_are_the_fp32_merge_cast():
     policy = lora_policy()
-    layers = rloo_utils.adapter_layers(policy)
+    layers = adapter_layers(policy)
     assert len(layers) == 4  # q_proj and v_proj of 2 layers
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    plain = rloo_utils.plain_state_dict(policy)
-    pushed = dict(rloo_utils.merged_weights(policy, dtype=torch.bfloat16))
+    plain = plain_state_dict(policy)
+    pushed = dict(merged_weights(policy, dtype=torch.bfloat16))
     assert list(pushed) == list(plain) and not any("lora_" in name for name in pushed)
     merged_by_peft = copy.deepcopy(policy).merge_and_unload().state_dict()
     for name, tensor in pushed.items():
         assert tensor.dtype == torch.bfloat16, name
         if name in layers:
-            fp32 = rloo_utils.merged_weight(layers[name], plain[name])
+            fp32 = merged_weight(layers[name], plain[name])
             assert fp32.dtype == torch.float32
             assert not torch.equal(fp32, plain[name])  # the adapter is in it
             assert torch.equal(tensor, fp32.to(torch.bfloat16)), name
@@ -177,7 +179,7 @@ def test_weights_for_vllm_yields_the_engines_dtype(script, peft):
     policy = lora_policy() if peft else llama_with_an_integer_buffer()
     items = list(module.weights_for_vllm(policy, torch.bfloat16).items())
     assert items and all(t.dtype == (torch.bfloat16 if t.is_floating_point() else torch.int64) for _, t in items)
-    assert dict(items).keys() == rloo_utils.plain_state_dict(policy).keys()
+    assert dict(items).keys() == plain_state_dict(policy).keys()
     assert all(t.dtype == torch.float32 for _, t in module.weights_for_vllm(policy, None).items()
                if t.is_floating_point())
 
@@ -187,7 +189,7 @@ def test_nccl_weight_source_reports_the_push_dtype():
     follow. Building the parts connects nowhere (the HTTP client only keeps the url; a UDP connect sends nothing)."""
     model = llama_with_an_integer_buffer()
     for dtype in (torch.bfloat16, None):
-        init_info, client, source = rloo_utils.nccl_sender_parts("http://127.0.0.1:1", 1.0, 1, model, dtype)
+        init_info, client, source = nccl_sender_parts("http://127.0.0.1:1", 1.0, 1, model, dtype)
         assert init_info.rank == 0 and init_info.world_size == 2
         meta = source.metadata()
         state = model.state_dict()
@@ -196,7 +198,7 @@ def test_nccl_weight_source_reports_the_push_dtype():
             assert m.shape == tuple(state[m.name].shape)
             wanted = (dtype or state[m.name].dtype) if state[m.name].is_floating_point() else torch.int64
             assert m.dtype == wanted, m
-        source.weights = rloo_utils.merged_weights(model, dtype=dtype)
+        source.weights = merged_weights(model, dtype=dtype)
         sent = list(source)
         assert [(k, v.dtype, tuple(v.shape)) for k, v in sent] == [(m.name, m.dtype, m.shape) for m in meta]
 
@@ -215,18 +217,18 @@ def fake_cuda(monkeypatch):
 
 def test_weight_push_is_a_no_op_without_cuda(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with rloo_utils.weight_push():
+    with weight_push():
         fake_cuda.append("body")
     assert fake_cuda == ["body"]
 
 
 def test_weight_push_synchronises_before_and_empties_the_cache_after(fake_cuda):
-    with rloo_utils.weight_push():
+    with weight_push():
         fake_cuda.append("body")
     assert fake_cuda == ["synchronize", "body", "empty_cache"]
     fake_cuda.clear()
     with pytest.raises(ValueError, match="half-way"):
-        with rloo_utils.weight_push():
+        with weight_push():
             fake_cuda.append("body")
             raise ValueError("a push failed half-way")
     assert fake_cuda == ["synchronize", "body", "empty_cache"]
@@ -256,5 +258,5 @@ def test_the_pushes_go_through_weight_push(fake_cuda):
 
     server = types.SimpleNamespace(send_weights=send_weights)
     with pytest.raises(RuntimeError, match="went away"):
-        rloo_utils.VLLMServer.push_weights(server, policy, rloo_vllm.weights_for_vllm(policy, torch.bfloat16))
+        VLLMServer.push_weights(server, policy, rloo_vllm.weights_for_vllm(policy, torch.bfloat16))
     assert fake_cuda == ["synchronize", "send", "empty_cache"]

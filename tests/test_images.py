@@ -17,7 +17,12 @@ from conftest import (COLOURS, ROOT, VLM_CHAT_TEMPLATE, check_one_line_error, re
                       word_tokenizer, write_jsonl)
 
 import rloo
-import rloo_utils
+from rloo_utils.data import left_pad, with_image_placeholders
+from rloo_utils.lora import add_adapter
+from rloo_utils.models import generation_configs, load_tokenizers
+from rloo_utils.rewards import reward_model_inputs
+from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
+from rloo_utils.vllm_engine import engine_options, generate_request, prompt_runs, sampling_options
 
 VLM_ARGS = ("--num_generations", 4, "--per_device_train_batch_size", 32, "--gradient_accumulation_steps", 1,
             "--max_completion_length", 3, "--learning_rate", 3e-3, "--beta", 0.0, "--num_sample_generations", 0)
@@ -96,11 +101,11 @@ def logprobs_alone_and_together(model, prompt_ids, prompt_mask, image_rows, comp
     completion_mask = torch.ones_like(completion_ids)
     with torch.no_grad():
         together = rloo.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
-                                            images=rloo_utils.images_batch(image_rows, slice(0, None), "cpu", model.dtype))
+                                            images=images_batch(image_rows, slice(0, None), "cpu", model.dtype))
         alone = torch.cat([rloo.completion_logprobs(
             model, prompt_ids[i:i + 1, -int(prompt_mask[i].sum()):], prompt_mask[i:i + 1, -int(prompt_mask[i].sum()):],
             completion_ids[i:i + 1], completion_mask[i:i + 1], 1.0,
-            images=rloo_utils.images_batch(image_rows, slice(i, i + 1), "cpu", model.dtype)) for i in range(len(prompt_ids))])
+            images=images_batch(image_rows, slice(i, i + 1), "cpu", model.dtype)) for i in range(len(prompt_ids))])
     return together, alone
 
 
@@ -169,7 +174,7 @@ def test_adjacent_copies_of_a_prompt_share_their_image_tensors(tiny_vlm):
 
     processor = AutoProcessor.from_pretrained(tiny_vlm["policy"])
     prompt, images = [{"role": "user", "content": "what colour"}], colour_images(2)
-    rows, tensors = rloo_utils.image_prompt_rows(processor, [prompt] * 3 + [list(prompt)], [images[0]] * 3 + [images[1]], 64)
+    rows, tensors = image_prompt_rows(processor, [prompt] * 3 + [list(prompt)], [images[0]] * 3 + [images[1]], 64)
     assert tensors[0] is tensors[1] is tensors[2] and tensors[3] is not tensors[0]
     assert rows[0] == rows[3] and not torch.equal(tensors[0]["pixel_values"], tensors[3]["pixel_values"])
 
@@ -181,18 +186,18 @@ def test_image_tokens_are_never_sampled(tiny_vlm, tmp_path):
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm["policy"], dtype=torch.float32)
     image_id = model.config.image_token_id
-    assert rloo_utils.image_token_ids(model.config) == [image_id]
+    assert image_token_ids(model.config) == [image_id]
     with torch.no_grad():
         model.get_output_embeddings().weight[image_id] *= 1000  # tied: also its input embedding, harmless here
     _, (prompt_ids, prompt_mask, _, image_rows) = llava_batch(tiny_vlm, colour_images(2), ["what colour", "what colour"])
-    pixels = rloo_utils.images_batch(image_rows, slice(0, None), "cpu", model.dtype)
+    pixels = images_batch(image_rows, slice(0, None), "cpu", model.dtype)
     args = rloo.Args(max_completion_length=6, temperature=1.0)
-    for never_sampled, expect_image in (([], True), (rloo_utils.image_token_ids(model.config), False)):
-        sampling, greedy = rloo_utils.generation_configs(args, [2], 0, never_sampled)
+    for never_sampled, expect_image in (([], True), (image_token_ids(model.config), False)):
+        sampling, greedy = generation_configs(args, [2], 0, never_sampled)
         for config in (sampling, greedy):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **pixels)
             assert bool((out[:, prompt_ids.shape[1]:] == image_id).any()) == expect_image
-    options = rloo_utils.sampling_options(args, [2], False, [image_id])
+    options = sampling_options(args, [2], False, [image_id])
     assert options["logit_bias"] == {image_id: -100.0}
     from vllm import SamplingParams
 
@@ -243,18 +248,18 @@ def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path)
 
     path, tokenizer, image_processor = build_tiny_qwen2_vl(str(tmp_path / family), family)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype="auto")
-    assert model.dtype == torch.bfloat16 and rloo_utils.builds_own_positions(model)
+    assert model.dtype == torch.bfloat16 and builds_own_positions(model)
     images = colour_images(3, sizes=((28, 28), (56, 56), (56, 28)))
     rows, image_rows = [], []
     for text, image in zip(["what colour is this image", "what colour", "colour red blue is it"], images):
         encoded = image_processor(images=[image], return_tensors="pt")
         patches = int(encoded["image_grid_thw"].prod()) // 4
-        prompt = tokenizer.apply_chat_template(rloo_utils.with_image_placeholders([{"role": "user", "content": text}], 1),
+        prompt = tokenizer.apply_chat_template(with_image_placeholders([{"role": "user", "content": text}], 1),
                                                tokenize=False, add_generation_prompt=True)
         rows.append(tokenizer(prompt.replace("<|image_pad|>", "<|image_pad|>" * patches), add_special_tokens=False)["input_ids"])
         image_rows.append(dict(encoded))
     assert [int(r["image_grid_thw"].prod()) // 4 for r in image_rows] == [1, 4, 2]
-    prompt_ids, prompt_mask = rloo_utils.left_pad(rows, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id)
     completion_ids = torch.tensor([[7, 8, 2], [9, 7, 2], [8, 8, 2]])
     together, alone = logprobs_alone_and_together(model, prompt_ids, prompt_mask, image_rows, completion_ids)
     torch.testing.assert_close(together, alone, rtol=0, atol=0.02)  # bf16 weights, fp32 log-softmax
@@ -262,18 +267,18 @@ def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path)
     from types import SimpleNamespace
     lora = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"],
                            lora_modules_to_save=None, use_dora=False, seed=1, model_name_or_path=path, sft_model_path=None)
-    adapted = rloo_utils.add_adapter(model, lora)
-    assert rloo_utils.builds_own_positions(adapted)
+    adapted = add_adapter(model, lora)
+    assert builds_own_positions(adapted)
     torch.testing.assert_close(logprobs_alone_and_together(adapted, prompt_ids, prompt_mask, image_rows, completion_ids)[0],
                                together, rtol=0, atol=0)
     args = rloo.Args(max_completion_length=4, temperature=1.0)
-    sampling, _ = rloo_utils.generation_configs(args, [2], 0, rloo_utils.image_token_ids(model.config))
-    pixels = rloo_utils.images_batch(image_rows, slice(0, None), "cpu", model.dtype)
+    sampling, _ = generation_configs(args, [2], 0, image_token_ids(model.config))
+    pixels = images_batch(image_rows, slice(0, None), "cpu", model.dtype)
     with torch.no_grad():
         model.get_output_embeddings().weight[model.config.image_token_id] *= 100
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling,
-                             **rloo_utils.vision_inputs(model, prompt_ids, pixels))
-    assert not torch.isin(out[:, prompt_ids.shape[1]:], torch.tensor(rloo_utils.image_token_ids(model.config))).any()
+                             **vision_inputs(model, prompt_ids, pixels))
+    assert not torch.isin(out[:, prompt_ids.shape[1]:], torch.tensor(image_token_ids(model.config))).any()
 
 
 def test_vllm_gets_the_images_in_its_own_input_format(tiny_vlm, monkeypatch):
@@ -299,7 +304,7 @@ def test_vllm_gets_the_images_in_its_own_input_format(tiny_vlm, monkeypatch):
     assert parsed.get_count("image") == 1
     # A real folder (config and processor, as the engine's): with HF_HUB_OFFLINE=1 EngineArgs resolves the model as a
     # local path or a cached hub id, and a made-up path is neither
-    options = rloo_utils.engine_options(rloo_vllm.Args(), tiny_vlm["policy"], torch.device("cpu"), multimodal=True)
+    options = engine_options(rloo_vllm.Args(), tiny_vlm["policy"], torch.device("cpu"), multimodal=True)
     assert options["skip_tokenizer_init"] is False and EngineArgs(**options).skip_tokenizer_init is False
 
 
@@ -313,15 +318,15 @@ def test_a_vllm_server_gets_the_images_beside_the_token_ids(tiny_vlm):
     from vllm.multimodal.media import MediaConnector
 
     image = colour_images(2, sizes=((20, 16),))[1]
-    options = rloo_utils.sampling_options(rloo_vllm.Args(max_completion_length=3), [2], False, [3])
-    body = rloo_utils.generate_request([1, 3, 3, 3, 3, 5], image, options, 7, 4)
+    options = sampling_options(rloo_vllm.Args(max_completion_length=3), [2], False, [3])
+    body = generate_request([1, 3, 3, 3, 3, 5], image, options, 7, 4)
     request = GenerateRequest.model_validate(json.loads(json.dumps(body)))
     params = request.sampling_params
     assert (request.token_ids, params.n, params.seed, params.logit_bias, params.logprobs) == ([1, 3, 3, 3, 3, 5], 4, 7,
                                                                                               {3: -100.0}, 0)
     decoded = MediaConnector().fetch_image(request.content_parts[0]["url"])
     assert decoded.size == (20, 16) and decoded.getpixel((5, 5)) == image.getpixel((5, 5))
-    assert rloo_utils.prompt_runs([[1], [1], [1], [1]], None, [image, image, "other", "other"]) == [(0, 2), (2, 4)]
+    assert prompt_runs([[1], [1], [1], [1]], None, [image, image, "other", "other"]) == [(0, 2), (2, 4)]
 
 
 def bad_vlm_data(tmp_path, rows, files=None):
@@ -389,8 +394,8 @@ def test_a_text_reward_model_scores_the_text_of_image_prompts(tiny_vlm, tiny, tm
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(f"rewards/{name}/mean" in rows[0] for name in ("reward", "colour_named"))
     args = rloo.Args(model_name_or_path=tiny_vlm["policy"], reward_model_path=tiny["reward"])
-    tokenizer = rloo_utils.load_tokenizers(args, [{"role": "user", "content": "hi"}], "image")[1]
-    ids, _ = rloo_utils.reward_model_inputs(tokenizer, [[{"role": "user", "content": [{"type": "image"}, {
+    tokenizer = load_tokenizers(args, [{"role": "user", "content": "hi"}], "image")[1]
+    ids, _ = reward_model_inputs(tokenizer, [[{"role": "user", "content": [{"type": "image"}, {
         "type": "text", "text": "what colour"}]}]], ["red"], torch.tensor([True]))
     texts = tokenizer.decode(ids[0])
     assert "what colour" in texts and "red" in texts and "image" not in texts

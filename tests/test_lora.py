@@ -18,7 +18,10 @@ import torch
 
 from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo, wait_for_updates
 
-import rloo_utils
+from rloo_utils.checkpoints import is_saved_model
+from rloo_utils.errors import UsageError
+from rloo_utils.lora import add_adapter, merged_weights
+from rloo_utils.sharded import empty_model
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 
@@ -48,10 +51,10 @@ def test_merged_weights_are_peft_merge_and_leave_the_trained_copy_unchanged(tiny
     from transformers import AutoModelForCausalLM
 
     options = lora_options(use_dora=dora, lora_modules_to_save=["norm"] if dora else None)  # every norm trained in full
-    model = rloo_utils.add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), options)
+    model = add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), options)
     trained_a_little(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    merged = dict(rloo_utils.merged_weights(model))
+    merged = dict(merged_weights(model))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # not merged in place and back
 
     expected = copy.deepcopy(model).merge_and_unload().state_dict()  # peft's own merge
@@ -73,9 +76,9 @@ def test_an_adapter_drawn_on_a_model_built_empty_is_the_one_drawn_on_the_loaded_
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(123)
-    loaded = rloo_utils.add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), lora_options(seed=7))
+    loaded = add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), lora_options(seed=7))
     torch.manual_seed(456)
-    empty = rloo_utils.add_adapter(rloo_utils.empty_model(AutoModelForCausalLM, tiny["policy"], torch.float32),
+    empty = add_adapter(empty_model(AutoModelForCausalLM, tiny["policy"], torch.float32),
                                    lora_options(seed=7))
     adapter = {name: p for name, p in loaded.named_parameters() if ".lora_" in name}
     assert empty.adapter_init.keys() == adapter.keys() and len(adapter) == 2 * 7 * 2  # A and B, 7 linear layers, 2 layers
@@ -88,12 +91,12 @@ def test_dora_on_a_transposed_layer_is_one_line():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
-    with pytest.raises(rloo_utils.UsageError, match="--use_dora on transformer.h.0.attn.c_attn, a layer that stores"):
-        rloo_utils.add_adapter(model, lora_options(lora_target_modules=["c_attn"], use_dora=True))
-    adapted = rloo_utils.add_adapter(GPT2LMHeadModel(model.config), lora_options(lora_target_modules=["c_attn"]))
+    with pytest.raises(UsageError, match="--use_dora on transformer.h.0.attn.c_attn, a layer that stores"):
+        add_adapter(model, lora_options(lora_target_modules=["c_attn"], use_dora=True))
+    adapted = add_adapter(GPT2LMHeadModel(model.config), lora_options(lora_target_modules=["c_attn"]))
     trained_a_little(adapted)  # plain LoRA on it merges as peft does
     expected = copy.deepcopy(adapted).merge_and_unload().state_dict()
-    assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in rloo_utils.merged_weights(adapted))
+    assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in merged_weights(adapted))
 
 
 def base_args(tiny, data, *extra):
@@ -140,7 +143,7 @@ def test_every_script_trains_the_adapter_and_saves_what_peft_loads(script, tiny,
 
     run = tmp_path / "runs" / "run"
     output = run / "model"
-    assert rloo_utils.is_saved_model(str(output)) and not (output / "model.safetensors").exists()
+    assert is_saved_model(str(output)) and not (output / "model.safetensors").exists()
     adapter = load_file(output / "adapter_model.safetensors")
     assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
     assert any(t.any() for k, t in adapter.items() if ".lora_B." in k)  # B moved away from 0

@@ -14,7 +14,9 @@ from conftest import run_rloo
 from test_multigpu import run_torchrun
 
 import rloo  # noqa: E402  (each_script swaps in each script in turn)
-import rloo_utils  # noqa: E402
+from rloo_utils.checkpoints import check_resumable  # noqa: E402
+from rloo_utils.errors import UsageError  # noqa: E402
+from rloo_utils.packing import check_output_layer, pack_sequences, packing_layout  # noqa: E402
 
 
 def tiny_model(family: str, attention: str):
@@ -60,7 +62,7 @@ def test_pack_sequences_packs_real_tokens_with_positions_restarting():
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     lengths = mask.sum(1)  # 16, 4, 5, 5, 13, 11
     for layout, rows, length in [("rows", 4, 16), ("one_row", 1, 54)]:
-        packed, positions, index = rloo_utils.pack_sequences(ids, mask, layout)
+        packed, positions, index = pack_sequences(ids, mask, layout)
         assert packed.shape == positions.shape == (rows, length)
         real = mask.bool()
         assert torch.equal(packed.flatten()[index[real]], ids[real])  # every real token, where index says
@@ -142,9 +144,9 @@ def test_a_model_that_changes_its_logits_otherwise_is_refused_in_one_line():
 
     model = tiny_model("llama", "sdpa")
     shifted = Shifted(model.config).eval()
-    with pytest.raises(rloo_utils.UsageError, match="Shifted changes its logits after its output layer"):
-        rloo_utils.check_output_layer(shifted, contextlib.nullcontext, "policy")
-    rloo_utils.check_output_layer(model, contextlib.nullcontext, "policy")
+    with pytest.raises(UsageError, match="Shifted changes its logits after its output layer"):
+        check_output_layer(shifted, contextlib.nullcontext, "policy")
+    check_output_layer(model, contextlib.nullcontext, "policy")
 
 
 def test_packed_reward_model_scores_are_the_padded_ones(each_script, tiny):
@@ -167,16 +169,16 @@ def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
     (the probe finds it, and the log-probs would differ); image prompts are never packed."""
     console = Console(record=True, width=200)
     opt = tiny_model("opt", "sdpa")
-    assert rloo_utils.packing_layout(opt, True, False, console, "policy") is None
+    assert packing_layout(opt, True, False, console, "policy") is None
     assert "policy: padded forwards, not padding-free: with attention 'sdpa', OPTForCausalLM lets packed sequences " \
            "see each other" in console.export_text()
     batch, real = ragged_batch(), ragged_batch()[3].bool()
     padded = rloo.completion_logprobs(opt, *batch, 1.0)
     assert not torch.allclose(rloo.completion_logprobs(opt, *batch, 1.0, packing="rows")[real], padded[real], atol=1e-3)
     llama = tiny_model("llama", "sdpa")
-    assert rloo_utils.packing_layout(llama, True, True, console, "policy") is None
+    assert packing_layout(llama, True, True, console, "policy") is None
     assert "policy: padded forwards, not padding-free: image prompts are not packed" in console.export_text()
-    assert rloo_utils.packing_layout(llama, False, False, console, "policy") is None  # --no_padding_free
+    assert packing_layout(llama, False, False, console, "policy") is None  # --no_padding_free
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
@@ -218,9 +220,9 @@ def test_a_run_started_before_padding_free_resumes_padded_only(tmp_path):
     saved = json.loads(json.dumps(dataclasses.asdict(args)))
     del saved["padding_free"]
     (tmp_path / "args.json").write_text(json.dumps(saved))
-    with pytest.raises(rloo_utils.UsageError, match="--padding_free is True here but False in"):
-        rloo_utils.check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
-    rloo_utils.check_resumable(dataclasses.replace(args, padding_free=False), str(tmp_path), rloo.RESUMABLE_CHANGES)
+    with pytest.raises(UsageError, match="--padding_free is True here but False in"):
+        check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
+    check_resumable(dataclasses.replace(args, padding_free=False), str(tmp_path), rloo.RESUMABLE_CHANGES)
 
 
 def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_cannot_pick_from():
@@ -233,7 +235,7 @@ def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_ca
     seen = []
     llama.model.register_forward_hook(lambda module, args, out: seen.append(torch.is_autocast_enabled("cpu")))
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-    assert rloo_utils.packing_layout(llama, True, False, Console(quiet=True), "policy", bf16) == "rows"
+    assert packing_layout(llama, True, False, Console(quiet=True), "policy", bf16) == "rows"
     assert seen == [True, True, True]
 
     class LogitsByHand(transformers.LlamaForCausalLM):
@@ -243,8 +245,8 @@ def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_ca
 
     console = Console(record=True, width=200)
     by_hand = LogitsByHand(llama.config).eval()
-    assert rloo_utils.packing_layout(by_hand, True, False, console, "policy") is None
+    assert packing_layout(by_hand, True, False, console, "policy") is None
     assert ("LogitsByHand fails the packing probe (AssertionError: its output layer was not given the positions "
             "picked)") in console.export_text()
-    with pytest.raises(rloo_utils.UsageError, match="LogitsByHand makes its logits without calling its output layer"):
-        rloo_utils.check_output_layer(by_hand, contextlib.nullcontext, "policy")  # which every script runs at start
+    with pytest.raises(UsageError, match="LogitsByHand makes its logits without calling its output layer"):
+        check_output_layer(by_hand, contextlib.nullcontext, "policy")  # which every script runs at start

@@ -25,7 +25,9 @@ from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo
 from test_multigpu import run_torchrun
 
 import rloo
-import rloo_utils
+from rloo_utils.errors import NonFiniteWeights
+from rloo_utils.models import (bf16_by_default, checkpoint_dtype, expandable_segments_by_default,
+                               frozen_linear_weights_to, model_dtype, set_up_cuda, weights_finite)
 
 RUN_PATCHED = os.path.join(ROOT, "tests", "run_patched.py")
 
@@ -133,9 +135,9 @@ def float16_policy(tiny, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("float16") / "policy")
     AutoModelForCausalLM.from_pretrained(tiny["policy"]).to(torch.float16).save_pretrained(path)
     tiny["tokenizer"].save_pretrained(path)
-    assert rloo_utils.checkpoint_dtype(path) == torch.float16
-    assert rloo_utils.model_dtype("auto", path) == torch.float32
-    assert rloo_utils.model_dtype("auto", tiny["policy"]) == "auto"  # (a float32 checkpoint: its own)
+    assert checkpoint_dtype(path) == torch.float16
+    assert model_dtype("auto", path) == torch.float32
+    assert model_dtype("auto", tiny["policy"]) == "auto"  # (a float32 checkpoint: its own)
     return path
 
 
@@ -169,7 +171,7 @@ def test_an_optimizer_step_past_the_float32_range_raises(name):
     optimizer = torch.optim.AdamW(layer.parameters(), lr=3e37, weight_decay=0.0)
     loss = -layer(torch.ones(1, 2)).sum()  # finite (-3e38), as its gradient (-1, -1): a step of ~lr pushes 3e38 up
     loss.backward()
-    with pytest.raises(rloo_utils.NonFiniteWeights, match="lower --learning_rate"):
+    with pytest.raises(NonFiniteWeights, match="lower --learning_rate"):
         script.optimizer_step(layer, optimizer, 1.0, loss.detach())
     assert not torch.isfinite(layer.weight).all()  # (the step did overflow)
     # a step that stays in range is taken as before
@@ -182,9 +184,9 @@ def test_an_optimizer_step_past_the_float32_range_raises(name):
 
 
 def test_weights_finite():
-    assert rloo_utils.weights_finite([torch.ones(3), torch.zeros(2, 2)])
-    assert not rloo_utils.weights_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
-    assert not rloo_utils.weights_finite([torch.tensor([float("-inf")])])
+    assert weights_finite([torch.ones(3), torch.zeros(2, 2)])
+    assert not weights_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
+    assert not weights_finite([torch.tensor([float("-inf")])])
 
 
 # The second optimizer step writes a NaN into a weight (a step with a finite gradient that goes wrong); of a sharded
@@ -251,12 +253,12 @@ def test_nan_weights_at_the_first_step_save_nothing(tiny, prompts_file, tmp_path
 # ---- bf16 by default on a bf16 GPU, TF32 ----------------------------------------------------------------------------
 def test_bf16_is_on_by_default_only_on_a_gpu_that_computes_it(each_script, monkeypatch):
     assert not torch.cuda.is_available()  # (this machine)
-    assert rloo_utils.bf16_by_default() is False and rloo.Args().bf16 is False
+    assert bf16_by_default() is False and rloo.Args().bf16 is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a V100, a T4
-    assert rloo_utils.bf16_by_default() is False and rloo.Args().bf16 is False
+    assert bf16_by_default() is False and rloo.Args().bf16 is False
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert rloo_utils.bf16_by_default() is True and rloo.Args().bf16 is True
+    assert bf16_by_default() is True and rloo.Args().bf16 is True
     assert rloo.Args(bf16=False).bf16 is False and rloo.Args().tf32 is True
 
 
@@ -264,12 +266,12 @@ def test_tf32_is_set_on_a_gpu_only(monkeypatch):
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
     try:
-        rloo_utils.set_up_cuda(True)  # no GPU: left alone
+        set_up_cuda(True)  # no GPU: left alone
         assert matmul.fp32_precision == before
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        rloo_utils.set_up_cuda(True)
+        set_up_cuda(True)
         assert matmul.fp32_precision == "tf32"
-        rloo_utils.set_up_cuda(False)
+        set_up_cuda(False)
         assert matmul.fp32_precision == "ieee"
     finally:
         matmul.fp32_precision = before
@@ -286,7 +288,7 @@ def test_frozen_linear_weights_in_bf16_compute_what_autocast_computes_from_fp32(
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     assert policy.lm_head.weight is policy.model.embed_tokens.weight  # tied
     reference = copy.deepcopy(policy).requires_grad_(False)
-    rloo_utils.frozen_linear_weights_to(reference, torch.bfloat16)
+    frozen_linear_weights_to(reference, torch.bfloat16)
     dtypes = linear_dtypes(reference)
     assert dtypes.pop("lm_head") == torch.float32  # shared with the embeddings: kept
     assert len(dtypes) == 14 and set(dtypes.values()) == {torch.bfloat16}, dtypes  # 7 per layer
@@ -297,13 +299,13 @@ def test_frozen_linear_weights_in_bf16_compute_what_autocast_computes_from_fp32(
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(reference(**ids).logits, policy(**ids).logits)  # to the last bit
     # a trained model (the policy) and dtype None are left as they are
-    rloo_utils.frozen_linear_weights_to(policy, torch.bfloat16)
+    frozen_linear_weights_to(policy, torch.bfloat16)
     frozen = copy.deepcopy(policy).requires_grad_(False)
-    rloo_utils.frozen_linear_weights_to(frozen, None)
+    frozen_linear_weights_to(frozen, None)
     assert set(linear_dtypes(policy).values()) == set(linear_dtypes(frozen).values()) == {torch.float32}
     # a reward model: its score head too
     reward = AutoModelForSequenceClassification.from_pretrained(tiny["reward"]).eval().requires_grad_(False)
-    rloo_utils.frozen_linear_weights_to(reward, torch.bfloat16)
+    frozen_linear_weights_to(reward, torch.bfloat16)
     assert set(linear_dtypes(reward).values()) == {torch.bfloat16}
 
 
@@ -314,7 +316,7 @@ def test_a_lora_policys_base_layers_in_bf16_but_not_dora_bases(use_dora, tiny):
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny["policy"]),
                            LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=use_dora))
-    rloo_utils.frozen_linear_weights_to(model, torch.bfloat16)
+    frozen_linear_weights_to(model, torch.bfloat16)
     dtypes = linear_dtypes(model)
     adapters = {n: d for n, d in dtypes.items() if ".lora_" in n}
     bases = {n: d for n, d in dtypes.items() if n.endswith("base_layer")}
@@ -353,7 +355,7 @@ def no_alloc_conf(monkeypatch):
 
 def test_expandable_segments_on_a_gpu_by_default(no_alloc_conf):
     no_alloc_conf.setattr(torch.cuda, "is_available", lambda: True)
-    rloo_utils.expandable_segments_by_default()
+    expandable_segments_by_default()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "PYTORCH_ALLOC_CONF" not in os.environ
 
@@ -362,14 +364,14 @@ def test_expandable_segments_on_a_gpu_by_default(no_alloc_conf):
 def test_the_users_allocator_options_are_left_alone(name, no_alloc_conf):
     no_alloc_conf.setattr(torch.cuda, "is_available", lambda: True)
     no_alloc_conf.setenv(name, "expandable_segments:False")
-    rloo_utils.expandable_segments_by_default()
+    expandable_segments_by_default()
     assert os.environ[name] == "expandable_segments:False"
     assert {n: os.environ.get(n) for n in ALLOC_VARS if n != name} == {n: None for n in ALLOC_VARS if n != name}
 
 
 def test_no_allocator_options_without_a_gpu(no_alloc_conf):
     no_alloc_conf.setattr(torch.cuda, "is_available", lambda: False)
-    rloo_utils.expandable_segments_by_default()
+    expandable_segments_by_default()
     assert all(n not in os.environ for n in ALLOC_VARS)
 
 

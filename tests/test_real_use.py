@@ -9,7 +9,10 @@ import torch
 
 from conftest import ROOT, read_metrics, run_rloo
 
-import rloo_utils  # noqa: E402
+from rloo_utils.errors import RunError, UsageError  # noqa: E402
+from rloo_utils.processes import end_processes  # noqa: E402
+from rloo_utils.vllm_engine import (NCCL_SERVER_OPTION, VLLMServer, check_engine, check_gpus_apart, completion_request,
+                                    engine_options, nccl_sender_parts, sampling_options)  # noqa: E402
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 
@@ -79,14 +82,14 @@ def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     pretend_gpu(monkeypatch)
-    options = rloo_utils.engine_options(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
+    options = engine_options(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
     assert options["dtype"] == "bfloat16" and options["enable_sleep_mode"] and not options["enforce_eager"]
     inspect.signature(LLM).bind(**options)
     engine_args = EngineArgs(**options)
     assert (engine_args.dtype, engine_args.logprobs_mode, engine_args.generation_config) == (
         "bfloat16", "processed_logprobs", "vllm")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and float32 on the CPU, as the training forward
-    assert rloo_utils.engine_options(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
+    assert engine_options(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
@@ -99,10 +102,10 @@ def test_sampling_parameters_and_server_requests_are_vllms(tiny, script):
     rloo = importlib.import_module(script)
     args = rloo.Args(model_name_or_path=tiny["policy"], temperature=0.7, top_p=0.9, top_k=20)
     for greedy in (False, True):
-        options = rloo_utils.sampling_options(args, stop_ids=[2, 3], greedy=greedy)
+        options = sampling_options(args, stop_ids=[2, 3], greedy=greedy)
         params = SamplingParams(**options, seed=7, detokenize=False)
         assert params.stop_token_ids == [2, 3] and params.logprobs == 0 and params.ignore_eos
-        request = CompletionRequest(**rloo_utils.completion_request("model", [5, 6, 7], options, seed=7))
+        request = CompletionRequest(**completion_request("model", [5, 6, 7], options, seed=7))
         assert request.prompt == [5, 6, 7] and request.return_token_ids and request.seed == 7
         assert request.to_sampling_params(max_tokens=16, default_sampling_params={}).stop_token_ids == [2, 3]
 
@@ -122,7 +125,7 @@ def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
 
     rloo = importlib.import_module(script)
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    init_info, client, source = rloo_utils.nccl_sender_parts("http://127.0.0.1:8000", 30.0, 2, policy)
+    init_info, client, source = nccl_sender_parts("http://127.0.0.1:8000", 30.0, 2, policy)
     assert init_info.is_sender and init_info.world_size == 3
     inspect.signature(NCCLTrainerWeightTransferEngine.trainer_init).bind(init_info, client=client, source=source)
     engine = NCCLTrainerWeightTransferEngine(client=client, source=source, is_sender=init_info.is_sender,
@@ -130,7 +133,7 @@ def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
     source.weights = iter(policy.state_dict().items())
     sent = list(engine._checked_iter(source, source.metadata()))
     assert "lm_head.weight" in dict(sent) and len(sent) == len(policy.state_dict())
-    assert WeightTransferConfig(**json.loads(rloo_utils.NCCL_SERVER_OPTION.split(None, 1)[1].strip("'"))).backend == "nccl"
+    assert WeightTransferConfig(**json.loads(NCCL_SERVER_OPTION.split(None, 1)[1].strip("'"))).backend == "nccl"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -157,7 +160,7 @@ class ServerFailingOnRank1:
         import rloo_multigpu
 
         if self.rank == 1:
-            raise rloo_utils.RunError("the vLLM server at http://x does not answer /v1/completions")
+            raise RunError("the vLLM server at http://x does not answer /v1/completions")
         return [([5, 6], [-1.0, -1.0]) for _ in prompts]
 
 
@@ -179,7 +182,7 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
     start = time.time()
     try:
         if scenario == "push":
-            server = rloo_utils.VLLMServer.__new__(rloo_utils.VLLMServer)
+            server = VLLMServer.__new__(VLLMServer)
             server.url, server.nccl, server.dtype = "http://x", True, None
             server.source = types.SimpleNamespace(weights=None)
             server.sender = FailingSender(server)
@@ -188,14 +191,14 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
             ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
             options = {"max_tokens": 2, "stop_token_ids": []}
             with torch.no_grad():
-                rloo_utils.check_engine(ServerFailingOnRank1(rank), ids, mask, options,
+                check_engine(ServerFailingOnRank1(rank), ids, mask, options,
                                         lambda *rollout: rloo.completion_logprobs(policy, *rollout, temperature=1.0))
         outcome = "no error"
     except Exception as e:
         outcome = f"{type(e).__name__}: {e}"
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"outcome": outcome, "seconds": time.time() - start}, f)
-    rloo_utils.end_processes(0)  # as the script ends: the interpreter's teardown of gloo's threads may abort a process
+    end_processes(0)  # as the script ends: the interpreter's teardown of gloo's threads may abort a process
 
 
 @pytest.mark.parametrize("scenario, message", [
@@ -235,17 +238,17 @@ def test_a_server_on_the_trainers_gpu_is_refused(script, monkeypatch):
     rloo = importlib.import_module(script)
     pretend_gpu(monkeypatch, count=4, current=0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(rloo_utils.UsageError, match="runs on GPU 0, which this trainer uses too"):
-        rloo_utils.check_gpus_apart(server_info(), "http://127.0.0.1:8000", workers=1)  # both see every GPU: both on 0
-    rloo_utils.check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # docs/vllm.md's layout
-    rloo_utils.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)
-    with pytest.raises(rloo_utils.UsageError, match="runs on GPU 3"):
+    with pytest.raises(UsageError, match="runs on GPU 0, which this trainer uses too"):
+        check_gpus_apart(server_info(), "http://127.0.0.1:8000", workers=1)  # both see every GPU: both on 0
+    check_gpus_apart(server_info("1"), "http://127.0.0.1:8000", workers=1)  # docs/vllm.md's layout
+    check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)
+    with pytest.raises(UsageError, match="runs on GPU 3"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-        rloo_utils.check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)  # tensor parallel over 2 and 3
-    monkeypatch.setattr(rloo_utils, "rendezvous_address", lambda url: ("10.0.0.1", 1))  # (this machine's address)
-    rloo_utils.check_gpus_apart(server_info("3"), "http://10.0.0.2:8000", workers=1)  # another machine
-    with pytest.raises(rloo_utils.UsageError, match="runs on GPU 3"):
-        rloo_utils.check_gpus_apart(server_info("3"), "http://10.0.0.1:8000", workers=1)  # this machine, by its address
+        check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)  # tensor parallel over 2 and 3
+    monkeypatch.setattr("rloo_utils.vllm_engine.rendezvous_address", lambda url: ("10.0.0.1", 1))  # (this machine's address)
+    check_gpus_apart(server_info("3"), "http://10.0.0.2:8000", workers=1)  # another machine
+    with pytest.raises(UsageError, match="runs on GPU 3"):
+        check_gpus_apart(server_info("3"), "http://10.0.0.1:8000", workers=1)  # this machine, by its address
 
 
 def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, tmp_path):
@@ -256,12 +259,12 @@ def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, 
     import rloo_vllm
     from transformers import AutoModelForCausalLM
 
-    server = rloo_utils.VLLMServer.__new__(rloo_utils.VLLMServer)
+    server = VLLMServer.__new__(VLLMServer)
     server.url, server.nccl, server.dtype = "http://x", False, None
     server.folder = types.SimpleNamespace(name=str(tmp_path / "weights"))
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(rloo_utils.shutil, "disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
-    with pytest.raises(rloo_utils.UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
+    monkeypatch.setattr("rloo_utils.vllm_engine.shutil.disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
+    with pytest.raises(UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
         server.push_weights(policy, rloo_vllm.weights_for_vllm(policy, server.dtype))
     assert not (tmp_path / "weights").exists()

@@ -22,7 +22,12 @@ import torch
 from conftest import ROOT, check_one_line_error, run_env, run_outcome, run_rloo
 
 import rloo
-import rloo_utils
+from rloo_utils.checkpoints import (OUTPUT_CLAIM, TRAINING_STATE, check_resumable, claim_output_dir, claim_run,
+                                    claim_run_dir, find_checkpoint, is_saved_model, load_checkpoint_weights,
+                                    load_training_state, lock_run_dir, resume_command, rng_states, save_checkpoint,
+                                    save_model, set_rng_states)
+from rloo_utils.errors import RunError, UsageError
+from rloo_utils.lora import add_adapter
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo.py")
@@ -45,7 +50,7 @@ def patch(save):
     return patched
 torch.save = patch(torch.save)
 safetensors.torch.save_file = patch(safetensors.torch.save_file)  # before transformers imports it
-sys.path.insert(0, os.path.dirname(script))  # as `python rloo.py` does: rloo_utils.py beside it
+sys.path.insert(0, os.path.dirname(script))  # as `python rloo.py` does: rloo_utils/ beside it
 runpy.run_path(script, run_name="__main__")
 """
 
@@ -134,8 +139,8 @@ def test_sigkill_after_checkpoint_then_resume_is_the_same_run(reference, tiny, p
 
 
 def test_sigkill_during_a_save_leaves_no_checkpoint_resume_trusts(reference, tiny, prompts_file, tmp_path):
-    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", rloo_utils.TRAINING_STATE)))
-    partial = tmp_path / "runs" / "run" / "checkpoints" / "tmp-checkpoint-6" / rloo_utils.TRAINING_STATE
+    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", TRAINING_STATE)))
+    partial = tmp_path / "runs" / "run" / "checkpoints" / "tmp-checkpoint-6" / TRAINING_STATE
     wait_until(partial.exists, proc)  # checkpoint-6 half written
     proc.kill()
     assert proc.wait() == -signal.SIGKILL
@@ -173,7 +178,7 @@ def test_sigterm_before_training_leaves_nothing_and_exits_143(script, tiny, prom
     it made, but the exit code is SIGTERM's, 128 + 15, as after training started."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *map(str, train_args(tiny, prompts_file))],
                             cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: os.path.exists(tmp_path / "runs" / "run" / "model" / rloo_utils.OUTPUT_CLAIM), proc)
+    wait_until(lambda: os.path.exists(tmp_path / "runs" / "run" / "model" / OUTPUT_CLAIM), proc)
     time.sleep(0.2)  # the SIGTERM handler is set right after the claim; the models and transformers are still loading
     proc.send_signal(signal.SIGTERM)
     stderr = proc.communicate(timeout=300)[1]
@@ -229,7 +234,7 @@ def test_a_failed_save_is_an_error_naming_the_path_and_the_earlier_checkpoint_st
     check_one_line_error(proc, "could not write checkpoint runs/run/checkpoints/checkpoint-6", "No space left on device",
                          "the earlier checkpoints are intact")
     assert checkpoint_names(tmp_path) == ["checkpoint-3"]  # the temporary folder is gone, checkpoint-3 is whole
-    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / rloo_utils.TRAINING_STATE, weights_only=True)
+    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / TRAINING_STATE, weights_only=True)
     assert state["update"] == 3
 
 
@@ -239,7 +244,7 @@ def test_a_failed_save_is_an_error_naming_the_path_and_the_earlier_checkpoint_st
 def make_checkpoint(folder, complete=True):
     os.makedirs(folder)
     if complete:
-        open(os.path.join(folder, rloo_utils.TRAINING_STATE), "w").close()
+        open(os.path.join(folder, TRAINING_STATE), "w").close()
 
 
 def test_latest_ignores_incomplete_checkpoint_folders(tmp_path, monkeypatch):
@@ -250,25 +255,25 @@ def test_latest_ignores_incomplete_checkpoint_folders(tmp_path, monkeypatch):
     make_checkpoint(os.path.join(folder, "tmp-checkpoint-12"))  # a save that was killed
     make_checkpoint(os.path.join(folder, "checkpoint-14"), complete=False)  # copied in part
     newest = os.path.join(folder, "checkpoint-10")
-    assert rloo_utils.find_checkpoint("latest", "r") == os.path.join("runs", "r", "checkpoints", "checkpoint-10")
-    assert rloo_utils.find_checkpoint(os.path.join("runs", "r"), None) == newest  # a run folder: its newest
-    assert rloo_utils.find_checkpoint(newest, None) == newest
-    with pytest.raises(rloo_utils.UsageError, match="has a newer checkpoint"):
-        rloo_utils.find_checkpoint(os.path.join(folder, "checkpoint-2"), None)
-    with pytest.raises(rloo_utils.UsageError, match="is not a complete checkpoint"):
-        rloo_utils.find_checkpoint(os.path.join(folder, "checkpoint-14"), None)
+    assert find_checkpoint("latest", "r") == os.path.join("runs", "r", "checkpoints", "checkpoint-10")
+    assert find_checkpoint(os.path.join("runs", "r"), None) == newest  # a run folder: its newest
+    assert find_checkpoint(newest, None) == newest
+    with pytest.raises(UsageError, match="has a newer checkpoint"):
+        find_checkpoint(os.path.join(folder, "checkpoint-2"), None)
+    with pytest.raises(UsageError, match="is not a complete checkpoint"):
+        find_checkpoint(os.path.join(folder, "checkpoint-14"), None)
     os.makedirs(os.path.join("runs", "empty", "checkpoints", "tmp-checkpoint-1"))
-    with pytest.raises(rloo_utils.UsageError, match="has no complete checkpoint"):
-        rloo_utils.find_checkpoint("latest", "empty")
+    with pytest.raises(UsageError, match="has no complete checkpoint"):
+        find_checkpoint("latest", "empty")
 
 
 def test_a_failed_save_keeps_the_earlier_checkpoint_byte_for_byte(tiny, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    state = {"update": 1, "rng": rloo_utils.rng_states()}
+    state = {"update": 1, "rng": rng_states()}
     first = str(tmp_path / "checkpoint-1")
-    rloo_utils.save_checkpoint(first, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
+    save_checkpoint(first, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
     before = {p: open(p, "rb").read() for p in glob.glob(first + "/**", recursive=True) if os.path.isfile(p)}
 
     def full_disk(*args, **kwargs):
@@ -276,8 +281,8 @@ def test_a_failed_save_keeps_the_earlier_checkpoint_byte_for_byte(tiny, tmp_path
 
     monkeypatch.setattr(torch, "save", full_disk)
     second = str(tmp_path / "checkpoint-2")
-    with pytest.raises(rloo_utils.RunError, match=f"could not write checkpoint {second} .*No space left on device"):
-        rloo_utils.save_checkpoint(second, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
+    with pytest.raises(RunError, match=f"could not write checkpoint {second} .*No space left on device"):
+        save_checkpoint(second, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
     after = {p: open(p, "rb").read() for p in glob.glob(first + "/**", recursive=True) if os.path.isfile(p)}
     assert after == before and sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
 
@@ -287,12 +292,12 @@ def test_rng_states_survive_a_save_and_load(tmp_path):
 
     import numpy as np
 
-    rloo_utils.set_rng_states(rloo_utils.rng_states())  # accepted as produced
-    torch.save(rloo_utils.rng_states(), tmp_path / "rng.pt")
+    set_rng_states(rng_states())  # accepted as produced
+    torch.save(rng_states(), tmp_path / "rng.pt")
     draw = lambda: (random.random(), float(np.random.rand()), float(torch.rand(1)), torch.multinomial(torch.ones(50), 5).tolist())  # noqa: E731
     expected = draw()
     draw()
-    rloo_utils.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert draw() == expected
 
 
@@ -320,7 +325,7 @@ def test_optimizer_step_skips_a_non_finite_gradient_or_loss():
 
 def test_resume_command_replaces_an_earlier_resume_option():
     argv = ["rloo.py", "--seed", "2", "--resume_from_checkpoint", "old", "--run_name", "my run", "--resume_from_checkpoint=x"]
-    assert rloo_utils.resume_command(argv, "runs/r/checkpoints/checkpoint-4") == \
+    assert resume_command(argv, "runs/r/checkpoints/checkpoint-4") == \
         "python rloo.py --seed 2 --run_name 'my run' --resume_from_checkpoint runs/r/checkpoints/checkpoint-4"
 
 
@@ -328,12 +333,12 @@ def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
     args = rloo.resolve_defaults(rloo.Args())
     with open(tmp_path / "args.json", "w") as f:
         json.dump(dataclasses.asdict(args), f)
-    rloo_utils.check_resumable(rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
+    check_resumable(rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
                                str(tmp_path), rloo.RESUMABLE_CHANGES)
-    with pytest.raises(rloo_utils.UsageError, match="--num_generations is 8 here but 4 in"):
-        rloo_utils.check_resumable(rloo.replace(args, num_generations=8), str(tmp_path), rloo.RESUMABLE_CHANGES)
-    with pytest.raises(rloo_utils.UsageError, match="--reward_funcs is"):
-        rloo_utils.check_resumable(rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path),
+    with pytest.raises(UsageError, match="--num_generations is 8 here but 4 in"):
+        check_resumable(rloo.replace(args, num_generations=8), str(tmp_path), rloo.RESUMABLE_CHANGES)
+    with pytest.raises(UsageError, match="--reward_funcs is"):
+        check_resumable(rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path),
                                    rloo.RESUMABLE_CHANGES)
 
 
@@ -453,7 +458,7 @@ def failing_step(self, *args, **kwargs):
     return step(self, *args, **kwargs)
 torch.optim.AdamW.step = failing_step
 sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python rloo.py` does: rloo_utils.py beside it
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python rloo.py` does: rloo_utils/ beside it
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -465,7 +470,7 @@ def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("rloo.py: error:")]
     assert ("update 4 was cut short: the weights and optimizer state it reached are in runs/run/checkpoints/checkpoint-4 "
             "(a resumed run") in error and "; continue with: python" in error
-    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / rloo_utils.TRAINING_STATE, weights_only=True)
+    state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / TRAINING_STATE, weights_only=True)
     assert state["update"] == 4 and state["episode"] == 32
     assert state["scheduler"]["last_epoch"] == 13  # 3 updates x 2 epochs x 2 minibatches, and update 4's first step
     resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
@@ -481,7 +486,7 @@ def test_a_run_that_trained_nothing_leaves_nothing_and_the_same_command_runs_aga
     assert not os.path.exists(tmp_path / "runs" / "run") and not os.path.exists(tmp_path / "out" / "model")
     again = run_faulty(tmp_path, tiny, prompts_file, None, "--output_dir", "out/model")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert rloo_utils.is_saved_model(str(tmp_path / "out" / "model"))
+    assert is_saved_model(str(tmp_path / "out" / "model"))
 
 
 def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_model(reference, tiny, prompts_file,
@@ -515,11 +520,11 @@ def test_a_run_that_went_on_after_its_newest_checkpoint_was_found_is_not_resumed
     monkeypatch.chdir(tmp_path)
     folder = os.path.join("runs", "run", "checkpoints")
     make_checkpoint(os.path.join(folder, "checkpoint-4"))
-    found = rloo_utils.find_checkpoint("latest", "run")
+    found = find_checkpoint("latest", "run")
     make_checkpoint(os.path.join(folder, "checkpoint-5"))  # the other run, meanwhile
     args = rloo.Args(run_name="run", resume_from_checkpoint="latest")
-    with pytest.raises(rloo_utils.UsageError, match="has a newer checkpoint, .*checkpoint-5, which resuming from"):
-        rloo_utils.claim_run(args, found, batch_size=8)
+    with pytest.raises(UsageError, match="has a newer checkpoint, .*checkpoint-5, which resuming from"):
+        claim_run(args, found, batch_size=8)
     assert sorted(os.listdir(folder)) == ["checkpoint-4", "checkpoint-5"]  # nothing of the run touched
 
 
@@ -538,62 +543,62 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "time", lambda: 1700000000.5)
     args = rloo.Args()
-    assert rloo_utils.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000")
-    assert rloo_utils.claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000_2")
+    assert claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000")
+    assert claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000_2")
     named = rloo.replace(args, run_name="mine")
-    assert rloo_utils.claim_run_dir(named) == os.path.join("runs", "mine")
-    with pytest.raises(rloo_utils.UsageError, match="runs/mine exists already and holds no checkpoint to continue from: "
+    assert claim_run_dir(named) == os.path.join("runs", "mine")
+    with pytest.raises(UsageError, match="runs/mine exists already and holds no checkpoint to continue from: "
                                               "choose another --run_name, or delete runs/mine"):
-        rloo_utils.claim_run_dir(named)
+        claim_run_dir(named)
     make_checkpoint(os.path.join("runs", "mine", "checkpoints", "checkpoint-2"))
-    with pytest.raises(rloo_utils.UsageError, match="continue that run with --resume_from_checkpoint latest --run_name mine"):
-        rloo_utils.claim_run_dir(named)
+    with pytest.raises(UsageError, match="continue that run with --resume_from_checkpoint latest --run_name mine"):
+        claim_run_dir(named)
 
 
 def test_a_run_folder_is_locked_by_one_process(tmp_path):
-    lock = rloo_utils.lock_run_dir(str(tmp_path))
-    with pytest.raises(rloo_utils.UsageError, match=f"is in use by another run \\(pid {os.getpid()}\\)"):
-        rloo_utils.lock_run_dir(str(tmp_path))  # a second open file: as another process would hold it
+    lock = lock_run_dir(str(tmp_path))
+    with pytest.raises(UsageError, match=f"is in use by another run \\(pid {os.getpid()}\\)"):
+        lock_run_dir(str(tmp_path))  # a second open file: as another process would hold it
     lock.close()  # the process that held it ends
-    rloo_utils.lock_run_dir(str(tmp_path)).close()
+    lock_run_dir(str(tmp_path)).close()
 
 
 def test_the_output_folder_is_new_empty_or_this_runs_own(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     os.makedirs(os.path.join("runs", "a"))
     os.makedirs(os.path.join("runs", "b"))
-    assert rloo_utils.claim_output_dir("new/model", "runs/a") is True  # created, and claimed
+    assert claim_output_dir("new/model", "runs/a") is True  # created, and claimed
     assert json.load(open("new/model/rloo_run.json")) == {"run_dir": os.path.abspath("runs/a")}
-    assert rloo_utils.claim_output_dir("new/model", "runs/a") is False  # its own, as when the run is resumed
-    with pytest.raises(rloo_utils.UsageError, match="--output_dir new/model is not empty \\(claimed by runs/a\\)"):
-        rloo_utils.claim_output_dir("new/model", "runs/b")  # two runs never share an output folder
+    assert claim_output_dir("new/model", "runs/a") is False  # its own, as when the run is resumed
+    with pytest.raises(UsageError, match="--output_dir new/model is not empty \\(claimed by runs/a\\)"):
+        claim_output_dir("new/model", "runs/b")  # two runs never share an output folder
     os.makedirs("empty")
-    assert rloo_utils.claim_output_dir("empty", "runs/b") is False and os.listdir("empty") == ["rloo_run.json"]
+    assert claim_output_dir("empty", "runs/b") is False and os.listdir("empty") == ["rloo_run.json"]
     os.makedirs("adapter")
     open("adapter/adapter_model.safetensors", "w").close()
-    with pytest.raises(rloo_utils.UsageError, match="--output_dir adapter is not empty: it holds adapter_model.safetensors"):
-        rloo_utils.claim_output_dir("adapter", "runs/b")
+    with pytest.raises(UsageError, match="--output_dir adapter is not empty: it holds adapter_model.safetensors"):
+        claim_output_dir("adapter", "runs/b")
     os.makedirs("stale")
     json.dump({"run_dir": os.path.abspath("runs/deleted")}, open("stale/rloo_run.json", "w"))
-    assert rloo_utils.claim_output_dir("stale", "runs/b") is False  # its run folder is gone: the claim is void
+    assert claim_output_dir("stale", "runs/b") is False  # its run folder is gone: the claim is void
     open("notes.txt", "w").close()
-    with pytest.raises(rloo_utils.UsageError, match="--output_dir notes.txt is a file, not a folder"):
-        rloo_utils.claim_output_dir("notes.txt", "runs/b")
-    with pytest.raises(rloo_utils.UsageError, match="cannot create --output_dir notes.txt/model \\(NotADirectoryError"):
-        rloo_utils.claim_output_dir("notes.txt/model", "runs/b")
-    with pytest.raises(rloo_utils.UsageError, match="cannot create --output_dir /proc/rloo-test"):
-        rloo_utils.claim_output_dir("/proc/rloo-test", "runs/b")
+    with pytest.raises(UsageError, match="--output_dir notes.txt is a file, not a folder"):
+        claim_output_dir("notes.txt", "runs/b")
+    with pytest.raises(UsageError, match="cannot create --output_dir notes.txt/model \\(NotADirectoryError"):
+        claim_output_dir("notes.txt/model", "runs/b")
+    with pytest.raises(UsageError, match="cannot create --output_dir /proc/rloo-test"):
+        claim_output_dir("/proc/rloo-test", "runs/b")
 
 
 def test_save_model_checks_that_the_model_was_written(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    rloo_utils.save_model(str(tmp_path / "out"), policy, tiny["tokenizer"])
-    assert rloo_utils.is_saved_model(str(tmp_path / "out"))
+    save_model(str(tmp_path / "out"), policy, tiny["tokenizer"])
+    assert is_saved_model(str(tmp_path / "out"))
     (tmp_path / "file").write_text("x")  # save_pretrained only logs a warning for a path that is a file
-    with pytest.raises(rloo_utils.RunError, match="could not save the trained model to .*file"):
-        rloo_utils.save_model(str(tmp_path / "file"), policy, tiny["tokenizer"])
+    with pytest.raises(RunError, match="could not save the trained model to .*file"):
+        save_model(str(tmp_path / "file"), policy, tiny["tokenizer"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -619,8 +624,8 @@ def saved_run(tiny, tmp_path, monkeypatch):
         policy.save_pretrained(os.path.join(folder, "policy"))
         tiny["tokenizer"].save_pretrained(os.path.join(folder, "policy"))
 
-    rloo_utils.save_checkpoint(checkpoint, save_weights, args, {
-        "update": 2, "episode": 16, "skipped_steps": 0, "skipped_in_a_row": 0, "seconds": 1.0, "rng": rloo_utils.rng_states(),
+    save_checkpoint(checkpoint, save_weights, args, {
+        "update": 2, "episode": 16, "skipped_steps": 0, "skipped_in_a_row": 0, "seconds": 1.0, "rng": rng_states(),
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "logger": {"sizes": {name: len(text) for name, text in logs.items()}, "step": 16, "wandb_id": None}})
     return args, run_dir, checkpoint
@@ -628,8 +633,8 @@ def saved_run(tiny, tmp_path, monkeypatch):
 
 def test_a_sound_checkpoint_passes_the_checks(saved_run):
     args, run_dir, checkpoint = saved_run
-    rloo_utils.check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
-    assert rloo_utils.load_training_state(checkpoint, run_dir, sharded=False)["update"] == 2
+    check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
+    assert load_training_state(checkpoint, run_dir, sharded=False)["update"] == 2
 
 
 @pytest.mark.parametrize("use_peft", [False, True])
@@ -643,23 +648,23 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(saved_run, tiny, use_pe
     folder = os.path.join(checkpoint, "policy")
     if use_peft:
         args = dataclasses.replace(args, use_peft=True, lora_target_modules=["q_proj"])
-        policy = rloo_utils.add_adapter(policy, args)
+        policy = add_adapter(policy, args)
         policy.save_pretrained(folder)
     path = os.path.join(folder, "adapter_model.safetensors" if use_peft else "model.safetensors")
     weights = load_file(path)
     name = sorted(k for k in weights if "lora_B" in k or not use_peft)[0]
     weights[name][0, 0] = math.nan
     save_file(weights, path, metadata={"format": "pt"})
-    with pytest.raises(rloo_utils.UsageError, match="checkpoint-2/policy holds non-finite weights: resume from an"):
-        rloo_utils.load_checkpoint_weights(policy, folder)
+    with pytest.raises(UsageError, match="checkpoint-2/policy holds non-finite weights: resume from an"):
+        load_checkpoint_weights(policy, folder)
 
 
 DAMAGE = [
     (lambda c, r: os.remove(os.path.join(c, "args.json")), "checkpoint-2/args.json is missing or damaged (FileNotFoundError"),
     (lambda c, r: open(os.path.join(c, "args.json"), "w").write("{not json"), "checkpoint-2/args.json is missing or damaged (JSONDecodeError"),
     (lambda c, r: open(os.path.join(c, "args.json"), "w").write("[]"), "args.json is missing or damaged (AssertionError: not a JSON object"),
-    (lambda c, r: open(os.path.join(c, rloo_utils.TRAINING_STATE), "wb").write(b"half a checkpoint"), "training_state.pt is damaged"),
-    (lambda c, r: torch.save({"update": 2}, os.path.join(c, rloo_utils.TRAINING_STATE)), "training_state.pt is damaged (AssertionError: it lacks episode"),
+    (lambda c, r: open(os.path.join(c, TRAINING_STATE), "wb").write(b"half a checkpoint"), "training_state.pt is damaged"),
+    (lambda c, r: torch.save({"update": 2}, os.path.join(c, TRAINING_STATE)), "training_state.pt is damaged (AssertionError: it lacks episode"),
     (lambda c, r: os.remove(os.path.join(c, "policy", "config.json")), "checkpoint-2/policy lacks config.json or its weights"),
     (lambda c, r: os.remove(os.path.join(c, "policy", "model.safetensors")), "checkpoint-2/policy lacks config.json or its weights"),
     (lambda c, r: os.remove(os.path.join(r, "metrics.jsonl")), "runs/r/metrics.jsonl is missing since runs/r/checkpoints/checkpoint-2"),
@@ -672,9 +677,9 @@ DAMAGE = [
 def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_run, damage, needle):
     args, run_dir, checkpoint = saved_run
     damage(checkpoint, run_dir)
-    with pytest.raises(rloo_utils.UsageError) as error:  # the checks of a resume, in the order rloo.py makes them
-        rloo_utils.check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
-        rloo_utils.load_training_state(checkpoint, run_dir, sharded=False)
+    with pytest.raises(UsageError) as error:  # the checks of a resume, in the order rloo.py makes them
+        check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
+        load_training_state(checkpoint, run_dir, sharded=False)
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
@@ -690,7 +695,7 @@ def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(tiny, promp
 
 def test_a_damaged_training_state_is_refused_before_any_model_loads(saved_run, tiny, prompts_file):
     args, run_dir, checkpoint = saved_run
-    open(os.path.join(checkpoint, rloo_utils.TRAINING_STATE), "wb").write(b"half a checkpoint")
+    open(os.path.join(checkpoint, TRAINING_STATE), "wb").write(b"half a checkpoint")
     proc = run_rloo("--model_name_or_path", tiny["policy"], "--resume_from_checkpoint", "latest", "--run_name", "r",
                     cwd=os.getcwd())
     check_one_line_error(proc, "runs/r/checkpoints/checkpoint-2/training_state.pt is damaged")

@@ -124,7 +124,8 @@ sys.path.insert(0, {ROOT!r})
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from rloo_multigpu import shard
-from rloo_utils import empty_model, end_processes, save_sharded_model
+from rloo_utils.processes import end_processes
+from rloo_utils.sharded import empty_model, save_sharded_model
 dist.init_process_group("gloo")
 model = shard(empty_model(AutoModelForCausalLM, {tiny['policy']!r}, torch.float32), init_device_mesh("cpu", (2,)), False, False)
 save_sharded_model({str(tmp_path / 'out')!r}, model, AutoTokenizer.from_pretrained({tiny['policy']!r}), max_shard_size="200KB")
@@ -151,7 +152,7 @@ def test_dtype_auto_is_the_dtype_from_pretrained_gives(tiny, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from rloo_utils import empty_model
+    from rloo_utils.sharded import empty_model
 
     bf16 = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(tiny["policy"]).to(torch.bfloat16).save_pretrained(bf16)

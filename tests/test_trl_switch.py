@@ -15,7 +15,13 @@ import pytest
 import torch
 
 import rloo
-import rloo_utils
+from rloo_utils.checkpoints import check_resumable
+from rloo_utils.errors import RunError, UsageError
+from rloo_utils.logs import Logger
+from rloo_utils.models import generation_configs
+from rloo_utils.options import check_args
+from rloo_utils.rewards import RewardLogs, call_reward_funcs, reward_model_inputs
+from rloo_utils.vllm_engine import check_vllm_args, sampling_options
 import rloo_vllm
 from conftest import ROOT, check_one_line_error, run_env, run_rloo
 from test_multigpu import run_torchrun
@@ -100,7 +106,7 @@ def test_normalize_advantages_with_the_rloo_estimator_is_trls():
     torch.testing.assert_close(advantages, expected)
     torch.testing.assert_close(divisors, torch.full((8,), float(loo.std() + 1e-4)))
     args = rloo.resolve_defaults(rloo.Args(normalize_advantages=True))
-    rloo_utils.check_args(rloo.Args(normalize_advantages=True))  # allowed, as in TRL
+    check_args(rloo.Args(normalize_advantages=True))  # allowed, as in TRL
     assert args.advantage_estimator == "rloo" and args.advantage_normalization == "batch"
 
 
@@ -115,7 +121,7 @@ def test_sampling_options_reach_hf_generate_and_vllm(tiny):
 
     def sample(**options):
         args = rloo.Args(**options)
-        config, _ = rloo_utils.generation_configs(args, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        config, _ = generation_configs(args, [tokenizer.eos_token_id], tokenizer.pad_token_id)
         torch.manual_seed(0)
         out = policy.generate(**prompt, generation_config=config)[:, prompt["input_ids"].shape[1]:]
         eos = tokenizer.eos_token_id
@@ -131,14 +137,14 @@ def test_sampling_options_reach_hf_generate_and_vllm(tiny):
 
     args = rloo_vllm.Args(model_name_or_path=tiny["policy"], min_p=0.05, repetition_penalty=1.1,
                           generation_kwargs={"frequency_penalty": 0.5, "presence_penalty": 0.25})
-    rloo_utils.check_args(args)
-    rloo_utils.check_vllm_args(args, server=False)
-    params = SamplingParams(**rloo_utils.sampling_options(args, [0], greedy=False), seed=1, detokenize=False)
+    check_args(args)
+    check_vllm_args(args, server=False)
+    params = SamplingParams(**sampling_options(args, [0], greedy=False), seed=1, detokenize=False)
     assert (params.min_p, params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (0.05, 1.1, 0.5, 0.25)
-    greedy = rloo_utils.sampling_options(args, [0], greedy=True)  # the engine check compares plain greedy log-probs
+    greedy = sampling_options(args, [0], greedy=True)  # the engine check compares plain greedy log-probs
     assert "repetition_penalty" not in greedy and "frequency_penalty" not in greedy
-    with pytest.raises(rloo_utils.UsageError, match="no_repeat_ngram_size is not an option of vLLM's SamplingParams"):
-        rloo_utils.check_vllm_args(dataclasses.replace(args, generation_kwargs={"no_repeat_ngram_size": 2}), server=False)
+    with pytest.raises(UsageError, match="no_repeat_ngram_size is not an option of vLLM's SamplingParams"):
+        check_vllm_args(dataclasses.replace(args, generation_kwargs={"no_repeat_ngram_size": 2}), server=False)
 
 
 THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -154,7 +160,7 @@ def test_chat_template_kwargs_reach_the_prompts_and_the_reward_model(tiny):
     plain, _, _, _ = rloo.tokenize_prompts(tokenizer, chat, 64, "cpu")
     no_thinking, _, _, _ = rloo.tokenize_prompts(tokenizer, chat, 64, "cpu", chat_template_kwargs={"enable_thinking": False})
     assert "<think></think>" not in tokenizer.decode(plain[0]) and tokenizer.decode(no_thinking[0]).endswith("<think></think>")
-    ids, _ = rloo_utils.reward_model_inputs(tokenizer, chat, ["good"], torch.tensor([True]), {"enable_thinking": False})
+    ids, _ = reward_model_inputs(tokenizer, chat, ["good"], torch.tensor([True]), {"enable_thinking": False})
     assert tokenizer.decode(ids[0]).count("<|im_start|>") == 2  # the reward model reads the conversation, template args and all
 
 
@@ -284,13 +290,13 @@ def test_what_reward_functions_log_is_checked_and_kept_whole(tmp_path):
         raise SystemExit(0)
 
     for timeout in (None, 5.0):  # (with a --reward_timeout, the event loop runs in a thread of its own)
-        with pytest.raises(rloo_utils.UsageError, match=r"reward function exits called sys.exit\(0\)"):
-            rloo_utils.call_reward_funcs([exits], ["exits"], 2, timeout, completions=["a", "b"])
-    logs = rloo_utils.RewardLogs()
+        with pytest.raises(UsageError, match=r"reward function exits called sys.exit\(0\)"):
+            call_reward_funcs([exits], ["exits"], 2, timeout, completions=["a", "b"])
+    logs = RewardLogs()
     logs.log_extra("short", [1])
-    with pytest.raises(rloo_utils.RunError, match="log_extra\\('short', values\\) gave 1 values for 2 completions"):
+    with pytest.raises(RunError, match="log_extra\\('short', values\\) gave 1 values for 2 completions"):
         logs.take(2)
-    logger = rloo_utils.Logger(rloo.Args(), "run", str(tmp_path))
+    logger = Logger(rloo.Args(), "run", str(tmp_path))
     logger.log_table("completions", [{"prompt": "p", "completion": "c", "ok": np.bool_(True), "n": np.int64(3)}], 8)
     logger.close()
     assert jsonl(tmp_path / "completions.jsonl") == [{"step": 8, "prompt": "p", "completion": "c", "ok": True, "n": 3}]
@@ -299,13 +305,13 @@ def test_what_reward_functions_log_is_checked_and_kept_whole(tmp_path):
 def test_a_resumed_run_cuts_every_table_back_to_its_checkpoint(tmp_path):
     """A table begun or grown after the checkpoint (--log_completions may be added at resume) is cut back, so no row
     appears twice."""
-    logger = rloo_utils.Logger(rloo.Args(), "run", str(tmp_path))
+    logger = Logger(rloo.Args(), "run", str(tmp_path))
     logger.log_table("samples", [{"prompt": "p", "completion": "c", "reward": 1.0}], 0)
     state = logger.state()  # the checkpoint: one sample row, no completions table yet
     logger.log_table("samples", [{"prompt": "p", "completion": "d", "reward": 0.0}], 16)
     logger.log_table("completions", [{"prompt": "p", "completion": "d", "advantage": 0.5}], 16)
     logger.close()
-    rloo_utils.Logger(rloo.Args(), "run", str(tmp_path), resume=state).close()
+    Logger(rloo.Args(), "run", str(tmp_path), resume=state).close()
     assert [r["step"] for r in jsonl(tmp_path / "samples.jsonl")] == [0]
     assert jsonl(tmp_path / "completions.jsonl") == []
 
@@ -319,9 +325,9 @@ def test_a_run_started_before_the_new_options_resumes(tmp_path):
         del saved[name]
     saved["dataset_name"] = os.path.join(ROOT, "data", "movie_reviews")
     (tmp_path / "args.json").write_text(json.dumps(saved))
-    rloo_utils.check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
-    with pytest.raises(rloo_utils.UsageError, match="--repetition_penalty is 1.1 here but 1.0 in"):
-        rloo_utils.check_resumable(dataclasses.replace(args, repetition_penalty=1.1), str(tmp_path), rloo.RESUMABLE_CHANGES)
+    check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
+    with pytest.raises(UsageError, match="--repetition_penalty is 1.1 here but 1.0 in"):
+        check_resumable(dataclasses.replace(args, repetition_penalty=1.1), str(tmp_path), rloo.RESUMABLE_CHANGES)
 
 
 def test_generation_kwargs_go_to_the_generator_that_samples():
@@ -330,8 +336,8 @@ def test_generation_kwargs_go_to_the_generator_that_samples():
     import rloo_multigpu
 
     hf = rloo_multigpu.Args(generation_kwargs={"no_repeat_ngram_size": 3, "cache_implementation": "static"})
-    rloo_utils.check_args(hf)
-    rloo_utils.check_vllm_args(hf, server=False)
+    check_args(hf)
+    check_vllm_args(hf, server=False)
     served = dataclasses.replace(hf, vllm_server_host="127.0.0.1")
-    with pytest.raises(rloo_utils.UsageError, match="is not an option of vLLM's SamplingParams"):
-        rloo_utils.check_vllm_args(served, server=True)
+    with pytest.raises(UsageError, match="is not an option of vLLM's SamplingParams"):
+        check_vllm_args(served, server=True)

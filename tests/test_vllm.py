@@ -1,7 +1,7 @@
 """rloo_vllm.py with the real vLLM (the CPU build here): weights reach the engine, in both modes; runs learn; a resumed
 run is the run it would have been; bad vLLM settings and a missing server are one line.
 
-The server tests start vLLM's own OpenAI-compatible server on the tiny model (rloo_utils.SERVER_COMMAND) and stop it at
+The server tests start vLLM's own OpenAI-compatible server on the tiny model (SERVER_COMMAND) and stop it at
 the end, whatever happens.
 """
 
@@ -23,7 +23,11 @@ from conftest import (ROOT, check_one_line_error, free_port, read_metrics, run_e
                       wait_for_updates)
 
 import rloo_vllm
-import rloo_utils
+from rloo_utils.errors import UsageError
+from rloo_utils.options import check_args
+from rloo_utils.vllm_engine import (NCCL_SERVER_OPTION, VLLMServer, check_engine, check_vllm_args, nccl_transfer,
+                                    nccl_workers, pad_completions, rendezvous_address, sampler_support,
+                                    sampling_options, sampling_seeds)
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 PROMPTS = ["the movie was", "a very long film and", "it is"]
@@ -43,7 +47,7 @@ def hf_greedy(policy, tokenizer, n: int) -> list[list[int]]:
 
 
 def engine_greedy(engine, tokenizer, args) -> list[list[int]]:
-    options = rloo_utils.sampling_options(args, stop_ids=[], greedy=True)  # no end token: always max_completion_length
+    options = sampling_options(args, stop_ids=[], greedy=True)  # no end token: always max_completion_length
     return [ids for ids, _ in engine.generate([tokenizer(p).input_ids for p in PROMPTS], options, None)]
 
 
@@ -77,16 +81,16 @@ def check_pushes(engine, tiny, args, monkeypatch):
     # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
     probe = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, args.max_prompt_length, torch.device("cpu"))[:2]
     logprobs_of = lambda *rollout: rloo_vllm.completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
-    options = rloo_utils.sampling_options(args, stop_ids=[], greedy=True)
-    rloo_utils.check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
+    options = sampling_options(args, stop_ids=[], greedy=True)
+    check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
     with monkeypatch.context() as m:
         m.setattr(rloo_vllm, "weights_for_vllm", lambda p, dtype: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"})
         with torch.no_grad():
             policy.get_input_embeddings().weight.mul_(-1.0)
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
     assert engine_greedy(engine, tokenizer, args) != hf_greedy(policy, tokenizer, args.max_completion_length)
-    with pytest.raises(rloo_utils.UsageError, match="does not sample from the policy"):
-        rloo_utils.check_engine(engine, *probe, options, logprobs_of)
+    with pytest.raises(UsageError, match="does not sample from the policy"):
+        check_engine(engine, *probe, options, logprobs_of)
     engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
     assert engine_greedy(engine, tokenizer, args) == hf_greedy(policy, tokenizer, args.max_completion_length)
 
@@ -107,14 +111,14 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         args = vllm_args(tiny, temperature=0.7)
         prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-        outputs = engine.generate(prompts, rloo_utils.sampling_options(args, [], greedy=False), [1, 2, 3])
-        completion_ids, sampling_logprobs = rloo_utils.pad_completions(outputs, 16, 0, [], torch.device("cpu"))
+        outputs = engine.generate(prompts, sampling_options(args, [], greedy=False), [1, 2, 3])
+        completion_ids, sampling_logprobs = pad_completions(outputs, 16, 0, [], torch.device("cpu"))
         with torch.no_grad():
             trainer = rloo_vllm.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids,
                                                     torch.ones_like(completion_ids), 0.7)
         assert (trainer - sampling_logprobs).abs().max() < 1e-4
         # One seed per completion: the same seed gives the same completion, another seed another one
-        again = engine.generate(prompts, rloo_utils.sampling_options(args, [], greedy=False), [1, 2, 4])
+        again = engine.generate(prompts, sampling_options(args, [], greedy=False), [1, 2, 4])
         assert again[:2] == outputs[:2] and again[2][0] != outputs[2][0]
     finally:
         engine.close()
@@ -127,7 +131,7 @@ def server(tiny, tmp_path_factory):
 
 def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine = rloo_utils.VLLMServer(args)
+    engine = VLLMServer(args)
     try:
         check_pushes(engine, tiny, args, monkeypatch)
     finally:
@@ -142,13 +146,13 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine, remote = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu")), rloo_utils.VLLMServer(args)
+    engine, remote = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu")), VLLMServer(args)
     try:
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
         remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy, remote.dtype))
-        options = rloo_utils.sampling_options(args, [], greedy=False)
+        options = sampling_options(args, [], greedy=False)
         prompts = [[5 + p, 6, 7 + p] for p in range(6) for _ in range(4)]  # 6 groups of G = 4
-        seeds = rloo_utils.sampling_seeds(3, 1, len(prompts))
+        seeds = sampling_seeds(3, 1, len(prompts))
         assert seeds == list(range(seeds[0], seeds[0] + len(prompts)))
         local = engine.generate(prompts, options, seeds)
         assert local == remote.generate(prompts, options, seeds)
@@ -167,19 +171,19 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
     refusal without a GPU, the server's configuration read from its real /server_info, and the address its workers
     connect back to."""
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"], vllm_server_weight_transfer="nccl")
-    with pytest.raises(rloo_utils.UsageError, match="sends the weights from a GPU, and there is none"):
-        rloo_utils.check_vllm_args(args, server=args.vllm_mode == "server")
-    assert not rloo_utils.nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
+    with pytest.raises(UsageError, match="sends the weights from a GPU, and there is none"):
+        check_vllm_args(args, server=args.vllm_mode == "server")
+    assert not nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
     # This server was started without --weight-transfer-config: refused when it is found, with the option to add
-    with pytest.raises(rloo_utils.UsageError) as e:
-        rloo_utils.VLLMServer(args)
-    assert rloo_utils.NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
+    with pytest.raises(UsageError) as e:
+        VLLMServer(args)
+    assert NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
     # The same /server_info with the option, on 2 tensor-parallel x 2 data-parallel workers: 4 workers join the group
     info = json.load(urllib.request.urlopen(server["url"] + "/server_info?config_format=json"))
     info["vllm_config"]["weight_transfer_config"] = {"backend": "nccl"}
     info["vllm_config"]["parallel_config"].update(world_size=2, data_parallel_size=2)
-    assert rloo_utils.nccl_workers(info, server["url"]) == 4
-    address, port = rloo_utils.rendezvous_address(server["url"])
+    assert nccl_workers(info, server["url"]) == 4
+    address, port = rendezvous_address(server["url"])
     assert address == "127.0.0.1" and 0 < port < 65536
 
 
@@ -259,16 +263,16 @@ def test_the_trainer_takes_log_probs_on_the_tokens_vllms_sampler_can_draw(top_k,
         vllm_logits.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p, -float("inf"))
     vllm_logits = apply_top_k_top_p_pytorch(vllm_logits, torch.full((6,), top_k) if top_k else None,
                                            torch.full((6,), top_p) if top_p < 1 else None, allow_cpu_sync=True)
-    kept = rloo_utils.sampler_support(top_k, top_p, min_p)(logits)
+    kept = sampler_support(top_k, top_p, min_p)(logits)
     assert torch.equal(kept, vllm_logits.isfinite()) and 0 < kept.sum() < kept.numel()
     # The log-probs of drawn tokens on that distribution are vLLM's processed_logprobs
     layer = torch.nn.Linear(40, 40, bias=False)
     torch.nn.init.eye_(layer.weight)
     ids = vllm_logits.argmax(-1)
     _, on_support = rloo_vllm.logprobs_through_output_layer(layer, lambda x: x, logits, ids, 1.0,
-                                                             support=rloo_utils.sampler_support(top_k, top_p, min_p))
+                                                             support=sampler_support(top_k, top_p, min_p))
     torch.testing.assert_close(on_support, vllm_logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1))
-    assert rloo_utils.sampler_support(0, 1.0, None) is None and rloo_utils.sampler_support(0, 1.0, 0.0) is None
+    assert sampler_support(0, 1.0, None) is None and sampler_support(0, 1.0, 0.0) is None
 
 
 @pytest.mark.parametrize("script, mode", [("rloo_vllm.py", "colocate"), ("rloo_vllm.py", "server"),
@@ -325,9 +329,9 @@ def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, t
 def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file, tmp_path, monkeypatch):
     def refused(*extra, needles):
         args = rloo_vllm.Args(model_name_or_path=tiny["policy"], dataset_name=prompts_file, **dict(extra))
-        with pytest.raises(rloo_utils.UsageError) as e:
-            rloo_utils.check_args(args)
-            rloo_utils.check_vllm_args(args, server=args.vllm_mode == "server")
+        with pytest.raises(UsageError) as e:
+            check_args(args)
+            check_vllm_args(args, server=args.vllm_mode == "server")
         for needle in needles:
             assert needle in str(e.value)
 
@@ -341,7 +345,7 @@ def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file
     # an OpenAI-style base URL: its /v1/models was a 404 blamed on a server not started
     refused(("vllm_mode", "server"), ("vllm_server_base_url", "http://127.0.0.1:8000/v1"),
             needles=["http://127.0.0.1:8000/v1 has a path: give the server's root, http://127.0.0.1:8000"])
-    rloo_utils.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_mode="server",
+    check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_mode="server",
                                               vllm_server_base_url="http://127.0.0.1:8000/"), server=True)  # a root with its slash
     # server options in colocate mode were ignored
     refused(("vllm_server_port", 9000), needles=["--vllm_server_port is for a vLLM server and --vllm_mode is colocate"])
@@ -349,7 +353,7 @@ def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file
     # the environment's KV cache size silently beat the option
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     refused(("vllm_cpu_kv_cache_gib", 2), needles=["VLLM_CPU_KVCACHE_SPACE=4", "--vllm_cpu_kv_cache_gib 2 disagree"])
-    rloo_utils.check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_cpu_kv_cache_gib=4), server=False)  # agreeing
+    check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_cpu_kv_cache_gib=4), server=False)  # agreeing
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     # a context longer than the model's positions: named as what the user gave (it was "check the --vllm_* options")
     positions = json.load(open(os.path.join(tiny["policy"], "config.json")))["max_position_embeddings"]
@@ -383,7 +387,7 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
                                                     "--vllm_server_base_url", server["url"]))],
                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_updates(run, tmp_path / "runs" / "run" / "metrics.jsonl", 1)
-    intruder = rloo_utils.VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    intruder = VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
     try:
         deadline = time.time() + 120
         while run.poll() is None and time.time() < deadline:
@@ -407,7 +411,7 @@ def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(
     for folder in (stale, alive):
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(bytes(3 * 2**20))
-    engine = rloo_utils.VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    engine = VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
     try:
         assert not os.path.exists(stale) and os.path.exists(alive)
         assert f"removed {stale} (3 MiB)" in capsys.readouterr().out

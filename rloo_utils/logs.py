@@ -1,0 +1,227 @@
+"""Logging: metrics.jsonl, the sample tables, TensorBoard or W&B (resumed runs append); the progress bar; the metrics of an
+update that come from the completions and the optimizer steps; the stage timer."""
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from rloo_utils.processes import get_rank
+
+
+TABLES = ("samples", "completions")  # the tables a run logs (Logger.log_table), each to <name>.jsonl
+
+
+class Logger:
+    """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
+
+    def __init__(self, args, run_name: str, run_dir: str, resume: Optional[dict] = None):
+        """resume: the Logger.state() a checkpoint holds. Rows logged after that checkpoint are dropped, since the
+        resumed run logs those updates again: no step appears twice, none is missing."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        sizes = (resume or {}).get("sizes", {})
+        for name in set(sizes) | ({f"{table}.jsonl" for table in TABLES} if resume else set()):
+            if os.path.exists(path := os.path.join(run_dir, name)) and os.path.getsize(path) > sizes.get(name, 0):
+                os.truncate(path, sizes.get(name, 0))  # (a table begun after the checkpoint is emptied)
+        self.last_step = resume["step"] if resume else None
+        self.wandb, self.wandb_id, self.wandb_first_step = None, None, 0
+        if args.track:
+            import wandb
+
+            tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
+            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                                    name=run_name, tags=tags, save_code=True, dir=run_dir,
+                                    id=(resume or {}).get("wandb_id"), resume="allow")
+            self.wandb_id = self.wandb.id
+            # W&B cannot rewrite a step: it keeps the rows it got after the checkpoint, and takes new rows after them.
+            self.wandb_first_step = self.wandb.starting_step
+        # purge_step: TensorBoard hides what earlier event files hold from that step on
+        self.writer = SummaryWriter(run_dir, purge_step=None if self.last_step is None else self.last_step + 1)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                             "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        self.run_dir = run_dir
+        self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.table_files = {}  # name -> its .jsonl, opened at its first rows
+        with open(os.path.join(run_dir, "args.json"), "w") as f:  # the options, for tools that read runs offline
+            json.dump(asdict(args), f, indent=2)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        if self.wandb and step >= self.wandb_first_step:
+            self.wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
+        self.last_step = step
+
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """A table's rows (`samples`: greedy sample completions; `completions`: the sampled training ones, with their
+        rewards and advantages) to <name>.jsonl, TensorBoard's text and a W&B table."""
+        cell = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
+        columns = list(rows[0])
+        self.writer.add_text(name, f"|{'|'.join(columns)}|\n|{'-|' * len(columns)}\n" + "\n".join(
+            "|" + "|".join(cell(v) for v in r.values()) + "|" for r in rows), step)
+        if self.wandb and step >= self.wandb_first_step:
+            import wandb
+
+            self.wandb.log({name: wandb.Table(columns=columns, data=[list(r.values()) for r in rows])}, step=step)
+        if name not in self.table_files:
+            self.table_files[name] = open(os.path.join(self.run_dir, f"{name}.jsonl"), "a")
+        for r in rows:
+            self.table_files[name].write(json.dumps({"step": step, **r}, default=plain_value) + "\n")
+        self.table_files[name].flush()
+
+    def state(self) -> dict:
+        """What a resumed run needs to continue these logs: their sizes, the last step, the W&B run id."""
+        tables = [f"{table}.jsonl" for table in TABLES if os.path.exists(os.path.join(self.run_dir, f"{table}.jsonl"))]
+        return {"sizes": {"metrics.jsonl": self.metrics_file.tell(),
+                          **{name: os.path.getsize(os.path.join(self.run_dir, name)) for name in tables}},
+                "step": self.last_step, "wandb_id": self.wandb_id}
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+        for f in [self.metrics_file, *self.table_files.values()]:
+            f.close()
+        if self.wandb:
+            self.wandb.finish(exit_code=1 if failed else 0)
+
+
+def plain_value(value):
+    """A numpy or torch scalar (what a reward function may log with log_extra) as a Python one, else its text."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+class QuietLogger:
+    """The Logger of ranks other than 0: rank 0 writes every log."""
+
+    def log(self, *args, **kwargs):
+        pass
+
+    log_table = close = log
+
+    def state(self) -> dict:
+        return {}
+
+
+def open_logger(args, run_dir: str, training_state: Optional[dict]):
+    """The run's Logger, continuing the logs of a resumed run (training_state: its checkpoint's); on processes other
+    than rank 0, one that writes nothing."""
+    if get_rank() != 0:
+        return QuietLogger()
+    return Logger(args, os.path.basename(run_dir), run_dir, resume=training_state["logger"] if training_state else None)
+
+
+def show_samples(console, logger, rows: list[dict], step: int, name: str = "samples", num_printed=None) -> None:
+    """A table of completions (rows of prompt, completion, then numbers): logged, and num_printed of its rows (None:
+    all) printed. `samples`: the greedy sample completions; `completions`: the sampled training ones (--log_completions)."""
+    table = Table(*rows[0], title=f"{'sample' if name == 'samples' else 'training'} completions at episode {step}",
+                  show_lines=True)
+    for r in rows[:num_printed]:
+        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()))
+    console.print(table)
+    logger.log_table(name, rows, step)
+
+
+def gather_objects(items: list) -> list:
+    """Every process's items (texts), in rank order: the batch as one process holding every row sees it."""
+    if not dist.is_initialized():
+        return items
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
+def completion_rows(prompts: list[str], completions: list[str], rewards_per_func: torch.Tensor, reward_names: list[str],
+                    advantages: torch.Tensor, logged_columns: dict[str, list]) -> list[dict]:
+    """The rows of TRL's table of sampled completions (--log_completions): prompt, completion, each reward source's
+    value (NaN: it returned None), the advantage, then the columns reward functions logged (log_extra), each under its
+    own name unless the table has a column of that name: then as `log_extra/<name>`."""
+    rewards, advantages = rewards_per_func.tolist(), advantages.tolist()
+    own = {"step", "prompt", "completion", "advantage", *reward_names}  # (step: each row's, in completions.jsonl)
+    logged = {name if name not in own else f"log_extra/{name}": values for name, values in logged_columns.items()}
+    return [{"prompt": prompt, "completion": completion, **dict(zip(reward_names, rewards[i])), "advantage": advantages[i],
+             **{name: values[i] for name, values in logged.items()}}
+            for i, (prompt, completion) in enumerate(zip(prompts, completions))]
+
+
+def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
+    """Lengths in real tokens (EOS included) of all completions and of those that ended (0 if none did), the fraction
+    that did not end, and old TRL's count of EOS tokens (here only real ones: never padding)."""
+    lengths = completion_mask.sum(1).float()  # (B,)
+    terminated = lengths[ended] if ended.any() else torch.zeros(1)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & completion_mask.bool()
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max()), "val/num_eos_tokens": int(is_eos.sum())}
+
+
+def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]) -> dict:
+    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
+    units = max(sum(micro["units"]), 1.0)
+    clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
+    entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
+    ratios = [r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])]  # each micro-batch's mean token ratio
+    metrics = {
+        "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
+        "entropy": entropy, "policy/entropy_avg": entropy,
+        "clip_ratio/region_mean": clip_fraction, "policy/clipfrac_avg": clip_fraction,
+        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units, "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
+        "clip_ratio/low_min": statistics.fmean(micro["low_min"]), "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
+        "policy/approxkl_avg": sum(micro["approxkl"]) / units,
+        "loss/policy_avg": statistics.fmean(losses),
+        "val/ratio": statistics.fmean(ratios),
+        "val/ratio_var": statistics.variance(ratios) if len(ratios) > 1 else math.nan,
+        "optim/grad_norm": statistics.fmean(grad_norms),
+    }
+    if "dual_clipped" in micro:
+        metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
+    if "sapo_gate" in micro:
+        metrics["sapo/gate_mean"] = sum(micro["sapo_gate"]) / units
+    return metrics
+
+
+class StageTimer:
+    """Wall-clock seconds per stage of an update (synchronising CUDA so GPU work is charged to its stage)."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[stage] += time.perf_counter() - start
+
+
+class ProgressBar:
+    """The updates done, the time left, and a short description of the last update."""
+
+    def __init__(self, console, num_updates: int, start_update: int):
+        self.progress = Progress(TextColumn("[bold]rloo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+        self.task = self.progress.add_task("", total=num_updates, completed=start_update)
+        self.progress.start()
+
+    def update(self, metrics: dict) -> None:
+        self.progress.update(self.task, advance=1, description=f"reward {metrics['reward']:.3f}  kl "
+                             f"{metrics.get('kl', 0):.4f}  len {metrics['completions/mean_length']:.1f}")
+
+    def stop(self) -> None:
+        self.progress.stop()

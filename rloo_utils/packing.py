@@ -1,0 +1,171 @@
+"""Padding-free forwards: the real tokens of a micro-batch packed into rows, positions restarting per sequence; where an
+attention kernel cannot keep packed sequences apart, padded forwards (probed once at start). The output layer's inputs,
+from which the log-probs are made a chunk at a time."""
+
+import contextlib
+import itertools
+from typing import Callable, Optional
+
+import torch
+
+from rloo_utils.errors import UsageError, describe
+from rloo_utils.lora import transformers_model
+from rloo_utils.vision import builds_own_positions
+
+
+# Attention implementations that keep packed sequences apart in any number of rows: transformers' mask utilities build
+# a block-causal mask per row from position ids that restart at 0. Any other (flash attention's varlen kernels, which
+# read each sequence's start from the position ids) gets the whole micro-batch in one row.
+PACKED_ROWS = ("eager", "sdpa", "flex_attention")
+
+
+@torch.no_grad()
+def packing_layout(model, wanted: bool, images: bool, console, name: str, autocast=contextlib.nullcontext) -> Optional[str]:
+    """How pack_sequences lays out the padding-free forwards of `model` (a causal LM, or a reward model's backbone):
+    "rows", "one_row", or None for padded forwards: with image prompts, for a family whose positions are its own, and
+    where packing_probe finds a packed sequence computed otherwise than alone. Said in one line when it falls back."""
+    if not wanted or model is None:
+        return None
+    config = transformers_model(model).config
+    implementation = config._attn_implementation or "eager"
+    why = "image prompts are not packed" if images else "its positions are its own (mrope)" if builds_own_positions(model) else None
+    if why is None and (failure := packing_probe(model, config.get_text_config().vocab_size, autocast)):
+        why = f"with attention {implementation!r}, {type(transformers_model(model)).__name__.removeprefix('FSDP')} {failure}"
+    if why:
+        console.print(f"{name}: padded forwards, not padding-free: {why}")
+        return None
+    return "rows" if implementation in PACKED_ROWS else "one_row"
+
+
+def packing_probe(model, vocab_size: int, autocast) -> Optional[str]:
+    """What goes wrong when `model` runs a sequence packed after another, as the training forwards will (under their
+    autocast; a causal LM's output-layer inputs caught by output_layer_inputs), or None: its outputs must not change
+    with the tokens of the sequence before it (OPT's mask, for one, ignores position ids), and must be those of the
+    sequence alone."""
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 17, device=device) % vocab_size  # (16,): a front sequence of 5 tokens, then one of 11
+    positions = torch.cat([torch.arange(5), torch.arange(11)]).to(device)[None]
+    causal = transformers_model(model).can_generate()  # else a backbone: its hidden states
+
+    def second_sequence(input_ids, position_ids=None):  # (11, H) hidden states
+        if not causal:
+            with autocast():
+                return model(input_ids=input_ids[None], position_ids=position_ids, use_cache=False)[0][0, -11:]
+        last_11 = torch.arange(len(input_ids) - 11, len(input_ids), device=device)
+        with autocast(), output_layer_inputs(model, last_11) as caught:
+            model(input_ids=input_ids[None], position_ids=position_ids, use_cache=False)
+        assert caught and caught[0].shape[0] == 11, "its output layer was not given the positions picked"
+        return caught[0]
+
+    was_training = model.training
+    model.eval()  # no adapter dropout: the forwards must differ only by what they are given
+    try:
+        packed = second_sequence(torch.cat([ids[:5], ids[5:]]), positions)
+        other_front = second_sequence(torch.cat([ids[:5].flip(0), ids[5:]]), positions)
+        alone = second_sequence(ids[5:])
+    except Exception as e:  # an output layer the pre-hook cannot catch, an attention that refuses position ids...
+        return f"fails the packing probe ({describe(e)})"
+    finally:
+        model.train(was_training)
+    scale = float(alone.abs().max())
+    if not torch.allclose(packed, other_front, rtol=1e-3, atol=1e-3 * scale):
+        return "lets packed sequences see each other"
+    if not torch.allclose(packed, alone, rtol=3e-2, atol=3e-2 * scale):  # other shapes: bf16 rounding may differ
+        return "computes a packed sequence otherwise than alone"
+    return None
+
+
+def pack_sequences(ids: torch.Tensor, mask: torch.Tensor, layout: str):
+    """The real tokens (mask 1) of each row of (B, T) `ids`, as one sequence each, packed into rows with position ids
+    restarting at 0 (packing_layout). "rows": first-fit decreasing into rows as long as the longest sequence, so that
+    attention costs no more than in padded rows while the other layers see only real tokens (Krell et al. 2021);
+    "one_row": all in one row. Returns ids (R, L), position ids (R, L), and each token's (B, T) index into the
+    flattened rows (meaningful where mask is 1). A row's free end is filler that follows its last sequence, which
+    causal attention keeps from reaching any real token."""
+    real = mask.bool()
+    lengths = mask.sum(1).tolist()
+    L = max(1, sum(lengths) if layout == "one_row" else max(lengths))
+    room, start = [], [0] * len(lengths)  # room left in each row; each sequence's start in the flattened rows
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, left in enumerate(room) if left >= lengths[i]), len(room))
+        if row == len(room):
+            room.append(L)
+        start[i], room[row] = row * L + L - room[row], room[row] - lengths[i]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # (B, T): as position_ids_from gives the padded rows
+    index = torch.tensor(start, device=ids.device)[:, None] + positions  # (B, T)
+    packed_ids = torch.zeros(len(room) * L, dtype=ids.dtype, device=ids.device).index_put_((index[real],), ids[real])
+    packed_positions = (torch.arange(len(room) * L, device=ids.device) % L).index_put_((index[real],), positions[real])
+    return packed_ids.view(len(room), L), packed_positions.view(len(room), L), index
+
+
+def varlen_kwargs(mask: torch.Tensor, layout: str) -> dict:
+    """With the one-row layout (flash attention), where each sequence of pack_sequences' row begins and how long the
+    longest is, as transformers' flash attention takes them (int32 (N + 1,) cumulative lengths, an int): else it works
+    them out from the position ids in every layer, a host sync each. {} for the other layouts (a block mask)."""
+    if layout != "one_row":
+        return {}
+    lengths = sorted((n for n in mask.sum(1).tolist() if n), reverse=True)  # pack_sequences' order: longest first
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=mask.device)
+    return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": lengths[0], "max_length_k": lengths[0]}
+
+
+@contextlib.contextmanager
+def output_layer_inputs(model, index: torch.Tensor):
+    """Catch the hidden states at `index` of the flattened (R, L) rows as they reach the output layer: (K, H), one per
+    predicted token, appended to the list this yields. The output layer gets none of them, so the forward makes no
+    logits: the caller makes them a chunk of positions at a time (logprobs_through_output_layer)."""
+    caught = []
+
+    def catch(module, args):
+        hidden = args[0].flatten(0, 1)[index]  # (K, H)
+        caught.append(hidden)
+        return (hidden[None, :0], *args[1:])  # (1, 0, H): logits of no position
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(catch)
+    try:
+        yield caught
+    finally:
+        handle.remove()
+
+
+def output_layer(model) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The output layer of a causal LM, and what the model does to its logits before returning them: Gemma's soft
+    cap (final_logit_softcapping), Cohere's logit_scale, Granite's logits_scaling; nothing for the others.
+    check_output_layer holds a model to it at start."""
+    config = transformers_model(model).config.get_text_config()
+    scale = float(getattr(transformers_model(model), "logit_scale", None) or 1.0)  # Cohere: logits x logit_scale
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)  # Granite: logits / logits_scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def transform(logits):
+        logits = logits * scale if scale != 1.0 else logits
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    return model.get_output_embeddings(), transform
+
+
+@torch.no_grad()
+def check_output_layer(model, autocast, name: str) -> None:
+    """The log-probs are made from the output layer's inputs (output_layer_inputs, output_layer): one line before any
+    training if `model` returns logits that its output layer and output_layer's transform do not give."""
+    device = next(model.parameters()).device
+    ids = (torch.arange(1, 9, device=device) % transformers_model(model).config.get_text_config().vocab_size)[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast():
+            whole = model(input_ids=ids, use_cache=False).logits[0].float()  # (8, V)
+            with output_layer_inputs(model, torch.arange(8, device=device)) as hidden:
+                model(input_ids=ids, use_cache=False)
+            layer, transform = output_layer(model)
+            ours = transform(layer(hidden[0])).float() if hidden else None
+    finally:
+        model.train(was_training)
+    model_name = type(transformers_model(model)).__name__.removeprefix("FSDP")
+    if ours is None:
+        raise UsageError(f"{name}: {model_name} makes its logits without calling its output layer "
+                         "(get_output_embeddings()), from whose inputs the log-probs here are made")
+    if ours.shape != whole.shape or not torch.allclose(ours, whole, rtol=1e-2, atol=1e-2 * float(whole.abs().max())):
+        raise UsageError(f"{name}: {model_name} changes its logits after its output layer in a way the log-probs here "
+                         "do not reproduce (known: a soft cap, logit_scale, logits_scaling): add it to "
+                         "rloo_utils.output_layer")

@@ -1,0 +1,70 @@
+"""torch.distributed's process group, seen from any script: with none, get_rank() is 0, get_world_size() is 1 and
+`agreed()` lets an error through as it is."""
+
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from rloo_utils.errors import RunError, UsageError, describe
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def agreed():
+    """`with agreed():` around work that holds no collective: if it raises on any process, the first failing process's
+    error is raised on every process, so that all of them stop together, and rank 0 reports it once (with the rank
+    that failed). Without this, one process's bad input or failing reward function would leave the others waiting.
+    Ctrl-C, SIGTERM before training and sys.exit stop this process only (torchrun stops the others)."""
+    if get_world_size() == 1:
+        yield
+        return
+    error = None
+    try:
+        yield
+    except Exception as e:
+        error = (type(e).__name__, str(e) if isinstance(e, (UsageError, RunError)) else describe(e))
+    errors = [None] * get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        failed_rank, (kind, message) = failed[0]
+        shared = (UsageError if kind == "UsageError" else RunError)(message + (f" (on rank {failed_rank})" if failed_rank else ""))
+        shared.agreed = True
+        raise shared from None
+
+
+def end_processes(exit_code: int) -> None:
+    """Every process leaves the group together (gloo aborts a process whose peer tears the group down while it still
+    uses it), then exits at once: the interpreter's own teardown destroys C++ objects (of gloo, of pyarrow) whose
+    threads may still run, which now and then aborts a process after the run is complete (SIGABRT, "terminate called
+    without an active exception"), turning its success into a failure. The logs and the model are closed by then."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def from_rank_0(value):
+    """Rank 0's value, on every process."""
+    if get_world_size() == 1:
+        return value
+    values = [value]
+    dist.broadcast_object_list(values)
+    return values[0]
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A shard (DTensor) gathered whole, where the group's collectives run (a collective); any other tensor as it is."""
+    return tensor.to(tensor.device_mesh.device_type).full_tensor() if hasattr(tensor, "full_tensor") else tensor

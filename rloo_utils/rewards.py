@@ -1,0 +1,278 @@
+"""Reward functions: loaded by name, called (async ones together) under --reward_timeout, their values checked; what they
+get besides the completions (TRL's trainer_state) and what they log; the reward model's inputs in its own tokenizer."""
+
+import asyncio
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rloo_utils.data import content_text, left_pad
+from rloo_utils.errors import RunError, UsageError, describe
+from rloo_utils.processes import get_rank
+
+
+def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor,
+                        chat_template_kwargs: Optional[dict] = None):
+    """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
+    A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
+    with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
+    would have it, at the EOS of a finished completion and at the last token of a truncated one. chat_template_kwargs:
+    the template's own arguments (--chat_template_kwargs)."""
+    rows = []
+    for prompt, completion, done in zip(prompts, completions, ended.tolist()):
+        if isinstance(prompt, str):
+            row = reward_tokenizer(prompt + completion)["input_ids"]
+            if done and reward_tokenizer.eos_token_id is not None and row[-1] != reward_tokenizer.eos_token_id:
+                row.append(reward_tokenizer.eos_token_id)
+        else:
+            prompt = [{**m, "content": content_text(m["content"])} for m in prompt]  # a reward model reads text
+            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False,
+                                                        **(chat_template_kwargs or {}))
+            row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
+        rows.append(row)
+    return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
+
+
+def reward_func_name(spec: str) -> str:
+    """The name a reward function's metrics go under: the built-in name, or what follows the last `:`."""
+    return spec.rsplit(":", 1)[-1]
+
+
+def load_reward_func(spec: str, builtin: dict[str, Callable]) -> Callable:
+    """A built-in name (a key of `builtin`), `package.module:function`, or `path/to/file.py:function` (any callable: a
+    function, an instance with __call__, a functools.partial)."""
+    if spec in builtin:
+        return builtin[spec]
+    if ":" not in spec:
+        raise UsageError(f"unknown reward function {spec!r}: use one of {sorted(builtin)}, "
+                         "module:function or path/to/file.py:function")
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise UsageError(f"reward function file {where} does not exist")
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except UsageError:
+        raise
+    except (Exception, SystemExit) as e:  # SystemExit: a module that calls sys.exit when imported
+        raise UsageError(f"could not import reward function {spec!r} ({describe(e)})") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise UsageError(f"{where} has no function {name!r} (from --reward_funcs {spec})")
+    return func
+
+
+def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], list[str], torch.Tensor]:
+    """The reward functions, the names of every source (the reward model first) and their (F,) weights; `builtin`: the
+    functions a script offers by name."""
+    specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
+    names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + \
+            [reward_func_name(s) for s in specs]
+    if not names:
+        raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
+    if len(set(names)) < len(names):
+        raise UsageError(f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
+                         "give each function once, under its own name")
+    weights = torch.tensor(args.reward_weights or [1.0] * len(names))
+    if len(weights) != len(names):
+        raise UsageError(f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})")
+    if not weights.any():
+        raise UsageError("--reward_weights are all 0: no reward would reach the advantages, and the run would train on "
+                         "nothing but its KL penalty; give a source a weight")
+    return [load_reward_func(s, builtin) for s in specs], names, weights
+
+
+@dataclass
+class TrainerState:
+    """What TRL gives reward functions as `trainer_state` (transformers' TrainerState, the fields a reward function
+    reads to shape its reward over training): optimizer steps done and in all, passes over the training prompts."""
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    num_train_epochs: int = 0
+    is_world_process_zero: bool = field(default_factory=lambda: get_rank() == 0)
+    is_local_process_zero: bool = field(default_factory=lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0)
+
+
+class RewardLogs:
+    """TRL's `log_extra` and `log_metric`, which reward functions are given: extra columns of the training
+    completions table (--log_completions), and metrics, each the mean of what the update's calls logged. A function's
+    metric is logged as `log_metric/<name>`, so that it never passes for (or replaces) one the run logs itself (TRL
+    would average a `reward` it logged with the run's own); a column named as one of the table's own is renamed
+    `log_extra/<name>` (completion_rows)."""
+
+    def __init__(self):
+        self.columns, self.metrics = defaultdict(list), defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+    def take(self, num_rows: int) -> tuple[dict[str, list], dict[str, float]]:
+        """The columns and the metrics logged since the last take, over every process (rank order, as the batch is
+        gathered; None in the rows of a process that gave no such column); then empty."""
+        mine = (dict(self.columns), dict(self.metrics), num_rows)
+        everyone = [mine]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        self.clear()
+        for c, _, n in everyone:
+            for name, values in c.items():
+                if len(values) != n:
+                    raise RunError(f"a reward function's log_extra({name!r}, values) gave {len(values)} values for {n} "
+                                   "completions: one value per completion, once per call")
+        columns = {name: [v for c, _, n in everyone for v in c.get(name, [None] * n)]
+                   for name in sorted({name for c, _, _ in everyone for name in c})}
+        metrics = {}
+        for name in sorted({name for _, m, _ in everyone for name in m}):
+            values = [v for _, m, _ in everyone for v in m.get(name, [])]
+            metrics[f"log_metric/{name}"] = sum(values) / len(values)
+        return columns, metrics
+
+    def clear(self) -> None:
+        self.columns.clear()
+        self.metrics.clear()
+
+
+@functools.cache
+def reward_event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every call of the async reward functions: a client they keep (an HTTP session) stays bound to
+    the loop it was made on, so a fresh loop per update would break it."""
+    return asyncio.new_event_loop()
+
+
+def await_all(awaitables: list) -> list:
+    """Their results (or the exceptions they raised), awaited concurrently on the reward functions' event loop."""
+    async def settle(awaitable):
+        try:
+            return await awaitable
+        except (Exception, SystemExit) as e:  # (gather's return_exceptions lets a SystemExit end the process)
+            return e
+
+    async def gather():
+        return await asyncio.gather(*(settle(a) for a in awaitables))
+
+    return reward_event_loop().run_until_complete(gather())
+
+
+def call_reward_funcs(funcs: list[Callable], names: list[str], batch_size: int, timeout: Optional[float], /,
+                      **kwargs) -> list[torch.Tensor]:
+    """Call each TRL-style reward function with the same keyword arguments (TRL 1.16's: prompts, completions,
+    completion_ids, the dataset's other columns, trainer_state, log_extra, log_metric); the async ones run concurrently,
+    as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None. timeout (--reward_timeout): the
+    seconds each plain function, and the async ones together, may take; None: no limit."""
+    results = []
+    for func, name in zip(funcs, names):
+        try:  # an async function gives its coroutine, awaited below with the others
+            results.append(within(timeout, f"reward function {name}", func, **kwargs))
+        except RewardTimeout:
+            raise
+        except (Exception, SystemExit) as e:  # it must not end the run quietly: check_reward_values names it
+            results.append(e)
+    pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+    if pending:
+        awaited = within(timeout, "async reward functions " + ", ".join(names[i] for i in pending), await_all,
+                         [results[i] for i in pending])
+        for i, value in zip(pending, awaited):
+            results[i] = value
+    return [check_reward_values(values, name, batch_size) for values, name in zip(results, names)]
+
+
+class RewardTimeout(RunError):
+    """A reward function past --reward_timeout (an HTTP judge that hangs): the run stops, keeping its checkpoint."""
+
+
+def within(timeout: Optional[float], what: str, func: Callable, *args, **kwargs):
+    """func(*args, **kwargs), in this thread when timeout is None; else in a daemon thread given `timeout` seconds,
+    after which RewardTimeout is raised and the thread left behind (Python cannot stop it; it ends with the process).
+    Waiting on it, this thread still takes Ctrl-C and SIGTERM."""
+    if timeout is None:
+        return func(*args, **kwargs)
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = func(*args, **kwargs)
+        except BaseException as e:  # re-raised in the calling thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=call, name=what, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RewardTimeout(f"{what} did not return within --reward_timeout {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
+    """One reward function's (B,) rewards (call_reward_funcs), with no time limit."""
+    return call_reward_funcs([func], [name], batch_size, None, **kwargs)[0]
+
+
+def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
+    """What a reward function returned (or raised, awaited) as (B,) floats, NaN for None; else a one-line error."""
+    if isinstance(values, SystemExit):
+        raise UsageError(f"reward function {name} called sys.exit({values.code!r})")
+    if isinstance(values, BaseException):
+        raise UsageError(f"reward function {name} raised {describe(values)}")
+    if torch.is_tensor(values) or isinstance(values, np.ndarray):
+        values = values.tolist() if values.ndim == 1 else values
+    if not isinstance(values, (list, tuple)) or len(values) != batch_size:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        raise UsageError(f"reward function {name} must return a list of {batch_size} floats (or None), got {got}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)  # "does not apply": ignored by the baseline
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) and not (torch.is_tensor(v) and v.numel() == 1):
+            raise UsageError(f"reward function {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
+                             "return floats, or None for 'not applicable'")
+        try:
+            v = float(v)
+        except OverflowError:
+            raise UsageError(f"reward function {name} returned an int too large for a float at index {i}") from None
+        if not math.isfinite(v):
+            raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
+        if abs(v) > FLOAT32_MAX:
+            raise UsageError(f"reward function {name} returned {v:.3g} at index {i}, past the float32 range of the "
+                             f"rewards (+-{FLOAT32_MAX:.3g}): scale its values down")
+        out.append(v)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+FLOAT32_MAX, FLOAT32_TINY = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+
+
+def check_reward_range(scores: torch.Tensor, update: int) -> None:
+    """(B,) rewards (NaN: not scored) whose sums or squares overflow float32 would end as inf advantages, every step
+    skipped, or, divided by an overflowed std, as advantages of 0 that train nothing: one line instead, at the update
+    that meets them (the checkpoint of the one before is kept)."""
+    scored = scores[~scores.isnan()].float()
+    sums = scored.abs().sum()  # bounds every sum of the baselines and means
+    squares = (scored - scored.mean()).square().sum() if sums.isfinite() else sums  # bounds every std's, group or batch
+    if scored.isfinite().all() and sums.isfinite() and squares.isfinite():
+        return
+    raise RunError(f"the rewards of update {update} reach {scored.abs().max():.3g}, too large for float32 "
+                   "once summed or squared (the baselines, the std of --normalize_reward and of group normalisation): "
+                   "scale them down (a reward function's values, --reward_weights)")

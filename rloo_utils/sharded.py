@@ -1,0 +1,238 @@
+"""Sharded models (rloo_multigpu.py): built empty, each process reading and writing only its own rows of the safetensors
+files; sharded checkpoints of the policy and its optimizer."""
+
+import json
+import os
+
+import torch
+
+from rloo_utils.checkpoints import check_checkpoint_finite, is_saved_model, save_model
+from rloo_utils.errors import RunError, describe
+from rloo_utils.lora import (adapter_layers, is_peft_model, merged_weight, merged_weights, plain_name, plain_state_dict,
+                             trained_names, transformers_model)
+from rloo_utils.models import (MODEL_OPTIONS, SAFETENSORS_DTYPES, checked_reward_model, checkpoint_dtype,
+                               checkpoint_weights, from_pretrained)
+from rloo_utils.processes import agreed, get_rank, whole
+
+
+def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwargs):
+    """auto_class.from_pretrained(path, dtype=dtype, **config_kwargs), but on the meta device (no memory), to be sharded
+    and then filled by load_shards, so that no process holds the whole model: each reads its own slices of path's
+    safetensors files. Where the files hold other tensors than the model's, renamed at most (experts that
+    transformers fuses on load, a .gguf file), rank 0 loads the model whole here and load_shards sends each process
+    its shards. weights=False: the weights come from elsewhere (a checkpoint to resume) and are not read. The model's
+    `missing_weights`: those path does not hold, which from_pretrained would initialise anew (rank 0's, where rank 0
+    loads it; none when streamed); its `saved_names`: each weight's name in the files (None: not a renaming)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    config = from_pretrained(AutoConfig, path, **config_kwargs)
+    found = checkpoint_weights(path)
+    if dtype == "auto":  # as from_pretrained
+        dtype = checkpoint_dtype(path, config, found)
+    with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read: keep them
+        options = MODEL_OPTIONS.get(path, {})
+        code = {"trust_remote_code": True} if options.get("trust_remote_code") and getattr(config, "auto_map", None) else {}
+        model = auto_class.from_config(config, dtype=dtype, **code)  # (config_kwargs' attn_implementation: in config)
+    model.tie_weights()  # (from_pretrained ties them after loading)
+    model.eval()  # as from_pretrained returns a model
+    folder = found[0] if found else os.path.dirname(os.path.abspath(path)) if path.endswith(".gguf") else path
+    if model.can_generate() and os.path.isfile(os.path.join(folder, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    # The names a checkpoint holds each weight under: a tied weight (the LM head of tied embeddings) once, under the
+    # name transformers saves it under (renamed as its conversions for the model's family revert them: LLaVA's
+    # language_model.model.* for model.language_model.*), as save_pretrained writes them
+    tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+    state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+    name_of = {id(tensor): name for name, tensor in state.items()}
+    saved_as = {name_of.get(id(tensor)): saved for saved, tensor in revert_weight_conversion(model, dict(state)).items()}
+    # (kept for save_sharded_model: once sharded, the model's classes are FSDP's, for which transformers knows no names)
+    model.saved_names = saved_as if saved_as.keys() == state.keys() else None  # None: tensors converted, not renamed
+    streamed = found is not None and model.saved_names is not None and all(
+        found[1].get(saved_as[name], (None,))[0] == tuple(tensor.shape) for name, tensor in state.items())
+    model.pretrained_weights = None
+    model.missing_weights = []
+    if weights and streamed:
+        model.pretrained_weights = (found[0], saved_as)
+    elif weights:
+        full = None
+        if get_rank() == 0:
+            loaded, info = from_pretrained(auto_class, path, dtype=dtype, output_loading_info=True, **config_kwargs)
+            full, model.missing_weights = loaded.state_dict(), sorted(info["missing_keys"])
+        model.pretrained_weights = (None, full)
+    return model
+
+
+def load_sharded_reward_model(path: str):
+    """The reward model as an empty_model in float32, to be sharded and filled by load_shards; refused as
+    load_reward_model refuses it."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = empty_model(AutoModelForSequenceClassification, path, torch.float32, num_labels=1)
+    return checked_reward_model(model, model.missing_weights, path)
+
+
+def load_shards(model, device) -> None:
+    """Allocate the shards of an empty_model, sharded (FSDP2), on `device` (the CPU with FSDP's CPU offload), and fill
+    them with its weights: each process reads only its own slices of the safetensors files (torch.distributed.checkpoint's
+    HuggingFaceStorageReader, casting to the model's dtype), or rank 0 sends each process its shards of the whole model
+    it loaded (set_model_state_dict's broadcast_from_rank0, one tensor at a time). A collective: every process calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    if "pretrained_weights" not in transformers_model(model).__dict__:  # loaded whole, then sharded: its shards are filled
+        return
+    source = transformers_model(model).__dict__.pop("pretrained_weights")
+    buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for module, name, b in buffers:  # computed at build and on the device FSDP put them on: to_empty left them blank
+        module._buffers[name] = b
+    if source is not None:  # (None: filled by the caller, from a resumed checkpoint)
+        folder, saved_as_or_full = source  # keyed by the names of the model without adapters (plain_name)
+        state = get_model_state_dict(model)
+        names = {name: plain_name(name) if is_peft_model(model) else name for name in state}
+        if folder is not None:  # saved_as: the model's name of each weight -> its name in the files
+            saved_as = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in saved_as_or_full}
+            in_files = {saved: state[name] for name, saved in saved_as.items()}
+            dcp.load(in_files, storage_reader=dcp.HuggingFaceStorageReader(folder),
+                     planner=DefaultLoadPlanner(allow_partial_load=True))  # (the files' other tensors: a tied head's copy)
+            set_model_state_dict(model, {name: in_files[saved] for name, saved in saved_as.items()},
+                                 options=StateDictOptions(strict=False))
+        else:  # the whole model's state dict on rank 0 (None elsewhere)
+            full = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in (saved_as_or_full or {})}
+            set_model_state_dict(model, full,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    if getattr(model, "adapter_init", None) is not None:  # LoRA adapters drawn at build, the same on every process
+        set_model_state_dict(model, model.adapter_init, options=StateDictOptions(full_state_dict=True, strict=False))
+        with torch.no_grad():  # DoRA's magnitudes: the row norms of the weights now read (both sharded by rows)
+            for module in model.modules():
+                if getattr(module, "use_dora", {}).get("default"):
+                    module.lora_magnitude_vector["default"].weight.copy_(
+                        torch.linalg.norm(module.get_base_layer().weight, dim=1))
+
+
+def safetensors_header(shapes: dict) -> bytes:
+    """The start of a safetensors file whose tensors (meta tensors: their shapes and dtypes) follow in this order: a
+    little-endian u64 length, then the JSON header of each tensor's dtype, shape and byte range, padded with spaces so
+    that the tensors' bytes start 8-byte aligned, as safetensors writes it."""
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in shapes.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(header, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header
+
+
+def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = "5GB", merged: bool = False) -> None:
+    """save_pretrained's folder (config, generation config, safetensors weights in files of at most max_shard_size and
+    their index, the tokenizer) of a sharded empty_model, under the names save_pretrained gives the weights, without
+    any process holding the whole model: the weights are gathered one tensor at a time (every process takes part)
+    and rank 0 appends each to its file, whose header it wrote first from the shapes. A model that transformers saves
+    as other tensors (fused experts, split again) is gathered on rank 0 and saved by save_pretrained. A collective:
+    every process calls it; a failure on rank 0 still goes through every gather, then stops all of them. A peft model
+    saves its adapter, or with merged=True the model with the adapter merged into its weights."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if is_peft_model(model) and not merged:  # the adapter: small, gathered whole
+        trained = trained_names(model)
+        save_model(output_dir, model, tokenizer, {name: whole(t).cpu() for name, t in get_model_state_dict(model).items()
+                                                  if name in trained})
+        return
+    saved_names, layers = transformers_model(model).saved_names, adapter_layers(model)
+    if saved_names is None:  # saved as other tensors than the model's (experts split apart): whole on rank 0
+        state = {}
+        for name, tensor in merged_weights(model, whole):
+            if get_rank() == 0:
+                state[name] = tensor.cpu()
+        save_model(output_dir, model, tokenizer, state, merged=True)
+        return
+    state = plain_state_dict(model)
+    plain = {saved_name: name for name, saved_name in saved_names.items()}
+    saved = {saved_name: state[name] for name, saved_name in saved_names.items()}  # a tied weight once
+    shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in saved.items()}
+    split = split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    error = None
+    with agreed():
+        for file, names in split.filename_to_tensors.items():
+            stream = None
+            if get_rank() == 0 and error is None:
+                try:
+                    os.makedirs(output_dir, exist_ok=True)
+                    stream = open(os.path.join(output_dir, file), "wb")
+                    stream.write(safetensors_header({name: shapes[name] for name in names}))
+                except Exception as e:
+                    error = e
+            for name in names:
+                tensor = whole(saved[name])
+                if plain[name] in layers:  # its adapter merged in
+                    tensor = merged_weight(layers[plain[name]], tensor, whole)
+                if stream is not None and error is None:
+                    try:
+                        stream.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+                    except Exception as e:
+                        error = e
+            if stream is not None:
+                stream.close()
+        if error is not None:
+            raise RunError(f"could not save the trained model to {output_dir} ({describe(error)})")
+        if get_rank() == 0:
+            if split.is_sharded:
+                with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+            model.config.dtype = str(model.dtype).split(".")[1]  # what save_pretrained records with the weights
+            name = type(transformers_model(model)).__name__.removeprefix("FSDP")
+            model.config.architectures = [name]
+            model.config.save_pretrained(output_dir)
+            if getattr(model, "_auto_class", None) is not None:  # its own code (--trust_remote_code), as save_pretrained
+                from transformers.dynamic_module_utils import custom_object_save
+
+                custom_object_save(next(c for c in type(transformers_model(model)).__mro__ if c.__name__ == name), output_dir)
+            if model.can_generate():
+                model.generation_config.save_pretrained(output_dir)
+            tokenizer.save_pretrained(output_dir)
+            if not is_saved_model(output_dir):
+                raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are "
+                               "missing after saving")
+
+
+def sharded_training_state(policy, optimizer) -> tuple[dict, dict]:
+    """The policy's (a peft model's adapter only: trained_names) and the optimizer's state dicts of shards."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(policy, optimizer)
+    trained = trained_names(policy)
+    return {k: v for k, v in model_state.items() if trained is None or k in trained}, optimizer_state
+
+
+def save_sharded_checkpoint(folder: str, policy, optimizer) -> None:
+    """The policy and optimizer state of a checkpoint: every process writes its shards (torch.distributed.checkpoint,
+    which fsyncs them)."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optimizer_state = sharded_training_state(policy, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(folder, "dcp"))
+
+
+def load_sharded_checkpoint(checkpoint: str, policy, optimizer) -> None:
+    """The sharded policy and optimizer state of a checkpoint (torch.distributed.checkpoint shards in dcp/), each
+    process reading its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    model_state, optimizer_state = sharded_training_state(policy, optimizer)
+    # A weight that never had a gradient (a VLM's vision layers after the one it reads) has no AdamW state to load
+    saved = dcp.FileSystemReader(os.path.join(checkpoint, "dcp")).read_metadata().state_dict_metadata
+    optimizer_state["state"] = {name: values for name, values in optimizer_state["state"].items()
+                                if all(f"optimizer.state.{name}.{key}" in saved for key in values)}
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp"))
+    set_model_state_dict(policy, state["model"], options=StateDictOptions(strict=trained_names(policy) is None))
+    set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+    check_checkpoint_finite(policy, checkpoint)
