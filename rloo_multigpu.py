@@ -35,7 +35,7 @@ import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Callable, Literal, NamedTuple, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -351,7 +351,7 @@ def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
     """Fold the KL penalty into the reward (detached; TRL order). Returns (B,) sequence rewards and (B,) -beta*KL.
 
     Sequence level: r = score - beta * sum_t kl_t. Token level (old TRL): r_t = -beta*kl_t with the score added at the
-    last real token; its sum over t is the same number. The per-token form acts through token_advantages.
+    last real token; its sum over t is the same number. The per-token form acts through compute_advantages' kl_before.
     """
     kl_penalty = -beta * kl * mask  # (B, C)
     if token_level:
@@ -398,7 +398,7 @@ def has_baseline(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return (scorable & (scorable.sum(1, keepdim=True) > 1)).view(-1)
 
 
-def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def whiten_over_batch(advantages: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(A - mean) / (std + 1e-4) over the rows that carry a gradient (the others stay 0), and the divisor."""
     if valid.sum() < 2:
         return advantages, torch.ones(())
@@ -406,9 +406,12 @@ def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor) -> tuple
     return torch.where(valid, (advantages - a.mean()) / (a.std() + 1e-4), 0.0), a.std() + 1e-4
 
 
-def compute_advantages(rewards, in_loss, num_generations: int, estimator: str, normalization: str):
-    """(B,) advantages: the estimator's baseline within each group, then the scaling; rows that do not train get 0.
-    Also (B,) what each row's reward was divided by (1 without normalisation), which token_advantages needs.
+def compute_advantages(rewards, kl_before, in_loss, num_generations: int, estimator: str, normalization: str):
+    """(B, C) advantage of each completion token: the estimator's baseline within each group, then the scaling; rows
+    that do not train get 0. kl_before (B, C): the KL penalty of the tokens before each token, which the token-level
+    KL does not charge it (REINFORCE++, Hu 2025, eq. 1: r_t = -beta kl_t, plus the score at the last token; the return
+    from t on sums r_s for s >= t), so A_t = A + kl_before_t, scaled like A; zeros with the sequence-level KL. Column 0
+    (no token before it) is the completion's advantage A, the one the sequence-level losses use.
 
     rloo          r_i - mean_{j != i} r_j                 (Ahmadian et al. 2024)
     grpo          (r_i - mean) / (std + 1e-4)             (Shao et al. 2024, DeepSeekMath)
@@ -416,41 +419,32 @@ def compute_advantages(rewards, in_loss, num_generations: int, estimator: str, n
     reinforce_pp  r_i - mean, then whitened over the batch (Hu 2025, REINFORCE++)
     """
     if estimator == "rloo":
-        advantages = rloo_advantages(rewards, num_generations)
+        advantages = rloo_advantages(rewards, num_generations)  # (B,)
     else:
         advantages = group_mean_advantages(rewards, num_generations)
-    divisors = torch.ones_like(advantages)
+    divisor = torch.ones_like(advantages)  # what the centred reward is divided by
     if normalization == "group":
-        divisors = group_std(rewards, num_generations) + 1e-4
-        advantages = advantages / divisors
+        divisor = group_std(rewards, num_generations) + 1e-4
+        advantages = advantages / divisor
     elif normalization == "batch":
-        advantages, divisor = normalize_advantages(advantages, in_loss)
-        divisors = divisors * divisor
-    return torch.where(in_loss, advantages, 0.0), divisors
+        advantages, batch_std = whiten_over_batch(advantages, in_loss)
+        divisor = divisor * batch_std
+    return torch.where(in_loss[:, None], advantages[:, None] + kl_before / divisor[:, None], 0.0)  # (B, C)
 
 
-def token_advantages(advantages, divisors, kl, in_loss, beta: float, token_level_kl: bool) -> torch.Tensor:
-    """(B, C) advantages of the token-level losses: each token carries its completion's advantage. With the token-level
-    KL (REINFORCE++, Hu 2025, eq. 1: r_t = -beta kl_t, plus the score at the last token; the return from t on sums
-    r_s for s >= t), a token is not charged the KL penalties of the tokens before it, which it did not cause:
-    A_t = A + beta * sum_{s<t} kl_s / divisor. The sequence-level losses see only A, whose KL is the full sum."""
-    if not token_level_kl:
-        return advantages[:, None].expand_as(kl)
-    kl_before = kl.cumsum(1) - kl  # (B, C): sum_{s<t} kl_s
-    return torch.where(in_loss[:, None], advantages[:, None] + beta * kl_before / divisors[:, None], 0.0)
-
-
+# Each loss returns its (B,) or (B, C) losses and the detached log-ratio log pi / pi_old of what its clip acts on.
 def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low: float, epsilon_high: float):
     """PPO's clipped surrogate (Schulman et al. 2017) on the sequence ratio rho_i = pi(y_i|x_i) / pi_old(y_i|x_i):
     (B,) losses max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)); the whole completion is one action."""
     ratio = torch.exp(logprob_sum - old_logprob_sum)
-    return torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high))
+    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high))
+    return loss, logprob_sum.detach() - old_logprob_sum
 
 
 # The token-level losses take advantages per token: (B, C), or (B, 1) for one per completion.
-def pg_token_loss(logprobs, advantages):
+def pg_token_loss(logprobs, old_logprobs, advantages):
     """REINFORCE per token (Williams 1992): (B, C) losses -A log pi(y_t)."""
-    return -advantages * logprobs
+    return -advantages * logprobs, logprobs.detach() - old_logprobs
 
 
 def ppo_token_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_high: float, dual_clip=None):
@@ -460,14 +454,15 @@ def ppo_token_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsil
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - epsilon_low, 1 + epsilon_high))
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
-    return loss
+    return loss, logprobs.detach() - old_logprobs
 
 
 def cispo_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_high: float):
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio under a stop-gradient, (B, C) losses
     -sg(clip(ratio)) A log pi(y_t). Unlike PPO no token loses its gradient; clipping only bounds its weight."""
-    weight = torch.exp(logprobs.detach() - old_logprobs).clamp(1 - epsilon_low, 1 + epsilon_high)
-    return -weight * advantages * logprobs
+    log_ratio = logprobs.detach() - old_logprobs
+    weight = torch.exp(log_ratio).clamp(1 - epsilon_low, 1 + epsilon_high)
+    return -weight * advantages * logprobs, log_ratio
 
 
 def masked_mean_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -478,20 +473,21 @@ def masked_mean_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low: float, epsilon_high: float):
     """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios
     s = exp(mean_t (log pi - log pi_old)), clipped like PPO. Token form, (B, C): s_t = sg(s) pi(y_t) / sg(pi(y_t)) has
-    the value s and the gradient s grad log pi(y_t); averaged over the tokens of a sequence it is s grad log s."""
+    the value s and the gradient s grad log pi(y_t); averaged over the tokens of a sequence it is s grad log s. Its
+    log-ratio is log s, (B,)."""
     log_s = masked_mean_per_row(logprobs.detach() - old_logprobs, mask)  # (B,)
     s = torch.exp(log_s)[:, None] * torch.exp(logprobs - logprobs.detach())  # (B, C)
-    return torch.maximum(-advantages * s, -advantages * s.clamp(1 - epsilon_low, 1 + epsilon_high))
+    return torch.maximum(-advantages * s, -advantages * s.clamp(1 - epsilon_low, 1 + epsilon_high)), log_s
 
 
 def sapo_loss(logprobs, old_logprobs, advantages, tau_pos: float, tau_neg: float):
     """SAPO (arXiv:2511.20347, 2025): a smooth sigmoid gate in place of the hard clip, (B, C) losses -gate A with
     gate = sigmoid(tau (ratio - 1)) 4 / tau, tau = tau_pos where A > 0 else tau_neg. d gate / d ratio = 1 at ratio 1
-    (REINFORCE on-policy) and fades away from it. Returns the losses and the gate values."""
+    (REINFORCE on-policy) and fades away from it. Also returns the gate values."""
     ratio = torch.exp(logprobs - old_logprobs)
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    return -gate * advantages, gate.detach()
+    return -gate * advantages, logprobs.detach() - old_logprobs, gate.detach()
 
 
 def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_batch_tokens, max_completion_length: int):
@@ -506,48 +502,57 @@ def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_
     return (token_loss * loss_mask).sum() / (mini_batch_size * max_completion_length)  # Dr. GRPO: a constant
 
 
-class PolicyLoss(NamedTuple):
-    """A micro-batch's share of the minibatch loss, and what its clip acts on, per unit of the loss: a token, or a
-    whole completion for the sequence and gspo losses."""
-    loss: torch.Tensor
-    log_ratio: torch.Tensor  # log pi / pi_old of each unit, detached
-    advantages: torch.Tensor  # of each unit
-    unit_mask: torch.Tensor  # 1 for a real unit (the completion mask, or all ones for whole completions)
-    sapo_gate: Optional[torch.Tensor] = None  # --loss_type sapo's gate of each token
-
-
-def policy_loss(args: Args, logprobs, old_logprobs, advantages, token_advantages, mask, in_loss, mini_batch_size: int,
-                mini_batch_tokens) -> PolicyLoss:
-    """The --loss_type loss of one micro-batch; in_loss: the rows that enter it."""
-    if args.loss_type == "sequence":
-        logprob_sum, old_logprob_sum = (logprobs * mask).sum(1), (old_logprobs * mask).sum(1)  # (b,)
-        loss = clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, args.epsilon, args.epsilon_high)
-        return PolicyLoss((loss * in_loss).sum() / mini_batch_size, logprob_sum.detach() - old_logprob_sum, advantages,
-                          torch.ones_like(loss))
+def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens):
+    """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it; and its
+    statistics (clip_statistics, and the sum of the token ratios)."""
     gate = None
-    log_ratio = logprobs.detach() - old_logprobs  # (b, C)
-    A = token_advantages  # (b, C)
-    if args.loss_type == "token" and args.ppo_clip:
-        token_loss = ppo_token_loss(logprobs, old_logprobs, A, args.epsilon, args.epsilon_high, args.dual_clip)
-    elif args.loss_type == "token":
-        token_loss = pg_token_loss(logprobs, A)
-    elif args.loss_type == "cispo":
-        token_loss = cispo_loss(logprobs, old_logprobs, A, args.epsilon, args.epsilon_high)
-    elif args.loss_type == "gspo":
-        token_loss = gspo_loss(logprobs, old_logprobs, A, mask, args.epsilon, args.epsilon_high)
+    if args.loss_type == "sequence":  # one unit per completion
+        advantages = advantages[:, 0]  # (b,)
+        loss, log_ratio = clipped_surrogate_loss((logprobs * mask).sum(1), (old_logprobs * mask).sum(1), advantages,
+                                                 args.epsilon, args.epsilon_high)
+        loss, units = (loss * in_loss).sum() / mini_batch_size, torch.ones_like(loss)
     else:
-        token_loss, gate = sapo_loss(logprobs, old_logprobs, A, args.sapo_tau_pos, args.sapo_tau_neg)
-    loss = aggregate_loss(token_loss, mask * in_loss[:, None], args.loss_aggregation, mini_batch_size, mini_batch_tokens,
-                          args.max_completion_length)
-    if args.loss_type == "gspo":  # its ratio and clip are per sequence
-        return PolicyLoss(loss, masked_mean_per_row(log_ratio, mask), advantages, torch.ones_like(in_loss, dtype=mask.dtype))
-    return PolicyLoss(loss, log_ratio, A, mask, gate)
+        if args.loss_type == "token" and args.ppo_clip:
+            token_loss, log_ratio = ppo_token_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high,
+                                                   args.dual_clip)
+        elif args.loss_type == "token":
+            token_loss, log_ratio = pg_token_loss(logprobs, old_logprobs, advantages)
+        elif args.loss_type == "cispo":
+            token_loss, log_ratio = cispo_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high)
+        elif args.loss_type == "gspo":
+            token_loss, log_ratio = gspo_loss(logprobs, old_logprobs, advantages, mask, args.epsilon, args.epsilon_high)
+        else:
+            token_loss, log_ratio, gate = sapo_loss(logprobs, old_logprobs, advantages, args.sapo_tau_pos,
+                                                    args.sapo_tau_neg)
+        loss = aggregate_loss(token_loss, mask * in_loss[:, None], args.loss_aggregation, mini_batch_size,
+                              mini_batch_tokens, args.max_completion_length)
+        units = mask
+        if args.loss_type == "gspo":  # its ratio and clip are per sequence
+            advantages, units = advantages[:, 0], torch.ones_like(in_loss, dtype=mask.dtype)
+    stats = clip_statistics(log_ratio, advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
+    stats["token_ratio"] = ((logprobs.detach() - old_logprobs).exp() * mask).sum()
+    if gate is not None:
+        stats["sapo_gate"] = (gate * units).sum()
+    return loss, stats
 
 
 def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
     """Units whose ratio left [1 - eps_low, 1 + eps_high] on the side its advantage pushes it (low: A < 0, high: A > 0):
     where PPO's clip cuts the gradient. The same definition for every loss, so clip fractions compare across them."""
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+
+
+def clip_statistics(log_ratio, advantages, units, epsilon_low: float, epsilon_high: float, dual_clip=None) -> dict:
+    """Sums over the real units of a micro-batch's loss (tokens, or completions; units 1 for a real one), and whether
+    all or any were clipped (TRL 1.16's min and max over the units): update_metrics makes the clip fractions of them."""
+    ratio, real = log_ratio.exp(), units.bool()
+    low, high = clipped_units(ratio, advantages, epsilon_low, epsilon_high)
+    stats = {"units": units.sum(), "approxkl": (0.5 * log_ratio.square() * units).sum(),
+             "clipped_low": (low * units).sum(), "clipped_high": (high * units).sum(),
+             "low_min": (low | ~real).all(), "high_max": (high & real).any()}
+    if dual_clip is not None:  # units whose loss the dual clip capped
+        stats["dual_clipped"] = (((ratio > dual_clip) & (advantages < 0)) * units).sum()
+    return stats
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -858,20 +863,18 @@ def main(args: Args) -> None:
         in_loss = has_baseline(rlhf_reward, G)  # (B,) rows that enter the loss (scored, with a scored sibling)
         if args.mask_truncated_completions:
             in_loss &= ended
-        advantages, divisors = compute_advantages(rlhf_reward, in_loss, G, args.advantage_estimator,
-                                                  args.advantage_normalization)  # (B,)
-        per_token_advantages = token_advantages(advantages, divisors, kl, in_loss, args.beta, args.token_level_kl)  # (B, C)
+        kl_before = args.beta * (kl.cumsum(1) - kl) if args.token_level_kl else torch.zeros_like(kl)  # (B, C)
+        advantages = compute_advantages(rlhf_reward, kl_before, in_loss, G, args.advantage_estimator,
+                                        args.advantage_normalization)  # (B, C)
 
         # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
-        loss_advantages, loss_token_advantages, is_weights = advantages, per_token_advantages, None
+        loss_advantages, is_weights = advantages, None
         if is_correction:
             is_weights = importance_sampling_weights(
                 trainer_sampling_logprobs, sampling_logprobs, mask, args.vllm_importance_sampling_mode,
                 args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)  # (B, 1) or (B, C)
-            loss_token_advantages = per_token_advantages * is_weights
-            if is_weights.shape[1] == 1:
-                loss_advantages = advantages * is_weights[:, 0]
+            loss_advantages = advantages * is_weights
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches; each micro-batch adds its share of the global minibatch loss (policy_loss) to the gradient,
@@ -898,27 +901,13 @@ def main(args: Args) -> None:
                                                                     packing=packing)  # (b, C)
                         if on_policy:  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
                             old_logprobs[idx] = logprobs.detach()
-                        old = old_logprobs[idx]
-                        terms = policy_loss(args, logprobs, old, loss_advantages[idx], loss_token_advantages[idx],
-                                            mask[idx], in_loss[idx], mini_batch_size, mini_batch_tokens)
-                        terms.loss.backward()
-                    step_loss += terms.loss.detach()
-                    with torch.no_grad():
-                        ratio, units = terms.log_ratio.exp(), terms.unit_mask
-                        low, high = clipped_units(ratio, terms.advantages, args.epsilon, args.epsilon_high)
-                        stats["units"].append(units.sum())
-                        stats["approxkl"].append((0.5 * terms.log_ratio.square() * units).sum())
-                        stats["clipped_low"].append((low * units).sum())
-                        stats["clipped_high"].append((high * units).sum())
-                        stats["low_min"].append((low | ~units.bool()).all())  # TRL 1.16: min and max over the units
-                        stats["high_max"].append((high & units.bool()).any())
-                        stats["token_ratio"].append(((logprobs.detach() - old).exp() * mask[idx]).sum())
-                        stats["entropy"].append((entropy * mask[idx]).sum())
-                        stats["tokens"].append(mask[idx].sum())
-                        if args.dual_clip is not None:  # tokens whose loss the dual clip capped
-                            stats["dual_clipped"].append((((ratio > args.dual_clip) & (terms.advantages < 0)) * units).sum())
-                        if terms.sapo_gate is not None:
-                            stats["sapo_gate"].append((terms.sapo_gate * units).sum())
+                        loss, loss_stats = policy_loss(args, logprobs, old_logprobs[idx], loss_advantages[idx], mask[idx],
+                                                       in_loss[idx], mini_batch_size, mini_batch_tokens)
+                        loss.backward()
+                    step_loss += loss.detach()
+                    loss_stats.update(entropy=(entropy * mask[idx]).sum(), tokens=mask[idx].sum())
+                    for name, value in loss_stats.items():
+                        stats[name].append(value)
                 step_loss = all_reduce(step_loss)  # the global minibatch's loss
                 with timer("optimizer"):
                     learning_rates.append(scheduler.get_last_lr()[0])  # the rate this step uses
@@ -957,8 +946,8 @@ def main(args: Args) -> None:
             "objective/rlhf_reward": float(rlhf_reward.nanmean()),
             "objective/entropy": float((-old_logprobs * mask).sum(1).mean()),  # sampled tokens' -log pi, per completion
             # health and speed
-            "advantages/mean": float(advantages[in_loss].mean()) if in_loss.any() else 0.0,
-            "advantages/std": float(advantages[in_loss].std()) if in_loss.sum() > 1 else 0.0,
+            "advantages/mean": float(advantages[in_loss, 0].mean()) if in_loss.any() else 0.0,
+            "advantages/std": float(advantages[in_loss, 0].std()) if in_loss.sum() > 1 else 0.0,
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
@@ -974,7 +963,7 @@ def main(args: Args) -> None:
         progress.update(metrics)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
             rows = completion_rows([message_text(p) for p in gather_objects(prompts)], gather_objects(completions),
-                                   rewards_per_func, reward_names, advantages, logged_columns)
+                                   rewards_per_func, reward_names, advantages[:, 0], logged_columns)
             show_samples(console, logger, rows, episode, "completions", args.num_completions_to_print)
         guard.update_done(run_state(update))  # complete: a failure from here on (a sample table's reward) keeps it whole
         if sample_every and (update % sample_every == 0 or update == num_updates):

@@ -19,7 +19,7 @@ EMBEDDED_DATASET = "data/movie_reviews"
 
 def dataset_path(name: str) -> str:
     """--dataset_name as a path to read: the embedded dataset is found next to the scripts from any working folder."""
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)  # rloo_utils/..
     return here if name == EMBEDDED_DATASET and not os.path.exists(name) else name
 
 

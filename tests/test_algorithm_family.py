@@ -51,19 +51,25 @@ def by_hand(estimator):
 @pytest.mark.parametrize("estimator", ["rloo", "grpo", "dr_grpo", "reinforce_pp"])
 def test_each_estimator_by_hand_with_its_default_normalisation(estimator):
     args = args_for("--advantage_estimator", estimator)
-    advantages, divisors = rloo.compute_advantages(REWARDS, ALL, 4, args.advantage_estimator, args.advantage_normalization)
-    torch.testing.assert_close(advantages, by_hand(estimator))
-    # The divisor is what the centred reward was divided by: 1, the group's std or the batch's (token_advantages uses it)
+    kl_before = torch.zeros(8, 3)
+    advantages = rloo.compute_advantages(REWARDS, kl_before, ALL, 4, args.advantage_estimator, args.advantage_normalization)
+    assert advantages.shape == (8, 3)  # every token carries its completion's advantage (no token-level KL)
+    torch.testing.assert_close(advantages, by_hand(estimator)[:, None].expand(8, 3))
+    # With a token-level KL, its part is divided by what the centred reward was divided by: 1, the group's std or the
+    # batch's
     centred = REWARDS.view(2, 4) - REWARDS.view(2, 4).mean(1, keepdim=True)
-    if estimator != "rloo":
-        torch.testing.assert_close(advantages * divisors, centred.view(-1) - (centred.mean() if estimator == "reinforce_pp" else 0))
-    else:
-        assert (divisors == 1).all()
+    divisor = {"rloo": torch.ones(8), "dr_grpo": torch.ones(8),
+               "grpo": (torch.tensor([[math.sqrt(14 / 3)], [math.sqrt(16 / 3)]]) + 1e-4).expand(2, 4).reshape(-1),
+               "reinforce_pp": torch.full((8,), centred.std().item() + 1e-4)}[estimator]
+    kl_before[:, 1:] = 0.5
+    with_kl = rloo.compute_advantages(REWARDS, kl_before, ALL, 4, args.advantage_estimator, args.advantage_normalization)
+    torch.testing.assert_close(with_kl[:, 1:] - with_kl[:, :1], 0.5 / divisor[:, None].expand(8, 2))
+    torch.testing.assert_close(with_kl[:, 0], advantages[:, 0])
 
 
 @per_script
 def test_rloo_with_group_normalisation_divides_the_leave_one_out_advantage_by_the_group_std():
-    advantages, _ = rloo.compute_advantages(REWARDS, ALL, 4, "rloo", "group")
+    advantages = rloo.compute_advantages(REWARDS, torch.zeros(8, 1), ALL, 4, "rloo", "group")[:, 0]
     std = torch.tensor([math.sqrt(14 / 3)] * 4 + [math.sqrt(16 / 3)] * 4)
     torch.testing.assert_close(advantages, by_hand("rloo") / (std + 1e-4))
 
@@ -75,12 +81,12 @@ def test_group_estimators_skip_unscorable_rows_and_rows_that_do_not_train():
     # Row 3: a truncated completion (--mask_truncated_completions); row 4 has no baseline.
     trains = rloo.has_baseline(rewards, 4) & torch.tensor([True, True, True, False, True, True, True, True])
     assert trains.tolist() == [True, False, True, False, False, False, False, False]
-    dr, _ = rloo.compute_advantages(rewards, trains, 4, "dr_grpo", "none")
+    dr = rloo.compute_advantages(rewards, torch.zeros(8, 1), trains, 4, "dr_grpo", "none")[:, 0]
     torch.testing.assert_close(dr, torch.tensor([-2.0, 0, 0, 0, 0, 0, 0, 0]))
-    grpo, _ = rloo.compute_advantages(rewards, trains, 4, "grpo", "group")
+    grpo = rloo.compute_advantages(rewards, torch.zeros(8, 1), trains, 4, "grpo", "group")[:, 0]
     torch.testing.assert_close(grpo, torch.tensor([-2.0 / (2.0 + 1e-4), 0, 0, 0, 0, 0, 0, 0]))  # std of 1, 3, 5 is 2
     # REINFORCE++ whitens over the rows that train only: here rows 0 and 2, centred -2 and 0.
-    pp, _ = rloo.compute_advantages(rewards, trains, 4, "reinforce_pp", "batch")
+    pp = rloo.compute_advantages(rewards, torch.zeros(8, 1), trains, 4, "reinforce_pp", "batch")[:, 0]
     torch.testing.assert_close(pp, torch.tensor([-1 / (math.sqrt(2) + 1e-4), 0, 1 / (math.sqrt(2) + 1e-4), 0, 0, 0, 0, 0]))
 
 
@@ -107,8 +113,9 @@ def current_logprobs():
 @per_script
 def test_token_policy_gradient_by_hand():
     logprobs = current_logprobs()
-    loss = rloo.pg_token_loss(logprobs, torch.tensor([[2.0]]))
+    loss, log_ratio = rloo.pg_token_loss(logprobs, OLD, torch.tensor([[2.0]]))
     torch.testing.assert_close(loss, -2.0 * logprobs.detach())
+    torch.testing.assert_close(log_ratio.exp(), RATIOS)  # not in the loss: for the clip metrics
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.full((1, 3), -2.0))
 
@@ -117,7 +124,8 @@ def test_token_policy_gradient_by_hand():
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_token_ppo_clip_by_hand(advantage):
     logprobs = current_logprobs()
-    loss = rloo.ppo_token_loss(logprobs, OLD, torch.tensor([[advantage]]), 0.2, 0.3)
+    loss, log_ratio = rloo.ppo_token_loss(logprobs, OLD, torch.tensor([[advantage]]), 0.2, 0.3)
+    torch.testing.assert_close(log_ratio.exp(), RATIOS)
     if advantage > 0:  # 1.5 is clipped at 1.3 (no gradient); 0.5 and 1.1 are not (the clip only stops increases)
         expected, grad = [-1.3, -0.5, -1.1], [0.0, -0.5, -1.1]
     else:  # 0.5 is clipped at 0.8 (no gradient); 1.5 and 1.1 keep -A r
@@ -133,19 +141,20 @@ def test_token_ppo_clip_by_hand(advantage):
 def test_dual_clip_caps_the_loss_of_negative_advantages():
     old = torch.zeros(1, 3)
     logprobs = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0)]], requires_grad=True)
-    loss = rloo.ppo_token_loss(logprobs, old, torch.tensor([[-1.0]]), 0.2, 0.2, dual_clip=3.0)
+    loss, _ = rloo.ppo_token_loss(logprobs, old, torch.tensor([[-1.0]]), 0.2, 0.2, dual_clip=3.0)
     # ratio 5 with A = -1: PPO's loss 5 is capped at c|A| = 3 and has no gradient; ratio 2 stays at 2.
     torch.testing.assert_close(loss.detach(), torch.tensor([[3.0, 2.0, 3.0]]))
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 2.0, 0.0]]))
-    positive = rloo.ppo_token_loss(logprobs.detach(), old, torch.tensor([[1.0]]), 0.2, 0.2, dual_clip=3.0)
+    positive, _ = rloo.ppo_token_loss(logprobs.detach(), old, torch.tensor([[1.0]]), 0.2, 0.2, dual_clip=3.0)
     torch.testing.assert_close(positive, torch.full((1, 3), -1.2))  # A > 0: only the usual clip
 
 
 @per_script
 def test_cispo_weight_is_clipped_and_stop_gradient():
     logprobs = current_logprobs()
-    loss = rloo.cispo_loss(logprobs, OLD, torch.tensor([[2.0]]), 0.2, 0.3)
+    loss, log_ratio = rloo.cispo_loss(logprobs, OLD, torch.tensor([[2.0]]), 0.2, 0.3)
+    torch.testing.assert_close(log_ratio.exp(), RATIOS)  # unclipped: the clip metrics see the ratio itself
     weight = torch.tensor([[1.3, 0.8, 1.1]])  # clip(r, 0.8, 1.3)
     torch.testing.assert_close(loss.detach(), -weight * 2.0 * logprobs.detach())
     loss.sum().backward()
@@ -159,11 +168,12 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
     old = torch.tensor([[-1.1, -1.9, -0.45, 0.0], [-0.3, -0.6, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     advantages = torch.tensor([1.5, -0.5])
-    token_loss = rloo.gspo_loss(logprobs, old, advantages[:, None], mask, 0.2, 0.2)
+    token_loss, log_s = rloo.gspo_loss(logprobs, old, advantages[:, None], mask, 0.2, 0.2)
     loss = (token_loss * mask).sum(1) / mask.sum(1)  # GSPO averages over the tokens of a sequence
     # The value: s_i = exp(mean_t (log p - log p_old)) for every token of sequence i.
     s = torch.exp(((logprobs.detach() - old) * mask).sum(1) / mask.sum(1))
     torch.testing.assert_close(token_loss.detach(), (-advantages * s)[:, None].expand(2, 4))
+    torch.testing.assert_close(log_s.exp(), s)  # one ratio per sequence
     loss.sum().backward()
     # The gradient is that of the sequence-level objective -A s_i, with s_i a function of the log-probs.
     direct = logprobs.detach().clone().requires_grad_()
@@ -175,7 +185,7 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
 @per_script
 def test_gspo_clips_the_whole_sequence():
     logprobs = torch.tensor([[0.2, 0.4]], requires_grad=True)  # s = exp(0.3) > 1 + 0.2: clipped for A > 0
-    loss = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([[1.0]]), torch.ones(1, 2), 0.2, 0.2)
+    loss, _ = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([[1.0]]), torch.ones(1, 2), 0.2, 0.2)
     torch.testing.assert_close(loss.detach(), torch.full((1, 2), -1.2))
     loss.sum().backward()
     assert (logprobs.grad == 0).all()
@@ -185,7 +195,8 @@ def test_gspo_clips_the_whole_sequence():
 def test_sapo_gate_by_hand_and_its_gradient():
     for advantage, tau in [(2.0, 1.0), (-2.0, 1.05)]:
         logprobs = current_logprobs()
-        loss, gate = rloo.sapo_loss(logprobs, OLD, torch.tensor([[advantage]]), tau_pos=1.0, tau_neg=1.05)
+        loss, log_ratio, gate = rloo.sapo_loss(logprobs, OLD, torch.tensor([[advantage]]), tau_pos=1.0, tau_neg=1.05)
+        torch.testing.assert_close(log_ratio.exp(), RATIOS)
         sig = torch.sigmoid(tau * (RATIOS - 1))
         torch.testing.assert_close(gate, sig * 4 / tau)
         torch.testing.assert_close(loss.detach(), -advantage * sig * 4 / tau)
@@ -193,7 +204,7 @@ def test_sapo_gate_by_hand_and_its_gradient():
         # d gate / d r = 4 sig (1 - sig), d r / d log p = r
         torch.testing.assert_close(logprobs.grad, -advantage * 4 * sig * (1 - sig) * RATIOS)
     on_policy = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, gate = rloo.sapo_loss(on_policy, on_policy.detach(), torch.tensor([[3.0]]), 1.0, 1.05)
+    loss, _, gate = rloo.sapo_loss(on_policy, on_policy.detach(), torch.tensor([[3.0]]), 1.0, 1.05)
     loss.sum().backward()
     torch.testing.assert_close(on_policy.grad, torch.full((1, 2), -3.0))  # on-policy: the REINFORCE gradient
 
@@ -231,11 +242,14 @@ def test_default_loss_is_the_previous_implementation_bit_for_bit():
     previous = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - 0.2, 1 + 0.2))
     previous = (previous * trains).sum() / 8
     (previous_grad,) = torch.autograd.grad(previous, logprobs)
-    loss, log_ratio, _, units, gate = rloo.policy_loss(args_for(), logprobs, old, advantages, advantages[:, None].expand(6, 5),
-                                                       mask, trains, 8, None)
+    loss, stats = rloo.policy_loss(args_for(), logprobs, old, advantages[:, None].expand(6, 5), mask, trains, 8, None)
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert torch.equal(loss, previous) and torch.equal(grad, previous_grad)
-    assert torch.equal(log_ratio.exp(), ratio.detach()) and units.tolist() == [1.0] * 6 and gate is None
+    # Its statistics count completions: the clip acts on each one's ratio
+    clipped = (ratio > 1.2) & (advantages > 0)
+    assert stats["units"].item() == 6 and stats["clipped_high"].item() == clipped.sum().item()
+    torch.testing.assert_close(stats["approxkl"], (0.5 * ratio.detach().log().square()).sum())
+    assert "sapo_gate" not in stats and "dual_clipped" not in stats
 
 
 @pytest.mark.parametrize("argv", [["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip"], ["--loss_type", "cispo"],
@@ -246,13 +260,12 @@ def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv
     logprobs = current_logprobs().expand(2, 3).clone().detach().requires_grad_()
     old, mask, advantages = OLD.expand(2, 3), torch.ones(2, 3), torch.tensor([1.0, 5.0])
     trains = torch.tensor([True, False])
-    loss, log_ratio, unit_advantages, units, gate = rloo.policy_loss(args, logprobs, old, advantages, advantages[:, None].expand(2, 3),
-                                                                     mask, trains, 2, mask[:1].sum())
+    loss, stats = rloo.policy_loss(args, logprobs, old, advantages[:, None].expand(2, 3), mask, trains, 2, mask[:1].sum())
     loss.backward()
     assert (logprobs.grad[1] == 0).all() and (logprobs.grad[0] != 0).any()  # the row that does not train adds nothing
-    assert (gate is not None) == (args.loss_type == "sapo")
-    assert log_ratio.shape == ((2,) if args.loss_type == "gspo" else (2, 3)) and units.shape == log_ratio.shape
-    assert unit_advantages.shape == log_ratio.shape  # what the clip metrics compare the ratio with
+    assert ("sapo_gate" in stats) == (args.loss_type == "sapo")
+    assert stats["units"].item() == (2 if args.loss_type == "gspo" else 6)  # gspo clips whole sequences
+    torch.testing.assert_close(stats["token_ratio"], (RATIOS.sum() * 2).reshape(()))
 
 
 @pytest.mark.parametrize("argv", [[], ["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip", "--dual_clip", "2"],
@@ -264,9 +277,9 @@ def test_on_the_first_minibatch_every_loss_is_reinforce(argv):
     args = args_for(*argv)
     logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
     mask, advantages, trains = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([1.5, -0.5]), torch.ones(2).bool()
-    loss, log_ratio, _, units, gate = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages,
-                                                       advantages[:, None].expand(2, 3), mask, trains, 2, mask.sum())
-    assert (log_ratio == 0).all()
+    loss, stats = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages[:, None].expand(2, 3), mask, trains, 2,
+                                   mask.sum())
+    assert stats["approxkl"] == 0 and stats["clipped_low"] == 0 and stats["clipped_high"] == 0
     loss.backward()
     per_token = {"sequence": 1 / 2, "token": 1 / 5, "cispo": 1 / 5, "sapo": 1 / 5}  # sum over sequences / 2; tokens / 5
     weight = torch.tensor([[1 / 6], [1 / 4]]) if args.loss_type == "gspo" else per_token[args.loss_type]  # seq-mean-token-mean
@@ -336,18 +349,19 @@ def test_token_level_kl_charges_each_token_the_kl_penalties_from_it_on():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     trains = torch.ones(2, dtype=torch.bool)
     rewards, _ = rloo.kl_penalized_reward(scores, kl, mask, beta=0.5, token_level=True)
-    advantages, divisors = rloo.compute_advantages(rewards, trains, 2, "rloo", "none")
-    per_token = rloo.token_advantages(advantages, divisors, kl, trains, beta=0.5, token_level_kl=True)
+    kl_before = 0.5 * (kl.cumsum(1) - kl)  # what rloo.py's advantage stage gives it with --token_level_kl
+    per_token = rloo.compute_advantages(rewards, kl_before, trains, 2, "rloo", "none")
+    advantages = rloo.compute_advantages(rewards, torch.zeros_like(kl), trains, 2, "rloo", "none")  # without it
     for i, j in [(0, 1), (1, 0)]:  # the baseline of each completion is its sibling's whole reward
         for t in range(int(mask[i].sum())):
             to_go = scores[i] - 0.5 * kl[i, t:].sum()
             assert per_token[i, t].item() == pytest.approx((to_go - rewards[j]).item())
-    assert torch.equal(per_token[:, 0], advantages)  # the first token is charged everything: the sequence advantage
+    assert torch.equal(per_token[:, 0], advantages[:, 0])  # the first token is charged everything: the sequence advantage
     # Without the flag every token carries the completion's advantage; with a divisor the KL part is divided too.
-    assert torch.equal(rloo.token_advantages(advantages, divisors, kl, trains, 0.5, False), advantages[:, None].expand(2, 4))
-    halved = rloo.token_advantages(advantages / 2, divisors * 2, kl, trains, 0.5, True)
-    torch.testing.assert_close(halved, per_token / 2)
-    none_train = rloo.token_advantages(advantages, divisors, kl, torch.tensor([True, False]), 0.5, True)
+    assert torch.equal(advantages, advantages[:, :1].expand(2, 4))
+    scaled = rloo.compute_advantages(rewards, kl_before, trains, 2, "rloo", "group")  # divided by the group's std
+    torch.testing.assert_close(scaled, per_token / ((rewards[0] - rewards[1]).abs() / math.sqrt(2) + 1e-4))
+    none_train = rloo.compute_advantages(rewards, kl_before, torch.tensor([True, False]), 2, "rloo", "none")
     assert (none_train[1] == 0).all()
 
 
@@ -356,13 +370,14 @@ def test_token_level_kl_charges_each_token_the_kl_penalties_from_it_on():
 def test_token_level_kl_changes_the_gradient_of_token_losses_only(loss_type):
     kl = torch.tensor([[0.3, 0.6, 0.9], [0.2, 0.2, 0.0]])
     mask, trains = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.ones(2, dtype=torch.bool)
-    advantages, divisors = torch.tensor([1.0, -1.0]), torch.ones(2)
+    advantages = torch.tensor([1.0, -1.0])
     grads = {}
     for token_level_kl in [False, True]:
         for args in [args_for("--loss_type", loss_type), args_for()]:
             logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
-            per_token = rloo.token_advantages(advantages, divisors, kl, trains, 1.0, token_level_kl)
-            loss, *_ = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages, per_token, mask, trains, 2, mask.sum())
+            kl_before = 1.0 * (kl.cumsum(1) - kl) if token_level_kl else torch.zeros_like(kl)  # the advantage stage's
+            per_token = advantages[:, None] + kl_before  # compute_advantages' A_t, the rloo estimator unscaled
+            loss, _ = rloo.policy_loss(args, logprobs, logprobs.detach(), per_token, mask, trains, 2, mask.sum())
             (grads[token_level_kl, args.loss_type],) = torch.autograd.grad(loss, logprobs)
     # On-policy, a token loss has the gradient -A_t / tokens: A_t = A + beta * (KL of the tokens before t)
     expected = -(advantages[:, None] + torch.tensor([[0.0, 0.3, 0.9], [0.0, 0.2, 0.4]])) * mask / 5

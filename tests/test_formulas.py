@@ -46,10 +46,10 @@ def test_rloo_advantages_with_none_rewards_ignore_the_unscorable_sibling():
     assert advantages[0].item() != pytest.approx(1 - 8 / 3)
 
 
-def test_normalize_advantages_only_over_rows_that_train():
+def test_whiten_over_batch_only_over_rows_that_train():
     advantages = torch.tensor([1.0, -1.0, 3.0, 0.0])
     valid = torch.tensor([True, True, True, False])
-    out, divisor = rloo.normalize_advantages(advantages, valid)
+    out, divisor = rloo.whiten_over_batch(advantages, valid)
     a = torch.tensor([1.0, -1.0, 3.0])
     torch.testing.assert_close(out[:3], (a - 1.0) / (a.std() + 1e-4))
     assert out[3] == 0 and divisor.item() == pytest.approx(a.std().item() + 1e-4)
@@ -154,7 +154,8 @@ def test_clipped_surrogate_by_hand_and_its_gradient():
     ratios = torch.tensor([1.5, 0.5, 0.9, 1.1, 1.25])
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
     logprob_sum = ratios.log().requires_grad_()
-    loss = rloo.clipped_surrogate_loss(logprob_sum, torch.zeros(5), advantages, 0.2, 0.3)
+    loss, log_ratio = rloo.clipped_surrogate_loss(logprob_sum, torch.zeros(5), advantages, 0.2, 0.3)
+    torch.testing.assert_close(log_ratio, ratios.log())  # the ratio the clip metrics see
     # A > 0, rho 1.5 > 1 + 0.3: clipped at 1.3; A < 0, rho 0.5 < 0.8: clipped at 0.8; inside: -A rho.
     torch.testing.assert_close(loss.detach(), torch.tensor([-1.3, 0.8, -0.9, 1.1, -1.25]))
     low, high = rloo.clipped_units(ratios, advantages, 0.2, 0.3)
@@ -167,7 +168,7 @@ def test_clipped_surrogate_by_hand_and_its_gradient():
 def test_on_policy_ratio_is_exactly_one_and_the_loss_is_reinforce():
     logprob_sum = torch.tensor([-3.0, -7.0], requires_grad=True)
     advantages = torch.tensor([2.0, -1.0])
-    loss = rloo.clipped_surrogate_loss(logprob_sum, logprob_sum.detach(), advantages, 0.2, 0.2)
+    loss, _ = rloo.clipped_surrogate_loss(logprob_sum, logprob_sum.detach(), advantages, 0.2, 0.2)
     assert torch.exp(logprob_sum - logprob_sum.detach()).tolist() == [1.0, 1.0]
     loss.sum().backward()
     torch.testing.assert_close(logprob_sum.grad, -advantages)  # the gradient of -A log pi

@@ -102,9 +102,8 @@ def test_normalize_advantages_with_the_rloo_estimator_is_trls():
     grouped = rewards.view(-1, 4)
     loo = (grouped - (grouped.sum(1, keepdim=True) - grouped) / 3).view(-1)
     expected = (loo - loo.mean()) / (loo.std() + 1e-4)
-    advantages, divisors = rloo.compute_advantages(rewards, in_loss, 4, "rloo", "batch")
+    advantages = rloo.compute_advantages(rewards, torch.zeros(8, 1), in_loss, 4, "rloo", "batch")[:, 0]
     torch.testing.assert_close(advantages, expected)
-    torch.testing.assert_close(divisors, torch.full((8,), float(loo.std() + 1e-4)))
     args = rloo.resolve_defaults(rloo.Args(normalize_advantages=True))
     check_args(rloo.Args(normalize_advantages=True))  # allowed, as in TRL
     assert args.advantage_estimator == "rloo" and args.advantage_normalization == "batch"
