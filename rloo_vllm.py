@@ -33,32 +33,89 @@ from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
-from rloo_utils.checkpoints import (RunGuard, check_skipped_steps, claim_run, load_checkpoint_weights,
-                                    report_one_line_error, resume_point, resumed_counters, rng_states, save_model,
-                                    set_rng_states, stop_after_update_on_signals, stopped_message)
-from rloo_utils.data import (EMBEDDED_DATASET, content_text, image_column, left_pad, load_datasets, prompt_batches,
-                             row_images, text_prompts)
+from rloo_utils.checkpoints import (
+    RunGuard,
+    check_skipped_steps,
+    claim_run,
+    load_checkpoint_weights,
+    report_one_line_error,
+    resume_point,
+    resumed_counters,
+    rng_states,
+    save_model,
+    set_rng_states,
+    stop_after_update_on_signals,
+    stopped_message,
+)
+from rloo_utils.data import (
+    EMBEDDED_DATASET,
+    content_text,
+    image_column,
+    left_pad,
+    load_datasets,
+    prompt_batches,
+    row_images,
+    text_prompts,
+)
 from rloo_utils.errors import NonFiniteWeights, RunError, Terminated
-from rloo_utils.logs import (ProgressBar, StageTimer, completion_metrics, completion_rows, gather_objects, open_logger,
-                             show_samples, update_metrics)
+from rloo_utils.logs import (
+    ProgressBar,
+    StageTimer,
+    completion_metrics,
+    completion_rows,
+    gather_objects,
+    open_logger,
+    show_samples,
+    update_metrics,
+)
 from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights
-from rloo_utils.models import (bf16_by_default, embedded_model, from_pretrained, frozen_linear_weights_to,
-                               load_reward_model, load_tokenizers, model_dtype, policy_class, set_up_cuda,
-                               weights_finite)
+from rloo_utils.models import (
+    bf16_by_default,
+    embedded_model,
+    from_pretrained,
+    frozen_linear_weights_to,
+    load_reward_model,
+    load_tokenizers,
+    model_dtype,
+    policy_class,
+    set_up_cuda,
+    weights_finite,
+)
 from rloo_utils.options import JsonObject, batch_sizes, check_args, clip_bounds, lr_scheduler, parse_args
-from rloo_utils.packing import (check_output_layer, output_layer, output_layer_inputs, pack_sequences, packing_layout,
-                                varlen_kwargs)
-from rloo_utils.rewards import (RewardLogs, TrainerState, call_reward_funcs, check_reward_range, reward_model_inputs,
-                                reward_sources)
+from rloo_utils.packing import (
+    check_output_layer,
+    output_layer,
+    output_layer_inputs,
+    pack_sequences,
+    packing_layout,
+    varlen_kwargs,
+)
+from rloo_utils.rewards import (
+    RewardLogs,
+    TrainerState,
+    call_reward_funcs,
+    check_reward_range,
+    reward_model_inputs,
+    reward_sources,
+)
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
-from rloo_utils.vllm_engine import (SHARED_SERVER, VLLMServer, check_engine, check_vllm_args, pad_completions,
-                                    sampler_support, sampling_options, sampling_seeds, start_colocated_engine,
-                                    vllm_dtype, weight_push)
+from rloo_utils.vllm_engine import (
+    SHARED_SERVER,
+    VLLMServer,
+    check_engine,
+    check_vllm_args,
+    pad_completions,
+    sampler_support,
+    sampling_options,
+    sampling_seeds,
+    start_colocated_engine,
+    vllm_dtype,
+    weight_push,
+)
 
 
 @dataclass
@@ -107,8 +164,8 @@ class Args:
 
     # LoRA adapters (peft; TRL's ModelConfig names)
     use_peft: bool = False
-    """train LoRA adapters (Hu et al. 2021) on the frozen policy: gradients and AdamW states only for them; the reference
-    is the policy with its adapter disabled (no copy of the model)"""
+    """train LoRA adapters (Hu et al. 2021) on the frozen policy: gradients and AdamW states only for them; the
+    reference is the policy with its adapter disabled (no copy of the model)"""
     lora_r: int = 16
     """rank r of each adapter B A"""
     lora_alpha: int = 32
@@ -203,7 +260,8 @@ class Args:
     """weight each unit of the loss by pi_trainer / pi_vllm of its sampled tokens, truncated or masked (TRL's GRPO
     names and defaults; TRL's RLOO has no correction): vLLM's sampler and the training forward differ slightly"""
     vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
-        "sequence_mask")
+        "sequence_mask"
+    )
     """sequence_*: one ratio per completion (product over its tokens); token_*: one per token (token-level losses);
     *_truncate clips the ratio to [clip_min, clip_max], *_mask sets a ratio outside it to 0"""
     vllm_importance_sampling_clip_max: Optional[float] = 3.0
@@ -242,8 +300,9 @@ class Args:
     """(loss_type sapo) gate temperature for tokens with A > 0; None: 1.0"""
     sapo_tau_neg: Optional[float] = None
     """(loss_type sapo) gate temperature for tokens with A <= 0; None: 1.05"""
-    loss_aggregation: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                       "seq-mean-token-sum-norm"]] = None
+    loss_aggregation: Optional[
+        Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+    ] = None
     """(token-level losses) how per-token losses make the minibatch loss; seq-mean-token-sum-norm divides by
     num_samples x max_completion_length (Dr. GRPO). None: seq-mean-token-mean for gspo, token-mean otherwise"""
 
@@ -273,15 +332,16 @@ class Args:
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk during the rollout"""
     bf16: bool = field(default_factory=bf16_by_default)
-    """bf16 autocast for every forward pass; the trained weights and the optimizer stay fp32 (frozen linear layers, of the
-    reference, reward model or LoRA base, are held in bf16). Default: on a GPU that computes bf16, else off"""
+    """bf16 autocast for every forward pass; the trained weights and the optimizer stay fp32 (frozen linear layers, of
+    the reference, reward model or LoRA base, are held in bf16). Default: on a GPU that computes bf16, else off"""
     tf32: bool = True
     """(GPU) fp32 matrix products in TF32 (what is left in fp32: --no_bf16 runs, fp32 steps of a bf16 run)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     padding_free: bool = True
     """forwards of the update, log-probs and reward model on real tokens only: sequences packed into rows, positions
-    restarting per sequence (same results within rounding; padded where attention would cross sequences, said at start)"""
+    restarting per sequence (same results within rounding; padded where attention would cross sequences, said at
+    start)"""
 
     # Logging
     num_sample_generations: int = 10
@@ -295,7 +355,8 @@ class Args:
 
     # Checkpoints and faults
     save_steps: int = 0
-    """every N updates, write runs/<run_name>/checkpoints/checkpoint-<update> (0: only when stopped by SIGINT/SIGTERM)"""
+    """every N updates, write runs/<run_name>/checkpoints/checkpoint-<update> (0: only when stopped by
+    SIGINT/SIGTERM)"""
     save_total_limit: Optional[int] = None
     """keep only the newest K checkpoints; None: keep them all"""
     resume_from_checkpoint: Optional[str] = None
@@ -306,27 +367,51 @@ class Args:
 
 
 # Options a resumed run may change: none of them alters what is computed.
-RESUMABLE_CHANGES = {"run_name", "resume_from_checkpoint", "save_steps", "save_total_limit", "max_skipped_steps", "track",
-                     "wandb_project_name", "wandb_entity", "output_dir", "log_completions", "num_completions_to_print",
-                     "save_merged_model", "reward_timeout",
-                     # where the server is and how much memory the engine takes change no sample
-                     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-                     "vllm_server_weight_transfer",
-                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_enforce_eager", "vllm_enable_sleep_mode"}
+RESUMABLE_CHANGES = {
+    "run_name",
+    "resume_from_checkpoint",
+    "save_steps",
+    "save_total_limit",
+    "max_skipped_steps",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "output_dir",
+    "log_completions",
+    "num_completions_to_print",
+    "save_merged_model",
+    "reward_timeout",
+    # where the server is and how much memory the engine takes change no sample
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_server_timeout",
+    "vllm_server_weight_transfer",
+    "vllm_gpu_memory_utilization",
+    "vllm_cpu_kv_cache_gib",
+    "vllm_enforce_eager",
+    "vllm_enable_sleep_mode",
+}
 
 
 def resolve_defaults(args: Args) -> Args:
     """Fill in the defaults that depend on other options (after the checks, which see what the user gave)."""
     gspo = args.loss_type == "gspo"
     epsilon = args.epsilon if args.epsilon is not None else (3e-4 if gspo else 0.2)
-    normalization = {"rloo": "none", "grpo": "group", "dr_grpo": "none", "reinforce_pp": "batch"}[args.advantage_estimator]
+    normalization = {"rloo": "none", "grpo": "group", "dr_grpo": "none", "reinforce_pp": "batch"}[
+        args.advantage_estimator
+    ]
     return replace(
         args,
         epsilon=epsilon,
-        epsilon_high=args.epsilon_high if args.epsilon_high is not None else (4e-4 if gspo and args.epsilon is None else epsilon),
-        advantage_normalization=args.advantage_normalization or ("batch" if args.normalize_advantages else normalization),
-        loss_aggregation=None if args.loss_type == "sequence" else (
-            args.loss_aggregation or ("seq-mean-token-mean" if gspo else "token-mean")),
+        epsilon_high=args.epsilon_high
+        if args.epsilon_high is not None
+        else (4e-4 if gspo and args.epsilon is None else epsilon),
+        advantage_normalization=args.advantage_normalization
+        or ("batch" if args.normalize_advantages else normalization),
+        loss_aggregation=None
+        if args.loss_type == "sequence"
+        else (args.loss_aggregation or ("seq-mean-token-mean" if gspo else "token-mean")),
         sapo_tau_pos=(args.sapo_tau_pos or 1.0) if args.loss_type == "sapo" else None,
         sapo_tau_neg=(args.sapo_tau_neg or 1.05) if args.loss_type == "sapo" else None,
     )
@@ -484,7 +569,9 @@ def sapo_loss(logprobs, old_logprobs, advantages, tau_pos: float, tau_neg: float
     return -gate * advantages, logprobs.detach() - old_logprobs, gate.detach()
 
 
-def aggregate_loss(token_loss, loss_mask, mode: str, mini_batch_size: int, mini_batch_tokens, max_completion_length: int):
+def aggregate_loss(
+    token_loss, loss_mask, mode: str, mini_batch_size: int, mini_batch_tokens, max_completion_length: int
+):
     """This micro-batch's share of the minibatch loss from (b, C) per-token losses; the shares of all micro-batches of
     a minibatch add up to its loss, so the normalisers count the whole minibatch."""
     if mode == "token-mean":  # every token weighs the same
@@ -502,13 +589,15 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
     gate = None
     if args.loss_type == "sequence":  # one unit per completion
         advantages = advantages[:, 0]  # (b,)
-        loss, log_ratio = clipped_surrogate_loss((logprobs * mask).sum(1), (old_logprobs * mask).sum(1), advantages,
-                                                 args.epsilon, args.epsilon_high)
+        loss, log_ratio = clipped_surrogate_loss(
+            (logprobs * mask).sum(1), (old_logprobs * mask).sum(1), advantages, args.epsilon, args.epsilon_high
+        )
         loss, units = (loss * in_loss).sum() / mini_batch_size, torch.ones_like(loss)
     else:
         if args.loss_type == "token" and args.ppo_clip:
-            token_loss, log_ratio = ppo_token_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high,
-                                                   args.dual_clip)
+            token_loss, log_ratio = ppo_token_loss(
+                logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high, args.dual_clip
+            )
         elif args.loss_type == "token":
             token_loss, log_ratio = pg_token_loss(logprobs, old_logprobs, advantages)
         elif args.loss_type == "cispo":
@@ -516,10 +605,17 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
         elif args.loss_type == "gspo":
             token_loss, log_ratio = gspo_loss(logprobs, old_logprobs, advantages, mask, args.epsilon, args.epsilon_high)
         else:
-            token_loss, log_ratio, gate = sapo_loss(logprobs, old_logprobs, advantages, args.sapo_tau_pos,
-                                                    args.sapo_tau_neg)
-        loss = aggregate_loss(token_loss, mask * in_loss[:, None], args.loss_aggregation, mini_batch_size,
-                              mini_batch_tokens, args.max_completion_length)
+            token_loss, log_ratio, gate = sapo_loss(
+                logprobs, old_logprobs, advantages, args.sapo_tau_pos, args.sapo_tau_neg
+            )
+        loss = aggregate_loss(
+            token_loss,
+            mask * in_loss[:, None],
+            args.loss_aggregation,
+            mini_batch_size,
+            mini_batch_tokens,
+            args.max_completion_length,
+        )
         units = mask
         if args.loss_type == "gspo":  # its ratio and clip are per sequence
             advantages, units = advantages[:, 0], torch.ones_like(in_loss, dtype=mask.dtype)
@@ -541,9 +637,14 @@ def clip_statistics(log_ratio, advantages, units, epsilon_low: float, epsilon_hi
     all or any were clipped (TRL 1.16's min and max over the units): update_metrics makes the clip fractions of them."""
     ratio, real = log_ratio.exp(), units.bool()
     low, high = clipped_units(ratio, advantages, epsilon_low, epsilon_high)
-    stats = {"units": units.sum(), "approxkl": (0.5 * log_ratio.square() * units).sum(),
-             "clipped_low": (low * units).sum(), "clipped_high": (high * units).sum(),
-             "low_min": (low | ~real).all(), "high_max": (high & real).any()}
+    stats = {
+        "units": units.sum(),
+        "approxkl": (0.5 * log_ratio.square() * units).sum(),
+        "clipped_low": (low * units).sum(),
+        "clipped_high": (high * units).sum(),
+        "low_min": (low | ~real).all(),
+        "high_max": (high & real).any(),
+    }
     if dual_clip is not None:  # units whose loss the dual clip capped
         stats["dual_clipped"] = (((ratio > dual_clip) & (advantages < 0)) * units).sum()
     return stats
@@ -558,8 +659,10 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     if finite:
         optimizer.step()
         if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
-            raise NonFiniteWeights("an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
-                                   "their dtype's range): they are not kept; lower --learning_rate")
+            raise NonFiniteWeights(
+                "an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
+                "their dtype's range): they are not kept; lower --learning_rate"
+            )
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, finite
 
@@ -588,13 +691,17 @@ def main(args: Args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     set_up_cuda(args.tf32)
     reward_weights = reward_weights.to(device)
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)  # autocast()
     console = Console()
 
     tokenizer, reward_tokenizer, processor = load_tokenizers(args, train_dataset[0]["prompt"], image_col)
     policy_path = args.sft_model_path or args.model_name_or_path
-    policy = from_pretrained(policy_class(policy_path), policy_path, dtype=model_dtype(args.dtype, policy_path),
-                             attn_implementation=args.attn_implementation).to(device)
+    policy = from_pretrained(
+        policy_class(policy_path),
+        policy_path,
+        dtype=model_dtype(args.dtype, policy_path),
+        attn_implementation=args.attn_implementation,
+    ).to(device)
     reward_model = None
     if args.reward_model_path:
         reward_model = load_reward_model(args.reward_model_path).to(device, torch.float32)
@@ -614,7 +721,9 @@ def main(args: Args) -> None:
         frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
     if checkpoint is not None:
         load_checkpoint_weights(policy, os.path.join(checkpoint, "policy"))
-    eos_ids, stop_ids = end_token_ids(tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos)
+    eos_ids, stop_ids = end_token_ids(
+        tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
+    )
     never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     generation_config = sampling_options(args, stop_ids, False, never_sampled)  # vLLM's sampling parameters
     greedy_config = sampling_options(args, stop_ids, True, never_sampled)
@@ -630,8 +739,9 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
-    trainer_state = TrainerState(max_steps=num_optimizer_steps,
-                                 num_train_epochs=math.ceil(args.total_episodes / G / len(train_dataset)))
+    trainer_state = TrainerState(
+        max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(train_dataset))
+    )
     reward_logs = RewardLogs()
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
@@ -639,33 +749,49 @@ def main(args: Args) -> None:
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
     check_output_layer(policy, autocast, "policy")  # the log-probs are made from the output layer's inputs
     packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy", autocast)  # or None
-    reward_packing = packing_layout(reward_model and getattr(reward_model, reward_model.base_model_prefix), args.padding_free,
-                                    False, console, "reward model", autocast)
+    reward_packing = packing_layout(
+        reward_model and getattr(reward_model, reward_model.base_model_prefix),
+        args.padding_free,
+        False,
+        console,
+        "reward model",
+        autocast,
+    )
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # A resumed run starts where its checkpoint ends: weights (above), optimizer, schedule, counters, data position,
     # random generators (restored just before the loop) and logs.
-    start_update, episode, num_tokens, skipped_steps, skipped_in_a_row, seconds_before = resumed_counters(training_state)
+    start_update, episode, num_tokens, skipped_steps, skipped_in_a_row, seconds_before = resumed_counters(
+        training_state
+    )
     if checkpoint is not None:
         optimizer.load_state_dict(training_state["optimizer"])
         scheduler.load_state_dict(training_state["scheduler"])
     logger = open_logger(args, run_dir, training_state)
-    console.print(f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
-                  f"{G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
-                  f"compute; --no_bf16 / --bf16 to change), logs in {run_dir}" +
-                  (f"; resumed from {checkpoint}" if checkpoint else ""))
+    console.print(
+        f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
+        f"{G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
+        f"compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
+        + (f"; resumed from {checkpoint}" if checkpoint else "")
+    )
 
     def generate(engine, prompt_ids, prompt_mask, config, images=None, seeds=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, C) completion ids, padded with pad_token_id to max_completion_length, and (B, C) vLLM's log-probs of them.
-        images: each row's images as the dataset holds them (vLLM's own processor reads them)."""
+        """(B, C) completion ids, padded with pad_token_id to max_completion_length, and (B, C) vLLM's log-probs of
+        them. images: each row's images as the dataset holds them (vLLM's own processor reads them)."""
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # without the left padding
-        return pad_completions(engine.generate(prompts, config, seeds, images), args.max_completion_length,
-                               tokenizer.pad_token_id, stop_ids, device)
+        return pad_completions(
+            engine.generate(prompts, config, seeds, images),
+            args.max_completion_length,
+            tokenizer.pad_token_id,
+            stop_ids,
+            device,
+        )
 
     def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns):
         """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions."""
-        texts = tokenizer.batch_decode(completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask),
-                                       skip_special_tokens=True)
+        texts = tokenizer.batch_decode(
+            completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
+        )
         conversational = not isinstance(prompts[0], str)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         ids_list = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
@@ -676,18 +802,40 @@ def main(args: Args) -> None:
                 input_ids = torch.cat([prompt_ids, completion_ids], 1)
                 attention_mask = torch.cat([prompt_mask, completion_mask], 1)
             else:
-                input_ids, attention_mask = (t.to(device) for t in reward_model_inputs(reward_tokenizer, prompts, texts, ended,
-                                                                                      args.chat_template_kwargs))
+                input_ids, attention_mask = (
+                    t.to(device)
+                    for t in reward_model_inputs(reward_tokenizer, prompts, texts, ended, args.chat_template_kwargs)
+                )
             with autocast():
-                per_source.append(torch.cat([reward_model_scores(reward_model, input_ids[i:i + chunk], attention_mask[i:i + chunk], reward_packing)
-                                             for i in range(0, len(input_ids), chunk)]).cpu())
-            if not per_source[0].isfinite().all():
-                raise RunError(f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][~per_source[0].isfinite()][0]}) "
-                               f"at index {int((~per_source[0].isfinite()).nonzero()[0])}: check its weights, or leave out --bf16")
-        per_source += call_reward_funcs(reward_funcs, reward_names[len(per_source):], len(texts), args.reward_timeout,
-                                        prompts=prompts, completions=completions, completion_ids=ids_list,
-                                        trainer_state=trainer_state, log_extra=reward_logs.log_extra,
-                                        log_metric=reward_logs.log_metric, **columns)
+                per_source.append(
+                    torch.cat(
+                        [
+                            reward_model_scores(
+                                reward_model, input_ids[i : i + chunk], attention_mask[i : i + chunk], reward_packing
+                            )
+                            for i in range(0, len(input_ids), chunk)
+                        ]
+                    ).cpu()
+                )
+            bad = (~per_source[0].isfinite()).nonzero()
+            if len(bad):
+                raise RunError(
+                    f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][bad[0, 0]]}) at index "
+                    f"{int(bad[0, 0])}: check its weights, or leave out --bf16"
+                )
+        per_source += call_reward_funcs(
+            reward_funcs,
+            reward_names[len(per_source) :],
+            len(texts),
+            args.reward_timeout,
+            prompts=prompts,
+            completions=completions,
+            completion_ids=ids_list,
+            trainer_state=trainer_state,
+            log_extra=reward_logs.log_extra,
+            log_metric=reward_logs.log_metric,
+            **columns,
+        )
         return torch.stack(per_source, 1).to(device), texts
 
     def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images, support=None):
@@ -695,26 +843,51 @@ def main(args: Args) -> None:
         model.eval()  # no adapter dropout: the sampling policy's log-probs
         chunk = args.local_rollout_forward_batch_size
         with torch.no_grad(), autocast():
-            chunks = [completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
-                                          completion_ids[i:i + chunk], completion_mask[i:i + chunk], args.temperature,
-                                          images=images_batch(images, slice(i, i + chunk), device, model.dtype),
-                                          packing=packing, support=support)
-                      for i in range(0, len(prompt_ids), chunk)]
+            chunks = [
+                completion_logprobs(
+                    model,
+                    prompt_ids[i : i + chunk],
+                    prompt_mask[i : i + chunk],
+                    completion_ids[i : i + chunk],
+                    completion_mask[i : i + chunk],
+                    args.temperature,
+                    images=images_batch(images, slice(i, i + chunk), device, model.dtype),
+                    packing=packing,
+                    support=support,
+                )
+                for i in range(0, len(prompt_ids), chunk)
+            ]
         return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
 
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
-        batch = eval_dataset[:args.num_sample_prompts]
-        prompt_ids, prompt_mask, _, images = tokenize_prompts(tokenizer, batch["prompt"], args.max_prompt_length, device,
-                                                              processor, batch.get(image_col), args.chat_template_kwargs)
+        batch = eval_dataset[: args.num_sample_prompts]
+        prompt_ids, prompt_mask, _, images = tokenize_prompts(
+            tokenizer,
+            batch["prompt"],
+            args.max_prompt_length,
+            device,
+            processor,
+            batch.get(image_col),
+            args.chat_template_kwargs,
+        )
         completion_ids, _ = generate(engine, prompt_ids, prompt_mask, greedy_config, batch.get(image_col))
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
-        rewards, completions = score(batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended,
-                                     {c: batch[c] for c in extra_columns if c in batch})
+        rewards, completions = score(
+            batch["prompt"],
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            ended,
+            {c: batch[c] for c in extra_columns if c in batch},
+        )
         reward_logs.clear()  # what reward functions logged on these prompts is not the update's
         rewards = weighted_reward(rewards, reward_weights).tolist()
-        rows = [{"prompt": message_text(p), "completion": c, "reward": r}
-                for p, c, r in zip(batch["prompt"], completions, rewards)]
+        rows = [
+            {"prompt": message_text(p), "completion": c, "reward": r}
+            for p, c, r in zip(batch["prompt"], completions, rewards)
+        ]
         show_samples(console, logger, rows, step)
 
     def save_weights(folder: str) -> None:
@@ -725,9 +898,16 @@ def main(args: Args) -> None:
     def run_state(update: int) -> dict:
         """The training state after `update`: all a checkpoint holds but the weights, optimizer and scheduler (RunGuard
         adds them when it saves)."""
-        return {"update": update, "episode": episode, "num_tokens": num_tokens, "skipped_steps": skipped_steps,
-                "skipped_in_a_row": skipped_in_a_row, "seconds": time.time() - start_time, "rng": rng_states(),
-                "logger": logger.state()}
+        return {
+            "update": update,
+            "episode": episode,
+            "num_tokens": num_tokens,
+            "skipped_steps": skipped_steps,
+            "skipped_in_a_row": skipped_in_a_row,
+            "seconds": time.time() - start_time,
+            "rng": rng_states(),
+            "logger": logger.state(),
+        }
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
     stop_signals = stop_after_update_on_signals(console)  # Ctrl-C, SIGTERM: a checkpoint after this update, then exit
@@ -735,9 +915,11 @@ def main(args: Args) -> None:
     start_time = time.time() - seconds_before
     progress = ProgressBar(console, num_updates, start_update)
     probe = tokenize_prompts(tokenizer, text_prompts(train_dataset[:2]["prompt"]), args.max_prompt_length, device)[:2]
+
     def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast, packing)
         with torch.no_grad(), autocast():
             return completion_logprobs(policy, *rollout, temperature=1.0, packing=packing)
+
     check_engine(engine, *probe, greedy_config, greedy_logprobs)
     recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
     if sample_every and start_update == 0:
@@ -755,34 +937,56 @@ def main(args: Args) -> None:
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
         prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer, prompts, args.max_prompt_length, device, processor, columns.get(image_col), args.chat_template_kwargs)  # (B, P)
+            tokenizer,
+            prompts,
+            args.max_prompt_length,
+            device,
+            processor,
+            columns.get(image_col),
+            args.chat_template_kwargs,
+        )  # (B, P)
         with timer("generation"):
-            completion_ids, sampling_logprobs = generate(engine, prompt_ids, prompt_mask, generation_config,
-                                                         columns.get(image_col), sampling_seeds(args.seed, update, batch_size))
-        engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
-        if args.vllm_mode == "server":  # the server still holds this run's weights: no other run pushed its own
+            completion_ids, sampling_logprobs = generate(
+                engine,
+                prompt_ids,
+                prompt_mask,
+                generation_config,
+                columns.get(image_col),
+                sampling_seeds(args.seed, update, batch_size),
+            )
+        if args.vllm_mode == "colocate":
+            engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
+        else:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
                 check_engine(engine, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
         mask = completion_mask.float()
-        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else the
-        # update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
+        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
+        # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
         # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or args.vllm_importance_sampling_correction or support:
             with timer("old_logprobs"):
-                logprobs = rollout_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images,
-                                            support)
+                logprobs = rollout_logprobs(
+                    policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images, support
+                )
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
             with timer("reference_forward"), adapter_disabled(ref_policy):
-                ref_logprobs = rollout_logprobs(ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images)  # (B, C)
+                ref_logprobs = rollout_logprobs(
+                    ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images
+                )  # (B, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
-        trainer_state.global_step, trainer_state.epoch = (update - 1) * steps_per_update, (episode / G) / len(train_dataset)
+        trainer_state.global_step, trainer_state.epoch = (
+            (update - 1) * steps_per_update,
+            (episode / G) / len(train_dataset),
+        )
         with timer("reward"):
-            rewards_per_func, completions = score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns)  # (B, F)
+            rewards_per_func, completions = score(
+                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+            )  # (B, F)
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
             scores = torch.where(ended, scores, scores - args.missing_eos_penalty)
@@ -804,16 +1008,22 @@ def main(args: Args) -> None:
         if args.mask_truncated_completions:
             in_loss &= ended
         kl_before = args.beta * (kl.cumsum(1) - kl) if args.token_level_kl else torch.zeros_like(kl)  # (B, C)
-        advantages = compute_advantages(rlhf_reward, kl_before, in_loss, G, args.advantage_estimator,
-                                        args.advantage_normalization)  # (B, C)
+        advantages = compute_advantages(
+            rlhf_reward, kl_before, in_loss, G, args.advantage_estimator, args.advantage_normalization
+        )  # (B, C)
 
         # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
         loss_advantages, is_weights = advantages, None
         if args.vllm_importance_sampling_correction:
             is_weights = importance_sampling_weights(
-                trainer_sampling_logprobs, sampling_logprobs, mask, args.vllm_importance_sampling_mode,
-                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)  # (B, 1) or (B, C)
+                trainer_sampling_logprobs,
+                sampling_logprobs,
+                mask,
+                args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min,
+                args.vllm_importance_sampling_clip_max,
+            )  # (B, 1) or (B, C)
             loss_advantages = advantages * is_weights
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
@@ -826,22 +1036,38 @@ def main(args: Args) -> None:
             order = torch.randperm(batch_size, generator=epoch_generator).to(device)
             for mb_start in range(0, batch_size, mini_batch_size):
                 on_policy = epoch == 0 and mb_start == 0  # no optimizer step yet since the rollout
-                mb = order[mb_start:mb_start + mini_batch_size]
+                mb = order[mb_start : mb_start + mini_batch_size]
                 mini_batch_tokens = (mask[mb] * in_loss[mb, None]).sum().clamp(min=1)
                 step_loss = torch.zeros((), device=device)
                 for mu_start in range(mb_start, mb_start + mini_batch_size, args.per_device_train_batch_size):
-                    idx = order[mu_start:mu_start + args.per_device_train_batch_size]
+                    idx = order[mu_start : mu_start + args.per_device_train_batch_size]
                     with timer("policy_forward_backward"):
                         with autocast():
-                            logprobs, entropy = completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx],
-                                                                    completion_ids[idx], completion_mask[idx],
-                                                                    args.temperature, with_entropy=True,
-                                                                    images=images_batch(images, idx, device, policy.dtype),
-                                                                    packing=packing)  # (b, C)
-                        if on_policy:  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                            logprobs, entropy = completion_logprobs(
+                                policy,
+                                prompt_ids[idx],
+                                prompt_mask[idx],
+                                completion_ids[idx],
+                                completion_mask[idx],
+                                args.temperature,
+                                with_entropy=True,
+                                images=images_batch(images, idx, device, policy.dtype),
+                                packing=packing,
+                            )  # (b, C)
+                        if (
+                            on_policy
+                        ):  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
                             old_logprobs[idx] = logprobs.detach()
-                        loss, loss_stats = policy_loss(args, logprobs, old_logprobs[idx], loss_advantages[idx], mask[idx],
-                                                       in_loss[idx], mini_batch_size, mini_batch_tokens)
+                        loss, loss_stats = policy_loss(
+                            args,
+                            logprobs,
+                            old_logprobs[idx],
+                            loss_advantages[idx],
+                            mask[idx],
+                            in_loss[idx],
+                            mini_batch_size,
+                            mini_batch_tokens,
+                        )
                         loss.backward()
                     step_loss += loss.detach()
                     loss_stats.update(entropy=(entropy * mask[idx]).sum(), tokens=mask[idx].sum())
@@ -898,10 +1124,18 @@ def main(args: Args) -> None:
         logger.log(metrics, episode)
         progress.update(metrics)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
-            rows = completion_rows([message_text(p) for p in gather_objects(prompts)], gather_objects(completions),
-                                   rewards_per_func, reward_names, advantages[:, 0], logged_columns)
+            rows = completion_rows(
+                [message_text(p) for p in gather_objects(prompts)],
+                gather_objects(completions),
+                rewards_per_func,
+                reward_names,
+                advantages[:, 0],
+                logged_columns,
+            )
             show_samples(console, logger, rows, episode, "completions", args.num_completions_to_print)
-        guard.update_done(run_state(update))  # complete: a failure from here on (a sample table's reward) keeps it whole
+        guard.update_done(
+            run_state(update)
+        )  # complete: a failure from here on (a sample table's reward) keeps it whole
         if sample_every and (update % sample_every == 0 or update == num_updates):
             sample_table(episode)
             guard.update_done(run_state(update))  # the table's rows counted in the logs a checkpoint records
@@ -958,8 +1192,10 @@ class ColocatedVLLM:
         for row, value in zip(inputs, images or []):
             row["multi_modal_data"] = {"image": [image.convert("RGB") for image in row_images(value)]}
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
-                for o in (out.outputs[0] for out in outputs)]
+        return [
+            (list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+            for o in (out.outputs[0] for out in outputs)
+        ]
 
     def sleep(self) -> None:
         if self.sleep_mode:  # level 2: weights and KV cache are freed (the weights are pushed again anyway)
@@ -998,18 +1234,31 @@ def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[to
     """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range."""
     real = mask.bool()
     gap = (old_logprobs - sampling_logprobs).abs()[real]
-    metrics = {"sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
-               "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0}
+    metrics = {
+        "sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
+        "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0,
+    }
     if weights is not None:
         flat = weights.flatten() if weights.shape[1] == 1 else weights[real]
-        metrics.update({f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
-                        for name in ("min", "mean", "max")})
+        metrics.update(
+            {
+                f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
+                for name in ("min", "mean", "max")
+            }
+        )
     return metrics
 
 
 # ---- Data ------------------------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device, processor=None, images=None,
-                     chat_template_kwargs: Optional[dict] = None):
+def tokenize_prompts(
+    tokenizer,
+    prompts: list,
+    max_prompt_length: int,
+    device,
+    processor=None,
+    images=None,
+    chat_template_kwargs: Optional[dict] = None,
+):
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
     than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
@@ -1022,18 +1271,26 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, device, p
         if isinstance(prompt, str):
             rows.append(tokenizer(prompt)["input_ids"])
         else:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                 **(chat_template_kwargs or {}))
+            text = tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            )
             rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     num_truncated = sum(len(r) > max_prompt_length for r in rows)
-    keep_bos = lambda r: r[0] == tokenizer.bos_token_id and max_prompt_length > 1  # noqa: E731
-    rows = [r if len(r) <= max_prompt_length else r[:1] + r[len(r) - max_prompt_length + 1:] if keep_bos(r)
-            else r[-max_prompt_length:] for r in rows]
+    rows = [last_tokens(r, max_prompt_length, tokenizer.bos_token_id) for r in rows]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     return ids.to(device), mask.to(device), num_truncated, None
 
 
 # ---- Log-probabilities and completion masks --------------------------------------------------------------------------
+def last_tokens(ids: list[int], max_length: int, bos_token_id: Optional[int]) -> list[int]:
+    """The last max_length tokens of a prompt, its BOS kept in front (where it has one and there is room)."""
+    if len(ids) <= max_length:
+        return ids
+    if ids[0] == bos_token_id and max_length > 1:
+        return ids[:1] + ids[len(ids) - max_length + 1 :]
+    return ids[-max_length:]
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
     for module in model.modules():
@@ -1055,14 +1312,22 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 LOGIT_CHUNK_ELEMENTS = 2**24
 
 
-def logprobs_through_output_layer(output_layer, transform, hidden: torch.Tensor, ids: torch.Tensor, temperature: float,
-                                  with_entropy: bool = False, support: Optional[Callable] = None):
+def logprobs_through_output_layer(
+    output_layer,
+    transform,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    support: Optional[Callable] = None,
+):
     """(K,) fp32 log softmax(transform(output_layer(hidden)) / temperature)[ids], from the (K, H) hidden states that
     predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time, and with gradients each chunk's
     logits are made again in the backward pass (activation checkpointing) rather than kept, so the step's peak memory
     stops growing with K x V (TRL 1.16 does the same). Detached, after it: with_entropy, the (K,) entropies
     H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the
     tokens the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
+
     def chunk_logprobs(chunk, chunk_ids):  # (k, H), (k,) -> tuple of (k,)
         logits = transform(output_layer(chunk)).float() / temperature  # (k, V)
         logprobs = logits.log_softmax(-1)
@@ -1079,15 +1344,28 @@ def logprobs_through_output_layer(output_layer, transform, hidden: torch.Tensor,
     trained = hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters())
     keep_graph = torch.is_grad_enabled() and trained
     step = max(1, LOGIT_CHUNK_ELEMENTS // output_layer.weight.shape[0])
-    chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False) if keep_graph
-              else chunk_logprobs(chunk, chunk_ids) for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))]
+    chunks = [
+        torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
+        if keep_graph
+        else chunk_logprobs(chunk, chunk_ids)
+        for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))
+    ]
     outputs = [torch.cat(values) for values in zip(*chunks)]  # K = 0: one empty chunk
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                        with_entropy: bool = False, images: Optional[dict] = None, packing: Optional[str] = None,
-                        support: Optional[Callable] = None):
+def completion_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    temperature: float,
+    with_entropy: bool = False,
+    images: Optional[dict] = None,
+    packing: Optional[str] = None,
+    support: Optional[Callable] = None,
+):
     """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; with_entropy, also the
     entropies, and with a sampler's `support`, the log-probs on its distribution (logprobs_through_output_layer).
     The forward stops at the output layer's inputs where a real completion token is predicted, (K, H). images: the
@@ -1099,7 +1377,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     if packing:  # the real tokens only
         mask = torch.cat([prompt_mask, completion_mask], 1)
         ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1), mask, packing)
-        with output_layer_inputs(model, index[:, prompt_ids.shape[1]:][real] - 1) as hidden:  # a token is predicted
+        with output_layer_inputs(model, index[:, prompt_ids.shape[1] :][real] - 1) as hidden:  # a token is predicted
             model(input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(mask, packing))  # before it
     else:
         first = int(prompt_mask.any(0).nonzero()[0])
@@ -1108,15 +1386,22 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
         position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
         flat_index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)  # (B, L)
-        index = flat_index[:, -last - 1:-1]  # (B, last): where completion tokens 0..last-1 are predicted
+        index = flat_index[:, -last - 1 : -1]  # (B, last): where completion tokens 0..last-1 are predicted
         with output_layer_inputs(model, index[real[:, :last]]) as hidden:
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                  **vision_inputs(model, input_ids, images))
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                **vision_inputs(model, input_ids, images),
+            )
     layer, transform = output_layer(model)
-    out = logprobs_through_output_layer(layer, transform, hidden[0], completion_ids[real], temperature, with_entropy,
-                                        support)
-    fit = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)  # noqa: E731  (K,) -> (B, C)
-    return fit(out) if isinstance(out, torch.Tensor) else tuple(fit(values) for values in out)
+    out = logprobs_through_output_layer(
+        layer, transform, hidden[0], completion_ids[real], temperature, with_entropy, support
+    )
+    if isinstance(out, torch.Tensor):
+        return out.new_zeros(real.shape).masked_scatter(real, out)  # (K,) -> (B, C)
+    return tuple(values.new_zeros(real.shape).masked_scatter(real, values) for values in out)
 
 
 def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
@@ -1174,11 +1459,16 @@ def reward_model_scores(reward_model, input_ids, attention_mask, packing: Option
     last = last_true_index(attention_mask)  # (B,)
     if packing:
         ids, positions, index = pack_sequences(input_ids, attention_mask, packing)
-        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False,
-                          **varlen_kwargs(attention_mask, packing)).last_hidden_state.flatten(0, 1)
+        hidden = backbone(
+            input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(attention_mask, packing)
+        ).last_hidden_state.flatten(0, 1)
         return reward_model.score(hidden[index[torch.arange(len(last)), last]]).squeeze(-1).float()
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
 
 
@@ -1197,15 +1487,20 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ---- Metrics (each one's definition, next to old TRL's and TRL 1.16's: docs/metrics.md) ------------------------------
-def reward_metrics(rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int) -> dict:
+def reward_metrics(
+    rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int
+) -> dict:
     """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
     its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""
     reward = weighted_reward(rewards_per_func, reward_weights)  # (B,)
     scored = reward[~reward.isnan()]
     std = group_std(rlhf_reward, num_generations).view(-1, num_generations)[:, 0]  # (num_prompts,)
     num_scored = (~rlhf_reward.view(-1, num_generations).isnan()).sum(1)
-    metrics = {"reward": float(scored.mean()), "reward_std": float(scored.std()),
-               "frac_reward_zero_std": float(((num_scored > 1) & torch.isclose(std, torch.zeros_like(std))).float().mean())}
+    metrics = {
+        "reward": float(scored.mean()),
+        "reward_std": float(scored.std()),
+        "frac_reward_zero_std": float(((num_scored > 1) & torch.isclose(std, torch.zeros_like(std))).float().mean()),
+    }
     for j, name in enumerate(reward_names):
         values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
         metrics[f"rewards/{name}/mean"] = float(values.mean())

@@ -44,12 +44,31 @@ CONFIGS = {
 COMMON = ["--num_mini_batches", "2", "--num_sample_generations", "0"]
 PRESETS = {
     # SmolLM2-135M-Instruct writes movie-review continuations, VADER sentiment reward (the embedded default, shorter).
-    "smollm2": ["--total_episodes", "192", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
-                "--learning_rate", "3e-5"],
+    "smollm2": [
+        "--total_episodes",
+        "192",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_completion_length",
+        "16",
+        "--learning_rate",
+        "3e-5",
+    ],
     # The ~0.4M-parameter test model learns to say "good" (the reward of tests/test_end_to_end.py's learning test).
-    "tiny": ["--total_episodes", "1280", "--per_device_train_batch_size", "16", "--max_completion_length", "8",
-             "--learning_rate", "3e-3", "--beta", "0",
-             "--reward_funcs", os.path.join(ROOT, "tests", "reward_fixtures.py:count_good")],
+    "tiny": [
+        "--total_episodes",
+        "1280",
+        "--per_device_train_batch_size",
+        "16",
+        "--max_completion_length",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--beta",
+        "0",
+        "--reward_funcs",
+        os.path.join(ROOT, "tests", "reward_fixtures.py:count_good"),
+    ],
 }
 
 
@@ -62,8 +81,10 @@ def tiny_setup(out: str) -> list[str]:
     if not os.path.exists(os.path.join(out, "tiny", "policy")):
         build_tiny_models(os.path.join(out, "tiny"))
     rng = random.Random(1)
-    data = write_jsonl(os.path.join(out, "tiny", "prompts.jsonl"),
-                       [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)])
+    data = write_jsonl(
+        os.path.join(out, "tiny", "prompts.jsonl"),
+        [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)],
+    )
     return ["--model_name_or_path", os.path.join(out, "tiny", "policy"), "--dataset_name", data]
 
 
@@ -96,8 +117,10 @@ def run_state(out: str, name: str) -> tuple[str, str]:
             try:  # the run's process holds this lock while it runs
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                sys.exit(f"compare_algorithms.py: error: {folder} is still running (another comparison in this --out?): "
-                         "wait for it, or give another --out")
+                sys.exit(
+                    f"compare_algorithms.py: error: {folder} is still running (another comparison in this --out?): "
+                    "wait for it, or give another --out"
+                )
     model = os.path.join(folder, "model")  # made when the run starts (its claim); the model is in it at the end
     # the tokenizer is saved after the weights: with it, the save has ended
     if is_saved_model(model) and os.path.isfile(os.path.join(model, "tokenizer_config.json")):
@@ -131,52 +154,73 @@ def main():
         parser.error(f"--seeds must be 0 or more, got {min(cli.seeds)}")
     if len(set(cli.seeds)) < len(cli.seeds):
         parser.error(f"--seeds {' '.join(map(str, cli.seeds))} names a seed twice: give each seed once")
-    if given := [w for w in cli.rloo_args if w.split("=")[0] in ("--seed", "--exp_name", "--run_name",
-                                                                   "--resume_from_checkpoint")]:
+    if given := [
+        w
+        for w in cli.rloo_args
+        if w.split("=")[0] in ("--seed", "--exp_name", "--run_name", "--resume_from_checkpoint")
+    ]:
         parser.error(f"{given[0].split('=')[0]} after -- is the comparison's to set: use --seeds, or leave it out")
     out = os.path.abspath(cli.out or os.path.join("runs", f"compare_{cli.preset}"))
     try:
         os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     except OSError as e:  # --out a file, or a folder that cannot be written
         parser.error(f"cannot make {e.filename} ({e.strerror}): give another --out")
-    base = [*COMMON, *PRESETS[cli.preset], *(tiny_setup(out) if cli.preset == "tiny" else []), *cli.rloo_args,
-            "--wandb_project_name", f"rloo-compare-{cli.preset}"]
+    base = [
+        *COMMON,
+        *PRESETS[cli.preset],
+        *(tiny_setup(out) if cli.preset == "tiny" else []),
+        *cli.rloo_args,
+        "--wandb_project_name",
+        f"rloo-compare-{cli.preset}",
+    ]
     runs, pending = {}, []  # runs: {(configuration, seed): run name}
     for name in cli.configs:
-        command = shlex.join([sys.executable, os.path.join(ROOT, "rloo.py"), *base, *CONFIGS[name], "--exp_name", label(name)])
+        command = shlex.join(
+            [sys.executable, os.path.join(ROOT, "rloo.py"), *base, *CONFIGS[name], "--exp_name", label(name)]
+        )
         for seed in cli.seeds:
             run, state = run_state(out, f"{label(name)}__{seed}")
             runs[name, seed] = run
             if state != "finished":  # a new run, or the interrupted one continued from its newest checkpoint
                 more = " --resume_from_checkpoint latest" if state == "interrupted" else ""
-                pending.append({"name": run, "seed": seed, "command": f"{command} --run_name {run}{more} --seed {seed}"})
+                pending.append(
+                    {"name": run, "seed": seed, "command": f"{command} --run_name {run}{more} --seed {seed}"}
+                )
     if pending:
         os.chdir(out)  # the runs write out/runs/<run name>
         tags = launch.wandb_tags(None, os.environ.get("WANDB_TAGS", ""), launch.git_tag())
         try:
             codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags)
         except KeyboardInterrupt:  # the runs got Ctrl-C too, and wrote a checkpoint each
-            print("compare_algorithms.py: error: interrupted; the runs stopped with a checkpoint: the same command continues "
-                  "them", file=sys.stderr)
+            print(
+                "compare_algorithms.py: error: interrupted; the runs stopped with a checkpoint: the same command continues "
+                "them",
+                file=sys.stderr,
+            )
             sys.exit(130)
         if failed := [run for run, code in zip(pending, codes) if code]:
             sys.exit(f"compare_algorithms.py: error: {len(failed)} runs failed: see {failed[0]['log']}")
     finished = {key: plot.load_run(os.path.join(out, "runs", run)) for key, run in runs.items()}
 
-    print(f"| configuration | flags | reward, first {cli.last} updates | reward, last {cli.last} updates | "
-          f"kl at the end | clip fraction | minutes per run |")
+    print(
+        f"| configuration | flags | reward, first {cli.last} updates | reward, last {cli.last} updates | "
+        f"kl at the end | clip fraction | minutes per run |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in cli.configs:
         first, last, kl, clipped, minutes = [], [], [], [], []
         for seed in cli.seeds:
             rows = finished[name, seed]["rows"]
-            first.append(statistics.mean(r["reward"] for r in rows[:cli.last]))
-            last.append(statistics.mean(r["reward"] for r in rows[-cli.last:]))
+            first.append(statistics.mean(r["reward"] for r in rows[: cli.last]))
+            last.append(statistics.mean(r["reward"] for r in rows[-cli.last :]))
             kl.append(rows[-1].get("kl", math.nan))  # absent with --beta 0
             clipped.append(statistics.mean(r["clip_ratio/region_mean"] for r in rows))
             minutes.append(rows[-1]["episode"] / rows[-1]["eps"] / 60)
-        print(f"| {name} | `{' '.join(CONFIGS[name]) or '(defaults)'}` | {mean_std(first)} | {mean_std(last)} | "
-              f"{mean_std(kl)} | {statistics.mean(clipped):.3f} | {statistics.mean(minutes):.1f} |", flush=True)
+        print(
+            f"| {name} | `{' '.join(CONFIGS[name]) or '(defaults)'}` | {mean_std(first)} | {mean_std(last)} | "
+            f"{mean_std(kl)} | {statistics.mean(clipped):.3f} | {statistics.mean(minutes):.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,10 +28,14 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SYSTEM_PROMPT = ("You compare two responses to the same prompt. The better response is the one a careful reader would "
-                 "prefer: it does what the prompt asks, it is accurate and faithful to the prompt, and it is clear and "
-                 "concise. Answer with the number of the better response, 0 or 1, and nothing else.")
-USER_PROMPT = "## Prompt\n{prompt}\n\n## Response 0\n{first}\n\n## Response 1\n{second}\n\nWhich response is better, 0 or 1?"
+SYSTEM_PROMPT = (
+    "You compare two responses to the same prompt. The better response is the one a careful reader would "
+    "prefer: it does what the prompt asks, it is accurate and faithful to the prompt, and it is clear and "
+    "concise. Answer with the number of the better response, 0 or 1, and nothing else."
+)
+USER_PROMPT = (
+    "## Prompt\n{prompt}\n\n## Response 0\n{first}\n\n## Response 1\n{second}\n\nWhich response is better, 0 or 1?"
+)
 
 
 class JudgeError(Exception):
@@ -50,8 +54,15 @@ def reference_text(value) -> str:
     return value if isinstance(value, str) else value[-1]["content"]
 
 
-def generate_hf(model_path: str, prompts: list, max_new_tokens: int, temperature: float, max_prompt_length: int,
-                batch_size: int, seed: int) -> list[str]:
+def generate_hf(
+    model_path: str,
+    prompts: list,
+    max_new_tokens: int,
+    temperature: float,
+    max_prompt_length: int,
+    batch_size: int,
+    seed: int,
+) -> list[str]:
     """The model's completion of each prompt with HF generate, batch by batch (left-padded), stopping at its EOS."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -67,16 +78,18 @@ def generate_hf(model_path: str, prompts: list, max_new_tokens: int, temperature
     model = from_pretrained(AutoModelForCausalLM, model_path).to(device).eval()
     _, stop_ids = rloo.end_token_ids(tokenizer, model.generation_config.eos_token_id, None, False)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                              **sampling)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, **sampling
+    )
     texts = []
     for i in range(0, len(prompts), batch_size):
-        ids, mask, _, _ = rloo.tokenize_prompts(tokenizer, prompts[i:i + batch_size], max_prompt_length, device)
+        ids, mask, _, _ = rloo.tokenize_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_length, device)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
         completion_mask, _ = rloo.completion_mask_from(out, stop_ids, stop_ids)
-        texts += tokenizer.batch_decode(out * completion_mask + tokenizer.pad_token_id * (1 - completion_mask),
-                                        skip_special_tokens=True)
+        texts += tokenizer.batch_decode(
+            out * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
+        )
     return texts
 
 
@@ -98,8 +111,10 @@ def check_vllm() -> None:
     try:
         import vllm  # noqa: F401
     except (ImportError, OSError) as e:  # not installed, or a build that does not match this machine (its libraries)
-        raise JudgeError(f"--generator vllm (the default) needs vLLM, which cannot be imported here ({e}): install it "
-                         "(pip install vllm), or give --generator hf (transformers' generate)") from None
+        raise JudgeError(
+            f"--generator vllm (the default) needs vLLM, which cannot be imported here ({e}): install it "
+            "(pip install vllm), or give --generator hf (transformers' generate)"
+        ) from None
 
 
 def check_model_folder(path: str, generator: str) -> None:
@@ -109,11 +124,14 @@ def check_model_folder(path: str, generator: str) -> None:
     from rloo_utils.checkpoints import checkpoint_dirs, is_saved_model
 
     if generator == "vllm" and os.path.isfile(os.path.join(path, "adapter_config.json")):
-        raise JudgeError(f"--model_name_or_path {path} holds a LoRA adapter, which a vLLM engine does not load as a "
-                         "model: give its merged model (a --use_peft run with --save_merged_model writes it to "
-                         "<model>/merged), or --generator hf")
-    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in ("config.json",
-                                                                                      "adapter_config.json")):
+        raise JudgeError(
+            f"--model_name_or_path {path} holds a LoRA adapter, which a vLLM engine does not load as a "
+            "model: give its merged model (a --use_peft run with --save_merged_model writes it to "
+            "<model>/merged), or --generator hf"
+        )
+    if not os.path.isdir(path) or any(
+        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
+    ):
         return  # a hub id, a .gguf file, a model: loading it says what is wrong, if anything
     given = f"--model_name_or_path {path} holds no trained model (no config.json)"
     model, checkpoints = os.path.join(path, "model"), checkpoint_dirs(path)
@@ -122,17 +140,22 @@ def check_model_folder(path: str, generator: str) -> None:
     if checkpoints:
         policy = os.path.join(checkpoints[-1], "policy")
         if is_saved_model(policy):
-            raise JudgeError(f"{given}: it is the folder of a run that has not finished; its newest checkpoint's model "
-                             f"is {policy}: give that, or continue the run to its end")
-        raise JudgeError(f"{given}: it is the folder of a run that has not finished, and its newest checkpoint "
-                         f"{checkpoints[-1]} holds sharded weights (dcp/), not a model: continue the run to its end")
+            raise JudgeError(
+                f"{given}: it is the folder of a run that has not finished; its newest checkpoint's model "
+                f"is {policy}: give that, or continue the run to its end"
+            )
+        raise JudgeError(
+            f"{given}: it is the folder of a run that has not finished, and its newest checkpoint "
+            f"{checkpoints[-1]} holds sharded weights (dcp/), not a model: continue the run to its end"
+        )
     if os.path.isdir(model) or os.path.isfile(os.path.join(path, "args.json")):
         raise JudgeError(f"{given}: it is the folder of a run that has not finished and has no checkpoint yet")
     raise JudgeError(f"{given}: give the folder a run saved its model in (runs/<run_name>/model), or a hub id")
 
 
-def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperature: float, max_prompt_length: int,
-                  seed: int) -> list[str]:
+def generate_vllm(
+    model_path: str, prompts: list, max_new_tokens: int, temperature: float, max_prompt_length: int, seed: int
+) -> list[str]:
     """The model's completion of each prompt with a vLLM engine in this process (the same prompt tokens as HF)."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
@@ -150,8 +173,13 @@ def generate_vllm(model_path: str, prompts: list, max_new_tokens: int, temperatu
     except OSError:  # no generation_config.json
         model_eos = None
     _, stop_ids = rloo.end_token_ids(tokenizer, model_eos, None, False)
-    llm = LLM(model=model_path, seed=seed, dtype="float32" if cpu else "auto", enforce_eager=cpu,
-              max_model_len=ids.shape[1] + max_new_tokens)
+    llm = LLM(
+        model=model_path,
+        seed=seed,
+        dtype="float32" if cpu else "auto",
+        enforce_eager=cpu,
+        max_model_len=ids.shape[1] + max_new_tokens,
+    )
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, stop_token_ids=stop_ids, seed=seed)
     outputs = llm.generate([{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)], params)
     return [o.outputs[0].text for o in outputs]
@@ -171,25 +199,35 @@ def post_json(url: str, body, api_key, timeout: float, retries: int = 5):
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
             if attempt == retries:
                 raise JudgeError(f"{url} does not answer ({getattr(e, 'reason', e)})") from None
-        time.sleep(min(60.0, 2.0 ** attempt))
+        time.sleep(min(60.0, 2.0**attempt))
 
 
 def check_judge(base_url: str, model: str, api_key) -> None:
     """The endpoint answers /models and serves the judge model (before any generation)."""
     served = [m["id"] for m in post_json(f"{base_url}/models", None, api_key, timeout=30, retries=1).get("data", [])]
     if model not in served:
-        raise JudgeError(f"the judge at {base_url} does not serve --judge_model {model}; it serves "
-                         f"{', '.join(served[:10]) or 'nothing'}")
+        raise JudgeError(
+            f"the judge at {base_url} does not serve --judge_model {model}; it serves "
+            f"{', '.join(served[:10]) or 'nothing'}"
+        )
 
 
 def ask_judge(base_url: str, model: str, api_key, prompt: str, first: str, second: str, choice: bool) -> str:
     """The judge's raw answer to one comparison."""
-    body = {"model": model, "temperature": 0, "max_tokens": 4,
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                         {"role": "user", "content": USER_PROMPT.format(prompt=prompt, first=first, second=second)}]}
+    body = {
+        "model": model,
+        "temperature": 0,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": USER_PROMPT.format(prompt=prompt, first=first, second=second)},
+        ],
+    }
     if choice:
         body["structured_outputs"] = {"choice": ["0", "1"]}
-    return post_json(f"{base_url}/chat/completions", body, api_key, timeout=300)["choices"][0]["message"]["content"] or ""
+    return (
+        post_json(f"{base_url}/chat/completions", body, api_key, timeout=300)["choices"][0]["message"]["content"] or ""
+    )
 
 
 def verdict(answer: str):
@@ -203,7 +241,10 @@ def wilson_interval(wins: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return 0.0, 1.0
     p = wins / n
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    centre, half = (
+        (p + z * z / (2 * n)) / (1 + z * z / n),
+        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n),
+    )
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
@@ -226,7 +267,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max_prompt_length", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--batch_size", type=int, default=16, help="prompts per HF generate call")
-    parser.add_argument("--judge_base_url", required=True, help="e.g. https://api.openai.com/v1 or http://127.0.0.1:8000/v1")
+    parser.add_argument(
+        "--judge_base_url", required=True, help="e.g. https://api.openai.com/v1 or http://127.0.0.1:8000/v1"
+    )
     parser.add_argument("--judge_model", required=True)
     parser.add_argument("--judge_api_key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--judge_choice", action="store_true", help="constrain the answer to 0 or 1 (vLLM server)")
@@ -235,8 +278,10 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=None, help="a new .jsonl file for every judged pair")
     cli = parser.parse_args(argv)
     if min(cli.num_examples, cli.judge_concurrency, cli.batch_size, cli.max_new_tokens, cli.max_prompt_length) < 1:
-        parser.error("--num_examples, --judge_concurrency, --batch_size, --max_new_tokens and --max_prompt_length must "
-                     "be at least 1")
+        parser.error(
+            "--num_examples, --judge_concurrency, --batch_size, --max_new_tokens and --max_prompt_length must "
+            "be at least 1"
+        )
     if not cli.temperature >= 0:
         parser.error(f"--temperature must be 0 (greedy) or more, got {cli.temperature}")
     if cli.output and os.path.exists(cli.output):
@@ -256,8 +301,10 @@ def main(argv=None) -> int:
         if dataset is None:
             raise JudgeError(f"dataset {cli.dataset_name} has no split {cli.dataset_split!r}: give --dataset_split")
         if cli.reference_column not in dataset.column_names:
-            raise JudgeError(f"dataset {cli.dataset_name} (split {cli.dataset_split}) has no column "
-                             f"{cli.reference_column!r}; its columns are {dataset.column_names}: give --reference_column")
+            raise JudgeError(
+                f"dataset {cli.dataset_name} (split {cli.dataset_split}) has no column "
+                f"{cli.reference_column!r}; its columns are {dataset.column_names}: give --reference_column"
+            )
         from transformers import AutoTokenizer
 
         check_model_folder(cli.model_name_or_path, cli.generator)
@@ -283,11 +330,19 @@ def evaluate(cli, dataset, base_url: str) -> int:
     print(f"generating {len(prompts)} completions with {cli.generator} ...", flush=True)
     try:
         if cli.generator == "vllm":
-            completions = generate_vllm(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
-                                        cli.max_prompt_length, cli.seed)
+            completions = generate_vllm(
+                cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature, cli.max_prompt_length, cli.seed
+            )
         else:
-            completions = generate_hf(cli.model_name_or_path, prompts, cli.max_new_tokens, cli.temperature,
-                                      cli.max_prompt_length, cli.batch_size, cli.seed)
+            completions = generate_hf(
+                cli.model_name_or_path,
+                prompts,
+                cli.max_new_tokens,
+                cli.temperature,
+                cli.max_prompt_length,
+                cli.batch_size,
+                cli.seed,
+            )
     except UsageError as e:  # a tokenizer without a model beside it, damaged weights...
         sys.exit(f"judge.py: error: {e}")
 
@@ -297,8 +352,14 @@ def evaluate(cli, dataset, base_url: str) -> int:
     print(f"asking {cli.judge_model} about {len(pairs)} pairs ...", flush=True)
     with concurrent.futures.ThreadPoolExecutor(cli.judge_concurrency) as pool:
         try:
-            answers = list(pool.map(lambda i: ask_judge(base_url, cli.judge_model, cli.judge_api_key,
-                                                        as_text(prompts[i]), *pairs[i], cli.judge_choice), range(len(pairs))))
+            answers = list(
+                pool.map(
+                    lambda i: ask_judge(
+                        base_url, cli.judge_model, cli.judge_api_key, as_text(prompts[i]), *pairs[i], cli.judge_choice
+                    ),
+                    range(len(pairs)),
+                )
+            )
         except JudgeError as e:
             sys.exit(f"judge.py: error: {e}")
     verdicts = [verdict(a) for a in answers]
@@ -307,13 +368,25 @@ def evaluate(cli, dataset, base_url: str) -> int:
     if cli.output:
         with open(cli.output, "w") as f:
             for i, (answer, v) in enumerate(zip(answers, verdicts)):
-                f.write(json.dumps({"prompt": as_text(prompts[i]), "model": completions[i], "reference": references[i],
-                                    "model_position": 0 if model_first[i] else 1, "answer": answer,
-                                    "model_wins": None if v is None else v == (0 if model_first[i] else 1)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt": as_text(prompts[i]),
+                            "model": completions[i],
+                            "reference": references[i],
+                            "model_position": 0 if model_first[i] else 1,
+                            "answer": answer,
+                            "model_wins": None if v is None else v == (0 if model_first[i] else 1),
+                        }
+                    )
+                    + "\n"
+                )
     low, high = wilson_interval(wins, judged)
     rate = f"{100 * wins / judged:.2f}%" if judged else "n/a"
-    print(f"Model win rate: {rate} (95% CI {100 * low:.1f}-{100 * high:.1f}%; {wins} of {judged} judged pairs, "
-          f"{len(pairs) - judged} answers neither 0 nor 1)")
+    print(
+        f"Model win rate: {rate} (95% CI {100 * low:.1f}-{100 * high:.1f}%; {wins} of {judged} judged pairs, "
+        f"{len(pairs) - judged} answers neither 0 nor 1)"
+    )
     return 0
 
 

@@ -27,15 +27,23 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLACEHOLDERS = {"job_name", "command", "seed", "gpus", "wandb_tags", "workdir"}  # what a Slurm template may hold: {{name}}
+PLACEHOLDERS = {
+    "job_name",
+    "command",
+    "seed",
+    "gpus",
+    "wandb_tags",
+    "workdir",
+}  # what a Slurm template may hold: {{name}}
 
 
 def git_tag(folder: str = ROOT):
     """The checkout's `git describe --tags --always --dirty` (a commit id when no tag is reachable); None outside git
     (a copied script)."""
     try:
-        described = subprocess.run(["git", "describe", "--tags", "--always", "--dirty"], cwd=folder, text=True,
-                                   capture_output=True, timeout=30)
+        described = subprocess.run(
+            ["git", "describe", "--tags", "--always", "--dirty"], cwd=folder, text=True, capture_output=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (described.stdout.strip() or None) if described.returncode == 0 else None
@@ -74,13 +82,20 @@ def plan_runs(commands: list[str], seeds: list[int]) -> list[dict]:
         except ValueError as e:  # a quote left open
             raise ValueError(f"--command {command!r}: {e}") from None
         if not words:
-            raise ValueError("--command is empty: give the command to run, e.g. --command \"python rloo.py\"")
+            raise ValueError('--command is empty: give the command to run, e.g. --command "python rloo.py"')
         if any(w == "--seed" or w.startswith("--seed=") for w in words):
-            raise ValueError(f"--command {command!r} names a --seed: leave it out, the launcher adds --seed for each "
-                             "run (--start_seed, --num_seeds)")
+            raise ValueError(
+                f"--command {command!r} names a --seed: leave it out, the launcher adds --seed for each "
+                "run (--start_seed, --num_seeds)"
+            )
         for seed in seeds:
-            runs.append({"name": f"{len(runs):02d}_{run_label(command)}_seed{seed}", "seed": seed,
-                         "command": f"{command} --seed {seed}"})
+            runs.append(
+                {
+                    "name": f"{len(runs):02d}_{run_label(command)}_seed{seed}",
+                    "seed": seed,
+                    "command": f"{command} --seed {seed}",
+                }
+            )
     return runs
 
 
@@ -92,8 +107,10 @@ def render_slurm(template: str, values: dict) -> str:
 def check_slurm_template(template: str, path: str) -> None:
     names = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", template))
     if unknown := names - PLACEHOLDERS:
-        raise ValueError(f"the Slurm template {path} holds {', '.join('{{%s}}' % n for n in sorted(unknown))}, which "
-                         f"the launcher does not fill: use only {', '.join('{{%s}}' % n for n in sorted(PLACEHOLDERS))}")
+        raise ValueError(
+            f"the Slurm template {path} holds {', '.join('{{%s}}' % n for n in sorted(unknown))}, which "
+            f"the launcher does not fill: use only {', '.join('{{%s}}' % n for n in sorted(PLACEHOLDERS))}"
+        )
     if "command" not in names:
         raise ValueError(f"the Slurm template {path} has no {{{{command}}}}: put it where the job runs the command")
 
@@ -104,7 +121,9 @@ def write_slurm_jobs(runs: list[dict], template_path: str, slurm_dir: str, tags:
         with open(template_path, encoding="utf-8") as f:
             template = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read the Slurm template {template_path}: {e.strerror if isinstance(e, OSError) else e}")
+        raise ValueError(
+            f"cannot read the Slurm template {template_path}: {e.strerror if isinstance(e, OSError) else e}"
+        )
     check_slurm_template(template, template_path)
     paths = [os.path.join(slurm_dir, f"{run['name']}.sh") for run in runs]
     if taken := [p for p in paths if os.path.exists(p)]:
@@ -112,9 +131,19 @@ def write_slurm_jobs(runs: list[dict], template_path: str, slurm_dir: str, tags:
     os.makedirs(slurm_dir, exist_ok=True)
     for run, path in zip(runs, paths):
         with open(path, "x", encoding="utf-8") as f:
-            f.write(render_slurm(template, {"job_name": run["name"], "command": run["command"], "seed": run["seed"],
-                                            "gpus": gpus_of(run["command"]), "wandb_tags": shlex.quote(tags),
-                                            "workdir": shlex.quote(os.getcwd())}))
+            f.write(
+                render_slurm(
+                    template,
+                    {
+                        "job_name": run["name"],
+                        "command": run["command"],
+                        "seed": run["seed"],
+                        "gpus": gpus_of(run["command"]),
+                        "wandb_tags": shlex.quote(tags),
+                        "workdir": shlex.quote(os.getcwd()),
+                    },
+                )
+            )
     return paths
 
 
@@ -153,8 +182,9 @@ def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
         run["log"] = new_path(os.path.join(log_dir, f"{run['name']}.log"), lambda p: open(p, "x").close())
         say(f"started  {run['name']}: {run['command']}")
         log = open(run["log"], "w")
-        process = subprocess.Popen(run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "WANDB_TAGS": tags})
+        process = subprocess.Popen(
+            run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WANDB_TAGS": tags}
+        )
     with log:
         code = process.wait()
     if code in (130, -signal.SIGINT):  # Ctrl-C reached this run: stop here, before the main thread hears of it
@@ -184,16 +214,24 @@ def run_all(runs: list[dict], workers: int, log_dir: str, tags: str) -> list[int
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = lambda message: sys.exit(f"launch.py: error: {message}")  # one line, no usage block
-    parser.add_argument("--command", action="append", required=True,
-                        help="a command to run over the seeds, as a shell would (may be given several times)")
+    parser.add_argument(
+        "--command",
+        action="append",
+        required=True,
+        help="a command to run over the seeds, as a shell would (may be given several times)",
+    )
     parser.add_argument("--num_seeds", type=int, default=3)
     parser.add_argument("--start_seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=1, help="runs at once (locally)")
     parser.add_argument("--pr", type=int, default=None, help="add the W&B tag pr-N")
     parser.add_argument("--log_dir", default=None, help="each run's output; default runs/launch/<unix time>")
-    parser.add_argument("--slurm_template", default=None, help="write one Slurm job per run from this template "
-                        "({{command}}, {{job_name}}, {{seed}}, {{gpus}}: torchrun's --nproc_per_node or 1, "
-                        "{{wandb_tags}}, {{workdir}}) instead of running them")
+    parser.add_argument(
+        "--slurm_template",
+        default=None,
+        help="write one Slurm job per run from this template "
+        "({{command}}, {{job_name}}, {{seed}}, {{gpus}}: torchrun's --nproc_per_node or 1, "
+        "{{wandb_tags}}, {{workdir}}) instead of running them",
+    )
     parser.add_argument("--slurm_dir", default=None, help="where the job files go; default slurm/<unix time>")
     parser.add_argument("--slurm_submit", action="store_true", help="also submit each job with sbatch")
     parser.add_argument("--dry_run", action="store_true", help="print the runs and their tags, run nothing")
@@ -238,13 +276,15 @@ def main(argv=None) -> int:
     try:
         codes = run_all(runs, cli.workers, log_dir, tags)
     except KeyboardInterrupt:  # the runs got Ctrl-C too: the trainers wrote a checkpoint each
-        print(f"launch.py: error: interrupted; the runs that had started stopped (a trainer writes a checkpoint and prints the "
-              f"command that continues it: see their logs in {log_dir})", file=sys.stderr)
+        print(
+            f"launch.py: error: interrupted; the runs that had started stopped (a trainer writes a checkpoint and prints the "
+            f"command that continues it: see their logs in {log_dir})",
+            file=sys.stderr,
+        )
         return 130
     failed = [(run, code) for run, code in zip(runs, codes) if code]
     for run, code in failed:
-        print(f"failed (exit code {code}): {run['command']}; its log: {run['log']}",
-              file=sys.stderr)
+        print(f"failed (exit code {code}): {run['command']}; its log: {run['log']}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -49,16 +49,24 @@ def old_entropy_from_logits(logits):
     return -(logp.exp() * logp).sum(-1)
 
 
-def old_completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                            with_entropy=False):
+def old_completion_logprobs(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy=False
+):
     C = completion_ids.shape[1]
     first = int(prompt_mask.any(0).nonzero()[0])
     last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
     input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
     attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=rloo.position_ids_from(attention_mask), logits_to_keep=last + 1,
-                   use_cache=False).logits[:, :-1] / temperature
+    logits = (
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=rloo.position_ids_from(attention_mask),
+            logits_to_keep=last + 1,
+            use_cache=False,
+        ).logits[:, :-1]
+        / temperature
+    )
     logprobs = F.pad(old_selective_log_softmax(logits, completion_ids[:, :last]), (0, C - last))
     if not with_entropy:
         return logprobs
@@ -82,9 +90,15 @@ def whole_logits_selective_log_softmax(logits, ids, temperature=1.0):
 
     keep_graph = torch.is_grad_enabled() and logits.requires_grad
     step = positions_per_chunk(logits)
-    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
-                      if keep_graph else chunk_logprobs(chunk, chunk_ids)
-                      for chunk, chunk_ids in zip(logits.split(step, dim=1), ids.split(step, dim=1))], dim=1)
+    return torch.cat(
+        [
+            torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
+            if keep_graph
+            else chunk_logprobs(chunk, chunk_ids)
+            for chunk, chunk_ids in zip(logits.split(step, dim=1), ids.split(step, dim=1))
+        ],
+        dim=1,
+    )
 
 
 @torch.no_grad()
@@ -96,23 +110,33 @@ def whole_logits_entropy(logits, temperature=1.0):
     return torch.cat(entropies, dim=1)
 
 
-def whole_logits_completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                                     with_entropy=False):
+def whole_logits_completion_logprobs(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy=False
+):
     C = completion_ids.shape[1]
     first = int(prompt_mask.any(0).nonzero()[0])
     last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
     input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
     attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=rloo.position_ids_from(attention_mask), logits_to_keep=last + 1,
-                   use_cache=False).logits[:, :-1]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=rloo.position_ids_from(attention_mask),
+        logits_to_keep=last + 1,
+        use_cache=False,
+    ).logits[:, :-1]
     targets, fit = completion_ids[:, :last], lambda values: F.pad(values, (0, C - last))
     logprobs = fit(whole_logits_selective_log_softmax(logits, targets, temperature))
     return (logprobs, fit(whole_logits_entropy(logits, temperature))) if with_entropy else logprobs
+
+
 # ------------------------------------------------------------------------------------------------------------------
 
-IMPLEMENTATIONS = {"9152136": old_completion_logprobs, "49250cc": whole_logits_completion_logprobs,
-                   "after": rloo.completion_logprobs}
+IMPLEMENTATIONS = {
+    "9152136": old_completion_logprobs,
+    "49250cc": whole_logits_completion_logprobs,
+    "after": rloo.completion_logprobs,
+}
 
 
 def load_policy(model_path: str):
@@ -122,9 +146,16 @@ def load_policy(model_path: str):
     if model_path != QWEN_SHAPE:
         return from_pretrained(AutoModelForCausalLM, model_path)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=1,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                         max_position_embeddings=32768)
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=1,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -134,8 +165,15 @@ def cpu_memory(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def measure(implementation: str, model_path: str, batch: int, prompt_length: int, completion_length: int, bf16: bool,
-            gradient_checkpointing: bool):
+def measure(
+    implementation: str,
+    model_path: str,
+    batch: int,
+    prompt_length: int,
+    completion_length: int,
+    bf16: bool,
+    gradient_checkpointing: bool,
+):
     """Peak memory (bytes) one micro-batch adds, in this process."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(model_path).to(device).train()
@@ -151,8 +189,9 @@ def measure(implementation: str, model_path: str, batch: int, prompt_length: int
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logprobs, entropy = logprobs_of(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7,
-                                            with_entropy=True)
+            logprobs, entropy = logprobs_of(
+                policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7, with_entropy=True
+            )
         (-logprobs.mean()).backward()
         policy.zero_grad(set_to_none=False)  # keep the gradient buffers, as a training step does
         return float(entropy.mean())
@@ -175,40 +214,75 @@ def measure(implementation: str, model_path: str, batch: int, prompt_length: int
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = lambda message: sys.exit(f"logprob_memory.py: error: {message}")  # one line, no usage block
-    parser.add_argument("--model", default=rloo.Args.model_name_or_path,
-                        help=f"policy (default: rloo.py's embedded one), or {QWEN_SHAPE}")
+    parser.add_argument(
+        "--model",
+        default=rloo.Args.model_name_or_path,
+        help=f"policy (default: rloo.py's embedded one), or {QWEN_SHAPE}",
+    )
     parser.add_argument("--before", choices=["49250cc", "9152136"], default="49250cc", help="the code compared")
     parser.add_argument("--batch", type=int, default=16, help="completions in the micro-batch (rloo.py's default: 16)")
     parser.add_argument("--prompt_length", type=int, default=48)
     parser.add_argument("--completion_lengths", type=int, nargs="+", default=[32, 256])
-    parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"],
-                        default=["fp32", "bf16"] if torch.cuda.is_available() else ["fp32"])
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=["fp32", "bf16"],
+        default=["fp32", "bf16"] if torch.cuda.is_available() else ["fp32"],
+    )
     parser.add_argument("--gradient_checkpointing", action="store_true", help="as rloo.py --gradient_checkpointing")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # implementation, completion length, bf16, model
     cli = parser.parse_args()
     if cli.worker:
         implementation, completion_length, bf16, model = cli.worker
-        print(measure(implementation, model, cli.batch, cli.prompt_length, int(completion_length), bf16 == "bf16",
-                      cli.gradient_checkpointing))
+        print(
+            measure(
+                implementation,
+                model,
+                cli.batch,
+                cli.prompt_length,
+                int(completion_length),
+                bf16 == "bf16",
+                cli.gradient_checkpointing,
+            )
+        )
         return
     device = "GPU " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (resident set)"
-    print(f"{os.path.basename(cli.model)}: peak memory of one micro-batch of {cli.batch} (prompt {cli.prompt_length} "
-          f"tokens), forward + backward with entropies, on {device}"
-          + (", gradient checkpointing" if cli.gradient_checkpointing else ""))
+    print(
+        f"{os.path.basename(cli.model)}: peak memory of one micro-batch of {cli.batch} (prompt {cli.prompt_length} "
+        f"tokens), forward + backward with entropies, on {device}"
+        + (", gradient checkpointing" if cli.gradient_checkpointing else "")
+    )
     print(f"before: rloo.py as of commit {cli.before}; after: rloo.py's completion_logprobs")
     print(f"{'completion':>10} {'precision':>9} {'before MiB':>11} {'after MiB':>10} {'saved':>7}")
     for completion_length in cli.completion_lengths:
         for precision in cli.precisions:
             peaks = {}
             for implementation in [cli.before, "after"]:
-                out = subprocess.run([sys.executable, __file__, "--batch", str(cli.batch), "--prompt_length",
-                                      str(cli.prompt_length), "--worker", implementation, str(completion_length),
-                                      precision, cli.model] + ["--gradient_checkpointing"] * cli.gradient_checkpointing,
-                                     check=True, capture_output=True, text=True,
-                                     env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--batch",
+                        str(cli.batch),
+                        "--prompt_length",
+                        str(cli.prompt_length),
+                        "--worker",
+                        implementation,
+                        str(completion_length),
+                        precision,
+                        cli.model,
+                    ]
+                    + ["--gradient_checkpointing"] * cli.gradient_checkpointing,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+                )
                 peaks[implementation] = int(out.stdout.split()[-1]) / 2**20
-            print(f"{completion_length:>10} {precision:>9} {peaks[cli.before]:>11.0f} {peaks['after']:>10.0f} "
-                  f"{1 - peaks['after'] / peaks[cli.before]:>7.0%}")
+            print(
+                f"{completion_length:>10} {precision:>9} {peaks[cli.before]:>11.0f} {peaks['after']:>10.0f} "
+                f"{1 - peaks['after'] / peaks[cli.before]:>7.0%}"
+            )
 
 
 if __name__ == "__main__":

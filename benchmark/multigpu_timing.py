@@ -47,8 +47,13 @@ def run(name: str, command: list[str], workdir: str, workers_are_children: bool)
     cwd = os.path.join(workdir, name.replace(" ", "_"))
     os.makedirs(cwd)
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "WANDB_MODE": "disabled"})
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     peaks = {}
     while proc.poll() is None:
         for pid in descendants(proc.pid) if workers_are_children else [proc.pid]:
@@ -59,7 +64,7 @@ def run(name: str, command: list[str], workdir: str, workers_are_children: bool)
     (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
     with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    workers = sorted(peaks.values(), reverse=True)[:2 if workers_are_children else 1]
+    workers = sorted(peaks.values(), reverse=True)[: 2 if workers_are_children else 1]
     return {"name": name, "rows": rows[1:], "wall": time.perf_counter() - start, "peak": workers}
 
 
@@ -75,27 +80,37 @@ def main():
         args = [*SAME_AS_TRL_BASELINE, "--total_episodes", str(8 * cli.updates), "--model_name_or_path", model]
         halved = [*args, "--per_device_train_batch_size", "4"]  # 2 processes x 4 = the same 8 completions
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        results = [run("rloo.py", [sys.executable, os.path.join(ROOT, "rloo.py"), *args], workdir, False),
-                   run("multigpu 1 process", [sys.executable, os.path.join(ROOT, "rloo_multigpu.py"), *args], workdir,
-                       False),
-                   run("multigpu 2 processes", [*torchrun, os.path.join(ROOT, "rloo_multigpu.py"), *halved], workdir,
-                       True),
-                   run("2 processes, sharded", [*torchrun, os.path.join(ROOT, "rloo_multigpu.py"), *halved,
-                                                "--no_gather_for_generation"], workdir, True)]
+        results = [
+            run("rloo.py", [sys.executable, os.path.join(ROOT, "rloo.py"), *args], workdir, False),
+            run("multigpu 1 process", [sys.executable, os.path.join(ROOT, "rloo_multigpu.py"), *args], workdir, False),
+            run("multigpu 2 processes", [*torchrun, os.path.join(ROOT, "rloo_multigpu.py"), *halved], workdir, True),
+            run(
+                "2 processes, sharded",
+                [*torchrun, os.path.join(ROOT, "rloo_multigpu.py"), *halved, "--no_gather_for_generation"],
+                workdir,
+                True,
+            ),
+        ]
 
-    print(f"preset {cli.preset}: seconds per update, mean of {cli.updates - 1} updates after the first "
-          f"(8 completions of up to 64 tokens); times of rank 0")
+    print(
+        f"preset {cli.preset}: seconds per update, mean of {cli.updates - 1} updates after the first "
+        f"(8 completions of up to 64 tokens); times of rank 0"
+    )
     print(f"{'stage':<26}" + "".join(f"{r['name']:>22}" for r in results))
     mean = lambda r, key: statistics.mean(row.get(key, 0.0) for row in r["rows"])  # noqa: E731
     for stage in STAGES:
         print(f"{stage:<26}" + "".join(f"{mean(r, 'time/' + stage):>22.3f}" for r in results))
-    print(f"{'other':<26}" + "".join(f"{mean(r, 'time/update') - sum(mean(r, 'time/' + s) for s in STAGES):>22.3f}"
-                                      for r in results))
+    print(
+        f"{'other':<26}"
+        + "".join(f"{mean(r, 'time/update') - sum(mean(r, 'time/' + s) for s in STAGES):>22.3f}" for r in results)
+    )
     print(f"{'update':<26}" + "".join(f"{mean(r, 'time/update'):>22.3f}" for r in results))
     print(f"{'tokens per completion':<26}" + "".join(f"{mean(r, 'completions/mean_length'):>22.1f}" for r in results))
     print(f"{'whole run, wall (s)':<26}" + "".join(f"{r['wall']:>22.1f}" for r in results))
-    print(f"{'peak memory/process (GiB)':<26}" + "".join(f"{' + '.join(f'{p:.2f}' for p in r['peak']):>22}"
-                                                         for r in results))
+    print(
+        f"{'peak memory/process (GiB)':<26}"
+        + "".join(f"{' + '.join(f'{p:.2f}' for p in r['peak']):>22}" for r in results)
+    )
 
 
 if __name__ == "__main__":

@@ -81,43 +81,75 @@ def worker(path: str, cli) -> dict:
     if wanted and (packing is None or reward_packing is None):
         sys.exit(f"padding_free.py: {cli.model} cannot run padding-free here")
 
-    prompts = load_dataset("json", data_files=os.path.join(ROOT, "data", "movie_reviews", "train.jsonl"))["train"]["prompt"]
+    prompts = load_dataset("json", data_files=os.path.join(ROOT, "data", "movie_reviews", "train.jsonl"))["train"][
+        "prompt"
+    ]
     G = 4
-    prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(tokenizer, [p for p in prompts[:cli.batch // G] for _ in range(G)],
-                                                          512, device)  # (B, P)
+    prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(
+        tokenizer, [p for p in prompts[: cli.batch // G] for _ in range(G)], 512, device
+    )  # (B, P)
     C = cli.max_completion_length
     spread = torch.logspace(0, 1, cli.batch, base=C) if cli.spread == "geometric" else torch.linspace(1, C, cli.batch)
     lengths = spread.round().long()[torch.randperm(cli.batch, generator=torch.Generator().manual_seed(1))]  # (B,)
-    completion_ids = torch.randint(3, config.vocab_size, (cli.batch, C), generator=torch.Generator().manual_seed(2)).to(device)
+    completion_ids = torch.randint(3, config.vocab_size, (cli.batch, C), generator=torch.Generator().manual_seed(2)).to(
+        device
+    )
     completion_mask = (torch.arange(C)[None] < lengths[:, None]).long().to(device)  # (B, C)
     real = int(prompt_mask.sum() + completion_mask.sum())
 
     def no_grad_logprobs(model):
         chunk = cli.local_rollout_forward_batch_size
         with torch.no_grad():
-            return torch.cat([rloo.completion_logprobs(model, prompt_ids[i:i + chunk], prompt_mask[i:i + chunk],
-                                                       completion_ids[i:i + chunk], completion_mask[i:i + chunk], 1.0,
-                                                       packing=packing) for i in range(0, cli.batch, chunk)])
+            return torch.cat(
+                [
+                    rloo.completion_logprobs(
+                        model,
+                        prompt_ids[i : i + chunk],
+                        prompt_mask[i : i + chunk],
+                        completion_ids[i : i + chunk],
+                        completion_mask[i : i + chunk],
+                        1.0,
+                        packing=packing,
+                    )
+                    for i in range(0, cli.batch, chunk)
+                ]
+            )
 
     def reward():
         chunk = cli.local_rollout_forward_batch_size
         ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-        return torch.cat([rloo.reward_model_scores(reward_model, ids[i:i + chunk], mask[i:i + chunk], reward_packing)
-                          for i in range(0, cli.batch, chunk)])
+        return torch.cat(
+            [
+                rloo.reward_model_scores(reward_model, ids[i : i + chunk], mask[i : i + chunk], reward_packing)
+                for i in range(0, cli.batch, chunk)
+            ]
+        )
 
     def policy_forward_backward():
         policy.train()
         order = torch.randperm(cli.batch, generator=torch.Generator().manual_seed(3)).to(device)
         for start in range(0, cli.batch, cli.per_device_train_batch_size):
-            idx = order[start:start + cli.per_device_train_batch_size]
-            logprobs, _ = rloo.completion_logprobs(policy, prompt_ids[idx], prompt_mask[idx], completion_ids[idx],
-                                                   completion_mask[idx], 1.0, with_entropy=True, packing=packing)
+            idx = order[start : start + cli.per_device_train_batch_size]
+            logprobs, _ = rloo.completion_logprobs(
+                policy,
+                prompt_ids[idx],
+                prompt_mask[idx],
+                completion_ids[idx],
+                completion_mask[idx],
+                1.0,
+                with_entropy=True,
+                packing=packing,
+            )
             mask = completion_mask[idx]
             (-(logprobs * mask).sum() / mask.sum().clamp(min=1) * len(idx) / cli.batch).backward()
         policy.zero_grad(set_to_none=False)
 
-    stages = {"old_logprobs": lambda: no_grad_logprobs(policy.eval()), "reference_forward": lambda: no_grad_logprobs(reference),
-              "reward": reward, "policy_forward_backward": policy_forward_backward}
+    stages = {
+        "old_logprobs": lambda: no_grad_logprobs(policy.eval()),
+        "reference_forward": lambda: no_grad_logprobs(reference),
+        "reward": reward,
+        "policy_forward_backward": policy_forward_backward,
+    }
     for run in stages.values():  # warm-up
         run()
     held = memory_now(device, peak=False)
@@ -140,26 +172,38 @@ def worker(path: str, cli) -> dict:
     order = torch.randperm(cli.batch, generator=torch.Generator().manual_seed(3))  # as policy_forward_backward
     tokens = (prompt_mask.sum(1) + completion_mask.sum(1)).cpu()[order]
     step = cli.per_device_train_batch_size
-    micro = [int(tokens[i:i + step].sum()) for i in range(0, cli.batch, step)]
-    return {"seconds": {k: statistics.mean(v) for k, v in seconds.items()},
-            "peak_mib": (memory_now(device, True) - held) / 2**20,
-            "real_tokens": real, "micro_batch_tokens": micro, "padded_positions": padded, "packing": packing,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU"}
+    micro = [int(tokens[i : i + step].sum()) for i in range(0, cli.batch, step)]
+    return {
+        "seconds": {k: statistics.mean(v) for k, v in seconds.items()},
+        "peak_mib": (memory_now(device, True) - held) / 2**20,
+        "real_tokens": real,
+        "micro_batch_tokens": micro,
+        "padded_positions": padded,
+        "packing": packing,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
+    }
 
 
 def variable_length(cli) -> None:
     results = {path: [] for path in PATHS}
     for _ in range(cli.rounds):
         for path in PATHS:
-            out = subprocess.run([sys.executable, __file__, "--worker", path, *sys.argv[1:]], check=True, text=True,
-                                 capture_output=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", path, *sys.argv[1:]],
+                check=True,
+                text=True,
+                capture_output=True,
+                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+            )
             results[path].append(json.loads(out.stdout.splitlines()[-1]))
     first = results["padded"][0]
-    print(f"{os.path.basename(cli.model)} on {first['device']}: {cli.batch} completions of 1..{cli.max_completion_length} "
-          f"tokens ({cli.spread}), micro-batches of {cli.per_device_train_batch_size}, no-grad chunks of "
-          f"{cli.local_rollout_forward_batch_size}; {first['real_tokens']} real tokens in {first['padded_positions']} padded "
-          f"positions ({1 - first['real_tokens'] / first['padded_positions']:.0%} padding); padding-free layout "
-          f"{results['padding_free'][0]['packing']!r}; mean of {cli.rounds} x {cli.updates} updates")
+    print(
+        f"{os.path.basename(cli.model)} on {first['device']}: {cli.batch} completions of 1..{cli.max_completion_length} "
+        f"tokens ({cli.spread}), micro-batches of {cli.per_device_train_batch_size}, no-grad chunks of "
+        f"{cli.local_rollout_forward_batch_size}; {first['real_tokens']} real tokens in {first['padded_positions']} padded "
+        f"positions ({1 - first['real_tokens'] / first['padded_positions']:.0%} padding); padding-free layout "
+        f"{results['padding_free'][0]['packing']!r}; mean of {cli.rounds} x {cli.updates} updates"
+    )
     print(f"{'stage':<26}{'padded s':>10}{'padding-free s':>16}{'speed-up':>10}")
     for stage in STAGES:
         a, b = (statistics.mean(r["seconds"][stage] for r in results[p]) for p in PATHS)
@@ -167,8 +211,10 @@ def variable_length(cli) -> None:
     a, b = (statistics.mean(r["peak_mib"] for r in results[p]) for p in PATHS)
     print(f"{'peak memory (MiB)':<26}{a:>10.0f}{b:>16.0f}{a / b:>9.2f}x")
     micro = first["micro_batch_tokens"]
-    print(f"real tokens per micro-batch: {micro} (heaviest {max(micro) / statistics.mean(micro):.2f}x the mean: what a "
-          "token budget per micro-batch would even out)")
+    print(
+        f"real tokens per micro-batch: {micro} (heaviest {max(micro) / statistics.mean(micro):.2f}x the mean: what a "
+        "token budget per micro-batch would even out)"
+    )
 
 
 def embedded(cli) -> None:
@@ -177,14 +223,29 @@ def embedded(cli) -> None:
         for round_ in range(cli.rounds):
             for path in PATHS:
                 name = f"{path}_{round_}"
-                subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--total_episodes", str(16 * cli.updates),
-                                "--run_name", name, "--num_sample_generations", "0",
-                                "--padding_free" if path == "padding_free" else "--no_padding_free", *cli.rloo_args],
-                               cwd=workdir, check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.join(ROOT, "rloo.py"),
+                        "--total_episodes",
+                        str(16 * cli.updates),
+                        "--run_name",
+                        name,
+                        "--num_sample_generations",
+                        "0",
+                        "--padding_free" if path == "padding_free" else "--no_padding_free",
+                        *cli.rloo_args,
+                    ],
+                    cwd=workdir,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
                 with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
                     rows[path] += [json.loads(line) for line in f][1:]
-    print(f"python rloo.py (the embedded default), {cli.updates} updates a run, {cli.rounds} runs of each path, "
-          "the first update of each dropped")
+    print(
+        f"python rloo.py (the embedded default), {cli.updates} updates a run, {cli.rounds} runs of each path, "
+        "the first update of each dropped"
+    )
     print(f"{'stage':<26}{'padded s':>10}{'padding-free s':>16}{'speed-up':>10}")
     for stage in ["generation", *STAGES, "optimizer", "update"]:
         a, b = (statistics.mean(r.get("time/" + stage, 0.0) for r in rows[p]) for p in PATHS)
@@ -194,12 +255,18 @@ def embedded(cli) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = lambda message: sys.exit(f"padding_free.py: error: {message}")  # one line, no usage block
-    parser.add_argument("--model", default=rloo.Args.model_name_or_path, help="policy (default: rloo.py's embedded one)")
+    parser.add_argument(
+        "--model", default=rloo.Args.model_name_or_path, help="policy (default: rloo.py's embedded one)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="completions per update")
     parser.add_argument("--max_completion_length", type=int, default=128)
-    parser.add_argument("--spread", choices=["geometric", "even"], default="geometric",
-                        help="completion lengths from 1 to the maximum: geometric (many short, a long tail, as RL "
-                             "completions are) or evenly spaced")
+    parser.add_argument(
+        "--spread",
+        choices=["geometric", "even"],
+        default="geometric",
+        help="completion lengths from 1 to the maximum: geometric (many short, a long tail, as RL "
+        "completions are) or evenly spaced",
+    )
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--local_rollout_forward_batch_size", type=int, default=16)
     parser.add_argument("--updates", type=int, default=1, help="timed updates per process (--embedded: per run)")
@@ -208,8 +275,14 @@ def main():
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("rloo_args", nargs="*", help="--embedded: more arguments for rloo.py (after --)")
     cli = parser.parse_args()
-    for name in ["batch", "max_completion_length", "per_device_train_batch_size", "local_rollout_forward_batch_size",
-                 "updates", "rounds"]:
+    for name in [
+        "batch",
+        "max_completion_length",
+        "per_device_train_batch_size",
+        "local_rollout_forward_batch_size",
+        "updates",
+        "rounds",
+    ]:
         if getattr(cli, name) < 1:
             parser.error(f"--{name} must be 1 or more, got {getattr(cli, name)}")
     if cli.rloo_args and not cli.embedded:

@@ -82,8 +82,11 @@ def group_runs(runs: list[dict], key: str, regex) -> dict[str, list[dict]]:
 
 def series(rows: list[dict], metric: str, x: str) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) of one run's metric, rows without a finite value left out. x: episode, or training minutes."""
-    points = [(r["episode"] if x == "episode" else r["episode"] / r["eps"] / 60, r[metric]) for r in rows
-              if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
+    points = [
+        (r["episode"] if x == "episode" else r["episode"] / r["eps"] / 60, r[metric])
+        for r in rows
+        if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])
+    ]
     return np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points], dtype=float)
 
 
@@ -114,7 +117,7 @@ def draw(groups: dict[str, list[dict]], metrics: list[str], x: str, title: str =
             if not any(len(c[0]) for c in curves):
                 continue
             xs, mean, std = aggregate(curves)
-            line, = ax.plot(xs, mean, label=f"{name} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+            (line,) = ax.plot(xs, mean, label=f"{name} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
             ax.fill_between(xs, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_title(metric)
         ax.set_xlabel("episode" if x == "episode" else "training time (minutes)")
@@ -128,16 +131,20 @@ def draw(groups: dict[str, list[dict]], metrics: list[str], x: str, title: str =
 
 def summary(groups: dict[str, list[dict]], metrics: list[str], last: int) -> str:
     """A markdown table: each group's mean (± std over runs) of the first and last `last` points of each metric."""
+
     def cell(values):
         return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
     lines = ["| group | runs | metric | first | last |", "|---|---|---|---|---|"]
     for name, runs in groups.items():
         for metric in metrics:
             ys = [series(run["rows"], metric, "episode")[1] for run in runs]
             ys = [y for y in ys if len(y)]
             if ys:
-                lines.append(f"| {name} | {len(ys)} | {metric} | {cell([y[:last].mean() for y in ys])} | "
-                             f"{cell([y[-last:].mean() for y in ys])} |")
+                lines.append(
+                    f"| {name} | {len(ys)} | {metric} | {cell([y[:last].mean() for y in ys])} | "
+                    f"{cell([y[-last:].mean() for y in ys])} |"
+                )
     return "\n".join(lines)
 
 
@@ -176,11 +183,21 @@ def main(argv=None) -> int:
         found = {k for runs in groups.values() for run in runs for row in run["rows"] for k in row}
         if missing := [m for m in cli.metrics if m not in found]:
             raise ValueError(f"no run logged {', '.join(missing)}; the runs log e.g. {', '.join(sorted(found)[:12])}")
-        if cli.x == "wall" and (bad := next((run["name"] for runs in groups.values() for run in runs
-                                             if not all(isinstance(r.get("eps"), (int, float)) and r["eps"] > 0
-                                                        for r in run["rows"])), None)):
-            raise ValueError(f"run {bad} has a row without a positive eps (episodes per second), which --x wall needs: "
-                             "use --x episode, or leave that run out with --regex")
+        if cli.x == "wall" and (
+            bad := next(
+                (
+                    run["name"]
+                    for runs in groups.values()
+                    for run in runs
+                    if not all(isinstance(r.get("eps"), (int, float)) and r["eps"] > 0 for r in run["rows"])
+                ),
+                None,
+            )
+        ):
+            raise ValueError(
+                f"run {bad} has a row without a positive eps (episodes per second), which --x wall needs: "
+                "use --x episode, or leave that run out with --regex"
+            )
     except ValueError as e:
         parser.error(str(e))
     fig = draw(groups, cli.metrics, cli.x, cli.title)

@@ -26,23 +26,63 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from conftest import WORDS, build_tiny_models, run_outcome, write_jsonl  # noqa: E402
+
 PRESETS = {
     # (arguments, N): 2N updates, a checkpoint every N
-    "smollm2": (["--total_episodes", "64", "--per_device_train_batch_size", "8", "--num_mini_batches", "2",
-                 "--max_completion_length", "16", "--num_sample_generations", "2"], 2),
-    "tiny": (["--total_episodes", "48", "--per_device_train_batch_size", "4", "--num_mini_batches", "2",
-              "--num_ppo_epochs", "2", "--max_completion_length", "8", "--learning_rate", "3e-3", "--beta", "0.1",
-              "--num_sample_generations", "2"], 3),
+    "smollm2": (
+        [
+            "--total_episodes",
+            "64",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_mini_batches",
+            "2",
+            "--max_completion_length",
+            "16",
+            "--num_sample_generations",
+            "2",
+        ],
+        2,
+    ),
+    "tiny": (
+        [
+            "--total_episodes",
+            "48",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_mini_batches",
+            "2",
+            "--num_ppo_epochs",
+            "2",
+            "--max_completion_length",
+            "8",
+            "--learning_rate",
+            "3e-3",
+            "--beta",
+            "0.1",
+            "--num_sample_generations",
+            "2",
+        ],
+        3,
+    ),
 }
 
 
 def tiny_setup(out: str) -> list[str]:
     build_tiny_models(os.path.join(out, "tiny"))
     rng = random.Random(1)
-    data = write_jsonl(os.path.join(out, "tiny", "prompts.jsonl"),
-                       [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)])
-    return ["--model_name_or_path", os.path.join(out, "tiny", "policy"), "--dataset_name", data,
-            "--reward_funcs", os.path.join(ROOT, "tests", "reward_fixtures.py:slow_text_length")]
+    data = write_jsonl(
+        os.path.join(out, "tiny", "prompts.jsonl"),
+        [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)],
+    )
+    return [
+        "--model_name_or_path",
+        os.path.join(out, "tiny", "policy"),
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        os.path.join(ROOT, "tests", "reward_fixtures.py:slow_text_length"),
+    ]
 
 
 def logged_updates(run_dir: str) -> int:
@@ -83,24 +123,35 @@ def main():
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     rows_at_kill = logged_updates(killed_dir)
-    resumed = subprocess.run(command("killed", "--resume_from_checkpoint", "latest"), cwd=cli.out, env=env,
-                             capture_output=True, text=True)
+    resumed = subprocess.run(
+        command("killed", "--resume_from_checkpoint", "latest"), cwd=cli.out, env=env, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    (metrics_a, samples_a, weights_a), (metrics_b, samples_b, weights_b) = run_outcome(
-        os.path.join(cli.out, "runs", "reference")), run_outcome(killed_dir)
+    (metrics_a, samples_a, weights_a), (metrics_b, samples_b, weights_b) = (
+        run_outcome(os.path.join(cli.out, "runs", "reference")),
+        run_outcome(killed_dir),
+    )
     checkpoint = os.path.join(killed_dir, "checkpoints", f"checkpoint-{n}")
     save_seconds = [float(s) for s in re.findall(r"wrote \S+ in ([\d.]+) s", " ".join(reference.stdout.split()))]
-    print(f"preset {cli.preset}: {2 * n} updates, checkpoint every {n}; killed (SIGKILL) with {rows_at_kill} updates "
-          f"logged, resumed from checkpoint-{n}")
-    print(f"  metrics identical at every step (wall-clock ones aside): {metrics_a == metrics_b} "
-          f"({len(metrics_b)} rows, episodes {[r['episode'] for r in metrics_b]})")
+    print(
+        f"preset {cli.preset}: {2 * n} updates, checkpoint every {n}; killed (SIGKILL) with {rows_at_kill} updates "
+        f"logged, resumed from checkpoint-{n}"
+    )
+    print(
+        f"  metrics identical at every step (wall-clock ones aside): {metrics_a == metrics_b} "
+        f"({len(metrics_b)} rows, episodes {[r['episode'] for r in metrics_b]})"
+    )
     print(f"  sample tables identical: {samples_a == samples_b}")
-    print(f"  final weights identical: {all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)} "
-          f"({len(weights_a)} tensors)")
-    print(f"  checkpoint: {folder_mb(checkpoint):.0f} MiB (policy {folder_mb(os.path.join(checkpoint, 'policy')):.0f} "
-          f"MiB, training state {os.path.getsize(os.path.join(checkpoint, 'training_state.pt')) / 2**20:.0f} MiB), "
-          f"written in {', '.join(f'{s:.2f}' for s in save_seconds)} s")
+    print(
+        f"  final weights identical: {all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)} "
+        f"({len(weights_a)} tensors)"
+    )
+    print(
+        f"  checkpoint: {folder_mb(checkpoint):.0f} MiB (policy {folder_mb(os.path.join(checkpoint, 'policy')):.0f} "
+        f"MiB, training state {os.path.getsize(os.path.join(checkpoint, 'training_state.pt')) / 2**20:.0f} MiB), "
+        f"written in {', '.join(f'{s:.2f}' for s in save_seconds)} s"
+    )
     print(f"  reference run: {reference_minutes:.1f} min")
 
 

@@ -22,8 +22,22 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ["generation", "old_logprobs", "reference_forward", "reward", "policy_forward_backward", "optimizer"]
-SAME_AS_TRL_BASELINE = ["--num_generations", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "64",
-                        "--beta", "0.05", "--learning_rate", "1e-6", "--temperature", "1.0", "--num_sample_generations", "0"]
+SAME_AS_TRL_BASELINE = [
+    "--num_generations",
+    "2",
+    "--per_device_train_batch_size",
+    "8",
+    "--max_completion_length",
+    "64",
+    "--beta",
+    "0.05",
+    "--learning_rate",
+    "1e-6",
+    "--temperature",
+    "1.0",
+    "--num_sample_generations",
+    "0",
+]
 
 
 def main():
@@ -42,23 +56,31 @@ def main():
 
             tiny = build_tiny_models(os.path.join(workdir, "tiny"))
             args += ["--model_name_or_path", tiny["policy"]]
-        subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), *args, *cli.rloo_args], cwd=workdir, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "rloo.py"), *args, *cli.rloo_args],
+            cwd=workdir,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         (run,) = os.listdir(os.path.join(workdir, "runs"))
         with open(os.path.join(workdir, "runs", run, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f][1:]
 
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in rows)  # noqa: E731
     update = mean("time/update")
-    print(f"rloo.py, preset {cli.preset}: mean of {len(rows)} updates after warm-up "
-          f"({mean('completions/mean_length'):.1f} tokens per completion on average)")
+    print(
+        f"rloo.py, preset {cli.preset}: mean of {len(rows)} updates after warm-up "
+        f"({mean('completions/mean_length'):.1f} tokens per completion on average)"
+    )
     print(f"{'stage':<26}{'seconds':>9}{'share':>8}")
     for stage in STAGES:
         print(f"{stage:<26}{mean('time/' + stage):>9.3f}{mean('time/' + stage) / update:>8.1%}")
     other = update - sum(mean("time/" + s) for s in STAGES)
     print(f"{'other':<26}{other:>9.3f}{other / update:>8.1%}")
-    print(f"{'update':<26}{update:>9.3f}   (min {min(r['time/update'] for r in rows):.3f}, "
-          f"{mean('perf/tokens_per_second'):.0f} tokens/s)")
+    print(
+        f"{'update':<26}{update:>9.3f}   (min {min(r['time/update'] for r in rows):.3f}, "
+        f"{mean('perf/tokens_per_second'):.0f} tokens/s)"
+    )
 
 
 if __name__ == "__main__":

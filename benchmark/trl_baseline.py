@@ -19,6 +19,7 @@ VADER compound sentiment (or --reward count_good: the test model's "say good"). 
 smollm2 runs rloo.py on the same work. Each optimizer step is timed with a callback; the first step is dropped as
 warm-up. --log_file writes one JSON line per step: its seconds, episode, mean reward and completion length.
 """
+
 import argparse
 import importlib.util
 import json
@@ -30,11 +31,14 @@ import time
 import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
 try:
     from trl import RLOOConfig, RLOOTrainer
 except ImportError:
-    sys.exit("trl_baseline.py: error: TRL is not installed in this Python: run it with TRL's environment, "
-             ".venv-trl/bin/python benchmark/trl_baseline.py (its setup is at the top of this file)")
+    sys.exit(
+        "trl_baseline.py: error: TRL is not installed in this Python: run it with TRL's environment, "
+        ".venv-trl/bin/python benchmark/trl_baseline.py (its setup is at the top of this file)"
+    )
 from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,16 +105,23 @@ def main():
     p.add_argument("--model_dir", default="/tmp/smollm2-hf")
     p.add_argument("--dataset", default=os.path.join(REPO_ROOT, "data/movie_reviews/train.jsonl"))
     p.add_argument("--max_completion_length", type=int, default=64)
-    p.add_argument("--min_new_tokens", type=int, default=0,
-                   help="passed to generate(); 0 (default) stops at EOS like rloo.py; "
-                        "max_completion_length forces full length")
+    p.add_argument(
+        "--min_new_tokens",
+        type=int,
+        default=0,
+        help="passed to generate(); 0 (default) stops at EOS like rloo.py; max_completion_length forces full length",
+    )
     p.add_argument("--output_dir", default="/tmp/trl-rloo-bench")
     p.add_argument("--reward", choices=["vader", "count_good", "completion_length"], default="vader")
     p.add_argument("--num_generations", type=int, default=2)
     p.add_argument("--per_device_train_batch_size", type=int, default=8, help="completions per step")
     p.add_argument("--beta", type=float, default=0.05)
-    p.add_argument("--bf16", type=str2bool, default=False,
-                   help="bf16 mixed precision (fp32 weights), as rloo.py --bf16; on a GPU when there is one, else CPU")
+    p.add_argument(
+        "--bf16",
+        type=str2bool,
+        default=False,
+        help="bf16 mixed precision (fp32 weights), as rloo.py --bf16; on a GPU when there is one, else CPU",
+    )
     p.add_argument("--learning_rate", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log_file", default=None, help="write each step's seconds, episode, reward and length here")
@@ -122,29 +133,50 @@ def main():
     dataset = load_dataset("json", data_files=args.dataset, split="train")
 
     config = RLOOConfig(
-        output_dir=args.output_dir, num_generations=args.num_generations,
+        output_dir=args.output_dir,
+        num_generations=args.num_generations,
         per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=1, max_completion_length=args.max_completion_length,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.max_completion_length,
         generation_kwargs={"min_new_tokens": min_new} if min_new > 0 else None,
-        beta=args.beta, learning_rate=args.learning_rate, temperature=1.0, num_iterations=1,
-        gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
-        model_init_kwargs={"dtype": torch.float32}, max_steps=args.max_steps, seed=args.seed,
-        logging_steps=1, report_to="none", save_strategy="no",
+        beta=args.beta,
+        learning_rate=args.learning_rate,
+        temperature=1.0,
+        num_iterations=1,
+        gradient_checkpointing=args.gradient_checkpointing,
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        model_init_kwargs={"dtype": torch.float32},
+        max_steps=args.max_steps,
+        seed=args.seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
     )
     timer = StepTimer()
     rewards = {"vader": vader_reward, "count_good": count_good_reward, "completion_length": completion_length}
     reward = rewards[args.reward]
-    trainer = RLOOTrainer(model=args.model_dir, reward_funcs=reward, args=config,
-                          train_dataset=dataset, callbacks=[timer])
+    trainer = RLOOTrainer(
+        model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[timer]
+    )
     print(f"loadavg at start (1,5,15 min): {os.getloadavg()}, cpus: {os.cpu_count()}")
     trainer.train()
 
     if args.log_file:
         with open(args.log_file, "w") as f:
             for i, (seconds, logs) in enumerate(zip(timer.durations, timer.logs)):
-                f.write(json.dumps({"step": i + 1, "episode": (i + 1) * config.per_device_train_batch_size,
-                                    "seconds": seconds, "reward": logs["reward"],
-                                    "completions/mean_length": logs["completions/mean_length"]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": i + 1,
+                            "episode": (i + 1) * config.per_device_train_batch_size,
+                            "seconds": seconds,
+                            "reward": logs["reward"],
+                            "completions/mean_length": logs["completions/mean_length"],
+                        }
+                    )
+                    + "\n"
+                )
     steps = timer.durations[1:] or timer.durations  # drop the warm-up step
     lengths = [l["completions/mean_length"] for l in timer.logs[1:] or timer.logs]
     mean_s, min_s, med_s = statistics.mean(steps), min(steps), statistics.median(steps)
@@ -152,11 +184,15 @@ def main():
     tok_s = mean_len * config.per_device_train_batch_size / mean_s  # completion tokens per wall-second of a step
     print("per-step seconds:", " ".join(f"{d:.2f}" for d in timer.durations), "(first dropped)")
     print("per-step mean completion length:", " ".join(f"{l['completions/mean_length']:.1f}" for l in timer.logs))
-    print(f"torch threads={torch.get_num_threads()} loadavg(1,5,15 min)={os.getloadavg()} clipped_ratio(last)="
-          f"{timer.logs[-1].get('completions/clipped_ratio') if timer.logs else None}")
-    print(f"trl RLOOTrainer: gradient_checkpointing={args.gradient_checkpointing} mean_step_s={mean_s:.2f} "
-          f"min_step_s={min_s:.2f} median_step_s={med_s:.2f} steps={len(steps)} mean_completion_length={mean_len:.1f} "
-          f"completion_tokens_per_s={tok_s:.1f} min_new_tokens={min_new}")
+    print(
+        f"torch threads={torch.get_num_threads()} loadavg(1,5,15 min)={os.getloadavg()} clipped_ratio(last)="
+        f"{timer.logs[-1].get('completions/clipped_ratio') if timer.logs else None}"
+    )
+    print(
+        f"trl RLOOTrainer: gradient_checkpointing={args.gradient_checkpointing} mean_step_s={mean_s:.2f} "
+        f"min_step_s={min_s:.2f} median_step_s={med_s:.2f} steps={len(steps)} mean_completion_length={mean_len:.1f} "
+        f"completion_tokens_per_s={tok_s:.1f} min_new_tokens={min_new}"
+    )
 
 
 if __name__ == "__main__":

@@ -39,15 +39,22 @@ def watch(command: list[str], cwd: str, log: str) -> tuple[float, float]:
     """Run a command to its end, its output into log: (wall seconds, peak resident GiB of its process)."""
     start, peak = time.perf_counter(), 0.0
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.Popen(
+            command,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"},
+        )
         while proc.poll() is None:
             peak = max(peak, peak_rss_gib(proc.pid))
             time.sleep(0.1)
     if proc.returncode:
         with open(log) as f:
-            sys.exit(f"trl_side_by_side.py: error: {' '.join(command[:2])} failed (exit {proc.returncode}); "
-                     f"the end of its output: {f.read()[-500:]!r}")
+            sys.exit(
+                f"trl_side_by_side.py: error: {' '.join(command[:2])} failed (exit {proc.returncode}); "
+                f"the end of its output: {f.read()[-500:]!r}"
+            )
     return time.perf_counter() - start, peak
 
 
@@ -59,8 +66,10 @@ def tiny_data(workdir: str) -> tuple[str, str]:
     from conftest import WORDS, write_jsonl
 
     rng = random.Random(1)
-    data = write_jsonl(os.path.join(workdir, "prompts.jsonl"),
-                       [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)])
+    data = write_jsonl(
+        os.path.join(workdir, "prompts.jsonl"),
+        [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)],
+    )
     return hf_folder("tiny", workdir), data
 
 
@@ -96,8 +105,10 @@ def main(argv=None) -> int:
     if updates < 2:
         parser.error("--updates must be at least 2 (the first is dropped from the timing)")
     if not os.access(cli.trl_python, os.X_OK):
-        parser.error(f"--trl_python {cli.trl_python} is not there: make TRL's environment as benchmark/trl_baseline.py "
-                     "says, or give its python")
+        parser.error(
+            f"--trl_python {cli.trl_python} is not there: make TRL's environment as benchmark/trl_baseline.py "
+            "says, or give its python"
+        )
     probe = subprocess.run([cli.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
     if probe.returncode:
         parser.error(f"--trl_python {cli.trl_python} cannot import trl: pip install trl==1.16.0 there")
@@ -111,22 +122,67 @@ def main(argv=None) -> int:
     data, rloo_reward, trl_reward, lr = PRESETS[cli.preset]
     with tempfile.TemporaryDirectory() as workdir:
         model, data = tiny_data(workdir) if cli.preset == "tiny" else (hf_folder("smollm2", workdir), data)
-        rloo_command = [sys.executable, os.path.join(ROOT, "rloo.py"), "--model_name_or_path", model,
-                        "--dataset_name", data, "--reward_funcs", rloo_reward, "--num_generations", "2",
-                        "--per_device_train_batch_size", "8", "--max_completion_length", "64", "--beta", "0.05",
-                        "--learning_rate", lr, "--temperature", "1.0", "--num_sample_generations", "0",
-                        "--total_episodes", str(8 * updates), "--seed", str(cli.seed), "--run_name", "rloo"]
-        trl_command = [cli.trl_python, os.path.join(ROOT, "benchmark", "trl_baseline.py"), "--model_dir", model,
-                       "--dataset", data, "--reward", trl_reward, "--learning_rate", lr, "--max_steps", str(updates),
-                       "--gradient_checkpointing", "false", "--seed", str(cli.seed),
-                       "--output_dir", os.path.join(workdir, "trl"),
-                       "--log_file", os.path.join(workdir, "trl.jsonl")]
+        rloo_command = [
+            sys.executable,
+            os.path.join(ROOT, "rloo.py"),
+            "--model_name_or_path",
+            model,
+            "--dataset_name",
+            data,
+            "--reward_funcs",
+            rloo_reward,
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "64",
+            "--beta",
+            "0.05",
+            "--learning_rate",
+            lr,
+            "--temperature",
+            "1.0",
+            "--num_sample_generations",
+            "0",
+            "--total_episodes",
+            str(8 * updates),
+            "--seed",
+            str(cli.seed),
+            "--run_name",
+            "rloo",
+        ]
+        trl_command = [
+            cli.trl_python,
+            os.path.join(ROOT, "benchmark", "trl_baseline.py"),
+            "--model_dir",
+            model,
+            "--dataset",
+            data,
+            "--reward",
+            trl_reward,
+            "--learning_rate",
+            lr,
+            "--max_steps",
+            str(updates),
+            "--gradient_checkpointing",
+            "false",
+            "--seed",
+            str(cli.seed),
+            "--output_dir",
+            os.path.join(workdir, "trl"),
+            "--log_file",
+            os.path.join(workdir, "trl.jsonl"),
+        ]
         results = {}
         for name, command in (("rloo.py", rloo_command), (f"TRL {probe.stdout.strip()} RLOOTrainer", trl_command)):
             print(f"running {name} ...", flush=True)
             wall, peak = watch(command, workdir, os.path.join(workdir, f"{len(results)}.log"))
-            metrics = os.path.join(workdir, "runs", "rloo", "metrics.jsonl") if not results else \
-                os.path.join(workdir, "trl.jsonl")
+            metrics = (
+                os.path.join(workdir, "runs", "rloo", "metrics.jsonl")
+                if not results
+                else os.path.join(workdir, "trl.jsonl")
+            )
             with open(metrics) as f:
                 rows = [json.loads(line) for line in f]
             seconds = [r["time/update"] if "time/update" in r else r["seconds"] for r in rows]
@@ -134,23 +190,37 @@ def main(argv=None) -> int:
 
     (ours, theirs) = results
     last = max(1, updates // 4)
-    print(f"\npreset {cli.preset}, seed {cli.seed}: {updates} updates of 8 completions; "
-          f"seconds per update = mean of updates 2-{updates}")
+    print(
+        f"\npreset {cli.preset}, seed {cli.seed}: {updates} updates of 8 completions; "
+        f"seconds per update = mean of updates 2-{updates}"
+    )
     print(f"{'':<34}{ours:>14}{theirs:>28}{'TRL / rloo.py':>16}")
-    lines = [("seconds per update", lambda r: r["seconds"], ".2f"), ("peak memory (GiB)", lambda r: r["peak"], ".2f"),
-             (f"reward, first {last} updates", lambda r: statistics.mean(x["reward"] for x in r["rows"][:last]), ".3f"),
-             (f"reward, last {last} updates", lambda r: statistics.mean(x["reward"] for x in r["rows"][-last:]), ".3f"),
-             (f"tokens per completion, first {last}",
-              lambda r: statistics.mean(x["completions/mean_length"] for x in r["rows"][:last]), ".1f"),
-             (f"tokens per completion, last {last}",
-              lambda r: statistics.mean(x["completions/mean_length"] for x in r["rows"][-last:]), ".1f"),
-             ("whole run, wall (s)", lambda r: r["wall"], ".1f")]
+    lines = [
+        ("seconds per update", lambda r: r["seconds"], ".2f"),
+        ("peak memory (GiB)", lambda r: r["peak"], ".2f"),
+        (f"reward, first {last} updates", lambda r: statistics.mean(x["reward"] for x in r["rows"][:last]), ".3f"),
+        (f"reward, last {last} updates", lambda r: statistics.mean(x["reward"] for x in r["rows"][-last:]), ".3f"),
+        (
+            f"tokens per completion, first {last}",
+            lambda r: statistics.mean(x["completions/mean_length"] for x in r["rows"][:last]),
+            ".1f",
+        ),
+        (
+            f"tokens per completion, last {last}",
+            lambda r: statistics.mean(x["completions/mean_length"] for x in r["rows"][-last:]),
+            ".1f",
+        ),
+        ("whole run, wall (s)", lambda r: r["wall"], ".1f"),
+    ]
     for label, value, fmt in lines:
         a, b = value(results[ours]), value(results[theirs])
         ratio = f"{b / a:.2f}" if label.startswith(("seconds", "peak", "whole")) and a else "-"  # the rest as curves
         print(f"{label:<34}{a:>14{fmt}}{b:>28{fmt}}{ratio:>16}")
-    draw({name: [(r["episode"], r["reward"]) for r in result["rows"]] for name, result in results.items()},
-         f"{cli.preset}: reward per update, seed {cli.seed}", cli.output)
+    draw(
+        {name: [(r["episode"], r["reward"]) for r in result["rows"]] for name, result in results.items()},
+        f"{cli.preset}: reward per update, seed {cli.seed}",
+        cli.output,
+    )
     print(f"wrote {cli.output}")
     return 0
 

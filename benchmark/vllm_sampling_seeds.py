@@ -31,19 +31,22 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-PRESETS = {"tiny": dict(prompts=64, num_generations=4, max_completion_length=128),
-           "smollm2": dict(prompts=16, num_generations=4, max_completion_length=64)}
+PRESETS = {
+    "tiny": dict(prompts=64, num_generations=4, max_completion_length=128),
+    "smollm2": dict(prompts=16, num_generations=4, max_completion_length=64),
+}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = lambda message: sys.exit(f"vllm_sampling_seeds.py: error: {message}")  # one line, no usage block
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model and default sizes (default tiny)")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny", help="model and default sizes (default tiny)"
+    )
     parser.add_argument("--prompts", type=int, help="prompts per rollout, P (default: the preset's)")
     parser.add_argument("--num_generations", type=int, help="completions per prompt, G (default: the preset's)")
     parser.add_argument("--max_completion_length", type=int, help="tokens per completion (default: the preset's)")
-    parser.add_argument("--max_prompt_length", type=int, default=16,
-                        help="prompts keep their last tokens (default 16)")
+    parser.add_argument("--max_prompt_length", type=int, default=16, help="prompts keep their last tokens (default 16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rollouts per variant (default 5)")
     parser.add_argument("--seed", type=int, default=1, help="--seed of rloo_vllm.py")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -71,23 +74,45 @@ def main():
         model = build_tiny_models(workdir.name)["policy"]
     else:
         model = embedded_model()
-    args = tyro.cli(rloo_vllm.Args, use_underscores=True, args=[
-        "--model_name_or_path", model, "--max_prompt_length", str(options.max_prompt_length), "--seed", str(options.seed),
-        "--num_generations", str(G), "--max_completion_length", str(C), "--temperature", str(options.temperature),
-        "--top_p", str(options.top_p), "--top_k", str(options.top_k)])
+    args = tyro.cli(
+        rloo_vllm.Args,
+        use_underscores=True,
+        args=[
+            "--model_name_or_path",
+            model,
+            "--max_prompt_length",
+            str(options.max_prompt_length),
+            "--seed",
+            str(options.seed),
+            "--num_generations",
+            str(G),
+            "--max_completion_length",
+            str(C),
+            "--temperature",
+            str(options.temperature),
+            "--top_p",
+            str(options.top_p),
+            "--top_k",
+            str(options.top_k),
+        ],
+    )
     tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
     policy = from_pretrained(AutoModelForCausalLM, args.model_name_or_path)
     train, _ = load_datasets(args)
     texts = train[[i % len(train) for i in range(P)]]["prompt"]  # from the top again if the dataset has fewer
-    prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(tokenizer, texts, args.max_prompt_length, torch.device("cpu"))
+    prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(
+        tokenizer, texts, args.max_prompt_length, torch.device("cpu")
+    )
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
     started = time.perf_counter()
     engine = rloo_vllm.ColocatedVLLM(args, policy, torch.device("cpu"))
     engine.push_weights(policy)
-    print(f"{options.preset}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, engine up in "
-          f"{time.perf_counter() - started:.0f} s; rollout {P} prompts x G={G} x {C} tokens = {P * G * C} tokens, "
-          f"{options.repeats} repeats, {torch.get_num_threads()} threads")
+    print(
+        f"{options.preset}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, engine up in "
+        f"{time.perf_counter() - started:.0f} s; rollout {P} prompts x G={G} x {C} tokens = {P * G * C} tokens, "
+        f"{options.repeats} repeats, {torch.get_num_threads()} threads"
+    )
     sampling = sampling_options(args, stop_ids=[], greedy=False)  # no end token: always C tokens
 
     def per_prompt(update):
@@ -99,8 +124,9 @@ def main():
         return [list(c.token_ids) for out in outputs for c in out.outputs]
 
     variants = {
-        "per-completion seed": lambda u: [ids for ids, _ in engine.generate(rows, sampling, sampling_seeds(
-            args.seed, u, len(rows)))],
+        "per-completion seed": lambda u: [
+            ids for ids, _ in engine.generate(rows, sampling, sampling_seeds(args.seed, u, len(rows)))
+        ],
         "no seed": lambda u: [ids for ids, _ in engine.generate(rows, sampling, None)],
         "per-prompt seed, n=G": per_prompt,
     }
@@ -118,18 +144,23 @@ def main():
             assert len(out) == P * G and tokens == P * G * C, (name, len(out), tokens)
             speeds[name].append(tokens / seconds)
             cpu_speeds[name].append(tokens / cpu_seconds)
-            identical_groups[name].append(np.mean([len({tuple(ids) for ids in out[g * G:(g + 1) * G]}) == 1
-                                                   for g in range(P)]))
+            identical_groups[name].append(
+                np.mean([len({tuple(ids) for ids in out[g * G : (g + 1) * G]}) == 1 for g in range(P)])
+            )
 
     first = next(iter(variants))
     reference, cpu_reference = statistics.median(speeds[first]), statistics.median(cpu_speeds[first])
-    print(f"{'variant':22s} {'tokens/s median':>16s} {'min':>8s} {'max':>8s} {'ratio':>6s} {'tokens/CPU-s median':>20s} "
-          f"{'ratio':>6s} {'groups all identical':>21s}")
+    print(
+        f"{'variant':22s} {'tokens/s median':>16s} {'min':>8s} {'max':>8s} {'ratio':>6s} {'tokens/CPU-s median':>20s} "
+        f"{'ratio':>6s} {'groups all identical':>21s}"
+    )
     for name, values in speeds.items():
         cpu = statistics.median(cpu_speeds[name])
-        print(f"{name:22s} {statistics.median(values):16.0f} {min(values):8.0f} {max(values):8.0f} "
-              f"{statistics.median(values) / reference:6.2f} {cpu:20.0f} {cpu / cpu_reference:6.2f} "
-              f"{float(np.mean(identical_groups[name])):21.3f}")
+        print(
+            f"{name:22s} {statistics.median(values):16.0f} {min(values):8.0f} {max(values):8.0f} "
+            f"{statistics.median(values) / reference:6.2f} {cpu:20.0f} {cpu / cpu_reference:6.2f} "
+            f"{float(np.mean(identical_groups[name])):21.3f}"
+        )
     engine.close()
     workdir.cleanup()
 

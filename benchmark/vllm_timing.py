@@ -58,13 +58,39 @@ def start_server(model: str, workdir: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--max-model-len", "512",
-               "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs"]
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",
+        "--max-model-len",
+        "512",
+        "--generation-config",
+        "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
+    ]
     start = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=open(os.path.join(workdir, "server.log"), "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=open(os.path.join(workdir, "server.log"), "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     while True:
         if proc.poll() is not None:
@@ -80,8 +106,14 @@ def run(name: str, command: list[str], workdir: str) -> dict:
     cwd = os.path.join(workdir, name)
     os.makedirs(cwd)
     start = time.perf_counter()
-    subprocess.run(command, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "WANDB_MODE": "disabled"})
+    subprocess.run(
+        command,
+        cwd=cwd,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
     with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -98,30 +130,53 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         model = hf_folder(cli.preset, workdir)
         args = [*SAME_AS_TRL_BASELINE, "--total_episodes", str(8 * cli.updates), "--model_name_or_path", model]
-        results = [run("rloo.py", [sys.executable, os.path.join(ROOT, "rloo.py"), *args], workdir),
-                   run("rloo_vllm.py colocate", [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *args], workdir)]
+        results = [
+            run("rloo.py", [sys.executable, os.path.join(ROOT, "rloo.py"), *args], workdir),
+            run("rloo_vllm.py colocate", [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *args], workdir),
+        ]
         server, url, server_start = start_server(model, workdir)
         try:
-            results.append(run("rloo_vllm.py server", [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *args,
-                                                       "--vllm_mode", "server", "--vllm_server_base_url", url], workdir))
+            results.append(
+                run(
+                    "rloo_vllm.py server",
+                    [
+                        sys.executable,
+                        os.path.join(ROOT, "rloo_vllm.py"),
+                        *args,
+                        "--vllm_mode",
+                        "server",
+                        "--vllm_server_base_url",
+                        url,
+                    ],
+                    workdir,
+                )
+            )
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait()
 
-    print(f"preset {cli.preset}: seconds per update, mean of {cli.updates - 1} updates after the first "
-          f"(8 completions of up to 64 tokens); vLLM server start-up {server_start:.1f} s, outside the runs")
+    print(
+        f"preset {cli.preset}: seconds per update, mean of {cli.updates - 1} updates after the first "
+        f"(8 completions of up to 64 tokens); vLLM server start-up {server_start:.1f} s, outside the runs"
+    )
     print(f"{'stage':<26}" + "".join(f"{r['name']:>24}" for r in results))
     mean = lambda r, key: statistics.mean(row.get(key, 0.0) for row in r["rows"])  # noqa: E731
     for stage in STAGES:
         print(f"{stage:<26}" + "".join(f"{mean(r, 'time/' + stage):>24.3f}" for r in results))
-    print(f"{'other':<26}" + "".join(f"{mean(r, 'time/update') - sum(mean(r, 'time/' + s) for s in STAGES):>24.3f}"
-                                      for r in results))
+    print(
+        f"{'other':<26}"
+        + "".join(f"{mean(r, 'time/update') - sum(mean(r, 'time/' + s) for s in STAGES):>24.3f}" for r in results)
+    )
     print(f"{'update':<26}" + "".join(f"{mean(r, 'time/update'):>24.3f}" for r in results))
     print(f"{'tokens per completion':<26}" + "".join(f"{mean(r, 'completions/mean_length'):>24.1f}" for r in results))
     print(f"{'whole run, wall (s)':<26}" + "".join(f"{r['wall']:>24.1f}" for r in results))
-    print(f"{'log-prob gap vLLM/trainer':<26}" + "".join(
-        f"{mean(r, 'sampling/sampling_logp_difference/mean'):>24.2e}" if "vllm" in r["name"] else f"{'-':>24}"
-        for r in results))
+    print(
+        f"{'log-prob gap vLLM/trainer':<26}"
+        + "".join(
+            f"{mean(r, 'sampling/sampling_logp_difference/mean'):>24.2e}" if "vllm" in r["name"] else f"{'-':>24}"
+            for r in results
+        )
+    )
 
 
 if __name__ == "__main__":

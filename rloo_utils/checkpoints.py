@@ -1,6 +1,6 @@
-"""Run folders, checkpoints and exact resume, and what a failure leaves behind: the run folder claimed and locked, the output
-folder claimed, checkpoints written and found, the training state restored (random generators included), the signals
-that stop a run after its update, and the rescue of a failed run (RunGuard, called by report_one_line_error)."""
+"""Run folders, checkpoints and exact resume, and what a failure leaves behind: the run folder claimed and locked, the
+output folder claimed, checkpoints written and found, the training state restored (random generators included), the
+signals that stop a run after its update, and the rescue of a failed run (RunGuard, called by report_one_line_error)."""
 
 import contextlib
 import fcntl
@@ -14,7 +14,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import numpy as np
@@ -41,14 +41,23 @@ def report_one_line_error(exc_type, exc, tb):
     elif issubclass(exc_type, (UsageError, RunError)):
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}{where}{after}", file=sys.stderr)
     elif getattr(exc, "training", False):  # a second Ctrl-C or SIGTERM: the update is not waited for
-        print(f"{os.path.basename(sys.argv[0])}: error: {signal.Signals(exc.signum).name} a second time: stopped at "
-              f"once, without finishing the update{where}{after}", file=sys.stderr)
+        print(
+            f"{os.path.basename(sys.argv[0])}: error: {signal.Signals(exc.signum).name} a second time: stopped at "
+            f"once, without finishing the update{where}{after}",
+            file=sys.stderr,
+        )
     elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C or SIGTERM before training started
-        print(f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{where}{after}", file=sys.stderr)
+        print(
+            f"{os.path.basename(sys.argv[0])}: error: interrupted before training started{where}{after}",
+            file=sys.stderr,
+        )
     elif issubclass(exc_type, dist.DistError) or "gloo/transport" in str(exc) or "ProcessGroupNCCL" in str(exc):
         # a collective failed (gloo raises a plain RuntimeError when the peer's socket closes): another process died
-        print(f"{os.path.basename(sys.argv[0])}: error: another process stopped answering ({describe(exc)}){where}"
-              f"{after}", file=sys.stderr)
+        print(
+            f"{os.path.basename(sys.argv[0])}: error: another process stopped answering ({describe(exc)}){where}"
+            f"{after}",
+            file=sys.stderr,
+        )
     else:
         sys.__excepthook__(exc_type, exc, tb)
         if after or where:
@@ -71,8 +80,10 @@ def stop_after_update_on_signals(console) -> list[int]:
                 signal.signal(s, signal.SIG_DFL)
             raise Terminated(signum, training=True)
         received.append(signum)
-        console.print(f"{signal.Signals(signum).name}: finishing this update, then writing a checkpoint "
-                      "(send it again to stop now, keeping the checkpoint of the last complete update)")
+        console.print(
+            f"{signal.Signals(signum).name}: finishing this update, then writing a checkpoint "
+            "(send it again to stop now, keeping the checkpoint of the last complete update)"
+        )
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
@@ -102,8 +113,10 @@ def load_checkpoint_weights(policy, folder: str) -> None:
     except RuntimeError as e:  # shapes that do not fit (another rank)
         problem = describe(e)
     if problem:
-        raise UsageError(f"the adapter of {folder} does not fit the policy ({problem}): resume with the --lora_* "
-                         "options the run was started with")
+        raise UsageError(
+            f"the adapter of {folder} does not fit the policy ({problem}): resume with the --lora_* "
+            "options the run was started with"
+        )
     check_checkpoint_finite(policy, folder)
 
 
@@ -132,8 +145,10 @@ def claim_run_dir(args) -> str:
     try:
         os.makedirs("runs", exist_ok=True)
     except OSError as e:
-        raise UsageError(f"cannot create the runs folder in {os.getcwd()} ({describe(e)}): start rloo.py from a "
-                         "folder you can write to") from None
+        raise UsageError(
+            f"cannot create the runs folder in {os.getcwd()} ({describe(e)}): start rloo.py from a "
+            "folder you can write to"
+        ) from None
     for attempt in itertools.count(1):
         run_name = name if attempt == 1 else f"{name}_{attempt}"
         run_dir = os.path.join("runs", run_name)
@@ -150,10 +165,14 @@ def claim_run_dir(args) -> str:
 def run_dir_taken(run_dir: str, run_name: str) -> str:
     """The refusal of a run folder that exists, with advice that works for what the folder holds."""
     if checkpoint_dirs(run_dir):
-        return (f"{run_dir} exists already: continue that run with --resume_from_checkpoint latest --run_name {run_name}, "
-                "or choose another --run_name")
-    return (f"{run_dir} exists already and holds no checkpoint to continue from: choose another --run_name, or delete "
-            f"{run_dir} to start that run again")
+        return (
+            f"{run_dir} exists already: continue that run with --resume_from_checkpoint latest --run_name {run_name}, "
+            "or choose another --run_name"
+        )
+    return (
+        f"{run_dir} exists already and holds no checkpoint to continue from: choose another --run_name, or delete "
+        f"{run_dir} to start that run again"
+    )
 
 
 def lock_run_dir(run_dir: str):
@@ -167,8 +186,10 @@ def lock_run_dir(run_dir: str):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.seek(0)
-        raise UsageError(f"{run_dir} is in use by another run (pid {handle.read().strip() or '?'}): wait "
-                         "for it to end, or choose another --run_name") from None
+        raise UsageError(
+            f"{run_dir} is in use by another run (pid {handle.read().strip() or '?'}): wait "
+            "for it to end, or choose another --run_name"
+        ) from None
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
@@ -203,8 +224,10 @@ def claim_output_dir(output_dir: str, run_dir: str) -> bool:
             os.remove(claim)  # claimed by a run folder that has been deleted since
         elif contents:
             by = f" (claimed by {os.path.relpath(claimed_by)})" if claimed_by else ""
-            raise UsageError(f"{where} is not empty{by}: it holds {', '.join(contents[:3])}{', ...' if len(contents) > 3 else ''}; "
-                             "give a new or empty folder, so that nothing in it is overwritten")
+            raise UsageError(
+                f"{where} is not empty{by}: it holds {', '.join(contents[:3])}{', ...' if len(contents) > 3 else ''}; "
+                "give a new or empty folder, so that nothing in it is overwritten"
+            )
     try:
         with open(claim, "x") as f:  # "x": fails if another run claimed the folder a moment ago
             json.dump({"run_dir": owner}, f)
@@ -217,9 +240,15 @@ def claim_output_dir(output_dir: str, run_dir: str) -> bool:
 
 def is_saved_model(folder: str) -> bool:
     """What save_pretrained writes: config.json and the weights (one file, or an index of shards), or a peft adapter."""
-    exists = lambda *names: all(os.path.isfile(os.path.join(folder, name)) for name in names)  # noqa: E731
-    return (exists("config.json") and (exists("model.safetensors") or exists("model.safetensors.index.json"))
-            or exists("adapter_config.json", "adapter_model.safetensors"))
+
+    def exists(*names):
+        return all(os.path.isfile(os.path.join(folder, name)) for name in names)
+
+    return (
+        exists("config.json")
+        and (exists("model.safetensors") or exists("model.safetensors.index.json"))
+        or exists("adapter_config.json", "adapter_model.safetensors")
+    )
 
 
 def save_model(output_dir: str, policy, tokenizer, state_dict: Optional[dict] = None, merged: bool = False) -> None:
@@ -237,15 +266,20 @@ def save_model(output_dir: str, policy, tokenizer, state_dict: Optional[dict] = 
             except Exception as e:
                 raise RunError(f"could not save the trained model to {output_dir} ({describe(e)})") from None
             if not is_saved_model(output_dir):
-                raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are "
-                               "missing after save_pretrained")
+                raise RunError(
+                    f"could not save the trained model to {output_dir}: config.json or the weights are "
+                    "missing after save_pretrained"
+                )
 
 
 def checkpoint_dirs(run_dir: str) -> list[str]:
     """The complete checkpoints of a run, oldest first (a save in progress is a tmp-checkpoint-<update> folder)."""
     folder = os.path.join(run_dir, "checkpoints")
-    names = [n for n in (os.listdir(folder) if os.path.isdir(folder) else [])
-             if re.fullmatch(r"checkpoint-\d+", n) and os.path.exists(os.path.join(folder, n, TRAINING_STATE))]
+    names = [
+        n
+        for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+        if re.fullmatch(r"checkpoint-\d+", n) and os.path.exists(os.path.join(folder, n, TRAINING_STATE))
+    ]
     return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
 
 
@@ -255,8 +289,10 @@ def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
     given = f"--resume_from_checkpoint {spec}"
     if spec == "latest":
         if run_name is None:
-            raise UsageError("--resume_from_checkpoint latest needs --run_name (the run to continue is runs/<run_name>); "
-                             "or give the checkpoint folder")
+            raise UsageError(
+                "--resume_from_checkpoint latest needs --run_name (the run to continue is runs/<run_name>); "
+                "or give the checkpoint folder"
+            )
         spec, given = os.path.join("runs", run_name), f"{given} --run_name {run_name}"
     if not os.path.isdir(spec):
         raise UsageError(f"{spec} does not exist ({given})")
@@ -265,41 +301,50 @@ def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
     run_dir = os.path.dirname(os.path.dirname(path)) if is_checkpoint else spec
     found = checkpoint_dirs(run_dir)
     if not found:
-        raise UsageError(f"{run_dir} has no complete checkpoint (checkpoints/checkpoint-<update>); a save that was "
-                         "interrupted leaves only a tmp-checkpoint-<update> folder")
+        raise UsageError(
+            f"{run_dir} has no complete checkpoint (checkpoints/checkpoint-<update>); a save that was "
+            "interrupted leaves only a tmp-checkpoint-<update> folder"
+        )
     if not is_checkpoint:
         return found[-1]
     if path not in found:
         raise UsageError(f"{spec} is not a complete checkpoint; the newest complete one is {found[-1]}")
     if path != found[-1]:
-        raise UsageError(f"{run_dir} has a newer checkpoint, {found[-1]}, which resuming from {spec} would overwrite: "
-                         "resume from the newest, or move the newer ones away first")
+        raise UsageError(
+            f"{run_dir} has a newer checkpoint, {found[-1]}, which resuming from {spec} would overwrite: "
+            "resume from the newest, or move the newer ones away first"
+        )
     return spec
-
-
-# Options added with a default that computes differently from the runs started before them: what those runs did
-OLDER_RUNS = {"padding_free": False}
 
 
 def check_resumable(args, checkpoint: str, resumable_changes: set[str]) -> None:
     """A resumed run is the run it continues: every option that changes what is computed must be the same (only the
-    options in resumable_changes may differ)."""
+    options in resumable_changes may differ). A checkpoint whose args.json lacks an option (of an earlier version of
+    this project, or of another script) is continued by what wrote it."""
     path = os.path.join(checkpoint, "args.json")
     try:
         with open(path) as f:
             saved = json.load(f)
         assert isinstance(saved, dict), "not a JSON object"
     except (OSError, ValueError, AssertionError) as e:
-        raise UsageError(f"{path} is missing or damaged ({describe(e)}): move {checkpoint} away and resume again "
-                         "(`latest` then takes the checkpoint before it)") from None
-    defaults = json.loads(json.dumps({f.name: f.default for f in fields(args)}, default=str))
+        raise UsageError(
+            f"{path} is missing or damaged ({describe(e)}): move {checkpoint} away and resume again "
+            "(`latest` then takes the checkpoint before it)"
+        ) from None
     for name, value in json.loads(json.dumps(asdict(args))).items():
-        before = saved.get(name, OLDER_RUNS.get(name, defaults[name]))  # an option added since: at its default, or as before
+        if name not in saved and name not in resumable_changes:
+            raise UsageError(
+                f"{checkpoint} has no --{name} in its args.json: another script or an earlier version of "
+                "this project wrote it; continue it with the one that did"
+            )
+        before = saved.get(name)
         if name == "dataset_name" and os.path.abspath(dataset_path(before)) == os.path.abspath(dataset_path(value)):
-            continue  # the embedded dataset, by its absolute path (older runs) or its relative name
+            continue  # the same dataset, by a relative or an absolute path
         if name not in resumable_changes and before != value:
-            raise UsageError(f"--{name} is {value} here but {before} in {checkpoint}: resume with the options "
-                             f"the run was started with (only {', '.join(sorted(resumable_changes))} may change)")
+            raise UsageError(
+                f"--{name} is {value} here but {before} in {checkpoint}: resume with the options "
+                f"the run was started with (only {', '.join(sorted(resumable_changes))} may change)"
+            )
 
 
 def load_training_state(checkpoint: str, run_dir: str, sharded: bool) -> dict:
@@ -310,8 +355,17 @@ def load_training_state(checkpoint: str, run_dir: str, sharded: bool) -> dict:
     path = os.path.join(checkpoint, TRAINING_STATE)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        missing = {"update", "episode", "skipped_steps", "skipped_in_a_row", "seconds", "scheduler", "rng", "logger",
-                   *([] if sharded else ["optimizer"])} - set(state)
+        missing = {
+            "update",
+            "episode",
+            "skipped_steps",
+            "skipped_in_a_row",
+            "seconds",
+            "scheduler",
+            "rng",
+            "logger",
+            *([] if sharded else ["optimizer"]),
+        } - set(state)
         assert not missing, f"it lacks {', '.join(sorted(missing))}"
     except Exception as e:
         raise UsageError(f"{path} is damaged ({describe(e)}): {damaged}") from None
@@ -320,22 +374,30 @@ def load_training_state(checkpoint: str, run_dir: str, sharded: bool) -> dict:
     if not sharded and not is_saved_model(os.path.join(checkpoint, "policy")):
         raise UsageError(f"{os.path.join(checkpoint, 'policy')} lacks config.json or its weights: {damaged}")
     if sharded and len(state["rng"]) != launch_world_size():
-        raise UsageError(f"{checkpoint} was written by {len(state['rng'])} processes and this run has "
-                         f"{launch_world_size()}: resume with as many (torchrun --nproc_per_node ...)")
+        raise UsageError(
+            f"{checkpoint} was written by {len(state['rng'])} processes and this run has "
+            f"{launch_world_size()}: resume with as many (torchrun --nproc_per_node ...)"
+        )
     for name, size in state["logger"]["sizes"].items():
         log = os.path.join(run_dir, name)
         if not os.path.isfile(log) or os.path.getsize(log) < size:
-            raise UsageError(f"{log} is {'shorter than at' if os.path.isfile(log) else 'missing since'} {checkpoint}, "
-                             "so the resumed run's log would have a hole: restore it, or start a new run from the "
-                             "checkpoint's weights")
+            raise UsageError(
+                f"{log} is {'shorter than at' if os.path.isfile(log) else 'missing since'} {checkpoint}, "
+                "so the resumed run's log would have a hole: restore it, or start a new run from the "
+                "checkpoint's weights"
+            )
     return state
 
 
 def rng_states() -> dict:
     """Every random number generator the run draws from: python, numpy, torch's CPU one and (sampling on GPU) CUDA's."""
     kind, keys, position, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), position, has_gauss, gauss],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), position, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_states(states: dict) -> None:
@@ -403,8 +465,12 @@ def resume_command(argv: list[str], checkpoint: str) -> str:
             kept.append(arg)
         skip_value = arg == "--resume_from_checkpoint"
     world_size, per_node = launch_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", launch_world_size()))
-    launcher = ["python"] if world_size == 1 else ["torchrun", "--nproc_per_node", str(per_node)] + (
-        ["--nnodes", str(world_size // per_node)] if world_size > per_node else [])
+    launcher = (
+        ["python"]
+        if world_size == 1
+        else ["torchrun", "--nproc_per_node", str(per_node)]
+        + (["--nnodes", str(world_size // per_node)] if world_size > per_node else [])
+    )
     return shlex.join([*launcher, argv[0], *kept, "--resume_from_checkpoint", checkpoint])
 
 
@@ -440,9 +506,11 @@ class RunGuard:
         """Write the checkpoint of `state` (default: the last complete update); keep the newest --save_total_limit."""
         state = state or self.state
         path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
-        save_checkpoint(path, self.save_weights, self.args, {**state, **{k: v.state_dict() for k, v in self.stateful.items()}})
+        save_checkpoint(
+            path, self.save_weights, self.args, {**state, **{k: v.state_dict() for k, v in self.stateful.items()}}
+        )
         if self.args.save_total_limit and get_rank() == 0:
-            for old in checkpoint_dirs(self.run_dir)[:-self.args.save_total_limit]:
+            for old in checkpoint_dirs(self.run_dir)[: -self.args.save_total_limit]:
                 shutil.rmtree(old)
         return path
 
@@ -454,8 +522,10 @@ class RunGuard:
         stepped = self.watching and self.optimizer_steps() != self.steps_at_state  # the weights may have moved
         found = checkpoint_dirs(self.run_dir) if self.watching else []
         if not weights_kept and found:
-            return (f"; nothing of this update was saved; the newest checkpoint is {found[-1]}; continue with: "
-                    f"{resume_command(sys.argv, found[-1])}")
+            return (
+                f"; nothing of this update was saved; the newest checkpoint is {found[-1]}; continue with: "
+                f"{resume_command(sys.argv, found[-1])}"
+            )
         if not self.watching or not weights_kept or not stepped and self.state["update"] == self.first_update:
             # nothing new was trained, or nothing worth keeping
             if get_rank() == 0:
@@ -463,13 +533,22 @@ class RunGuard:
                     shutil.rmtree(path, ignore_errors=True)
             return "" if weights_kept else "; nothing was saved"
         if not together and get_world_size() > 1:  # the other processes are elsewhere: none can help to save
-            return (f"; every process stops; the newest checkpoint is {found[-1]}; continue with: "
-                    f"{resume_command(sys.argv, found[-1])}" if found else "; every process stops (no checkpoint yet)")
+            return (
+                f"; every process stops; the newest checkpoint is {found[-1]}; continue with: "
+                f"{resume_command(sys.argv, found[-1])}"
+                if found
+                else "; every process stops (no checkpoint yet)"
+            )
         state = self.state
         if stepped:  # cut short inside an update: keep what it did, as the next update
             every_process = isinstance(state["rng"], list)
-            state = {**state, "update": state["update"] + 1, "episode": state["episode"] + self.batch_size,
-                     "rng": rng_states_of_every_process() if every_process else rng_states(), "logger": self.logger.state()}
+            state = {
+                **state,
+                "update": state["update"] + 1,
+                "episode": state["episode"] + self.batch_size,
+                "rng": rng_states_of_every_process() if every_process else rng_states(),
+                "logger": self.logger.state(),
+            }
         path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
         if not os.path.isdir(path):
             try:
@@ -478,9 +557,12 @@ class RunGuard:
                 return f"; saving what it trained failed too: {e}"
         with contextlib.suppress(Exception):
             self.logger.close(failed=True)
-        where = (f"update {state['update']} was cut short: the weights and optimizer state it reached are in {path} (a "
-                 "resumed run goes on from them, but is not the run that never failed)" if stepped else
-                 f"the state after update {state['update']} is in {path}")
+        where = (
+            f"update {state['update']} was cut short: the weights and optimizer state it reached are in {path} (a "
+            "resumed run goes on from them, but is not the run that never failed)"
+            if stepped
+            else f"the state after update {state['update']} is in {path}"
+        )
         return f"; {where}; continue with: {resume_command(sys.argv, path)}"
 
 
@@ -489,8 +571,11 @@ def resumed_counters(training_state: Optional[dict]) -> tuple[int, int, int, int
     state ends; zeros for a new run (training_state None)."""
     if training_state is None:
         return 0, 0, 0, 0, 0, 0.0
-    return (*(training_state[k] for k in ("update", "episode")), training_state.get("num_tokens", 0),  # (older: 0)
-            *(training_state[k] for k in ("skipped_steps", "skipped_in_a_row", "seconds")))
+    return (
+        *(training_state[k] for k in ("update", "episode")),
+        training_state.get("num_tokens", 0),  # (older: 0)
+        *(training_state[k] for k in ("skipped_steps", "skipped_in_a_row", "seconds")),
+    )
 
 
 def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:
@@ -532,11 +617,15 @@ def check_skipped_steps(skipped_in_a_row: int, max_skipped_steps: int, update: i
     """Too many skipped steps in a row stop the run; so does a run shorter than that whose every step was skipped,
     which trained nothing and must not end as if it had."""
     if skipped_in_a_row >= min(max_skipped_steps, num_optimizer_steps):
-        raise RunError(f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (update {update}): "
-                       "stopping rather than training on garbage (check the rewards; a new run can start from the "
-                       "weights of the checkpoint before with a lower --learning_rate)")
+        raise RunError(
+            f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (update {update}): "
+            "stopping rather than training on garbage (check the rewards; a new run can start from the "
+            "weights of the checkpoint before with a lower --learning_rate)"
+        )
 
 
 def stopped_message(signum: int, update: int, num_updates: int, checkpoint: str) -> str:
-    return (f"stopped by {signal.Signals(signum).name} after update {update} of {num_updates}; checkpoint {checkpoint}. "
-            f"Continue the run with:\n  {resume_command(sys.argv, checkpoint)}")
+    return (
+        f"stopped by {signal.Signals(signum).name} after update {update} of {num_updates}; checkpoint {checkpoint}. "
+        f"Continue the run with:\n  {resume_command(sys.argv, checkpoint)}"
+    )

@@ -1,5 +1,5 @@
-"""Prompt datasets: a hub id, or local files of one split each; their prompts (text or chat messages, images beside them)
-checked when loaded; the batches of prompts of each update."""
+"""Prompt datasets: a hub id, or local files of one split each; their prompts (text or chat messages, images beside
+them) checked when loaded; the batches of prompts of each update."""
 
 import io
 import itertools
@@ -32,17 +32,20 @@ REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_st
 
 def prompt_batches(dataset, prompts_per_rollout: int, seed: int, skip: int, rank: int = 0, world_size: int = 1):
     """Endless stream of prompt batches, reshuffled every pass over the data, from batch number `skip` on (a resumed run
-    replays the shuffles, so it sees the prompts the uninterrupted run would have seen); of each, this process's share."""
+    replays the shuffles, so it sees the prompts the uninterrupted run would have seen); of each, this process's
+    share."""
+
     def index_batches():
         generator = torch.Generator().manual_seed(seed)
         while True:
             order = torch.randperm(len(dataset), generator=generator).tolist()
             for start in range(0, len(order) - prompts_per_rollout + 1, prompts_per_rollout):
-                yield order[start:start + prompts_per_rollout]
+                yield order[start : start + prompts_per_rollout]
             if len(order) < prompts_per_rollout:  # a tiny dataset: sample with replacement
                 yield torch.randint(len(order), (prompts_per_rollout,), generator=generator).tolist()
+
     for rows in itertools.islice(index_batches(), skip, None):
-        yield dataset[rows[rank * prompts_per_rollout // world_size:(rank + 1) * prompts_per_rollout // world_size]]
+        yield dataset[rows[rank * prompts_per_rollout // world_size : (rank + 1) * prompts_per_rollout // world_size]]
 
 
 def load_prompt_dataset(name: str, split: str):
@@ -66,8 +69,10 @@ def load_prompt_dataset(name: str, split: str):
             return None
         formats = {DATA_FORMATS[os.path.splitext(f)[1]] for f in data_files[split]}
         if len(formats) > 1:
-            raise UsageError(f"split {split} of {name} mixes file formats ({', '.join(map(os.path.basename, data_files[split]))}): "
-                             "keep one format per split")
+            raise UsageError(
+                f"split {split} of {name} mixes file formats ({', '.join(map(os.path.basename, data_files[split]))}): "
+                "keep one format per split"
+            )
         fmt = formats.pop()
         for f in data_files[split]:
             check_data_file(f, fmt)
@@ -91,8 +96,10 @@ def load_prompt_dataset(name: str, split: str):
         raise UsageError(f"{where} is empty")
     for column in REWARD_FUNC_ARGUMENTS:
         if column in dataset.column_names:
-            raise UsageError(f"{where} has a column {column!r}, the name of an argument every reward function gets "
-                             f"({', '.join(REWARD_FUNC_ARGUMENTS)}): rename the column")
+            raise UsageError(
+                f"{where} has a column {column!r}, the name of an argument every reward function gets "
+                f"({', '.join(REWARD_FUNC_ARGUMENTS)}): rename the column"
+            )
     check_prompts(dataset["prompt"], where)
     column = image_column(dataset.column_names, where)
     if column:
@@ -106,15 +113,21 @@ def load_datasets(args):
     hold prompts of one kind (strings, or chat messages)."""
     train = load_prompt_dataset(dataset_path(args.dataset_name), args.dataset_train_split)
     if train is None:
-        raise UsageError(f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)")
+        raise UsageError(
+            f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)"
+        )
     test = load_prompt_dataset(dataset_path(args.dataset_name), args.dataset_test_split)
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
-        raise UsageError(f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
-                         f"{args.dataset_train_split} are not of one kind (strings, or chat messages)")
+        raise UsageError(
+            f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
+            f"{args.dataset_train_split} are not of one kind (strings, or chat messages)"
+        )
     if args.chat_template_kwargs and not is_chat(train[0]["prompt"]):
-        raise UsageError(f"--chat_template_kwargs goes to the chat template, but the prompts of {args.dataset_name} "
-                         "are plain strings, which are tokenized without one: give chat prompts (lists of messages), "
-                         "or leave it out")
+        raise UsageError(
+            f"--chat_template_kwargs goes to the chat template, but the prompts of {args.dataset_name} "
+            "are plain strings, which are tokenized without one: give chat prompts (lists of messages), "
+            "or leave it out"
+        )
     return train, test or train
 
 
@@ -134,14 +147,23 @@ def check_data_file(path: str, fmt: str) -> None:
 def is_chat(prompt) -> bool:
     """A list of chat messages, each a dict with a string 'role' and a 'content' that is a string or (vision-language
     prompts, as TRL's) a list of parts {"type": "text", "text": ...} and {"type": "image"}."""
-    return isinstance(prompt, list) and len(prompt) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and is_content(m.get("content")) for m in prompt)
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 0
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and is_content(m.get("content")) for m in prompt)
+    )
 
 
 def is_content(content) -> bool:
-    return isinstance(content, str) or isinstance(content, list) and all(
-        isinstance(part, dict) and (part.get("type") == "image" or part.get("type") == "text" and
-                                    isinstance(part.get("text"), str)) for part in content)
+    return (
+        isinstance(content, str)
+        or isinstance(content, list)
+        and all(
+            isinstance(part, dict)
+            and (part.get("type") == "image" or part.get("type") == "text" and isinstance(part.get("text"), str))
+            for part in content
+        )
+    )
 
 
 def check_prompts(prompts: list, where: str) -> None:
@@ -152,9 +174,12 @@ def check_prompts(prompts: list, where: str) -> None:
             continue
         shown = repr(prompt) if len(repr(prompt)) <= 80 else repr(prompt)[:77] + "..."
         kind = "a list of chat messages with string 'role' and 'content'" if chat else "a non-empty string"
-        raise UsageError(f"{where}: prompt {i} is {shown}, but the prompts must each be {kind} (as prompt 0 is)"
-                         if i else f"{where}: prompt 0 is {shown}; a prompt must be a non-empty string or a list of "
-                         "chat messages with string 'role' and 'content'")
+        raise UsageError(
+            f"{where}: prompt {i} is {shown}, but the prompts must each be {kind} (as prompt 0 is)"
+            if i
+            else f"{where}: prompt 0 is {shown}; a prompt must be a non-empty string or a list of "
+            "chat messages with string 'role' and 'content'"
+        )
 
 
 def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,8 +188,8 @@ def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, to
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 
@@ -190,20 +215,31 @@ def with_images(dataset, column: str, where: str, base_dir: str):
     from datasets import Image, List
 
     if not is_chat(dataset[0]["prompt"]):
-        raise UsageError(f"{where} has an {column!r} column, but its prompts are plain strings: images go with chat "
-                         "prompts (lists of messages), as in TRL")
-    raw = dataset.cast_column(column, Image(decode=False) if column == "image" else List(Image(decode=False))) \
-        if is_image_feature(dataset.features[column]) else dataset
+        raise UsageError(
+            f"{where} has an {column!r} column, but its prompts are plain strings: images go with chat "
+            "prompts (lists of messages), as in TRL"
+        )
+    raw = (
+        dataset.cast_column(column, Image(decode=False) if column == "image" else List(Image(decode=False)))
+        if is_image_feature(dataset.features[column])
+        else dataset
+    )
     resolved = []
     for i, (prompt, value) in enumerate(zip(dataset["prompt"], raw[column])):
         items = row_images(value) if value is not None else []
         if not items:
-            raise UsageError(f"{where}: row {i} has no image in its {column!r} column; every row needs one (the vision "
-                             "tower runs on every batch): drop the row, or the column")
-        placeholders = sum(part.get("type") == "image" for m in prompt if isinstance(m["content"], list) for part in m["content"])
+            raise UsageError(
+                f"{where}: row {i} has no image in its {column!r} column; every row needs one (the vision "
+                "tower runs on every batch): drop the row, or the column"
+            )
+        placeholders = sum(
+            part.get("type") == "image" for m in prompt if isinstance(m["content"], list) for part in m["content"]
+        )
         if placeholders not in (0, len(items)):
-            raise UsageError(f"{where}: prompt {i} holds {placeholders} image placeholders for {len(items)} images: give "
-                             "one {\"type\": \"image\"} part per image, or none (then they go before the first user text)")
+            raise UsageError(
+                f"{where}: prompt {i} holds {placeholders} image placeholders for {len(items)} images: give "
+                'one {"type": "image"} part per image, or none (then they go before the first user text)'
+            )
         paths = []
         for item in items:
             if isinstance(item, dict) and item.get("bytes"):
@@ -211,12 +247,15 @@ def with_images(dataset, column: str, where: str, base_dir: str):
             else:
                 path = item.get("path") if isinstance(item, dict) else item
                 if not isinstance(path, str) or path.startswith(("http://", "https://")):
-                    raise UsageError(f"{where}: row {i}'s image is {str(path)[:80]!r}, not a file: give image files "
-                                     "(paths relative to the data file), or download the images first")
+                    raise UsageError(
+                        f"{where}: row {i}'s image is {str(path)[:80]!r}, not a file: give image files "
+                        "(paths relative to the data file), or download the images first"
+                    )
                 path = source = shown = os.path.join(base_dir, os.path.expanduser(path))
                 if os.path.isdir(path):
-                    raise UsageError(f"{where}: image {path} (row {i}) is a folder, not an image file: give the file "
-                                     "of each image")
+                    raise UsageError(
+                        f"{where}: image {path} (row {i}) is a folder, not an image file: give the file of each image"
+                    )
                 if not os.path.isfile(path):
                     raise UsageError(f"{where}: image file {path} (row {i}) does not exist")
                 paths.append(path)
@@ -248,8 +287,15 @@ def content_text(content) -> str:
 def with_image_placeholders(prompt: list[dict], num_images: int) -> list[dict]:
     """The messages with content as lists of parts, as a VLM's chat template reads them; where the prompt holds no
     image part, num_images of them go before the text of the first user message (TRL's prepare_multimodal_messages)."""
-    messages = [{**m, "content": [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str)
-                 else [p if p.get("type") == "text" else {"type": "image"} for p in m["content"]]} for m in prompt]
+    messages = [
+        {
+            **m,
+            "content": [{"type": "text", "text": m["content"]}]
+            if isinstance(m["content"], str)
+            else [p if p.get("type") == "text" else {"type": "image"} for p in m["content"]],
+        }
+        for m in prompt
+    ]
     if not any(p["type"] == "image" for m in messages for p in m["content"]):
         first_user = next((m for m in messages if m["role"] == "user"), messages[0])
         first_user["content"] = [{"type": "image"}] * num_images + first_user["content"]

@@ -3,8 +3,6 @@
 import signal
 
 
-
-
 class UsageError(Exception):
     """Bad input: reported as a single line, without a traceback."""
 

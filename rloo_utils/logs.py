@@ -1,5 +1,5 @@
-"""Logging: metrics.jsonl, the sample tables, TensorBoard or W&B (resumed runs append); the progress bar; the metrics of an
-update that come from the completions and the optimizer steps; the stage timer."""
+"""Logging: metrics.jsonl, the sample tables, TensorBoard or W&B (resumed runs append); the progress bar; the metrics of
+an update that come from the completions and the optimizer steps; the stage timer."""
 
 import contextlib
 import json
@@ -40,16 +40,25 @@ class Logger:
             import wandb
 
             tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
-            self.wandb = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                                    name=run_name, tags=tags, save_code=True, dir=run_dir,
-                                    id=(resume or {}).get("wandb_id"), resume="allow")
+            self.wandb = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                config=asdict(args),
+                name=run_name,
+                tags=tags,
+                save_code=True,
+                dir=run_dir,
+                id=(resume or {}).get("wandb_id"),
+                resume="allow",
+            )
             self.wandb_id = self.wandb.id
             # W&B cannot rewrite a step: it keeps the rows it got after the checkpoint, and takes new rows after them.
             self.wandb_first_step = self.wandb.starting_step
         # purge_step: TensorBoard hides what earlier event files hold from that step on
         self.writer = SummaryWriter(run_dir, purge_step=None if self.last_step is None else self.last_step + 1)
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                             "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        self.writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
         self.run_dir = run_dir
         self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.table_files = {}  # name -> its .jsonl, opened at its first rows
@@ -68,10 +77,13 @@ class Logger:
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         """A table's rows (`samples`: greedy sample completions; `completions`: the sampled training ones, with their
         rewards and advantages) to <name>.jsonl, TensorBoard's text and a W&B table."""
-        cell = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v).replace("|", "/").replace("\n", " ")  # noqa: E731
         columns = list(rows[0])
-        self.writer.add_text(name, f"|{'|'.join(columns)}|\n|{'-|' * len(columns)}\n" + "\n".join(
-            "|" + "|".join(cell(v) for v in r.values()) + "|" for r in rows), step)
+        cells = [[markdown_cell(v) for v in r.values()] for r in rows]
+        self.writer.add_text(
+            name,
+            f"|{'|'.join(columns)}|\n|{'-|' * len(columns)}\n" + "\n".join("|" + "|".join(row) + "|" for row in cells),
+            step,
+        )
         if self.wandb and step >= self.wandb_first_step:
             import wandb
 
@@ -85,9 +97,14 @@ class Logger:
     def state(self) -> dict:
         """What a resumed run needs to continue these logs: their sizes, the last step, the W&B run id."""
         tables = [f"{table}.jsonl" for table in TABLES if os.path.exists(os.path.join(self.run_dir, f"{table}.jsonl"))]
-        return {"sizes": {"metrics.jsonl": self.metrics_file.tell(),
-                          **{name: os.path.getsize(os.path.join(self.run_dir, name)) for name in tables}},
-                "step": self.last_step, "wandb_id": self.wandb_id}
+        return {
+            "sizes": {
+                "metrics.jsonl": self.metrics_file.tell(),
+                **{name: os.path.getsize(os.path.join(self.run_dir, name)) for name in tables},
+            },
+            "step": self.last_step,
+            "wandb_id": self.wandb_id,
+        }
 
     def close(self, failed: bool = False) -> None:
         self.writer.close()
@@ -95,6 +112,11 @@ class Logger:
             f.close()
         if self.wandb:
             self.wandb.finish(exit_code=1 if failed else 0)
+
+
+def markdown_cell(value) -> str:
+    """A value as a cell of a markdown table: floats to 3 decimals, no '|' or line break to break the row."""
+    return f"{value:.3f}" if isinstance(value, float) else str(value).replace("|", "/").replace("\n", " ")
 
 
 def plain_value(value):
@@ -124,9 +146,13 @@ def open_logger(args, run_dir: str, training_state: Optional[dict]):
 
 def show_samples(console, logger, rows: list[dict], step: int, name: str = "samples", num_printed=None) -> None:
     """A table of completions (rows of prompt, completion, then numbers): logged, and num_printed of its rows (None:
-    all) printed. `samples`: the greedy sample completions; `completions`: the sampled training ones (--log_completions)."""
-    table = Table(*rows[0], title=f"{'sample' if name == 'samples' else 'training'} completions at episode {step}",
-                  show_lines=True)
+    all) printed. `samples`: the greedy sample completions; `completions`: the sampled training ones
+    (--log_completions)."""
+    table = Table(
+        *rows[0],
+        title=f"{'sample' if name == 'samples' else 'training'} completions at episode {step}",
+        show_lines=True,
+    )
     for r in rows[:num_printed]:
         table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()))
     console.print(table)
@@ -142,17 +168,30 @@ def gather_objects(items: list) -> list:
     return [item for part in gathered for item in part]
 
 
-def completion_rows(prompts: list[str], completions: list[str], rewards_per_func: torch.Tensor, reward_names: list[str],
-                    advantages: torch.Tensor, logged_columns: dict[str, list]) -> list[dict]:
+def completion_rows(
+    prompts: list[str],
+    completions: list[str],
+    rewards_per_func: torch.Tensor,
+    reward_names: list[str],
+    advantages: torch.Tensor,
+    logged_columns: dict[str, list],
+) -> list[dict]:
     """The rows of TRL's table of sampled completions (--log_completions): prompt, completion, each reward source's
     value (NaN: it returned None), the advantage, then the columns reward functions logged (log_extra), each under its
     own name unless the table has a column of that name: then as `log_extra/<name>`."""
     rewards, advantages = rewards_per_func.tolist(), advantages.tolist()
     own = {"step", "prompt", "completion", "advantage", *reward_names}  # (step: each row's, in completions.jsonl)
     logged = {name if name not in own else f"log_extra/{name}": values for name, values in logged_columns.items()}
-    return [{"prompt": prompt, "completion": completion, **dict(zip(reward_names, rewards[i])), "advantage": advantages[i],
-             **{name: values[i] for name, values in logged.items()}}
-            for i, (prompt, completion) in enumerate(zip(prompts, completions))]
+    return [
+        {
+            "prompt": prompt,
+            "completion": completion,
+            **dict(zip(reward_names, rewards[i])),
+            "advantage": advantages[i],
+            **{name: values[i] for name, values in logged.items()},
+        }
+        for i, (prompt, completion) in enumerate(zip(prompts, completions))
+    ]
 
 
 def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
@@ -161,25 +200,38 @@ def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int
     lengths = completion_mask.sum(1).float()  # (B,)
     terminated = lengths[ended] if ended.any() else torch.zeros(1)
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & completion_mask.bool()
-    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean()),
-            "completions/mean_terminated_length": float(terminated.mean()),
-            "completions/min_terminated_length": float(terminated.min()),
-            "completions/max_terminated_length": float(terminated.max()), "val/num_eos_tokens": int(is_eos.sum())}
+    return {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float((~ended).float().mean()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
+        "val/num_eos_tokens": int(is_eos.sum()),
+    }
 
 
-def update_metrics(micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]) -> dict:
+def update_metrics(
+    micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]
+) -> dict:
     """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
     units = max(sum(micro["units"]), 1.0)
     clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
     entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
-    ratios = [r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])]  # each micro-batch's mean token ratio
+    ratios = [
+        r / max(t, 1.0) for r, t in zip(micro["token_ratio"], micro["tokens"])
+    ]  # each micro-batch's mean token ratio
     metrics = {
         "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
-        "entropy": entropy, "policy/entropy_avg": entropy,
-        "clip_ratio/region_mean": clip_fraction, "policy/clipfrac_avg": clip_fraction,
-        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units, "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
-        "clip_ratio/low_min": statistics.fmean(micro["low_min"]), "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
+        "entropy": entropy,
+        "policy/entropy_avg": entropy,
+        "clip_ratio/region_mean": clip_fraction,
+        "policy/clipfrac_avg": clip_fraction,
+        "clip_ratio/low_mean": sum(micro["clipped_low"]) / units,
+        "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
+        "clip_ratio/low_min": statistics.fmean(micro["low_min"]),
+        "clip_ratio/high_max": statistics.fmean(micro["high_max"]),
         "policy/approxkl_avg": sum(micro["approxkl"]) / units,
         "loss/policy_avg": statistics.fmean(losses),
         "val/ratio": statistics.fmean(ratios),
@@ -214,14 +266,25 @@ class ProgressBar:
     """The updates done, the time left, and a short description of the last update."""
 
     def __init__(self, console, num_updates: int, start_update: int):
-        self.progress = Progress(TextColumn("[bold]rloo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+        self.progress = Progress(
+            TextColumn("[bold]rloo"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+        )
         self.task = self.progress.add_task("", total=num_updates, completed=start_update)
         self.progress.start()
 
     def update(self, metrics: dict) -> None:
-        self.progress.update(self.task, advance=1, description=f"reward {metrics['reward']:.3f}  kl "
-                             f"{metrics.get('kl', 0):.4f}  len {metrics['completions/mean_length']:.1f}")
+        self.progress.update(
+            self.task,
+            advance=1,
+            description=f"reward {metrics['reward']:.3f}  kl "
+            f"{metrics.get('kl', 0):.4f}  len {metrics['completions/mean_length']:.1f}",
+        )
 
     def stop(self) -> None:
         self.progress.stop()

@@ -31,10 +31,15 @@ def add_adapter(model, args):
     from peft.tuners.lora import LoraLayer, Linear
 
     targets = args.lora_target_modules
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules="all-linear" if targets == ["all-linear"] else targets,  # (a list: names)
-                        modules_to_save=args.lora_modules_to_save,
-                        use_dora=args.use_dora, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,  # (a list: names)
+        modules_to_save=args.lora_modules_to_save,
+        use_dora=args.use_dora,
+        task_type="CAUSAL_LM",
+    )
     where = args.sft_model_path or args.model_name_or_path
     names_of = defaultdict(list)  # a weight shared by several modules (tied embeddings and LM head) has several names
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -43,34 +48,49 @@ def add_adapter(model, args):
     modules = [name for name, _ in model.named_modules()]  # peft trains in full each one whose name ends with one given
     unmatched = [t for t in args.lora_modules_to_save or [] if not any(m.endswith(t) for m in modules)]
     if unmatched:
-        raise UsageError(f"--lora_modules_to_save {' '.join(unmatched)} names no layer of {where}, so nothing of it "
-                         "would train: name layers it has (e.g. lm_head, score), or leave it out")
+        raise UsageError(
+            f"--lora_modules_to_save {' '.join(unmatched)} names no layer of {where}, so nothing of it "
+            "would train: name layers it has (e.g. lm_head, score), or leave it out"
+        )
     untied = [t for t in args.lora_modules_to_save or [] if any(m == t or m.endswith(f".{t}") for m in tied)]
     if untied:
-        raise UsageError(f"--lora_modules_to_save {' '.join(untied)}: its weight is tied to another layer's in {where} "
-                         "(tie_word_embeddings); a trained copy would untie them, which vLLM and a saved model's config "
-                         "undo: leave it out")
+        raise UsageError(
+            f"--lora_modules_to_save {' '.join(untied)}: its weight is tied to another layer's in {where} "
+            "(tie_word_embeddings); a trained copy would untie them, which vLLM and a saved model's config "
+            "undo: leave it out"
+        )
     try:
         model = get_peft_model(model, config)
     except (ValueError, KeyError, TypeError) as e:  # no layer matched; an architecture peft has no default for
         targets = " ".join(args.lora_target_modules or ["(peft's default)"])
-        raise UsageError(f"--lora_target_modules {targets} gives {where} no adapter ({describe(e)}): name its linear "
-                         "layers (e.g. q_proj v_proj), or all-linear") from None
+        raise UsageError(
+            f"--lora_target_modules {targets} gives {where} no adapter ({describe(e)}): name its linear "
+            "layers (e.g. q_proj v_proj), or all-linear"
+        ) from None
     layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    others = sorted(f"{name} ({type(module.get_base_layer()).__name__})" for name, module in layers.items()
-                    if not isinstance(module, Linear))
+    others = sorted(
+        f"{name} ({type(module.get_base_layer()).__name__})"
+        for name, module in layers.items()
+        if not isinstance(module, Linear)
+    )
     if others:
-        raise UsageError(f"--lora_target_modules gives adapters to layers that are not linear: {', '.join(others[:3])}; "
-                         "only linear layers take them here (merged into the weights vLLM samples from): leave those out")
+        raise UsageError(
+            f"--lora_target_modules gives adapters to layers that are not linear: {', '.join(others[:3])}; "
+            "only linear layers take them here (merged into the weights vLLM samples from): leave those out"
+        )
     transposed = sorted(name for name, module in layers.items() if module.fan_in_fan_out)
     if args.use_dora and transposed:
-        raise UsageError(f"--use_dora on {transposed[0].removeprefix('base_model.model.')}, a layer that stores its "
-                         "weight transposed (GPT-2's Conv1D): DoRA's row norms are not supported there; leave out --use_dora")
+        raise UsageError(
+            f"--use_dora on {transposed[0].removeprefix('base_model.model.')}, a layer that stores its "
+            "weight transposed (GPT-2's Conv1D): DoRA's row norms are not supported there; leave out --use_dora"
+        )
     on_tied = sorted(name for name in layers if plain_name(name) in tied)
     if on_tied:
-        raise UsageError(f"--lora_target_modules gives an adapter to {on_tied[0].removeprefix('base_model.model.')}, "
-                         f"whose weight is tied to another layer's in {where} (tie_word_embeddings); merged, it would "
-                         "untie them, which vLLM and a saved model's config undo: leave it out")
+        raise UsageError(
+            f"--lora_target_modules gives an adapter to {on_tied[0].removeprefix('base_model.model.')}, "
+            f"whose weight is tied to another layer's in {where} (tie_word_embeddings); merged, it would "
+            "untie them, which vLLM and a saved model's config undo: leave it out"
+        )
     built_empty = any(p.is_meta for p in model.parameters())
     generator = torch.Generator().manual_seed(args.seed)  # on the CPU whatever the device: the same draws everywhere
     with torch.no_grad():
@@ -82,13 +102,15 @@ def add_adapter(model, args):
             A.copy_(torch.nn.init.kaiming_uniform_(torch.empty(A.shape), a=math.sqrt(5), generator=generator))
             module.lora_B["default"].weight.zero_()
     if built_empty:
-        model.adapter_init = {name: p.detach().clone() for name, p in model.named_parameters()
-                              if ".lora_A." in name or ".lora_B." in name}
+        model.adapter_init = {
+            name: p.detach().clone() for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name
+        }
     return model
 
 
 def adapter_disabled(model):
-    """The base model for the duration of the block: a peft model with its adapters off (the reference of --use_peft)."""
+    """The base model for the duration of the block: a peft model with its adapters off (the reference of
+    --use_peft)."""
     return model.disable_adapter() if is_peft_model(model) else contextlib.nullcontext()
 
 
@@ -105,8 +127,11 @@ def plain_state_dict(model) -> dict:
     sits, the weight before merging; a --lora_modules_to_save layer's trained copy), without the adapters' own."""
     if not is_peft_model(model):
         return model.state_dict()
-    return {plain_name(name): tensor for name, tensor in model.state_dict().items()
-            if ".lora_" not in name and ".original_module." not in name}
+    return {
+        plain_name(name): tensor
+        for name, tensor in model.state_dict().items()
+        if ".lora_" not in name and ".original_module." not in name
+    }
 
 
 def adapter_layers(model) -> dict:
@@ -139,7 +164,10 @@ def merged_weights(model, gather: Callable = lambda t: t, dtype: Optional[torch.
     floating-point tensors in it (a push to vLLM in the engine's dtype), cast before they are gathered; a merged weight
     is merged from its whole base weight, then cast."""
     layers = adapter_layers(model)
-    cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t  # noqa: E731
+
+    def cast(tensor):
+        return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
     for name, tensor in plain_state_dict(model).items():
         if name in layers:
             yield name, cast(merged_weight(layers[name], gather(tensor.detach()), gather))

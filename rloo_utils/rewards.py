@@ -1,5 +1,6 @@
-"""Reward functions: loaded by name, called (async ones together) under --reward_timeout, their values checked; what they
-get besides the completions (TRL's trainer_state) and what they log; the reward model's inputs in its own tokenizer."""
+"""Reward functions: loaded by name, called (async ones together) under --reward_timeout, their values checked; what
+they get besides the completions (TRL's trainer_state) and what they log; the reward model's inputs in its own
+tokenizer."""
 
 import asyncio
 import functools
@@ -22,8 +23,13 @@ from rloo_utils.errors import RunError, UsageError, describe
 from rloo_utils.processes import get_rank
 
 
-def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str], ended: torch.Tensor,
-                        chat_template_kwargs: Optional[dict] = None):
+def reward_model_inputs(
+    reward_tokenizer,
+    prompts: list,
+    completions: list[str],
+    ended: torch.Tensor,
+    chat_template_kwargs: Optional[dict] = None,
+):
     """Left-padded (B, L) ids and mask for a reward model with a tokenizer of its own, from the decoded completions.
     A conversation goes through its chat template, which closes the assistant's turn; plain text is prompt + completion
     with its special tokens, and its EOS after a completion that ended: the score is read where the policy's own ids
@@ -37,8 +43,9 @@ def reward_model_inputs(reward_tokenizer, prompts: list, completions: list[str],
                 row.append(reward_tokenizer.eos_token_id)
         else:
             prompt = [{**m, "content": content_text(m["content"])} for m in prompt]  # a reward model reads text
-            text = reward_tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False,
-                                                        **(chat_template_kwargs or {}))
+            text = reward_tokenizer.apply_chat_template(
+                prompt + [{"role": "assistant", "content": completion}], tokenize=False, **(chat_template_kwargs or {})
+            )
             row = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
         rows.append(row)
     return left_pad(rows, reward_tokenizer.pad_token_id if reward_tokenizer.pad_token_id is not None else 0)
@@ -55,8 +62,10 @@ def load_reward_func(spec: str, builtin: dict[str, Callable]) -> Callable:
     if spec in builtin:
         return builtin[spec]
     if ":" not in spec:
-        raise UsageError(f"unknown reward function {spec!r}: use one of {sorted(builtin)}, "
-                         "module:function or path/to/file.py:function")
+        raise UsageError(
+            f"unknown reward function {spec!r}: use one of {sorted(builtin)}, "
+            "module:function or path/to/file.py:function"
+        )
     where, name = spec.rsplit(":", 1)
     try:
         if where.endswith(".py"):
@@ -80,20 +89,29 @@ def load_reward_func(spec: str, builtin: dict[str, Callable]) -> Callable:
 def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], list[str], torch.Tensor]:
     """The reward functions, the names of every source (the reward model first) and their (F,) weights; `builtin`: the
     functions a script offers by name."""
-    specs = args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
-    names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + \
-            [reward_func_name(s) for s in specs]
+    specs = (
+        args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
+    )
+    names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + [
+        reward_func_name(s) for s in specs
+    ]
     if not names:
         raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
     if len(set(names)) < len(names):
-        raise UsageError(f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
-                         "give each function once, under its own name")
+        raise UsageError(
+            f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
+            "give each function once, under its own name"
+        )
     weights = torch.tensor(args.reward_weights or [1.0] * len(names))
     if len(weights) != len(names):
-        raise UsageError(f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})")
+        raise UsageError(
+            f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})"
+        )
     if not weights.any():
-        raise UsageError("--reward_weights are all 0: no reward would reach the advantages, and the run would train on "
-                         "nothing but its KL penalty; give a source a weight")
+        raise UsageError(
+            "--reward_weights are all 0: no reward would reach the advantages, and the run would train on "
+            "nothing but its KL penalty; give a source a weight"
+        )
     return [load_reward_func(s, builtin) for s in specs], names, weights
 
 
@@ -101,6 +119,7 @@ def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], 
 class TrainerState:
     """What TRL gives reward functions as `trainer_state` (transformers' TrainerState, the fields a reward function
     reads to shape its reward over training): optimizer steps done and in all, passes over the training prompts."""
+
     global_step: int = 0
     max_steps: int = 0
     epoch: float = 0.0
@@ -137,10 +156,14 @@ class RewardLogs:
         for c, _, n in everyone:
             for name, values in c.items():
                 if len(values) != n:
-                    raise RunError(f"a reward function's log_extra({name!r}, values) gave {len(values)} values for {n} "
-                                   "completions: one value per completion, once per call")
-        columns = {name: [v for c, _, n in everyone for v in c.get(name, [None] * n)]
-                   for name in sorted({name for c, _, _ in everyone for name in c})}
+                    raise RunError(
+                        f"a reward function's log_extra({name!r}, values) gave {len(values)} values for {n} "
+                        "completions: one value per completion, once per call"
+                    )
+        columns = {
+            name: [v for c, _, n in everyone for v in c.get(name, [None] * n)]
+            for name in sorted({name for c, _, _ in everyone for name in c})
+        }
         metrics = {}
         for name in sorted({name for _, m, _ in everyone for name in m}):
             values = [v for _, m, _ in everyone for v in m.get(name, [])]
@@ -161,6 +184,7 @@ def reward_event_loop() -> asyncio.AbstractEventLoop:
 
 def await_all(awaitables: list) -> list:
     """Their results (or the exceptions they raised), awaited concurrently on the reward functions' event loop."""
+
     async def settle(awaitable):
         try:
             return await awaitable
@@ -173,8 +197,9 @@ def await_all(awaitables: list) -> list:
     return reward_event_loop().run_until_complete(gather())
 
 
-def call_reward_funcs(funcs: list[Callable], names: list[str], batch_size: int, timeout: Optional[float], /,
-                      **kwargs) -> list[torch.Tensor]:
+def call_reward_funcs(
+    funcs: list[Callable], names: list[str], batch_size: int, timeout: Optional[float], /, **kwargs
+) -> list[torch.Tensor]:
     """Call each TRL-style reward function with the same keyword arguments (TRL 1.16's: prompts, completions,
     completion_ids, the dataset's other columns, trainer_state, log_extra, log_metric); the async ones run concurrently,
     as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None. timeout (--reward_timeout): the
@@ -189,8 +214,12 @@ def call_reward_funcs(funcs: list[Callable], names: list[str], batch_size: int, 
             results.append(e)
     pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
     if pending:
-        awaited = within(timeout, "async reward functions " + ", ".join(names[i] for i in pending), await_all,
-                         [results[i] for i in pending])
+        awaited = within(
+            timeout,
+            "async reward functions " + ", ".join(names[i] for i in pending),
+            await_all,
+            [results[i] for i in pending],
+        )
         for i, value in zip(pending, awaited):
             results[i] = value
     return [check_reward_values(values, name, batch_size) for values, name in zip(results, names)]
@@ -224,11 +253,6 @@ def within(timeout: Optional[float], what: str, func: Callable, *args, **kwargs)
     return outcome["value"]
 
 
-def call_reward_func(func: Callable, name: str, batch_size: int, **kwargs) -> torch.Tensor:
-    """One reward function's (B,) rewards (call_reward_funcs), with no time limit."""
-    return call_reward_funcs([func], [name], batch_size, None, **kwargs)[0]
-
-
 def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
     """What a reward function returned (or raised, awaited) as (B,) floats, NaN for None; else a one-line error."""
     if isinstance(values, SystemExit):
@@ -245,9 +269,15 @@ def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
         if v is None:
             out.append(math.nan)  # "does not apply": ignored by the baseline
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) and not (torch.is_tensor(v) and v.numel() == 1):
-            raise UsageError(f"reward function {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
-                             "return floats, or None for 'not applicable'")
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float, np.number))
+            and not (torch.is_tensor(v) and v.numel() == 1)
+        ):
+            raise UsageError(
+                f"reward function {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
+                "return floats, or None for 'not applicable'"
+            )
         try:
             v = float(v)
         except OverflowError:
@@ -255,8 +285,10 @@ def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
         if not math.isfinite(v):
             raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
         if abs(v) > FLOAT32_MAX:
-            raise UsageError(f"reward function {name} returned {v:.3g} at index {i}, past the float32 range of the "
-                             f"rewards (+-{FLOAT32_MAX:.3g}): scale its values down")
+            raise UsageError(
+                f"reward function {name} returned {v:.3g} at index {i}, past the float32 range of the "
+                f"rewards (+-{FLOAT32_MAX:.3g}): scale its values down"
+            )
         out.append(v)
     return torch.tensor(out, dtype=torch.float32)
 
@@ -273,6 +305,8 @@ def check_reward_range(scores: torch.Tensor, update: int) -> None:
     squares = (scored - scored.mean()).square().sum() if sums.isfinite() else sums  # bounds every std's, group or batch
     if scored.isfinite().all() and sums.isfinite() and squares.isfinite():
         return
-    raise RunError(f"the rewards of update {update} reach {scored.abs().max():.3g}, too large for float32 "
-                   "once summed or squared (the baselines, the std of --normalize_reward and of group normalisation): "
-                   "scale them down (a reward function's values, --reward_weights)")
+    raise RunError(
+        f"the rewards of update {update} reach {scored.abs().max():.3g}, too large for float32 "
+        "once summed or squared (the baselines, the std of --normalize_reward and of group normalisation): "
+        "scale them down (a reward function's values, --reward_weights)"
+    )

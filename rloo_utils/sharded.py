@@ -8,10 +8,24 @@ import torch
 
 from rloo_utils.checkpoints import check_checkpoint_finite, is_saved_model, save_model
 from rloo_utils.errors import RunError, describe
-from rloo_utils.lora import (adapter_layers, is_peft_model, merged_weight, merged_weights, plain_name, plain_state_dict,
-                             trained_names, transformers_model)
-from rloo_utils.models import (MODEL_OPTIONS, SAFETENSORS_DTYPES, checked_reward_model, checkpoint_dtype,
-                               checkpoint_weights, from_pretrained)
+from rloo_utils.lora import (
+    adapter_layers,
+    is_peft_model,
+    merged_weight,
+    merged_weights,
+    plain_name,
+    plain_state_dict,
+    trained_names,
+    transformers_model,
+)
+from rloo_utils.models import (
+    MODEL_OPTIONS,
+    SAFETENSORS_DTYPES,
+    checked_reward_model,
+    checkpoint_dtype,
+    checkpoint_weights,
+    from_pretrained,
+)
 from rloo_utils.processes import agreed, get_rank, whole
 
 
@@ -33,7 +47,11 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
         dtype = checkpoint_dtype(path, config, found)
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read: keep them
         options = MODEL_OPTIONS.get(path, {})
-        code = {"trust_remote_code": True} if options.get("trust_remote_code") and getattr(config, "auto_map", None) else {}
+        code = (
+            {"trust_remote_code": True}
+            if options.get("trust_remote_code") and getattr(config, "auto_map", None)
+            else {}
+        )
         model = auto_class.from_config(config, dtype=dtype, **code)  # (config_kwargs' attn_implementation: in config)
     model.tie_weights()  # (from_pretrained ties them after loading)
     model.eval()  # as from_pretrained returns a model
@@ -46,11 +64,16 @@ def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwa
     tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
     state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
     name_of = {id(tensor): name for name, tensor in state.items()}
-    saved_as = {name_of.get(id(tensor)): saved for saved, tensor in revert_weight_conversion(model, dict(state)).items()}
+    saved_as = {
+        name_of.get(id(tensor)): saved for saved, tensor in revert_weight_conversion(model, dict(state)).items()
+    }
     # (kept for save_sharded_model: once sharded, the model's classes are FSDP's, for which transformers knows no names)
     model.saved_names = saved_as if saved_as.keys() == state.keys() else None  # None: tensors converted, not renamed
-    streamed = found is not None and model.saved_names is not None and all(
-        found[1].get(saved_as[name], (None,))[0] == tuple(tensor.shape) for name, tensor in state.items())
+    streamed = (
+        found is not None
+        and model.saved_names is not None
+        and all(found[1].get(saved_as[name], (None,))[0] == tuple(tensor.shape) for name, tensor in state.items())
+    )
     model.pretrained_weights = None
     model.missing_weights = []
     if weights and streamed:
@@ -75,14 +98,17 @@ def load_sharded_reward_model(path: str):
 
 def load_shards(model, device) -> None:
     """Allocate the shards of an empty_model, sharded (FSDP2), on `device` (the CPU with FSDP's CPU offload), and fill
-    them with its weights: each process reads only its own slices of the safetensors files (torch.distributed.checkpoint's
-    HuggingFaceStorageReader, casting to the model's dtype), or rank 0 sends each process its shards of the whole model
-    it loaded (set_model_state_dict's broadcast_from_rank0, one tensor at a time). A collective: every process calls it."""
+    them with its weights: each process reads only its own slices of the safetensors files
+    (torch.distributed.checkpoint's HuggingFaceStorageReader, casting to the model's dtype), or rank 0 sends each
+    process its shards of the whole model it loaded (set_model_state_dict's broadcast_from_rank0, one tensor at a time).
+    A collective: every process calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    if "pretrained_weights" not in transformers_model(model).__dict__:  # loaded whole, then sharded: its shards are filled
+    if (
+        "pretrained_weights" not in transformers_model(model).__dict__
+    ):  # loaded whole, then sharded: its shards are filled
         return
     source = transformers_model(model).__dict__.pop("pretrained_weights")
     buffers = [(module, name, b) for module in model.modules() for name, b in module._buffers.items() if b is not None]
@@ -96,21 +122,29 @@ def load_shards(model, device) -> None:
         if folder is not None:  # saved_as: the model's name of each weight -> its name in the files
             saved_as = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in saved_as_or_full}
             in_files = {saved: state[name] for name, saved in saved_as.items()}
-            dcp.load(in_files, storage_reader=dcp.HuggingFaceStorageReader(folder),
-                     planner=DefaultLoadPlanner(allow_partial_load=True))  # (the files' other tensors: a tied head's copy)
-            set_model_state_dict(model, {name: in_files[saved] for name, saved in saved_as.items()},
-                                 options=StateDictOptions(strict=False))
+            dcp.load(
+                in_files,
+                storage_reader=dcp.HuggingFaceStorageReader(folder),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+            )  # (the files' other tensors: a tied head's copy)
+            set_model_state_dict(
+                model,
+                {name: in_files[saved] for name, saved in saved_as.items()},
+                options=StateDictOptions(strict=False),
+            )
         else:  # the whole model's state dict on rank 0 (None elsewhere)
             full = {name: saved_as_or_full[plain] for name, plain in names.items() if plain in (saved_as_or_full or {})}
-            set_model_state_dict(model, full,
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+            set_model_state_dict(
+                model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+            )
     if getattr(model, "adapter_init", None) is not None:  # LoRA adapters drawn at build, the same on every process
         set_model_state_dict(model, model.adapter_init, options=StateDictOptions(full_state_dict=True, strict=False))
         with torch.no_grad():  # DoRA's magnitudes: the row norms of the weights now read (both sharded by rows)
             for module in model.modules():
                 if getattr(module, "use_dora", {}).get("default"):
                     module.lora_magnitude_vector["default"].weight.copy_(
-                        torch.linalg.norm(module.get_base_layer().weight, dim=1))
+                        torch.linalg.norm(module.get_base_layer().weight, dim=1)
+                    )
 
 
 def safetensors_header(shapes: dict) -> bytes:
@@ -141,8 +175,12 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
 
     if is_peft_model(model) and not merged:  # the adapter: small, gathered whole
         trained = trained_names(model)
-        save_model(output_dir, model, tokenizer, {name: whole(t).cpu() for name, t in get_model_state_dict(model).items()
-                                                  if name in trained})
+        save_model(
+            output_dir,
+            model,
+            tokenizer,
+            {name: whole(t).cpu() for name, t in get_model_state_dict(model).items() if name in trained},
+        )
         return
     saved_names, layers = transformers_model(model).saved_names, adapter_layers(model)
     if saved_names is None:  # saved as other tensors than the model's (experts split apart): whole on rank 0
@@ -156,8 +194,9 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
     plain = {saved_name: name for name, saved_name in saved_names.items()}
     saved = {saved_name: state[name] for name, saved_name in saved_names.items()}  # a tied weight once
     shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in saved.items()}
-    split = split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
+    split = split_torch_state_dict_into_shards(
+        shapes, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
     error = None
     with agreed():
         for file, names in split.filename_to_tensors.items():
@@ -190,16 +229,22 @@ def save_sharded_model(output_dir: str, model, tokenizer, max_shard_size: str = 
             name = type(transformers_model(model)).__name__.removeprefix("FSDP")
             model.config.architectures = [name]
             model.config.save_pretrained(output_dir)
-            if getattr(model, "_auto_class", None) is not None:  # its own code (--trust_remote_code), as save_pretrained
+            if (
+                getattr(model, "_auto_class", None) is not None
+            ):  # its own code (--trust_remote_code), as save_pretrained
                 from transformers.dynamic_module_utils import custom_object_save
 
-                custom_object_save(next(c for c in type(transformers_model(model)).__mro__ if c.__name__ == name), output_dir)
+                custom_object_save(
+                    next(c for c in type(transformers_model(model)).__mro__ if c.__name__ == name), output_dir
+                )
             if model.can_generate():
                 model.generation_config.save_pretrained(output_dir)
             tokenizer.save_pretrained(output_dir)
             if not is_saved_model(output_dir):
-                raise RunError(f"could not save the trained model to {output_dir}: config.json or the weights are "
-                               "missing after saving")
+                raise RunError(
+                    f"could not save the trained model to {output_dir}: config.json or the weights are "
+                    "missing after saving"
+                )
 
 
 def sharded_training_state(policy, optimizer) -> tuple[dict, dict]:
@@ -229,8 +274,11 @@ def load_sharded_checkpoint(checkpoint: str, policy, optimizer) -> None:
     model_state, optimizer_state = sharded_training_state(policy, optimizer)
     # A weight that never had a gradient (a VLM's vision layers after the one it reads) has no AdamW state to load
     saved = dcp.FileSystemReader(os.path.join(checkpoint, "dcp")).read_metadata().state_dict_metadata
-    optimizer_state["state"] = {name: values for name, values in optimizer_state["state"].items()
-                                if all(f"optimizer.state.{name}.{key}" in saved for key in values)}
+    optimizer_state["state"] = {
+        name: values
+        for name, values in optimizer_state["state"].items()
+        if all(f"optimizer.state.{name}.{key}" in saved for key in values)
+    }
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "dcp"))
     set_model_state_dict(policy, state["model"], options=StateDictOptions(strict=trained_names(policy) is None))

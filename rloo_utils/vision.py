@@ -1,4 +1,5 @@
-"""Vision-language prompts at training time: the processor's rows of token ids and image tensors, batched for a forward."""
+"""Vision-language prompts at training time: the processor's rows of token ids and image tensors, batched for a
+forward."""
 
 import re
 from typing import Optional
@@ -15,12 +16,18 @@ def image_token_ids(config) -> list[int]:
     start/end and video tokens): a completion must never hold one, so generation never samples them."""
     names = re.compile(r"(image|video|vision|boi|eoi)\w*_token_(id|index)")
     text_config = getattr(config, "text_config", config)
-    return sorted({v for k, v in config.to_dict().items() if names.fullmatch(k) and isinstance(v, int) and
-                   0 <= v < getattr(text_config, "vocab_size", 1 << 62)})
+    return sorted(
+        {
+            v
+            for k, v in config.to_dict().items()
+            if names.fullmatch(k) and isinstance(v, int) and 0 <= v < getattr(text_config, "vocab_size", 1 << 62)
+        }
+    )
 
 
-def image_prompt_rows(processor, prompts: list, images: list, max_prompt_length: int,
-                      chat_template_kwargs: Optional[dict] = None):
+def image_prompt_rows(
+    processor, prompts: list, images: list, max_prompt_length: int, chat_template_kwargs: Optional[dict] = None
+):
     """Per prompt: its token ids, each image placeholder expanded by the processor into that image's tokens, and its
     image tensors (pixel_values; image_grid_thw for Qwen2-VL; ...) on the CPU. Adjacent copies of one prompt (a
     group's G rows) are encoded once and share their tensors. A prompt is never truncated (cut image tokens would no
@@ -32,17 +39,29 @@ def image_prompt_rows(processor, prompts: list, images: list, max_prompt_length:
             tensors.append(tensors[-1])
             continue
         row_imgs = [image.convert("RGB") for image in row_images(value)]
-        text = processor.apply_chat_template(with_image_placeholders(prompt, len(row_imgs)), tokenize=False,
-                                             add_generation_prompt=True, **(chat_template_kwargs or {}))
+        text = processor.apply_chat_template(
+            with_image_placeholders(prompt, len(row_imgs)),
+            tokenize=False,
+            add_generation_prompt=True,
+            **(chat_template_kwargs or {}),
+        )
         encoded = processor(text=[text], images=row_imgs, return_tensors="pt")
         ids = encoded["input_ids"][0].tolist()
         if len(ids) > max_prompt_length:
-            raise RunError(f"a prompt with its image tokens is {len(ids)} tokens, over --max_prompt_length "
-                           f"{max_prompt_length}, and cutting image tokens would break it: raise --max_prompt_length, "
-                           "or filter the dataset")
+            raise RunError(
+                f"a prompt with its image tokens is {len(ids)} tokens, over --max_prompt_length "
+                f"{max_prompt_length}, and cutting image tokens would break it: raise --max_prompt_length, "
+                "or filter the dataset"
+            )
         rows.append(ids)
-        tensors.append({k: v for k, v in encoded.items() if torch.is_tensor(v) and k not in
-                        ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")})
+        tensors.append(
+            {
+                k: v
+                for k, v in encoded.items()
+                if torch.is_tensor(v)
+                and k not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+            }
+        )
     return rows, tensors
 
 
@@ -53,16 +72,22 @@ def images_batch(images: Optional[list[dict]], rows, device, dtype) -> dict:
     if images is None:
         return {}
     picked = images[rows] if isinstance(rows, slice) else [images[i] for i in rows.tolist()]
-    return {k: padded_cat([r[k] for r in picked]).to(device, dtype if picked[0][k].is_floating_point() else None)
-            for k in picked[0]}
+    return {
+        k: padded_cat([r[k] for r in picked]).to(device, dtype if picked[0][k].is_floating_point() else None)
+        for k in picked[0]
+    }
 
 
 def padded_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenated along dim 0; rows that differ in a later dim (LLaVA-NeXT's patches per image, by its aspect ratio)
     zero-padded to the largest, as its processor pads a batch: the model reads each image's own patches only."""
     shape = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors))]
-    return torch.cat([torch.nn.functional.pad(t, [p for d in reversed(range(1, t.dim())) for p in (0, shape[d - 1] - t.shape[d])])
-                      for t in tensors])
+    return torch.cat(
+        [
+            torch.nn.functional.pad(t, [p for d in reversed(range(1, t.dim())) for p in (0, shape[d - 1] - t.shape[d])])
+            for t in tensors
+        ]
+    )
 
 
 def vision_inputs(model, input_ids: torch.Tensor, images: dict) -> dict:

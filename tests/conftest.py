@@ -14,12 +14,20 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SCRIPTS = ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
+SCRIPTS = [
+    "rloo.py",
+    "rloo_vllm.py",
+    "rloo_multigpu.py",
+]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-WORDS = ("the movie was good great bad awful fine happy sad long short plot actor film story scene ending music "
-         "funny boring love hate beautiful terrible a an and but or so it is was this that very really quite").split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = (
+    "the movie was good great bad awful fine happy sad long short plot actor film story scene ending music "
+    "funny boring love hate beautiful terrible a an and but or so it is was this that very really quite"
+).split()
 
 
 def build_tiny_models(path: str) -> dict:
@@ -28,8 +36,7 @@ def build_tiny_models(path: str) -> dict:
 
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
-                              PreTrainedTokenizerFast)
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     rng = random.Random(0)
     corpus = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(2000)]
@@ -37,15 +44,30 @@ def build_tiny_models(path: str) -> dict:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=special,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        bos_token="<|im_start|>")
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=512, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     torch.manual_seed(0)
     policy_dir, reward_dir = os.path.join(path, "policy"), os.path.join(path, "reward")
     LlamaForCausalLM(config).save_pretrained(policy_dir)
@@ -66,13 +88,28 @@ def build_reward_model_with_its_own_tokenizer(path: str) -> str:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([" ".join(WORDS[::-1])] * 50, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        [" ".join(WORDS[::-1])] * 50,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<s>", "</s>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(1)
     model = LlamaForSequenceClassification(config)
     torch.nn.init.normal_(model.score.weight, std=1.0)
@@ -89,7 +126,7 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
-@pytest.fixture(params=[script[:-len(".py")] for script in SCRIPTS])
+@pytest.fixture(params=[script[: -len(".py")] for script in SCRIPTS])
 def each_script(request, monkeypatch):
     """Runs a test of the shared functions once per script: the test module's `rloo` is each script in turn."""
     module = importlib.import_module(request.param)
@@ -110,8 +147,10 @@ def other_reward(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prompts_file(tmp_path_factory):
     rng = __import__("random").Random(1)
-    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))), "topic": rng.choice(["a", "b"])}
-            for _ in range(64)]
+    rows = [
+        {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))), "topic": rng.choice(["a", "b"])}
+        for _ in range(64)
+    ]
     return write_jsonl(str(tmp_path_factory.mktemp("data") / "prompts.jsonl"), rows)
 
 
@@ -121,8 +160,14 @@ def run_env() -> dict:
 
 def run_rloo(*args, cwd, timeout=600, script="rloo.py"):
     """Run a script as a user would; returns the CompletedProcess (stdout and stderr captured as text)."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=run_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *map(str, args)],
+        cwd=cwd,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def check_one_line_error(proc, *needles):
@@ -161,8 +206,10 @@ def wait_for_updates(proc: subprocess.Popen, metrics, n: int, timeout: float = 3
     deadline = time.time() + timeout
     while not (metrics.exists() and sum(1 for _ in open(metrics)) >= n):
         if proc.poll() is not None:
-            raise AssertionError("the run ended before it could be interrupted" +
-                                 (f": {proc.stderr.read()[-3000:]}" if proc.stderr else ""))
+            raise AssertionError(
+                "the run ended before it could be interrupted"
+                + (f": {proc.stderr.read()[-3000:]}" if proc.stderr else "")
+            )
         assert time.time() < deadline, f"no {n} updates logged in {timeout} s"
         time.sleep(0.02)
 
@@ -179,10 +226,32 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
     started otherwise than docs/vllm.md says returns."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--max-model-len", "512",
-               "--generation-config", "vllm", "--logprobs-mode", logprobs_mode, "--enable-scale-out"]
-    env = {**run_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tiny["policy"],
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",
+        "--max-model-len",
+        "512",
+        "--generation-config",
+        "vllm",
+        "--logprobs-mode",
+        logprobs_mode,
+        "--enable-scale-out",
+    ]
+    env = {
+        **run_env(),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
     proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -207,10 +276,12 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
 
 
 # ---- A tiny vision-language policy (LLaVA: a CLIP vision tower, a Llama language model) and a task on images --------
-VLM_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-                     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
-                     "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 COLOUR_REWARD = '''
 def colour_named(completions, image, **kwargs):
@@ -234,8 +305,9 @@ def word_tokenizer(words: list[str], special: list[str], chat_template: str, **s
     word_level = Tokenizer(models.WordLevel(vocab, unk_token=special[0]))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     word_level.add_special_tokens(special)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token=special[0], bos_token=special[1],
-                                        eos_token=special[2], **special_tokens)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level, pad_token=special[0], bos_token=special[1], eos_token=special[2], **special_tokens
+    )
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -248,26 +320,65 @@ def build_tiny_vlm(path: str) -> dict:
 
     import torch
     from PIL import Image
-    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
-    tokenizer = word_tokenizer(list(COLOURS) + "what colour is this image the a it user assistant".split(), special,
-                               VLM_CHAT_TEMPLATE, extra_special_tokens={"image_token": "<image>"})
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                       tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       bos_token_id=tokenizer.bos_token_id)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=16, patch_size=8, projection_dim=32)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=special.index("<image>"),
-                         vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=True)
+    tokenizer = word_tokenizer(
+        list(COLOURS) + "what colour is this image the a it user assistant".split(),
+        special,
+        VLM_CHAT_TEMPLATE,
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=8,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=special.index("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model_dir = os.path.join(path, "llava")
     LlavaForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(model_dir)
-    LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
-                   tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", image_token="<image>",
-                   chat_template=VLM_CHAT_TEMPLATE, num_additional_image_tokens=1).save_pretrained(model_dir)
+    LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        chat_template=VLM_CHAT_TEMPLATE,
+        num_additional_image_tokens=1,
+    ).save_pretrained(model_dir)
     rng = random.Random(0)
     os.makedirs(os.path.join(path, "data", "images"))
     rows = []
@@ -279,8 +390,13 @@ def build_tiny_vlm(path: str) -> dict:
     data = write_jsonl(os.path.join(path, "data", "train.jsonl"), rows)
     with open(os.path.join(path, "colour_reward.py"), "w") as f:
         f.write(COLOUR_REWARD)
-    return {"policy": model_dir, "data": data, "reward": os.path.join(path, "colour_reward.py") + ":colour_named",
-            "tokenizer": tokenizer, "root": path}
+    return {
+        "policy": model_dir,
+        "data": data,
+        "reward": os.path.join(path, "colour_reward.py") + ":colour_named",
+        "tokenizer": tokenizer,
+        "root": path,
+    }
 
 
 @pytest.fixture(scope="session")

@@ -43,9 +43,11 @@ def inputs(vocab_size: int, pad_token_id: int, rank: int):
 def run_case(model: torch.nn.Module, forward, whole_forward) -> dict:
     """forward() twice under no_grad, each followed by rloo_multigpu.reshard (the second by FSDP2's reshard() of the
     outermost unit first), with what is gathered at each point."""
-    report = {"units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-              "parameters": len(list(model.named_parameters())),
-              "before_forward": gathered_names(model)}
+    report = {
+        "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "parameters": len(list(model.named_parameters())),
+        "before_forward": gathered_names(model),
+    }
     with torch.no_grad():
         first = forward()
     report["after_forward"] = gathered_names(model)
@@ -87,11 +89,11 @@ def main(out: str, policy_path: str, reward_path: str) -> None:
     # The reward model: its backbone and score head, units of their own, called one by one (each becomes a root)
     reward_model = load_sharded_reward_model(reward_path)
     reward_model = rloo_multigpu.shard(reward_model, mesh, False, False)
-    whole = from_pretrained(AutoModelForSequenceClassification, reward_path, num_labels=1,
-                                       dtype=torch.float32).eval()
+    whole = from_pretrained(AutoModelForSequenceClassification, reward_path, num_labels=1, dtype=torch.float32).eval()
     expected = rloo_multigpu.reward_model_scores(whole, ids, mask)
-    reports["reward_model"] = run_case(reward_model, lambda: rloo_multigpu.reward_model_scores(reward_model, ids, mask),
-                                       lambda: expected)
+    reports["reward_model"] = run_case(
+        reward_model, lambda: rloo_multigpu.reward_model_scores(reward_model, ids, mask), lambda: expected
+    )
     reports["reward_model"]["scores"] = expected.tolist()
 
     everyone = [None] * dist.get_world_size()

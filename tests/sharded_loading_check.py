@@ -44,16 +44,30 @@ def main(out: str, cases: list[dict]) -> None:
         report = {
             "streamed": streamed,
             "keys_equal": list(old_state) == list(new_state),
-            "different_weights": [k for k in old_state if k in new_state and not (
-                local(old_state[k]).dtype == local(new_state[k]).dtype and torch.equal(local(old_state[k]), local(new_state[k])))],
-            "different_buffers": [k for k in old_buffers if not torch.equal(old_buffers[k], new_buffers.get(k, torch.empty(0)))],
+            "different_weights": [
+                k
+                for k in old_state
+                if k in new_state
+                and not (
+                    local(old_state[k]).dtype == local(new_state[k]).dtype
+                    and torch.equal(local(old_state[k]), local(new_state[k]))
+                )
+            ],
+            "different_buffers": [
+                k for k in old_buffers if not torch.equal(old_buffers[k], new_buffers.get(k, torch.empty(0)))
+            ],
             "local_numel": sum(local(t).numel() for t in new_state.values()),
             "numel": sum(t.numel() for t in new_state.values()),
-            "generation_config_equal": (not old.can_generate()) or old.generation_config.to_dict() == new.generation_config.to_dict(),
+            "generation_config_equal": (not old.can_generate())
+            or old.generation_config.to_dict() == new.generation_config.to_dict(),
             "training": [old.training, new.training],
-            "tied": [getattr(m.config.get_text_config(), "tie_word_embeddings", False) and
-                     m.get_output_embeddings().weight is m.get_input_embeddings().weight for m in (old, new)]
-            if old.get_output_embeddings() is not None else None,
+            "tied": [
+                getattr(m.config.get_text_config(), "tie_word_embeddings", False)
+                and m.get_output_embeddings().weight is m.get_input_embeddings().weight
+                for m in (old, new)
+            ]
+            if old.get_output_embeddings() is not None
+            else None,
             "missing_weights": new.missing_weights,
         }
         # Saved: today's way (the whole model gathered on rank 0, save_pretrained) and shard by shard

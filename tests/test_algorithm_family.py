@@ -52,17 +52,24 @@ def by_hand(estimator):
 def test_each_estimator_by_hand_with_its_default_normalisation(estimator):
     args = args_for("--advantage_estimator", estimator)
     kl_before = torch.zeros(8, 3)
-    advantages = rloo.compute_advantages(REWARDS, kl_before, ALL, 4, args.advantage_estimator, args.advantage_normalization)
+    advantages = rloo.compute_advantages(
+        REWARDS, kl_before, ALL, 4, args.advantage_estimator, args.advantage_normalization
+    )
     assert advantages.shape == (8, 3)  # every token carries its completion's advantage (no token-level KL)
     torch.testing.assert_close(advantages, by_hand(estimator)[:, None].expand(8, 3))
     # With a token-level KL, its part is divided by what the centred reward was divided by: 1, the group's std or the
     # batch's
     centred = REWARDS.view(2, 4) - REWARDS.view(2, 4).mean(1, keepdim=True)
-    divisor = {"rloo": torch.ones(8), "dr_grpo": torch.ones(8),
-               "grpo": (torch.tensor([[math.sqrt(14 / 3)], [math.sqrt(16 / 3)]]) + 1e-4).expand(2, 4).reshape(-1),
-               "reinforce_pp": torch.full((8,), centred.std().item() + 1e-4)}[estimator]
+    divisor = {
+        "rloo": torch.ones(8),
+        "dr_grpo": torch.ones(8),
+        "grpo": (torch.tensor([[math.sqrt(14 / 3)], [math.sqrt(16 / 3)]]) + 1e-4).expand(2, 4).reshape(-1),
+        "reinforce_pp": torch.full((8,), centred.std().item() + 1e-4),
+    }[estimator]
     kl_before[:, 1:] = 0.5
-    with_kl = rloo.compute_advantages(REWARDS, kl_before, ALL, 4, args.advantage_estimator, args.advantage_normalization)
+    with_kl = rloo.compute_advantages(
+        REWARDS, kl_before, ALL, 4, args.advantage_estimator, args.advantage_normalization
+    )
     torch.testing.assert_close(with_kl[:, 1:] - with_kl[:, :1], 0.5 / divisor[:, None].expand(8, 2))
     torch.testing.assert_close(with_kl[:, 0], advantages[:, 0])
 
@@ -76,8 +83,18 @@ def test_rloo_with_group_normalisation_divides_the_leave_one_out_advantage_by_th
 
 @per_script
 def test_group_estimators_skip_unscorable_rows_and_rows_that_do_not_train():
-    rewards = torch.tensor([1.0, math.nan, 3.0, 5.0,  # mean of the scorable three: 3
-                            2.0, math.nan, math.nan, math.nan])  # a single scorable reward: no baseline
+    rewards = torch.tensor(
+        [
+            1.0,
+            math.nan,
+            3.0,
+            5.0,  # mean of the scorable three: 3
+            2.0,
+            math.nan,
+            math.nan,
+            math.nan,
+        ]
+    )  # a single scorable reward: no baseline
     # Row 3: a truncated completion (--mask_truncated_completions); row 4 has no baseline.
     trains = rloo.has_baseline(rewards, 4) & torch.tensor([True, True, True, False, True, True, True, True])
     assert trains.tolist() == [True, False, True, False, False, False, False, False]
@@ -87,7 +104,9 @@ def test_group_estimators_skip_unscorable_rows_and_rows_that_do_not_train():
     torch.testing.assert_close(grpo, torch.tensor([-2.0 / (2.0 + 1e-4), 0, 0, 0, 0, 0, 0, 0]))  # std of 1, 3, 5 is 2
     # REINFORCE++ whitens over the rows that train only: here rows 0 and 2, centred -2 and 0.
     pp = rloo.compute_advantages(rewards, torch.zeros(8, 1), trains, 4, "reinforce_pp", "batch")[:, 0]
-    torch.testing.assert_close(pp, torch.tensor([-1 / (math.sqrt(2) + 1e-4), 0, 1 / (math.sqrt(2) + 1e-4), 0, 0, 0, 0, 0]))
+    torch.testing.assert_close(
+        pp, torch.tensor([-1 / (math.sqrt(2) + 1e-4), 0, 1 / (math.sqrt(2) + 1e-4), 0, 0, 0, 0, 0])
+    )
 
 
 @per_script
@@ -216,14 +235,22 @@ TOKEN_LOSS = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
 TOKEN_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 
-@pytest.mark.parametrize("mode,expected", [("token-mean", (1 + 2 + 3) / 3), ("seq-mean-token-mean", ((1 + 2) / 2 + 3) / 2),
-                                           ("seq-mean-token-sum", (3 + 3) / 2), ("seq-mean-token-sum-norm", 6 / (2 * 3))])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", (1 + 2 + 3) / 3),
+        ("seq-mean-token-mean", ((1 + 2) / 2 + 3) / 2),
+        ("seq-mean-token-sum", (3 + 3) / 2),
+        ("seq-mean-token-sum-norm", 6 / (2 * 3)),
+    ],
+)
 @per_script
 def test_aggregation_by_hand_and_over_micro_batches(mode, expected):
-    whole = rloo.aggregate_loss(TOKEN_LOSS, TOKEN_MASK, mode, mini_batch_size=2, mini_batch_tokens=3,
-                                max_completion_length=3)
+    whole = rloo.aggregate_loss(
+        TOKEN_LOSS, TOKEN_MASK, mode, mini_batch_size=2, mini_batch_tokens=3, max_completion_length=3
+    )
     assert whole.item() == pytest.approx(expected)
-    shares = [rloo.aggregate_loss(TOKEN_LOSS[i:i + 1], TOKEN_MASK[i:i + 1], mode, 2, 3, 3) for i in range(2)]
+    shares = [rloo.aggregate_loss(TOKEN_LOSS[i : i + 1], TOKEN_MASK[i : i + 1], mode, 2, 3, 3) for i in range(2)]
     assert sum(shares).item() == pytest.approx(expected)  # gradient accumulation gives the minibatch's loss
 
 
@@ -252,15 +279,25 @@ def test_default_loss_is_the_previous_implementation_bit_for_bit():
     assert "sapo_gate" not in stats and "dual_clipped" not in stats
 
 
-@pytest.mark.parametrize("argv", [["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip"], ["--loss_type", "cispo"],
-                                  ["--loss_type", "gspo"], ["--loss_type", "sapo"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--loss_type", "token"],
+        ["--loss_type", "token", "--ppo_clip"],
+        ["--loss_type", "cispo"],
+        ["--loss_type", "gspo"],
+        ["--loss_type", "sapo"],
+    ],
+)
 @per_script
 def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv):
     args = args_for(*argv)
     logprobs = current_logprobs().expand(2, 3).clone().detach().requires_grad_()
     old, mask, advantages = OLD.expand(2, 3), torch.ones(2, 3), torch.tensor([1.0, 5.0])
     trains = torch.tensor([True, False])
-    loss, stats = rloo.policy_loss(args, logprobs, old, advantages[:, None].expand(2, 3), mask, trains, 2, mask[:1].sum())
+    loss, stats = rloo.policy_loss(
+        args, logprobs, old, advantages[:, None].expand(2, 3), mask, trains, 2, mask[:1].sum()
+    )
     loss.backward()
     assert (logprobs.grad[1] == 0).all() and (logprobs.grad[0] != 0).any()  # the row that does not train adds nothing
     assert ("sapo_gate" in stats) == (args.loss_type == "sapo")
@@ -268,21 +305,37 @@ def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv
     torch.testing.assert_close(stats["token_ratio"], (RATIOS.sum() * 2).reshape(()))
 
 
-@pytest.mark.parametrize("argv", [[], ["--loss_type", "token"], ["--loss_type", "token", "--ppo_clip", "--dual_clip", "2"],
-                                  ["--loss_type", "cispo"], ["--loss_type", "gspo"], ["--loss_type", "sapo"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--loss_type", "token"],
+        ["--loss_type", "token", "--ppo_clip", "--dual_clip", "2"],
+        ["--loss_type", "cispo"],
+        ["--loss_type", "gspo"],
+        ["--loss_type", "sapo"],
+    ],
+)
 @per_script
 def test_on_the_first_minibatch_every_loss_is_reinforce(argv):
     """Before the first optimizer step pi_old is pi (the detached log-probs): every ratio is exactly 1 and every loss
     has the gradient of -A log pi, aggregated its way (per completion for sequence and gspo, per token otherwise)."""
     args = args_for(*argv)
     logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
-    mask, advantages, trains = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([1.5, -0.5]), torch.ones(2).bool()
-    loss, stats = rloo.policy_loss(args, logprobs, logprobs.detach(), advantages[:, None].expand(2, 3), mask, trains, 2,
-                                   mask.sum())
+    mask, advantages, trains = (
+        torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        torch.tensor([1.5, -0.5]),
+        torch.ones(2).bool(),
+    )
+    loss, stats = rloo.policy_loss(
+        args, logprobs, logprobs.detach(), advantages[:, None].expand(2, 3), mask, trains, 2, mask.sum()
+    )
     assert stats["approxkl"] == 0 and stats["clipped_low"] == 0 and stats["clipped_high"] == 0
     loss.backward()
     per_token = {"sequence": 1 / 2, "token": 1 / 5, "cispo": 1 / 5, "sapo": 1 / 5}  # sum over sequences / 2; tokens / 5
-    weight = torch.tensor([[1 / 6], [1 / 4]]) if args.loss_type == "gspo" else per_token[args.loss_type]  # seq-mean-token-mean
+    weight = (
+        torch.tensor([[1 / 6], [1 / 4]]) if args.loss_type == "gspo" else per_token[args.loss_type]
+    )  # seq-mean-token-mean
     torch.testing.assert_close(logprobs.grad, -advantages[:, None] * mask * weight)
 
 
@@ -296,7 +349,12 @@ def test_loss_defaults():
     sapo = args_for("--loss_type", "sapo")
     assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)
     default = args_for()
-    assert (default.loss_type, default.epsilon, default.epsilon_high, default.loss_aggregation) == ("sequence", 0.2, 0.2, None)
+    assert (default.loss_type, default.epsilon, default.epsilon_high, default.loss_aggregation) == (
+        "sequence",
+        0.2,
+        0.2,
+        None,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -313,10 +371,30 @@ RUNS = [
 
 @pytest.mark.parametrize("extra", RUNS, ids=[" ".join(map(str, r[1::2])) for r in RUNS])
 def test_end_to_end(extra, tiny, prompts_file, tmp_path):
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", 32,
-                    "--per_device_train_batch_size", 8, "--max_completion_length", 12, "--num_sample_generations", 0,
-                    "--num_ppo_epochs", 2, "--num_mini_batches", 2, "--learning_rate", 1e-3,
-                    "--reward_model_path", tiny["reward"], *extra, cwd=tmp_path)  # a reward model: no ties
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--total_episodes",
+        32,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        12,
+        "--num_sample_generations",
+        0,
+        "--num_ppo_epochs",
+        2,
+        "--num_mini_batches",
+        2,
+        "--learning_rate",
+        1e-3,
+        "--reward_model_path",
+        tiny["reward"],
+        *extra,
+        cwd=tmp_path,
+    )  # a reward model: no ties
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 2
@@ -356,7 +434,9 @@ def test_token_level_kl_charges_each_token_the_kl_penalties_from_it_on():
         for t in range(int(mask[i].sum())):
             to_go = scores[i] - 0.5 * kl[i, t:].sum()
             assert per_token[i, t].item() == pytest.approx((to_go - rewards[j]).item())
-    assert torch.equal(per_token[:, 0], advantages[:, 0])  # the first token is charged everything: the sequence advantage
+    assert torch.equal(
+        per_token[:, 0], advantages[:, 0]
+    )  # the first token is charged everything: the sequence advantage
     # Without the flag every token carries the completion's advantage; with a divisor the KL part is divided too.
     assert torch.equal(advantages, advantages[:, :1].expand(2, 4))
     scaled = rloo.compute_advantages(rewards, kl_before, trains, 2, "rloo", "group")  # divided by the group's std

@@ -22,7 +22,7 @@ from rloo_utils.data import load_datasets, load_prompt_dataset
 from rloo_utils.errors import UsageError
 from rloo_utils.models import check_reward_model_config, load_reward_tokenizer
 from rloo_utils.options import check_args
-from rloo_utils.rewards import call_reward_func
+from rloo_utils.rewards import call_reward_funcs
 from rloo_utils.vllm_engine import check_vllm_args
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
@@ -48,22 +48,48 @@ EARLY = [
     (["--reward_model_path", "/nowhere/rm"], ["--reward_model_path /nowhere/rm does not exist"]),
     (["--dataset_name", "/nowhere/data.jsonl"], ["--dataset_name /nowhere/data.jsonl does not exist"]),
     # The combinations seed 002 rules out, and the ones that contradict themselves
-    (["--advantage_estimator", "dr_grpo", "--advantage_normalization", "batch"],
-     ["--advantage_estimator dr_grpo does not take batch normalisation"]),
-    (["--advantage_estimator", "reinforce_pp", "--advantage_normalization", "group"],
-     ["reinforce_pp needs batch normalisation", "got --advantage_normalization group"]),
-    (["--advantage_estimator", "reinforce_pp", "--advantage_normalization", "none"], ["reinforce_pp needs batch normalisation"]),
-    (["--advantage_estimator", "grpo", "--normalize_advantages", "--advantage_normalization", "group"],
-     ["--normalize_advantages means --advantage_normalization batch"]),
+    (
+        ["--advantage_estimator", "dr_grpo", "--advantage_normalization", "batch"],
+        ["--advantage_estimator dr_grpo does not take batch normalisation"],
+    ),
+    (
+        ["--advantage_estimator", "reinforce_pp", "--advantage_normalization", "group"],
+        ["reinforce_pp needs batch normalisation", "got --advantage_normalization group"],
+    ),
+    (
+        ["--advantage_estimator", "reinforce_pp", "--advantage_normalization", "none"],
+        ["reinforce_pp needs batch normalisation"],
+    ),
+    (
+        ["--advantage_estimator", "grpo", "--normalize_advantages", "--advantage_normalization", "group"],
+        ["--normalize_advantages means --advantage_normalization batch"],
+    ),
     # The options TRL users bring: each one that cannot work is named with its fix
-    (["--generation_kwargs", '{"temperature": 0.5}'], ["--generation_kwargs sets temperature, which --temperature sets"]),
-    (["--generation_kwargs", '{"num_beams": 4}'], ["--generation_kwargs sets num_beams, which the rollout sets itself"]),
-    (["--generation_kwargs", '{"no_repeat_ngrams": 2}'], ["no_repeat_ngrams is not an option of transformers' GenerationConfig"]),
-    (["--generation_kwargs", '{"return_dict_in_generate": true}'], ["sets return_dict_in_generate, which the rollout sets"]),
+    (
+        ["--generation_kwargs", '{"temperature": 0.5}'],
+        ["--generation_kwargs sets temperature, which --temperature sets"],
+    ),
+    (
+        ["--generation_kwargs", '{"num_beams": 4}'],
+        ["--generation_kwargs sets num_beams, which the rollout sets itself"],
+    ),
+    (
+        ["--generation_kwargs", '{"no_repeat_ngrams": 2}'],
+        ["no_repeat_ngrams is not an option of transformers' GenerationConfig"],
+    ),
+    (
+        ["--generation_kwargs", '{"return_dict_in_generate": true}'],
+        ["sets return_dict_in_generate, which the rollout sets"],
+    ),
     (["--generation_kwargs", '{"stop_strings": ["."]}'], ["sets stop_strings, which works on text"]),
-    (["--lr_scheduler_type", "cosine_with_min_lr"], ["--lr_scheduler_type cosine_with_min_lr", "min_lr or min_lr_rate"]),
-    (["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}'],
-     ["--lr_scheduler_type cosine with --lr_scheduler_kwargs", "min_lr_rate"]),
+    (
+        ["--lr_scheduler_type", "cosine_with_min_lr"],
+        ["--lr_scheduler_type cosine_with_min_lr", "min_lr or min_lr_rate"],
+    ),
+    (
+        ["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}'],
+        ["--lr_scheduler_type cosine with --lr_scheduler_kwargs", "min_lr_rate"],
+    ),
     (["--warmup_steps", 2.5], ["--warmup_steps 2.5: give a number of steps (a whole number), or a fraction"]),
     (["--num_completions_to_print", 2], ["--num_completions_to_print limits the table of --log_completions"]),
     (["--min_p", 1.5], ["--min_p must be in [0, 1]"]),
@@ -82,15 +108,23 @@ EARLY = [
     # Numbers that make no sense (the rest of the list is checked in-process below)
     (["--beta", "nan"], ["--beta must be a finite number, got nan"]),
     (["--seed", -1], ["--seed must be in [0, 2**32) (numpy's seed range), got -1"]),
-    (["--reward_funcs", "completion_length", f"{REWARDS}:completion_length"],
-     ["two reward sources have the same name (completion_length, completion_length)"]),
+    (
+        ["--reward_funcs", "completion_length", f"{REWARDS}:completion_length"],
+        ["two reward sources have the same name (completion_length, completion_length)"],
+    ),
     # Checkpoints
     (["--save_steps", -1], ["--save_steps must be >= 0"]),
     (["--save_total_limit", 0], ["--save_total_limit must be >= 1"]),
     (["--max_skipped_steps", 0], ["--max_skipped_steps must be > 0"]),
     (["--resume_from_checkpoint", "latest"], ["--resume_from_checkpoint latest needs --run_name"]),
-    (["--resume_from_checkpoint", "/nowhere/checkpoint-3"], ["/nowhere/checkpoint-3 does not exist (--resume_from_checkpoint /nowhere/checkpoint-3)"]),
-    (["--resume_from_checkpoint", "latest", "--run_name", "nothing_here"], ["runs/nothing_here does not exist (--resume_from_checkpoint latest --run_name nothing_here)"]),
+    (
+        ["--resume_from_checkpoint", "/nowhere/checkpoint-3"],
+        ["/nowhere/checkpoint-3 does not exist (--resume_from_checkpoint /nowhere/checkpoint-3)"],
+    ),
+    (
+        ["--resume_from_checkpoint", "latest", "--run_name", "nothing_here"],
+        ["runs/nothing_here does not exist (--resume_from_checkpoint latest --run_name nothing_here)"],
+    ),
 ]
 
 
@@ -118,20 +152,30 @@ OPTIONS = [
     ({"learning_rate": 1e-40}, "--learning_rate 1e-40 is below the smallest normal float32"),  # steps of 0
     ({"generation_kwargs": {"max_time": 0.01}}, "--generation_kwargs sets max_time, which the rollout sets itself"),
     ({"generation_kwargs": {"min_length": 50}}, "--generation_kwargs sets min_length, which the rollout sets itself"),
-    ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 50}},
-     "min_lr_rate is the floor as a fraction of --learning_rate, in [0, 1], got 50"),
-    ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1.0}},
-     "min_lr 1.0 is above --learning_rate 3e-05, so the schedule would climb to it"),
+    (
+        {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 50}},
+        "min_lr_rate is the floor as a fraction of --learning_rate, in [0, 1], got 50",
+    ),
+    (
+        {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1.0}},
+        "min_lr 1.0 is above --learning_rate 3e-05, so the schedule would climb to it",
+    ),
     ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": 0}}, "num_cycles 0 never decays the rate"),
-    ({"warmup_steps": 4, "total_episodes": 64, "per_device_train_batch_size": 16},
-     "--warmup_steps 4 is not shorter than the run (4 optimizer steps)"),
+    (
+        {"warmup_steps": 4, "total_episodes": 64, "per_device_train_batch_size": 16},
+        "--warmup_steps 4 is not shorter than the run (4 optimizer steps)",
+    ),
     # --generation_kwargs values HF generate cannot use, tried before the policy loads
     ({"generation_kwargs": {"typical_p": "abc"}}, "HF generate cannot use it (TypeError: '<' not supported"),
-    ({"generation_kwargs": {"cache_implementation": "nope"}},
-     "HF generate cannot use it (ValueError: Invalid `cache_implementation`"),
+    (
+        {"generation_kwargs": {"cache_implementation": "nope"}},
+        "HF generate cannot use it (ValueError: Invalid `cache_implementation`",
+    ),
     ({"generation_kwargs": {"sequence_bias": 5}}, "HF generate cannot use it (ValueError: `sequence_bias` has to be"),
-    ({"chat_template_kwargs": {"add_generation_prompt": False, "tokenize": True}},
-     "--chat_template_kwargs sets add_generation_prompt, tokenize, an argument of apply_chat_template"),
+    (
+        {"chat_template_kwargs": {"add_generation_prompt": False, "tokenize": True}},
+        "--chat_template_kwargs sets add_generation_prompt, tokenize, an argument of apply_chat_template",
+    ),
 ]
 
 
@@ -145,10 +189,16 @@ def test_generation_kwargs_values_that_generate_takes_are_accepted():
     check_args(rloo.Args(generation_kwargs={"typical_p": 0.9, "no_repeat_ngram_size": 3}))
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"presence_penalty": "x"}, "vLLM's SamplingParams cannot use it (ValidationError: Expected `float`, got `str`"),
-    ({"frequency_penalty": 5}, "frequency_penalty must be in [-2, 2], got 5.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (
+            {"presence_penalty": "x"},
+            "vLLM's SamplingParams cannot use it (ValidationError: Expected `float`, got `str`",
+        ),
+        ({"frequency_penalty": 5}, "frequency_penalty must be in [-2, 2], got 5.0"),
+    ],
+)
 def test_generation_kwargs_values_vllm_cannot_use_are_refused_before_loading(kwargs, needle):
     import rloo_vllm
 
@@ -184,48 +234,83 @@ def test_checked_before_models_load(extra, needles, prompts_file, tmp_path):
 
 
 def test_missing_model_path(prompts_file, tmp_path):
-    check_one_line_error(run_rloo("--model_name_or_path", "/nowhere/model", "--dataset_name", prompts_file,
-                                  cwd=tmp_path), "--model_name_or_path /nowhere/model does not exist")
+    check_one_line_error(
+        run_rloo("--model_name_or_path", "/nowhere/model", "--dataset_name", prompts_file, cwd=tmp_path),
+        "--model_name_or_path /nowhere/model does not exist",
+    )
 
 
 def test_folder_that_is_not_a_model(prompts_file, tmp_path):
-    check_one_line_error(run_rloo("--model_name_or_path", tmp_path, "--dataset_name", prompts_file, cwd=tmp_path),
-                         "could not load", str(tmp_path))
+    check_one_line_error(
+        run_rloo("--model_name_or_path", tmp_path, "--dataset_name", prompts_file, cwd=tmp_path),
+        "could not load",
+        str(tmp_path),
+    )
 
 
 def test_dataset_without_prompt_column(tiny, tmp_path):
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"question": "x"}])
-    check_one_line_error(run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path),
-                         "has no 'prompt' column", "question")
+    check_one_line_error(
+        run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path),
+        "has no 'prompt' column",
+        "question",
+    )
 
 
 def test_empty_dataset(tiny, tmp_path):
     data = tmp_path / "empty.csv"
     data.write_text("prompt\n")
-    check_one_line_error(run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path),
-                         "is empty")
+    check_one_line_error(
+        run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path), "is empty"
+    )
 
 
 def test_missing_split(tiny, prompts_file, tmp_path):
-    check_one_line_error(run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", os.path.dirname(prompts_file),
-                                  "--dataset_train_split", "nope", cwd=tmp_path), "has no split 'nope'")
+    check_one_line_error(
+        run_rloo(
+            "--model_name_or_path",
+            tiny["policy"],
+            "--dataset_name",
+            os.path.dirname(prompts_file),
+            "--dataset_train_split",
+            "nope",
+            cwd=tmp_path,
+        ),
+        "has no split 'nope'",
+    )
 
 
-@pytest.mark.parametrize("func,needle", [
-    ("raises", "reward function raises raised RuntimeError: the judge is down"),
-    ("wrong_count", "reward function wrong_count must return a list of 16 floats (or None), got 15 values"),
-    ("returns_nan", "reward function returns_nan returned nan at index 0; return None"),
-    ("returns_string", "reward function returns_string returned 'high' (a str) at index 0"),
-])
+@pytest.mark.parametrize(
+    "func,needle",
+    [
+        ("raises", "reward function raises raised RuntimeError: the judge is down"),
+        ("wrong_count", "reward function wrong_count must return a list of 16 floats (or None), got 15 values"),
+        ("returns_nan", "reward function returns_nan returned nan at index 0; return None"),
+        ("returns_string", "reward function returns_string returned 'high' (a str) at index 0"),
+    ],
+)
 def test_broken_reward_functions(func, needle, tiny, prompts_file, tmp_path):
     import reward_fixtures
 
     if func != "raises":  # in-process: the script's path to a one-line error is the same for all four
         with pytest.raises(UsageError, match=re.escape(needle)):
-            call_reward_func(getattr(reward_fixtures, func), func, 16, completions=["x"] * 16, prompts=["p"] * 16)
+            call_reward_funcs(
+                [getattr(reward_fixtures, func)], [func], 16, None, completions=["x"] * 16, prompts=["p"] * 16
+            )
         return
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:{func}", "--num_sample_generations", 0, "--output_dir", tmp_path / "out", cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:{func}",
+        "--num_sample_generations",
+        0,
+        "--output_dir",
+        tmp_path / "out",
+        cwd=tmp_path,
+    )
     check_one_line_error(proc, needle)
     assert not os.path.exists(tmp_path / "out")  # nothing was written as a "trained" model
 
@@ -234,8 +319,9 @@ def test_output_dir_with_a_trained_model_is_not_overwritten(tiny, prompts_file, 
     out = tmp_path / "trained"
     out.mkdir()
     (out / "config.json").write_text('{"mine": true}')
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--output_dir", out,
-                    cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--output_dir", out, cwd=tmp_path
+    )
     check_one_line_error(proc, f"--output_dir {out} is not empty: it holds config.json")
     assert (out / "config.json").read_text() == '{"mine": true}' and os.listdir(out) == ["config.json"]
     assert os.listdir(tmp_path / "runs") == []  # the run folder it had claimed is gone again
@@ -251,11 +337,18 @@ DATA = [
     ([{"prompt": ["a", "b"]}], "prompt 0 is ['a', 'b']; a prompt must be"),
     ([{"prompt": {"text": "a"}}], "prompt 0 is {'text': 'a'}; a prompt must be"),
     ([{"prompt": [{"role": "user"}]}], "prompt 0 is [{'role': 'user'}]; a prompt must be"),
-    ([{"prompt": "a"}, {"prompt": [{"role": "user", "content": "b"}]}],
-     "prompt 1 is [{'role': 'user', 'content': 'b'}], but the prompts must each be a non-empty string (as prompt 0 is)"),
-    ([{"prompt": [{"role": "user", "content": "b"}]}, {"prompt": [{"role": "user", "content": None}]}],
-     "prompt 1 is [{'role': 'user', 'content': None}], but the prompts must each be a list of chat messages"),
-    ([{"prompt": "a", "completions": "x"}], "has a column 'completions', the name of an argument every reward function gets"),
+    (
+        [{"prompt": "a"}, {"prompt": [{"role": "user", "content": "b"}]}],
+        "prompt 1 is [{'role': 'user', 'content': 'b'}], but the prompts must each be a non-empty string (as prompt 0 is)",
+    ),
+    (
+        [{"prompt": [{"role": "user", "content": "b"}]}, {"prompt": [{"role": "user", "content": None}]}],
+        "prompt 1 is [{'role': 'user', 'content': None}], but the prompts must each be a list of chat messages",
+    ),
+    (
+        [{"prompt": "a", "completions": "x"}],
+        "has a column 'completions', the name of an argument every reward function gets",
+    ),
     ([{"prompt": "a", "prompts": "x"}], "has a column 'prompts'"),
     ([{"prompt": "a", "completion_ids": [1]}], "has a column 'completion_ids'"),
 ]
@@ -270,21 +363,39 @@ def test_bad_prompts_and_columns(rows, needle, tmp_path):
 
 def test_bad_prompts_are_one_line_before_anything_is_made(tmp_path):
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"prompt": "a"}, {"prompt": 3}])
-    check_one_line_error(run_rloo("--model_name_or_path", tmp_path, "--dataset_name", data, cwd=tmp_path),
-                         "prompt 1 is 3, but the prompts must each be a non-empty string")
+    check_one_line_error(
+        run_rloo("--model_name_or_path", tmp_path, "--dataset_name", data, cwd=tmp_path),
+        "prompt 1 is 3, but the prompts must each be a non-empty string",
+    )
     assert not os.path.exists(tmp_path / "runs")
 
 
-@pytest.mark.parametrize("files,needle", [
-    ({"train.jsonl": b""}, "data file {d}/train.jsonl is empty"),
-    ({"train.jsonl": b'\xff\xfe{"prompt": "x"}\n'}, "data file {d}/train.jsonl is not UTF-8 text (invalid start byte)"),
-    ({"train.jsonl": b'{"prompt": "caf\xe9"}\n'}, "data file {d}/train.jsonl is not UTF-8 text (invalid continuation byte)"),
-    ({"train.jsonl": b'{"prompt": "x"\n'}, "dataset {d} (split train) is empty or unreadable (ArrowInvalid: JSON parse error"),
-    ({"train.jsonl": b'{"prompt": "a"}\n', "train.csv": b"prompt\nb\n"},
-     "split train of {d} mixes file formats (train.csv, train.jsonl): keep one format per split"),
-    ({"train.jsonl": b'{"prompt": "a"}\n', "test.jsonl": b'{"prompt": [{"role": "user", "content": "b"}]}\n'},
-     "the prompts of split test and of split train are not of one kind"),
-])
+@pytest.mark.parametrize(
+    "files,needle",
+    [
+        ({"train.jsonl": b""}, "data file {d}/train.jsonl is empty"),
+        (
+            {"train.jsonl": b'\xff\xfe{"prompt": "x"}\n'},
+            "data file {d}/train.jsonl is not UTF-8 text (invalid start byte)",
+        ),
+        (
+            {"train.jsonl": b'{"prompt": "caf\xe9"}\n'},
+            "data file {d}/train.jsonl is not UTF-8 text (invalid continuation byte)",
+        ),
+        (
+            {"train.jsonl": b'{"prompt": "x"\n'},
+            "dataset {d} (split train) is empty or unreadable (ArrowInvalid: JSON parse error",
+        ),
+        (
+            {"train.jsonl": b'{"prompt": "a"}\n', "train.csv": b"prompt\nb\n"},
+            "split train of {d} mixes file formats (train.csv, train.jsonl): keep one format per split",
+        ),
+        (
+            {"train.jsonl": b'{"prompt": "a"}\n', "test.jsonl": b'{"prompt": [{"role": "user", "content": "b"}]}\n'},
+            "the prompts of split test and of split train are not of one kind",
+        ),
+    ],
+)
 def test_bad_data_files(files, needle, tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
@@ -297,8 +408,10 @@ def test_bad_data_files(files, needle, tmp_path):
 def test_a_file_datasets_cannot_parse_is_one_line(tmp_path):
     """datasets logs its own error line too; only rloo.py's may reach the user."""
     (tmp_path / "d.jsonl").write_text('{"prompt": "x"\n')
-    check_one_line_error(run_rloo("--model_name_or_path", tmp_path, "--dataset_name", tmp_path / "d.jsonl", cwd=tmp_path),
-                         "(ArrowInvalid: JSON parse error")
+    check_one_line_error(
+        run_rloo("--model_name_or_path", tmp_path, "--dataset_name", tmp_path / "d.jsonl", cwd=tmp_path),
+        "(ArrowInvalid: JSON parse error",
+    )
 
 
 def test_formats_may_differ_between_splits_and_home_is_expanded(tiny, tmp_path):
@@ -307,10 +420,30 @@ def test_formats_may_differ_between_splits_and_home_is_expanded(tiny, tmp_path):
     write_jsonl(str(home / "data" / "train.jsonl"), [{"prompt": "the film was good"}] * 8)
     (home / "data" / "test.csv").write_text("prompt\nthe plot was\n")
     shutil.copytree(tiny["policy"], home / "policy")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--model_name_or_path", "~/policy",
-                           "--dataset_name", "~/data", "--output_dir", "~/out", "--total_episodes", "16",
-                           "--max_completion_length", "4", "--num_sample_generations", "1", "--max_grad_norm", "inf"],
-                          cwd=tmp_path, env={**run_env(), "HOME": str(home)}, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "rloo.py"),
+            "--model_name_or_path",
+            "~/policy",
+            "--dataset_name",
+            "~/data",
+            "--output_dir",
+            "~/out",
+            "--total_episodes",
+            "16",
+            "--max_completion_length",
+            "4",
+            "--num_sample_generations",
+            "1",
+            "--max_grad_norm",
+            "inf",
+        ],
+        cwd=tmp_path,
+        env={**run_env(), "HOME": str(home)},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.exists(home / "out" / "config.json")  # --output_dir ~/out went to the home folder
     assert "the plot was" in open(glob.glob(str(tmp_path / "runs" / "*" / "samples.jsonl"))[0]).read()
@@ -332,8 +465,10 @@ def test_chat_prompts_need_a_chat_template(tiny, tmp_path):
     policy = copy_policy(tiny, tmp_path / "policy", chat_template=None)
     os.remove(policy / "chat_template.jinja")
     data = write_jsonl(str(tmp_path / "chat.jsonl"), [{"prompt": [{"role": "user", "content": "hi"}]}] * 8)
-    check_one_line_error(run_rloo("--model_name_or_path", policy, "--dataset_name", data, cwd=tmp_path),
-                         f"the prompts are chat messages, but the tokenizer of {policy} has no chat template")
+    check_one_line_error(
+        run_rloo("--model_name_or_path", policy, "--dataset_name", data, cwd=tmp_path),
+        f"the prompts are chat messages, but the tokenizer of {policy} has no chat template",
+    )
 
 
 def test_a_tokenizer_without_eos_is_refused(tiny, prompts_file, tmp_path):
@@ -341,13 +476,16 @@ def test_a_tokenizer_without_eos_is_refused(tiny, prompts_file, tmp_path):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(policy).eos_token_id is None
-    check_one_line_error(run_rloo("--model_name_or_path", policy, "--dataset_name", prompts_file, cwd=tmp_path),
-                         f"the tokenizer of {policy} has no EOS token")
+    check_one_line_error(
+        run_rloo("--model_name_or_path", policy, "--dataset_name", prompts_file, cwd=tmp_path),
+        f"the tokenizer of {policy} has no EOS token",
+    )
 
 
 def test_stop_token_id_outside_the_vocabulary(tiny, prompts_file, tmp_path):
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--stop_token_id", 100000,
-                    cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--stop_token_id", 100000, cwd=tmp_path
+    )
     check_one_line_error(proc, f"--stop_token_id 100000 is not in the vocabulary of {tiny['policy']} (400 tokens)")
 
 
@@ -360,17 +498,33 @@ def save_classifier(tiny, folder, **config):
 
 
 def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
-    run = lambda rm: run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,  # noqa: E731
-                              "--reward_model_path", rm, cwd=tmp_path)
-    check_one_line_error(run(tiny["policy"]), f"--reward_model_path {tiny['policy']} is a LlamaForCausalLM, not a reward model")
+    run = lambda rm: run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,  # noqa: E731
+        "--reward_model_path",
+        rm,
+        cwd=tmp_path,
+    )
+    check_one_line_error(
+        run(tiny["policy"]), f"--reward_model_path {tiny['policy']} is a LlamaForCausalLM, not a reward model"
+    )
     # The config checks in-process (the same function the script calls before any weights load)
     two_labels = save_classifier(tiny, tmp_path / "two_labels", num_labels=2)
     with pytest.raises(UsageError, match=f"--reward_model_path {two_labels} has 2 labels; a reward model has one"):
         check_reward_model_config(str(two_labels), tiny["tokenizer"], False)
     small = save_classifier(tiny, tmp_path / "small_vocab", num_labels=1, vocab_size=100)
-    assert load_reward_tokenizer(str(small), tiny["tokenizer"], False) is None  # no tokenizer: it reads the policy's ids
-    with pytest.raises(UsageError, match=re.escape(f"--reward_model_path {small} knows 100 token ids, but the policy's "
-                                                        "tokenizer (it has none of its own, so it reads those ids) has 400")):
+    assert (
+        load_reward_tokenizer(str(small), tiny["tokenizer"], False) is None
+    )  # no tokenizer: it reads the policy's ids
+    with pytest.raises(
+        UsageError,
+        match=re.escape(
+            f"--reward_model_path {small} knows 100 token ids, but the policy's "
+            "tokenizer (it has none of its own, so it reads those ids) has 400"
+        ),
+    ):
         check_reward_model_config(str(small), tiny["tokenizer"], False)
     with pytest.raises(UsageError, match="but its own tokenizer has 400"):
         check_reward_model_config(str(small), tiny["tokenizer"], True)
@@ -379,49 +533,86 @@ def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
     shutil.copytree(tiny["policy"], headless)
     config = json.load(open(headless / "config.json"))
     json.dump({k: v for k, v in config.items() if k != "architectures"}, open(headless / "config.json", "w"))
-    check_one_line_error(run(headless), f"--reward_model_path {headless} has no trained score head (score.weight missing")
+    check_one_line_error(
+        run(headless), f"--reward_model_path {headless} has no trained score head (score.weight missing"
+    )
     assert os.listdir(tmp_path / "runs") == []
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Reward functions
 # ------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("returned,needle", [
-    ({i: 1.0 for i in range(2)}, "must return a list of 2 floats (or None), got a dict"),
-    ("ab", "must return a list of 2 floats (or None), got a str"),
-    ([10**400, 1.0], "returned an int too large for a float at index 0"),
-    ([1.0, True], "returned True (a bool) at index 1"),
-    ([1.0, 1e39], "returned 1e+39 at index 1, past the float32 range of the rewards"),  # finite in float64, inf in 32
-    ([2.0**200, 1.0], "returned 1.61e+60 at index 0, past the float32 range"),
-])
+@pytest.mark.parametrize(
+    "returned,needle",
+    [
+        ({i: 1.0 for i in range(2)}, "must return a list of 2 floats (or None), got a dict"),
+        ("ab", "must return a list of 2 floats (or None), got a str"),
+        ([10**400, 1.0], "returned an int too large for a float at index 0"),
+        ([1.0, True], "returned True (a bool) at index 1"),
+        (
+            [1.0, 1e39],
+            "returned 1e+39 at index 1, past the float32 range of the rewards",
+        ),  # finite in float64, inf in 32
+        ([2.0**200, 1.0], "returned 1.61e+60 at index 0, past the float32 range"),
+    ],
+)
 def test_reward_function_results_that_are_refused(returned, needle):
     with pytest.raises(UsageError, match=re.escape(f"reward function f {needle}")):
-        call_reward_func(lambda **kwargs: returned, "f", 2, completions=["a", "b"])
+        call_reward_funcs([lambda **kwargs: returned], ["f"], 2, None, completions=["a", "b"])[0]
 
 
 def test_arrays_and_tensors_are_lists_of_floats():
-    assert call_reward_func(lambda **kwargs: np.array([1, 2]), "f", 2).tolist() == [1.0, 2.0]
-    assert call_reward_func(lambda **kwargs: torch.tensor([0.5, -1.0]), "f", 2).tolist() == [0.5, -1.0]
+    assert call_reward_funcs([lambda **kwargs: np.array([1, 2])], ["f"], 2, None)[0].tolist() == [1.0, 2.0]
+    assert call_reward_funcs([lambda **kwargs: torch.tensor([0.5, -1.0])], ["f"], 2, None)[0].tolist() == [0.5, -1.0]
 
 
 def test_a_reward_function_cannot_end_the_run_quietly(tiny, prompts_file, tmp_path):
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:calls_sys_exit", "--num_sample_generations", 0, cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:calls_sys_exit",
+        "--num_sample_generations",
+        0,
+        cwd=tmp_path,
+    )
     check_one_line_error(proc, "reward function calls_sys_exit called sys.exit(3)")
     assert proc.returncode == 1
 
 
 def test_a_reward_module_that_exits_on_import(tmp_path, prompts_file):
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\ndef f(completions, **kwargs):\n    return []\n")
-    proc = run_rloo("--model_name_or_path", tmp_path, "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{tmp_path}/exits.py:f", cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tmp_path,
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{tmp_path}/exits.py:f",
+        cwd=tmp_path,
+    )
     check_one_line_error(proc, f"could not import reward function '{tmp_path}/exits.py:f' (SystemExit: 0)")
 
 
 def test_callable_instances_and_partials_are_reward_functions(tiny, prompts_file, tmp_path):
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:length_reward", f"{REWARDS}:half_count_good", "--total_episodes", 16,
-                    "--max_completion_length", 4, "--num_sample_generations", 0, cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:length_reward",
+        f"{REWARDS}:half_count_good",
+        "--total_episodes",
+        16,
+        "--max_completion_length",
+        4,
+        "--num_sample_generations",
+        0,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = read_metrics(tmp_path)[-1]
     assert row["rewards/length_reward/mean"] > 0 and "rewards/half_count_good/mean" in row
@@ -430,15 +621,18 @@ def test_callable_instances_and_partials_are_reward_functions(tiny, prompts_file
 # ------------------------------------------------------------------------------------------------------------------
 # tyro's parse errors, folded into one line
 # ------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv,needle", [
-    (["--beta", "abc"], "Error parsing --kl_coef/--beta: could not convert string to float: 'abc'"),
-    (["--no_such_flag", "1"], "Unrecognized options: --no_such_flag, 1"),
-    (["--loss_type", "nope"], "invalid choice 'nope' for argument '--loss_type'"),
-    # JSON accepts no NaN or Infinity (Python's json does), and 1e400 would parse as inf: refused as they parse
-    (["--lr_scheduler_kwargs", '{"min_lr_rate": Infinity}'], "Infinity is not a JSON number: give a finite number"),
-    (["--generation_kwargs", '{"typical_p": 1e400}'], "1e400 is past the range of a float: give a finite number"),
-    (["--lr_scheduler_kwargs", '{"min_lr": 1' + "0" * 400 + "}"], "(401 digits) is past the range of a float"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--beta", "abc"], "Error parsing --kl_coef/--beta: could not convert string to float: 'abc'"),
+        (["--no_such_flag", "1"], "Unrecognized options: --no_such_flag, 1"),
+        (["--loss_type", "nope"], "invalid choice 'nope' for argument '--loss_type'"),
+        # JSON accepts no NaN or Infinity (Python's json does), and 1e400 would parse as inf: refused as they parse
+        (["--lr_scheduler_kwargs", '{"min_lr_rate": Infinity}'], "Infinity is not a JSON number: give a finite number"),
+        (["--generation_kwargs", '{"typical_p": 1e400}'], "1e400 is past the range of a float: give a finite number"),
+        (["--lr_scheduler_kwargs", '{"min_lr": 1' + "0" * 400 + "}"], "(401 digits) is past the range of a float"),
+    ],
+)
 def test_parse_errors_are_one_line(argv, needle, tmp_path):
     proc = run_rloo(*argv, cwd=tmp_path)
     line = check_one_line_error(proc, needle, "--help` lists them")

@@ -10,8 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (ROOT, check_one_line_error, free_port, run_env, start_vllm_server, wait_for_updates,
-                      write_jsonl)
+from conftest import ROOT, check_one_line_error, free_port, run_env, start_vllm_server, wait_for_updates, write_jsonl
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import compare_algorithms  # noqa: E402
@@ -25,31 +24,73 @@ TEMPLATE = os.path.join(ROOT, "benchmark", "slurm_template.sh")
 
 
 def run_script(script, *args, cwd, env=None):
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=cwd, env={**run_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)],
+        cwd=cwd,
+        env={**run_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def git_describe() -> str:
-    tag = subprocess.run(["git", "describe", "--tags", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip()
+    tag = subprocess.run(
+        ["git", "describe", "--tags", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     assert tag
     return tag
 
 
 def tiny_command(tiny, prompts_file) -> str:
-    return shlex.join([sys.executable, os.path.join(ROOT, "rloo.py"), "--model_name_or_path", tiny["policy"],
-                       "--dataset_name", prompts_file, "--total_episodes", "64", "--per_device_train_batch_size", "8",
-                       "--max_completion_length", "8", "--num_sample_generations", "0", "--learning_rate", "3e-3"])
+    return shlex.join(
+        [
+            sys.executable,
+            os.path.join(ROOT, "rloo.py"),
+            "--model_name_or_path",
+            tiny["policy"],
+            "--dataset_name",
+            prompts_file,
+            "--total_episodes",
+            "64",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--num_sample_generations",
+            "0",
+            "--learning_rate",
+            "3e-3",
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
 def two_runs(tiny, prompts_file, tmp_path_factory):
     """The launcher's run of rloo.py over 2 seeds, 2 at a time, and of a command that prints its tags and seed."""
     cwd = tmp_path_factory.mktemp("launch")
-    show = shlex.join([sys.executable, "-c", "import os, sys; print('tags', os.environ['WANDB_TAGS'], 'argv', sys.argv[1:])"])
-    proc = run_script(LAUNCH, "--command", tiny_command(tiny, prompts_file), "--command", show, "--num_seeds", 2,
-                      "--start_seed", 4, "--workers", 2, "--pr", 7, "--log_dir", "logs", cwd=cwd,
-                      env={"WANDB_TAGS": "mine"})
+    show = shlex.join(
+        [sys.executable, "-c", "import os, sys; print('tags', os.environ['WANDB_TAGS'], 'argv', sys.argv[1:])"]
+    )
+    proc = run_script(
+        LAUNCH,
+        "--command",
+        tiny_command(tiny, prompts_file),
+        "--command",
+        show,
+        "--num_seeds",
+        2,
+        "--start_seed",
+        4,
+        "--workers",
+        2,
+        "--pr",
+        7,
+        "--log_dir",
+        "logs",
+        cwd=cwd,
+        env={"WANDB_TAGS": "mine"},
+    )
     return cwd, proc
 
 
@@ -81,8 +122,16 @@ def test_a_failed_run_is_named_with_its_log(tmp_path):
 
 def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
     commands = ["python rloo.py --track", "torchrun --nproc_per_node 8 rloo_multigpu.py --track"]
-    args = [a for c in commands for a in ("--command", c)] + ["--slurm_template", TEMPLATE, "--slurm_dir", "jobs",
-                                                               "--num_seeds", 2, "--pr", 9]
+    args = [a for c in commands for a in ("--command", c)] + [
+        "--slurm_template",
+        TEMPLATE,
+        "--slurm_dir",
+        "jobs",
+        "--num_seeds",
+        2,
+        "--pr",
+        9,
+    ]
     proc = run_script(LAUNCH, *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     jobs = sorted(os.listdir(tmp_path / "jobs"))
@@ -101,11 +150,21 @@ def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
     # --slurm_submit hands each job to sbatch (here a stand-in that records what it was given)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/submitted\n")
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/submitted\n')
     (bin_dir / "sbatch").chmod(0o755)
-    proc = run_script(LAUNCH, *[a for c in commands for a in ("--command", c)], "--slurm_template", TEMPLATE,
-                      "--slurm_dir", "more", "--num_seeds", 1, "--slurm_submit", cwd=tmp_path,
-                      env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    proc = run_script(
+        LAUNCH,
+        *[a for c in commands for a in ("--command", c)],
+        "--slurm_template",
+        TEMPLATE,
+        "--slurm_dir",
+        "more",
+        "--num_seeds",
+        1,
+        "--slurm_submit",
+        cwd=tmp_path,
+        env={"PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "submitted").read_text().split() == ["more/00_rloo_seed1.sh", "more/01_rloo_multigpu_seed1.sh"]
 
@@ -130,9 +189,15 @@ def test_a_log_is_never_overwritten_and_each_launch_has_its_own_folder(tmp_path,
 
 
 def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
-    proc = subprocess.Popen([sys.executable, LAUNCH, "--command", "sleep 60", "--num_seeds", "2", "--log_dir", "logs"],
-                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, LAUNCH, "--command", "sleep 60", "--num_seeds", "2", "--log_dir", "logs"],
+        cwd=tmp_path,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     while not (tmp_path / "logs" / "00_run_seed1.log").exists():
         assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)
@@ -144,27 +209,31 @@ def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
 
 def test_a_run_that_took_ctrl_c_alone_stops_the_queue(tmp_path):
     # the run's own Ctrl-C ends it before the launcher's signal handler runs: its worker must not start the next
-    proc = run_script(LAUNCH, "--command", "sh -c 'kill -INT $$' x", "--num_seeds", "2", "--log_dir", "logs",
-                      cwd=tmp_path)
+    proc = run_script(
+        LAUNCH, "--command", "sh -c 'kill -INT $$' x", "--num_seeds", "2", "--log_dir", "logs", cwd=tmp_path
+    )
     assert proc.returncode == 130
     check_one_line_error(proc, "launch.py: error: interrupted", "logs")
     assert sorted(os.listdir(tmp_path / "logs")) == ["00_run_seed1.log"]
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--command", "python rloo.py --seed 3"], ["names a --seed", "the launcher adds --seed"]),
-    (["--command", "python rloo.py 'x"], ["No closing quotation"]),
-    (["--command", " "], ["--command is empty"]),
-    (["--command", "x", "--workers", "0"], ["--workers must be at least 1"]),
-    (["--command", "x", "--start_seed", "-5"], ["--start_seed must be 0 or more, got -5"]),
-    (["--command", "x", "--slurm_submit"], ["go with --slurm_template"]),
-    (["--command", "x", "--slurm_template", "nope.sh"], ["cannot read the Slurm template nope.sh"]),
-    (["--command", "x", "--slurm_template", "bad.sh"], ["{{partition}}", "does not fill"]),
-    (["--command", "x", "--slurm_template", "empty.sh"], ["has no {{command}}"]),
-    (["--command", "x", "--log_dir", "bad.sh"], ["cannot write bad.sh", "another --log_dir"]),
-    (["--command", "x", "--slurm_template", "bad.sh", "--slurm_dir", "empty.sh"], ["{{partition}}"]),
-    (["--command", "x", "--slurm_template", TEMPLATE, "--slurm_dir", "empty.sh"], ["cannot write empty.sh"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--command", "python rloo.py --seed 3"], ["names a --seed", "the launcher adds --seed"]),
+        (["--command", "python rloo.py 'x"], ["No closing quotation"]),
+        (["--command", " "], ["--command is empty"]),
+        (["--command", "x", "--workers", "0"], ["--workers must be at least 1"]),
+        (["--command", "x", "--start_seed", "-5"], ["--start_seed must be 0 or more, got -5"]),
+        (["--command", "x", "--slurm_submit"], ["go with --slurm_template"]),
+        (["--command", "x", "--slurm_template", "nope.sh"], ["cannot read the Slurm template nope.sh"]),
+        (["--command", "x", "--slurm_template", "bad.sh"], ["{{partition}}", "does not fill"]),
+        (["--command", "x", "--slurm_template", "empty.sh"], ["has no {{command}}"]),
+        (["--command", "x", "--log_dir", "bad.sh"], ["cannot write bad.sh", "another --log_dir"]),
+        (["--command", "x", "--slurm_template", "bad.sh", "--slurm_dir", "empty.sh"], ["{{partition}}"]),
+        (["--command", "x", "--slurm_template", TEMPLATE, "--slurm_dir", "empty.sh"], ["cannot write empty.sh"]),
+    ],
+)
 def test_the_launcher_refuses_bad_input_in_one_line(args, needles, tmp_path):
     (tmp_path / "bad.sh").write_text("#SBATCH --partition={{partition}}\n{{command}}\n")
     (tmp_path / "empty.sh").write_text("#!/bin/bash\n")
@@ -175,9 +244,21 @@ def test_the_launcher_refuses_bad_input_in_one_line(args, needles, tmp_path):
 
 def test_the_plot_draws_the_mean_and_spread_of_the_runs_metrics(two_runs, tmp_path):
     cwd, _ = two_runs
-    rows = [[json.loads(line) for line in open(cwd / "runs" / r / "metrics.jsonl")] for r in sorted(os.listdir(cwd / "runs"))]
-    proc = run_script(PLOT, "--runs", cwd / "runs", "--metrics", "reward", "completions/mean_length",
-                      "--output", tmp_path / "curves.png", cwd=tmp_path)
+    rows = [
+        [json.loads(line) for line in open(cwd / "runs" / r / "metrics.jsonl")]
+        for r in sorted(os.listdir(cwd / "runs"))
+    ]
+    proc = run_script(
+        PLOT,
+        "--runs",
+        cwd / "runs",
+        "--metrics",
+        "reward",
+        "completions/mean_length",
+        "--output",
+        tmp_path / "curves.png",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| rloo | 2 | reward |" in proc.stdout
@@ -204,39 +285,83 @@ def test_the_plot_draws_the_mean_and_spread_of_the_runs_metrics(two_runs, tmp_pa
 def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
     cwd, _ = two_runs
     (tmp_path / "taken.png").write_bytes(b"mine")
-    for args, needles in [(["--runs", "nowhere"], ["--runs nowhere is not a folder"]),
-                          (["--runs", tmp_path], ["no run with a non-empty metrics.jsonl"]),
-                          (["--runs", cwd / "runs", "--metrics", "rewards"], ["no run logged rewards", "reward"]),
-                          (["--runs", cwd / "runs", "--regex", "^ppo"], ["matches no run folder name"]),
-                          (["--runs", cwd / "runs", "--regex", "("], ["is not a regular expression"])]:
+    for args, needles in [
+        (["--runs", "nowhere"], ["--runs nowhere is not a folder"]),
+        (["--runs", tmp_path], ["no run with a non-empty metrics.jsonl"]),
+        (["--runs", cwd / "runs", "--metrics", "rewards"], ["no run logged rewards", "reward"]),
+        (["--runs", cwd / "runs", "--regex", "^ppo"], ["matches no run folder name"]),
+        (["--runs", cwd / "runs", "--regex", "("], ["is not a regular expression"]),
+    ]:
         check_one_line_error(run_script(PLOT, *args, "--output", "new.png", cwd=tmp_path), *needles)
-    check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--output", "taken.png", cwd=tmp_path),
-                         "taken.png exists", "--overwrite")
+    check_one_line_error(
+        run_script(PLOT, "--runs", cwd / "runs", "--output", "taken.png", cwd=tmp_path),
+        "taken.png exists",
+        "--overwrite",
+    )
     assert (tmp_path / "taken.png").read_bytes() == b"mine" and not (tmp_path / "new.png").exists()
-    for output, needles in [("taken.png/new.png", ["cannot make the folder of --output taken.png/new.png"]),
-                            ("/proc/new.png", ["/proc/new.png", "give another --output"])]:
+    for output, needles in [
+        ("taken.png/new.png", ["cannot make the folder of --output taken.png/new.png"]),
+        ("/proc/new.png", ["/proc/new.png", "give another --output"]),
+    ]:
         check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--output", output, cwd=tmp_path), *needles)
-    check_one_line_error(run_script(PLOT, "--runs", cwd / "runs", "--last", 0, "--output", "new.png", cwd=tmp_path),
-                         "--last must be at least 1")
+    check_one_line_error(
+        run_script(PLOT, "--runs", cwd / "runs", "--last", 0, "--output", "new.png", cwd=tmp_path),
+        "--last must be at least 1",
+    )
     # damaged run files: each names the file and how to leave the run out
     for name, args_json, rows, x, needles in [
-            ("list_args", "[1, 2]", [{"episode": 8, "reward": 1.0, "eps": 2.0}], "episode", ["args.json holds a list"]),
-            ("no_episode", "{}", [{"episode": 8, "reward": 1.0, "eps": 2.0}, {"reward": 2.0}], "episode",
-             ["metrics.jsonl line 2 is not a row of metrics with an episode"]),
-            ("zero_eps", "{}", [{"episode": 8, "reward": 1.0, "eps": 0}], "wall", ["run zero_eps", "positive eps"])]:
+        ("list_args", "[1, 2]", [{"episode": 8, "reward": 1.0, "eps": 2.0}], "episode", ["args.json holds a list"]),
+        (
+            "no_episode",
+            "{}",
+            [{"episode": 8, "reward": 1.0, "eps": 2.0}, {"reward": 2.0}],
+            "episode",
+            ["metrics.jsonl line 2 is not a row of metrics with an episode"],
+        ),
+        ("zero_eps", "{}", [{"episode": 8, "reward": 1.0, "eps": 0}], "wall", ["run zero_eps", "positive eps"]),
+    ]:
         (tmp_path / "damaged" / name / name).mkdir(parents=True)
         (tmp_path / "damaged" / name / name / "args.json").write_text(args_json)
         write_jsonl(str(tmp_path / "damaged" / name / name / "metrics.jsonl"), rows)
-        check_one_line_error(run_script(PLOT, "--runs", tmp_path / "damaged" / name, "--metrics", "reward", "--x", x,
-                                        "--output", "new.png", cwd=tmp_path), *needles)
+        check_one_line_error(
+            run_script(
+                PLOT,
+                "--runs",
+                tmp_path / "damaged" / name,
+                "--metrics",
+                "reward",
+                "--x",
+                x,
+                "--output",
+                "new.png",
+                cwd=tmp_path,
+            ),
+            *needles,
+        )
     assert not (tmp_path / "new.png").exists()
 
 
 def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tmp_path):
     out = tmp_path / "compare"
     script = os.path.join(ROOT, "benchmark", "compare_algorithms.py")
-    args = [script, "--preset", "tiny", "--configs", "rloo", "token + ppo_clip", "--seeds", 1, 2, "--workers", 2,
-            "--out", out, "--", "--total_episodes", 64]
+    args = [
+        script,
+        "--preset",
+        "tiny",
+        "--configs",
+        "rloo",
+        "token + ppo_clip",
+        "--seeds",
+        1,
+        2,
+        "--workers",
+        2,
+        "--out",
+        out,
+        "--",
+        "--total_episodes",
+        64,
+    ]
     # what a user keeps in the same folder: an interrupted run of their own (no model), a note
     (out / "runs" / "mine__1__1" / "checkpoints" / "checkpoint-1").mkdir(parents=True)
     (out / "runs" / "mine__1__1" / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -246,9 +371,13 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ours = ["rloo__1", "rloo__2", "token_ppo_clip__1", "token_ppo_clip__2"]
     assert sorted(os.listdir(out / "runs")) == sorted(ours + ["mine__1__1", "notes.txt"])
-    assert [(json.load(open(out / "runs" / r / "args.json"))["exp_name"],
-             json.load(open(out / "runs" / r / "args.json"))["seed"]) for r in ours] == [
-        ("rloo", 1), ("rloo", 2), ("token_ppo_clip", 1), ("token_ppo_clip", 2)]
+    assert [
+        (
+            json.load(open(out / "runs" / r / "args.json"))["exp_name"],
+            json.load(open(out / "runs" / r / "args.json"))["seed"],
+        )
+        for r in ours
+    ] == [("rloo", 1), ("rloo", 2), ("token_ppo_clip", 1), ("token_ppo_clip", 2)]
     assert sorted(os.listdir(out / "logs")) == [f"{r}.log" for r in ours]
     table = [line for line in proc.stdout.splitlines() if line.startswith(("| rloo |", "| token + ppo_clip |"))]
     assert len(table) == 2
@@ -257,14 +386,37 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
     assert again.returncode == 0, again.stderr
     assert "started" not in again.stdout and table == [line for line in again.stdout.splitlines() if line in table]
     # Ctrl-C during a run: it writes a checkpoint, and the same command continues it to the end
-    longer = [script, "--preset", "tiny", "--configs", "rloo", "--seeds", 3, "--out", out, "--", "--total_episodes", 320]
-    running = subprocess.Popen([sys.executable, *map(str, longer)], cwd=tmp_path, env=run_env(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    longer = [
+        script,
+        "--preset",
+        "tiny",
+        "--configs",
+        "rloo",
+        "--seeds",
+        3,
+        "--out",
+        out,
+        "--",
+        "--total_episodes",
+        320,
+    ]
+    running = subprocess.Popen(
+        [sys.executable, *map(str, longer)],
+        cwd=tmp_path,
+        env=run_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     wait_for_updates(running, out / "runs" / "rloo__3" / "metrics.jsonl", 2)
     os.killpg(running.pid, signal.SIGINT)
     stopped = running.communicate(timeout=300)
     assert running.returncode == 130 and "the same command continues" in stopped[1], stopped
-    assert os.listdir(out / "runs" / "rloo__3" / "checkpoints") and not (out / "runs" / "rloo__3" / "model" / "config.json").exists()
+    assert (
+        os.listdir(out / "runs" / "rloo__3" / "checkpoints")
+        and not (out / "runs" / "rloo__3" / "model" / "config.json").exists()
+    )
     resumed = run_script(*longer, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in (out / "logs" / "rloo__3_2.log").read_text()
@@ -279,11 +431,20 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
     assert theirs == {p: p.read_bytes() for p in theirs}
 
 
-@pytest.mark.parametrize("files", [["model.safetensors", "config.json"],
-                                   ["model.safetensors.index.json", "model-00001-of-00002.safetensors",
-                                    "model-00002-of-00002.safetensors", "config.json"],
-                                   ["adapter_model.safetensors", "adapter_config.json"]],
-                         ids=["one weights file", "shards with their index", "lora adapter"])
+@pytest.mark.parametrize(
+    "files",
+    [
+        ["model.safetensors", "config.json"],
+        [
+            "model.safetensors.index.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "config.json",
+        ],
+        ["adapter_model.safetensors", "adapter_config.json"],
+    ],
+    ids=["one weights file", "shards with their index", "lora adapter"],
+)
 def test_compare_algorithms_takes_every_saved_model_for_a_finished_run(files, tmp_path):
     """What the scripts save (save_pretrained's one file or shards, peft's adapter) and then the tokenizer: a finished
     run, not trained again; without the tokenizer the save did not end (and no checkpoint: a new attempt)."""
@@ -299,8 +460,21 @@ def test_compare_algorithms_takes_every_saved_model_for_a_finished_run(files, tm
 def test_compare_algorithms_does_not_train_a_finished_lora_run_again(tmp_path):
     """A --use_peft comparison run again: its run (an adapter in <run>/model) is finished, not trained anew."""
     out = tmp_path / "compare"
-    args = [os.path.join(ROOT, "benchmark", "compare_algorithms.py"), "--preset", "tiny", "--configs", "rloo",
-            "--seeds", 1, "--out", out, "--", "--total_episodes", 64, "--use_peft"]
+    args = [
+        os.path.join(ROOT, "benchmark", "compare_algorithms.py"),
+        "--preset",
+        "tiny",
+        "--configs",
+        "rloo",
+        "--seeds",
+        1,
+        "--out",
+        out,
+        "--",
+        "--total_episodes",
+        64,
+        "--use_peft",
+    ]
     proc = run_script(*args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert os.listdir(out / "runs") == ["rloo__1"]
@@ -312,74 +486,155 @@ def test_compare_algorithms_does_not_train_a_finished_lora_run_again(tmp_path):
     assert os.listdir(out / "runs") == ["rloo__1"]
 
 
-@pytest.mark.parametrize("args, needles", [(["--out", "a_file"], ["cannot make", "a_file", "another --out"]),
-                                           (["--workers", "0"], ["--workers and --last must be at least 1"]),
-                                           (["--last", "0"], ["--workers and --last must be at least 1"]),
-                                           (["--seeds", "1", "1"], ["names a seed twice"]),
-                                           (["--seeds", "-1"], ["--seeds must be 0 or more, got -1"]),
-                                           (["--", "--seed", "3"], ["--seed after -- is the comparison's"])])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--out", "a_file"], ["cannot make", "a_file", "another --out"]),
+        (["--workers", "0"], ["--workers and --last must be at least 1"]),
+        (["--last", "0"], ["--workers and --last must be at least 1"]),
+        (["--seeds", "1", "1"], ["names a seed twice"]),
+        (["--seeds", "-1"], ["--seeds must be 0 or more, got -1"]),
+        (["--", "--seed", "3"], ["--seed after -- is the comparison's"]),
+    ],
+)
 def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_path):
     (tmp_path / "a_file").write_text("mine\n")
-    check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "compare_algorithms.py"), *args, cwd=tmp_path),
-                         *needles)
+    check_one_line_error(
+        run_script(os.path.join(ROOT, "benchmark", "compare_algorithms.py"), *args, cwd=tmp_path), *needles
+    )
     assert sorted(os.listdir(tmp_path)) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine\n"
 
 
-@pytest.mark.parametrize("script", ["compare_algorithms.py", "logprob_memory.py", "multigpu_memory.py", "multigpu_timing.py",
-                                    "resume_check.py", "lora.py", "padding_free.py",
-                                    "step_timing.py", "trl_baseline.py", "trl_side_by_side.py", "vllm_sampling_seeds.py",
-                                    "vllm_timing.py", "launch.py", "plot.py", "judge.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "compare_algorithms.py",
+        "logprob_memory.py",
+        "multigpu_memory.py",
+        "multigpu_timing.py",
+        "resume_check.py",
+        "lora.py",
+        "padding_free.py",
+        "step_timing.py",
+        "trl_baseline.py",
+        "trl_side_by_side.py",
+        "vllm_sampling_seeds.py",
+        "vllm_timing.py",
+        "launch.py",
+        "plot.py",
+        "judge.py",
+    ],
+)
 def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path):
     """Not argparse's usage block; trl_baseline.py in TRL's environment (it names that environment in ours)."""
     python = os.path.join(ROOT, ".venv-trl", "bin", "python") if script == "trl_baseline.py" else sys.executable
-    proc = subprocess.run([python, os.path.join(ROOT, "benchmark", script), "--bogus"], cwd=tmp_path, env=run_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [python, os.path.join(ROOT, "benchmark", script), "--bogus"],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     check_one_line_error(proc, f"{script}: error:")
     assert len(proc.stderr.strip().splitlines()) == 1 and "usage:" not in proc.stderr, proc.stderr
     assert "--bogus" in proc.stderr or "the following arguments are required" in proc.stderr
     if script == "trl_baseline.py":
-        check_one_line_error(run_script(os.path.join(ROOT, "benchmark", script), "--bogus", cwd=tmp_path),
-                             "TRL is not installed in this Python", ".venv-trl/bin/python")
+        check_one_line_error(
+            run_script(os.path.join(ROOT, "benchmark", script), "--bogus", cwd=tmp_path),
+            "TRL is not installed in this Python",
+            ".venv-trl/bin/python",
+        )
 
 
 def test_the_memory_benchmark_reads_each_process_s_own_peak(tmp_path):
     """multigpu_memory.py on a small model: a peak per process of each run, from the process itself (getrusage), and
     a run of 2 processes whose every process holds less than the single process (each has half the model)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "multigpu_memory.py"), "--hidden_size", "512",
-                           "--num_layers", "4", "--intermediate_size", "2048", "--output", "out.json"], cwd=tmp_path,
-                          env=run_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmark", "multigpu_memory.py"),
+            "--hidden_size",
+            "512",
+            "--num_layers",
+            "4",
+            "--intermediate_size",
+            "2048",
+            "--output",
+            "out.json",
+        ],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "out.json") as f:
         runs = json.load(f)["results"]["now"]
     single, (rank0, rank1) = runs["1"]["peaks"][0], runs["2"]["peaks"]
     assert 300 < rank0 < single and 300 < rank1 < single, runs
     assert "| now | 2 |" in proc.stdout
-    check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "multigpu_memory.py"), "--processes", "2",
-                                    cwd=tmp_path), "--processes must start with 1")
+    check_one_line_error(
+        run_script(os.path.join(ROOT, "benchmark", "multigpu_memory.py"), "--processes", "2", cwd=tmp_path),
+        "--processes must start with 1",
+    )
 
 
 def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file, tmp_path):
     """benchmark/lora.py on the test model: a row per run (peak memory, seconds per update, rewards) and the curves."""
-    options = (f"--model_name_or_path {tiny['policy']} --dataset_name {prompts_file} --reward_funcs "
-               f"{os.path.join(ROOT, 'tests', 'reward_fixtures.py')}:text_length --max_completion_length 8")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark", "lora.py"), "--updates", "3", "--options",
-                           options, "--output", "curves.png"], cwd=tmp_path, env=run_env(), capture_output=True,
-                          text=True, timeout=600)
+    options = (
+        f"--model_name_or_path {tiny['policy']} --dataset_name {prompts_file} --reward_funcs "
+        f"{os.path.join(ROOT, 'tests', 'reward_fixtures.py')}:text_length --max_completion_length 8"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmark", "lora.py"),
+            "--updates",
+            "3",
+            "--options",
+            options,
+            "--output",
+            "curves.png",
+        ],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in proc.stdout.splitlines()
-            if line.startswith(("| lora |", "| full |"))}
-    assert rows.keys() == {"lora", "full"} and all(float(cells[0]) > 100 and float(cells[1]) > 0 for cells in rows.values())
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in proc.stdout.splitlines()
+        if line.startswith(("| lora |", "| full |"))
+    }
+    assert rows.keys() == {"lora", "full"} and all(
+        float(cells[0]) > 100 and float(cells[1]) > 0 for cells in rows.values()
+    )
     assert (tmp_path / "curves.png").stat().st_size > 1000
-    check_one_line_error(run_script(os.path.join(ROOT, "benchmark", "lora.py"), "--updates", "1", cwd=tmp_path),
-                         "--updates must be >= 2")
+    check_one_line_error(
+        run_script(os.path.join(ROOT, "benchmark", "lora.py"), "--updates", "1", cwd=tmp_path), "--updates must be >= 2"
+    )
 
 
-@pytest.mark.parametrize("experiment, scripts", [("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
-                                                 ("tldr.sh", ["rloo_vllm.py"] * 3 + ["rloo_multigpu.py"] * 3)])
+@pytest.mark.parametrize(
+    "experiment, scripts",
+    [
+        ("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
+        ("tldr.sh", ["rloo_vllm.py"] * 3 + ["rloo_multigpu.py"] * 3),
+    ],
+)
 def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, scripts, monkeypatch):
     """Each experiment's commands (--dry_run) over 3 seeds, every option one the script knows and accepts."""
-    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmark", "experiments", experiment), "--dry_run"],
-                          capture_output=True, text=True, env=run_env(), timeout=120)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmark", "experiments", experiment), "--dry_run"],
+        capture_output=True,
+        text=True,
+        env=run_env(),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.splitlines()[1:7]]
     assert [next(w for w in c if w.endswith(".py")) for c in commands] == scripts
@@ -388,7 +643,7 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
     for command in commands:
         script = next(w for w in command if w.endswith(".py"))
         module = __import__(script[:-3])
-        monkeypatch.setattr(sys, "argv", [script, *command[command.index(script) + 1:]])
+        monkeypatch.setattr(sys, "argv", [script, *command[command.index(script) + 1 :]])
         args = module.parse_args(module.Args)
         module.check_args(args)
         assert args.seed == int(command[-1])
@@ -399,12 +654,22 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
     seed once, every option accepted; its output folder is made anew, never reused."""
     out = tmp_path / "out"
     script = ["bash", os.path.join(ROOT, "benchmark", "experiments", "vllm_sampling_learning.sh")]
-    proc = subprocess.run([*script, "--dry_run"], capture_output=True, text=True, env={**run_env(), "SEEDS": "2", "OUT": str(out)},
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [*script, "--dry_run"],
+        capture_output=True,
+        text=True,
+        env={**run_env(), "SEEDS": "2", "OUT": str(out)},
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("python ")]
-    assert [(c[1], c[-1]) for c in commands] == [("rloo.py", "1"), ("rloo.py", "2"), ("rloo_vllm.py", "1"),
-                                                 ("rloo_vllm.py", "2")]
+    assert [(c[1], c[-1]) for c in commands] == [
+        ("rloo.py", "1"),
+        ("rloo.py", "2"),
+        ("rloo_vllm.py", "1"),
+        ("rloo_vllm.py", "2"),
+    ]
     for command in commands:
         module = __import__(command[1][:-3])
         monkeypatch.setattr(sys, "argv", command[1:])
@@ -454,11 +719,22 @@ def test_the_judge_without_vllm_says_so_in_one_line_before_loading_the_model(tin
     (tmp_path / "shim" / "vllm").mkdir(parents=True)
     (tmp_path / "shim" / "vllm" / "__init__.py").write_text("raise ImportError('vllm is a stand-in here')\n")
     no_vllm = {"PYTHONPATH": str(tmp_path / "shim")}
-    args = ["--model_name_or_path", tiny["policy"], "--dataset_name", judge_data(tmp_path), "--judge_base_url",
-            judge_stand_in, "--judge_model", "judge", "--max_new_tokens", 4]
+    args = [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        judge_data(tmp_path),
+        "--judge_base_url",
+        judge_stand_in,
+        "--judge_model",
+        "judge",
+        "--max_new_tokens",
+        4,
+    ]
     proc = run_script(JUDGE, *args, "--output", "wins.jsonl", cwd=tmp_path, env=no_vllm)
-    check_one_line_error(proc, "--generator vllm (the default) needs vLLM", "a stand-in here", "pip install vllm",
-                         "--generator hf")
+    check_one_line_error(
+        proc, "--generator vllm (the default) needs vLLM", "a stand-in here", "pip install vllm", "--generator hf"
+    )
     assert "generating" not in proc.stdout and not (tmp_path / "wins.jsonl").exists()
     proc = run_script(JUDGE, *args, "--generator", "hf", cwd=tmp_path, env=no_vllm)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -483,15 +759,31 @@ def test_the_judge_says_a_folder_without_a_model_holds_none_and_where_its_model_
     (runs / "starting" / "args.json").write_text("{}")
     (tmp_path / "empty").mkdir()
     data = judge_data(tmp_path)
-    for folder, needles in [(runs / "done", ["it is a run folder", f"whose model is {runs / 'done' / 'model'}"]),
-                            (runs / "stopped", ["has not finished", "stopped/checkpoints/checkpoint-10/policy"]),
-                            (runs / "sharded", ["has not finished", "checkpoint-4 holds sharded weights (dcp/)"]),
-                            (runs / "starting", ["has not finished and has no checkpoint yet"]),
-                            (tmp_path / "empty", ["runs/<run_name>/model"])]:
-        line = check_one_line_error(run_script(JUDGE, "--model_name_or_path", folder, "--dataset_name", data,
-                                               "--judge_base_url", judge_stand_in, "--judge_model", "judge",
-                                               "--generator", "hf", cwd=tmp_path),
-                                    f"--model_name_or_path {folder} holds no trained model", *needles)
+    for folder, needles in [
+        (runs / "done", ["it is a run folder", f"whose model is {runs / 'done' / 'model'}"]),
+        (runs / "stopped", ["has not finished", "stopped/checkpoints/checkpoint-10/policy"]),
+        (runs / "sharded", ["has not finished", "checkpoint-4 holds sharded weights (dcp/)"]),
+        (runs / "starting", ["has not finished and has no checkpoint yet"]),
+        (tmp_path / "empty", ["runs/<run_name>/model"]),
+    ]:
+        line = check_one_line_error(
+            run_script(
+                JUDGE,
+                "--model_name_or_path",
+                folder,
+                "--dataset_name",
+                data,
+                "--judge_base_url",
+                judge_stand_in,
+                "--judge_model",
+                "judge",
+                "--generator",
+                "hf",
+                cwd=tmp_path,
+            ),
+            f"--model_name_or_path {folder} holds no trained model",
+            *needles,
+        )
         assert "tokenizer" not in line.lower(), line
 
 
@@ -501,11 +793,22 @@ def test_the_judge_refuses_a_lora_adapter_for_its_vllm_generator_before_loading(
     adapter = tmp_path / "lora_run" / "model"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": tiny["policy"]}))
-    proc = run_script(JUDGE, "--model_name_or_path", "~/lora_run/model", "--dataset_name", judge_data(tmp_path),
-                      "--judge_base_url", judge_stand_in, "--judge_model", "judge", cwd=tmp_path,
-                      env={"HOME": str(tmp_path)})
-    line = check_one_line_error(proc, f"--model_name_or_path {adapter} holds a LoRA adapter", "--save_merged_model",
-                                "--generator hf")
+    proc = run_script(
+        JUDGE,
+        "--model_name_or_path",
+        "~/lora_run/model",
+        "--dataset_name",
+        judge_data(tmp_path),
+        "--judge_base_url",
+        judge_stand_in,
+        "--judge_model",
+        "judge",
+        cwd=tmp_path,
+        env={"HOME": str(tmp_path)},
+    )
+    line = check_one_line_error(
+        proc, f"--model_name_or_path {adapter} holds a LoRA adapter", "--save_merged_model", "--generator hf"
+    )
     assert "generating" not in proc.stdout, line
 
 
@@ -516,15 +819,29 @@ def judge_server(tiny, tmp_path_factory):
 
 
 def judge_data(folder) -> str:
-    rows = [{"prompt": f"the movie was {w} and", "completion": f" it was {w} ."} for w in ["good", "bad", "long", "fine"] * 3]
+    rows = [
+        {"prompt": f"the movie was {w} and", "completion": f" it was {w} ."}
+        for w in ["good", "bad", "long", "fine"] * 3
+    ]
     write_jsonl(str(folder / "data" / "test.jsonl"), rows)
     return str(folder / "data")
 
 
 def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_server, tmp_path):
     """The tiny model judged by itself on a real vLLM server: whatever it answers, the win rate is counted from it."""
-    common = ["--model_name_or_path", tiny["policy"], "--dataset_name", judge_data(tmp_path), "--max_new_tokens", 8,
-              "--judge_base_url", judge_server["url"] + "/v1", "--judge_model", tiny["policy"], "--judge_choice"]
+    common = [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        judge_data(tmp_path),
+        "--max_new_tokens",
+        8,
+        "--judge_base_url",
+        judge_server["url"] + "/v1",
+        "--judge_model",
+        tiny["policy"],
+        "--judge_choice",
+    ]
     proc = run_script(JUDGE, *common, "--generator", "hf", "--output", "hf.jsonl", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "hf.jsonl")]
@@ -534,11 +851,17 @@ def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_serve
         assert r["model_wins"] == (int(r["answer"]) == r["model_position"])
     wins = sum(r["model_wins"] for r in rows)
     low, high = judge.wilson_interval(wins, 12)
-    assert f"Model win rate: {100 * wins / 12:.2f}% (95% CI {100 * low:.1f}-{100 * high:.1f}%; {wins} of 12 judged" in proc.stdout
+    assert (
+        f"Model win rate: {100 * wins / 12:.2f}% (95% CI {100 * low:.1f}-{100 * high:.1f}%; {wins} of 12 judged"
+        in proc.stdout
+    )
     # the answers are the server's: asked again (greedy), it says the same
     r = rows[0]
     first, second = (r["model"], r["reference"]) if r["model_position"] == 0 else (r["reference"], r["model"])
-    assert judge.ask_judge(judge_server["url"] + "/v1", tiny["policy"], None, r["prompt"], first, second, True) == r["answer"]
+    assert (
+        judge.ask_judge(judge_server["url"] + "/v1", tiny["policy"], None, r["prompt"], first, second, True)
+        == r["answer"]
+    )
     # the completions come from the model: vLLM's greedy completions are HF generate's
     proc = run_script(JUDGE, *common, "--generator", "vllm", "--output", "vllm.jsonl", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -551,15 +874,19 @@ def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_s
     (tmp_path / "taken.jsonl").write_text("mine\n")
     common = ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--judge_model", tiny["policy"]]
     url = judge_server["url"] + "/v1"
-    for args, needles in [(["--judge_base_url", f"http://127.0.0.1:{free_port()}/v1"], ["does not answer"]),
-                          (["--judge_base_url", url, "--judge_model", "gpt-4o-mini"], ["does not serve --judge_model gpt-4o-mini"]),
-                          (["--judge_base_url", url, "--reference_column", "summary"], ["no column 'summary'", "completion"]),
-                          (["--judge_base_url", url, "--dataset_split", "validation"], ["no split 'validation'"]),
-                          (["--judge_base_url", url, "--output", "taken.jsonl"], ["taken.jsonl exists"]),
-                          (["--judge_base_url", url, "--max_new_tokens", "-3", "--output", "new.jsonl"],
-                           ["--max_new_tokens", "at least 1"]),
-                          (["--judge_base_url", url, "--temperature", "-1", "--output", "new.jsonl"], ["--temperature"]),
-                          (["--judge_base_url", url, "--model_name_or_path", "./no_model"], ["could not load", "no_model"])]:
+    for args, needles in [
+        (["--judge_base_url", f"http://127.0.0.1:{free_port()}/v1"], ["does not answer"]),
+        (["--judge_base_url", url, "--judge_model", "gpt-4o-mini"], ["does not serve --judge_model gpt-4o-mini"]),
+        (["--judge_base_url", url, "--reference_column", "summary"], ["no column 'summary'", "completion"]),
+        (["--judge_base_url", url, "--dataset_split", "validation"], ["no split 'validation'"]),
+        (["--judge_base_url", url, "--output", "taken.jsonl"], ["taken.jsonl exists"]),
+        (
+            ["--judge_base_url", url, "--max_new_tokens", "-3", "--output", "new.jsonl"],
+            ["--max_new_tokens", "at least 1"],
+        ),
+        (["--judge_base_url", url, "--temperature", "-1", "--output", "new.jsonl"], ["--temperature"]),
+        (["--judge_base_url", url, "--model_name_or_path", "./no_model"], ["could not load", "no_model"]),
+    ]:
         check_one_line_error(run_script(JUDGE, *common, *args, cwd=tmp_path), *needles)
     assert (tmp_path / "taken.jsonl").read_text() == "mine\n"
     assert sorted(os.listdir(tmp_path)) == ["data", "taken.jsonl"]
@@ -567,13 +894,25 @@ def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_s
 
 def test_the_judge_releases_its_output_when_it_fails_after_claiming_it(tiny, judge_server, tmp_path, monkeypatch):
     """A failure while generating (here an out-of-memory error) leaves no empty --output to block the rerun."""
+
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(judge, "generate_hf", out_of_memory)
-    args = ["--model_name_or_path", tiny["policy"], "--dataset_name", judge_data(tmp_path), "--judge_model",
-            tiny["policy"], "--judge_base_url", judge_server["url"] + "/v1", "--generator", "hf",
-            "--output", str(tmp_path / "wins.jsonl")]
+    args = [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        judge_data(tmp_path),
+        "--judge_model",
+        tiny["policy"],
+        "--judge_base_url",
+        judge_server["url"] + "/v1",
+        "--generator",
+        "hf",
+        "--output",
+        str(tmp_path / "wins.jsonl"),
+    ]
     with pytest.raises(RuntimeError, match="out of memory"):
         judge.main(args)
     assert not (tmp_path / "wins.jsonl").exists()
@@ -584,16 +923,27 @@ def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
     README's test command makes) each run 6 updates; the table and the PNG come from their real logs."""
     trl_python = os.path.join(ROOT, ".venv-trl", "bin", "python")
     assert os.access(trl_python, os.X_OK), "make TRL's environment first: see benchmark/requirements-trl.txt"
-    proc = run_script(os.path.join(ROOT, "benchmark", "trl_side_by_side.py"), "--preset", "tiny", "--quick",
-                      "--seed", "2", "--output", "trl.png", cwd=tmp_path)
+    proc = run_script(
+        os.path.join(ROOT, "benchmark", "trl_side_by_side.py"),
+        "--preset",
+        "tiny",
+        "--quick",
+        "--seed",
+        "2",
+        "--output",
+        "trl.png",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (tmp_path / "trl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "preset tiny, seed 2: 6 updates" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if "TRL / rloo.py" in line)
     assert "rloo.py" in header and "TRL 1.16.0 RLOOTrainer" in header
     for label in ("seconds per update", "peak memory (GiB)"):
-        ours, theirs, ratio = (float(x) for x in next(line for line in proc.stdout.splitlines()
-                                                       if line.startswith(label))[len(label):].split())
+        ours, theirs, ratio = (
+            float(x)
+            for x in next(line for line in proc.stdout.splitlines() if line.startswith(label))[len(label) :].split()
+        )
         # The table prints two decimals and the ratio comes from the unrounded values: it lies in what they allow.
         assert ours > 0 and theirs > 0
         assert (theirs - 0.005) / (ours + 0.005) - 0.005 <= ratio <= (theirs + 0.005) / (ours - 0.005) + 0.005
@@ -606,10 +956,13 @@ def test_the_trl_comparison_refuses_an_output_it_could_not_write_before_running(
     (tmp_path / "a_file").write_text("mine\n")
     (tmp_path / "taken.png").write_text("mine\n")
     script = os.path.join(ROOT, "benchmark", "trl_side_by_side.py")
-    for output, needles in [("a_file/curves.png", ["a_file/curves.png", "folder cannot be made"]),
-                            ("taken.png", ["taken.png must be a new .png file"])]:
-        check_one_line_error(run_script(script, "--preset", "tiny", "--quick", "--output", output, cwd=tmp_path),
-                             *needles)
+    for output, needles in [
+        ("a_file/curves.png", ["a_file/curves.png", "folder cannot be made"]),
+        ("taken.png", ["taken.png must be a new .png file"]),
+    ]:
+        check_one_line_error(
+            run_script(script, "--preset", "tiny", "--quick", "--output", output, cwd=tmp_path), *needles
+        )
     assert (tmp_path / "a_file").read_text() == (tmp_path / "taken.png").read_text() == "mine\n"
     assert sorted(os.listdir(tmp_path)) == ["a_file", "taken.png"]
 
@@ -618,19 +971,56 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
     """benchmark/padding_free.py on the test model: every stage of both paths, the workload's padding, each path's peak;
     --embedded runs rloo.py with each path and reads its stage timings."""
     script = os.path.join(ROOT, "benchmark", "padding_free.py")
-    proc = subprocess.run([sys.executable, script, "--model", tiny["policy"], "--batch", "8", "--max_completion_length",
-                           "16", "--per_device_train_batch_size", "4", "--rounds", "1"], cwd=tmp_path, env=run_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--model",
+            tiny["policy"],
+            "--batch",
+            "8",
+            "--max_completion_length",
+            "16",
+            "--per_device_train_batch_size",
+            "4",
+            "--rounds",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "8 completions of 1..16 tokens (geometric)" in proc.stdout and "padding-free layout 'rows'" in proc.stdout
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:6]}
     assert sorted(rows) == sorted(["old_logprobs", "reference_forward", "reward", "policy_forward_backward"])
     assert all(float(padded) > 0 and float(packed) > 0 for padded, packed, _ in rows.values()), proc.stdout
     assert "peak memory (MiB)" in proc.stdout and "real tokens per micro-batch: [" in proc.stdout
-    proc = subprocess.run([sys.executable, script, "--embedded", "--updates", "2", "--rounds", "1", "--",
-                           "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
-                           "--max_completion_length", "8"], cwd=tmp_path, env=run_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--embedded",
+            "--updates",
+            "2",
+            "--rounds",
+            "1",
+            "--",
+            "--model_name_or_path",
+            tiny["policy"],
+            "--dataset_name",
+            prompts_file,
+            "--max_completion_length",
+            "8",
+        ],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     update = next(line.split() for line in proc.stdout.splitlines() if line.startswith("update "))
     assert float(update[1]) > 0 and float(update[2]) > 0, proc.stdout
@@ -643,9 +1033,27 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
     """benchmark/logprob_memory.py on the test model: the code each --before names (kept in the script) and rloo.py's
     own run a micro-batch's forward and backward, each in a process of its own, and the table has both peaks."""
     script = os.path.join(ROOT, "benchmark", "logprob_memory.py")
-    proc = subprocess.run([sys.executable, script, "--model", tiny["policy"], "--before", before, "--batch", "2",
-                           "--prompt_length", "4", "--completion_lengths", "8"], cwd=tmp_path, env=run_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--model",
+            tiny["policy"],
+            "--before",
+            before,
+            "--batch",
+            "2",
+            "--prompt_length",
+            "4",
+            "--completion_lengths",
+            "8",
+        ],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"before: rloo.py as of commit {before}" in proc.stdout
     length, precision, before_mib, after_mib, _ = proc.stdout.strip().splitlines()[-1].split()

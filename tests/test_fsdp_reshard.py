@@ -25,8 +25,18 @@ CHECK = os.path.join(ROOT, "tests", "fsdp_reshard_check.py")
 def reports(tiny, tmp_path_factory):
     """[report of rank 0, of rank 1], each {"reference": {...}, "reward_model": {...}} (fsdp_reshard_check.py)."""
     out = tmp_path_factory.mktemp("reshard") / "reports.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", CHECK, str(out),
-               tiny["policy"], tiny["reward"]]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        CHECK,
+        str(out),
+        tiny["policy"],
+        tiny["reward"],
+    ]
     proc = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:

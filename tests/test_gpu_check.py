@@ -25,9 +25,30 @@ def kit(tmp_path_factory):
     """The whole kit on the CPU: every part, two at a time, TRL from its own environment (.venv-trl)."""
     out, work = tmp_path_factory.mktemp("report"), tmp_path_factory.mktemp("work")
     trl_python = os.path.join(ROOT, ".venv-trl", "bin", "python")
-    proc = subprocess.run([sys.executable, CHECK, "--device", "cpu", "--out", out, "--work", work, "--jobs", "2",
-                           "--trl_python", trl_python, "--deadline", "1500", "--part_timeout", "600"],
-                          capture_output=True, text=True, timeout=1800, cwd=tmp_path_factory.mktemp("cwd"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            CHECK,
+            "--device",
+            "cpu",
+            "--out",
+            out,
+            "--work",
+            work,
+            "--jobs",
+            "2",
+            "--trl_python",
+            trl_python,
+            "--deadline",
+            "1500",
+            "--part_timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=tmp_path_factory.mktemp("cwd"),
+    )
     with open(out / "report.json") as f:
         report = json.load(f)
     with open(out / "report.md") as f:
@@ -39,8 +60,9 @@ def test_every_part_passes_on_the_cpu_and_the_report_says_what_ran(kit):
     statuses = {name: part["status"] for name, part in report["parts"].items()}
     assert set(statuses) == set(check.PARTS)
     assert statuses.pop("rloo_padding_free_flash_attention_2") == "skipped"  # CUDA only
-    assert set(statuses.values()) == {"passed"}, {n: report["parts"][n].get("output", "")[-2000:]
-                                                  for n, s in statuses.items() if s != "passed"}
+    assert set(statuses.values()) == {"passed"}, {
+        n: report["parts"][n].get("output", "")[-2000:] for n, s in statuses.items() if s != "passed"
+    }
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert report["parts"]["rloo_padding_free_flash_attention_2"]["reason"] == "needs CUDA"
     assert report["environment"]["torch"].startswith("2.") and report["environment"]["cuda_available"] is False
@@ -86,10 +108,12 @@ def test_a_failing_or_hanging_part_is_reported_and_killed_whole(tmp_path):
     skipped = check.launch([sys.executable, "-c", f"raise SystemExit({check.SKIPPED})"], 30, dict(os.environ), "b")
     assert skipped["status"] == "skipped"
     worker_pid = tmp_path / "worker.pid"
-    hangs = ("import subprocess, sys, time\n"
-             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
-             f"open({str(worker_pid)!r}, 'w').write(str(w.pid))\n"
-             "time.sleep(300)")
+    hangs = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+        f"open({str(worker_pid)!r}, 'w').write(str(w.pid))\n"
+        "time.sleep(300)"
+    )
     start = time.perf_counter()
     hung = check.launch([sys.executable, "-c", hangs], 5, dict(os.environ), "c")
     assert hung["status"] == "timed out" and time.perf_counter() - start < 30
@@ -98,12 +122,14 @@ def test_a_failing_or_hanging_part_is_reported_and_killed_whole(tmp_path):
 
 def wait_until_dead(pids: list[int], seconds: float = 30) -> bool:
     """Every one of pids dead (a zombie until init reaps it, or gone) within the time: SIGKILL takes a moment."""
+
     def alive(pid):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 return not f.read().split(") ")[-1].startswith("Z")
         except FileNotFoundError:
             return False
+
     deadline = time.time() + seconds
     while any(map(alive, pids)) and time.time() < deadline:
         time.sleep(0.1)
@@ -126,16 +152,36 @@ def test_a_stopped_check_kills_every_process_of_its_parts_and_keeps_the_report(t
     """SIGTERM (as Ctrl-C) while a part runs rloo.py: nothing of it runs on, the report says what was interrupted; and
     while it ran, a second check on its work folder was refused in one line."""
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.Popen([sys.executable, CHECK, "--device", "cpu", "--out", out, "--work", work, "--only",
-                             "rloo_learns", "--wheels", tmp_path / "none"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            CHECK,
+            "--device",
+            "cpu",
+            "--out",
+            out,
+            "--work",
+            work,
+            "--only",
+            "rloo_learns",
+            "--wheels",
+            tmp_path / "none",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = work / "parts" / "rloo_learns" / "run1.log"
     deadline = time.time() + 300
     while not (log.exists() and "updates of 32 completions" in log.read_text()) and time.time() < deadline:
         time.sleep(0.2)
     assert marked_processes(work), "rloo.py is not running"
-    second = subprocess.run([sys.executable, CHECK, "--device", "cpu", "--out", tmp_path / "out2", "--work", work],
-                            capture_output=True, text=True, timeout=120)
+    second = subprocess.run(
+        [sys.executable, CHECK, "--device", "cpu", "--out", tmp_path / "out2", "--work", work],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert second.returncode != 0 and "Traceback" not in second.stderr
     assert "is in use by another check.py" in second.stderr
     proc.send_signal(signal.SIGTERM)
@@ -152,9 +198,11 @@ def test_carried_wheels_go_first_on_the_parts_path(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     with zipfile.ZipFile(wheels / "kit_probe-1.0-py3-none-any.whl", "w") as z:  # the smallest wheel pip installs
-        files = {"kit_probe.py": "VALUE = 42\n",
-                 "kit_probe-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: kit-probe\nVersion: 1.0\n",
-                 "kit_probe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+        files = {
+            "kit_probe.py": "VALUE = 42\n",
+            "kit_probe-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: kit-probe\nVersion: 1.0\n",
+            "kit_probe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        }
         for name, text in files.items():
             z.writestr(name, text)
         record = "kit_probe-1.0.dist-info/RECORD"
@@ -163,19 +211,26 @@ def test_carried_wheels_go_first_on_the_parts_path(tmp_path):
     installed = check.install_wheels(str(wheels), str(tmp_path / "work"), env)
     assert installed["wheels"] == ["kit_probe-1.0-py3-none-any.whl"]
     assert env["PYTHONPATH"] == f"{tmp_path / 'work' / 'site'}{os.pathsep}/elsewhere"
-    probe = subprocess.run([sys.executable, "-c", "import kit_probe; print(kit_probe.VALUE)"], capture_output=True,
-                           text=True, env={**os.environ, **env})
+    probe = subprocess.run(
+        [sys.executable, "-c", "import kit_probe; print(kit_probe.VALUE)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     assert probe.stdout.strip() == "42", probe.stderr
     assert "none in" in check.install_wheels(str(tmp_path / "absent"), str(tmp_path / "work2"), {})["wheels"]
 
 
-@pytest.mark.parametrize("option, needle", [
-    (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--jobs", "0"], "--jobs is 0: give at least 1"),
-    (["--out", "{tmp}/a_file"], "is a file: give a folder for report.md"),
-    (["--out", "{tmp}/old_report"], "holds a report already: give another folder"),
-    (["--work", "{tmp}/home"], "holds files the kit did not make: give a new or empty folder"),
-])
+@pytest.mark.parametrize(
+    "option, needle",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--jobs", "0"], "--jobs is 0: give at least 1"),
+        (["--out", "{tmp}/a_file"], "is a file: give a folder for report.md"),
+        (["--out", "{tmp}/old_report"], "holds a report already: give another folder"),
+        (["--work", "{tmp}/home"], "holds files the kit did not make: give a new or empty folder"),
+    ],
+)
 def test_bad_options_are_one_line_and_touch_nothing(option, needle, tmp_path):
     (tmp_path / "a_file").write_text("mine\n")
     (tmp_path / "old_report").mkdir()
@@ -192,8 +247,13 @@ def test_bad_options_are_one_line_and_touch_nothing(option, needle, tmp_path):
 
 
 def test_asking_for_cuda_without_one_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, CHECK, "--out", tmp_path / "r", "--wheels", tmp_path / "none"],
-                          capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, CHECK, "--out", tmp_path / "r", "--wheels", tmp_path / "none"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=300,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "check.py: error: torch sees no CUDA device here" in proc.stderr
     assert "--device cpu --size tiny" in proc.stderr

@@ -36,8 +36,12 @@ def varlen_recorder(module, query, key, value, attention_mask, scaling=None, dro
         bounds = sorted({0, *starts, query.shape[2]})
     else:
         bounds = [0, query.shape[2]]
-    pieces = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
-                                     scaling=scaling, dropout=dropout)[0] for s, e in zip(bounds[:-1], bounds[1:])]
+    pieces = [
+        sdpa_attention_forward(
+            module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, scaling=scaling, dropout=dropout
+        )[0]
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(pieces, dim=1), None  # (B, L, H, D)
 
 
@@ -99,9 +103,17 @@ def test_one_row_reward_model_scores_hand_the_backbone_the_bounds(each_script):
     import transformers
 
     torch.manual_seed(0)
-    reward_model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, num_labels=1)).eval()
+    reward_model = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_labels=1,
+        )
+    ).eval()
     torch.nn.init.normal_(reward_model.score.weight)
     prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
@@ -110,8 +122,9 @@ def test_one_row_reward_model_scores_hand_the_backbone_the_bounds(each_script):
     reward_model.config._attn_implementation = "varlen_recorder"
     CALLS.clear()
     packed = rloo.reward_model_scores(reward_model, ids, mask, "one_row")
-    assert len(CALLS) == 2 and all(torch.equal(call["cu_seq_lens_q"], varlen_kwargs(mask, "one_row")
-                                               ["cu_seq_lens_q"]) for call in CALLS)
+    assert len(CALLS) == 2 and all(
+        torch.equal(call["cu_seq_lens_q"], varlen_kwargs(mask, "one_row")["cu_seq_lens_q"]) for call in CALLS
+    )
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
 
 
@@ -180,8 +193,9 @@ def test_weights_for_vllm_yields_the_engines_dtype(script, peft):
     items = list(module.weights_for_vllm(policy, torch.bfloat16).items())
     assert items and all(t.dtype == (torch.bfloat16 if t.is_floating_point() else torch.int64) for _, t in items)
     assert dict(items).keys() == plain_state_dict(policy).keys()
-    assert all(t.dtype == torch.float32 for _, t in module.weights_for_vllm(policy, None).items()
-               if t.is_floating_point())
+    assert all(
+        t.dtype == torch.float32 for _, t in module.weights_for_vllm(policy, None).items() if t.is_floating_point()
+    )
 
 
 def test_nccl_weight_source_reports_the_push_dtype():

@@ -32,8 +32,17 @@ def wall_clock(metric: str) -> bool:
 
 def lora_options(**kwargs) -> SimpleNamespace:
     """The LoRA fields of Args, as add_adapter reads them."""
-    options = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"], lora_modules_to_save=None,
-                   use_dora=False, seed=1, model_name_or_path="tiny", sft_model_path=None)
+    options = dict(
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_target_modules=["all-linear"],
+        lora_modules_to_save=None,
+        use_dora=False,
+        seed=1,
+        model_name_or_path="tiny",
+        sft_model_path=None,
+    )
     return SimpleNamespace(**{**options, **kwargs})
 
 
@@ -61,8 +70,10 @@ def test_merged_weights_are_peft_merge_and_leave_the_trained_copy_unchanged(tiny
     assert merged.keys() == expected.keys() == AutoModelForCausalLM.from_pretrained(tiny["policy"]).state_dict().keys()
     for name in expected:
         torch.testing.assert_close(merged[name], expected[name], rtol=1e-5, atol=1e-6)
-    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], before[
-        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])  # the adapter is in it
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"],
+        before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"],
+    )  # the adapter is in it
     plain = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     plain.load_state_dict(merged)
     ids = torch.tensor([[1, 5, 9, 30, 200, 7]])
@@ -78,10 +89,11 @@ def test_an_adapter_drawn_on_a_model_built_empty_is_the_one_drawn_on_the_loaded_
     torch.manual_seed(123)
     loaded = add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), lora_options(seed=7))
     torch.manual_seed(456)
-    empty = add_adapter(empty_model(AutoModelForCausalLM, tiny["policy"], torch.float32),
-                                   lora_options(seed=7))
+    empty = add_adapter(empty_model(AutoModelForCausalLM, tiny["policy"], torch.float32), lora_options(seed=7))
     adapter = {name: p for name, p in loaded.named_parameters() if ".lora_" in name}
-    assert empty.adapter_init.keys() == adapter.keys() and len(adapter) == 2 * 7 * 2  # A and B, 7 linear layers, 2 layers
+    assert (
+        empty.adapter_init.keys() == adapter.keys() and len(adapter) == 2 * 7 * 2
+    )  # A and B, 7 linear layers, 2 layers
     assert all(torch.equal(empty.adapter_init[k], adapter[k]) for k in adapter)
     assert all(not p.any() for k, p in adapter.items() if ".lora_B." in k)  # B = 0: the policy starts as the model
 
@@ -101,11 +113,40 @@ def test_dora_on_a_transposed_layer_is_one_line():
 
 def base_args(tiny, data, *extra):
     """3 updates of 2 epochs x 2 minibatches with a KL, a sample table and a checkpoint every update."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:text_length",
-            "--total_episodes", 48, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
-            "--max_completion_length", 8, "--learning_rate", "3e-3", "--beta", 0.1, "--num_sample_generations", 1,
-            "--save_steps", 1, "--run_name", "run", "--use_peft", "--lora_r", 4, "--lora_target_modules", "all-linear",
-            *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        f"{REWARDS}:text_length",
+        "--total_episodes",
+        48,
+        "--per_device_train_batch_size",
+        4,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--beta",
+        0.1,
+        "--num_sample_generations",
+        1,
+        "--save_steps",
+        1,
+        "--run_name",
+        "run",
+        "--use_peft",
+        "--lora_r",
+        4,
+        "--lora_target_modules",
+        "all-linear",
+        *extra,
+    ]
 
 
 def logits_in_a_fresh_process(folder: str, base: str, cwd) -> dict:
@@ -119,7 +160,7 @@ base = AutoModelForCausalLM.from_pretrained({base!r})
 with torch.no_grad():
     plain = base(ids).logits
     adapted = PeftModel.from_pretrained(base, {folder!r})(input_ids=ids).logits
-    merged = AutoModelForCausalLM.from_pretrained({os.path.join(folder, 'merged')!r})(ids).logits
+    merged = AutoModelForCausalLM.from_pretrained({os.path.join(folder, "merged")!r})(ids).logits
 json.dump({{"adapter_moved": float((adapted - plain).abs().max()), "merged_gap": float((merged - adapted).abs().max())}},
           sys.stdout)
 """
@@ -132,8 +173,9 @@ json.dump({{"adapter_moved": float((adapted - plain).abs().max()), "merged_gap":
 def test_every_script_trains_the_adapter_and_saves_what_peft_loads(script, tiny, prompts_file, tmp_path):
     from safetensors.torch import load_file
 
-    proc = run_rloo(*base_args(tiny, prompts_file, "--save_merged_model", "--gradient_checkpointing"), cwd=tmp_path,
-                    script=script)
+    proc = run_rloo(
+        *base_args(tiny, prompts_file, "--save_merged_model", "--gradient_checkpointing"), cwd=tmp_path, script=script
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert rows[0]["kl"] == 0  # the reference is the policy with its adapter disabled: B = 0 at the start
@@ -157,10 +199,13 @@ def test_every_script_trains_the_adapter_and_saves_what_peft_loads(script, tiny,
         weights = {k for k in saved if k.startswith("model.")}
         assert weights and all(".lora_" in k for k in weights)
         assert {k.split(".state.")[1].rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")} == {
-            k[len("model."):] for k in weights}
+            k[len("model.") :] for k in weights
+        }
     else:
         files = set(os.listdir(checkpoint / "policy"))
-        assert {"adapter_config.json", "adapter_model.safetensors"} <= files and not any(f.startswith("model") for f in files)
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files and not any(
+            f.startswith("model") for f in files
+        )
         moments = [s["exp_avg"].numel() for s in state["optimizer"]["state"].values()]
         assert sum(moments) == sum(t.numel() for t in adapter.values())
     loaded = logits_in_a_fresh_process(str(output), tiny["policy"], tmp_path)
@@ -170,14 +215,29 @@ def test_every_script_trains_the_adapter_and_saves_what_peft_loads(script, tiny,
 def test_a_sigkilled_lora_run_resumes_as_the_same_run(tiny, prompts_file, tmp_path):
     from safetensors.torch import load_file
 
-    args = base_args(tiny, prompts_file, "--total_episodes", 48, "--save_steps", 3, "--reward_funcs",
-                     f"{REWARDS}:slow_text_length", "--lora_dropout", 0.1)
+    args = base_args(
+        tiny,
+        prompts_file,
+        "--total_episodes",
+        48,
+        "--save_steps",
+        3,
+        "--reward_funcs",
+        f"{REWARDS}:slow_text_length",
+        "--lora_dropout",
+        0.1,
+    )
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir(), killed.mkdir()
     proc = run_rloo(*args, cwd=reference)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo.py"), *map(str, args)], cwd=killed, env=run_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "rloo.py"), *map(str, args)],
+        cwd=killed,
+        env=run_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for_updates(proc, killed / "runs" / "run" / "metrics.jsonl", 4)
     proc.kill()
     assert proc.wait() == -signal.SIGKILL
@@ -185,9 +245,14 @@ def test_a_sigkilled_lora_run_resumes_as_the_same_run(tiny, prompts_file, tmp_pa
     resumed = run_rloo(*args, "--resume_from_checkpoint", "latest", cwd=killed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    outcome = [([{k: v for k, v in r.items() if not wall_clock(k)} for r in read_metrics(folder)],
-                (folder / "runs" / "run" / "samples.jsonl").read_text(),
-                load_file(folder / "runs" / "run" / "model" / "adapter_model.safetensors")) for folder in (reference, killed)]
+    outcome = [
+        (
+            [{k: v for k, v in r.items() if not wall_clock(k)} for r in read_metrics(folder)],
+            (folder / "runs" / "run" / "samples.jsonl").read_text(),
+            load_file(folder / "runs" / "run" / "model" / "adapter_model.safetensors"),
+        )
+        for folder in (reference, killed)
+    ]
     assert len(outcome[0][0]) == 6 and outcome[0][0][-1]["kl"] != 0
     assert outcome[1][:2] == outcome[0][:2]  # every metric of every update and the sample tables, exactly
     assert all(torch.equal(outcome[1][2][k], outcome[0][2][k]) for k in outcome[0][2])  # the adapter, bit for bit
@@ -201,8 +266,17 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
-    lora = ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "up_proj", "--use_dora", "--lora_modules_to_save",
-            "norm", "--save_merged_model"]
+    lora = [
+        "--use_peft",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+        "up_proj",
+        "--use_dora",
+        "--lora_modules_to_save",
+        "norm",
+        "--save_merged_model",
+    ]
     proc = run_rloo(*same_batch_args(tiny, prompts_file, 16, *lora), cwd=one, script="rloo_multigpu.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8, *lora), cwd=two)
@@ -220,22 +294,42 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
     assert logits_in_a_fresh_process(str(two / "runs" / "run" / "model"), tiny["policy"], two)["merged_gap"] < 1e-4
 
 
-@pytest.mark.parametrize("extra, needles", [
-    (["--lora_r", 8, "--save_merged_model"], ["--lora_r --save_merged_model set up LoRA adapters", "add --use_peft"]),
-    (["--use_peft", "--lora_target_modules", "q_projection"], ["--lora_target_modules q_projection gives", "no adapter",
-                                                                "q_projection"]),
-    (["--use_peft", "--lora_target_modules", "embed_tokens"], ["not linear", "model.embed_tokens (Embedding)"]),
-    (["--use_peft", "--lora_dropout", 1.0], ["--lora_dropout must be in [0, 1)"]),
-    (["--use_peft", "--lora_modules_to_save", "lm_head"], ["--lora_modules_to_save lm_head: its weight is tied"]),
-    (["--use_peft", "--lora_modules_to_save", "norm", "no_such_layer"],  # (norm: peft's suffix match finds them)
-     ["--lora_modules_to_save no_such_layer names no layer of", "nothing of it would train"]),
-    (["--use_peft", "--lora_target_modules", "q_proj", "lm_head"], ["adapter to lm_head, whose weight is tied"]),
-    (["--use_peft", "--reward_model_path", "POLICY"], ["is the policy's own model", "sequence classifier"]),
-])
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (
+            ["--lora_r", 8, "--save_merged_model"],
+            ["--lora_r --save_merged_model set up LoRA adapters", "add --use_peft"],
+        ),
+        (
+            ["--use_peft", "--lora_target_modules", "q_projection"],
+            ["--lora_target_modules q_projection gives", "no adapter", "q_projection"],
+        ),
+        (["--use_peft", "--lora_target_modules", "embed_tokens"], ["not linear", "model.embed_tokens (Embedding)"]),
+        (["--use_peft", "--lora_dropout", 1.0], ["--lora_dropout must be in [0, 1)"]),
+        (["--use_peft", "--lora_modules_to_save", "lm_head"], ["--lora_modules_to_save lm_head: its weight is tied"]),
+        (
+            ["--use_peft", "--lora_modules_to_save", "norm", "no_such_layer"],  # (norm: peft's suffix match finds them)
+            ["--lora_modules_to_save no_such_layer names no layer of", "nothing of it would train"],
+        ),
+        (["--use_peft", "--lora_target_modules", "q_proj", "lm_head"], ["adapter to lm_head, whose weight is tied"]),
+        (["--use_peft", "--reward_model_path", "POLICY"], ["is the policy's own model", "sequence classifier"]),
+    ],
+)
 def test_bad_lora_options_are_one_line_and_leave_nothing(extra, needles, tiny, prompts_file, tmp_path):
     extra = [tiny["policy"] if e == "POLICY" else e for e in extra]
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", 16,
-                    "--per_device_train_batch_size", 4, *extra, cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--total_episodes",
+        16,
+        "--per_device_train_batch_size",
+        4,
+        *extra,
+        cwd=tmp_path,
+    )
     check_one_line_error(proc, *needles)
     assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # no run folder left
 
@@ -250,8 +344,9 @@ def test_a_sigkilled_lora_run_on_two_processes_resumes_as_the_same_run(tiny, pro
     reference.mkdir(), killed.mkdir()
     proc = run_torchrun(2, *args, cwd=reference)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = subprocess.Popen([*torchrun(2), *map(str, args)], cwd=killed, env=run_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*torchrun(2), *map(str, args)], cwd=killed, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wait_for_updates(proc, killed / "runs" / "run" / "metrics.jsonl", 4)
     for pid in worker_pids(proc.pid).values():
         os.kill(pid, signal.SIGKILL)
@@ -259,8 +354,13 @@ def test_a_sigkilled_lora_run_on_two_processes_resumes_as_the_same_run(tiny, pro
     assert sorted(os.listdir(killed / "runs" / "run" / "checkpoints"))[-1] == "checkpoint-3"
     resumed = run_torchrun(2, *args, "--resume_from_checkpoint", "latest", cwd=killed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    outcome = [([{k: v for k, v in r.items() if not wall_clock(k)} for r in read_metrics(folder)],
-                load_file(folder / "runs" / "run" / "model" / "adapter_model.safetensors")) for folder in (reference, killed)]
+    outcome = [
+        (
+            [{k: v for k, v in r.items() if not wall_clock(k)} for r in read_metrics(folder)],
+            load_file(folder / "runs" / "run" / "model" / "adapter_model.safetensors"),
+        )
+        for folder in (reference, killed)
+    ]
     assert len(outcome[0][0]) == 6 and outcome[1][0] == outcome[0][0]
     assert all(torch.equal(outcome[1][1][k], outcome[0][1][k]) for k in outcome[0][1])
 
@@ -272,18 +372,50 @@ def test_a_lora_policy_whose_files_rank_0_reads_whole_trains_on_two_processes(ti
     from test_multigpu import run_torchrun
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=len(tiny["tokenizer"]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_local_experts=4,
-                           num_experts_per_tok=2, eos_token_id=tiny["tokenizer"].eos_token_id,
-                           pad_token_id=tiny["tokenizer"].pad_token_id, bos_token_id=tiny["tokenizer"].bos_token_id)
+    config = MixtralConfig(
+        vocab_size=len(tiny["tokenizer"]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        eos_token_id=tiny["tokenizer"].eos_token_id,
+        pad_token_id=tiny["tokenizer"].pad_token_id,
+        bos_token_id=tiny["tokenizer"].bos_token_id,
+    )
     path = str(tmp_path / "mixtral")
     MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     tiny["tokenizer"].save_pretrained(path)
-    proc = run_torchrun(2, "--model_name_or_path", path, "--dataset_name", prompts_file, "--reward_funcs",
-                        f"{REWARDS}:text_length", "--total_episodes", 32, "--per_device_train_batch_size", 8,
-                        "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_sample_generations", 0,
-                        "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--save_merged_model", "--run_name",
-                        "run", cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        path,
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:text_length",
+        "--total_episodes",
+        32,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--num_sample_generations",
+        0,
+        "--use_peft",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+        "--save_merged_model",
+        "--run_name",
+        "run",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert rows[0]["kl"] == 0 and rows[-1]["kl"] != 0

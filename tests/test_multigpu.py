@@ -19,8 +19,18 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import (ROOT, check_one_line_error, free_port, read_metrics, run_env, run_outcome, run_rloo, start_vllm_server,
-                      wait_for_updates, write_jsonl)
+from conftest import (
+    ROOT,
+    check_one_line_error,
+    free_port,
+    read_metrics,
+    run_env,
+    run_outcome,
+    run_rloo,
+    start_vllm_server,
+    wait_for_updates,
+    write_jsonl,
+)
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo_multigpu.py")
@@ -33,8 +43,9 @@ def torchrun(nproc: int) -> list[str]:
 def run_torchrun(nproc: int, *args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
     """torchrun as a user runs it; on a timeout its workers are killed too (they are not in its process group)."""
     command = [*torchrun(nproc), *map(str, args)]
-    proc = subprocess.Popen(command, cwd=cwd, env={**run_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, cwd=cwd, env={**run_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:
@@ -56,10 +67,32 @@ def our_errors(stderr: str) -> list[str]:
 def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(tiny, prompts_file, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
-                        "--reward_funcs", f"{REWARDS}:count_good", "--total_episodes", 1280,
-                        "--per_device_train_batch_size", 16, "--max_completion_length", 8, "--learning_rate", "3e-3",
-                        "--beta", 0, "--num_sample_generations", 0, "--seed", 3, "--save_steps", 40, cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:count_good",
+        "--total_episodes",
+        1280,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--beta",
+        0,
+        "--num_sample_generations",
+        0,
+        "--seed",
+        3,
+        "--save_steps",
+        40,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rewards = [r["reward"] for r in read_metrics(tmp_path)]
     assert len(rewards) == 40  # 1280 / (16 x 2 processes)
@@ -77,7 +110,9 @@ def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(tiny, pro
 
     dcp_to_torch_save(tmp_path / "runs" / run / "checkpoints" / "checkpoint-40" / "dcp", tmp_path / "policy.pt")
     gathered, saved_weights = torch.load(tmp_path / "policy.pt")["model"], load_file(saved / "model.safetensors")
-    assert saved_weights.keys() == gathered.keys() - {"lm_head.weight"}  # the tied LM head saved once, as save_pretrained
+    assert saved_weights.keys() == gathered.keys() - {
+        "lm_head.weight"
+    }  # the tied LM head saved once, as save_pretrained
     assert all(torch.equal(gathered[k], saved_weights[k]) for k in saved_weights)
 
 
@@ -85,11 +120,40 @@ def same_batch_args(tiny, data, per_device: int, *extra):
     """2 updates of a global batch of 32 (8 prompts x 4), 2 epochs of 1 minibatch of 2 accumulated micro-batches,
     a token-mean loss (the case a per-process mean gets wrong), a KL and a sample table. Rollout chunks of 16 rows:
     one per process with 2 processes, the same two chunks with one."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:text_length",
-            "--total_episodes", 64, "--per_device_train_batch_size", per_device, "--gradient_accumulation_steps", 2,
-            "--num_ppo_epochs", 2, "--loss_type", "token", "--ppo_clip", "--local_rollout_forward_batch_size", 16,
-            "--max_completion_length", 8, "--learning_rate", "3e-3", "--beta", 0.1, "--num_sample_generations", 1,
-            "--run_name", "run", "--seed", 5, *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        f"{REWARDS}:text_length",
+        "--total_episodes",
+        64,
+        "--per_device_train_batch_size",
+        per_device,
+        "--gradient_accumulation_steps",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--loss_type",
+        "token",
+        "--ppo_clip",
+        "--local_rollout_forward_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--beta",
+        0.1,
+        "--num_sample_generations",
+        1,
+        "--run_name",
+        "run",
+        "--seed",
+        5,
+        *extra,
+    ]
 
 
 # Defined per micro-batch: one process's micro-batch of 16 rows is not the two processes' micro-batches of 8 + 8
@@ -135,10 +199,30 @@ def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batc
 def test_bf16_mixed_precision_with_gradient_checkpointing_and_a_reward_model(tiny, prompts_file, tmp_path):
     """--bf16 is FSDP2's mixed precision, the reference sharded the same way: the KL is exactly 0 before the first
     update, and training goes on (reward model sharded too, activations recomputed)."""
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--bf16",
-                        "--gradient_checkpointing", "--reward_model_path", tiny["reward"], "--total_episodes", 48,
-                        "--per_device_train_batch_size", 8, "--max_completion_length", 8, "--beta", 0.1,
-                        "--learning_rate", 3e-3, "--num_sample_generations", 0, cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--bf16",
+        "--gradient_checkpointing",
+        "--reward_model_path",
+        tiny["reward"],
+        "--total_episodes",
+        48,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        8,
+        "--beta",
+        0.1,
+        "--learning_rate",
+        3e-3,
+        "--num_sample_generations",
+        0,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert rows[0]["kl"] == 0 and rows[0]["objective/kl"] == 0
@@ -158,10 +242,35 @@ def worker_pids(torchrun_pid: int) -> dict[int, int]:
 
 def resume_args(tiny, data, *extra):
     """6 updates of 2 epochs x 2 minibatches with a KL and sample tables, a checkpoint every 3."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:slow_text_length",
-            "--total_episodes", 96, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
-            "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.1, "--num_sample_generations", 2,
-            "--save_steps", 3, "--run_name", "run", *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        f"{REWARDS}:slow_text_length",
+        "--total_episodes",
+        96,
+        "--per_device_train_batch_size",
+        4,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        3e-3,
+        "--beta",
+        0.1,
+        "--num_sample_generations",
+        2,
+        "--save_steps",
+        3,
+        "--run_name",
+        "run",
+        *extra,
+    ]
 
 
 def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(tiny, prompts_file, tmp_path):
@@ -175,8 +284,13 @@ def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(ti
 
     # SIGKILL of every process after the checkpoint of update 3: the resumed run starts from it
     metrics = killed / "runs" / "run" / "metrics.jsonl"
-    proc = subprocess.Popen([*torchrun(2), *map(str, resume_args(tiny, prompts_file))], cwd=killed, env=run_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*torchrun(2), *map(str, resume_args(tiny, prompts_file))],
+        cwd=killed,
+        env=run_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for_updates(proc, metrics, 4)
     for pid in worker_pids(proc.pid).values():
         os.kill(pid, signal.SIGKILL)
@@ -191,8 +305,14 @@ def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(ti
     # SIGTERM to one process: every process finishes the update and writes its part of the checkpoint
 
     metrics = interrupted / "runs" / "run" / "metrics.jsonl"
-    proc = subprocess.Popen([*torchrun(2), *map(str, resume_args(tiny, prompts_file))], cwd=interrupted, env=run_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*torchrun(2), *map(str, resume_args(tiny, prompts_file))],
+        cwd=interrupted,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_updates(proc, metrics, 4)
     os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)  # rank 1 only
     stdout, stderr = proc.communicate(timeout=300)
@@ -212,20 +332,35 @@ def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(ti
 def test_a_checkpoint_resumes_only_on_as_many_processes(tiny, prompts_file, tmp_path):
     proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--total_episodes", 48), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = run_rloo(*resume_args(tiny, prompts_file, "--total_episodes", 48, "--resume_from_checkpoint", "latest"),
-                       cwd=tmp_path, script="rloo_multigpu.py")
+    resumed = run_rloo(
+        *resume_args(tiny, prompts_file, "--total_episodes", 48, "--resume_from_checkpoint", "latest"),
+        cwd=tmp_path,
+        script="rloo_multigpu.py",
+    )
     check_one_line_error(resumed, "written by 2 processes", "this run has 1")
 
 
-@pytest.mark.parametrize("func, needle, checkpoint", [
-    ("fails_on_rank_1_at_call_4", "checkpoint-2", "checkpoint-2"),  # update 3's rollout: update 2 is the last whole one
-    ("fails_in_the_second_sample_table", "the state after update 3", "checkpoint-3"),  # the table after update 3
-])
-def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_checkpoint(func, needle, checkpoint, tiny,
-                                                                                           prompts_file, tmp_path):
+@pytest.mark.parametrize(
+    "func, needle, checkpoint",
+    [
+        (
+            "fails_on_rank_1_at_call_4",
+            "checkpoint-2",
+            "checkpoint-2",
+        ),  # update 3's rollout: update 2 is the last whole one
+        ("fails_in_the_second_sample_table", "the state after update 3", "checkpoint-3"),  # the table after update 3
+    ],
+)
+def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_checkpoint(
+    func, needle, checkpoint, tiny, prompts_file, tmp_path
+):
     """It fails on rank 1 only: one error line from rank 0 naming rank 1, no gloo traceback, the last whole update."""
-    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:{func}", "--save_steps", 0),
-                        cwd=tmp_path, timeout=300)
+    proc = run_torchrun(
+        2,
+        *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:{func}", "--save_steps", 0),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode != 0
     (line,) = our_errors(proc.stderr)
     assert "the judge is down" in line and "(on rank 1)" in line and needle in line, line
@@ -233,10 +368,24 @@ def test_a_reward_function_failing_on_one_process_stops_all_with_one_line_and_a_
     assert "gloo" not in proc.stderr
 
 
-def test_a_reward_function_hanging_on_one_process_stops_all_at_its_timeout_with_a_checkpoint(tiny, prompts_file,
-                                                                                              tmp_path):
-    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:hangs_on_rank_1_at_call_4",
-                                        "--save_steps", 0, "--reward_timeout", 3), cwd=tmp_path, timeout=300)
+def test_a_reward_function_hanging_on_one_process_stops_all_at_its_timeout_with_a_checkpoint(
+    tiny, prompts_file, tmp_path
+):
+    proc = run_torchrun(
+        2,
+        *resume_args(
+            tiny,
+            prompts_file,
+            "--reward_funcs",
+            f"{REWARDS}:hangs_on_rank_1_at_call_4",
+            "--save_steps",
+            0,
+            "--reward_timeout",
+            3,
+        ),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode != 0
     (line,) = our_errors(proc.stderr)
     assert "hangs_on_rank_1_at_call_4 did not return within --reward_timeout 3 s (on rank 1)" in line, line
@@ -245,8 +394,13 @@ def test_a_reward_function_hanging_on_one_process_stops_all_at_its_timeout_with_
 
 def test_a_process_that_dies_ends_the_job_without_a_hang(tiny, prompts_file, tmp_path):
     start = time.time()
-    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:exits_on_rank_1"),
-                        cwd=tmp_path, timeout=300, env={"RLOO_TEST_EXIT_CODE": "7"})
+    proc = run_torchrun(
+        2,
+        *resume_args(tiny, prompts_file, "--reward_funcs", f"{REWARDS}:exits_on_rank_1"),
+        cwd=tmp_path,
+        timeout=300,
+        env={"RLOO_TEST_EXIT_CODE": "7"},
+    )
     assert proc.returncode != 0
     assert time.time() - start < 200
     # rank 0 says why it stops in one line, without the collective's traceback (torchrun then reports the failure)
@@ -256,29 +410,69 @@ def test_a_process_that_dies_ends_the_job_without_a_hang(tiny, prompts_file, tmp
 
 def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
     # the completions of a prompt must stay on one process
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
-                        "--per_device_train_batch_size", 2, "--num_generations", 4, cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--per_device_train_batch_size",
+        2,
+        "--num_generations",
+        4,
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0
     (line,) = our_errors(proc.stderr)
     assert "of each process" in line and "--num_generations 4" in line, line
     assert not os.path.exists(tmp_path / "runs")
     # a --generation_kwargs value HF generate cannot take (it was a traceback per process, after the model loaded)
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
-                        "--generation_kwargs", '{"typical_p": "abc"}', cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--generation_kwargs",
+        '{"typical_p": "abc"}',
+        cwd=tmp_path,
+    )
     (line,) = our_errors(proc.stderr)
     assert "HF generate cannot use it (TypeError" in line, line  # (torchrun's own report of the exit follows)
     # a rendezvous variable missing
-    proc = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"]], cwd=tmp_path,
-                          env={**run_env(), "RANK": "0", "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"]],
+        cwd=tmp_path,
+        env={**run_env(), "RANK": "0", "WORLD_SIZE": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     check_one_line_error(proc, "LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not", "torchrun")
     # a timeout the process group cannot take (it was a C++ stack blaming another process)
     for timeout in (0, -5):
-        proc = subprocess.run([sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"], "--ddp_timeout", str(timeout)],
-                              cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, "--model_name_or_path", tiny["policy"], "--ddp_timeout", str(timeout)],
+            cwd=tmp_path,
+            env=run_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         check_one_line_error(proc, f"--ddp_timeout must be > 0 seconds, got {timeout}")
     # a vLLM server that is not there
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
-                        "--vllm_server_host", "127.0.0.1", "--vllm_server_port", free_port(), cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--vllm_server_host",
+        "127.0.0.1",
+        "--vllm_server_port",
+        free_port(),
+        cwd=tmp_path,
+    )
     (line,) = our_errors(proc.stderr)
     assert "does not answer /v1/models" in line and "start the server first" in line, line
     assert not os.path.exists(tmp_path / "runs")
@@ -288,8 +482,14 @@ def test_a_parse_error_is_said_once_not_once_per_process(tmp_path):
     """The options are parsed before the process group, each process alike: rank 0 alone says why (torchrun's RANK;
     unset, a plain `python`), and every process exits 2. Then under torchrun itself: one line for the two."""
     for rank in ("0", "1"):
-        proc = subprocess.run([sys.executable, SCRIPT, "--no_such_option"], cwd=tmp_path, capture_output=True,
-                              env={**run_env(), "RANK": rank, "WORLD_SIZE": "2"}, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, "--no_such_option"],
+            cwd=tmp_path,
+            capture_output=True,
+            env={**run_env(), "RANK": rank, "WORLD_SIZE": "2"},
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2, proc.stderr[-3000:]
         if rank == "0":
             line = check_one_line_error(proc, "Unrecognized options: --no_such_option", "--help` lists them")
@@ -309,15 +509,26 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
     block = re.search(r"<!-- seed command: tldr multigpu -->\n```bash\n(.*?)```", readme, re.S).group(1)
     argv = shlex.split(block.replace("\\\n", " "))
     assert argv[:4] == ["torchrun", "--nproc_per_node", "8", "rloo_multigpu.py"]
-    posts = [{"prompt": f"SUBREDDIT: r/movies\n\nTITLE: {w}\n\nPOST: the film was {w}\n\nTL;DR:"} for w in ["good", "bad"] * 8]
+    posts = [
+        {"prompt": f"SUBREDDIT: r/movies\n\nTITLE: {w}\n\nPOST: the film was {w}\n\nTL;DR:"}
+        for w in ["good", "bad"] * 8
+    ]
     data = os.path.dirname(write_jsonl(str(tmp_path / "tldr" / "train.jsonl"), posts * 80))
     write_jsonl(str(tmp_path / "tldr" / "validation.jsonl"), posts)
-    local = {"trl-internal-testing/tldr-preference-sft-trl-style": data, "EleutherAI/pythia-1b-deduped": tiny["policy"],
-             "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": tiny["policy"],
-             "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"]}
+    local = {
+        "trl-internal-testing/tldr-preference-sft-trl-style": data,
+        "EleutherAI/pythia-1b-deduped": tiny["policy"],
+        "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": tiny["policy"],
+        "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"],
+    }
     with open(tmp_path / "stderr.txt", "w") as stderr:
-        proc = subprocess.Popen([*torchrun(2), *(local.get(a, a) for a in argv[4:])], cwd=tmp_path, env=run_env(),
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            [*torchrun(2), *(local.get(a, a) for a in argv[4:])],
+            cwd=tmp_path,
+            env=run_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
         try:
             metrics, deadline = tmp_path / "runs", time.time() + 600
             while time.time() < deadline and proc.poll() is None:
@@ -327,7 +538,9 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
                     break
                 time.sleep(0.5)
             else:
-                raise AssertionError(f"no update logged (exit {proc.returncode}): {(tmp_path / 'stderr.txt').read_text()[-3000:]}")
+                raise AssertionError(
+                    f"no update logged (exit {proc.returncode}): {(tmp_path / 'stderr.txt').read_text()[-3000:]}"
+                )
         finally:  # torchrun's workers are not in its process group: they are killed one by one
             for pid in worker_pids(proc.pid).values():
                 os.kill(pid, signal.SIGKILL)
@@ -346,10 +559,28 @@ def server(tiny, tmp_path_factory):
 def test_two_processes_sample_from_the_server_at_another_temperature(tiny, server, prompts_file, tmp_path):
     """The start-up check compares greedy log-probs at temperature 1 (vLLM's for greedy), whatever --temperature; the
     samples' log-probs are the trainer's at --temperature."""
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                        f"{REWARDS}:count_good", "--total_episodes", 64, "--per_device_train_batch_size", 16,
-                        "--max_completion_length", 8, "--temperature", 0.5, "--num_sample_generations", 0,
-                        "--vllm_server_base_url", server["url"], cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:count_good",
+        "--total_episodes",
+        64,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--temperature",
+        0.5,
+        "--num_sample_generations",
+        0,
+        "--vllm_server_base_url",
+        server["url"],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
@@ -357,11 +588,32 @@ def test_two_processes_sample_from_the_server_at_another_temperature(tiny, serve
 
 def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny, server, prompts_file, tmp_path):
     """Only happens if the gathered weights reach the server after every update: the samples come from vLLM."""
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file,
-                        "--reward_funcs", f"{REWARDS}:count_good", "--total_episodes", 1280,
-                        "--per_device_train_batch_size", 16, "--max_completion_length", 8, "--learning_rate", "3e-3",
-                        "--beta", 0, "--num_sample_generations", 0, "--seed", 3, "--vllm_server_base_url", server["url"],
-                        cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:count_good",
+        "--total_episodes",
+        1280,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--beta",
+        0,
+        "--num_sample_generations",
+        0,
+        "--seed",
+        3,
+        "--vllm_server_base_url",
+        server["url"],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     rewards = [r["reward"] for r in rows]
@@ -382,20 +634,31 @@ def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny,
     ids = tokenizer("the movie was").input_ids
 
     def post(route, body):
-        request = urllib.request.Request(server["url"] + route, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            server["url"] + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         return json.load(urllib.request.urlopen(request, timeout=120))
 
     def greedy_after_reloading(folder):
         post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
         post("/reset_prefix_cache", {})
-        choice = post("/v1/completions", {"model": tiny["policy"], "prompt": ids, "max_tokens": 8, "temperature": 0,
-                                          "ignore_eos": True, "return_token_ids": True, "logprobs": 0})["choices"][0]
+        choice = post(
+            "/v1/completions",
+            {
+                "model": tiny["policy"],
+                "prompt": ids,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "logprobs": 0,
+            },
+        )["choices"][0]
         return choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"])
 
     def saved_model_logprobs(completion):
         with torch.no_grad():
-            logits = model(torch.tensor([ids + completion])).logits[0, len(ids) - 1:-1]
+            logits = model(torch.tensor([ids + completion])).logits[0, len(ids) - 1 : -1]
         return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
     completion, logprobs = greedy_after_reloading(tiny["policy"])
@@ -406,11 +669,31 @@ def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny,
 
 def test_two_processes_push_the_merged_lora_policy_to_the_server(tiny, server, prompts_file, tmp_path):
     """The LoRA policy's shards gathered and merged one weight at a time: the server samples from the trained policy."""
-    proc = run_torchrun(2, "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                        f"{REWARDS}:text_length", "--total_episodes", 96, "--per_device_train_batch_size", 16,
-                        "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_sample_generations", 0,
-                        "--use_peft", "--lora_target_modules", "all-linear", "--vllm_server_base_url", server["url"],
-                        cwd=tmp_path)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:text_length",
+        "--total_episodes",
+        96,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--num_sample_generations",
+        0,
+        "--use_peft",
+        "--lora_target_modules",
+        "all-linear",
+        "--vllm_server_base_url",
+        server["url"],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows

@@ -17,19 +17,37 @@ from conftest import ROOT, read_metrics, run_rloo
 from wandb_api_standin import WandbApiStandin, read_offline_run
 
 VENV = os.path.join(ROOT, ".venv-openrlbenchmark")  # openrlbenchmark pins rich and tyro below this project's
-INSTALL = ("python -m venv .venv-openrlbenchmark && "
-           ".venv-openrlbenchmark/bin/pip install -r benchmark/requirements-openrlbenchmark.txt")
+INSTALL = (
+    "python -m venv .venv-openrlbenchmark && "
+    ".venv-openrlbenchmark/bin/pip install -r benchmark/requirements-openrlbenchmark.txt"
+)
 COMMAND_SCRIPT = os.path.join(ROOT, "benchmark", "experiments", "openrlbenchmark_trl.py")
 # The 14 panels of TRL's RLOO docs plot
-METRICS = ["train/objective/rlhf_reward", "train/objective/scores", "train/objective/kl",
-           "train/objective/non_score_reward", "train/objective/entropy", "train/policy/approxkl_avg",
-           "train/policy/clipfrac_avg", "train/loss/policy_avg", "train/policy/entropy_avg", "train/val/ratio",
-           "train/val/ratio_var", "train/val/num_eos_tokens", "train/lr", "train/eps"]
+METRICS = [
+    "train/objective/rlhf_reward",
+    "train/objective/scores",
+    "train/objective/kl",
+    "train/objective/non_score_reward",
+    "train/objective/entropy",
+    "train/policy/approxkl_avg",
+    "train/policy/clipfrac_avg",
+    "train/loss/policy_avg",
+    "train/policy/entropy_avg",
+    "train/val/ratio",
+    "train/val/ratio_var",
+    "train/val/num_eos_tokens",
+    "train/lr",
+    "train/eps",
+]
 # TRL's public TL;DR run as TRL's RLOO docs select it (project huggingface/trl, config output_dir and sft_model_path,
 # tag pr-1540). wandb.ai cannot be reached here: a copy of our run's history stands in for it under TRL's keys.
 TRL_ENV_ID = "models/minimal/rloo_tldr"
-TRL_RUN = {"entity": "huggingface", "project": "trl", "tags": ["pr-1540"],
-           "config": {"output_dir": TRL_ENV_ID, "sft_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"}}
+TRL_RUN = {
+    "entity": "huggingface",
+    "project": "trl",
+    "tags": ["pr-1540"],
+    "config": {"output_dir": TRL_ENV_ID, "sft_model_path": "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +56,24 @@ def logged(tiny, tmp_path_factory):
     2 minibatches as benchmark/experiments/tldr.sh (with one of each val/ratio_var is NaN on every row, and
     openrlbenchmark's table, which drops rows holding a NaN, shows NaN for every metric)."""
     cwd = tmp_path_factory.mktemp("tracked")
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--track", "--total_episodes", 32,
-                    "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
-                    "--max_completion_length", 8, "--num_sample_generations", 0, cwd=cwd)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--track",
+        "--total_episodes",
+        32,
+        "--per_device_train_batch_size",
+        4,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        cwd=cwd,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = glob.glob(str(cwd / "runs" / "*"))
     run = read_offline_run(run_dir)
@@ -55,21 +88,54 @@ def run_openrlbenchmark(ours: dict, env_id: str, tmp_path):
     its package, so no run reads another's cache and the environment stays as installed."""
     assert os.access(os.path.join(VENV, "bin", "python"), os.X_OK), f"openrlbenchmark is not installed; run: {INSTALL}"
     (package,) = glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages", "openrlbenchmark"))
-    shutil.copytree(package, tmp_path / "site" / "openrlbenchmark",
-                    ignore=shutil.ignore_patterns("dataset", "__pycache__"))
-    printed = subprocess.run([sys.executable, COMMAND_SCRIPT, "--entity", "local", "--project", "rloo", "--exp_names",
-                              "rloo", "--env_id", env_id, "--output_filename", str(tmp_path / "compare"), "--python",
-                              os.path.join(VENV, "bin", "python")], capture_output=True, text=True, timeout=60)
+    shutil.copytree(
+        package, tmp_path / "site" / "openrlbenchmark", ignore=shutil.ignore_patterns("dataset", "__pycache__")
+    )
+    printed = subprocess.run(
+        [
+            sys.executable,
+            COMMAND_SCRIPT,
+            "--entity",
+            "local",
+            "--project",
+            "rloo",
+            "--exp_names",
+            "rloo",
+            "--env_id",
+            env_id,
+            "--output_filename",
+            str(tmp_path / "compare"),
+            "--python",
+            os.path.join(VENV, "bin", "python"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert printed.returncode == 0, printed.stderr
     command = shlex.split(printed.stdout.replace("\\\n", " "))
     assert command[1:3] == ["-m", "openrlbenchmark.rlops_multi_metrics"], printed.stdout
     home = tmp_path / "home"
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "WANDB_CONFIG_DIR": str(home / "wandb"),
-           "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_DATA_DIR": str(home / "data"), "MPLBACKEND": "Agg",
-           "PYTHONPATH": str(tmp_path / "site"), "WANDB_API_KEY": "0" * 40, "WANDB_ERROR_REPORTING": "false"}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "WANDB_CONFIG_DIR": str(home / "wandb"),
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
+        "MPLBACKEND": "Agg",
+        "PYTHONPATH": str(tmp_path / "site"),
+        "WANDB_API_KEY": "0" * 40,
+        "WANDB_ERROR_REPORTING": "false",
+    }
     with WandbApiStandin([{**ours, "entity": "local", "project": "rloo"}, {**ours, **TRL_RUN}]) as standin:
-        proc = subprocess.run(command, env={**env, "WANDB_BASE_URL": standin.url}, cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            command,
+            env={**env, "WANDB_BASE_URL": standin.url},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     return command, proc
 
 
@@ -101,13 +167,15 @@ def test_openrlbenchmark_plots_our_run_next_to_trls_with_every_metric(logged, tm
         scanned = list(csv.DictReader(f))
     assert [float(r["train/episode"]) for r in scanned] == [m["episode"] for m in logged["metrics"]]
     for name in METRICS:
-        assert [float(r[name]) for r in scanned] == pytest.approx([m[name[len("train/"):]] for m in logged["metrics"]])
+        assert [float(r[name]) for r in scanned] == pytest.approx([m[name[len("train/") :]] for m in logged["metrics"]])
 
 
 def renamed(run: dict, what: str) -> dict:
     if what == "metric":
-        rows = [{k.replace("train/objective/scores", "train/objective/score"): v for k, v in row.items()}
-                for row in run["history"]]
+        rows = [
+            {k.replace("train/objective/scores", "train/objective/score"): v for k, v in row.items()}
+            for row in run["history"]
+        ]
         return {**run, "history": rows}
     config = {("dataset" if k == "dataset_name" else k): v for k, v in run["config"].items()}
     return {**run, "config": config}

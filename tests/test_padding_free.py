@@ -14,7 +14,6 @@ from conftest import run_rloo
 from test_multigpu import run_torchrun
 
 import rloo  # noqa: E402  (each_script swaps in each script in turn)
-from rloo_utils.checkpoints import check_resumable  # noqa: E402
 from rloo_utils.errors import UsageError  # noqa: E402
 from rloo_utils.packing import check_output_layer, pack_sequences, packing_layout  # noqa: E402
 
@@ -26,21 +25,42 @@ def tiny_model(family: str, attention: str):
     torch.manual_seed(0)
     common = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
     model = {
-        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            intermediate_size=128, num_key_value_heads=1, **common)),
-        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=300, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)),
-        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(  # routed per token
-            intermediate_size=128, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)),
-        "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(  # a logit cap after the output layer
-            intermediate_size=128, num_key_value_heads=2, head_dim=32, final_logit_softcapping=5.0, **common)),
-        "cohere": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(  # logits times logit_scale
-            intermediate_size=128, num_key_value_heads=1, logit_scale=0.25, **common)),
-        "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(  # logits / logits_scaling
-            intermediate_size=128, num_key_value_heads=1, logits_scaling=4.0, **common)),
-        "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(  # its mask ignores the position ids
-            vocab_size=300, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=2,
-            word_embed_proj_dim=64)),
+        "llama": lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(intermediate_size=128, num_key_value_heads=1, **common)
+        ),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+        ),
+        "mixtral": lambda: transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(  # routed per token
+                intermediate_size=128, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common
+            )
+        ),
+        "gemma2": lambda: transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(  # a logit cap after the output layer
+                intermediate_size=128, num_key_value_heads=2, head_dim=32, final_logit_softcapping=5.0, **common
+            )
+        ),
+        "cohere": lambda: transformers.CohereForCausalLM(
+            transformers.CohereConfig(  # logits times logit_scale
+                intermediate_size=128, num_key_value_heads=1, logit_scale=0.25, **common
+            )
+        ),
+        "granite": lambda: transformers.GraniteForCausalLM(
+            transformers.GraniteConfig(  # logits / logits_scaling
+                intermediate_size=128, num_key_value_heads=1, logits_scaling=4.0, **common
+            )
+        ),
+        "opt": lambda: transformers.OPTForCausalLM(
+            transformers.OPTConfig(  # its mask ignores the position ids
+                vocab_size=300,
+                hidden_size=64,
+                ffn_dim=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                word_embed_proj_dim=64,
+            )
+        ),
     }[family]()
     model.config._attn_implementation = attention
     return model.eval()
@@ -53,8 +73,12 @@ def ragged_batch():
     prompt_lengths, completion_lengths = torch.tensor([7, 3, 1, 5, 7, 2]), torch.tensor([9, 1, 4, 0, 6, 9])
     prompt_mask = (torch.arange(P)[None] >= P - prompt_lengths[:, None]).long()
     completion_mask = (torch.arange(C)[None] < completion_lengths[:, None]).long()
-    return (torch.randint(3, 300, (B, P), generator=g), prompt_mask, torch.randint(3, 300, (B, C), generator=g),
-            completion_mask)
+    return (
+        torch.randint(3, 300, (B, P), generator=g),
+        prompt_mask,
+        torch.randint(3, 300, (B, C), generator=g),
+        completion_mask,
+    )
 
 
 def test_pack_sequences_packs_real_tokens_with_positions_restarting():
@@ -114,7 +138,7 @@ def test_logprobs_entropies_and_gradients_are_those_of_the_whole_logits(each_scr
     expected_logprobs, expected_entropy = torch.zeros(real.shape), torch.zeros(real.shape)
     for row in range(len(prompt_ids)):
         prompt, completion = prompt_ids[row][prompt_mask[row].bool()], completion_ids[row][real[row]]
-        logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1:-1]  # (c, V), whole
+        logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]  # (c, V), whole
         logp = torch.log_softmax(logits.float() / 0.7, -1)
         picked = logp.gather(-1, completion[:, None]).squeeze(-1)
         picked.sum().backward()
@@ -160,8 +184,9 @@ def test_packed_reward_model_scores_are_the_padded_ones(each_script, tiny):
     assert padded.std() > 0.1
     layout = rloo.packing_layout(reward_model.model, True, False, Console(quiet=True), "reward model")
     for packing in [layout, "one_row"]:
-        torch.testing.assert_close(rloo.reward_model_scores(reward_model, ids, mask, packing), padded, rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(
+            rloo.reward_model_scores(reward_model, ids, mask, packing), padded, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
@@ -170,8 +195,10 @@ def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
     console = Console(record=True, width=200)
     opt = tiny_model("opt", "sdpa")
     assert packing_layout(opt, True, False, console, "policy") is None
-    assert "policy: padded forwards, not padding-free: with attention 'sdpa', OPTForCausalLM lets packed sequences " \
-           "see each other" in console.export_text()
+    assert (
+        "policy: padded forwards, not padding-free: with attention 'sdpa', OPTForCausalLM lets packed sequences "
+        "see each other" in console.export_text()
+    )
     batch, real = ragged_batch(), ragged_batch()[3].bool()
     padded = rloo.completion_logprobs(opt, *batch, 1.0)
     assert not torch.allclose(rloo.completion_logprobs(opt, *batch, 1.0, packing="rows")[real], padded[real], atol=1e-3)
@@ -185,10 +212,30 @@ def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
 def test_every_metric_of_a_run_is_the_same_padded_and_padding_free(script, tiny, prompts_file, tmp_path):
     """4 updates of 2 epochs x 2 minibatches with a reward model and the KL: every logged metric but the wall-clock
     ones equal to float rounding, padded (--no_padding_free) or padding-free (the default)."""
-    options = ["--model_name_or_path", tiny["policy"], "--reward_model_path", tiny["reward"], "--dataset_name",
-               prompts_file, "--num_generations", 4, "--per_device_train_batch_size", 4, "--num_mini_batches", 2,
-               "--num_ppo_epochs", 2, "--total_episodes", 32, "--max_completion_length", 12, "--beta", 0.1,
-               "--num_sample_generations", 0]
+    options = [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--reward_model_path",
+        tiny["reward"],
+        "--dataset_name",
+        prompts_file,
+        "--num_generations",
+        4,
+        "--per_device_train_batch_size",
+        4,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--total_episodes",
+        32,
+        "--max_completion_length",
+        12,
+        "--beta",
+        0.1,
+        "--num_sample_generations",
+        0,
+    ]
     metrics = {}
     for path in ["--padding_free", "--no_padding_free"]:
         cwd = tmp_path / path.strip("-")
@@ -209,20 +256,6 @@ def test_every_metric_of_a_run_is_the_same_padded_and_padding_free(script, tiny,
         for key in packed:
             if not wall_clock(key):
                 assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-5, nan_ok=True), key
-
-
-def test_a_run_started_before_padding_free_resumes_padded_only(tmp_path):
-    """Runs of older versions computed padded forwards: their args.json lacks the option, and a resume must keep
-    computing as they did (exact resume), so the default is refused in one line and --no_padding_free is the same run."""
-    import dataclasses
-
-    args = rloo.resolve_defaults(rloo.Args())
-    saved = json.loads(json.dumps(dataclasses.asdict(args)))
-    del saved["padding_free"]
-    (tmp_path / "args.json").write_text(json.dumps(saved))
-    with pytest.raises(UsageError, match="--padding_free is True here but False in"):
-        check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
-    check_resumable(dataclasses.replace(args, padding_free=False), str(tmp_path), rloo.RESUMABLE_CHANGES)
 
 
 def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_cannot_pick_from():
@@ -246,7 +279,8 @@ def test_the_probe_runs_as_training_does_and_catches_an_output_layer_the_hook_ca
     console = Console(record=True, width=200)
     by_hand = LogitsByHand(llama.config).eval()
     assert packing_layout(by_hand, True, False, console, "policy") is None
-    assert ("LogitsByHand fails the packing probe (AssertionError: its output layer was not given the positions "
-            "picked)") in console.export_text()
+    assert (
+        "LogitsByHand fails the packing probe (AssertionError: its output layer was not given the positions picked)"
+    ) in console.export_text()
     with pytest.raises(UsageError, match="LogitsByHand makes its logits without calling its output layer"):
         check_output_layer(by_hand, contextlib.nullcontext, "policy")  # which every script runs at start

@@ -26,24 +26,49 @@ from test_multigpu import run_torchrun
 
 import rloo
 from rloo_utils.errors import NonFiniteWeights
-from rloo_utils.models import (bf16_by_default, checkpoint_dtype, expandable_segments_by_default,
-                               frozen_linear_weights_to, model_dtype, set_up_cuda, weights_finite)
+from rloo_utils.models import (
+    bf16_by_default,
+    checkpoint_dtype,
+    expandable_segments_by_default,
+    frozen_linear_weights_to,
+    model_dtype,
+    set_up_cuda,
+    weights_finite,
+)
 
 RUN_PATCHED = os.path.join(ROOT, "tests", "run_patched.py")
 
 
 def short(tiny, data, *extra):
     """One update of 16 completions."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--total_episodes", 16,
-            "--per_device_train_batch_size", 16, "--max_completion_length", 8, "--num_sample_generations", 0, *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--total_episodes",
+        16,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        *extra,
+    ]
 
 
 def run_patched(patch, script, *args, cwd, env=None, processes=1, timeout=600):
     """`script` (rloo.py, ...) run with args after the patch module at path `patch`; on 2 processes through torchrun."""
     if processes == 1:
-        return subprocess.run([sys.executable, RUN_PATCHED, str(patch), os.path.join(ROOT, script), *map(str, args)],
-                              cwd=cwd, env={**run_env(), **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            [sys.executable, RUN_PATCHED, str(patch), os.path.join(ROOT, script), *map(str, args)],
+            cwd=cwd,
+            env={**run_env(), **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     # run_torchrun launches its SCRIPT (rloo_multigpu.py) with the arguments given: swap it for the wrapper
     import test_multigpu
 
@@ -77,7 +102,7 @@ def saved_weights(folder) -> dict:
 # dtype of the layer's weights: fp32, which flash attention refuses) and the dtype sdpa returned (what it computed in),
 # with whether the engine check (check_engine) made the call. The query itself is fp32 under autocast in Llama (the
 # rotary embedding's fp32 cos/sin promote the bf16 projections), so it is not what tells a bf16 forward.
-ATTENTION_PATCH = '''
+ATTENTION_PATCH = """
 import os
 import traceback
 
@@ -96,7 +121,7 @@ def recording(module, query, *args, **kwargs):
 
 
 AttentionInterface.register("sdpa", recording)
-'''
+"""
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
@@ -107,9 +132,24 @@ def test_every_attention_computes_in_bf16_under_bf16(script, tiny, prompts_file,
     patch, record = tmp_path / "attention_patch.py", tmp_path / "dtypes.txt"
     patch.write_text(ATTENTION_PATCH)
     processes = 2 if script == "rloo_multigpu.py" else 1
-    proc = run_patched(patch, script, *short(tiny, prompts_file, "--bf16", "--beta", 0.1, "--reward_model_path",
-                                             tiny["reward"], "--per_device_train_batch_size", 16 // processes),
-                       cwd=tmp_path, env={"ATTENTION_DTYPES": str(record)}, processes=processes)
+    proc = run_patched(
+        patch,
+        script,
+        *short(
+            tiny,
+            prompts_file,
+            "--bf16",
+            "--beta",
+            0.1,
+            "--reward_model_path",
+            tiny["reward"],
+            "--per_device_train_batch_size",
+            16 // processes,
+        ),
+        cwd=tmp_path,
+        env={"ATTENTION_DTYPES": str(record)},
+        processes=processes,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(bf16 compute" in " ".join(proc.stdout.split())  # (the console wraps its lines)
     rows = [line.split() for line in record.read_text().splitlines()]
@@ -142,11 +182,25 @@ def float16_policy(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_a_float16_checkpoint_with_dtype_auto_trains_in_float32(processes, float16_policy, tiny, prompts_file, tmp_path):
+def test_a_float16_checkpoint_with_dtype_auto_trains_in_float32(
+    processes, float16_policy, tiny, prompts_file, tmp_path
+):
     """rloo.py (from_pretrained) and rloo_multigpu.py on 2 processes (empty_model, then its shards); left to its
     default on the CPU, the run computes in fp32 and says so."""
-    args = short({"policy": float16_policy}, prompts_file, "--dtype", "auto", "--beta", 0.1, "--learning_rate", 1e-3,
-                 "--output_dir", tmp_path / "out", "--per_device_train_batch_size", 16 // processes)
+    args = short(
+        {"policy": float16_policy},
+        prompts_file,
+        "--dtype",
+        "auto",
+        "--beta",
+        0.1,
+        "--learning_rate",
+        1e-3,
+        "--output_dir",
+        tmp_path / "out",
+        "--per_device_train_batch_size",
+        16 // processes,
+    )
     proc = run_rloo(*args, cwd=tmp_path) if processes == 1 else run_torchrun(2, *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(fp32 compute" in " ".join(proc.stdout.split())
@@ -154,7 +208,8 @@ def test_a_float16_checkpoint_with_dtype_auto_trains_in_float32(processes, float
     assert row["optim/skipped_steps"] == 0
     weights = saved_weights(tmp_path / "out")
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values()), {
-        k: w.dtype for k, w in weights.items()}
+        k: w.dtype for k, w in weights.items()
+    }
     # it trained: the weights moved from the checkpoint's
     initial = saved_weights(float16_policy)
     assert any(not torch.equal(w, initial[k].float()) for k, w in weights.items() if k in initial)
@@ -191,7 +246,7 @@ def test_weights_finite():
 
 # The second optimizer step writes a NaN into a weight (a step with a finite gradient that goes wrong); of a sharded
 # weight, into the local shard of rank 0.
-NAN_PATCH = '''
+NAN_PATCH = """
 import os
 
 import torch
@@ -211,7 +266,7 @@ def poisoned(self, *args, **kwargs):
 
 
 torch.optim.AdamW.step = poisoned
-'''
+"""
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multigpu.py"])
@@ -219,17 +274,35 @@ def test_nan_weights_after_a_step_stop_the_run_and_nothing_of_them_is_saved(scri
     patch = tmp_path / "nan_patch.py"
     patch.write_text(NAN_PATCH)
     processes = 2 if script == "rloo_multigpu.py" else 1
-    proc = run_patched(patch, script, *short(tiny, prompts_file, "--total_episodes", 48, "--save_steps", 1, "--run_name",
-                                             "run", "--per_device_train_batch_size", 16 // processes),
-                       cwd=tmp_path, processes=processes)
+    proc = run_patched(
+        patch,
+        script,
+        *short(
+            tiny,
+            prompts_file,
+            "--total_episodes",
+            48,
+            "--save_steps",
+            1,
+            "--run_name",
+            "run",
+            "--per_device_train_batch_size",
+            16 // processes,
+        ),
+        cwd=tmp_path,
+        processes=processes,
+    )
     assert proc.returncode != 0
     # every process finds the same weights broken (one norm over all shards): one line, from rank 0 (torchrun itself
     # then reports the processes' exit codes)
     lines = [line for line in proc.stderr.splitlines() if f"{script}: error:" in line]
     assert len(lines) == 1, proc.stderr[-3000:]
     line = lines[0]
-    for needle in ["inf/NaN weights", "nothing of this update was saved",
-                   "the newest checkpoint is runs/run/checkpoints/checkpoint-1"]:
+    for needle in [
+        "inf/NaN weights",
+        "nothing of this update was saved",
+        "the newest checkpoint is runs/run/checkpoints/checkpoint-1",
+    ]:
         assert needle in line, line
     assert "--resume_from_checkpoint runs/run/checkpoints/checkpoint-1" in line
     checkpoints = tmp_path / "runs" / "run" / "checkpoints"
@@ -244,8 +317,12 @@ def test_nan_weights_at_the_first_step_save_nothing(tiny, prompts_file, tmp_path
     """No earlier checkpoint: the line says nothing was saved, and the run's folders are removed."""
     patch = tmp_path / "nan_patch.py"
     patch.write_text(NAN_PATCH.replace("calls[0] == 2", "calls[0] == 1"))
-    proc = run_patched(patch, "rloo.py", *short(tiny, prompts_file, "--total_episodes", 32, "--save_steps", 1,
-                                                "--run_name", "run"), cwd=tmp_path)
+    proc = run_patched(
+        patch,
+        "rloo.py",
+        *short(tiny, prompts_file, "--total_episodes", 32, "--save_steps", 1, "--run_name", "run"),
+        cwd=tmp_path,
+    )
     check_one_line_error(proc, "inf/NaN weights", "nothing was saved")
     assert not (tmp_path / "runs" / "run").exists()
 
@@ -294,8 +371,7 @@ def test_frozen_linear_weights_in_bf16_compute_what_autocast_computes_from_fp32(
     assert len(dtypes) == 14 and set(dtypes.values()) == {torch.bfloat16}, dtypes  # 7 per layer
     kept = {n: p.dtype for n, p in reference.named_parameters() if "norm" in n or "embed" in n}
     assert kept and set(kept.values()) == {torch.float32}, kept
-    ids = tiny["tokenizer"](["the movie was good and the plot", "a very long film"], return_tensors="pt",
-                            padding=True)
+    ids = tiny["tokenizer"](["the movie was good and the plot", "a very long film"], return_tensors="pt", padding=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(reference(**ids).logits, policy(**ids).logits)  # to the last bit
     # a trained model (the policy) and dtype None are left as they are
@@ -314,8 +390,10 @@ def test_a_lora_policys_base_layers_in_bf16_but_not_dora_bases(use_dora, tiny):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny["policy"]),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=use_dora))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny["policy"]),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=use_dora),
+    )
     frozen_linear_weights_to(model, torch.bfloat16)
     dtypes = linear_dtypes(model)
     adapters = {n: d for n, d in dtypes.items() if ".lora_" in n}
@@ -334,8 +412,21 @@ def test_a_lora_policys_base_layers_in_bf16_but_not_dora_bases(use_dora, tiny):
 def test_a_lora_run_under_bf16_has_kl_zero_at_its_first_update(tiny, prompts_file, tmp_path):
     """The reference is the policy with its adapter disabled, its base in bf16: what the policy computes before its
     first step (at the update's rollout, lora_B is 0)."""
-    proc = run_rloo(*short(tiny, prompts_file, "--use_peft", "--bf16", "--beta", 0.1, "--learning_rate", 1e-9,
-                           "--reward_model_path", tiny["reward"]), cwd=tmp_path)
+    proc = run_rloo(
+        *short(
+            tiny,
+            prompts_file,
+            "--use_peft",
+            "--bf16",
+            "--beta",
+            0.1,
+            "--learning_rate",
+            1e-9,
+            "--reward_model_path",
+            tiny["reward"],
+        ),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = read_metrics(tmp_path)
     assert row["kl"] == 0 and row["objective/kl"] == 0 and row["objective/non_score_reward"] == 0

@@ -11,11 +11,18 @@ from conftest import ROOT, read_metrics, run_rloo
 
 from rloo_utils.errors import RunError, UsageError  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
-from rloo_utils.vllm_engine import (NCCL_SERVER_OPTION, VLLMServer, check_engine, check_gpus_apart, completion_request,
-                                    engine_options, nccl_sender_parts, sampling_options)  # noqa: E402
+from rloo_utils.vllm_engine import (
+    NCCL_SERVER_OPTION,
+    VLLMServer,
+    check_engine,
+    check_gpus_apart,
+    completion_request,
+    engine_options,
+    nccl_sender_parts,
+    sampling_options,
+)  # noqa: E402
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
-
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +38,35 @@ def bf16_policy(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
-def test_a_model_saved_in_bf16_trains_in_fp32_and_moves_at_a_small_learning_rate(script, bf16_policy, prompts_file,
-                                                                                  tmp_path):
+def test_a_model_saved_in_bf16_trains_in_fp32_and_moves_at_a_small_learning_rate(
+    script, bf16_policy, prompts_file, tmp_path
+):
     """At lr 3e-6 an Adam step (~3e-6 per weight) is far below bf16's spacing at |w| ~ 0.02 (~1e-4): trained in the
     checkpoint's bf16, (almost) no weight would move. Loaded in fp32 (--dtype's default), every trained weight moves."""
     from safetensors.torch import load_file
 
-    proc = run_rloo("--model_name_or_path", bf16_policy, "--dataset_name", prompts_file, "--total_episodes", 16,
-                    "--per_device_train_batch_size", 8, "--max_completion_length", 8, "--num_sample_generations", 0,
-                    "--reward_funcs", f"{REWARDS}:text_length", "--learning_rate", "3e-6", "--save_steps", 2,
-                    cwd=tmp_path, script=script)
+    proc = run_rloo(
+        "--model_name_or_path",
+        bf16_policy,
+        "--dataset_name",
+        prompts_file,
+        "--total_episodes",
+        16,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        "--reward_funcs",
+        f"{REWARDS}:text_length",
+        "--learning_rate",
+        "3e-6",
+        "--save_steps",
+        2,
+        cwd=tmp_path,
+        script=script,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(read_metrics(tmp_path)) == 2
     (run,) = os.listdir(tmp_path / "runs")
@@ -51,8 +77,9 @@ def test_a_model_saved_in_bf16_trains_in_fp32_and_moves_at_a_small_learning_rate
     moved = (trained[name] != initial[name].float()).float().mean()
     assert moved > 0.9, f"only {moved:.1%} of {name} moved"
     if script != "rloo_multigpu.py":  # (its optimizer state is in sharded DCP files)
-        state = torch.load(tmp_path / "runs" / run / "checkpoints" / "checkpoint-2" / "training_state.pt",
-                           weights_only=False)["optimizer"]["state"]
+        state = torch.load(
+            tmp_path / "runs" / run / "checkpoints" / "checkpoint-2" / "training_state.pt", weights_only=False
+        )["optimizer"]["state"]
         assert {s[k].dtype for s in state.values() for k in ("exp_avg", "exp_avg_sq")} == {torch.float32}
 
 
@@ -68,7 +95,9 @@ def gpu_args(tiny, **kwargs):
 
 def pretend_gpu(monkeypatch, count=2, current=0):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)  # (Args' --bf16 default reads it)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True
+    )  # (Args' --bf16 default reads it)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
 
@@ -87,7 +116,10 @@ def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
     inspect.signature(LLM).bind(**options)
     engine_args = EngineArgs(**options)
     assert (engine_args.dtype, engine_args.logprobs_mode, engine_args.generation_config) == (
-        "bfloat16", "processed_logprobs", "vllm")
+        "bfloat16",
+        "processed_logprobs",
+        "vllm",
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and float32 on the CPU, as the training forward
     assert engine_options(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
 
@@ -128,8 +160,9 @@ def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
     init_info, client, source = nccl_sender_parts("http://127.0.0.1:8000", 30.0, 2, policy)
     assert init_info.is_sender and init_info.world_size == 3
     inspect.signature(NCCLTrainerWeightTransferEngine.trainer_init).bind(init_info, client=client, source=source)
-    engine = NCCLTrainerWeightTransferEngine(client=client, source=source, is_sender=init_info.is_sender,
-                                             packed=init_info.packed)
+    engine = NCCLTrainerWeightTransferEngine(
+        client=client, source=source, is_sender=init_info.is_sender, packed=init_info.packed
+    )
     source.weights = iter(policy.state_dict().items())
     sent = list(engine._checked_iter(source, source.metadata()))
     assert "lm_head.weight" in dict(sent) and len(sent) == len(policy.state_dict())
@@ -191,8 +224,13 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
             ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
             options = {"max_tokens": 2, "stop_token_ids": []}
             with torch.no_grad():
-                check_engine(ServerFailingOnRank1(rank), ids, mask, options,
-                                        lambda *rollout: rloo.completion_logprobs(policy, *rollout, temperature=1.0))
+                check_engine(
+                    ServerFailingOnRank1(rank),
+                    ids,
+                    mask,
+                    options,
+                    lambda *rollout: rloo.completion_logprobs(policy, *rollout, temperature=1.0),
+                )
         outcome = "no error"
     except Exception as e:
         outcome = f"{type(e).__name__}: {e}"
@@ -201,9 +239,13 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
     end_processes(0)  # as the script ends: the interpreter's teardown of gloo's threads may abort a process
 
 
-@pytest.mark.parametrize("scenario, message", [
-    ("push", "failed a weight transfer over NCCL (RuntimeError: NCCL error: remote process exited)"),
-    ("check", "does not answer /v1/completions (on rank 1)")])
+@pytest.mark.parametrize(
+    "scenario, message",
+    [
+        ("push", "failed a weight transfer over NCCL (RuntimeError: NCCL error: remote process exited)"),
+        ("check", "does not answer /v1/completions (on rank 1)"),
+    ],
+)
 def test_a_fault_on_one_process_stops_both_within_seconds(scenario, message, tiny, tmp_path):
     """push: rank 0's transfer breaks half-way through the gathers, which rank 1 is still in; check: rank 1's request
     fails while rank 0 goes on to the sharded forward. Both processes must raise the one error together, at once."""
@@ -213,8 +255,12 @@ def test_a_fault_on_one_process_stops_both_within_seconds(scenario, message, tin
 
     from conftest import free_port
 
-    mp.start_processes(one_of_two_processes, args=(scenario, tiny["policy"], free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        one_of_two_processes,
+        args=(scenario, tiny["policy"], free_port(), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
     for rank in (0, 1):
         with open(tmp_path / f"rank{rank}.json") as f:
             result = json.load(f)
@@ -245,7 +291,9 @@ def test_a_server_on_the_trainers_gpu_is_refused(script, monkeypatch):
     with pytest.raises(UsageError, match="runs on GPU 3"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
         check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)  # tensor parallel over 2 and 3
-    monkeypatch.setattr("rloo_utils.vllm_engine.rendezvous_address", lambda url: ("10.0.0.1", 1))  # (this machine's address)
+    monkeypatch.setattr(
+        "rloo_utils.vllm_engine.rendezvous_address", lambda url: ("10.0.0.1", 1)
+    )  # (this machine's address)
     check_gpus_apart(server_info("3"), "http://10.0.0.2:8000", workers=1)  # another machine
     with pytest.raises(UsageError, match="runs on GPU 3"):
         check_gpus_apart(server_info("3"), "http://10.0.0.1:8000", workers=1)  # this machine, by its address
@@ -274,5 +322,5 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout():
     """Sleep mode frees the engine's memory (30% of the GPU by default) for the largest no-grad forwards, as TRL does:
     right after generation. (The CPU build has no sleep mode, so this is read from the loop.)"""
     with open(os.path.join(ROOT, "rloo_vllm.py")) as f:
-        loop = f.read().split("for update in range(")[1]
-    assert loop.index("generate(engine") < loop.index("engine.sleep()") < loop.index("rollout_logprobs(policy")
+        loop = "".join(f.read().split("for update in range(")[1].split())  # the code without its layout
+    assert loop.index("generate(engine,") < loop.index("engine.sleep()") < loop.index("rollout_logprobs(policy,")

@@ -22,10 +22,24 @@ import torch
 from conftest import ROOT, check_one_line_error, run_env, run_outcome, run_rloo
 
 import rloo
-from rloo_utils.checkpoints import (OUTPUT_CLAIM, TRAINING_STATE, check_resumable, claim_output_dir, claim_run,
-                                    claim_run_dir, find_checkpoint, is_saved_model, load_checkpoint_weights,
-                                    load_training_state, lock_run_dir, resume_command, rng_states, save_checkpoint,
-                                    save_model, set_rng_states)
+from rloo_utils.checkpoints import (
+    OUTPUT_CLAIM,
+    TRAINING_STATE,
+    check_resumable,
+    claim_output_dir,
+    claim_run,
+    claim_run_dir,
+    find_checkpoint,
+    is_saved_model,
+    load_checkpoint_weights,
+    load_training_state,
+    lock_run_dir,
+    resume_command,
+    rng_states,
+    save_checkpoint,
+    save_model,
+    set_rng_states,
+)
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.lora import add_adapter
 
@@ -57,17 +71,47 @@ runpy.run_path(script, run_name="__main__")
 
 def train_args(tiny, data, *extra, save_steps=3):
     """6 updates (N = 3, 2N = 6) of 2 epochs x 2 minibatches, KL to a reference, sample tables: every piece of state."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:slow_text_length",
-            "--total_episodes", 48, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
-            "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.1, "--num_sample_generations", 2,
-            "--save_steps", save_steps, "--run_name", "run", *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        f"{REWARDS}:slow_text_length",
+        "--total_episodes",
+        48,
+        "--per_device_train_batch_size",
+        4,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        3e-3,
+        "--beta",
+        0.1,
+        "--num_sample_generations",
+        2,
+        "--save_steps",
+        save_steps,
+        "--run_name",
+        "run",
+        *extra,
+    ]
 
 
 def start(cwd, *args, patch=None):
     """Start rloo.py (through PATCHED if patch = (mode, target)) in the background; output goes to files in cwd."""
     command = [sys.executable, "-c", PATCHED, *patch, SCRIPT] if patch else [sys.executable, SCRIPT]
-    return subprocess.Popen(command + list(map(str, args)), cwd=cwd, env=run_env(),
-                            stdout=open(os.path.join(cwd, "stdout.txt"), "w"), stderr=open(os.path.join(cwd, "stderr.txt"), "w"))
+    return subprocess.Popen(
+        command + list(map(str, args)),
+        cwd=cwd,
+        env=run_env(),
+        stdout=open(os.path.join(cwd, "stdout.txt"), "w"),
+        stderr=open(os.path.join(cwd, "stderr.txt"), "w"),
+    )
 
 
 def wait_until(condition, proc, timeout=300):
@@ -106,7 +150,9 @@ def reference(tiny, prompts_file, tmp_path_factory):
     proc = run_rloo(*train_args(tiny, prompts_file), cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = outcome(cwd)
-    assert len(result[0]) == 6 and result[0][-1]["kl"] > 0 and result[0][-1]["advantages/std"] > 0  # it learns something
+    assert (
+        len(result[0]) == 6 and result[0][-1]["kl"] > 0 and result[0][-1]["advantages/std"] > 0
+    )  # it learns something
     return result
 
 
@@ -119,27 +165,43 @@ def test_sigkill_after_checkpoint_then_resume_is_the_same_run(reference, tiny, p
 
     resumed = run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {os.path.join('runs', 'run', 'checkpoints', 'checkpoint-3')}" in " ".join(resumed.stdout.split())
+    assert f"resumed from {os.path.join('runs', 'run', 'checkpoints', 'checkpoint-3')}" in " ".join(
+        resumed.stdout.split()
+    )
     assert_same_run(reference, outcome(tmp_path))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "runs" / "run"))
     events.Reload()  # both processes' event files: purge_step hides the first one's rows past checkpoint-3
-    assert [(e.step, e.value) for e in events.Scalars("train/reward")] == \
-        [(r["episode"], pytest.approx(r["reward"])) for r in reference[0]]
+    assert [(e.step, e.value) for e in events.Scalars("train/reward")] == [
+        (r["episode"], pytest.approx(r["reward"])) for r in reference[0]
+    ]
 
     # What the finished run folder refuses, each before any model loads
     checkpoint_3 = os.path.join("runs", "run", "checkpoints", "checkpoint-3")
-    check_one_line_error(run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", checkpoint_3), cwd=tmp_path),
-                         "has a newer checkpoint", "checkpoint-6", "which resuming from")
-    check_one_line_error(run_rloo(*train_args(tiny, prompts_file, "--learning_rate", 1e-3, "--resume_from_checkpoint",
-                                              "latest"), cwd=tmp_path), "--learning_rate is 0.001 here but 0.003 in")
-    check_one_line_error(run_rloo(*train_args(tiny, prompts_file), cwd=tmp_path),
-                         "runs/run exists already", "--resume_from_checkpoint latest --run_name run")
+    check_one_line_error(
+        run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", checkpoint_3), cwd=tmp_path),
+        "has a newer checkpoint",
+        "checkpoint-6",
+        "which resuming from",
+    )
+    check_one_line_error(
+        run_rloo(
+            *train_args(tiny, prompts_file, "--learning_rate", 1e-3, "--resume_from_checkpoint", "latest"), cwd=tmp_path
+        ),
+        "--learning_rate is 0.001 here but 0.003 in",
+    )
+    check_one_line_error(
+        run_rloo(*train_args(tiny, prompts_file), cwd=tmp_path),
+        "runs/run exists already",
+        "--resume_from_checkpoint latest --run_name run",
+    )
 
 
 def test_sigkill_during_a_save_leaves_no_checkpoint_resume_trusts(reference, tiny, prompts_file, tmp_path):
-    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", TRAINING_STATE)))
+    proc = start(
+        tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", TRAINING_STATE))
+    )
     partial = tmp_path / "runs" / "run" / "checkpoints" / "tmp-checkpoint-6" / TRAINING_STATE
     wait_until(partial.exists, proc)  # checkpoint-6 half written
     proc.kill()
@@ -164,8 +226,13 @@ def test_sigterm_writes_a_checkpoint_and_its_command_resumes_the_same_run(refere
     assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
 
     command = shlex.split(stdout.split("Continue the run with:\n")[1].splitlines()[0])
-    assert command[0] == "python" and command[-2:] == ["--resume_from_checkpoint", os.path.join("runs", "run", "checkpoints", saved)]
-    resumed = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    assert command[0] == "python" and command[-2:] == [
+        "--resume_from_checkpoint",
+        os.path.join("runs", "run", "checkpoints", saved),
+    ]
+    resumed = subprocess.run(
+        [sys.executable, *command[1:]], cwd=tmp_path, env=run_env(), capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(reference, outcome(tmp_path))
     offline_runs = glob.glob(str(tmp_path / "runs" / "run" / "wandb" / "offline-run-*"))
@@ -176,8 +243,14 @@ def test_sigterm_writes_a_checkpoint_and_its_command_resumes_the_same_run(refere
 def test_sigterm_before_training_leaves_nothing_and_exits_143(script, tiny, prompts_file, tmp_path):
     """Between the run's claim of its folders and its first update (models loading): as on Ctrl-C the run removes what
     it made, but the exit code is SIGTERM's, 128 + 15, as after training started."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *map(str, train_args(tiny, prompts_file))],
-                            cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, script), *map(str, train_args(tiny, prompts_file))],
+        cwd=tmp_path,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_until(lambda: os.path.exists(tmp_path / "runs" / "run" / "model" / OUTPUT_CLAIM), proc)
     time.sleep(0.2)  # the SIGTERM handler is set right after the claim; the models and transformers are still loading
     proc.send_signal(signal.SIGTERM)
@@ -199,9 +272,27 @@ def test_sigint_checkpoints_and_keeps_the_newest(tiny, prompts_file, tmp_path):
 
 def hung_run_args(tiny, data, func, *extra):
     """3 updates whose reward function hangs from the second update on; no checkpoint but the ones a failure writes."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:{func}",
-            "--total_episodes", 48, "--per_device_train_batch_size", 16, "--max_completion_length", 8,
-            "--num_sample_generations", 0, "--save_steps", 0, "--run_name", "run", *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        f"{REWARDS}:{func}",
+        "--total_episodes",
+        48,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        "--save_steps",
+        0,
+        "--run_name",
+        "run",
+        *extra,
+    ]
 
 
 def test_a_second_sigterm_stops_a_hung_update_and_keeps_the_last_complete_one(tiny, prompts_file, tmp_path):
@@ -214,16 +305,22 @@ def test_a_second_sigterm_stops_a_hung_update_and_keeps_the_last_complete_one(ti
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
     stderr = (tmp_path / "stderr.txt").read_text()
-    check_one_line_error(subprocess.CompletedProcess([], 143, "", stderr), "SIGTERM a second time: stopped at once",
-                         "the state after update 1 is in runs/run/checkpoints/checkpoint-1; continue with: python")
+    check_one_line_error(
+        subprocess.CompletedProcess([], 143, "", stderr),
+        "SIGTERM a second time: stopped at once",
+        "the state after update 1 is in runs/run/checkpoints/checkpoint-1; continue with: python",
+    )
     assert checkpoint_names(tmp_path) == ["checkpoint-1"] and logged_updates(tmp_path) == 1
 
 
 @pytest.mark.parametrize("func", ["hangs_from_the_second_update", "async_hangs_from_the_second_update"])
 def test_a_reward_past_its_timeout_stops_the_run_and_keeps_the_last_complete_update(func, tiny, prompts_file, tmp_path):
     proc = run_rloo(*hung_run_args(tiny, prompts_file, func, "--reward_timeout", 3), cwd=tmp_path, timeout=300)
-    check_one_line_error(proc, f"{func} did not return within --reward_timeout 3 s",
-                         "the state after update 1 is in runs/run/checkpoints/checkpoint-1; continue with: python")
+    check_one_line_error(
+        proc,
+        f"{func} did not return within --reward_timeout 3 s",
+        "the state after update 1 is in runs/run/checkpoints/checkpoint-1; continue with: python",
+    )
     assert proc.returncode == 1 and checkpoint_names(tmp_path) == ["checkpoint-1"] and logged_updates(tmp_path) == 1
 
 
@@ -231,8 +328,12 @@ def test_a_failed_save_is_an_error_naming_the_path_and_the_earlier_checkpoint_st
     proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("fail", "tmp-checkpoint-6"))
     proc.wait(timeout=300)
     proc.stderr = (tmp_path / "stderr.txt").read_text()
-    check_one_line_error(proc, "could not write checkpoint runs/run/checkpoints/checkpoint-6", "No space left on device",
-                         "the earlier checkpoints are intact")
+    check_one_line_error(
+        proc,
+        "could not write checkpoint runs/run/checkpoints/checkpoint-6",
+        "No space left on device",
+        "the earlier checkpoints are intact",
+    )
     assert checkpoint_names(tmp_path) == ["checkpoint-3"]  # the temporary folder is gone, checkpoint-3 is whole
     state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-3" / TRAINING_STATE, weights_only=True)
     assert state["update"] == 3
@@ -282,7 +383,9 @@ def test_a_failed_save_keeps_the_earlier_checkpoint_byte_for_byte(tiny, tmp_path
     monkeypatch.setattr(torch, "save", full_disk)
     second = str(tmp_path / "checkpoint-2")
     with pytest.raises(RunError, match=f"could not write checkpoint {second} .*No space left on device"):
-        save_checkpoint(second, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
+        save_checkpoint(
+            second, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state
+        )
     after = {p: open(p, "rb").read() for p in glob.glob(first + "/**", recursive=True) if os.path.isfile(p)}
     assert after == before and sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
 
@@ -294,7 +397,12 @@ def test_rng_states_survive_a_save_and_load(tmp_path):
 
     set_rng_states(rng_states())  # accepted as produced
     torch.save(rng_states(), tmp_path / "rng.pt")
-    draw = lambda: (random.random(), float(np.random.rand()), float(torch.rand(1)), torch.multinomial(torch.ones(50), 5).tolist())  # noqa: E731
+    draw = lambda: (
+        random.random(),
+        float(np.random.rand()),
+        float(torch.rand(1)),
+        torch.multinomial(torch.ones(50), 5).tolist(),
+    )  # noqa: E731
     expected = draw()
     draw()
     set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
@@ -324,35 +432,69 @@ def test_optimizer_step_skips_a_non_finite_gradient_or_loss():
 
 
 def test_resume_command_replaces_an_earlier_resume_option():
-    argv = ["rloo.py", "--seed", "2", "--resume_from_checkpoint", "old", "--run_name", "my run", "--resume_from_checkpoint=x"]
-    assert resume_command(argv, "runs/r/checkpoints/checkpoint-4") == \
-        "python rloo.py --seed 2 --run_name 'my run' --resume_from_checkpoint runs/r/checkpoints/checkpoint-4"
+    argv = [
+        "rloo.py",
+        "--seed",
+        "2",
+        "--resume_from_checkpoint",
+        "old",
+        "--run_name",
+        "my run",
+        "--resume_from_checkpoint=x",
+    ]
+    assert (
+        resume_command(argv, "runs/r/checkpoints/checkpoint-4")
+        == "python rloo.py --seed 2 --run_name 'my run' --resume_from_checkpoint runs/r/checkpoints/checkpoint-4"
+    )
 
 
 def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
     args = rloo.resolve_defaults(rloo.Args())
     with open(tmp_path / "args.json", "w") as f:
         json.dump(dataclasses.asdict(args), f)
-    check_resumable(rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
-                               str(tmp_path), rloo.RESUMABLE_CHANGES)
+    check_resumable(
+        rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
+        str(tmp_path),
+        rloo.RESUMABLE_CHANGES,
+    )
     with pytest.raises(UsageError, match="--num_generations is 8 here but 4 in"):
         check_resumable(rloo.replace(args, num_generations=8), str(tmp_path), rloo.RESUMABLE_CHANGES)
     with pytest.raises(UsageError, match="--reward_funcs is"):
-        check_resumable(rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path),
-                                   rloo.RESUMABLE_CHANGES)
+        check_resumable(rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path), rloo.RESUMABLE_CHANGES)
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Non-finite values, end to end
 # ------------------------------------------------------------------------------------------------------------------
 def test_skipped_steps_in_a_row_stop_the_run_after_a_checkpoint(tiny, prompts_file, tmp_path):
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:poisons_gradients", "--beta", 0, "--total_episodes", 64,
-                    "--per_device_train_batch_size", 8,
-                    "--max_completion_length", 8, "--num_sample_generations", 0, "--max_skipped_steps", 2,
-                    "--run_name", "run", cwd=tmp_path)
-    check_one_line_error(proc, "2 optimizer steps in a row had a non-finite loss or gradient (update 2)",
-                         "the state after update 2 is in runs/run/checkpoints/checkpoint-2; continue with: python")
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:poisons_gradients",
+        "--beta",
+        0,
+        "--total_episodes",
+        64,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        "--max_skipped_steps",
+        2,
+        "--run_name",
+        "run",
+        cwd=tmp_path,
+    )
+    check_one_line_error(
+        proc,
+        "2 optimizer steps in a row had a non-finite loss or gradient (update 2)",
+        "the state after update 2 is in runs/run/checkpoints/checkpoint-2; continue with: python",
+    )
     assert logged_updates(tmp_path) == 2  # the update that reached the limit is logged (optim/skipped_steps shows it)
     assert checkpoint_names(tmp_path) == ["checkpoint-2"]
     assert json.loads(open(tmp_path / "runs" / "run" / "metrics.jsonl").readlines()[-1])["optim/skipped_steps"] == 2
@@ -367,8 +509,17 @@ def test_a_non_finite_reward_model_score_names_the_model(tiny, prompts_file, tmp
         broken.score.weight.fill_(torch.nan)
     broken.save_pretrained(tmp_path / "broken_rm")
     tiny["tokenizer"].save_pretrained(tmp_path / "broken_rm")
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_model_path",
-                    tmp_path / "broken_rm", "--num_sample_generations", 0, cwd=tmp_path)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_model_path",
+        tmp_path / "broken_rm",
+        "--num_sample_generations",
+        0,
+        cwd=tmp_path,
+    )
     check_one_line_error(proc, "reward model broken_rm gave a non-finite score (nan) at index 0")
 
 
@@ -376,7 +527,7 @@ def test_a_non_finite_reward_model_score_names_the_model(tiny, prompts_file, tmp
 # Nothing a run trained is lost: a failure after training leaves a checkpoint and the command that continues it
 # ------------------------------------------------------------------------------------------------------------------
 # A reward function that fails once, at the call number written in ./fail_at; otherwise len(text) / 10.
-FAULTY = '''
+FAULTY = """
 import os
 calls = 0
 def text_length(completions, **kwargs):
@@ -386,16 +537,39 @@ def text_length(completions, **kwargs):
         os.remove("fail_at")
         raise RuntimeError("the judge is down")
     return [len(c if isinstance(c, str) else c[-1]["content"]) / 10 for c in completions]
-'''
+"""
 
 
 def faulty_args(tiny, data, *extra):
     """6 updates, 2 epochs x 2 minibatches, KL; the reward function is ./faulty.py (one call per update, and one per
     sample table: at episode 0 and after updates 3 and 6)."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", "faulty.py:text_length",
-            "--total_episodes", 48, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
-            "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.1, "--num_sample_generations", 2,
-            "--run_name", "run", *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        "faulty.py:text_length",
+        "--total_episodes",
+        48,
+        "--per_device_train_batch_size",
+        4,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        3e-3,
+        "--beta",
+        0.1,
+        "--num_sample_generations",
+        2,
+        "--run_name",
+        "run",
+        *extra,
+    ]
 
 
 def run_faulty(cwd, tiny, data, fail_at=None, *extra):
@@ -419,12 +593,16 @@ def faulty_reference(tiny, prompts_file, tmp_path_factory):
     return outcome(cwd)
 
 
-def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exactly(faulty_reference, tiny,
-                                                                                    prompts_file, tmp_path):
+def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exactly(
+    faulty_reference, tiny, prompts_file, tmp_path
+):
     # Call 6 is update 4's reward: the weights are still those after update 3, so checkpoint-3 is exact (--save_steps 0)
     proc = run_faulty(tmp_path, tiny, prompts_file, 6)
-    error = check_one_line_error(proc, "reward function text_length raised RuntimeError: the judge is down",
-                                 "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python")
+    error = check_one_line_error(
+        proc,
+        "reward function text_length raised RuntimeError: the judge is down",
+        "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python",
+    )
     assert checkpoint_names(tmp_path) == ["checkpoint-3"] and logged_updates(tmp_path) == 3
     resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -434,8 +612,11 @@ def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exac
 def test_a_failure_in_a_sample_table_keeps_the_update_before_it_whole(faulty_reference, tiny, prompts_file, tmp_path):
     # Call 5 scores the sample table after update 3: update 3 is complete, so checkpoint-3 is its exact state
     proc = run_faulty(tmp_path, tiny, prompts_file, 5)
-    error = check_one_line_error(proc, "reward function text_length raised RuntimeError: the judge is down",
-                                 "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python")
+    error = check_one_line_error(
+        proc,
+        "reward function text_length raised RuntimeError: the judge is down",
+        "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python",
+    )
     assert checkpoint_names(tmp_path) == ["checkpoint-3"] and logged_updates(tmp_path) == 3
     resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -464,12 +645,19 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny, prompts_file, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", FAILING_STEP, SCRIPT, *map(str, train_args(tiny, prompts_file, save_steps=0))],
-                          cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_STEP, SCRIPT, *map(str, train_args(tiny, prompts_file, save_steps=0))],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "CUDA out of memory" in proc.stderr
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("rloo.py: error:")]
-    assert ("update 4 was cut short: the weights and optimizer state it reached are in runs/run/checkpoints/checkpoint-4 "
-            "(a resumed run") in error and "; continue with: python" in error
+    assert (
+        "update 4 was cut short: the weights and optimizer state it reached are in runs/run/checkpoints/checkpoint-4 "
+        "(a resumed run"
+    ) in error and "; continue with: python" in error
     state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / TRAINING_STATE, weights_only=True)
     assert state["update"] == 4 and state["episode"] == 32
     assert state["scheduler"]["last_epoch"] == 13  # 3 updates x 2 epochs x 2 minibatches, and update 4's first step
@@ -489,13 +677,20 @@ def test_a_run_that_trained_nothing_leaves_nothing_and_the_same_command_runs_aga
     assert is_saved_model(str(tmp_path / "out" / "model"))
 
 
-def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_model(reference, tiny, prompts_file,
-                                                                                    tmp_path):
-    proc = start(tmp_path, *train_args(tiny, prompts_file), patch=("fail", os.path.join("run", "model", "model.safetensors")))
+def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_model(
+    reference, tiny, prompts_file, tmp_path
+):
+    proc = start(
+        tmp_path, *train_args(tiny, prompts_file), patch=("fail", os.path.join("run", "model", "model.safetensors"))
+    )
     proc.wait(timeout=300)
     proc.stderr = (tmp_path / "stderr.txt").read_text()
-    error = check_one_line_error(proc, "could not save the trained model to runs/run/model", "No space left on device",
-                                 "the state after update 6 is in runs/run/checkpoints/checkpoint-6")
+    error = check_one_line_error(
+        proc,
+        "could not save the trained model to runs/run/model",
+        "No space left on device",
+        "the state after update 6 is in runs/run/checkpoints/checkpoint-6",
+    )
     resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(reference, outcome(tmp_path))
@@ -506,8 +701,9 @@ def test_a_resume_while_the_run_is_still_running_is_refused(tiny, prompts_file, 
     proc = start(tmp_path, *train_args(tiny, prompts_file, *long_run, save_steps=1))
     try:
         wait_until(lambda: os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-1"), proc)
-        second = run_rloo(*train_args(tiny, prompts_file, *long_run, "--resume_from_checkpoint", "latest", save_steps=1),
-                          cwd=tmp_path)
+        second = run_rloo(
+            *train_args(tiny, prompts_file, *long_run, "--resume_from_checkpoint", "latest", save_steps=1), cwd=tmp_path
+        )
         check_one_line_error(second, "runs/run is in use by another run", f"(pid {proc.pid})")
     finally:
         proc.kill()
@@ -547,8 +743,11 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
     assert claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000_2")
     named = rloo.replace(args, run_name="mine")
     assert claim_run_dir(named) == os.path.join("runs", "mine")
-    with pytest.raises(UsageError, match="runs/mine exists already and holds no checkpoint to continue from: "
-                                              "choose another --run_name, or delete runs/mine"):
+    with pytest.raises(
+        UsageError,
+        match="runs/mine exists already and holds no checkpoint to continue from: "
+        "choose another --run_name, or delete runs/mine",
+    ):
         claim_run_dir(named)
     make_checkpoint(os.path.join("runs", "mine", "checkpoints", "checkpoint-2"))
     with pytest.raises(UsageError, match="continue that run with --resume_from_checkpoint latest --run_name mine"):
@@ -620,14 +819,27 @@ def saved_run(tiny, tmp_path, monkeypatch):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     checkpoint = os.path.join(run_dir, "checkpoints", "checkpoint-2")
     args = rloo.resolve_defaults(rloo.Args(model_name_or_path=tiny["policy"]))
+
     def save_weights(folder):
         policy.save_pretrained(os.path.join(folder, "policy"))
         tiny["tokenizer"].save_pretrained(os.path.join(folder, "policy"))
 
-    save_checkpoint(checkpoint, save_weights, args, {
-        "update": 2, "episode": 16, "skipped_steps": 0, "skipped_in_a_row": 0, "seconds": 1.0, "rng": rng_states(),
-        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-        "logger": {"sizes": {name: len(text) for name, text in logs.items()}, "step": 16, "wandb_id": None}})
+    save_checkpoint(
+        checkpoint,
+        save_weights,
+        args,
+        {
+            "update": 2,
+            "episode": 16,
+            "skipped_steps": 0,
+            "skipped_in_a_row": 0,
+            "seconds": 1.0,
+            "rng": rng_states(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "logger": {"sizes": {name: len(text) for name, text in logs.items()}, "step": 16, "wandb_id": None},
+        },
+    )
     return args, run_dir, checkpoint
 
 
@@ -660,20 +872,46 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(saved_run, tiny, use_pe
 
 
 DAMAGE = [
-    (lambda c, r: os.remove(os.path.join(c, "args.json")), "checkpoint-2/args.json is missing or damaged (FileNotFoundError"),
-    (lambda c, r: open(os.path.join(c, "args.json"), "w").write("{not json"), "checkpoint-2/args.json is missing or damaged (JSONDecodeError"),
-    (lambda c, r: open(os.path.join(c, "args.json"), "w").write("[]"), "args.json is missing or damaged (AssertionError: not a JSON object"),
-    (lambda c, r: open(os.path.join(c, TRAINING_STATE), "wb").write(b"half a checkpoint"), "training_state.pt is damaged"),
-    (lambda c, r: torch.save({"update": 2}, os.path.join(c, TRAINING_STATE)), "training_state.pt is damaged (AssertionError: it lacks episode"),
-    (lambda c, r: os.remove(os.path.join(c, "policy", "config.json")), "checkpoint-2/policy lacks config.json or its weights"),
-    (lambda c, r: os.remove(os.path.join(c, "policy", "model.safetensors")), "checkpoint-2/policy lacks config.json or its weights"),
-    (lambda c, r: os.remove(os.path.join(r, "metrics.jsonl")), "runs/r/metrics.jsonl is missing since runs/r/checkpoints/checkpoint-2"),
+    (
+        lambda c, r: os.remove(os.path.join(c, "args.json")),
+        "checkpoint-2/args.json is missing or damaged (FileNotFoundError",
+    ),
+    (
+        lambda c, r: open(os.path.join(c, "args.json"), "w").write("{not json"),
+        "checkpoint-2/args.json is missing or damaged (JSONDecodeError",
+    ),
+    (
+        lambda c, r: open(os.path.join(c, "args.json"), "w").write("[]"),
+        "args.json is missing or damaged (AssertionError: not a JSON object",
+    ),
+    (
+        lambda c, r: open(os.path.join(c, TRAINING_STATE), "wb").write(b"half a checkpoint"),
+        "training_state.pt is damaged",
+    ),
+    (
+        lambda c, r: torch.save({"update": 2}, os.path.join(c, TRAINING_STATE)),
+        "training_state.pt is damaged (AssertionError: it lacks episode",
+    ),
+    (
+        lambda c, r: os.remove(os.path.join(c, "policy", "config.json")),
+        "checkpoint-2/policy lacks config.json or its weights",
+    ),
+    (
+        lambda c, r: os.remove(os.path.join(c, "policy", "model.safetensors")),
+        "checkpoint-2/policy lacks config.json or its weights",
+    ),
+    (
+        lambda c, r: os.remove(os.path.join(r, "metrics.jsonl")),
+        "runs/r/metrics.jsonl is missing since runs/r/checkpoints/checkpoint-2",
+    ),
     (lambda c, r: os.remove(os.path.join(r, "samples.jsonl")), "runs/r/samples.jsonl is missing since"),
     (lambda c, r: open(os.path.join(r, "metrics.jsonl"), "w").write("{}\n"), "runs/r/metrics.jsonl is shorter than at"),
 ]
 
 
-@pytest.mark.parametrize("damage,needle", DAMAGE, ids=[n.split(" is ")[0].split("/")[-1] + "-" + str(i) for i, (_, n) in enumerate(DAMAGE)])
+@pytest.mark.parametrize(
+    "damage,needle", DAMAGE, ids=[n.split(" is ")[0].split("/")[-1] + "-" + str(i) for i, (_, n) in enumerate(DAMAGE)]
+)
 def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_run, damage, needle):
     args, run_dir, checkpoint = saved_run
     damage(checkpoint, run_dir)
@@ -689,13 +927,17 @@ def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(tiny, promp
     (tmp_path / "runs" / "run" / "checkpoints").write_text("a file where the folder should be")
     proc.wait(timeout=300)
     proc.stderr = (tmp_path / "stderr.txt").read_text()
-    check_one_line_error(proc, "could not write checkpoint runs/run/checkpoints/checkpoint-3 (FileExistsError",
-                         "the earlier checkpoints are intact; saving what it trained failed too")
+    check_one_line_error(
+        proc,
+        "could not write checkpoint runs/run/checkpoints/checkpoint-3 (FileExistsError",
+        "the earlier checkpoints are intact; saving what it trained failed too",
+    )
 
 
 def test_a_damaged_training_state_is_refused_before_any_model_loads(saved_run, tiny, prompts_file):
     args, run_dir, checkpoint = saved_run
     open(os.path.join(checkpoint, TRAINING_STATE), "wb").write(b"half a checkpoint")
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--resume_from_checkpoint", "latest", "--run_name", "r",
-                    cwd=os.getcwd())
+    proc = run_rloo(
+        "--model_name_or_path", tiny["policy"], "--resume_from_checkpoint", "latest", "--run_name", "r", cwd=os.getcwd()
+    )
     check_one_line_error(proc, "runs/r/checkpoints/checkpoint-2/training_state.pt is damaged")

@@ -16,11 +16,11 @@ from conftest import ROOT, SCRIPTS
 INTENDED_DIFFERENCES = {
     "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload, --ddp_timeout and the server's",
     "RESUMABLE_CHANGES": "rloo_vllm.py: the server's address and the engine's memory can change on resume; "
-                         "rloo_multigpu.py: the collective timeout",
+    "rloo_multigpu.py: the collective timeout",
     "optimizer_step": "rloo_multigpu.py: the gradient norm of the FSDP shards is a DTensor",
     "weights_for_vllm": "rloo_multigpu.py: the shards gathered one tensor at a time",
     "main": "the driver: rloo_vllm.py generates with vLLM and syncs its weights; rloo_multigpu.py forms the process group, "
-            "shards the models and gathers the batch",
+    "shards the models and gathers the batch",
 }
 
 
@@ -39,7 +39,9 @@ def top_level_definitions(script: str) -> dict[str, str]:
 
 
 DEFINITIONS = {script: top_level_definitions(script) for script in SCRIPTS}
-SHARED = sorted({name for a in SCRIPTS for b in SCRIPTS if a < b for name in DEFINITIONS[a].keys() & DEFINITIONS[b].keys()})
+SHARED = sorted(
+    {name for a in SCRIPTS for b in SCRIPTS if a < b for name in DEFINITIONS[a].keys() & DEFINITIONS[b].keys()}
+)
 
 
 def test_the_scripts_share_the_algorithm():
@@ -53,8 +55,10 @@ def test_a_shared_definition_is_identical_in_every_script(name):
     sources = {script: DEFINITIONS[script][name] for script in SCRIPTS if name in DEFINITIONS[script]}
     first_script, first = next(iter(sources.items()))
     for script, source in sources.items():
-        assert source == first, (f"{name} differs between {first_script} and {script}: make the fix in every script, or "
-                                 "name the difference in INTENDED_DIFFERENCES with its reason")
+        assert source == first, (
+            f"{name} differs between {first_script} and {script}: make the fix in every script, or "
+            "name the difference in INTENDED_DIFFERENCES with its reason"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(INTENDED_DIFFERENCES))
@@ -85,12 +89,18 @@ def test_the_plumbing_lives_once_and_knows_no_script():
     for module in PLUMBING:
         with open(os.path.join(ROOT, "rloo_utils", module)) as f:
             tree = ast.parse(f.read())
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                    for alias in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not {name for name in imported if name and name.split(".")[0] in {s[:-3] for s in SCRIPTS}}, module
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                assert node.name not in definitions, f"{node.name} is defined in {definitions.get(node.name)} and {module}"
+                assert node.name not in definitions, (
+                    f"{node.name} is defined in {definitions.get(node.name)} and {module}"
+                )
                 definitions[node.name] = module
     assert len(definitions) > 150  # this guard would pass vacuously on a folder it cannot read
     for script in SCRIPTS:
@@ -100,7 +110,13 @@ def test_the_plumbing_lives_once_and_knows_no_script():
 
 # What rloo.py's reader may meet: no vLLM, no sharding. What each script imports, in a fresh interpreter.
 NOT_IMPORTED = {
-    "rloo.py": ("vllm", "torch.distributed.fsdp", "torch.distributed.tensor", "rloo_utils.sharded", "rloo_utils.vllm_engine"),
+    "rloo.py": (
+        "vllm",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+        "rloo_utils.sharded",
+        "rloo_utils.vllm_engine",
+    ),
     "rloo_vllm.py": ("torch.distributed.fsdp", "rloo_utils.sharded"),
     "rloo_multigpu.py": ("vllm",),
 }
@@ -110,8 +126,10 @@ NOT_IMPORTED = {
 def test_a_script_imports_only_the_plumbing_it_uses(script):
     """Importing rloo.py loads no vLLM and no FSDP code, neither theirs nor ours; rloo_vllm.py no FSDP; rloo_multigpu.py
     no vLLM (a server's client is HTTP and NCCL)."""
-    code = (f"import sys; import {script[:-3]}; "
-            f"print(' '.join(m for m in sys.modules if m.startswith({NOT_IMPORTED[script]!r})))")
+    code = (
+        f"import sys; import {script[:-3]}; "
+        f"print(' '.join(m for m in sys.modules if m.startswith({NOT_IMPORTED[script]!r})))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == [], f"importing {script} loads {result.stdout.split()}"
@@ -147,9 +165,11 @@ def test_a_script_adds_to_rloo_py_only_its_own_concern(script):
     """A design check: everything rloo.py defines is in every script, and a script adds only what ADDED names."""
     assert not DEFINITIONS["rloo.py"].keys() - DEFINITIONS[script].keys(), f"{script} lacks a definition of rloo.py"
     added = DEFINITIONS[script].keys() - DEFINITIONS["rloo.py"].keys()
-    assert added == ADDED.get(script, {}).keys(), (f"{script} adds {sorted(added - ADDED.get(script, {}).keys())} "
-                                                   f"and no longer has {sorted(ADDED.get(script, {}).keys() - added)}: "
-                                                   "name each addition in ADDED with its reason, or move it to rloo_utils/")
+    assert added == ADDED.get(script, {}).keys(), (
+        f"{script} adds {sorted(added - ADDED.get(script, {}).keys())} "
+        f"and no longer has {sorted(ADDED.get(script, {}).keys() - added)}: "
+        "name each addition in ADDED with its reason, or move it to rloo_utils/"
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -159,3 +179,18 @@ def test_a_reader_reaches_the_loop_before_three_quarters_of_the_file(script):
         lines = f.read().splitlines()
     loop = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("for update in range("))
     assert loop <= 0.75 * len(lines), (len(lines), loop)
+
+
+def test_the_code_is_laid_out_by_the_formatter_at_120_columns():
+    """`ruff format` (ruff.toml: 120 columns) has nothing to change anywhere; in the scripts and rloo_utils/ no line is
+    longer than 120 characters (comments and strings included, which the formatter leaves alone) and no lambda is
+    assigned to a name (a def says what it is)."""
+    formatted = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert formatted.returncode == 0, formatted.stdout + formatted.stderr
+    ruff_check = ["check", "--select", "E501,E731", "--ignore-noqa", "--no-cache"]  # lines over 120, assigned lambdas
+    checked = subprocess.run(
+        [sys.executable, "-m", "ruff", *ruff_check, *SCRIPTS, "rloo_utils"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -30,9 +30,17 @@ def tiny_mixtral(path: str) -> str:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_local_experts=4,
-                           num_experts_per_tok=2)
+    config = MixtralConfig(
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
         assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in f.keys()
@@ -57,14 +65,37 @@ def checks(tiny, tiny_vlm, tmp_path_factory):
     cases = [
         {"name": "llama_bf16", "auto_class": "AutoModelForCausalLM", "path": bf16},
         {"name": "llama_untied", "auto_class": "AutoModelForCausalLM", "path": untied, "cpu_offload": True},
-        {"name": "reward", "auto_class": "AutoModelForSequenceClassification", "path": tiny["reward"],
-         "kwargs": {"num_labels": 1}},
+        {
+            "name": "reward",
+            "auto_class": "AutoModelForSequenceClassification",
+            "path": tiny["reward"],
+            "kwargs": {"num_labels": 1},
+        },
         {"name": "llava", "auto_class": "AutoModelForImageTextToText", "path": tiny_vlm["policy"]},
-        {"name": "mixtral", "auto_class": "AutoModelForCausalLM", "path": tiny_mixtral(str(root / "mixtral")),
-         "tokenizer": bf16},
+        {
+            "name": "mixtral",
+            "auto_class": "AutoModelForCausalLM",
+            "path": tiny_mixtral(str(root / "mixtral")),
+            "tokenizer": bf16,
+        },
     ]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", CHECK,
-                           str(root), json.dumps(cases)], env=run_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            CHECK,
+            str(root),
+            json.dumps(cases),
+        ],
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = {}
     for case in cases:
@@ -73,8 +104,10 @@ def checks(tiny, tiny_vlm, tmp_path_factory):
     return reports, root, {c["name"]: c for c in cases}
 
 
-@pytest.mark.parametrize("name, streamed", [("llama_bf16", True), ("llama_untied", True), ("reward", True),
-                                            ("llava", True), ("mixtral", False)])
+@pytest.mark.parametrize(
+    "name, streamed",
+    [("llama_bf16", True), ("llama_untied", True), ("reward", True), ("llava", True), ("mixtral", False)],
+)
 def test_every_process_gets_the_shards_of_the_loading_before(checks, name, streamed):
     reports, _, _ = checks
     for rank, report in enumerate(reports[name]):
@@ -127,13 +160,26 @@ from rloo_multigpu import shard
 from rloo_utils.processes import end_processes
 from rloo_utils.sharded import empty_model, save_sharded_model
 dist.init_process_group("gloo")
-model = shard(empty_model(AutoModelForCausalLM, {tiny['policy']!r}, torch.float32), init_device_mesh("cpu", (2,)), False, False)
-save_sharded_model({str(tmp_path / 'out')!r}, model, AutoTokenizer.from_pretrained({tiny['policy']!r}), max_shard_size="200KB")
+model = shard(empty_model(AutoModelForCausalLM, {tiny["policy"]!r}, torch.float32), init_device_mesh("cpu", (2,)), False, False)
+save_sharded_model({str(tmp_path / "out")!r}, model, AutoTokenizer.from_pretrained({tiny["policy"]!r}), max_shard_size="200KB")
 end_processes(0)
 """
     (tmp_path / "save.py").write_text(script)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(tmp_path / "save.py")], env=run_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(tmp_path / "save.py"),
+        ],
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "out" / "model.safetensors.index.json") as f:
         weight_map = json.load(f)["weight_map"]

@@ -46,11 +46,35 @@ def test_reward_functions_written_for_trl_run_unchanged(script, tiny, tmp_path):
     dataset (chat prompts; its default name is relative, so the same on every machine), with the sampled completions
     logged with their rewards and advantages; on 2 processes the table and the metrics hold every process's rows."""
     updates, prompts_per_update, G, steps_per_update = 3, 4, 4, 4
-    options = ["--model_name_or_path", tiny["policy"], "--reward_funcs", *REWARD_FUNCS, "--num_generations", G,
-               "--per_device_train_batch_size", 8, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
-               "--total_episodes", updates * prompts_per_update * G, "--max_completion_length", 8,
-               "--log_completions", "--num_completions_to_print", 2, "--num_sample_generations", 1,
-               "--min_p", 0.02, "--repetition_penalty", 1.2, "--run_name", "trl"]
+    options = [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--reward_funcs",
+        *REWARD_FUNCS,
+        "--num_generations",
+        G,
+        "--per_device_train_batch_size",
+        8,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--total_episodes",
+        updates * prompts_per_update * G,
+        "--max_completion_length",
+        8,
+        "--log_completions",
+        "--num_completions_to_print",
+        2,
+        "--num_sample_generations",
+        1,
+        "--min_p",
+        0.02,
+        "--repetition_penalty",
+        1.2,
+        "--run_name",
+        "trl",
+    ]
     if script == "rloo_multigpu.py":  # 2 processes of 8 rows each
         proc = run_torchrun(2, *options, "--per_device_train_batch_size", 4, cwd=tmp_path)
     else:
@@ -75,9 +99,20 @@ def test_reward_functions_written_for_trl_run_unchanged(script, tiny, tmp_path):
         assert row["log_metric/trainer_state/is_world_process_zero"] == (0.5 if script == "rloo_multigpu.py" else 1.0)
         table = [r for r in rows if r["step"] == row["episode"]]
         assert len(table) == prompts_per_update * G
-        assert set(table[0]) == {"step", "prompt", "completion", "curriculum_reward", "the_reward",
-                                 "async_length_reward", "advantage", "says_the", "completion_again",
-                                 "log_extra/completion", "log_extra/advantage", "log_extra/step"}
+        assert set(table[0]) == {
+            "step",
+            "prompt",
+            "completion",
+            "curriculum_reward",
+            "the_reward",
+            "async_length_reward",
+            "advantage",
+            "says_the",
+            "completion_again",
+            "log_extra/completion",
+            "log_extra/advantage",
+            "log_extra/step",
+        }
         for r in table:  # each logged column lines up with its row, on every process's rows
             assert r["completion_again"] == r["completion"] and r["says_the"] == ("the" in r["completion"].split())
             assert r["log_extra/completion"] == "not the completion" and r["log_extra/advantage"] == 1e9
@@ -86,10 +121,12 @@ def test_reward_functions_written_for_trl_run_unchanged(script, tiny, tmp_path):
         assert row["log_metric/fraction_saying_the"] == pytest.approx(sum(r["says_the"] for r in table) / len(table))
         assert row["log_metric/reward"] == -1e9 and row["log_metric/episode"] == -1  # a function's, under its own name
         assert row["episode"] == update * prompts_per_update * G
-        assert row["reward"] == pytest.approx(sum(r["curriculum_reward"] + r["the_reward"] + r["async_length_reward"]
-                                                  for r in table) / len(table), rel=1e-5)
+        assert row["reward"] == pytest.approx(
+            sum(r["curriculum_reward"] + r["the_reward"] + r["async_length_reward"] for r in table) / len(table),
+            rel=1e-5,
+        )
         for g in range(prompts_per_update):  # leave-one-out advantages of a group sum to 0
-            assert sum(r["advantage"] for r in table[g * G:(g + 1) * G]) == pytest.approx(0, abs=1e-4)
+            assert sum(r["advantage"] for r in table[g * G : (g + 1) * G]) == pytest.approx(0, abs=1e-4)
     assert "training completions at episode" in proc.stdout
     # what reward functions logged on the greedy sample prompts did not leak into the update's table or metrics
     assert len(jsonl(os.path.join(run_dir, "samples.jsonl"))) >= 4
@@ -122,33 +159,49 @@ def test_sampling_options_reach_hf_generate_and_vllm(tiny):
         args = rloo.Args(**options)
         config, _ = generation_configs(args, [tokenizer.eos_token_id], tokenizer.pad_token_id)
         torch.manual_seed(0)
-        out = policy.generate(**prompt, generation_config=config)[:, prompt["input_ids"].shape[1]:]
+        out = policy.generate(**prompt, generation_config=config)[:, prompt["input_ids"].shape[1] :]
         eos = tokenizer.eos_token_id
-        return config, [row[:row.index(eos) + 1] if eos in row else row for row in out.tolist()]  # up to the EOS
+        return config, [row[: row.index(eos) + 1] if eos in row else row for row in out.tolist()]  # up to the EOS
 
     config, plain = sample(max_completion_length=24, temperature=2.0)
     assert any(len(set(row)) < len(row) for row in plain)  # at temperature 2 some token comes twice...
-    config, no_repeats = sample(max_completion_length=24, temperature=2.0, min_p=0.01, repetition_penalty=1.3,
-                                generation_kwargs={"no_repeat_ngram_size": 1})
+    config, no_repeats = sample(
+        max_completion_length=24,
+        temperature=2.0,
+        min_p=0.01,
+        repetition_penalty=1.3,
+        generation_kwargs={"no_repeat_ngram_size": 1},
+    )
     assert (config.min_p, config.repetition_penalty, config.no_repeat_ngram_size) == (0.01, 1.3, 1)
     assert all(len(set(row)) == len(row) for row in no_repeats)  # ...never with no_repeat_ngram_size 1
     from vllm import SamplingParams
 
-    args = rloo_vllm.Args(model_name_or_path=tiny["policy"], min_p=0.05, repetition_penalty=1.1,
-                          generation_kwargs={"frequency_penalty": 0.5, "presence_penalty": 0.25})
+    args = rloo_vllm.Args(
+        model_name_or_path=tiny["policy"],
+        min_p=0.05,
+        repetition_penalty=1.1,
+        generation_kwargs={"frequency_penalty": 0.5, "presence_penalty": 0.25},
+    )
     check_args(args)
     check_vllm_args(args, server=False)
     params = SamplingParams(**sampling_options(args, [0], greedy=False), seed=1, detokenize=False)
-    assert (params.min_p, params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (0.05, 1.1, 0.5, 0.25)
+    assert (params.min_p, params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (
+        0.05,
+        1.1,
+        0.5,
+        0.25,
+    )
     greedy = sampling_options(args, [0], greedy=True)  # the engine check compares plain greedy log-probs
     assert "repetition_penalty" not in greedy and "frequency_penalty" not in greedy
     with pytest.raises(UsageError, match="no_repeat_ngram_size is not an option of vLLM's SamplingParams"):
         check_vllm_args(dataclasses.replace(args, generation_kwargs={"no_repeat_ngram_size": 2}), server=False)
 
 
-THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-                     "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
 
 
 def test_chat_template_kwargs_reach_the_prompts_and_the_reward_model(tiny):
@@ -157,24 +210,40 @@ def test_chat_template_kwargs_reach_the_prompts_and_the_reward_model(tiny):
     tokenizer.chat_template = THINKING_TEMPLATE
     chat = [[{"role": "user", "content": "the movie was"}]]
     plain, _, _, _ = rloo.tokenize_prompts(tokenizer, chat, 64, "cpu")
-    no_thinking, _, _, _ = rloo.tokenize_prompts(tokenizer, chat, 64, "cpu", chat_template_kwargs={"enable_thinking": False})
-    assert "<think></think>" not in tokenizer.decode(plain[0]) and tokenizer.decode(no_thinking[0]).endswith("<think></think>")
+    no_thinking, _, _, _ = rloo.tokenize_prompts(
+        tokenizer, chat, 64, "cpu", chat_template_kwargs={"enable_thinking": False}
+    )
+    assert "<think></think>" not in tokenizer.decode(plain[0]) and tokenizer.decode(no_thinking[0]).endswith(
+        "<think></think>"
+    )
     ids, _ = reward_model_inputs(tokenizer, chat, ["good"], torch.tensor([True]), {"enable_thinking": False})
-    assert tokenizer.decode(ids[0]).count("<|im_start|>") == 2  # the reward model reads the conversation, template args and all
+    assert (
+        tokenizer.decode(ids[0]).count("<|im_start|>") == 2
+    )  # the reward model reads the conversation, template args and all
 
 
 def custom_code_model(tiny, folder) -> str:
     """The tiny policy as a model transformers does not know: its config and class come from code in its folder."""
     shutil.copytree(tiny["policy"], folder)
     with open(os.path.join(folder, "configuration_tiny.py"), "w") as f:
-        f.write("from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n    model_type = 'tiny_custom'\n")
+        f.write(
+            "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n    model_type = 'tiny_custom'\n"
+        )
     with open(os.path.join(folder, "modeling_tiny.py"), "w") as f:
-        f.write("from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
-                "class TinyForCausalLM(LlamaForCausalLM):\n    config_class = TinyConfig\n")
+        f.write(
+            "from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+            "class TinyForCausalLM(LlamaForCausalLM):\n    config_class = TinyConfig\n"
+        )
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    config.update(model_type="tiny_custom", architectures=["TinyForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_tiny.TinyConfig", "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"})
+    config.update(
+        model_type="tiny_custom",
+        architectures=["TinyForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+        },
+    )
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     return str(folder)
@@ -186,21 +255,35 @@ def test_trust_remote_code_loads_a_model_with_its_own_code(tiny, prompts_file, t
     from transformers import AutoModelForCausalLM
 
     model = custom_code_model(tiny, tmp_path / "custom")
-    common = ["--model_name_or_path", model, "--dataset_name", prompts_file, "--total_episodes", 32,
-              "--max_completion_length", 8, "--num_sample_generations", 0, "--attn_implementation", "eager"]
+    common = [
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        prompts_file,
+        "--total_episodes",
+        32,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+        "--attn_implementation",
+        "eager",
+    ]
     check_one_line_error(run_rloo(*common, cwd=tmp_path), "trust_remote_code")
     proc = run_rloo(*common, "--trust_remote_code", "--run_name", "one", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_torchrun(2, *common, "--per_device_train_batch_size", 8, "--trust_remote_code", "--run_name", "two",
-                        cwd=tmp_path)
+    proc = run_torchrun(
+        2, *common, "--per_device_train_batch_size", 8, "--trust_remote_code", "--run_name", "two", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for run in ("one", "two"):
         saved = tmp_path / "runs" / run / "model"
         assert (saved / "modeling_tiny.py").exists() and (saved / "configuration_tiny.py").exists()
         assert json.load(open(saved / "config.json"))["model_type"] == "tiny_custom"
         assert type(AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True)).__name__ == "TinyForCausalLM"
-    check_one_line_error(run_rloo(*common[:-1], "no_such_kernel", "--trust_remote_code", cwd=tmp_path),
-                         "no_such_kernel")
+    check_one_line_error(
+        run_rloo(*common[:-1], "no_such_kernel", "--trust_remote_code", cwd=tmp_path), "no_such_kernel"
+    )
 
 
 def hub_cache_with_two_revisions(tiny, cache) -> None:
@@ -223,15 +306,43 @@ def test_model_revision_picks_the_version_every_load_reads(tiny, prompts_file, t
     cache = str(tmp_path / "hub")
     hub_cache_with_two_revisions(tiny, cache)
     env = {**run_env(), "HF_HUB_CACHE": cache}
-    common = [sys.executable, os.path.join(ROOT, "rloo.py"), "--model_name_or_path", "someone/tiny", "--dataset_name",
-              prompts_file, "--total_episodes", 32, "--max_completion_length", 8, "--num_sample_generations", 0]
-    run = lambda *extra: subprocess.run([*map(str, common), *extra], cwd=tmp_path, env=env, capture_output=True,  # noqa: E731
-                                        text=True, timeout=600)
+    common = [
+        sys.executable,
+        os.path.join(ROOT, "rloo.py"),
+        "--model_name_or_path",
+        "someone/tiny",
+        "--dataset_name",
+        prompts_file,
+        "--total_episodes",
+        32,
+        "--max_completion_length",
+        8,
+        "--num_sample_generations",
+        0,
+    ]
+    run = lambda *extra: subprocess.run(
+        [*map(str, common), *extra],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,  # noqa: E731
+        text=True,
+        timeout=600,
+    )
     check_one_line_error(run("--run_name", "main"), "could not load")
     proc = run("--model_revision", "v2", "--run_name", "v2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_torchrun(2, *common[2:], "--per_device_train_batch_size", 8, "--model_revision", "v2", "--run_name",
-                        "v2_two", cwd=tmp_path, env={"HF_HUB_CACHE": cache})
+    proc = run_torchrun(
+        2,
+        *common[2:],
+        "--per_device_train_batch_size",
+        8,
+        "--model_revision",
+        "v2",
+        "--run_name",
+        "v2_two",
+        cwd=tmp_path,
+        env={"HF_HUB_CACHE": cache},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_one_line_error(run("--model_revision", "v3", "--run_name", "v3"), "could not load")
 
@@ -240,8 +351,10 @@ def trl_config_fields() -> list[str]:
     """RLOOConfig's own fields in TRL 1.16 (not those of transformers' TrainingArguments), read in TRL's environment."""
     trl_python = os.path.join(ROOT, ".venv-trl", "bin", "python")
     assert os.access(trl_python, os.X_OK), "make TRL's environment first: see benchmark/requirements-trl.txt"
-    code = ("import dataclasses, trl, transformers; own = {f.name for f in dataclasses.fields(trl.RLOOConfig)} - "
-            "{f.name for f in dataclasses.fields(transformers.TrainingArguments)}; print(' '.join(sorted(own)))")
+    code = (
+        "import dataclasses, trl, transformers; own = {f.name for f in dataclasses.fields(trl.RLOOConfig)} - "
+        "{f.name for f in dataclasses.fields(transformers.TrainingArguments)}; print(' '.join(sorted(own)))"
+    )
     proc = subprocess.run([trl_python, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.split()
@@ -251,7 +364,7 @@ def migration_table() -> dict[str, str]:
     """The README's table: TRL's option -> what to give here (or why not)."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    section = readme[readme.index("<!-- migration table -->"):]
+    section = readme[readme.index("<!-- migration table -->") :]
     rows = re.findall(r"^\| `([a-z0-9_]+)` \| (.+) \|$", section, flags=re.M)
     return dict(rows)
 
@@ -262,10 +375,31 @@ def test_the_readme_maps_every_rlooconfig_field_of_trl():
     table = migration_table()
     missing = sorted(set(trl_config_fields()) - set(table))
     assert not missing, f"the README's migration table has no row for {missing}"
-    for name in ["learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "per_device_train_batch_size",
-                 "gradient_accumulation_steps", "max_grad_norm", "seed", "bf16", "gradient_checkpointing", "report_to",
-                 "output_dir", "save_steps", "save_total_limit", "resume_from_checkpoint", "run_name", "weight_decay",
-                 "model_name_or_path", "model_revision", "dtype", "trust_remote_code", "attn_implementation", "use_peft"]:
+    for name in [
+        "learning_rate",
+        "lr_scheduler_type",
+        "lr_scheduler_kwargs",
+        "warmup_steps",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "max_grad_norm",
+        "seed",
+        "bf16",
+        "gradient_checkpointing",
+        "report_to",
+        "output_dir",
+        "save_steps",
+        "save_total_limit",
+        "resume_from_checkpoint",
+        "run_name",
+        "weight_decay",
+        "model_name_or_path",
+        "model_revision",
+        "dtype",
+        "trust_remote_code",
+        "attn_implementation",
+        "use_peft",
+    ]:
         assert name in table, name
     import typing
 
@@ -274,7 +408,10 @@ def test_the_readme_maps_every_rlooconfig_field_of_trl():
     options = set()
     for script in (rloo, rloo_vllm, rloo_multigpu):
         for name, hint in typing.get_type_hints(script.Args, include_extras=True).items():  # names and aliases
-            options |= {name, *(a.lstrip("-") for m in getattr(hint, "__metadata__", ()) for a in getattr(m, "aliases", None) or ())}
+            options |= {
+                name,
+                *(a.lstrip("-") for m in getattr(hint, "__metadata__", ()) for a in getattr(m, "aliases", None) or ()),
+            }
     for trl_name, ours in table.items():
         for flag in re.findall(r"`--([a-z0-9_]+)[` ]", ours):
             assert flag in options, f"the row of {trl_name} names --{flag}, which no script has"
@@ -315,18 +452,25 @@ def test_a_resumed_run_cuts_every_table_back_to_its_checkpoint(tmp_path):
     assert jsonl(tmp_path / "completions.jsonl") == []
 
 
-def test_a_run_started_before_the_new_options_resumes(tmp_path):
-    """Its args.json lacks the options added since (they were at their defaults) and names the embedded dataset by
-    its absolute path: the same run; a changed option is still refused."""
+def test_a_run_of_an_earlier_version_is_refused_and_the_embedded_dataset_matches_by_path(tmp_path):
+    """An args.json that lacks an option added since (an earlier version of this project wrote it) is refused in one
+    line; the embedded dataset named by its absolute path is the same dataset; a changed option is refused."""
     args = rloo.resolve_defaults(rloo.Args())
     saved = json.loads(json.dumps(dataclasses.asdict(args)))
-    for name in ["trust_remote_code", "repetition_penalty", "min_p", "generation_kwargs", "log_completions"]:
-        del saved[name]
     saved["dataset_name"] = os.path.join(ROOT, "data", "movie_reviews")
     (tmp_path / "args.json").write_text(json.dumps(saved))
     check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
     with pytest.raises(UsageError, match="--repetition_penalty is 1.1 here but 1.0 in"):
         check_resumable(dataclasses.replace(args, repetition_penalty=1.1), str(tmp_path), rloo.RESUMABLE_CHANGES)
+    del saved["min_p"], saved["reward_timeout"]  # reward_timeout may change on resume: its absence is no matter
+    (tmp_path / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(
+        UsageError,
+        match=re.escape(
+            f"{tmp_path} has no --min_p in its args.json: another script or an earlier version of this project wrote it"
+        ),
+    ):
+        check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
 
 
 def test_generation_kwargs_go_to_the_generator_that_samples():

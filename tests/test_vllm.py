@@ -19,15 +19,34 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import (ROOT, check_one_line_error, free_port, read_metrics, run_env, run_outcome, run_rloo, start_vllm_server,
-                      wait_for_updates)
+from conftest import (
+    ROOT,
+    check_one_line_error,
+    free_port,
+    read_metrics,
+    run_env,
+    run_outcome,
+    run_rloo,
+    start_vllm_server,
+    wait_for_updates,
+)
 
 import rloo_vllm
 from rloo_utils.errors import UsageError
 from rloo_utils.options import check_args
-from rloo_utils.vllm_engine import (NCCL_SERVER_OPTION, VLLMServer, check_engine, check_vllm_args, nccl_transfer,
-                                    nccl_workers, pad_completions, rendezvous_address, sampler_support,
-                                    sampling_options, sampling_seeds)
+from rloo_utils.vllm_engine import (
+    NCCL_SERVER_OPTION,
+    VLLMServer,
+    check_engine,
+    check_vllm_args,
+    nccl_transfer,
+    nccl_workers,
+    pad_completions,
+    rendezvous_address,
+    sampler_support,
+    sampling_options,
+    sampling_seeds,
+)
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 PROMPTS = ["the movie was", "a very long film and", "it is"]
@@ -41,8 +60,11 @@ def hf_greedy(policy, tokenizer, n: int) -> list[list[int]]:
     out = []
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out.append(policy.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[],
-                                   pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist())
+        out.append(
+            policy.generate(
+                ids, max_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=tokenizer.pad_token_id
+            )[0, ids.shape[1] :].tolist()
+        )
     return out
 
 
@@ -84,7 +106,11 @@ def check_pushes(engine, tiny, args, monkeypatch):
     options = sampling_options(args, stop_ids=[], greedy=True)
     check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
     with monkeypatch.context() as m:
-        m.setattr(rloo_vllm, "weights_for_vllm", lambda p, dtype: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"})
+        m.setattr(
+            rloo_vllm,
+            "weights_for_vllm",
+            lambda p, dtype: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"},
+        )
         with torch.no_grad():
             policy.get_input_embeddings().weight.mul_(-1.0)
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
@@ -114,8 +140,9 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         outputs = engine.generate(prompts, sampling_options(args, [], greedy=False), [1, 2, 3])
         completion_ids, sampling_logprobs = pad_completions(outputs, 16, 0, [], torch.device("cpu"))
         with torch.no_grad():
-            trainer = rloo_vllm.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids,
-                                                    torch.ones_like(completion_ids), 0.7)
+            trainer = rloo_vllm.completion_logprobs(
+                policy, prompt_ids, prompt_mask, completion_ids, torch.ones_like(completion_ids), 0.7
+            )
         assert (trainer - sampling_logprobs).abs().max() < 1e-4
         # One seed per completion: the same seed gives the same completion, another seed another one
         again = engine.generate(prompts, sampling_options(args, [], greedy=False), [1, 2, 4])
@@ -188,10 +215,31 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
 
 
 def learning_args(tiny, data, *extra):
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:count_good",
-            "--total_episodes", 1280, "--per_device_train_batch_size", 32, "--max_completion_length", 8,
-            "--learning_rate", "3e-3", "--num_generations", 4, "--beta", 0, "--num_sample_generations", 0, "--seed", 3,
-            *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        f"{REWARDS}:count_good",
+        "--total_episodes",
+        1280,
+        "--per_device_train_batch_size",
+        32,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--num_generations",
+        4,
+        "--beta",
+        0,
+        "--num_sample_generations",
+        0,
+        "--seed",
+        3,
+        *extra,
+    ]
 
 
 def check_learns(tmp_path):
@@ -202,7 +250,8 @@ def check_learns(tmp_path):
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
     # vLLM sampled from the policy being trained: its log-probs are the trainer's, update after update
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), [
-        r["sampling/sampling_logp_difference/max"] for r in rows]
+        r["sampling/sampling_logp_difference/max"] for r in rows
+    ]
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in rows)
 
 
@@ -214,8 +263,11 @@ def test_a_colocated_run_raises_a_simple_reward(tiny, prompts_file, tmp_path):
 
 
 def test_a_server_run_raises_a_simple_reward(tiny, server, prompts_file, tmp_path):
-    proc = run_rloo(*learning_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"]),
-                    cwd=tmp_path, script="rloo_vllm.py")
+    proc = run_rloo(
+        *learning_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"]),
+        cwd=tmp_path,
+        script="rloo_vllm.py",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_learns(tmp_path)
 
@@ -223,11 +275,33 @@ def test_a_server_run_raises_a_simple_reward(tiny, server, prompts_file, tmp_pat
 def test_a_lora_run_samples_from_the_merged_weights_on_the_server(tiny, server, prompts_file, tmp_path):
     """--use_peft pushes the base weights with the adapter merged in (the trained copy left as it is): the server's
     log-probs are the trainer's after every update, while the adapter moves the policy away from the base."""
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--reward_funcs",
-                    f"{REWARDS}:text_length", "--total_episodes", 96, "--per_device_train_batch_size", 32,
-                    "--max_completion_length", 8, "--learning_rate", "3e-3", "--num_sample_generations", 0, "--use_peft",
-                    "--lora_target_modules", "all-linear", "--vllm_mode", "server", "--vllm_server_base_url", server["url"],
-                    cwd=tmp_path, script="rloo_vllm.py")
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--reward_funcs",
+        f"{REWARDS}:text_length",
+        "--total_episodes",
+        96,
+        "--per_device_train_batch_size",
+        32,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "3e-3",
+        "--num_sample_generations",
+        0,
+        "--use_peft",
+        "--lora_target_modules",
+        "all-linear",
+        "--vllm_mode",
+        "server",
+        "--vllm_server_base_url",
+        server["url"],
+        cwd=tmp_path,
+        script="rloo_vllm.py",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
@@ -235,13 +309,17 @@ def test_a_lora_run_samples_from_the_merged_weights_on_the_server(tiny, server, 
 
 
 @pytest.mark.parametrize("mode, temperature", [("colocate", 0.5), ("server", 2.0)])
-def test_a_run_at_any_temperature_passes_the_engine_check_and_samples_at_it(mode, temperature, tiny, server,
-                                                                           prompts_file, tmp_path):
+def test_a_run_at_any_temperature_passes_the_engine_check_and_samples_at_it(
+    mode, temperature, tiny, server, prompts_file, tmp_path
+):
     """The engine check compares greedy log-probs with greedy's (temperature 1); the samples' log-probs are the
     trainer's at --temperature."""
     where = ["--vllm_mode", "server", "--vllm_server_base_url", server["url"]] if mode == "server" else []
-    proc = run_rloo(*learning_args(tiny, prompts_file, "--total_episodes", 64, "--temperature", temperature, *where),
-                    cwd=tmp_path, script="rloo_vllm.py")
+    proc = run_rloo(
+        *learning_args(tiny, prompts_file, "--total_episodes", 64, "--temperature", temperature, *where),
+        cwd=tmp_path,
+        script="rloo_vllm.py",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:]  # vLLM's chat-template warmup logged one
     rows = read_metrics(tmp_path)
@@ -261,31 +339,51 @@ def test_the_trainer_takes_log_probs_on_the_tokens_vllms_sampler_can_draw(top_k,
     if min_p:  # vLLM's MinPLogitsProcessor.apply, in its own words: below min_p x the top probability is -inf
         probs = vllm_logits.softmax(-1)
         vllm_logits.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p, -float("inf"))
-    vllm_logits = apply_top_k_top_p_pytorch(vllm_logits, torch.full((6,), top_k) if top_k else None,
-                                           torch.full((6,), top_p) if top_p < 1 else None, allow_cpu_sync=True)
+    vllm_logits = apply_top_k_top_p_pytorch(
+        vllm_logits,
+        torch.full((6,), top_k) if top_k else None,
+        torch.full((6,), top_p) if top_p < 1 else None,
+        allow_cpu_sync=True,
+    )
     kept = sampler_support(top_k, top_p, min_p)(logits)
     assert torch.equal(kept, vllm_logits.isfinite()) and 0 < kept.sum() < kept.numel()
     # The log-probs of drawn tokens on that distribution are vLLM's processed_logprobs
     layer = torch.nn.Linear(40, 40, bias=False)
     torch.nn.init.eye_(layer.weight)
     ids = vllm_logits.argmax(-1)
-    _, on_support = rloo_vllm.logprobs_through_output_layer(layer, lambda x: x, logits, ids, 1.0,
-                                                             support=sampler_support(top_k, top_p, min_p))
+    _, on_support = rloo_vllm.logprobs_through_output_layer(
+        layer, lambda x: x, logits, ids, 1.0, support=sampler_support(top_k, top_p, min_p)
+    )
     torch.testing.assert_close(on_support, vllm_logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1))
     assert sampler_support(0, 1.0, None) is None and sampler_support(0, 1.0, 0.0) is None
 
 
-@pytest.mark.parametrize("script, mode", [("rloo_vllm.py", "colocate"), ("rloo_vllm.py", "server"),
-                                          ("rloo_multigpu.py", "server")])
+@pytest.mark.parametrize(
+    "script, mode", [("rloo_vllm.py", "colocate"), ("rloo_vllm.py", "server"), ("rloo_multigpu.py", "server")]
+)
 def test_with_top_p_the_importance_ratio_is_one_before_any_update(script, mode, tiny, server, prompts_file, tmp_path):
     """vLLM's log-probs with --top_p 0.9 are renormalised over the tokens it kept; the trainer's are taken on the same
     distribution, so at the first update (the trainer's weights are the engine's) the mean ratio is 1 to 1e-3. On the
     full distribution it would be the kept mass, about 0.9 a token on the random test model (0.9 ** 16 a completion)."""
     where = ["--vllm_server_base_url", server["url"]] if mode == "server" else []
     where += ["--vllm_mode", mode] if script == "rloo_vllm.py" else []
-    proc = run_rloo(*learning_args(tiny, prompts_file, "--total_episodes", 32, "--top_p", 0.9,
-                                   "--max_completion_length", 16, "--vllm_importance_sampling_mode", "sequence_truncate",
-                                   *where), cwd=tmp_path, script=script)
+    proc = run_rloo(
+        *learning_args(
+            tiny,
+            prompts_file,
+            "--total_episodes",
+            32,
+            "--top_p",
+            0.9,
+            "--max_completion_length",
+            16,
+            "--vllm_importance_sampling_mode",
+            "sequence_truncate",
+            *where,
+        ),
+        cwd=tmp_path,
+        script=script,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = read_metrics(tmp_path)
     assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, row
@@ -294,10 +392,35 @@ def test_with_top_p_the_importance_ratio_is_one_before_any_update(script, mode, 
 
 def resume_args(tiny, data, *extra):
     """6 updates of 2 epochs x 2 minibatches with a KL and sample tables, a checkpoint every 3 (as test_resume.py's)."""
-    return ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_funcs", f"{REWARDS}:slow_text_length",
-            "--total_episodes", 48, "--per_device_train_batch_size", 4, "--num_mini_batches", 2, "--num_ppo_epochs", 2,
-            "--max_completion_length", 8, "--learning_rate", 3e-3, "--beta", 0.1, "--num_sample_generations", 2,
-            "--save_steps", 3, "--run_name", "run", *extra]
+    return [
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        f"{REWARDS}:slow_text_length",
+        "--total_episodes",
+        48,
+        "--per_device_train_batch_size",
+        4,
+        "--num_mini_batches",
+        2,
+        "--num_ppo_epochs",
+        2,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        3e-3,
+        "--beta",
+        0.1,
+        "--num_sample_generations",
+        2,
+        "--save_steps",
+        3,
+        "--run_name",
+        "run",
+        *extra,
+    ]
 
 
 def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, tmp_path):
@@ -309,14 +432,20 @@ def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, t
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     metrics = interrupted / "runs" / "run" / "metrics.jsonl"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, resume_args(tiny, prompts_file))],
-                            cwd=interrupted, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, resume_args(tiny, prompts_file))],
+        cwd=interrupted,
+        env=run_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for_updates(proc, metrics, 4)
     proc.kill()
     proc.wait()
     assert sorted(os.listdir(interrupted / "runs" / "run" / "checkpoints")) == ["checkpoint-3"]
-    resumed = run_rloo(*resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=interrupted,
-                       script="rloo_vllm.py")
+    resumed = run_rloo(
+        *resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=interrupted, script="rloo_vllm.py"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     expected, got = run_outcome(str(reference / "runs" / "run")), run_outcome(str(interrupted / "runs" / "run"))
@@ -340,36 +469,71 @@ def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file
     refused(("vllm_max_model_length", 100), needles=["cannot hold a prompt and its completion (256 + 32)"])
     refused(("vllm_enable_sleep_mode", True), needles=["needs --vllm_mode colocate and a GPU"])
     refused(("vllm_importance_sampling_mode", "token_mask"), needles=["weights tokens", "sequence_mask"])
-    refused(("vllm_importance_sampling_clip_min", 4.0), needles=["0 <= clip_min < clip_max", "clip_min 4.0, clip_max 3.0"])
-    refused(("vllm_mode", "server"), ("vllm_server_base_url", "localhost:8000"), needles=["must look like http://host:port"])
+    refused(
+        ("vllm_importance_sampling_clip_min", 4.0), needles=["0 <= clip_min < clip_max", "clip_min 4.0, clip_max 3.0"]
+    )
+    refused(
+        ("vllm_mode", "server"), ("vllm_server_base_url", "localhost:8000"), needles=["must look like http://host:port"]
+    )
     # an OpenAI-style base URL: its /v1/models was a 404 blamed on a server not started
-    refused(("vllm_mode", "server"), ("vllm_server_base_url", "http://127.0.0.1:8000/v1"),
-            needles=["http://127.0.0.1:8000/v1 has a path: give the server's root, http://127.0.0.1:8000"])
-    check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_mode="server",
-                                              vllm_server_base_url="http://127.0.0.1:8000/"), server=True)  # a root with its slash
+    refused(
+        ("vllm_mode", "server"),
+        ("vllm_server_base_url", "http://127.0.0.1:8000/v1"),
+        needles=["http://127.0.0.1:8000/v1 has a path: give the server's root, http://127.0.0.1:8000"],
+    )
+    check_vllm_args(
+        rloo_vllm.Args(
+            model_name_or_path=tiny["policy"], vllm_mode="server", vllm_server_base_url="http://127.0.0.1:8000/"
+        ),
+        server=True,
+    )  # a root with its slash
     # server options in colocate mode were ignored
     refused(("vllm_server_port", 9000), needles=["--vllm_server_port is for a vLLM server and --vllm_mode is colocate"])
     refused(("vllm_server_base_url", "http://localhost:8000"), needles=["--vllm_server_base_url is for a vLLM server"])
     # the environment's KV cache size silently beat the option
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     refused(("vllm_cpu_kv_cache_gib", 2), needles=["VLLM_CPU_KVCACHE_SPACE=4", "--vllm_cpu_kv_cache_gib 2 disagree"])
-    check_vllm_args(rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_cpu_kv_cache_gib=4), server=False)  # agreeing
+    check_vllm_args(
+        rloo_vllm.Args(model_name_or_path=tiny["policy"], vllm_cpu_kv_cache_gib=4), server=False
+    )  # agreeing
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     # a context longer than the model's positions: named as what the user gave (it was "check the --vllm_* options")
     positions = json.load(open(os.path.join(tiny["policy"], "config.json")))["max_position_embeddings"]
-    for extra, needles in [(["--vllm_max_model_length", 100000], ["--vllm_max_model_length 100000 exceeds the"]),
-                           (["--max_completion_length", positions], [f"--max_completion_length (256 + {positions}) exceeds"])]:
-        proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, *extra, cwd=tmp_path,
-                        script="rloo_vllm.py")
+    for extra, needles in [
+        (["--vllm_max_model_length", 100000], ["--vllm_max_model_length 100000 exceeds the"]),
+        (["--max_completion_length", positions], [f"--max_completion_length (256 + {positions}) exceeds"]),
+    ]:
+        proc = run_rloo(
+            "--model_name_or_path",
+            tiny["policy"],
+            "--dataset_name",
+            prompts_file,
+            *extra,
+            cwd=tmp_path,
+            script="rloo_vllm.py",
+        )
         check_one_line_error(proc, *needles, f"{positions} positions", "max_position_embeddings")
-        assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # the run it did not start leaves nothing
+        assert not (tmp_path / "runs").exists() or not os.listdir(
+            tmp_path / "runs"
+        )  # the run it did not start leaves nothing
 
 
 def test_an_unreachable_server_is_one_line_and_leaves_nothing(tiny, prompts_file, tmp_path):
-    proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--vllm_mode", "server",
-                    "--vllm_server_port", free_port(), cwd=tmp_path, script="rloo_vllm.py")
-    check_one_line_error(proc, "does not answer /v1/models", "ConnectionRefusedError", "start the server first",
-                         "VLLM_SERVER_DEV_MODE=1")
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        prompts_file,
+        "--vllm_mode",
+        "server",
+        "--vllm_server_port",
+        free_port(),
+        cwd=tmp_path,
+        script="rloo_vllm.py",
+    )
+    check_one_line_error(
+        proc, "does not answer /v1/models", "ConnectionRefusedError", "start the server first", "VLLM_SERVER_DEV_MODE=1"
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -381,11 +545,34 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
 
     other = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     perturb(other, seed=7, scale=0.5)
-    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo_vllm.py"),
-                            *map(str, learning_args(tiny, prompts_file, "--total_episodes", 32 * 1000, "--save_steps", 1,
-                                                    "--run_name", "run", "--vllm_mode", "server",
-                                                    "--vllm_server_base_url", server["url"]))],
-                           cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "rloo_vllm.py"),
+            *map(
+                str,
+                learning_args(
+                    tiny,
+                    prompts_file,
+                    "--total_episodes",
+                    32 * 1000,
+                    "--save_steps",
+                    1,
+                    "--run_name",
+                    "run",
+                    "--vllm_mode",
+                    "server",
+                    "--vllm_server_base_url",
+                    server["url"],
+                ),
+            ),
+        ],
+        cwd=tmp_path,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_updates(run, tmp_path / "runs" / "run" / "metrics.jsonl", 1)
     intruder = VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
     try:
@@ -396,8 +583,9 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
     finally:
         intruder.close()
     _, run.stderr = run.communicate(timeout=60)
-    line = check_one_line_error(run, "does not sample from the policy", "another run sends weights to the same server",
-                                "continue with:")
+    line = check_one_line_error(
+        run, "does not sample from the policy", "another run sends weights to the same server", "continue with:"
+    )
     newest = max(os.listdir(tmp_path / "runs" / "run" / "checkpoints"), key=lambda c: int(c.split("-")[1]))
     assert line.endswith(f"--resume_from_checkpoint runs/run/checkpoints/{newest}")
 
@@ -407,7 +595,9 @@ def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(
     folders of processes that are gone, and only those."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    stale, alive = (tempfile.mkdtemp(prefix=f"rloo_vllm_weights_{pid}_", dir="/dev/shm") for pid in (gone.pid, os.getppid()))
+    stale, alive = (
+        tempfile.mkdtemp(prefix=f"rloo_vllm_weights_{pid}_", dir="/dev/shm") for pid in (gone.pid, os.getppid())
+    )
     for folder in (stale, alive):
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(bytes(3 * 2**20))
@@ -422,8 +612,9 @@ def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(
     assert not os.path.exists(engine.folder.name)
 
 
-def test_a_server_whose_model_cannot_take_the_policys_weights_is_one_line_before_any_push(tiny, server, prompts_file,
-                                                                                          tmp_path):
+def test_a_server_whose_model_cannot_take_the_policys_weights_is_one_line_before_any_push(
+    tiny, server, prompts_file, tmp_path
+):
     """A policy of another size: the push would have stopped the server's engine for good ("Worker failed with error
     ''"); both server clients refuse before it, and the server still answers."""
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
@@ -433,28 +624,55 @@ def test_a_server_whose_model_cannot_take_the_policys_weights_is_one_line_before
     LlamaForCausalLM(config).save_pretrained(tmp_path / "smaller")
     AutoTokenizer.from_pretrained(tiny["policy"]).save_pretrained(tmp_path / "smaller")
     for script, extra in [("rloo_vllm.py", ["--vllm_mode", "server"]), ("rloo_multigpu.py", [])]:
-        proc = run_rloo("--model_name_or_path", tmp_path / "smaller", "--dataset_name", prompts_file, *extra,
-                        "--vllm_server_base_url", server["url"], cwd=tmp_path, script=script)
-        check_one_line_error(proc, f"serves {tiny['policy']}, whose hidden_size is 128", "is 64",
-                             f"start it with --model {tmp_path / 'smaller'}")
+        proc = run_rloo(
+            "--model_name_or_path",
+            tmp_path / "smaller",
+            "--dataset_name",
+            prompts_file,
+            *extra,
+            "--vllm_server_base_url",
+            server["url"],
+            cwd=tmp_path,
+            script=script,
+        )
+        check_one_line_error(
+            proc,
+            f"serves {tiny['policy']}, whose hidden_size is 128",
+            "is 64",
+            f"start it with --model {tmp_path / 'smaller'}",
+        )
         assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
     body = {"model": tiny["policy"], "prompt": [1, 2, 3], "max_tokens": 2}
-    request = urllib.request.Request(server["url"] + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server["url"] + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     assert len(json.load(urllib.request.urlopen(request, timeout=60))["choices"]) == 1
 
 
-def test_a_server_started_without_processed_logprobs_is_one_line_before_training(tiny, prompts_file, tmp_path,
-                                                                                  tmp_path_factory):
+def test_a_server_started_without_processed_logprobs_is_one_line_before_training(
+    tiny, prompts_file, tmp_path, tmp_path_factory
+):
     """Its log-probs are not the sampling distribution's (it blamed the model); both server clients say so at once."""
     servers = start_vllm_server(tiny, tmp_path_factory, logprobs_mode="raw_logprobs")
     raw = next(servers)
     try:
         for script, extra in [("rloo_vllm.py", ["--vllm_mode", "server"]), ("rloo_multigpu.py", [])]:
-            proc = run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, *extra,
-                            "--vllm_server_base_url", raw["url"], cwd=tmp_path, script=script)
-            check_one_line_error(proc, f"the vLLM server at {raw['url']} returns log-probs as raw_logprobs",
-                                 "restart it with --logprobs-mode processed_logprobs")
+            proc = run_rloo(
+                "--model_name_or_path",
+                tiny["policy"],
+                "--dataset_name",
+                prompts_file,
+                *extra,
+                "--vllm_server_base_url",
+                raw["url"],
+                cwd=tmp_path,
+                script=script,
+            )
+            check_one_line_error(
+                proc,
+                f"the vLLM server at {raw['url']} returns log-probs as raw_logprobs",
+                "restart it with --logprobs-mode processed_logprobs",
+            )
             assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
     finally:
         servers.close()
@@ -462,22 +680,40 @@ def test_a_server_started_without_processed_logprobs_is_one_line_before_training
 
 def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint(tiny, server, prompts_file, tmp_path):
     """The last test of the module: it kills the server."""
-    args = [*resume_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"],
-                         "--vllm_server_timeout", 10)]
+    args = [
+        *resume_args(
+            tiny,
+            prompts_file,
+            "--vllm_mode",
+            "server",
+            "--vllm_server_base_url",
+            server["url"],
+            "--vllm_server_timeout",
+            10,
+        )
+    ]
     args[args.index("--save_steps") + 1] = 1
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)], cwd=tmp_path,
-                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)],
+        cwd=tmp_path,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
     wait_for_updates(proc, metrics, 2)
     os.killpg(server["process"].pid, signal.SIGKILL)
     server["process"].wait()
     _, stderr = proc.communicate(timeout=120)
     proc.stderr = stderr
-    line = check_one_line_error(proc, f"the vLLM server at {server['url']}", "continue with:",
-                                "--resume_from_checkpoint")
+    line = check_one_line_error(
+        proc, f"the vLLM server at {server['url']}", "continue with:", "--resume_from_checkpoint"
+    )
     checkpoints = sorted(os.listdir(tmp_path / "runs" / "run" / "checkpoints"))
-    assert checkpoints and all(os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / c / "policy") for c in checkpoints)
+    assert checkpoints and all(
+        os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / c / "policy") for c in checkpoints
+    )
     assert checkpoints[-1] in line
     with open(metrics) as f:
         assert len([json.loads(row) for row in f]) >= 2
-

@@ -39,10 +39,10 @@ def read_records(path: str) -> list:
         if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a header is padding
             pos += BLOCK - pos % BLOCK
             continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zero padding at the end of the file
             break
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == checksum, f"{path}: bad checksum at byte {pos}"
         pos += 7 + length
         pending += chunk
@@ -64,8 +64,14 @@ def read_offline_run(run_folder: str) -> dict:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             r = record.run
-            run.update(id=r.run_id, name=r.display_name, project=r.project, entity=r.entity, tags=list(r.tags),
-                       created=r.start_time.ToJsonString())
+            run.update(
+                id=r.run_id,
+                name=r.display_name,
+                project=r.project,
+                entity=r.entity,
+                tags=list(r.tags),
+                created=r.start_time.ToJsonString(),
+            )
             run["config"].update({item_key(u): json.loads(u.value_json) for u in r.config.update})
         elif kind == "config":
             run["config"].update({item_key(u): json.loads(u.value_json) for u in record.config.update})
@@ -154,13 +160,26 @@ class WandbApiStandin:
         steps = [json.loads(row["_step"]) for row in run["history"] if "_step" in row]
         return {
             "id": base64.b64encode(f"Run:v1:{run['id']}:{run['project']}:{run['entity']}".encode()).decode(),
-            "projectId": "1", "name": run["id"], "displayName": run["name"], "tags": run["tags"], "state": run["state"],
-            "config": json.dumps(stored_config(run)), "summaryMetrics": json.dumps(run["summary"]),
-            "systemMetrics": "{}", "historyLineCount": len(run["history"]),
+            "projectId": "1",
+            "name": run["id"],
+            "displayName": run["name"],
+            "tags": run["tags"],
+            "state": run["state"],
+            "config": json.dumps(stored_config(run)),
+            "summaryMetrics": json.dumps(run["summary"]),
+            "systemMetrics": "{}",
+            "historyLineCount": len(run["history"]),
             "historyKeys": {"lastStep": max(steps, default=-1), "keys": {}},
-            "user": {"name": run["entity"], "username": run["entity"]}, "createdAt": run["created"],
-            "heartbeatAt": run["created"], "sweepName": None, "group": None, "jobType": None, "commit": None,
-            "readOnly": False, "description": None, "notes": None,
+            "user": {"name": run["entity"], "username": run["entity"]},
+            "createdAt": run["created"],
+            "heartbeatAt": run["created"],
+            "sweepName": None,
+            "group": None,
+            "jobType": None,
+            "commit": None,
+            "readOnly": False,
+            "description": None,
+            "notes": None,
         }
 
     def find(self, variables: dict) -> list[dict]:
@@ -170,8 +189,14 @@ class WandbApiStandin:
         if name:
             query = {"$and": [query, {"name": name}]}
         project = (variables["entity"], variables["project"])
-        return [run for run in self.runs if (run["entity"], run["project"]) == project and matches(
-            {"config": stored_config(run), "tags": run["tags"], "username": run["entity"], "name": run["id"]}, query)]
+        return [
+            run
+            for run in self.runs
+            if (run["entity"], run["project"]) == project
+            and matches(
+                {"config": stored_config(run), "tags": run["tags"], "username": run["entity"], "name": run["id"]}, query
+            )
+        ]
 
     def answer(self, request: dict) -> dict:
         """The reply to one GraphQL request, by its operation's name (wandb-core does not always send operationName:
@@ -182,14 +207,32 @@ class WandbApiStandin:
         named = re.search(r"\b(?:query|mutation)\s+(\w+)", text)
         operation = request.get("operationName") or (named and named[1])
         if operation in ("Viewer", "GetDefaultEntity"):
-            return {"data": {"viewer": {"id": "VXNlcjox", "entity": "local", "username": "local", "email": "",
-                                        "flags": "{}", "teams": {"edges": []}}}}
+            return {
+                "data": {
+                    "viewer": {
+                        "id": "VXNlcjox",
+                        "entity": "local",
+                        "username": "local",
+                        "email": "",
+                        "flags": "{}",
+                        "teams": {"edges": []},
+                    }
+                }
+            }
         if operation == "Runs":
             found = self.find(variables)
             edges = [{"node": asked(self.node(run)), "cursor": run["id"]} for run in found]
             page = {"endCursor": edges[-1]["cursor"] if edges else None, "hasNextPage": False}
-            return {"data": {"project": {"internalId": "1", "runCount": len(found), "readOnly": False,
-                                         "runs": {"edges": edges, "pageInfo": page}}}}
+            return {
+                "data": {
+                    "project": {
+                        "internalId": "1",
+                        "runCount": len(found),
+                        "readOnly": False,
+                        "runs": {"edges": edges, "pageInfo": page},
+                    }
+                }
+            }
         if operation in ("Run", "RunHistoryKeys", "RunState", "HistoryPage", "RunParquetHistory"):
             found = self.find(variables)
             if not found:
@@ -199,7 +242,7 @@ class WandbApiStandin:
             if operation == "HistoryPage":
                 low, high = variables.get("minStep", 0), variables.get("maxStep", 1 << 62)
                 rows = [row_json(row) for row in run["history"] if low <= json.loads(row["_step"]) < high]
-                node["history"] = rows[:variables.get("pageSize")]
+                node["history"] = rows[: variables.get("pageSize")]
             if operation == "RunParquetHistory":
                 node["parquetHistory"] = {"liveData": [], "parquetUrls": []}
             return {"data": {"project": {"run": asked(node)}}}

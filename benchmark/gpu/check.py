@@ -72,6 +72,7 @@ class Skip(Exception):
 
 # ---- The models ------------------------------------------------------------------------------------------------------
 
+
 def build_models(work: str, size: str, device: str) -> dict:
     """Every model and prompt file the parts use, built from configs into work/models (once: reused when present and of
     this --size)."""
@@ -94,8 +95,11 @@ def build_models(work: str, size: str, device: str) -> dict:
     tiny_bf16 = os.path.join(models, "tiny_bf16")
     shutil.copytree(tiny["policy"], tiny_bf16)
     weights = os.path.join(tiny_bf16, "model.safetensors")
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(weights).items()}, weights,
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(weights).items()},
+        weights,
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(tiny_bf16, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(tiny_bf16, "config.json"), "w") as f:
@@ -105,9 +109,18 @@ def build_models(work: str, size: str, device: str) -> dict:
     rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)]
     prompts = write_jsonl(os.path.join(models, "prompts.jsonl"), rows)
     timing, timing_prompts = build_timing_model(os.path.join(models, "timing"), size, device)
-    paths = {"size": size, "tiny": tiny["policy"], "reward_model": tiny["reward"], "tiny_bf16": tiny_bf16,
-             "prompts": prompts, "vlm": vlm["policy"], "vlm_data": vlm["data"], "vlm_reward": vlm["reward"],
-             "timing": timing, "timing_prompts": timing_prompts}
+    paths = {
+        "size": size,
+        "tiny": tiny["policy"],
+        "reward_model": tiny["reward"],
+        "tiny_bf16": tiny_bf16,
+        "prompts": prompts,
+        "vlm": vlm["policy"],
+        "vlm_data": vlm["data"],
+        "vlm_reward": vlm["reward"],
+        "timing": timing,
+        "timing_prompts": timing_prompts,
+    }
     with open(done, "w") as f:
         json.dump(paths, f)
     return paths
@@ -121,16 +134,40 @@ def build_timing_model(path: str, size: str, device: str) -> tuple[str, str]:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    shape = (dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, head_dim=64, vocab_size=151936) if size == "full" else
-             dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=64, vocab_size=4096))
+    shape = (
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=151936,
+        )
+        if size == "full"
+        else dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            vocab_size=4096,
+        )
+    )
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, shape["vocab_size"])}}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    config = LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     with torch.device(device):  # initialising 0.5B random weights is quicker on the GPU
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -146,6 +183,7 @@ def build_timing_model(path: str, size: str, device: str) -> tuple[str, str]:
 
 
 # ---- Running the scripts ---------------------------------------------------------------------------------------------
+
 
 class Part:
     """What a part's process knows: where its runs go, the models, the device; the commands it ran, for the report."""
@@ -169,16 +207,24 @@ class Part:
         (the process, its log)."""
         os.makedirs(cwd, exist_ok=True)
         args = [str(a) for a in args]
-        launcher = [python] if nproc is None else \
-            [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        launcher = (
+            [python]
+            if nproc is None
+            else [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        )
         shown = ["python"] if nproc is None else ["torchrun", "--standalone", "--nproc_per_node", str(nproc)]
         self.commands.append(f"cd {cwd} && {shlex.join([*shown, os.path.relpath(script, ROOT), *args])}")
         self.save_commands()
         self.runs += 1
         log = os.path.join(self.folder, f"run{self.runs}.log")
         with open(log, "w") as out:
-            proc = subprocess.Popen([*launcher, THIS, "--measure", os.path.join(cwd, "peak"), script, *args], cwd=cwd,
-                                    env=os.environ, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [*launcher, THIS, "--measure", os.path.join(cwd, "peak"), script, *args],
+                cwd=cwd,
+                env=os.environ,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         return proc, log
 
     def run(self, script: str, *args, cwd: str, nproc=None, python=sys.executable) -> str:
@@ -188,8 +234,9 @@ class Part:
         with open(log) as f:
             output = f.read()
         if proc.returncode:
-            raise RuntimeError(f"{os.path.basename(script)} exited with {proc.returncode}; the end of its output:\n"
-                               f"{output[-4000:]}")
+            raise RuntimeError(
+                f"{os.path.basename(script)} exited with {proc.returncode}; the end of its output:\n{output[-4000:]}"
+            )
         return output
 
     def rloo(self, *args, cwd: str, script="rloo.py", nproc=None) -> dict:
@@ -205,17 +252,29 @@ def summary(run_dir: str, output: str) -> dict:
     and last rewards, peak memory of each process, and what the script said about its forwards."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    bad = sorted({k for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)
-                  and k != "val/ratio_var"})  # NaN for a single micro-batch (docs/metrics.md)
+    bad = sorted(
+        {
+            k
+            for r in rows
+            for k, v in r.items()
+            if isinstance(v, float) and not math.isfinite(v) and k != "val/ratio_var"
+        }
+    )  # NaN for a single micro-batch (docs/metrics.md)
     if not rows or bad:
         raise RuntimeError(f"{run_dir}: {len(rows)} updates logged; non-finite metrics: {bad}")
     if not saved(run_dir):
         raise RuntimeError(f"{run_dir}: no weights were saved in model/")
     timed = rows[1:] or rows
     said = [line.strip() for line in output.splitlines() if "padded forwards" in line or "padding-free" in line]
-    return {"updates": len(rows), "seconds_per_update": round(statistics.mean(r["time/update"] for r in timed), 4),
-            "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"], "kl_last": rows[-1].get("kl"),
-            **peaks(os.path.dirname(os.path.dirname(run_dir))), **({"forwards": said[:2]} if said else {})}
+    return {
+        "updates": len(rows),
+        "seconds_per_update": round(statistics.mean(r["time/update"] for r in timed), 4),
+        "reward_first": rows[0]["reward"],
+        "reward_last": rows[-1]["reward"],
+        "kl_last": rows[-1].get("kl"),
+        **peaks(os.path.dirname(os.path.dirname(run_dir))),
+        **({"forwards": said[:2]} if said else {}),
+    }
 
 
 def saved(run_dir: str) -> bool:
@@ -271,14 +330,24 @@ def measure(peak_file: str, script: str, args: list[str]) -> None:
 
 # ---- The parts -------------------------------------------------------------------------------------------------------
 
+
 def tiny_args(part: Part, *flags: str, **options) -> list:
     """4 updates of 8 completions (2 prompts x 4) of up to 8 tokens of the tiny model, with a KL and a sample table,
     scored by the tiny reward model (its random head never ties the scores: every update moves the weights); options
     given by name replace these, and the flags follow."""
-    defaults = {"model_name_or_path": part.models["tiny"], "dataset_name": part.models["prompts"],
-                "reward_model_path": part.models["reward_model"], "total_episodes": 32,
-                "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
-                "learning_rate": 3e-3, "beta": 0.05, "num_sample_generations": 1, "run_name": "run"}
+    defaults = {
+        "model_name_or_path": part.models["tiny"],
+        "dataset_name": part.models["prompts"],
+        "reward_model_path": part.models["reward_model"],
+        "total_episodes": 32,
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "learning_rate": 3e-3,
+        "beta": 0.05,
+        "num_sample_generations": 1,
+        "run_name": "run",
+    }
     if "reward_funcs" in options and "reward_model_path" not in options:
         del defaults["reward_model_path"]
     return as_args({**defaults, **options}) + list(flags)
@@ -292,6 +361,7 @@ def as_args(options: dict) -> list:
 def rloo_variant(*options):
     def part(p: Part) -> dict:
         return p.rloo(*tiny_args(p, *options), cwd=p.folder)
+
     return part
 
 
@@ -299,9 +369,11 @@ def padding_free(attention: str):
     def part(p: Part) -> dict:
         if attention == "flash_attention_2":
             import importlib.util
+
             if p.device != "cuda" or importlib.util.find_spec("flash_attn") is None:
                 raise Skip("the flash_attn package does not import here" if p.device == "cuda" else "needs CUDA")
         return p.rloo(*tiny_args(p, "--bf16", attn_implementation=attention), cwd=p.folder)
+
     return part
 
 
@@ -317,14 +389,17 @@ def rloo_bf16_saved_model(p: Part) -> dict:
     weights (~1e-4 at 0.02), which bf16 weights would round away. The saved model must have moved."""
     from safetensors.torch import load_file
 
-    result = p.rloo(*tiny_args(p, "--bf16", model_name_or_path=p.models["tiny_bf16"], dtype="float32",
-                               learning_rate=1e-5, beta=0), cwd=p.folder)
+    result = p.rloo(
+        *tiny_args(p, "--bf16", model_name_or_path=p.models["tiny_bf16"], dtype="float32", learning_rate=1e-5, beta=0),
+        cwd=p.folder,
+    )
     before = load_file(os.path.join(p.models["tiny_bf16"], "model.safetensors"))
     after = load_file(os.path.join(p.folder, "runs", "run", "model", "model.safetensors"))
     changed = sum(int((after[k].float() != before[k].float()).sum()) for k in before)
     total = sum(v.numel() for v in before.values())
-    result.update(saved_dtype=str(next(iter(after.values())).dtype),
-                  fraction_of_weights_changed=round(changed / total, 4))
+    result.update(
+        saved_dtype=str(next(iter(after.values())).dtype), fraction_of_weights_changed=round(changed / total, 4)
+    )
     if changed < 0.2 * total:
         raise RuntimeError(f"only {changed} of {total} weights changed: the small steps were rounded away ({result})")
     return result
@@ -332,21 +407,54 @@ def rloo_bf16_saved_model(p: Part) -> dict:
 
 def rloo_vlm(p: Part) -> dict:
     m = p.models
-    return p.rloo("--model_name_or_path", m["vlm"], "--dataset_name", m["vlm_data"], "--reward_funcs", m["vlm_reward"],
-                  "--total_episodes", 64, "--num_generations", 4, "--per_device_train_batch_size", 16,
-                  "--max_completion_length", 3, "--learning_rate", 3e-3, "--beta", 0.05, "--num_sample_generations", 1,
-                  "--bf16", "--run_name", "run", cwd=p.folder)
+    return p.rloo(
+        "--model_name_or_path",
+        m["vlm"],
+        "--dataset_name",
+        m["vlm_data"],
+        "--reward_funcs",
+        m["vlm_reward"],
+        "--total_episodes",
+        64,
+        "--num_generations",
+        4,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        3,
+        "--learning_rate",
+        3e-3,
+        "--beta",
+        0.05,
+        "--num_sample_generations",
+        1,
+        "--bf16",
+        "--run_name",
+        "run",
+        cwd=p.folder,
+    )
 
 
 def rloo_learns(p: Part) -> dict:
     """tests/test_end_to_end.py's task: 40 updates of 32 completions; the mean reward of the last 5 updates must pass
     that of the first 5 by 0.5 (the test asks 1.0 of the CPU's run; a GPU rounds otherwise)."""
-    result = p.rloo(*tiny_args(p, reward_funcs=f"{REWARDS}:count_good", total_episodes=1280,
-                               per_device_train_batch_size=32, beta=0, num_sample_generations=0, seed=3), cwd=p.folder)
+    result = p.rloo(
+        *tiny_args(
+            p,
+            reward_funcs=f"{REWARDS}:count_good",
+            total_episodes=1280,
+            per_device_train_batch_size=32,
+            beta=0,
+            num_sample_generations=0,
+            seed=3,
+        ),
+        cwd=p.folder,
+    )
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
         rewards = [json.loads(line)["reward"] for line in f]
-    result.update(reward_first_5=round(statistics.mean(rewards[:5]), 3),
-                  reward_last_5=round(statistics.mean(rewards[-5:]), 3))
+    result.update(
+        reward_first_5=round(statistics.mean(rewards[:5]), 3), reward_last_5=round(statistics.mean(rewards[-5:]), 3)
+    )
     if result["reward_last_5"] < result["reward_first_5"] + 0.5:
         raise RuntimeError(f"the reward did not rise: {result}")
     return result
@@ -357,7 +465,7 @@ def memory_per_parameter(p: Part) -> dict:
     output = p.run(os.path.join(ROOT, "benchmark", "memory_per_parameter.py"), *quick, cwd=p.folder)
     lines = output.strip().splitlines()
     table = [line for line in lines if line.startswith("|")]
-    return {"model": lines[0], "table": table, "notes": [line for line in lines[lines.index(table[-1]) + 1:] if line]}
+    return {"model": lines[0], "table": table, "notes": [line for line in lines[lines.index(table[-1]) + 1 :] if line]}
 
 
 def multigpu(nproc_of, *options):
@@ -365,10 +473,19 @@ def multigpu(nproc_of, *options):
     process) after its first checkpoint, then resumed with `--resume_from_checkpoint latest`; the two must be the same
     run. A reward function that takes 0.25 s next to the reward model keeps the updates slow enough to be killed in the
     middle of the run, however fast the GPU."""
+
     def part(p: Part) -> dict:
         nproc = nproc_of(p)
-        args = tiny_args(p, "--bf16", "--gradient_checkpointing", *options, total_episodes=48 * nproc, save_steps=2,
-                         reward_model_path=p.models["reward_model"], reward_funcs=f"{REWARDS}:slow_text_length")
+        args = tiny_args(
+            p,
+            "--bf16",
+            "--gradient_checkpointing",
+            *options,
+            total_episodes=48 * nproc,
+            save_steps=2,
+            reward_model_path=p.models["reward_model"],
+            reward_funcs=f"{REWARDS}:slow_text_length",
+        )
         whole = p.rloo(*args, cwd=os.path.join(p.folder, "whole"), script="rloo_multigpu.py", nproc=nproc)
         killed = os.path.join(p.folder, "killed")
         proc, log = p.start(os.path.join(ROOT, "rloo_multigpu.py"), args, killed, nproc)
@@ -380,14 +497,21 @@ def multigpu(nproc_of, *options):
         if saved(os.path.join(killed, "runs", "run")):
             raise RuntimeError("the run ended before it could be killed; nothing was resumed")
         killed_at = logged(metrics)
-        resumed = p.rloo(*args, "--resume_from_checkpoint", "latest", cwd=killed, script="rloo_multigpu.py",
-                         nproc=nproc)
+        resumed = p.rloo(
+            *args, "--resume_from_checkpoint", "latest", cwd=killed, script="rloo_multigpu.py", nproc=nproc
+        )
         differences = compare_runs(os.path.join(p.folder, "whole", "runs", "run"), os.path.join(killed, "runs", "run"))
-        result = {"processes": nproc, "killed_after_update": killed_at, "uninterrupted": whole, "resumed": resumed,
-                  "resume_differences": differences or "none: the same run"}
+        result = {
+            "processes": nproc,
+            "killed_after_update": killed_at,
+            "uninterrupted": whole,
+            "resumed": resumed,
+            "resume_differences": differences or "none: the same run",
+        }
         if differences:
             raise RuntimeError(f"the resumed run is not the uninterrupted one: {json.dumps(differences)}")
         return result
+
     return part
 
 
@@ -404,8 +528,15 @@ def compare_runs(a: str, b: str) -> dict:
 
     def metrics(run):
         with open(os.path.join(run, "metrics.jsonl")) as f:
-            return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK and not k.startswith(("perf/",
-                    "time/"))} for line in f]
+            return [
+                {
+                    k: v
+                    for k, v in json.loads(line).items()
+                    if k not in WALL_CLOCK and not k.startswith(("perf/", "time/"))
+                }
+                for line in f
+            ]
+
     differences = {}
     ma, mb = metrics(a), metrics(b)
     if len(ma) != len(mb):
@@ -427,19 +558,34 @@ def compare_runs(a: str, b: str) -> dict:
 def timing_args(p: Part, updates: int) -> dict:
     """The timing workload: 32 completions (8 prompts x 4) of up to 256 tokens (32 at size tiny), beta 0.05, lr 1e-6,
     one optimizer step per update, bf16 on a GPU (fp32 on a CPU), no gradient checkpointing."""
-    return {"completions": 32, "generations": 4, "max_tokens": 256 if p.size == "full" else 32, "updates": updates,
-            "bf16": p.device == "cuda"}
+    return {
+        "completions": 32,
+        "generations": 4,
+        "max_tokens": 256 if p.size == "full" else 32,
+        "updates": updates,
+        "bf16": p.device == "cuda",
+    }
 
 
 def timing_rloo(p: Part) -> dict:
     w = timing_args(p, updates=5)
-    options = {"model_name_or_path": p.models["timing"], "dataset_name": p.models["timing_prompts"],
-               "reward_funcs": "completion_length", "num_generations": w["generations"],
-               "per_device_train_batch_size": w["completions"], "max_completion_length": w["max_tokens"],
-               "total_episodes": w["completions"] * w["updates"], "beta": 0.05, "learning_rate": 1e-6,
-               "num_sample_generations": 0, "dtype": "float32", "run_name": "run"}
-    output = p.run(os.path.join(ROOT, "rloo.py"), *as_args(options), "--bf16" if w["bf16"] else "--no_bf16",
-                   cwd=p.folder)
+    options = {
+        "model_name_or_path": p.models["timing"],
+        "dataset_name": p.models["timing_prompts"],
+        "reward_funcs": "completion_length",
+        "num_generations": w["generations"],
+        "per_device_train_batch_size": w["completions"],
+        "max_completion_length": w["max_tokens"],
+        "total_episodes": w["completions"] * w["updates"],
+        "beta": 0.05,
+        "learning_rate": 1e-6,
+        "num_sample_generations": 0,
+        "dtype": "float32",
+        "run_name": "run",
+    }
+    output = p.run(
+        os.path.join(ROOT, "rloo.py"), *as_args(options), "--bf16" if w["bf16"] else "--no_bf16", cwd=p.folder
+    )
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]  # the first update warms up
 
@@ -447,37 +593,57 @@ def timing_rloo(p: Part) -> dict:
         return statistics.mean(r.get(key, 0.0) for r in rows)
 
     stages = {stage: round(mean("time/" + stage), 4) for stage in STAGES}
-    return {"workload": w, "seconds_per_update": round(mean("time/update"), 4),
-            "seconds_per_update_min": round(min(r["time/update"] for r in rows), 4), "stages": stages,
-            "other": round(mean("time/update") - sum(stages.values()), 4),
-            "tokens_per_completion": round(mean("completions/mean_length"), 1),
-            "tokens_per_second": round(mean("perf/tokens_per_second"), 1), **peaks(p.folder),
-            "said": [line for line in output.splitlines() if "optimizer steps" in line][:1]}
+    return {
+        "workload": w,
+        "seconds_per_update": round(mean("time/update"), 4),
+        "seconds_per_update_min": round(min(r["time/update"] for r in rows), 4),
+        "stages": stages,
+        "other": round(mean("time/update") - sum(stages.values()), 4),
+        "tokens_per_completion": round(mean("completions/mean_length"), 1),
+        "tokens_per_second": round(mean("perf/tokens_per_second"), 1),
+        **peaks(p.folder),
+        "said": [line for line in output.splitlines() if "optimizer steps" in line][:1],
+    }
 
 
 def timing_trl(p: Part) -> dict:
     w = timing_args(p, updates=5)
     try:
-        found = subprocess.run([p.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
-                               text=True)
+        found = subprocess.run(
+            [p.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
+        )
     except OSError as e:
         raise Skip(f"--trl_python {p.trl_python} does not run: {e}")
     if found.returncode:
         raise Skip(f"TRL does not import with {p.trl_python}: {found.stderr.strip().splitlines()[-1:]}")
     steps = os.path.join(p.folder, "steps.jsonl")
-    options = {"model_dir": p.models["timing"], "dataset": p.models["timing_prompts"], "reward": "completion_length",
-               "num_generations": w["generations"], "per_device_train_batch_size": w["completions"],
-               "max_completion_length": w["max_tokens"], "max_steps": w["updates"], "beta": 0.05, "learning_rate": 1e-6,
-               "bf16": str(w["bf16"]).lower(), "gradient_checkpointing": "false",
-               "output_dir": os.path.join(p.folder, "trl"), "log_file": steps}
+    options = {
+        "model_dir": p.models["timing"],
+        "dataset": p.models["timing_prompts"],
+        "reward": "completion_length",
+        "num_generations": w["generations"],
+        "per_device_train_batch_size": w["completions"],
+        "max_completion_length": w["max_tokens"],
+        "max_steps": w["updates"],
+        "beta": 0.05,
+        "learning_rate": 1e-6,
+        "bf16": str(w["bf16"]).lower(),
+        "gradient_checkpointing": "false",
+        "output_dir": os.path.join(p.folder, "trl"),
+        "log_file": steps,
+    }
     p.run(os.path.join(ROOT, "benchmark", "trl_baseline.py"), *as_args(options), cwd=p.folder, python=p.trl_python)
     with open(steps) as f:
         rows = [json.loads(line) for line in f][1:]  # the first step warms up
     seconds = [r["seconds"] for r in rows]
-    return {"workload": w, "trl": found.stdout.strip(), "seconds_per_update": round(statistics.mean(seconds), 4),
-            "seconds_per_update_min": round(min(seconds), 4),
-            "tokens_per_completion": round(statistics.mean(r["completions/mean_length"] for r in rows), 1),
-            **peaks(p.folder)}
+    return {
+        "workload": w,
+        "trl": found.stdout.strip(),
+        "seconds_per_update": round(statistics.mean(seconds), 4),
+        "seconds_per_update_min": round(min(seconds), 4),
+        "tokens_per_completion": round(statistics.mean(r["completions/mean_length"] for r in rows), 1),
+        **peaks(p.folder),
+    }
 
 
 PARTS = {  # name: (function, is a timing)
@@ -515,6 +681,7 @@ def run_part(name: str, work: str, device: str, size: str, nproc: int, trl_pytho
 
 # ---- The orchestration and the report --------------------------------------------------------------------------------
 
+
 def kill_marked(marker: str, prefix: bool = False) -> None:
     """SIGKILL every other process whose environment holds MARKER=marker (or a marker that starts so, with prefix): what
     a part started, torchrun's workers too, which leave its process group. Again until none is left (one may have
@@ -538,8 +705,9 @@ def launch(command: list[str], timeout: float, env: dict, marker: str) -> dict:
     and output."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**env, MARKER: marker},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**env, MARKER: marker}, start_new_session=True
+        )
         try:
             proc.wait(timeout=max(timeout, 1))
             status = {0: "passed", SKIPPED: "skipped"}.get(proc.returncode, "failed")
@@ -549,8 +717,12 @@ def launch(command: list[str], timeout: float, env: dict, marker: str) -> dict:
             status = "timed out"
         out.seek(0)
         output = out.read()
-    return {"status": status, "seconds": round(time.perf_counter() - start, 1), "exit": proc.returncode,
-            "output": output[-6000:]}
+    return {
+        "status": status,
+        "seconds": round(time.perf_counter() - start, 1),
+        "exit": proc.returncode,
+        "output": output[-6000:],
+    }
 
 
 def environment(env: dict) -> dict:
@@ -576,8 +748,12 @@ print(json.dumps(out))
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     found = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         found["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     return found
 
@@ -588,8 +764,25 @@ def install_wheels(wheels: str, work: str, env: dict) -> dict:
     if not found:
         return {"wheels": f"none in {wheels}: the parts run with this Python's own packages"}
     site = os.path.join(work, "site")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--no-cache-dir", "--upgrade", "--target", site, *found], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            site,
+            *found,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         return {"wheels": f"pip install of {wheels} failed: {proc.stderr[-1500:]}"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
@@ -603,30 +796,47 @@ def write_report(out: str, report: dict) -> None:
         json.dump(report, f, indent=1, default=str)
     e, parts = report["environment"], report["parts"]
     trl = parts.get("timing_trl", {}).get("results", {}).get("trl") or e.get("trl")
-    lines = [f"# GPU check: {', '.join(e.get('devices') or []) or 'no CUDA device'} ({report['device']}, size "
-             f"{report['size']})", "",
-             f"{report['started']}, {report['seconds']:.0f} s. torch {e.get('torch')} (CUDA {e.get('cuda')}), "
-             f"Python {e.get('python')}, transformers {e.get('transformers')}, peft {e.get('peft')}, trl {trl}, "
-             f"datasets {e.get('datasets')}, tyro {e.get('tyro')}, flash_attn {e.get('flash_attn')}; "
-             f"nvidia-smi: {e.get('nvidia_smi', '-')}", "",
-             f"Command: `{report['command']}`", "", "| part | status | seconds | numbers |", "|---|---|---|---|"]
+    lines = [
+        f"# GPU check: {', '.join(e.get('devices') or []) or 'no CUDA device'} ({report['device']}, size "
+        f"{report['size']})",
+        "",
+        f"{report['started']}, {report['seconds']:.0f} s. torch {e.get('torch')} (CUDA {e.get('cuda')}), "
+        f"Python {e.get('python')}, transformers {e.get('transformers')}, peft {e.get('peft')}, trl {trl}, "
+        f"datasets {e.get('datasets')}, tyro {e.get('tyro')}, flash_attn {e.get('flash_attn')}; "
+        f"nvidia-smi: {e.get('nvidia_smi', '-')}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| part | status | seconds | numbers |",
+        "|---|---|---|---|",
+    ]
     for name, part in parts.items():
         numbers = part.get("reason") or brief(part.get("results", {}))
         lines.append(f"| {name} | {part['status']} | {part.get('seconds', '')} | {numbers} |")
-    timings = {name: parts[name]["results"] for name in ("timing_rloo", "timing_trl")
-               if "results" in parts.get(name, {})}
+    timings = {
+        name: parts[name]["results"] for name in ("timing_rloo", "timing_trl") if "results" in parts.get(name, {})
+    }
     if timings:
         workload = next(iter(timings.values()))["workload"]
-        lines += ["", "## Seconds per update, rloo.py and TRL's RLOOTrainer", "",
-                  f"{workload['completions']} completions ({workload['completions'] // workload['generations']} "
-                  f"prompts x {workload['generations']}) of up to {workload['max_tokens']} tokens, "
-                  f"{'bf16' if workload['bf16'] else 'fp32'}, mean of updates 2-{workload['updates']}, one after the "
-                  "other with nothing else running.", "", "| | " + " | ".join(timings) + " |",
-                  "|---|" + "---|" * len(timings)]
-        rows = [("seconds per update", "seconds_per_update"), ("fastest update", "seconds_per_update_min"),
-                ("tokens per completion", "tokens_per_completion"),
-                ("peak GPU memory (GiB)", "peak_cuda_max_allocated_gib"),
-                ("peak resident memory (GiB)", "peak_max_rss_gib")]
+        lines += [
+            "",
+            "## Seconds per update, rloo.py and TRL's RLOOTrainer",
+            "",
+            f"{workload['completions']} completions ({workload['completions'] // workload['generations']} "
+            f"prompts x {workload['generations']}) of up to {workload['max_tokens']} tokens, "
+            f"{'bf16' if workload['bf16'] else 'fp32'}, mean of updates 2-{workload['updates']}, one after the "
+            "other with nothing else running.",
+            "",
+            "| | " + " | ".join(timings) + " |",
+            "|---|" + "---|" * len(timings),
+        ]
+        rows = [
+            ("seconds per update", "seconds_per_update"),
+            ("fastest update", "seconds_per_update_min"),
+            ("tokens per completion", "tokens_per_completion"),
+            ("peak GPU memory (GiB)", "peak_cuda_max_allocated_gib"),
+            ("peak resident memory (GiB)", "peak_max_rss_gib"),
+        ]
         rows += [(f"{stage} (s)", stage) for stage in STAGES]
         for label, key in rows:
             values = [t.get(key, t.get("stages", {}).get(key)) for t in timings.values()]
@@ -634,8 +844,16 @@ def write_report(out: str, report: dict) -> None:
                 lines.append(f"| {label} | " + " | ".join("" if v is None else str(v) for v in values) + " |")
     if "results" in parts.get("memory_per_parameter", {}):
         memory = parts["memory_per_parameter"]["results"]
-        lines += ["", "## Bytes per parameter (benchmark/memory_per_parameter.py)", "", memory["model"], "",
-                  *memory["table"], "", *memory["notes"]]
+        lines += [
+            "",
+            "## Bytes per parameter (benchmark/memory_per_parameter.py)",
+            "",
+            memory["model"],
+            "",
+            *memory["table"],
+            "",
+            *memory["notes"],
+        ]
     for name, part in parts.items():
         if part["status"] in ("failed", "timed out"):
             lines += ["", f"## {name}: {part['status']}", "", "```", part.get("output", "")[-3000:], "```"]
@@ -650,9 +868,21 @@ def write_report(out: str, report: dict) -> None:
 
 def brief(results: dict) -> str:
     """The numbers of a part that fit a table cell (all of them are in report.json)."""
-    keep = ("seconds_per_update", "tokens_per_completion", "reward_first_5", "reward_last_5", "kl_last",
-            "peak_cuda_max_allocated_gib", "peak_max_rss_gib", "fraction_of_weights_changed", "saved_dtype", "forwards",
-            "processes", "killed_after_update", "resume_differences")
+    keep = (
+        "seconds_per_update",
+        "tokens_per_completion",
+        "reward_first_5",
+        "reward_last_5",
+        "kl_last",
+        "peak_cuda_max_allocated_gib",
+        "peak_max_rss_gib",
+        "fraction_of_weights_changed",
+        "saved_dtype",
+        "forwards",
+        "processes",
+        "killed_after_update",
+        "resume_differences",
+    )
     shown = {k: v for k, v in {**results.get("uninterrupted", {}), **results}.items() if k in keep}
     if "table" in results:
         return "the table below"
@@ -662,8 +892,12 @@ def brief(results: dict) -> str:
 def check_folders(parser, cli) -> None:
     """Before anything runs: numbers in range, and folders the kit may write: --out new, or holding no report; --work
     new, empty, or one the kit made (it deletes its models/ and parts/ there), so that nothing of the user's is lost."""
-    for option, value in (("--jobs", cli.jobs), ("--nproc", cli.nproc), ("--part_timeout", cli.part_timeout),
-                          ("--deadline", cli.deadline)):
+    for option, value in (
+        ("--jobs", cli.jobs),
+        ("--nproc", cli.nproc),
+        ("--part_timeout", cli.part_timeout),
+        ("--deadline", cli.deadline),
+    ):
         if value is not None and not value >= 1:
             parser.error(f"{option} is {value}: give at least 1")
     if os.path.exists(cli.out) and not os.path.isdir(cli.out):
@@ -682,17 +916,27 @@ def main():
     parser.error = lambda message: sys.exit(f"check.py: error: {message}")  # one line, no usage block
     parser.add_argument("--out", help="folder for report.md and report.json (made if absent)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--size", choices=["full", "tiny"], default=None,
-                        help="full: the timing model of Qwen2.5-0.5B's shape (default on cuda); tiny: a small one")
-    parser.add_argument("--only", nargs="+", choices=list(PARTS), metavar="PART",
-                        help=f"run these parts alone: {', '.join(PARTS)}")
+    parser.add_argument(
+        "--size",
+        choices=["full", "tiny"],
+        default=None,
+        help="full: the timing model of Qwen2.5-0.5B's shape (default on cuda); tiny: a small one",
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=list(PARTS), metavar="PART", help=f"run these parts alone: {', '.join(PARTS)}"
+    )
     parser.add_argument("--jobs", type=int, default=None, help="checks run at once (default: 4 on cuda, 1 on cpu)")
     parser.add_argument("--part_timeout", type=float, default=240, help="seconds each part may take")
-    parser.add_argument("--deadline", type=float, default=560,
-                        help="seconds for the whole command (a part is cut at it, and none starts after it): the "
-                             "report is written before a command limit of 10 minutes stops it")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="processes of multigpu_every_process (default: every GPU, 2 on cpu)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=560,
+        help="seconds for the whole command (a part is cut at it, and none starts after it): the "
+        "report is written before a command limit of 10 minutes stops it",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="processes of multigpu_every_process (default: every GPU, 2 on cpu)"
+    )
     parser.add_argument("--wheels", default=os.path.join(ROOT, "benchmark", "gpu", "wheels"))
     parser.add_argument("--trl_python", default=sys.executable, help="the Python that runs TRL (timing_trl)")
     parser.add_argument("--work", default=None, help="scratch folder (models are reused from it when present)")
@@ -724,8 +968,14 @@ def main():
         parser.error(f"--work {work} is in use by another check.py: give another folder")
     except OSError as e:
         parser.error(f"cannot write there: {e}: give --out and --work folders you can write")
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "160",
+    }
     trl_python = os.path.abspath(cli.trl_python) if os.sep in cli.trl_python else cli.trl_python
     if cli.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the scripts take a GPU when they see one
@@ -734,12 +984,22 @@ def main():
     if cli.device == "cuda" and not found.get("cuda_available"):
         if not cli.work:  # the temporary folder this command made: nothing of it is kept
             shutil.rmtree(work, ignore_errors=True)
-        sys.exit(f"check.py: error: torch sees no CUDA device here ({found.get('error') or found.get('torch')}): "
-                 "run with --device cpu --size tiny for the CPU check")
+        sys.exit(
+            f"check.py: error: torch sees no CUDA device here ({found.get('error') or found.get('torch')}): "
+            "run with --device cpu --size tiny for the CPU check"
+        )
     nproc = cli.nproc or (len(found.get("devices") or []) if cli.device == "cuda" else 2)
-    report = {"command": shlex.join(["python", os.path.relpath(THIS, ROOT), *sys.argv[1:]]), "started": started,
-              "device": cli.device, "size": size, "environment": found, "wheels": wheels["wheels"], "work": work,
-              "parts": {}, "seconds": 0.0}
+    report = {
+        "command": shlex.join(["python", os.path.relpath(THIS, ROOT), *sys.argv[1:]]),
+        "started": started,
+        "device": cli.device,
+        "size": size,
+        "environment": found,
+        "wheels": wheels["wheels"],
+        "work": work,
+        "parts": {},
+        "seconds": 0.0,
+    }
     names = cli.only or list(PARTS)
     report["parts"] = {name: {"status": "not run"} for name in names}
     running, stopping = set(), threading.Event()
@@ -783,10 +1043,17 @@ def main():
         if not stopping.is_set():
             record(name, outcome)
 
-    print(f"check.py: {cli.device} ({', '.join(found.get('devices') or []) or 'no CUDA device'}), size {size}, "
-          f"work folder {work}, report in {cli.out}", flush=True)
-    models = launch([sys.executable, THIS, "--models", work, size, cli.device], deadline - time.perf_counter(), env,
-                    f"{work}:models")
+    print(
+        f"check.py: {cli.device} ({', '.join(found.get('devices') or []) or 'no CUDA device'}), size {size}, "
+        f"work folder {work}, report in {cli.out}",
+        flush=True,
+    )
+    models = launch(
+        [sys.executable, THIS, "--models", work, size, cli.device],
+        deadline - time.perf_counter(),
+        env,
+        f"{work}:models",
+    )
     report["models"] = {k: models[k] for k in ("status", "seconds")}
     if models["status"] != "passed":
         for name in names:
@@ -803,8 +1070,10 @@ def main():
     report["seconds"] = time.perf_counter() - clock
     write_report(cli.out, report)
     failed = [n for n, p in report["parts"].items() if p["status"] not in ("passed", "skipped")]
-    print(f"check.py: {len(names) - len(failed)} of {len(names)} parts passed or skipped in {report['seconds']:.0f} s; "
-          f"report in {os.path.join(cli.out, 'report.md')}" + (f"; not passed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"check.py: {len(names) - len(failed)} of {len(names)} parts passed or skipped in {report['seconds']:.0f} s; "
+        f"report in {os.path.join(cli.out, 'report.md')}" + (f"; not passed: {', '.join(failed)}" if failed else "")
+    )
     sys.exit(1 if failed else 0)
 
 
