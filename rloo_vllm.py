@@ -38,18 +38,11 @@ import tyro
 from rich.console import Console
 
 from rloo_utils.checkpoints import (
-    RunGuard,
-    check_skipped_steps,
     claim_run,
     load_checkpoint_weights,
     report_one_line_error,
     resume_point,
-    resumed_counters,
-    rng_states,
     save_model,
-    set_rng_states,
-    stop_after_update_on_signals,
-    stopped_message,
 )
 from rloo_utils.data import (
     EMBEDDED_DATASET,
@@ -63,7 +56,6 @@ from rloo_utils.data import (
 )
 from rloo_utils.errors import NonFiniteWeights, RunError, Terminated
 from rloo_utils.logs import (
-    ProgressBar,
     StageTimer,
     completion_metrics,
     completion_rows,
@@ -682,7 +674,7 @@ def main(args: Args) -> None:
     extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
     image_col = image_column(train_dataset.column_names, args.dataset_name)  # vision-language prompts; None: text
     server = VLLMServer(args) if args.vllm_mode == "server" else None  # reachable, before the run claims anything
-    run_dir, output_dir, guard = claim_run(args, checkpoint, batch_size)
+    run_dir, output_dir, guard = claim_run(args, checkpoint, training_state, batch_size)
     run_name = os.path.basename(run_dir)
 
     random.seed(args.seed)
@@ -759,15 +751,8 @@ def main(args: Args) -> None:
     )
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # A resumed run starts where its checkpoint ends: weights (above), optimizer, schedule, counters, data position,
-    # random generators (restored just before the loop) and logs.
-    start_update, episode, num_tokens, skipped_steps, skipped_in_a_row, seconds_before = resumed_counters(
-        training_state
-    )
-    if checkpoint is not None:
-        optimizer.load_state_dict(training_state["optimizer"])
-        scheduler.load_state_dict(training_state["scheduler"])
-    logger = open_logger(args, run_dir, training_state)
+    # The logs, and the progress bar (a resumed run's continue where its checkpoint ends)
+    logger = open_logger(args, run_dir, training_state, console, num_updates)
     console.print(
         f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
         f"{G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
@@ -895,25 +880,7 @@ def main(args: Args) -> None:
         policy.save_pretrained(os.path.join(folder, "policy"))
         (processor or tokenizer).save_pretrained(os.path.join(folder, "policy"))
 
-    def run_state(update: int) -> dict:
-        """The training state after `update`: all a checkpoint holds but the weights, optimizer and scheduler (RunGuard
-        adds them when it saves)."""
-        return {
-            "update": update,
-            "episode": episode,
-            "num_tokens": num_tokens,
-            "skipped_steps": skipped_steps,
-            "skipped_in_a_row": skipped_in_a_row,
-            "seconds": time.time() - start_time,
-            "rng": rng_states(),
-            "logger": logger.state(),
-        }
-
     # ---- Training loop -----------------------------------------------------------------------------------------------
-    stop_signals = stop_after_update_on_signals(console)  # Ctrl-C, SIGTERM: a checkpoint after this update, then exit
-    batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=start_update)  # one per update
-    start_time = time.time() - seconds_before
-    progress = ProgressBar(console, num_updates, start_update)
     probe = tokenize_prompts(tokenizer, text_prompts(train_dataset[:2]["prompt"]), args.max_prompt_length, device)[:2]
 
     def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast, packing)
@@ -922,13 +889,14 @@ def main(args: Args) -> None:
 
     check_engine(engine, *probe, greedy_config, greedy_logprobs)
     recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
-    if sample_every and start_update == 0:
-        sample_table(episode)
-    if checkpoint is not None:
-        set_rng_states(training_state["rng"])
-    # From here on a failure leaves a checkpoint: of the last complete update, or of the one it cut short (RunGuard)
-    guard.watch(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, run_state(start_update))
-    for update in range(start_update + 1, num_updates + 1):
+    # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
+    # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
+    # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
+    progress = guard.start(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, console, num_updates)
+    batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
+    for update in range(progress.update + 1, num_updates + 1):
+        if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
+            sample_table(progress.episode)
         timer = StageTimer()
         update_start = time.perf_counter()
 
@@ -981,7 +949,7 @@ def main(args: Args) -> None:
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         trainer_state.global_step, trainer_state.epoch = (
             (update - 1) * steps_per_update,
-            (episode / G) / len(train_dataset),
+            (progress.episode / G) / len(train_dataset),
         )
         with timer("reward"):
             rewards_per_func, completions = score(
@@ -1079,13 +1047,14 @@ def main(args: Args) -> None:
                     scheduler.step()  # a skipped step counts too: the schedule follows the updates
                 losses.append(step_loss)
                 grad_norms.append(grad_norm.detach().float())
-                skipped_steps += not stepped
-                skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
+                progress.skipped_steps += not stepped
+                progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
         # Weight sync: the next rollout (and sample table) samples from the updated policy
         with timer("weight_sync"):
             engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
-        episode += batch_size
-        num_tokens += int(prompt_mask.sum() + completion_mask.sum())
+        progress.update = update
+        progress.episode += batch_size
+        progress.num_tokens += int(prompt_mask.sum() + completion_mask.sum())
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
         micro = dict(zip(stats, torch.stack([torch.stack(v).float() for v in stats.values()]).tolist()))  # one sync
@@ -1093,10 +1062,10 @@ def main(args: Args) -> None:
         update_seconds = time.perf_counter() - update_start
         logged_columns, logged_metrics = reward_logs.take(len(prompts))  # what reward functions logged
         metrics = {
-            "episode": episode,
+            "episode": progress.episode,
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
-            "eps": episode / (time.time() - start_time),
-            "num_tokens": num_tokens,  # prompt and completion tokens so far (TRL 1.16)
+            "eps": progress.episode / (time.time() - progress.start_time),
+            "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
             **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
@@ -1111,7 +1080,7 @@ def main(args: Args) -> None:
             "advantages/mean": float(advantages[in_loss, 0].mean()) if in_loss.any() else 0.0,
             "advantages/std": float(advantages[in_loss, 0].std()) if in_loss.sum() > 1 else 0.0,
             "prompts/truncated": num_truncated,
-            "optim/skipped_steps": skipped_steps,
+            "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
             "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
@@ -1121,8 +1090,7 @@ def main(args: Args) -> None:
         if ref_policy is not None:
             metrics["objective/kl"] = float(kl.sum(1).mean())
             metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
-        logger.log(metrics, episode)
-        progress.update(metrics)
+        logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
             rows = completion_rows(
                 [message_text(p) for p in gather_objects(prompts)],
@@ -1132,36 +1100,20 @@ def main(args: Args) -> None:
                 advantages[:, 0],
                 logged_columns,
             )
-            show_samples(console, logger, rows, episode, "completions", args.num_completions_to_print)
-        guard.update_done(
-            run_state(update)
-        )  # complete: a failure from here on (a sample table's reward) keeps it whole
-        if sample_every and (update % sample_every == 0 or update == num_updates):
-            sample_table(episode)
-            guard.update_done(run_state(update))  # the table's rows counted in the logs a checkpoint records
-
+            show_samples(console, logger, rows, progress.episode, "completions", args.num_completions_to_print)
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
-        stop = stop_signals[0] if stop_signals else 0
-        if (args.save_steps and update % args.save_steps == 0) or stop:
-            save_start = time.perf_counter()
-            saved = guard.save()
-            console.print(f"wrote {saved} in {time.perf_counter() - save_start:.2f} s")
-        check_skipped_steps(skipped_in_a_row, args.max_skipped_steps, update, num_optimizer_steps)
-        if stop:
-            progress.stop()
-            logger.close()
-            print(stopped_message(stop, update, num_updates, saved), flush=True)
-            sys.exit(128 + stop)  # as a shell reports a signal: a pipeline must not take this for success
-    progress.stop()
+        guard.update_done(progress)
+    if sample_every:
+        sample_table(progress.episode)  # the trained policy
 
     # ---- Output ------------------------------------------------------------------------------------------------------
     engine.close()
     save_model(output_dir, policy, processor or tokenizer)  # with --use_peft: the adapter
     if args.save_merged_model:
         save_model(os.path.join(output_dir, "merged"), policy, processor or tokenizer, merged=True)
-    RunGuard.active = None  # the model is saved: nothing left to rescue
+    guard.finished()  # the model is saved: nothing left to rescue
     logger.close()
-    console.print(f"saved the trained model to {output_dir} ({time.time() - start_time:.0f} s)")
+    console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")
 
 
 # ---- vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch --------

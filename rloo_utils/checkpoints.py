@@ -14,7 +14,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -26,7 +26,7 @@ from rloo_utils.errors import NonFiniteWeights, RunError, Terminated, UsageError
 from rloo_utils.lora import is_peft_model, merged_weights, trained_names, transformers_model
 from rloo_utils.models import from_pretrained, weights_finite
 from rloo_utils.options import launch_world_size
-from rloo_utils.processes import agreed, from_rank_0, get_rank, get_world_size
+from rloo_utils.processes import agreed, end_processes, from_rank_0, get_rank, get_world_size, max_over_processes
 
 
 def report_one_line_error(exc_type, exc, tb):
@@ -474,33 +474,112 @@ def resume_command(argv: list[str], checkpoint: str) -> str:
     return shlex.join([*launcher, argv[0], *kept, "--resume_from_checkpoint", checkpoint])
 
 
+@dataclass
+class Progress:
+    """Where a run is after its last complete update: with the weights, the optimizer and scheduler states, the random
+    generators and where the logs end, what a checkpoint holds."""
+
+    update: int = 0
+    episode: int = 0  # completions trained on
+    num_tokens: int = 0  # prompt and completion tokens trained on (TRL 1.16)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    skipped_in_a_row: int = 0
+    start_time: float = 0.0  # time.time() at the run's start, as if it had never stopped
+
+
 class RunGuard:
-    """What a failure leaves behind. A run that has trained nothing removes the folders it created, so that the same
-    command can simply be run again. A run that has trained writes a checkpoint before it exits, so that nothing it
+    """Checkpoints, resume, signals, and what a failure leaves behind: the training loop calls start() before it and
+    update_done() at the end of each update. A run that has trained nothing removes the folders it created, so that the
+    same command can simply be run again. A run that has trained writes a checkpoint before it exits, so that nothing it
     learned is lost, and its error ends with the command that continues it. report_one_line_error (sys.excepthook)
     calls on_failure."""
 
     active: Optional["RunGuard"] = None
 
-    def __init__(self, args, run_dir: str, created: list[str], batch_size: int):
+    def __init__(self, args, run_dir: str, created: list[str], batch_size: int, training_state: Optional[dict]):
         self.args, self.run_dir, self.created, self.batch_size = args, run_dir, created, batch_size
+        self.training_state = training_state  # of the checkpoint the run resumes from (None: a new run)
         self.watching, self.state = False, None
         RunGuard.active = self
 
-    def watch(self, save_weights: Callable[[str], None], stateful: dict, logger, state: dict) -> None:
-        """From here on a failure writes a checkpoint. save_weights(folder): the weights (and the optimizer state, if
-        not in `stateful`); stateful: the objects whose state_dict() a checkpoint holds, the "scheduler" among them;
-        state: the training state where the run starts."""
-        self.save_weights, self.stateful, self.logger = save_weights, stateful, logger
-        self.watching, self.first_update = True, state["update"]
-        self.update_done(state)
+    def start(
+        self,
+        save_weights: Callable[[str], None],
+        stateful: dict,
+        logger,
+        console,
+        num_updates: int,
+        closing: tuple = (),
+    ) -> Progress:
+        """Where the training loop starts: a resumed run's `stateful` objects (optimizer, scheduler) and random
+        generators restored, and its counters returned. From here on Ctrl-C and SIGTERM stop the run after its update
+        (update_done), and a failure writes a checkpoint. save_weights(folder): the weights (and the optimizer state,
+        if not in `stateful`); stateful: the objects whose state_dict() a checkpoint holds, the "scheduler" among
+        them; closing: what a stop closes besides the logger."""
+        saved = self.training_state
+        progress = Progress(start_time=time.time())
+        if saved is not None:
+            progress = Progress(
+                saved["update"],
+                saved["episode"],
+                saved["num_tokens"],
+                saved["skipped_steps"],
+                saved["skipped_in_a_row"],
+                time.time() - saved["seconds"],
+            )
+            for name, stateful_object in stateful.items():
+                stateful_object.load_state_dict(saved[name])
+            set_rng_states(saved["rng"][get_rank()] if isinstance(saved["rng"], list) else saved["rng"])
+        self.save_weights, self.stateful, self.logger, self.console = save_weights, stateful, logger, console
+        self.num_updates, self.closing = num_updates, closing
+        self.stop_signals = stop_after_update_on_signals(console)
+        self.watching, self.first_update = True, progress.update
+        self.record(progress)
+        return progress
 
     def optimizer_steps(self) -> int:
         return self.stateful["scheduler"].last_epoch  # the scheduler counts optimizer steps
 
-    def update_done(self, state: dict) -> None:
-        """state: the training state (all but `stateful`) after a complete update."""
-        self.state, self.steps_at_state = state, self.optimizer_steps()
+    def record(self, progress: Progress) -> None:
+        """The training state after a complete update (all a checkpoint holds but `stateful`): what a failure keeps."""
+        self.steps_at_state = self.optimizer_steps()
+        state = {k: v for k, v in asdict(progress).items() if k != "start_time"}
+        every_process = dist.is_initialized()  # rloo_multigpu.py: the generators of each process, in rank order
+        self.state = {
+            **state,
+            "seconds": time.time() - progress.start_time,
+            "logger": self.logger.state(),
+            "rng": rng_states_of_every_process() if every_process else rng_states(),
+        }
+
+    def update_done(self, progress: Progress) -> None:
+        """At the end of an update: a checkpoint every --save_steps updates, and before the run stops on Ctrl-C or
+        SIGTERM (exit status 128 + the signal, as a shell reports one) or on too many skipped steps (one line).
+        Every process takes the same decisions together."""
+        self.record(progress)
+        stop = max_over_processes(self.stop_signals[0] if self.stop_signals else 0)  # any process's signal
+        if (self.args.save_steps and progress.update % self.args.save_steps == 0) or stop:
+            save_start = time.perf_counter()
+            saved = self.save()
+            self.console.print(f"wrote {saved} in {time.perf_counter() - save_start:.2f} s")
+        with agreed():  # every process has the same count: they stop together
+            num_optimizer_steps = self.num_updates * self.args.num_ppo_epochs * self.args.num_mini_batches
+            check_skipped_steps(
+                progress.skipped_in_a_row, self.args.max_skipped_steps, progress.update, num_optimizer_steps
+            )
+        if stop:
+            for opened in (self.logger, *self.closing):
+                opened.close()
+            if get_rank() == 0:
+                print(stopped_message(stop, progress.update, self.num_updates, saved), flush=True)
+            RunGuard.active = None  # stopped as asked: nothing to rescue
+            if dist.is_initialized():
+                end_processes(128 + stop)
+            sys.exit(128 + stop)
+
+    def finished(self) -> None:
+        """The trained model is saved: nothing left to rescue."""
+        RunGuard.active = None
 
     def save(self, state: Optional[dict] = None) -> str:
         """Write the checkpoint of `state` (default: the last complete update); keep the newest --save_total_limit."""
@@ -566,18 +645,6 @@ class RunGuard:
         return f"; {where}; continue with: {resume_command(sys.argv, path)}"
 
 
-def resumed_counters(training_state: Optional[dict]) -> tuple[int, int, int, int, int, float]:
-    """(update, episode, num_tokens, skipped_steps, skipped_in_a_row, seconds of training) where a checkpoint's training
-    state ends; zeros for a new run (training_state None)."""
-    if training_state is None:
-        return 0, 0, 0, 0, 0, 0.0
-    return (
-        *(training_state[k] for k in ("update", "episode")),
-        training_state.get("num_tokens", 0),  # (older: 0)
-        *(training_state[k] for k in ("skipped_steps", "skipped_in_a_row", "seconds")),
-    )
-
-
 def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:
     """The checkpoint --resume_from_checkpoint names and its training state, checked (None, None: a new run)."""
     if args.resume_from_checkpoint is None:
@@ -591,7 +658,9 @@ def run_dir_of(checkpoint: str) -> str:
     return os.path.relpath(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))))
 
 
-def claim_run(args, checkpoint: Optional[str], batch_size: int) -> tuple[str, str, RunGuard]:
+def claim_run(
+    args, checkpoint: Optional[str], training_state: Optional[dict], batch_size: int
+) -> tuple[str, str, RunGuard]:
     """The run folder (a new runs/<run_name>, or the checkpoint's), locked for as long as this process lives against a
     second run; the folder the trained model goes to, reserved; and the RunGuard that from here on removes what this
     run created if it fails before training, or leaves a checkpoint once it has trained. Returns (run folder, output
@@ -604,7 +673,7 @@ def claim_run(args, checkpoint: Optional[str], batch_size: int) -> tuple[str, st
             if checkpoint:  # the run may have gone on, and ended, between finding its newest checkpoint and the lock
                 find_checkpoint(checkpoint, None)
     run_dir = from_rank_0(run_dir)
-    guard = RunGuard(args, run_dir, created=[] if checkpoint else [run_dir], batch_size=batch_size)
+    guard = RunGuard(args, run_dir, [] if checkpoint else [run_dir], batch_size, training_state)
     guard.lock = lock  # held (open) until the process ends
     output_dir = args.output_dir or os.path.join(run_dir, "model")
     with agreed():

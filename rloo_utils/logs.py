@@ -25,9 +25,11 @@ TABLES = ("samples", "completions")  # the tables a run logs (Logger.log_table),
 class Logger:
     """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
 
-    def __init__(self, args, run_name: str, run_dir: str, resume: Optional[dict] = None):
+    def __init__(self, args, run_name: str, run_dir: str, resume: Optional[dict] = None, progress_bar=None):
         """resume: the Logger.state() a checkpoint holds. Rows logged after that checkpoint are dropped, since the
-        resumed run logs those updates again: no step appears twice, none is missing."""
+        resumed run logs those updates again: no step appears twice, none is missing. progress_bar: a ProgressBar that
+        each row of metrics moves on."""
+        self.progress_bar = progress_bar
         from torch.utils.tensorboard import SummaryWriter
 
         sizes = (resume or {}).get("sizes", {})
@@ -73,6 +75,8 @@ class Logger:
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.metrics_file.flush()
         self.last_step = step
+        if self.progress_bar is not None:
+            self.progress_bar.update(metrics)
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         """A table's rows (`samples`: greedy sample completions; `completions`: the sampled training ones, with their
@@ -107,6 +111,8 @@ class Logger:
         }
 
     def close(self, failed: bool = False) -> None:
+        if self.progress_bar is not None:
+            self.progress_bar.stop()
         self.writer.close()
         for f in [self.metrics_file, *self.table_files.values()]:
             f.close()
@@ -136,12 +142,14 @@ class QuietLogger:
         return {}
 
 
-def open_logger(args, run_dir: str, training_state: Optional[dict]):
-    """The run's Logger, continuing the logs of a resumed run (training_state: its checkpoint's); on processes other
-    than rank 0, one that writes nothing."""
+def open_logger(args, run_dir: str, training_state: Optional[dict], console, num_updates: int):
+    """The run's Logger and its progress bar, continuing the logs of a resumed run (training_state: its checkpoint's);
+    on processes other than rank 0, one that writes nothing."""
     if get_rank() != 0:
         return QuietLogger()
-    return Logger(args, os.path.basename(run_dir), run_dir, resume=training_state["logger"] if training_state else None)
+    progress_bar = ProgressBar(console, num_updates, training_state["update"] if training_state else 0)
+    resume = training_state["logger"] if training_state else None
+    return Logger(args, os.path.basename(run_dir), run_dir, resume, progress_bar)
 
 
 def show_samples(console, logger, rows: list[dict], step: int, name: str = "samples", num_printed=None) -> None:
@@ -276,9 +284,9 @@ class ProgressBar:
             console=console,
         )
         self.task = self.progress.add_task("", total=num_updates, completed=start_update)
-        self.progress.start()
 
     def update(self, metrics: dict) -> None:
+        self.progress.start()  # at the first update: nothing of the set-up's output is drawn over (again: no-op)
         self.progress.update(
             self.task,
             advance=1,

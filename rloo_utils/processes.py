@@ -70,3 +70,12 @@ def from_rank_0(value):
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A shard (DTensor) gathered whole, where the group's collectives run (a collective); any other tensor as it is."""
     return tensor.to(tensor.device_mesh.device_type).full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of every process's value (a collective); with no process group, the value itself."""
+    if not dist.is_initialized():
+        return value
+    largest = torch.tensor(value)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest)
