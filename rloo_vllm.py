@@ -258,8 +258,8 @@ class Args:
     """each token's advantage carries the KL penalties from that token on (REINFORCE++ eq. 1)"""
     advantage_estimator: Literal["rloo", "grpo", "dr_grpo", "reinforce_pp"] = "rloo"
     """baseline within each group of G: rloo = mean of the other G-1; grpo, dr_grpo, reinforce_pp = the group mean"""
-    advantage_normalization: Optional[Literal["none", "group", "batch"]] = None
-    """none, group (/ group std) or batch (whitened); None: the estimator's own (docs/algorithm.md)"""
+    advantage_normalization: Literal["estimator", "none", "group", "batch"] = "estimator"
+    """scaling of the centred advantages: none, group (/ group std), batch (whitened), or the estimator's own"""
     normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
     """TRL's name for --advantage_normalization batch"""
     loss_type: Literal["sequence", "token", "cispo", "gspo", "sapo"] = "sequence"
@@ -364,26 +364,31 @@ RESUMABLE_CHANGES = {
 }
 
 
+# The scaling an estimator comes with, in its paper; any other: none
+ESTIMATOR_NORMALIZATION = {"grpo": "group", "reinforce_pp": "batch"}
+
+
 def resolve_defaults(args: Args) -> Args:
     """Fill in the defaults that depend on other options (after the checks, which see what the user gave)."""
-    gspo = args.loss_type == "gspo"
+    gspo = args.loss_type == "gspo"  # the GSPO paper's clip range, on its sequence ratio
     epsilon = args.epsilon if args.epsilon is not None else (3e-4 if gspo else 0.2)
-    normalization = {"rloo": "none", "grpo": "group", "dr_grpo": "none", "reinforce_pp": "batch"}[
-        args.advantage_estimator
-    ]
+    epsilon_high = args.epsilon_high
+    if epsilon_high is None:
+        epsilon_high = 4e-4 if gspo and args.epsilon is None else epsilon
+    normalization = args.advantage_normalization
+    if normalization == "estimator":
+        normalization = ESTIMATOR_NORMALIZATION.get(args.advantage_estimator, "none")
+        normalization = "batch" if args.normalize_advantages else normalization
+    aggregation = args.loss_aggregation or ("seq-mean-token-mean" if gspo else "token-mean")
+    sapo = args.loss_type == "sapo"
     return replace(
         args,
         epsilon=epsilon,
-        epsilon_high=args.epsilon_high
-        if args.epsilon_high is not None
-        else (4e-4 if gspo and args.epsilon is None else epsilon),
-        advantage_normalization=args.advantage_normalization
-        or ("batch" if args.normalize_advantages else normalization),
-        loss_aggregation=None
-        if args.loss_type == "sequence"
-        else (args.loss_aggregation or ("seq-mean-token-mean" if gspo else "token-mean")),
-        sapo_tau_pos=(args.sapo_tau_pos or 1.0) if args.loss_type == "sapo" else None,
-        sapo_tau_neg=(args.sapo_tau_neg or 1.05) if args.loss_type == "sapo" else None,
+        epsilon_high=epsilon_high,
+        advantage_normalization=normalization,
+        loss_aggregation=None if args.loss_type == "sequence" else aggregation,
+        sapo_tau_pos=(args.sapo_tau_pos or 1.0) if sapo else None,
+        sapo_tau_neg=(args.sapo_tau_neg or 1.05) if sapo else None,
     )
 
 

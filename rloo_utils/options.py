@@ -480,7 +480,7 @@ SCHEDULE_ARGUMENTS = {
 def check_estimator_and_loss(args) -> None:
     """The combinations of estimator, normalisation and loss that do not make sense are refused, each with the
     reason."""
-    if args.normalize_advantages and args.advantage_normalization not in (None, "batch"):
+    if args.normalize_advantages and args.advantage_normalization not in ("estimator", "batch"):
         raise UsageError(
             f"--normalize_advantages means --advantage_normalization batch, which contradicts "
             f"--advantage_normalization {args.advantage_normalization}; give one of them"
