@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo, write_jsonl
+from rloo_utils.errors import UsageError
+from rloo_utils.models import load_reward_tokenizer
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 # Metric names of both TRL generations (seeds 001 and 003, and TRL 1.16's RLOOTrainer), which openrlbenchmark
@@ -476,8 +478,8 @@ def test_a_reward_model_with_its_own_tokenizer_scores_the_text(tiny, other_rewar
             scores = [model(torch.tensor([row])).logits[0, 0].item() for row in (ids, ids + [tokenizer.eos_token_id])]
         assert min(abs(sample["reward"] - s) for s in scores) < 1e-4, (sample, scores)
     # Chat prompts need its chat template, since its layout of a conversation is not the policy's
-    with pytest.raises(__import__("rloo_utils").UsageError, match="has no chat template to lay out the conversation"):
-        __import__("rloo_utils").load_reward_tokenizer(other_reward, tiny["tokenizer"], chat_prompts=True)
+    with pytest.raises(UsageError, match="has no chat template to lay out the conversation"):
+        load_reward_tokenizer(other_reward, tiny["tokenizer"], chat_prompts=True)
 
 
 def test_token_level_kl_changes_the_token_loss(tiny, prompts_file, tmp_path):

@@ -467,7 +467,8 @@ def test_no_allocator_options_without_a_gpu(no_alloc_conf):
 
 
 def test_importing_rloo_utils_on_the_cpu_sets_nothing():
-    code = "import os, rloo_utils; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    """rloo_utils.models, which every script imports, calls expandable_segments_by_default() when imported."""
+    code = "import os, rloo_utils.models; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
     env = {k: v for k, v in run_env().items() if k not in ALLOC_VARS}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
