@@ -42,6 +42,20 @@ from rloo_utils.checkpoints import (
 )
 from rloo_utils.data import EMBEDDED_DATASET, content_text, image_column, left_pad, load_datasets, prompt_batches
 from rloo_utils.errors import NonFiniteWeights, RunError, Terminated
+from rloo_utils.evaluation import (
+    check_metric_values,
+    data_sources,
+    evaluation_plan,
+    evaluation_prompts,
+    evaluation_seeds,
+    evaluation_summary,
+    evaluation_updates,
+    joined_metric_values,
+    metric_funcs,
+    own_random_streams,
+    per_source_metrics,
+    task_metrics,
+)
 from rloo_utils.logs import (
     StageTimer,
     completion_metrics,
@@ -80,6 +94,7 @@ from rloo_utils.rewards import (
     TrainerState,
     call_reward_funcs,
     check_reward_range,
+    reward_func_arguments,
     reward_model_inputs,
     reward_sources,
 )
@@ -122,7 +137,7 @@ class Args:
     dataset_train_split: str = "train"
     """the split to train on"""
     dataset_test_split: str = "test"
-    """the split the sample completions are drawn from (train prompts are used if it does not exist)"""
+    """the held-out split: evaluation and sample tables (none: no evaluation, sample tables from the train split)"""
     max_prompt_length: int = 256
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
     chat_template_kwargs: JsonObject = None
@@ -254,6 +269,22 @@ class Args:
     padding_free: bool = True
     """forwards on real tokens only, sequences packed into rows (docs/speed.md)"""
 
+    # Held-out evaluation (its metrics: docs/metrics.md)
+    eval_steps: float = 0.5
+    """evaluate on the test split every N updates (below 1: that fraction of the run) and at the end; 0: never"""
+    eval_on_start: bool = True
+    """also evaluate before the first update (TRL's name; with --eval_steps > 0)"""
+    max_eval_prompts: Optional[int] = None
+    """evaluate on the first N prompts of the test split; None: all of them"""
+    num_generations_eval: Optional[int] = None
+    """completions per test prompt, the n of mean@n and best@k / pass@k; None: --num_generations"""
+    eval_temperature: Optional[float] = None
+    """the evaluation's sampling temperature (0: greedy, with --num_generations_eval 1); None: --temperature"""
+    eval_success_threshold: Optional[float] = None
+    """a completion whose reward is at least this is a success, and pass@k is logged; None: no such test"""
+    eval_metric_funcs: Optional[list[str]] = None
+    """metrics of the evaluation only, never trained on (the reward-function signature; booleans give pass@k)"""
+
     # Logging
     num_sample_generations: int = 10
     """how many times to print and log a table of sample completions (0: never)"""
@@ -290,6 +321,14 @@ RESUMABLE_CHANGES = {
     "num_completions_to_print",
     "save_merged_model",
     "reward_timeout",
+    # the held-out evaluation samples from random streams of its own: the run trains as it would without it
+    "eval_steps",
+    "eval_on_start",
+    "max_eval_prompts",
+    "num_generations_eval",
+    "eval_temperature",
+    "eval_success_threshold",
+    "eval_metric_funcs",
 }
 
 
@@ -318,6 +357,8 @@ def resolve_defaults(args: Args) -> Args:
         loss_aggregation=None if args.loss_type == "sequence" else aggregation,
         sapo_tau_pos=(args.sapo_tau_pos or 1.0) if sapo else None,
         sapo_tau_neg=(args.sapo_tau_neg or 1.05) if sapo else None,
+        num_generations_eval=args.num_generations_eval or args.num_generations,
+        eval_temperature=args.temperature if args.eval_temperature is None else args.eval_temperature,
     )
 
 
@@ -581,7 +622,10 @@ def main(args: Args) -> None:
     prompts_per_rollout = batch_size // G
     checkpoint, training_state = resume_point(args, RESUMABLE_CHANGES)  # (None, None) for a new run
     reward_funcs, reward_names, reward_weights = reward_sources(args, BUILTIN_REWARD_FUNCS)  # (F,) weights
-    train_dataset, eval_dataset = load_datasets(args)
+    eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
+    train_dataset, eval_dataset = load_datasets(args)  # eval_dataset: the held-out split, or None
+    eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)  # None: no evaluation
+    evaluate_after = evaluation_updates(args.eval_steps, args.eval_on_start, num_updates) if eval_prompts else set()
     extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
     image_col = image_column(train_dataset.column_names, args.dataset_name)  # vision-language prompts; None: text
     run_dir, output_dir, guard = claim_run(args, checkpoint, training_state, batch_size)
@@ -630,6 +674,13 @@ def main(args: Args) -> None:
     generation_config, greedy_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled
     )  # sampling, greedy
+    eval_config = (
+        greedy_config
+        if args.eval_temperature == 0
+        else generation_configs(
+            replace(args, temperature=args.eval_temperature), stop_ids, tokenizer.pad_token_id, never_sampled
+        )[0]
+    )
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -665,13 +716,17 @@ def main(args: Args) -> None:
         f"compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
         + (f"; resumed from {checkpoint}" if checkpoint else "")
     )
+    console.print(evaluation_plan(eval_prompts, args, evaluate_after))
 
-    def generate(model, prompt_ids, prompt_mask, config, images=None) -> torch.Tensor:
-        """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks."""
+    def generate(model, prompt_ids, prompt_mask, config, images=None, seeds=None) -> torch.Tensor:
+        """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks; with seeds (one per
+        row), each chunk samples from the seed of its first row (the evaluation's random streams)."""
         model.eval()
         chunks = []
         for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
             rows = slice(i, i + args.local_rollout_forward_batch_size)
+            if seeds is not None:
+                torch.manual_seed(seeds[i])
             with torch.no_grad(), autocast():
                 out = model.generate(
                     input_ids=prompt_ids[rows],
@@ -693,9 +748,6 @@ def main(args: Args) -> None:
         texts = tokenizer.batch_decode(
             completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
         )
-        conversational = not isinstance(prompts[0], str)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        ids_list = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
         per_source = []
         if reward_model is not None:
             chunk = args.local_rollout_forward_batch_size
@@ -729,9 +781,8 @@ def main(args: Args) -> None:
             reward_names[len(per_source) :],
             len(texts),
             args.reward_timeout,
-            prompts=prompts,
-            completions=completions,
-            completion_ids=ids_list,
+            None,
+            **reward_func_arguments(prompts, texts, completion_ids, completion_mask),
             trainer_state=trainer_state,
             log_extra=reward_logs.log_extra,
             log_metric=reward_logs.log_metric,
@@ -761,7 +812,7 @@ def main(args: Args) -> None:
 
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
-        batch = eval_dataset[: args.num_sample_prompts]
+        batch = (eval_dataset or train_dataset)[: args.num_sample_prompts]
         prompt_ids, prompt_mask, _, images = tokenize_prompts(
             tokenizer,
             batch["prompt"],
@@ -790,6 +841,73 @@ def main(args: Args) -> None:
         ]
         show_samples(console, logger, rows, step)
 
+    def evaluate(update: int, step: int) -> None:
+        """Held-out evaluation of the policy after `update`: --num_generations_eval completions of each test prompt
+        at --eval_temperature, from random streams of its own (the run trains as it would without it), scored by the
+        reward and the --eval_metric_funcs; their task metrics (rloo_utils/evaluation.py) logged under eval/."""
+        start, n = time.perf_counter(), args.num_generations_eval
+        prompts_per_chunk = max(1, args.local_rollout_forward_batch_size // n)
+        columns_of_test = [c for c in eval_prompts.column_names if c != "prompt"]
+        parts = defaultdict(list)  # per chunk: (b, F) rewards, (b, C) completions and mask, (b,) ended, metric values
+        with own_random_streams(args.seed, update, device):
+            for first in range(0, len(eval_prompts), prompts_per_chunk):
+                batch = eval_prompts[first : first + prompts_per_chunk]
+                prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
+                columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
+                prompt_ids, prompt_mask, _, images = tokenize_prompts(
+                    tokenizer,
+                    prompts,
+                    args.max_prompt_length,
+                    device,
+                    processor,
+                    columns.get(image_col),
+                    args.chat_template_kwargs,
+                )  # (b, P)
+                seeds = evaluation_seeds(args.seed, update, first * n, len(prompts))
+                completion_ids = generate(policy, prompt_ids, prompt_mask, eval_config, images, seeds)  # (b, C)
+                completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
+                rewards_per_func, completions = score(
+                    prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+                )  # (b, F)
+                parts["metric_values"].append(
+                    call_reward_funcs(
+                        eval_metric_funcs,
+                        eval_metric_names,
+                        len(prompts),
+                        args.reward_timeout,
+                        check_metric_values,
+                        **reward_func_arguments(prompts, completions, completion_ids, completion_mask),
+                        trainer_state=trainer_state,
+                        log_extra=reward_logs.log_extra,
+                        log_metric=reward_logs.log_metric,
+                        **columns,
+                    )
+                )
+                for name, value in [
+                    ("rewards", rewards_per_func),
+                    ("ids", completion_ids),
+                    ("mask", completion_mask),
+                    ("ended", ended),
+                ]:
+                    parts[name].append(value)
+            reward_logs.clear()  # what the functions logged on the test prompts is no update's
+        rewards_per_func, completion_ids, completion_mask, ended = (
+            torch.cat(parts[name]) for name in ["rewards", "ids", "mask", "ended"]
+        )  # (R, F), (R, C), (R, C), (R,): R = n completions of each test prompt
+        rewards = weighted_reward(rewards_per_func, reward_weights).view(-1, n)  # (prompts, n)
+        values = joined_metric_values(parts["metric_values"], eval_metric_names, n)  # name -> ((prompts, n), boolean)
+        sources = data_sources(eval_prompts)
+        metrics = {
+            **reward_metrics(rewards_per_func, reward_names, reward_weights, rewards.view(-1), n),  # TRL's eval_ names
+            **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
+            **task_metrics(rewards, values, args.eval_success_threshold),
+            **(per_source_metrics(rewards, values, args.eval_success_threshold, sources) if sources else {}),
+            "prompts": len(eval_prompts),
+            "seconds": time.perf_counter() - start,
+        }
+        logger.log(metrics, step, "eval")
+        console.print(evaluation_summary(metrics, update, n))
+
     def save_weights(folder: str) -> None:
         """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
         policy.save_pretrained(os.path.join(folder, "policy"))
@@ -802,9 +920,12 @@ def main(args: Args) -> None:
     progress = guard.start(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, console, num_updates)
     batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
     for update in range(progress.update + 1, num_updates + 1):
-        if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
-            sample_table(progress.episode)
         timer = StageTimer()
+        if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
+            with timer("sample_table"):
+                sample_table(progress.episode)
+        if progress.update in evaluate_after:  # the policy so far on the held-out prompts (update 0: before training)
+            evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
         # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
@@ -979,6 +1100,8 @@ def main(args: Args) -> None:
         guard.update_done(progress)
     if sample_every:
         sample_table(progress.episode)  # the trained policy
+    if progress.update in evaluate_after:
+        evaluate(progress.update, progress.episode)
 
     # ---- Output ------------------------------------------------------------------------------------------------------
     save_model(output_dir, policy, processor or tokenizer)  # with --use_peft: the adapter

@@ -109,14 +109,15 @@ def load_prompt_dataset(name: str, split: str):
 
 
 def load_datasets(args):
-    """The train split, and the split the sample tables draw from (the train split if there is no test split); both
-    hold prompts of one kind (strings, or chat messages)."""
-    train = load_prompt_dataset(dataset_path(args.dataset_name), args.dataset_train_split)
+    """The train split, and the held-out split (None where there is none: a single file is one split); both hold
+    prompts of one kind (strings, or chat messages)."""
+    path = dataset_path(args.dataset_name)
+    train = load_prompt_dataset(path, args.dataset_train_split)
     if train is None:
         raise UsageError(
             f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)"
         )
-    test = load_prompt_dataset(dataset_path(args.dataset_name), args.dataset_test_split)
+    test = None if os.path.isfile(path) else load_prompt_dataset(path, args.dataset_test_split)
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
         raise UsageError(
             f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
@@ -128,7 +129,7 @@ def load_datasets(args):
             "are plain strings, which are tokenized without one: give chat prompts (lists of messages), "
             "or leave it out"
         )
-    return train, test or train
+    return train, test
 
 
 def check_data_file(path: str, fmt: str) -> None:

@@ -67,15 +67,18 @@ class Logger:
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the options, for tools that read runs offline
             json.dump(asdict(args), f, indent=2)
 
-    def log(self, metrics: dict, step: int) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(f"train/{k}", v, step)
+    def log(self, metrics: dict, step: int, section: str = "train") -> None:
+        """A row of metrics: an update's (section train) under their own names in metrics.jsonl, an evaluation's
+        (eval) as eval/<name>; in TensorBoard and W&B as <section>/<name>, where TRL's trainers log theirs."""
+        named = {f"{section}/{k}": v for k, v in metrics.items()}
+        for k, v in named.items():
+            self.writer.add_scalar(k, v, step)
         if self.wandb and step >= self.wandb_first_step:
-            self.wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.wandb.log(named, step=step)
+        self.metrics_file.write(json.dumps({"step": step, **(metrics if section == "train" else named)}) + "\n")
         self.metrics_file.flush()
         self.last_step = step
-        if self.progress_bar is not None:
+        if self.progress_bar is not None and section == "train":
             self.progress_bar.update(metrics)
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:

@@ -56,21 +56,22 @@ def reward_func_name(spec: str) -> str:
     return spec.rsplit(":", 1)[-1]
 
 
-def load_reward_func(spec: str, builtin: dict[str, Callable]) -> Callable:
+def load_reward_func(
+    spec: str, builtin: dict[str, Callable], what: str = "reward function", option: str = "--reward_funcs"
+) -> Callable:
     """A built-in name (a key of `builtin`), `package.module:function`, or `path/to/file.py:function` (any callable: a
-    function, an instance with __call__, a functools.partial)."""
+    function, an instance with __call__, a functools.partial): a `what` given to `option`."""
     if spec in builtin:
         return builtin[spec]
     if ":" not in spec:
         raise UsageError(
-            f"unknown reward function {spec!r}: use one of {sorted(builtin)}, "
-            "module:function or path/to/file.py:function"
+            f"unknown {what} {spec!r}: use one of {sorted(builtin)}, module:function or path/to/file.py:function"
         )
     where, name = spec.rsplit(":", 1)
     try:
         if where.endswith(".py"):
             if not os.path.isfile(where):
-                raise UsageError(f"reward function file {where} does not exist")
+                raise UsageError(f"{what} file {where} does not exist")
             module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -79,11 +80,22 @@ def load_reward_func(spec: str, builtin: dict[str, Callable]) -> Callable:
     except UsageError:
         raise
     except (Exception, SystemExit) as e:  # SystemExit: a module that calls sys.exit when imported
-        raise UsageError(f"could not import reward function {spec!r} ({describe(e)})") from None
+        raise UsageError(f"could not import {what} {spec!r} ({describe(e)})") from None
     func = getattr(module, name, None)
     if not callable(func):
-        raise UsageError(f"{where} has no function {name!r} (from --reward_funcs {spec})")
+        raise UsageError(f"{where} has no function {name!r} (from {option} {spec})")
     return func
+
+
+def reward_func_arguments(prompts: list, texts: list[str], completion_ids, completion_mask) -> dict:
+    """What every reward function gets of the completions (TRL's arguments): the prompts, the completions (as the
+    assistant's message where the prompts are chat messages), and each one's token ids without padding."""
+    conversational = not isinstance(prompts[0], str)
+    return dict(
+        prompts=prompts,
+        completions=[[{"role": "assistant", "content": t}] for t in texts] if conversational else texts,
+        completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)],
+    )
 
 
 def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], list[str], torch.Tensor]:
@@ -198,12 +210,19 @@ def await_all(awaitables: list) -> list:
 
 
 def call_reward_funcs(
-    funcs: list[Callable], names: list[str], batch_size: int, timeout: Optional[float], /, **kwargs
-) -> list[torch.Tensor]:
+    funcs: list[Callable],
+    names: list[str],
+    batch_size: int,
+    timeout: Optional[float],
+    check: Optional[Callable] = None,
+    /,
+    **kwargs,
+) -> list:
     """Call each TRL-style reward function with the same keyword arguments (TRL 1.16's: prompts, completions,
     completion_ids, the dataset's other columns, trainer_state, log_extra, log_metric); the async ones run concurrently,
-    as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None. timeout (--reward_timeout): the
-    seconds each plain function, and the async ones together, may take; None: no limit."""
+    as in TRL. Returns each one's (B,) rewards, checked, NaN where it returned None (or what `check` makes of its
+    values: an evaluation metric function's). timeout (--reward_timeout): the seconds each plain function, and the async
+    ones together, may take; None: no limit."""
     results = []
     for func, name in zip(funcs, names):
         try:  # an async function gives its coroutine, awaited below with the others
@@ -222,7 +241,7 @@ def call_reward_funcs(
         )
         for i, value in zip(pending, awaited):
             results[i] = value
-    return [check_reward_values(values, name, batch_size) for values, name in zip(results, names)]
+    return [(check or check_reward_values)(values, name, batch_size) for values, name in zip(results, names)]
 
 
 class RewardTimeout(RunError):
@@ -253,17 +272,18 @@ def within(timeout: Optional[float], what: str, func: Callable, *args, **kwargs)
     return outcome["value"]
 
 
-def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
-    """What a reward function returned (or raised, awaited) as (B,) floats, NaN for None; else a one-line error."""
+def check_reward_values(values, name: str, batch_size: int, what: str = "reward function") -> torch.Tensor:
+    """What a reward function (`what`) returned (or raised, awaited) as (B,) floats, NaN for None; else a one-line
+    error."""
     if isinstance(values, SystemExit):
-        raise UsageError(f"reward function {name} called sys.exit({values.code!r})")
+        raise UsageError(f"{what} {name} called sys.exit({values.code!r})")
     if isinstance(values, BaseException):
-        raise UsageError(f"reward function {name} raised {describe(values)}")
+        raise UsageError(f"{what} {name} raised {describe(values)}")
     if torch.is_tensor(values) or isinstance(values, np.ndarray):
         values = values.tolist() if values.ndim == 1 else values
     if not isinstance(values, (list, tuple)) or len(values) != batch_size:
         got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-        raise UsageError(f"reward function {name} must return a list of {batch_size} floats (or None), got {got}")
+        raise UsageError(f"{what} {name} must return a list of {batch_size} floats (or None), got {got}")
     out = []
     for i, v in enumerate(values):
         if v is None:
@@ -275,18 +295,18 @@ def check_reward_values(values, name: str, batch_size: int) -> torch.Tensor:
             and not (torch.is_tensor(v) and v.numel() == 1)
         ):
             raise UsageError(
-                f"reward function {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
+                f"{what} {name} returned {v!r:.60} (a {type(v).__name__}) at index {i}; "
                 "return floats, or None for 'not applicable'"
             )
         try:
             v = float(v)
         except OverflowError:
-            raise UsageError(f"reward function {name} returned an int too large for a float at index {i}") from None
+            raise UsageError(f"{what} {name} returned an int too large for a float at index {i}") from None
         if not math.isfinite(v):
-            raise UsageError(f"reward function {name} returned {v} at index {i}; return None for 'not applicable'")
+            raise UsageError(f"{what} {name} returned {v} at index {i}; return None for 'not applicable'")
         if abs(v) > FLOAT32_MAX:
             raise UsageError(
-                f"reward function {name} returned {v:.3g} at index {i}, past the float32 range of the "
+                f"{what} {name} returned {v:.3g} at index {i}, past the float32 range of the "
                 f"rewards (+-{FLOAT32_MAX:.3g}): scale its values down"
             )
         out.append(v)

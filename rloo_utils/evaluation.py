@@ -1,0 +1,245 @@
+"""Held-out evaluation: when a run evaluates, the random streams it samples from, each process's share of the test
+prompts, what evaluation-only metric functions return, and the task metrics (mean@n, best@k, pass@k, per data source)
+of the completions. The scripts generate and score; the names of what they log are in docs/metrics.md."""
+
+import contextlib
+import math
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+
+from rloo_utils.errors import UsageError
+from rloo_utils.rewards import check_reward_values, load_reward_func, reward_func_name
+
+
+# The column that names each test prompt's data source (veRL's name): its metrics are also logged per source
+DATA_SOURCE_COLUMN = "data_source"
+
+
+def metric_funcs(args, builtin: dict) -> tuple[list, list[str]]:
+    """The --eval_metric_funcs and their names (what follows the last `:`), loaded now, before the run starts."""
+    specs = args.eval_metric_funcs or []
+    names = [reward_func_name(s) for s in specs]
+    if len(set(names)) < len(names):
+        raise UsageError(f"--eval_metric_funcs names a function twice ({', '.join(names)}): give each once")
+    option = ("evaluation metric function", "--eval_metric_funcs")
+    return [load_reward_func(s, builtin, *option) for s in specs], names
+
+
+def evaluation_prompts(args, test_dataset, metric_names: list[str]):
+    """The test prompts the run evaluates on: the first --max_eval_prompts of the held-out split; None where it does
+    not evaluate (--eval_steps 0, or no held-out split, which is an error where an evaluation option asks for one)."""
+    if test_dataset is None:
+        asked = [f"--{name}" for name in EVALUATION_ONLY if getattr(args, name) is not None]
+        if asked:
+            raise UsageError(
+                f"{asked[0]} is for the held-out evaluation, but dataset {args.dataset_name} has no split "
+                f"{args.dataset_test_split!r} (--dataset_test_split; a single file is one split): give a folder with "
+                "a train and a test file, or leave it out"
+            )
+        return None
+    if args.eval_steps == 0:
+        return None
+    prompts = test_dataset.select(range(min(len(test_dataset), args.max_eval_prompts or len(test_dataset))))
+    check_evaluation_names(metric_names, data_sources(prompts))
+    return prompts
+
+
+def data_sources(prompts) -> Optional[list[str]]:
+    """Each prompt's data source, where the dataset has a column naming it; None where it has none."""
+    return [str(s) for s in prompts[DATA_SOURCE_COLUMN]] if DATA_SOURCE_COLUMN in prompts.column_names else None
+
+
+# Options that mean nothing without an evaluation (their defaults are None)
+EVALUATION_ONLY = ("max_eval_prompts", "eval_success_threshold", "eval_metric_funcs")
+
+
+def evaluation_updates(eval_steps: float, eval_on_start: bool, num_updates: int) -> set[int]:
+    """The updates after which the run evaluates (0: before the first): every eval_steps updates (below 1, that
+    fraction of the run, rounded up, as TRL's eval_steps), and after the last; none when eval_steps is 0."""
+    if eval_steps == 0:
+        return set()
+    every = math.ceil(eval_steps * num_updates) if eval_steps < 1 else int(eval_steps)
+    return {*range(every, num_updates + 1, every), num_updates, *([0] if eval_on_start else [])}
+
+
+def evaluation_seeds(seed: int, update: int, first_row: int, num_rows: int) -> list[int]:
+    """One seed per completion of the evaluation after `update`, from a stream of its own (the training rollouts draw
+    from SeedSequence([seed, update])): a function of (--seed, update, row) only, so that a resumed run evaluates as
+    the uninterrupted one did, and the rows of a process are those of one process doing all of them."""
+    base = int(np.random.SeedSequence([seed, update, 1]).generate_state(1)[0])
+    return [base + first_row + row for row in range(num_rows)]
+
+
+@contextlib.contextmanager
+def own_random_streams(seed: int, update: int, device: torch.device):
+    """Python's, numpy's and torch's global generators (CUDA's too) seeded for the evaluation after `update` and
+    restored after it, whatever the reward and metric functions draw: the run trains exactly as it would without
+    evaluating, and a resumed run as the uninterrupted one."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        evaluation_seed = evaluation_seeds(seed, update, 0, 1)[0]
+        random.seed(evaluation_seed)
+        np.random.seed(evaluation_seed)
+        torch.manual_seed(evaluation_seed)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+def process_share(num_prompts: int, rank: int, world_size: int) -> list[int]:
+    """The indices of one process's test prompts: as many for every process, so that they generate in step, the last
+    shares running past the end, where they repeat prompt 0 (dropped once gathered: see num_prompts)."""
+    per_process = math.ceil(num_prompts / world_size)
+    return [i if i < num_prompts else 0 for i in range(rank * per_process, (rank + 1) * per_process)]
+
+
+def check_metric_values(values, name: str, batch_size: int) -> tuple[torch.Tensor, Optional[bool]]:
+    """What an evaluation metric function returned: (B,) floats, NaN for None, and whether they are booleans (a
+    success test, whose pass@k is logged), None where every one was None. Booleans or numbers, not both."""
+    kinds = {isinstance(v, (bool, np.bool_)) for v in values if v is not None} if isinstance(values, list) else set()
+    if kinds == {True}:
+        return torch.tensor([math.nan if v is None else float(v) for v in values]), True
+    if kinds == {True, False}:
+        raise UsageError(
+            f"evaluation metric function {name} returned both booleans and numbers: return booleans (a success "
+            "test, scored with pass@k) or numbers, and None where it does not apply"
+        )
+    values = check_reward_values(values, name, batch_size, "evaluation metric function")
+    return values, None if values.isnan().all() else False
+
+
+def joined_metric_values(chunks: list[list], names: list[str], n: int) -> dict[str, tuple[torch.Tensor, bool]]:
+    """Each chunk's check_metric_values of every function -> name: ((prompts, n) values, whether booleans)."""
+    joined = {}
+    for j, name in enumerate(names):
+        kinds = {chunk[j][1] for chunk in chunks} - {None}
+        if len(kinds) > 1:
+            raise UsageError(
+                f"evaluation metric function {name} returned booleans for some test prompts and numbers for others: "
+                "return one kind, and None where it does not apply"
+            )
+        joined[name] = torch.cat([chunk[j][0] for chunk in chunks]).view(-1, n), kinds == {True}
+    return joined
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of k completions drawn from n, c of them successes, is a success: the
+    unbiased estimator 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, "Evaluating Large Language Models Trained on Code",
+    eq. 1), as their numerically stable product."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def best_at_k(values: list[float], k: int) -> float:
+    """The expected largest of k values drawn without replacement from these n (veRL's best@k, unbiased): the i-th
+    smallest is the largest of the k with probability C(i - 1, k - 1) / C(n, k). On 0/1 values it is pass@k."""
+    ordered = sorted(values)
+    return sum(math.comb(i, k - 1) * v for i, v in enumerate(ordered)) / math.comb(len(ordered), k)
+
+
+def sample_counts(n: int) -> list[int]:
+    """The k of best@k and pass@k: 1, 2, 4, ... below n, and n."""
+    return [*(2**i for i in range(n.bit_length()) if 2**i < n), n]
+
+
+def per_prompt(values: torch.Tensor) -> list[list[float]]:
+    """(P, n) values, NaN where a function returned None -> each prompt's values that it did return."""
+    return [[v for v in row if not math.isnan(v)] for row in values.tolist()]
+
+
+def task_metrics(
+    rewards: torch.Tensor, metric_values: dict[str, tuple[torch.Tensor, bool]], success_threshold: Optional[float]
+) -> dict[str, float]:
+    """The task metrics of (P, n) rewards, the n completions of each of P prompts: mean@n (the mean over prompts of
+    each prompt's mean), best@k, and pass@k of the success test reward >= success_threshold (when given); of each
+    evaluation metric function's (P, n) values, <name>/mean@n and <name>/best@k, or <name>/pass@k when it returns
+    booleans. A None (NaN) is left out: a prompt's k is at most the values it has, one with none is left out."""
+    n = rewards.shape[1]
+    metrics = at_k(per_prompt(rewards), n, boolean=False)
+    if success_threshold is not None:
+        success = torch.where(rewards.isnan(), math.nan, (rewards >= success_threshold).float())
+        metrics.update(at_k(per_prompt(success), n, boolean=True, mean=False))
+    for name, (values, boolean) in metric_values.items():
+        metrics.update({f"{name}/{k}": v for k, v in at_k(per_prompt(values.view(-1, n)), n, boolean).items()})
+    return metrics
+
+
+def at_k(prompts: list[list[float]], n: int, boolean: bool, mean: bool = True) -> dict[str, float]:
+    """mean@n (when mean), and pass@k (boolean) or best@k of each prompt's values, averaged over the prompts."""
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        return {}
+    metrics = {f"mean@{n}": sum(sum(p) / len(p) for p in prompts) / len(prompts)} if mean else {}
+    for k in sample_counts(n):
+        if boolean:
+            values = [pass_at_k(len(p), round(sum(p)), min(k, len(p))) for p in prompts]
+        else:
+            values = [best_at_k(p, min(k, len(p))) for p in prompts]
+        metrics[f"{'pass' if boolean else 'best'}@{k}"] = sum(values) / len(values)
+    return metrics
+
+
+def per_source_metrics(
+    rewards: torch.Tensor,
+    metric_values: dict[str, tuple[torch.Tensor, bool]],
+    success_threshold: Optional[float],
+    sources: list,
+) -> dict[str, float]:
+    """task_metrics of each data source's prompts (sources: one per prompt), as <source>/<metric>, and its reward."""
+    metrics = {}
+    for source in dict.fromkeys(sources):
+        rows = torch.tensor([s == source for s in sources])
+        scored = rewards[rows][~rewards[rows].isnan()]
+        metrics[f"{source}/reward"] = float(scored.mean()) if len(scored) else math.nan
+        own = task_metrics(
+            rewards[rows], {name: (v[rows], b) for name, (v, b) in metric_values.items()}, success_threshold
+        )
+        metrics.update({f"{source}/{name}": value for name, value in own.items()})
+    return metrics
+
+
+# The first part of the names the evaluation logs itself: a data source or a metric function must not take one
+OWN_NAMES = {"reward", "reward_std", "rewards", "frac_reward_zero_std", "completions", "val", "seconds", "prompts"}
+
+
+def check_evaluation_names(metric_names: list[str], sources: Optional[list]) -> None:
+    """Every name a value is logged under is one value's: a metric function's, a data source's, the evaluation's own."""
+    seen = {}
+    for kind, name in [("evaluation metric function", m) for m in metric_names] + [
+        (f"data source (column {DATA_SOURCE_COLUMN})", s) for s in dict.fromkeys(sources or [])
+    ]:
+        if name in OWN_NAMES or "@" in name or name in seen:
+            taken = seen.get(name, "the evaluation's own metrics")
+            raise UsageError(
+                f"{kind} {name!r} would be logged as eval/{name}/..., a name that {taken} takes: rename it"
+            )
+        seen[name] = f"the {kind} {name!r}"
+
+
+def evaluation_plan(prompts, args, updates: set[int]) -> str:
+    """The start-up line that says when and on what the run evaluates."""
+    if prompts is None:
+        return (
+            f"no held-out evaluation: dataset {args.dataset_name} has no split {args.dataset_test_split!r}"
+            if args.eval_steps
+            else "no held-out evaluation (--eval_steps 0)"
+        )
+    return (
+        f"held-out evaluation on {len(prompts)} prompts of split {args.dataset_test_split} x "
+        f"{args.num_generations_eval} completions at temperature {args.eval_temperature:g}, after updates "
+        f"{', '.join(map(str, sorted(updates)))}"
+    )
+
+
+def evaluation_summary(metrics: dict, update: int, n: int) -> str:
+    """The line an evaluation prints: its reward, mean@n and best@n (pass@n with a success test), and its seconds."""
+    shown = [
+        f"{name} {metrics[name]:.3f}" for name in ["reward", f"best@{n}", "pass@1", f"pass@{n}"] if name in metrics
+    ]
+    return f"evaluation after update {update}: {', '.join(shown)} ({metrics['seconds']:.1f} s)"
