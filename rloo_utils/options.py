@@ -217,6 +217,7 @@ def check_args(args, world_size: int = 1) -> None:
     ]:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    check_evaluation_args(args)
     if args.num_sample_generations and not args.num_sample_prompts:
         raise UsageError(
             "--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
@@ -272,6 +273,26 @@ def check_args(args, world_size: int = 1) -> None:
         if path is not None and looks_local(path) and not os.path.exists(path):
             raise UsageError(f"--{name} {path} does not exist")
     set_model_options(args)
+
+
+def check_evaluation_args(args) -> None:
+    """The held-out evaluation's options (rloo_utils/evaluation.py)."""
+    if args.eval_steps < 0 or args.eval_steps >= 1 and args.eval_steps != int(args.eval_steps):
+        raise UsageError(
+            f"--eval_steps must be a whole number of updates, a fraction of the run below 1, or 0 for no evaluation, "
+            f"got {args.eval_steps:g}"
+        )
+    for name in ["max_eval_prompts", "num_generations_eval"]:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1 (or left out), got {getattr(args, name)}")
+    if args.eval_temperature is not None and args.eval_temperature < 0:
+        raise UsageError(f"--eval_temperature must be >= 0 (0: greedy), got {args.eval_temperature}")
+    n = args.num_generations_eval or args.num_generations
+    if args.eval_temperature == 0 and n > 1:
+        raise UsageError(
+            f"--eval_temperature 0 samples greedily, so the {n} completions of a test prompt would all be the same: "
+            "add --num_generations_eval 1"
+        )
 
 
 # Sampling options the scripts set themselves, which --generation_kwargs must not override: the flag to use instead

@@ -193,7 +193,7 @@ def run_outcome(run_dir: str):
     and the final weights."""
     from safetensors.torch import load_file
 
-    wall_clock = lambda k: k in ("eps", "step_time") or k.startswith(("perf/", "time/"))  # noqa: E731
+    wall_clock = lambda k: k in ("eps", "step_time", "eval/seconds") or k.startswith(("perf/", "time/"))  # noqa: E731
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [{k: v for k, v in json.loads(line).items() if not wall_clock(k)} for line in f]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:

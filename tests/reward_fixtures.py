@@ -20,6 +20,11 @@ def count_good(completions, **kwargs):
     return [float(_text(c).split().count("good")) for c in completions]
 
 
+def says_good(completions, **kwargs):
+    """An evaluation metric that is a success test: whether the completion says "good"."""
+    return ["good" in _text(c).split() for c in completions]
+
+
 def short_is_better(completion_ids, **kwargs):
     return [-len(ids) / 10 for ids in completion_ids]
 

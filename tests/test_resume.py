@@ -136,7 +136,7 @@ def outcome(cwd):
 
 
 def assert_same_run(expected, got):
-    assert [r["episode"] for r in got[0]] == [r["episode"] for r in expected[0]]  # no step twice, none missing
+    assert [r["step"] for r in got[0]] == [r["step"] for r in expected[0]]  # no step twice, none missing
     assert got[0] == expected[0]  # every metric of every step, exactly
     assert got[1] == expected[1]
     assert got[2].keys() == expected[2].keys()
