@@ -7,8 +7,9 @@ benchmark/plot.py and openrlbenchmark group them by configuration. They live in 
 finished run (its model saved) is not run again and an interrupted one continues from its newest checkpoint (Ctrl-C
 writes one), so an interrupted comparison resumes where it stopped. A run stopped before any checkpoint is run anew as
 <exp_name>__<seed>__2 (3, ...). Nothing is ever removed, and other folders in <out>/runs are left alone. The summary is a markdown table: the mean sampled reward of the first and the last --last updates
-of each configuration (mean and std over seeds), the KL to the reference at the end, the clip fraction and the
-minutes of training per run.
+of each configuration (mean and std over seeds), the held-out evaluation's metric at the end (--eval_metric, where the
+runs evaluate: the tiny preset's data has a test split, as the embedded default's), the KL to the reference at the end,
+the clip fraction and the minutes of training per run.
 
     python benchmark/compare_algorithms.py --preset tiny --seeds 1 2 3 4 5  # the test model, a "say good" reward (~10 min)
     python benchmark/compare_algorithms.py --preset smollm2 --seeds 1 2 3   # SmolLM2 and VADER (~2 min per run, 2 CPUs)
@@ -81,11 +82,17 @@ def tiny_setup(out: str) -> list[str]:
     if not os.path.exists(os.path.join(out, "tiny", "policy")):
         build_tiny_models(os.path.join(out, "tiny"))
     rng = random.Random(1)
-    data = write_jsonl(
-        os.path.join(out, "tiny", "prompts.jsonl"),
-        [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(64)],
-    )
-    return ["--model_name_or_path", os.path.join(out, "tiny", "policy"), "--dataset_name", data]
+    for split, size in [("train", 64), ("test", 16)]:  # the test split: the held-out evaluation's prompts
+        write_jsonl(
+            os.path.join(out, "tiny", "data", f"{split}.jsonl"),
+            [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))} for _ in range(size)],
+        )
+    return [
+        "--model_name_or_path",
+        os.path.join(out, "tiny", "policy"),
+        "--dataset_name",
+        os.path.join(out, "tiny", "data"),
+    ]
 
 
 def label(name: str) -> str:
@@ -145,6 +152,9 @@ def main():
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--workers", type=int, default=1, help="runs at once")
     parser.add_argument("--last", type=int, default=3, help="updates averaged at the start and at the end of a run")
+    parser.add_argument(
+        "--eval_metric", default="eval/reward", help="the held-out metric reported, at the last evaluation"
+    )
     parser.add_argument("--out", default=None, help="folder of the runs; default runs/compare_<preset>")
     parser.add_argument("rloo_args", nargs="*", help="more arguments for every rloo.py run (after --)")
     cli = parser.parse_args()
@@ -201,24 +211,29 @@ def main():
         if failed := [run for run, code in zip(pending, codes) if code]:
             sys.exit(f"compare_algorithms.py: error: {len(failed)} runs failed: see {failed[0]['log']}")
     finished = {key: plot.load_run(os.path.join(out, "runs", run)) for key, run in runs.items()}
+    evaluated = any(cli.eval_metric in row for run in finished.values() for row in run["rows"])
 
     print(
         f"| configuration | flags | reward, first {cli.last} updates | reward, last {cli.last} updates | "
-        f"kl at the end | clip fraction | minutes per run |"
+        + (f"{cli.eval_metric}, last evaluation | " if evaluated else "")
+        + "kl at the end | clip fraction | minutes per run |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|" + ("---|" if evaluated else ""))
     for name in cli.configs:
-        first, last, kl, clipped, minutes = [], [], [], [], []
+        first, last, held_out, kl, clipped, minutes = [], [], [], [], [], []
         for seed in cli.seeds:
-            rows = finished[name, seed]["rows"]
+            rows = [r for r in finished[name, seed]["rows"] if "episode" in r]  # the updates' rows
             first.append(statistics.mean(r["reward"] for r in rows[: cli.last]))
             last.append(statistics.mean(r["reward"] for r in rows[-cli.last :]))
+            evaluations = [r[cli.eval_metric] for r in finished[name, seed]["rows"] if cli.eval_metric in r]
+            held_out.append(evaluations[-1] if evaluations else math.nan)
             kl.append(rows[-1].get("kl", math.nan))  # absent with --beta 0
             clipped.append(statistics.mean(r["clip_ratio/region_mean"] for r in rows))
             minutes.append(rows[-1]["episode"] / rows[-1]["eps"] / 60)
         print(
             f"| {name} | `{' '.join(CONFIGS[name]) or '(defaults)'}` | {mean_std(first)} | {mean_std(last)} | "
-            f"{mean_std(kl)} | {statistics.mean(clipped):.3f} | {statistics.mean(minutes):.1f} |",
+            + (f"{mean_std(held_out)} | " if evaluated else "")
+            + f"{mean_std(kl)} | {statistics.mean(clipped):.3f} | {statistics.mean(minutes):.1f} |",
             flush=True,
         )
 

@@ -2,14 +2,16 @@
 
     python benchmark/plot.py --runs runs --metrics reward kl completions/mean_length --output curves.png
     python benchmark/plot.py --runs runs --regex '^(rloo|rloo_vllm)__' --x wall --output curves_by_time.png
+    python benchmark/plot.py --runs runs --metrics eval/reward eval/pass@1 --output held_out.png
 
 A run is a folder under --runs holding metrics.jsonl (and args.json, the options it ran with). Runs are grouped by an
 option of args.json (--group, exp_name by default: rloo, rloo_vllm...; a run without it is a group of its own) or by a regular expression on the run folder's
 name (--regex: its first group, or the whole match; runs it does not match are left out). Each group is one line
 per metric: the mean over its runs at each x, shaded between mean - std and mean + std (the sample std over runs;
 none for a single run). x is the episode (completions so far), or the training time in minutes (--x wall: episode / eps,
-the seconds the run has trained, a resumed run's earlier part included). Runs of a group whose x values differ (wall
-time) are interpolated onto the x values of the group's shortest run. The table printed after it gives each group's
+the seconds the run has trained, a resumed run's earlier part included). The held-out evaluation's metrics (eval/...)
+are rows of their own, at the episode of the update they follow (--x wall: the training time at that update). Runs of
+a group whose x values differ (wall time) are interpolated onto the x values of the group's shortest run. The table printed after it gives each group's
 mean of the first and last --last points of each metric.
 """
 
@@ -33,7 +35,7 @@ def load_run(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{metrics} is not JSON lines ({e}): {leave_out}") from None
     for i, row in enumerate(rows):
-        if not isinstance(row, dict) or not isinstance(row.get("episode"), (int, float)):
+        if not isinstance(row, dict) or not isinstance(row.get("episode", row.get("step")), (int, float)):
             raise ValueError(f"{metrics} line {i + 1} is not a row of metrics with an episode: {leave_out}")
     args_file = os.path.join(path, "args.json")
     try:
@@ -81,12 +83,15 @@ def group_runs(runs: list[dict], key: str, regex) -> dict[str, list[dict]]:
 
 
 def series(rows: list[dict], metric: str, x: str) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of one run's metric, rows without a finite value left out. x: episode, or training minutes."""
-    points = [
-        (r["episode"] if x == "episode" else r["episode"] / r["eps"] / 60, r[metric])
-        for r in rows
-        if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])
-    ]
+    """(x, y) of one run's metric, rows without a finite value left out. x: episode, or training minutes. An update's
+    row holds its episode and eps; an evaluation's, its step (the episode it follows), and the minutes trained so far
+    are those of the update before it."""
+    points, minutes = [], 0.0
+    for r in rows:
+        if "episode" in r:
+            minutes = r["episode"] / r["eps"] / 60 if x == "wall" else minutes
+        if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric]):
+            points.append((r.get("episode", r.get("step")) if x == "episode" else minutes, r[metric]))
     return np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points], dtype=float)
 
 
@@ -189,7 +194,9 @@ def main(argv=None) -> int:
                     run["name"]
                     for runs in groups.values()
                     for run in runs
-                    if not all(isinstance(r.get("eps"), (int, float)) and r["eps"] > 0 for r in run["rows"])
+                    if not all(
+                        isinstance(r.get("eps"), (int, float)) and r["eps"] > 0 for r in run["rows"] if "episode" in r
+                    )
                 ),
                 None,
             )

@@ -204,7 +204,7 @@ def run_outcome(run_dir: str):
 def wait_for_updates(proc: subprocess.Popen, metrics, n: int, timeout: float = 300) -> None:
     """Wait until the running script `proc` has logged n updates to metrics (a Path); fail if it ends first."""
     deadline = time.time() + timeout
-    while not (metrics.exists() and sum(1 for _ in open(metrics)) >= n):
+    while not (metrics.exists() and sum('"episode"' in line for line in open(metrics)) >= n):  # (not evaluations)
         if proc.poll() is not None:
             raise AssertionError(
                 "the run ended before it could be interrupted"

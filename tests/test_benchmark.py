@@ -4,6 +4,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 
@@ -381,6 +382,18 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
     assert sorted(os.listdir(out / "logs")) == [f"{r}.log" for r in ours]
     table = [line for line in proc.stdout.splitlines() if line.startswith(("| rloo |", "| token + ppo_clip |"))]
     assert len(table) == 2
+    # the tiny preset's data has a test split: the held-out reward of each run's last evaluation, over the seeds
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| configuration |")).split(" | ")
+    last = [
+        [
+            json.loads(line)["eval/reward"]
+            for line in open(out / "runs" / f"rloo__{seed}" / "metrics.jsonl")
+            if "eval/" in line
+        ][-1]
+        for seed in (1, 2)
+    ]
+    cell = table[0].split(" | ")[header.index("eval/reward, last evaluation")]
+    assert cell == f"{statistics.mean(last):.3f} ± {statistics.stdev(last):.3f}", (header, table[0])
     # again: the finished runs are not run again; nothing of the user's is touched
     again = run_script(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
@@ -420,7 +433,9 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
     resumed = run_script(*longer, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in (out / "logs" / "rloo__3_2.log").read_text()
-    assert [r["step"] for r in plot.load_run(out / "runs" / "rloo__3")["rows"]] == list(range(32, 321, 32))  # each once
+    rows = plot.load_run(out / "runs" / "rloo__3")["rows"]
+    assert [r["step"] for r in rows if "episode" in r] == list(range(32, 321, 32))  # each update once
+    assert [r["step"] for r in rows if "episode" not in r] == [0, 160, 320]  # its evaluations, each once
     # a run stopped before its first checkpoint stays as it is; the configuration runs anew beside it
     (out / "runs" / "rloo__4").mkdir()
     (out / "runs" / "rloo__4" / "metrics.jsonl").write_text('{"step": 1}\n')

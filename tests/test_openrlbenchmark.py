@@ -54,7 +54,9 @@ TRL_RUN = {
 def logged(tiny, tmp_path_factory):
     """rloo.py with --track (W&B offline), 4 updates on the tiny model with the default --dataset_name, 2 epochs of
     2 minibatches as benchmark/experiments/tldr.sh (with one of each val/ratio_var is NaN on every row, and
-    openrlbenchmark's table, which drops rows holding a NaN, shows NaN for every metric)."""
+    openrlbenchmark's table, which drops rows holding a NaN, shows NaN for every metric). It evaluates on the dataset's
+    test split after updates 0, 2 and 4: W&B keeps an evaluation in the row of its step, the first one in a row of its
+    own (step 0)."""
     cwd = tmp_path_factory.mktemp("tracked")
     proc = run_rloo(
         "--model_name_or_path",
@@ -77,15 +79,21 @@ def logged(tiny, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = glob.glob(str(cwd / "runs" / "*"))
     run = read_offline_run(run_dir)
-    assert run["state"] == "finished" and len(run["history"]) == 4
-    return {"run": run, "metrics": read_metrics(cwd)}
+    assert run["state"] == "finished" and len(run["history"]) == 5
+    rows = read_metrics(cwd)
+    return {
+        "run": run,
+        "metrics": [m for m in rows if "episode" in m],
+        "evaluations": [m for m in rows if "eval/reward" in m],
+    }
 
 
-def run_openrlbenchmark(ours: dict, env_id: str, tmp_path):
-    """The command openrlbenchmark_trl.py prints, run as printed against the stand-in serving our run (ours, under
-    local/rloo) and TRL's. openrlbenchmark caches each run it scans in its package folder (dataset/<entity>/<project>/
-    <run id>/ and an offline.sqlite per project) and reads that cache before the server: it runs from a fresh copy of
-    its package, so no run reads another's cache and the environment stays as installed."""
+def run_openrlbenchmark(ours: dict, env_id: str, tmp_path, command=None):
+    """The command openrlbenchmark_trl.py prints (or `command`, given its arguments after the python), run as printed
+    against the stand-in serving our run (ours, under local/rloo) and TRL's. openrlbenchmark caches each run it scans
+    in its package folder (dataset/<entity>/<project>/<run id>/ and an offline.sqlite per project) and reads that cache
+    before the server: it runs from a fresh copy of its package, so no run reads another's cache and the environment
+    stays as installed."""
     assert os.access(os.path.join(VENV, "bin", "python"), os.X_OK), f"openrlbenchmark is not installed; run: {INSTALL}"
     (package,) = glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages", "openrlbenchmark"))
     shutil.copytree(
@@ -113,7 +121,9 @@ def run_openrlbenchmark(ours: dict, env_id: str, tmp_path):
         timeout=60,
     )
     assert printed.returncode == 0, printed.stderr
-    command = shlex.split(printed.stdout.replace("\\\n", " "))
+    command = (
+        [os.path.join(VENV, "bin", "python"), *command] if command else shlex.split(printed.stdout.replace("\\\n", " "))
+    )
     assert command[1:3] == ["-m", "openrlbenchmark.rlops_multi_metrics"], printed.stdout
     home = tmp_path / "home"
     env = {
@@ -164,7 +174,7 @@ def test_openrlbenchmark_plots_our_run_next_to_trls_with_every_metric(logged, tm
     assert all("nan" not in cell for cell in ours[1:]), dict(zip(header, ours))
     # What openrlbenchmark read of our run is what rloo.py logged
     with open(tmp_path / "site" / "openrlbenchmark" / "dataset" / "local" / "rloo" / run["id"] / "run_df.csv") as f:
-        scanned = list(csv.DictReader(f))
+        scanned = [r for r in csv.DictReader(f) if r["train/episode"]]  # (not the evaluation before training)
     assert [float(r["train/episode"]) for r in scanned] == [m["episode"] for m in logged["metrics"]]
     for name in METRICS:
         assert [float(r[name]) for r in scanned] == pytest.approx([m[name[len("train/") :]] for m in logged["metrics"]])
@@ -193,3 +203,31 @@ def test_a_renamed_metric_or_config_key_fails_the_comparison(logged, tmp_path, w
     else:
         assert f"rloo ({{}}) in {run['config']['dataset_name']} has no runs" in proc.stderr, proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "compare.png")
+
+
+def test_openrlbenchmark_plots_the_held_out_evaluation(logged, tmp_path):
+    """The evaluation's metrics, by their W&B names (docs/metrics.md), over W&B's step (the episode, as every row
+    of ours is logged at): openrlbenchmark reads what rloo.py logged."""
+    run = logged["run"]
+    metrics = ["eval/reward", "eval/best@4", "eval/completions/mean_length"]
+    group = "?we=local&wpn=rloo&xaxis=_step&ceik=dataset_name&cen=exp_name" + "".join(f"&metrics={m}" for m in metrics)
+    command = [
+        "-m",
+        "openrlbenchmark.rlops_multi_metrics",
+        "--filters",
+        group,
+        "rloo",
+        "--env-ids",
+        run["config"]["dataset_name"],
+        "--output-filename",
+        str(tmp_path / "held_out"),
+        "--scan-history",
+    ]
+    _, proc = run_openrlbenchmark(run, run["config"]["dataset_name"], tmp_path, command)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert png_size(tmp_path / "held_out.png")[0] > 500
+    with open(tmp_path / "site" / "openrlbenchmark" / "dataset" / "local" / "rloo" / run["id"] / "run_df.csv") as f:
+        scanned = [r for r in csv.DictReader(f) if r["eval/reward"]]
+    assert [int(float(r["_step"])) for r in scanned] == [m["step"] for m in logged["evaluations"]] == [0, 16, 32]
+    for name in metrics:
+        assert [float(r[name]) for r in scanned] == pytest.approx([m[name] for m in logged["evaluations"]])
