@@ -58,7 +58,7 @@ def run(name: str, options: list[str], updates: int, seed: int, workdir: str) ->
             sys.exit(f"lora.py: error: the {name} run failed (exit {os.waitstatus_to_exitcode(status)}): {last[0]}")
     peak = usage.ru_maxrss
     with open(os.path.join(workdir, "runs", f"{name}__{seed}", "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [row for row in map(json.loads, f) if "episode" in row]  # the updates' (not the evaluations')
     return {"peak_mib": peak / 1024, "wall": wall, "rows": rows}
 
 

@@ -63,7 +63,7 @@ def run(name: str, command: list[str], workdir: str, workers_are_children: bool)
         sys.exit(f"{name} failed (exit {proc.returncode}); run it by hand in {cwd} to see why")
     (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
     with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [row for row in map(json.loads, f) if "episode" in row]  # the updates' (not the evaluations')
     workers = sorted(peaks.values(), reverse=True)[: 2 if workers_are_children else 1]
     return {"name": name, "rows": rows[1:], "wall": time.perf_counter() - start, "peak": workers}
 

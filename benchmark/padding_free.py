@@ -241,7 +241,7 @@ def embedded(cli) -> None:
                     stdout=subprocess.DEVNULL,
                 )
                 with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
-                    rows[path] += [json.loads(line) for line in f][1:]
+                    rows[path] += [row for row in map(json.loads, f) if "episode" in row][1:]
     print(
         f"python rloo.py (the embedded default), {cli.updates} updates a run, {cli.rounds} runs of each path, "
         "the first update of each dropped"

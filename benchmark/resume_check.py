@@ -87,7 +87,7 @@ def tiny_setup(out: str) -> list[str]:
 
 def logged_updates(run_dir: str) -> int:
     path = os.path.join(run_dir, "metrics.jsonl")
-    return sum(1 for _ in open(path)) if os.path.exists(path) else 0
+    return sum('"episode"' in line for line in open(path)) if os.path.exists(path) else 0  # (not the evaluations)
 
 
 def folder_mb(path: str) -> float:

@@ -64,7 +64,7 @@ def main():
         )
         (run,) = os.listdir(os.path.join(workdir, "runs"))
         with open(os.path.join(workdir, "runs", run, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f][1:]
+            rows = [row for row in map(json.loads, f) if "episode" in row][1:]
 
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in rows)  # noqa: E731
     update = mean("time/update")

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
                 else os.path.join(workdir, "trl.jsonl")
             )
             with open(metrics) as f:
-                rows = [json.loads(line) for line in f]
+                rows = [row for row in map(json.loads, f) if "eval/reward" not in row]  # (not our evaluations)
             seconds = [r["time/update"] if "time/update" in r else r["seconds"] for r in rows]
             results[name] = {"rows": rows, "seconds": statistics.mean(seconds[1:]), "peak": peak, "wall": wall}
 

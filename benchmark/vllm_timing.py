@@ -116,7 +116,7 @@ def run(name: str, command: list[str], workdir: str) -> dict:
     )
     (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
     with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [row for row in map(json.loads, f) if "episode" in row]  # the updates' (not the evaluations')
     return {"name": name, "rows": rows[1:], "wall": time.perf_counter() - start}
 
 

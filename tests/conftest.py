@@ -182,10 +182,12 @@ def check_one_line_error(proc, *needles):
 
 
 def read_metrics(run_root) -> list[dict]:
+    """The updates' rows of the one run under run_root (a run on a dataset with a test split also logs rows of its
+    held-out evaluations: tests/test_evaluation.py reads those)."""
     runs = os.path.join(run_root, "runs")
     (run,) = os.listdir(runs)
     with open(os.path.join(runs, run, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [row for row in map(json.loads, f) if "episode" in row]
 
 
 def run_outcome(run_dir: str):

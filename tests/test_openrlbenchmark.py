@@ -4,6 +4,7 @@ the scripts breaks this test, not the plot next to TRL's runs."""
 
 import csv
 import glob
+import json
 import os
 import shlex
 import shutil
@@ -80,12 +81,10 @@ def logged(tiny, tmp_path_factory):
     (run_dir,) = glob.glob(str(cwd / "runs" / "*"))
     run = read_offline_run(run_dir)
     assert run["state"] == "finished" and len(run["history"]) == 5
-    rows = read_metrics(cwd)
-    return {
-        "run": run,
-        "metrics": [m for m in rows if "episode" in m],
-        "evaluations": [m for m in rows if "eval/reward" in m],
-    }
+    (run_dir,) = glob.glob(str(cwd / "runs" / "*"))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        evaluations = [row for row in map(json.loads, f) if "eval/reward" in row]
+    return {"run": run, "metrics": read_metrics(cwd), "evaluations": evaluations}
 
 
 def run_openrlbenchmark(ours: dict, env_id: str, tmp_path, command=None):

@@ -84,7 +84,7 @@ def test_reward_functions_written_for_trl_run_unchanged(script, tiny, tmp_path):
     with open(os.path.join(run_dir, "args.json")) as f:
         assert json.load(f)["dataset_name"] == "data/movie_reviews"  # openrlbenchmark's env id: no path of this machine
     num_train_prompts = len(jsonl(os.path.join(ROOT, "data", "movie_reviews", "train.jsonl")))
-    metrics = jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = [row for row in jsonl(os.path.join(run_dir, "metrics.jsonl")) if "episode" in row]  # (not evaluations)
     rows = jsonl(os.path.join(run_dir, "completions.jsonl"))
     assert len(metrics) == updates and len(rows) == updates * prompts_per_update * G
     for update, row in enumerate(metrics, 1):

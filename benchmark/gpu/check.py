@@ -60,7 +60,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 THIS = os.path.abspath(__file__)
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 STAGES = ["generation", "old_logprobs", "reference_forward", "reward", "policy_forward_backward", "optimizer"]
-WALL_CLOCK = ("eps", "step_time")  # with every perf/ and time/ metric: what two identical runs may differ in
+WALL_CLOCK = (
+    "eps",
+    "step_time",
+    "eval/seconds",
+)  # with every perf/ and time/ metric: what two identical runs may differ in
 MARKER = "RLOO_GPU_CHECK_PART"  # in the environment of every process a part starts, so that all of them can be killed
 SKIPPED = 3  # exit status of a part that cannot run here (the reason on its last line)
 WORK_MARK = ".rloo_gpu_check"  # in a --work folder the kit made: it may delete its own models/ and parts/ there
@@ -251,7 +255,7 @@ def summary(run_dir: str, output: str) -> dict:
     """A finished run's numbers: every metric finite, the model saved; seconds per update (after the first), the first
     and last rewards, peak memory of each process, and what the script said about its forwards."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [row for row in map(json.loads, f) if "episode" in row]  # the updates' (not the evaluations')
     bad = sorted(
         {
             k
@@ -451,7 +455,7 @@ def rloo_learns(p: Part) -> dict:
         cwd=p.folder,
     )
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
-        rewards = [json.loads(line)["reward"] for line in f]
+        rewards = [row["reward"] for row in map(json.loads, f) if "episode" in row]
     result.update(
         reward_first_5=round(statistics.mean(rewards[:5]), 3), reward_last_5=round(statistics.mean(rewards[-5:]), 3)
     )
@@ -587,7 +591,7 @@ def timing_rloo(p: Part) -> dict:
         os.path.join(ROOT, "rloo.py"), *as_args(options), "--bf16" if w["bf16"] else "--no_bf16", cwd=p.folder
     )
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f][1:]  # the first update warms up
+        rows = [row for row in map(json.loads, f) if "episode" in row][1:]  # the first update warms up
 
     def mean(key):
         return statistics.mean(r.get(key, 0.0) for r in rows)
