@@ -101,6 +101,8 @@ def process_share(num_prompts: int, rank: int, world_size: int) -> list[int]:
 def check_metric_values(values, name: str, batch_size: int) -> tuple[torch.Tensor, Optional[bool]]:
     """What an evaluation metric function returned: (B,) floats, NaN for None, and whether they are booleans (a
     success test, whose pass@k is logged), None where every one was None. Booleans or numbers, not both."""
+    if (torch.is_tensor(values) or isinstance(values, np.ndarray)) and values.ndim == 1:
+        values = values.tolist()  # (a bool tensor's values as booleans)
     kinds = {isinstance(v, (bool, np.bool_)) for v in values if v is not None} if isinstance(values, list) else set()
     if kinds == {True}:
         return torch.tensor([math.nan if v is None else float(v) for v in values]), True

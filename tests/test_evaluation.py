@@ -121,6 +121,8 @@ def test_metric_values_booleans_numbers_and_none():
     values, boolean = check_metric_values([0.5, None, 2], "length", 3)
     assert boolean is False and values.tolist()[2] == 2.0
     assert check_metric_values([None, None], "nothing", 2)[1] is None
+    assert check_metric_values(torch.tensor([True, False]), "as_tensor", 2)[1] is True
+    assert check_metric_values(np.array([0.5, 1.0]), "as_array", 2)[1] is False
     with pytest.raises(UsageError, match="evaluation metric function mixed returned both booleans and numbers"):
         check_metric_values([True, 0.5], "mixed", 2)
     with pytest.raises(UsageError, match="evaluation metric function bad must return a list of 2 floats"):
