@@ -82,6 +82,9 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
         assert parts[name]["peak_max_rss_gib"][0] > 0.1 and parts[name]["kl_last"] != 0, name  # the policy moved
     learns = parts["rloo_learns"]
     assert learns["updates"] == 40 and learns["reward_last_5"] > learns["reward_first_5"] + 0.5
+    evaluates = parts["rloo_evaluates"]
+    assert evaluates["training_differences"] == "none: the same training"
+    assert [e["step"] for e in evaluates["evaluations"]] == [0, 16, 32] and evaluates["not_evaluating"]["updates"] == 4
     assert parts["rloo_bf16_saved_model"]["saved_dtype"] == "torch.float32"
     assert parts["rloo_bf16_saved_model"]["fraction_of_weights_changed"] > 0.2
     for name, processes in (("multigpu_1_process", 1), ("multigpu_every_process", 2)):

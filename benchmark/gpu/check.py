@@ -519,14 +519,50 @@ def multigpu(nproc_of, *options):
     return part
 
 
+def rloo_evaluates(p: Part) -> dict:
+    """The held-out evaluation (before training, after updates 2 and 4; a success test and a metric function) on the
+    device: the run trains exactly as the one that does not evaluate. On a GPU this holds the evaluation's own random
+    streams on CUDA's generator too, which no CPU test can."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import write_jsonl
+
+    data = os.path.join(p.folder, "data")
+    with open(p.models["prompts"]) as f:
+        rows = [json.loads(line) for line in f]
+    write_jsonl(os.path.join(data, "train.jsonl"), rows)
+    write_jsonl(os.path.join(data, "test.jsonl"), [{**r, "data_source": "ab"[i % 2]} for i, r in enumerate(rows[:6])])
+    args = tiny_args(p, "--bf16", dataset_name=data)
+    evaluation = ["--eval_steps", 2, "--eval_success_threshold", 0.0, "--eval_metric_funcs", f"{REWARDS}:says_good"]
+    evaluating = p.rloo(*args, *evaluation, cwd=os.path.join(p.folder, "evaluating"))
+    not_evaluating = p.rloo(*args, "--eval_steps", 0, cwd=os.path.join(p.folder, "not_evaluating"))
+    runs = [os.path.join(p.folder, name, "runs", "run") for name in ("evaluating", "not_evaluating")]
+    with open(os.path.join(runs[0], "metrics.jsonl")) as f:
+        evaluations = [row for row in map(json.loads, f) if "eval/reward" in row]
+    if [row["step"] for row in evaluations] != [0, 16, 32]:
+        raise RuntimeError(f"evaluations at steps {[row['step'] for row in evaluations]}, not after updates 0, 2, 4")
+    differences = compare_runs(*runs, updates_only=True)
+    if differences:
+        raise RuntimeError(f"evaluating changed the training: {json.dumps(differences)}")
+    return {
+        "evaluating": evaluating,
+        "not_evaluating": not_evaluating,
+        "evaluations": [
+            {k: row[k] for k in ("step", "eval/reward", "eval/best@4", "eval/pass@4", "eval/seconds")}
+            for row in evaluations
+        ],
+        "training_differences": "none: the same training",
+    }
+
+
 def logged(metrics: str) -> int:
     with contextlib.suppress(OSError), open(metrics) as f:
         return sum(1 for line in f if line.endswith("\n"))
     return 0
 
 
-def compare_runs(a: str, b: str) -> dict:
-    """How two run folders differ: metrics (all but wall-clock ones), sample tables, final weights. {} when the same."""
+def compare_runs(a: str, b: str, updates_only: bool = False) -> dict:
+    """How two run folders differ: metrics (all but wall-clock ones; updates_only: of the updates, not of the held-out
+    evaluations), sample tables, final weights. {} when the same."""
     import torch
     from safetensors.torch import load_file
 
@@ -539,6 +575,7 @@ def compare_runs(a: str, b: str) -> dict:
                     if k not in WALL_CLOCK and not k.startswith(("perf/", "time/"))
                 }
                 for line in f
+                if not updates_only or '"episode"' in line
             ]
 
     differences = {}
@@ -662,6 +699,7 @@ PARTS = {  # name: (function, is a timing)
     "rloo_bf16_saved_model": (rloo_bf16_saved_model, False),
     "rloo_vlm": (rloo_vlm, False),
     "rloo_learns": (rloo_learns, False),
+    "rloo_evaluates": (rloo_evaluates, False),
     "memory_per_parameter": (memory_per_parameter, False),
     "multigpu_1_process": (multigpu(lambda p: 1), False),
     "multigpu_every_process": (multigpu(lambda p: p.nproc, "--fsdp_cpu_offload"), False),
