@@ -78,6 +78,7 @@ from rloo_utils.models import (
     model_dtype,
     policy_class,
     set_up_cuda,
+    shared_prompt_cache,
     weights_finite,
 )
 from rloo_utils.options import JsonObject, batch_sizes, check_args, clip_bounds, lr_scheduler, parse_args
@@ -718,9 +719,10 @@ def main(args: Args) -> None:
     )
     console.print(evaluation_plan(eval_prompts, args, evaluate_after))
 
-    def generate(model, prompt_ids, prompt_mask, config, images=None, seeds=None) -> torch.Tensor:
+    def generate(model, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1) -> torch.Tensor:
         """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks; with seeds (one per
-        row), each chunk samples from the seed of its first row (the evaluation's random streams)."""
+        row), each chunk samples from the seed of its first row (the evaluation's random streams). copies: the rows
+        hold each prompt that many times in a row, whose forward is then made once (shared_prompt_cache)."""
         model.eval()
         chunks = []
         for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
@@ -728,9 +730,13 @@ def main(args: Args) -> None:
             if seeds is not None:
                 torch.manual_seed(seeds[i])
             with torch.no_grad(), autocast():
+                shared = None  # the prompt's forward made once for its copies
+                if images is None:
+                    shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
                 out = model.generate(
                     input_ids=prompt_ids[rows],
                     attention_mask=prompt_mask[rows],
+                    past_key_values=shared,
                     generation_config=config,
                     **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, device, model.dtype)),
                 )
@@ -864,7 +870,7 @@ def main(args: Args) -> None:
                     args.chat_template_kwargs,
                 )  # (b, P)
                 seeds = evaluation_seeds(args.seed, update, first * n, len(prompts))
-                completion_ids = generate(policy, prompt_ids, prompt_mask, eval_config, images, seeds)  # (b, C)
+                completion_ids = generate(policy, prompt_ids, prompt_mask, eval_config, images, seeds, n)  # (b, C)
                 completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
                 rewards_per_func, completions = score(
                     prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns

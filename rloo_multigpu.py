@@ -97,6 +97,7 @@ from rloo_utils.models import (
     model_dtype,
     policy_class,
     set_up_cuda,
+    shared_prompt_cache,
     weights_finite,
 )
 from rloo_utils.options import (
@@ -837,13 +838,15 @@ def main(args: Args) -> None:
     console.print(evaluation_plan(eval_prompts, args, evaluate_after))
 
     def generate(
-        model, prompt_ids, prompt_mask, config, images=None, seeds=None
+        model, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(B, C) completion ids, padded to max_completion_length, and (B, C) the sampler's log-probs of them (the vLLM
         server's, one seed per completion; None from HF generate). HF generate runs in chunks, each sampling from the
         seed of its first row, so that a rollout does not depend on the number of processes; the sharded model's
         forward is a collective: with synced_gpus a process whose completions have all ended goes on with the others.
-        images: the rows' image tensors for HF generate; the rows' images as the dataset holds them for the server."""
+        images: the rows' image tensors for HF generate; the rows' images as the dataset holds them for the server.
+        copies: the rows hold each prompt that many times in a row, whose forward is then made once
+        (shared_prompt_cache; only with the model gathered: a sharded forward is a collective)."""
         if server is not None:
             prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # without the left padding
             with agreed():  # a request that fails on one process stops every process
@@ -866,9 +869,13 @@ def main(args: Args) -> None:
                     if seeds is not None:
                         torch.manual_seed(seeds[i])
                     rows = slice(i, i + args.local_rollout_forward_batch_size)
+                    shared = None  # the prompt's forward made once for its copies (a gathered model's forward only)
+                    if images is None and (args.gather_for_generation or world_size == 1):
+                        shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
                     out = model.generate(
                         input_ids=prompt_ids[rows],
                         attention_mask=prompt_mask[rows],
+                        past_key_values=shared,
                         generation_config=config,
                         synced_gpus=world_size > 1,
                         **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, device, model.dtype)),
@@ -1019,6 +1026,7 @@ def main(args: Args) -> None:
                     eval_config,
                     columns.get(image_col) if server else images,
                     seeds,
+                    n,
                 )  # (b, C)
                 completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
                 with agreed():  # a reward function that raises on one process stops all of them together

