@@ -539,7 +539,11 @@ def run_to_first_update(argv: list[str], cwd, timeout: float = 300) -> dict:
             while time.time() < deadline and proc.poll() is None:
                 metrics = glob.glob(str(cwd / "runs" / "*" / "metrics.jsonl"))
                 if metrics and open(metrics[0]).read().endswith("\n"):
-                    return json.loads(open(metrics[0]).readline())
+                    updates = [
+                        row for row in map(json.loads, open(metrics[0])) if "episode" in row
+                    ]  # (not evaluations)
+                    if updates:
+                        return updates[0]
                 time.sleep(0.5)
         finally:
             proc.kill()

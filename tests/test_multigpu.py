@@ -533,8 +533,11 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
             metrics, deadline = tmp_path / "runs", time.time() + 600
             while time.time() < deadline and proc.poll() is None:
                 found = list(metrics.glob("*/metrics.jsonl"))
+                updates = []  # (an evaluation of the validation split comes before the first update)
                 if found and found[0].read_text().endswith("\n"):
-                    row = json.loads(found[0].read_text().splitlines()[0])
+                    updates = [row for row in map(json.loads, found[0].read_text().splitlines()) if "episode" in row]
+                if updates:
+                    row = updates[0]
                     break
                 time.sleep(0.5)
             else:
