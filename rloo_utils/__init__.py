@@ -11,6 +11,7 @@ calls it: a script passes in what differs (its options, what a resume may change
     packing      padding-free forwards; the output layer's inputs
     lora         LoRA adapters (peft)
     logs         metrics.jsonl, tables, TensorBoard, W&B; the progress bar; an update's metrics
+    evaluation   the held-out evaluation: when, its own random streams, pass@k and the other task metrics
     processes    torch.distributed's group; one process is a group of one
     checkpoints  run folders, checkpoints, exact resume, signals, the rescue of a failed run
     sharded      FSDP2 sharded loading and saving (rloo_multigpu.py only)
