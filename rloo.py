@@ -99,6 +99,7 @@ from rloo_utils.rewards import (
     reward_model_inputs,
     reward_sources,
 )
+from rloo_utils.tools import check_tool_template, load_tool_use, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 
 
@@ -203,6 +204,14 @@ class Args:
     """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
+
+    # Tools and environments: multi-turn rollouts (docs/tools.md)
+    tools: Optional[list[str]] = None
+    """functions the model may call, `file.py:function` or `module:function`: typed, with a Google-style docstring"""
+    environment: Optional[list[str]] = None
+    """classes `file.py:Class`, one per rollout: reset(**row), its methods are tools, get_reward() a reward source"""
+    max_tool_calling_iterations: Optional[int] = None
+    """rounds of tool calls a rollout may make; None: until the model answers without one or runs out of tokens"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
@@ -622,7 +631,10 @@ def main(args: Args) -> None:
     G = args.num_generations
     prompts_per_rollout = batch_size // G
     checkpoint, training_state = resume_point(args, RESUMABLE_CHANGES)  # (None, None) for a new run
-    reward_funcs, reward_names, reward_weights = reward_sources(args, BUILTIN_REWARD_FUNCS)  # (F,) weights
+    tool_use = load_tool_use(args)  # --tools and --environment; None: single-turn rollouts
+    reward_funcs, reward_names, reward_weights = reward_sources(
+        args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []
+    )  # (F,) weights
     eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
     train_dataset, eval_dataset = load_datasets(args)  # eval_dataset: the held-out split, or None
     eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)  # None: no evaluation
@@ -642,6 +654,8 @@ def main(args: Args) -> None:
     console = Console()
 
     tokenizer, reward_tokenizer, processor = load_tokenizers(args, train_dataset[0]["prompt"], image_col)
+    if tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
+        check_tool_template(args, tokenizer, train_dataset[0]["prompt"], image_col)
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = from_pretrained(
         policy_class(policy_path),
@@ -749,8 +763,44 @@ def main(args: Args) -> None:
             )
         return torch.cat(chunks)
 
-    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns):
-        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions."""
+    def generate_turn(contexts: list[list[int]], budgets: list[int], config) -> list[list[int]]:
+        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
+        far): the ids up to and including the first stop token, at most the row's budget of them."""
+        context_ids, context_mask = (t.to(device) for t in left_pad(contexts, tokenizer.pad_token_id))
+        config = copy.deepcopy(config)
+        config.max_new_tokens = max(budgets)
+        turn_ids = generate(policy, context_ids, context_mask, config)  # (b, C)
+        turn_mask, _ = completion_mask_from(turn_ids, stop_ids, eos_ids)
+        return [ids[: min(int(m.sum()), budget)].tolist() for ids, m, budget in zip(turn_ids, turn_mask, budgets)]
+
+    def complete(prompts: list, columns: dict, config, seeds=None, copies=1):
+        """The prompts tokenized and completed by the policy: (B, P) prompt ids and mask, how many prompts were
+        truncated, their images; (B, C) completion ids, completion mask and tool mask (1 on the tools' results); (B,)
+        whether each ended; the multi-turn rollouts, with --tools or --environment (else None)."""
+        turns = tool_use.start(prompts, columns) if tool_use else None  # environments reset; each row's tools
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
+            tokenizer,
+            turns.prompts if turns else prompts,
+            args.max_prompt_length,
+            device,
+            processor,
+            columns.get(image_col),
+            args.chat_template_kwargs,
+            turns and turns.schemas,
+        )  # (B, P)
+        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
+            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
+            turns.generate(functools.partial(generate_turn, config=config), rows, tokenizer, stop_ids, args)
+            completion_ids, completion_mask, tool_mask, ended = turns.tensors(tokenizer.pad_token_id, device)
+        else:
+            completion_ids = generate(policy, prompt_ids, prompt_mask, config, images, seeds, copies)  # (B, C)
+            completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
+            tool_mask = torch.zeros_like(completion_mask)
+        return prompt_ids, prompt_mask, num_truncated, images, completion_ids, completion_mask, tool_mask, ended, turns
+
+    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns=None):
+        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions. turns: a
+        multi-turn rollout's, whose messages the functions get as the completions, with its environments."""
         texts = tokenizer.batch_decode(
             completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
         )
@@ -788,7 +838,8 @@ def main(args: Args) -> None:
             len(texts),
             args.reward_timeout,
             None,
-            **reward_func_arguments(prompts, texts, completion_ids, completion_mask),
+            **reward_func_arguments(prompts, texts, completion_ids, completion_mask, turns and turns.messages),
+            **({"environments": turns.environments} if turns else {}),
             trainer_state=trainer_state,
             log_extra=reward_logs.log_extra,
             log_metric=reward_logs.log_metric,
@@ -819,25 +870,12 @@ def main(args: Args) -> None:
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
         batch = (eval_dataset or train_dataset)[: args.num_sample_prompts]
-        prompt_ids, prompt_mask, _, images = tokenize_prompts(
-            tokenizer,
-            batch["prompt"],
-            args.max_prompt_length,
-            device,
-            processor,
-            batch.get(image_col),
-            args.chat_template_kwargs,
+        columns = {c: batch[c] for c in extra_columns if c in batch}
+        prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, _, ended, turns = complete(
+            batch["prompt"], columns, greedy_config
         )
-        completion_ids = generate(policy, prompt_ids, prompt_mask, greedy_config, images)
-        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         rewards, completions = score(
-            batch["prompt"],
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            ended,
-            {c: batch[c] for c in extra_columns if c in batch},
+            batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
         )
         reward_logs.clear()  # what reward functions logged on these prompts is not the update's
         rewards = weighted_reward(rewards, reward_weights).tolist()
@@ -860,20 +898,12 @@ def main(args: Args) -> None:
                 batch = eval_prompts[first : first + prompts_per_chunk]
                 prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
                 columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
-                prompt_ids, prompt_mask, _, images = tokenize_prompts(
-                    tokenizer,
-                    prompts,
-                    args.max_prompt_length,
-                    device,
-                    processor,
-                    columns.get(image_col),
-                    args.chat_template_kwargs,
-                )  # (b, P)
                 seeds = evaluation_seeds(args.seed, update, first * n, len(prompts))
-                completion_ids = generate(policy, prompt_ids, prompt_mask, eval_config, images, seeds, n)  # (b, C)
-                completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
+                prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, tool_mask, ended, turns = complete(
+                    prompts, columns, eval_config, seeds, n
+                )  # (b, P), (b, C), (b,)
                 rewards_per_func, completions = score(
-                    prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+                    prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
                 )  # (b, F)
                 parts["metric_values"].append(
                     call_reward_funcs(
@@ -882,7 +912,10 @@ def main(args: Args) -> None:
                         len(prompts),
                         args.reward_timeout,
                         check_metric_values,
-                        **reward_func_arguments(prompts, completions, completion_ids, completion_mask),
+                        **reward_func_arguments(
+                            prompts, completions, completion_ids, completion_mask, turns and turns.messages
+                        ),
+                        **({"environments": turns.environments} if turns else {}),
                         trainer_state=trainer_state,
                         log_extra=reward_logs.log_extra,
                         log_metric=reward_logs.log_metric,
@@ -892,7 +925,7 @@ def main(args: Args) -> None:
                 for name, value in [
                     ("rewards", rewards_per_func),
                     ("ids", completion_ids),
-                    ("mask", completion_mask),
+                    ("mask", completion_mask * (1 - tool_mask)),  # the policy's tokens: the lengths count these
                     ("ended", ended),
                 ]:
                     parts[name].append(value)
@@ -938,19 +971,11 @@ def main(args: Args) -> None:
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer,
-            prompts,
-            args.max_prompt_length,
-            device,
-            processor,
-            columns.get(image_col),
-            args.chat_template_kwargs,
-        )  # (B, P)
         with timer("generation"):
-            completion_ids = generate(policy, prompt_ids, prompt_mask, generation_config, images)  # (B, C)
-        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
-        mask = completion_mask.float()
+            prompt_ids, prompt_mask, num_truncated, images, completion_ids, completion_mask, tool_mask, ended, turns = (
+                complete(prompts, columns, generation_config)
+            )  # (B, P), (B, C), (B,)
+        mask = (completion_mask * (1 - tool_mask)).float()  # the tokens the policy chose: only they enter loss and KL
         # log pi_old: a forward of its own only when the KL or a later minibatch needs it; else the update's forward
         # fills it
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
@@ -972,7 +997,7 @@ def main(args: Args) -> None:
         )
         with timer("reward"):
             rewards_per_func, completions = score(
-                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
             )  # (B, F)
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
@@ -1070,7 +1095,8 @@ def main(args: Args) -> None:
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
-            **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
+            **completion_metrics(completion_ids, mask.long(), ended, eos_ids),  # the lengths of the policy's tokens
+            **(tool_metrics(turns) if turns else {}),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -1083,7 +1109,7 @@ def main(args: Args) -> None:
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
-            "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
+            "perf/generated_tokens_per_second": float(mask.sum()) / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **logged_metrics,
@@ -1127,22 +1153,23 @@ def tokenize_prompts(
     processor=None,
     images=None,
     chat_template_kwargs: Optional[dict] = None,
+    tools: Optional[list[list[dict]]] = None,
 ):
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
     than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
-    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens."""
+    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens.
+    tools: per row, the schemas of the tools the chat template shows it (--tools, --environment)."""
     if images is not None:
         rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length, chat_template_kwargs)
         return *(t.to(device) for t in left_pad(rows, tokenizer.pad_token_id)), 0, image_tensors
     rows = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             rows.append(tokenizer(prompt)["input_ids"])
         else:
-            text = tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-            )
+            template_kwargs = {**(chat_template_kwargs or {}), **({"tools": tools[i]} if tools else {})}
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **template_kwargs)
             rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     num_truncated = sum(len(r) > max_prompt_length for r in rows)
     rows = [last_tokens(r, max_prompt_length, tokenizer.bos_token_id) for r in rows]

@@ -54,7 +54,7 @@ from rloo_utils.data import (
     row_images,
     text_prompts,
 )
-from rloo_utils.errors import NonFiniteWeights, RunError, Terminated
+from rloo_utils.errors import NonFiniteWeights, RunError, Terminated, UsageError
 from rloo_utils.evaluation import (
     check_metric_values,
     data_sources,
@@ -263,6 +263,14 @@ class Args:
     """upper bound C_max of the importance ratio (None: none)"""
     vllm_importance_sampling_clip_min: Optional[float] = None
     """lower bound C_min of the importance ratio (None: none)"""
+
+    # Tools and environments: multi-turn rollouts (docs/tools.md)
+    tools: Optional[list[str]] = None
+    """functions the model may call, `file.py:function` or `module:function`: typed, with a Google-style docstring"""
+    environment: Optional[list[str]] = None
+    """classes `file.py:Class`, one per rollout: reset(**row), its methods are tools, get_reward() a reward source"""
+    max_tool_calling_iterations: Optional[int] = None
+    """rounds of tool calls a rollout may make; None: until the model answers without one or runs out of tokens"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
@@ -688,6 +696,8 @@ def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     check_args(args)
     check_vllm_args(args, server=args.vllm_mode == "server")
+    if args.tools or args.environment:  # multi-turn rollouts (issue 42) are in rloo.py so far
+        raise UsageError("--tools and --environment run in rloo.py so far: use rloo.py for multi-turn rollouts")
     args = resolve_defaults(args)
     batch_size, mini_batch_size, num_updates = batch_sizes(args)
     G = args.num_generations
@@ -1311,22 +1321,23 @@ def tokenize_prompts(
     processor=None,
     images=None,
     chat_template_kwargs: Optional[dict] = None,
+    tools: Optional[list[list[dict]]] = None,
 ):
     """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
     expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
     than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
-    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens."""
+    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens.
+    tools: per row, the schemas of the tools the chat template shows it (--tools, --environment)."""
     if images is not None:
         rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length, chat_template_kwargs)
         return *(t.to(device) for t in left_pad(rows, tokenizer.pad_token_id)), 0, image_tensors
     rows = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             rows.append(tokenizer(prompt)["input_ids"])
         else:
-            text = tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-            )
+            template_kwargs = {**(chat_template_kwargs or {}), **({"tools": tools[i]} if tools else {})}
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **template_kwargs)
             rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     num_truncated = sum(len(r) > max_prompt_length for r in rows)
     rows = [last_tokens(r, max_prompt_length, tokenizer.bos_token_id) for r in rows]

@@ -218,6 +218,7 @@ def check_args(args, world_size: int = 1) -> None:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
     check_evaluation_args(args)
+    check_tool_args(args)
     if args.num_sample_generations and not args.num_sample_prompts:
         raise UsageError(
             "--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
@@ -292,6 +293,19 @@ def check_evaluation_args(args) -> None:
         raise UsageError(
             f"--eval_temperature 0 samples greedily, so the {n} completions of a test prompt would all be the same: "
             "add --num_generations_eval 1"
+        )
+
+
+def check_tool_args(args) -> None:
+    """The multi-turn options (rloo_utils/tools.py); the tools and environments themselves are loaded by load_tools."""
+    if args.max_tool_calling_iterations is not None:
+        if args.max_tool_calling_iterations < 0:
+            raise UsageError(f"--max_tool_calling_iterations must be >= 0, got {args.max_tool_calling_iterations}")
+        if not args.tools and not args.environment:
+            raise UsageError("--max_tool_calling_iterations needs tools to call: give --tools or --environment")
+    if (args.tools or args.environment) and "tools" in (args.chat_template_kwargs or {}):
+        raise UsageError(
+            "--chat_template_kwargs sets tools and --tools/--environment gives them too: give them once, as --tools"
         )
 
 

@@ -87,26 +87,35 @@ def load_reward_func(
     return func
 
 
-def reward_func_arguments(prompts: list, texts: list[str], completion_ids, completion_mask) -> dict:
+def reward_func_arguments(
+    prompts: list, texts: list[str], completion_ids, completion_mask, messages: Optional[list] = None
+) -> dict:
     """What every reward function gets of the completions (TRL's arguments): the prompts, the completions (as the
-    assistant's message where the prompts are chat messages), and each one's token ids without padding."""
+    assistant's message where the prompts are chat messages; a multi-turn rollout's `messages`: its turns with their
+    tool calls, and the tools' results), and each one's token ids without padding."""
     conversational = not isinstance(prompts[0], str)
+    if messages is None and conversational:
+        messages = [[{"role": "assistant", "content": t}] for t in texts]
     return dict(
         prompts=prompts,
-        completions=[[{"role": "assistant", "content": t}] for t in texts] if conversational else texts,
+        completions=messages if conversational else texts,
         completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)],
     )
 
 
-def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], list[str], torch.Tensor]:
-    """The reward functions, the names of every source (the reward model first) and their (F,) weights; `builtin`: the
-    functions a script offers by name."""
-    specs = (
-        args.reward_funcs if args.reward_funcs is not None else ([] if args.reward_model_path else ["vader_sentiment"])
-    )
+def reward_sources(
+    args, builtin: dict[str, Callable], environment_rewards: list = ()
+) -> tuple[list[Callable], list[str], torch.Tensor]:
+    """The reward functions, the names of every source (the reward model first, the environments' get_reward last)
+    and their (F,) weights; `builtin`: the functions a script offers by name; environment_rewards: (name, function)
+    of each environment class with a get_reward, weight 1 (as in TRL), which --reward_weights does not cover."""
+    owned = args.reward_model_path or environment_rewards
+    specs = args.reward_funcs if args.reward_funcs is not None else ([] if owned else ["vader_sentiment"])
     names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + [
         reward_func_name(s) for s in specs
     ]
+    given = len(names)  # the sources --reward_weights weighs
+    names += [name for name, _ in environment_rewards]
     if not names:
         raise UsageError("no reward: give --reward_model_path and/or --reward_funcs")
     if len(set(names)) < len(names):
@@ -114,17 +123,18 @@ def reward_sources(args, builtin: dict[str, Callable]) -> tuple[list[Callable], 
             f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
             "give each function once, under its own name"
         )
-    weights = torch.tensor(args.reward_weights or [1.0] * len(names))
-    if len(weights) != len(names):
+    weights = torch.tensor(args.reward_weights or [1.0] * given)
+    if len(weights) != given:
         raise UsageError(
-            f"--reward_weights has {len(weights)} values for {len(names)} reward sources ({', '.join(names)})"
+            f"--reward_weights has {len(weights)} values for {given} reward sources ({', '.join(names[:given])})"
         )
+    weights = torch.cat([weights, torch.ones(len(names) - given)])
     if not weights.any():
         raise UsageError(
             "--reward_weights are all 0: no reward would reach the advantages, and the run would train on "
             "nothing but its KL penalty; give a source a weight"
         )
-    return [load_reward_func(s, builtin) for s in specs], names, weights
+    return [load_reward_func(s, builtin) for s in specs] + [f for _, f in environment_rewards], names, weights
 
 
 @dataclass

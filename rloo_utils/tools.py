@@ -1,0 +1,349 @@
+"""Multi-turn rollouts with tools and environments, on TRL 1.16 GRPOTrainer's contract (docs/tools.md): a tool is a
+typed Python function with a Google-style docstring, whose JSON schema the chat template shows the model; an
+environment is a class, one instance per rollout, reset with its dataset row, whose public methods are its tools and
+whose optional get_reward() is a reward source. The model's turns and the tools' results alternate, concatenated as
+token ids: the model's as it sampled them, the results' as the chat template renders them, never re-tokenised."""
+
+import inspect
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from rloo_utils.errors import RunError, UsageError, describe
+from rloo_utils.rewards import await_all, load_reward_func
+
+# The tool-call format of Hermes-style chat templates (Qwen2.5, Qwen3, SmolLM3, NousResearch's Hermes):
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A tokenizer that carries its own response_template
+# (transformers' response parsing) is parsed with that instead.
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+ENVIRONMENT_COLUMN = "environment"  # with several --environment classes, each row names its class here (TRL's field)
+
+
+# ---- Loading ---------------------------------------------------------------------------------------------------------
+def tool_schema(func: Callable, name: str) -> dict:
+    """The JSON schema a chat template takes for a tool (transformers' get_json_schema: type hints and a Google-style
+    docstring with an Args section describing every argument)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(func)
+    except Exception as e:
+        raise UsageError(
+            f"tool {name} has no JSON schema ({describe(e)}): give it type hints and a Google-style docstring whose "
+            "Args section describes every argument"
+        ) from None
+
+
+def load_tools(specs: list[str]) -> list[Callable]:
+    """--tools: `file.py:function` or `module:function`, each with a schema (checked here, before any model loads)."""
+    tools = [load_reward_func(spec, {}, "tool", "--tools") for spec in specs]
+    names = [getattr(t, "__name__", spec) for t, spec in zip(tools, specs)]
+    for tool, name in zip(tools, names):
+        tool_schema(tool, name)
+    if len(set(names)) < len(names):
+        raise UsageError(f"two tools have the same name ({', '.join(names)}): the model calls a tool by its name")
+    return tools
+
+
+def environment_methods(environment) -> list[Callable]:
+    """An environment's tools: its public methods, other than reset and get_reward (bound to the instance)."""
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def load_environments(specs: list[str]) -> dict[str, list]:
+    """--environment: `file.py:Class` or `module:Class`, by class name: a pool of instances of each, holding the one
+    built here (its tools' schemas checked on it). With several, a dataset column `environment` names each row's."""
+    classes = {}
+    for spec in specs:
+        cls = load_reward_func(spec, {}, "environment", "--environment")
+        if not inspect.isclass(cls) or not callable(getattr(cls, "reset", None)):
+            raise UsageError(
+                f"environment {spec} must be a class with a reset(**row) method (TRL's environment_factory)"
+            )
+        if cls.__name__ in classes:
+            raise UsageError(f"two environments are named {cls.__name__}: a row names its environment by class name")
+        try:
+            instance = cls()
+        except Exception as e:
+            raise UsageError(f"could not build environment {cls.__name__}() ({describe(e)})") from None
+        for method in environment_methods(instance):
+            tool_schema(method, f"{cls.__name__}.{method.__name__}")
+        classes[cls.__name__] = [instance]
+    return classes
+
+
+# ---- The chat template's tool-call format ----------------------------------------------------------------------------
+def render_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict, **kwargs) -> list[int]:
+    """The token ids of a conversation as the chat template writes it (tokenised as the prompts are)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs, **chat_template_kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def parse_turn(tokenizer, prefix_ids: list[int], ids: list[int], tools: Optional[list] = None) -> dict:
+    """One assistant turn as a message: its text, and its tool calls where it made any. A malformed call (not JSON, no
+    name) makes no call: the turn is text, as in TRL."""
+    if getattr(tokenizer, "response_template", None) is not None:  # the tokenizer's own parser
+        try:
+            message = tokenizer.parse_response(ids, prefix=prefix_ids, tools=tools)
+            if message is None:
+                raise ValueError("nothing parsed")
+        except (ValueError, TypeError):
+            return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+        return {**message, "role": "assistant", "content": message.get("content") or ""}
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+            arguments = call.get("arguments", {})
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+                raise ValueError("no name, or arguments that are not an object")
+        except (ValueError, AttributeError):
+            return {"role": "assistant", "content": text}
+        calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    message = {"role": "assistant", "content": TOOL_CALL.sub("", text).strip() if calls else text}
+    return {**message, "tool_calls": calls} if calls else message
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], stop_ids: list[int], chat_template_kwargs: dict) -> list[int]:
+    """The ids the chat template writes between a turn that called tools and the model's next turn: the tool messages
+    and the generation prompt. Rendered once with and once without them after a turn that called the first tool; the
+    model's turn ends at its stop token, so what the template writes after that (a newline) is the suffix's."""
+    call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
+    head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    before = render_ids(tokenizer, head, chat_template_kwargs)
+    after = render_ids(tokenizer, head + tool_messages, chat_template_kwargs, add_generation_prompt=True)
+    stops = [i for i, t in enumerate(before) if t in stop_ids]
+    cut = stops[-1] + 1 if stops else len(before)
+    if after[:cut] != before[:cut]:
+        raise RunError(
+            "the chat template writes an assistant turn differently once tool results follow it, so a multi-turn "
+            "completion cannot be its turns' ids concatenated: give a template that keeps earlier turns as they were"
+        )
+    return after[cut:]
+
+
+def check_tool_format(tokenizer, stop_ids: list[int], chat_template_kwargs: dict, model: str) -> None:
+    """Before any model loads: the chat template shows tools, writes a tool call and a tool result, keeps earlier turns
+    as they were, and its tool-call format is one parse_turn reads back (a call rendered, then parsed)."""
+    call = {"type": "function", "function": {"name": "tool_name_q7", "arguments": {"argument_q7": "value_q7"}}}
+    user = [{"role": "user", "content": "hi"}]
+    assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
+    result = {"role": "tool", "name": "tool_name_q7", "content": "result_q7"}
+    fix = "give a tool-calling chat template (--chat_template_kwargs '{\"chat_template\": ...}')"
+    try:
+        text = tokenizer.apply_chat_template(user + [assistant, result], tokenize=False, **chat_template_kwargs)
+    except Exception as e:
+        raise UsageError(f"the chat template of {model} cannot write a tool call ({describe(e)}): {fix}") from None
+    missing = [s for s in ("tool_name_q7", "argument_q7", "value_q7", "result_q7") if s not in text]
+    if missing:
+        raise UsageError(f"the chat template of {model} drops tool calls or tool results (no {missing[0]}): {fix}")
+    prompt = render_ids(tokenizer, user, chat_template_kwargs, add_generation_prompt=True)
+    turn = render_ids(tokenizer, user + [assistant], chat_template_kwargs)
+    parsed = parse_turn(tokenizer, prompt, turn[len(prompt) :] if turn[: len(prompt)] == prompt else turn)
+    if [c.get("function", c) for c in parsed.get("tool_calls") or []] != [call["function"]]:
+        raise UsageError(
+            f"the tool calls of {model}'s chat template are not in a format this project reads (<tool_call>{{json}}"
+            "</tool_call>): set the tokenizer's response_template (transformers' response parsing) or give a "
+            "Hermes-style template"
+        )
+    try:
+        tool_suffix_ids(tokenizer, [result], stop_ids, chat_template_kwargs)
+    except RunError as e:
+        raise UsageError(f"{model}: {e}") from None
+
+
+# ---- One rollout's tools ---------------------------------------------------------------------------------------------
+def call_tools(calls: list[dict], tools: dict[str, Callable]) -> tuple[list[dict], int]:
+    """The tool messages that answer one turn's calls, in order, and how many calls failed. A failing call (an unknown
+    tool, bad arguments, an exception) answers with its error and the rollout goes on, as in TRL."""
+    messages, failures = [], 0
+    for call in calls:
+        function = call.get("function", call)
+        name = function.get("name", "unknown")
+        try:
+            if call.get("type", "function") != "function":
+                raise ValueError(f"Unsupported tool call type: {call['type']}")
+            if name not in tools:
+                raise ValueError(f"Tool {name} not found.")
+            result = tools[name](**(function.get("arguments") or {}))
+            if inspect.isawaitable(result):  # an async tool
+                result = await_all([result])[0]
+                if isinstance(result, BaseException):
+                    raise result
+        except Exception as e:
+            failures += 1
+            result = {"error": str(e)}
+        messages.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
+    return messages, failures
+
+
+@dataclass
+class MultiTurn:
+    """A batch of multi-turn rollouts. Per row, from ToolUse.start: its prompt (with what its environment's reset
+    added), its environment (or None), the schemas of the tools it is shown, its tools by name. Then from generate:
+    its completion's ids (the model's turns and the tools' results between them), which of them are the tools' (1)
+    rather than the model's (0), its messages, whether its last turn ended with a stop token."""
+
+    prompts: list
+    environments: list
+    schemas: list[list[dict]]
+    tools: list[dict[str, Callable]]
+    ids: list[list[int]] = field(default_factory=list)
+    tool_mask: list[list[int]] = field(default_factory=list)
+    messages: list[list[dict]] = field(default_factory=list)
+    ended: list[bool] = field(default_factory=list)
+    calls: int = 0
+    failures: int = 0
+    width: int = 0
+
+    def generate(self, generate_turn: Callable, prompt_ids: list[list[int]], tokenizer, stop_ids: list[int], args):
+        """The model generates; each tool call it makes is run and its result appended as the template renders it;
+        the model goes on after the results, until it answers without a call, --max_tool_calling_iterations rounds
+        of calls have run, or the completion reaches --max_completion_length (counted over every turn and result;
+        results that would leave no room for a model token are rolled back, and the rollout ends with the turn that
+        called them). generate_turn(contexts, budgets): the model's next turn after each context (a prompt and its
+        completion so far), its ids up to and including its first stop token, at most budget of them."""
+        rows, limit, rounds = len(prompt_ids), args.max_completion_length, args.max_tool_calling_iterations
+        template_kwargs = args.chat_template_kwargs or {}
+        self.ids, self.tool_mask = [[] for _ in range(rows)], [[] for _ in range(rows)]
+        self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
+        active, round_ = list(range(rows)), 0
+        while active:
+            contexts = [prompt_ids[i] + self.ids[i] for i in active]
+            turns = generate_turn(contexts, [limit - len(self.ids[i]) for i in active])
+            going_on = []
+            for i, context, ids in zip(active, contexts, turns):
+                self.ids[i] += ids
+                self.tool_mask[i] += [0] * len(ids)
+                self.ended[i] = bool(ids) and ids[-1] in stop_ids
+                message = parse_turn(tokenizer, context, ids, self.schemas[i])
+                self.messages[i].append(message)
+                if not message.get("tool_calls") or not self.ended[i] or rounds is not None and round_ >= rounds:
+                    continue
+                results, failures = call_tools(message["tool_calls"], self.tools[i])
+                self.calls, self.failures = self.calls + len(results), self.failures + failures
+                suffix = tool_suffix_ids(tokenizer, results, stop_ids, template_kwargs)
+                if len(self.ids[i]) + len(suffix) >= limit:
+                    continue  # rolled back: the results would leave no room for the model's answer
+                self.ids[i] += suffix
+                self.tool_mask[i] += [1] * len(suffix)
+                self.messages[i] += results
+                going_on.append(i)
+            active, round_ = going_on, round_ + 1
+
+    def tensors(self, pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
+        """(B, C) ids padded with pad_token_id to --max_completion_length, completion mask, tool mask; (B,) ended."""
+        ids = torch.full((len(self.ids), self.width), pad_token_id, dtype=torch.long)
+        completion_mask, tool_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+        for i, (row, tools) in enumerate(zip(self.ids, self.tool_mask)):
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            completion_mask[i, : len(row)] = 1
+            tool_mask[i, : len(row)] = torch.tensor(tools, dtype=torch.long)
+        return ids.to(device), completion_mask.to(device), tool_mask.to(device), torch.tensor(self.ended).to(device)
+
+
+def tool_metrics(turns: MultiTurn) -> dict:
+    """TRL's tools/ metrics: tool calls per completion, and the share of them that failed."""
+    return {
+        "tools/call_frequency": turns.calls / max(len(turns.ids), 1),
+        "tools/failure_frequency": turns.failures / turns.calls if turns.calls else 0.0,
+    }
+
+
+@dataclass
+class ToolUse:
+    """The tools a run offers: the standalone ones (--tools) and the environments' (--environment), with one
+    environment instance per rollout row, kept in a pool and reset for each rollout (TRL: built once, reset often)."""
+
+    tools: list[Callable]
+    environments: dict[str, type]
+    pool: dict[str, list]
+
+    def environment_of(self, columns: dict, row: int) -> Optional[str]:
+        if not self.environments:
+            return None
+        if len(self.environments) == 1:
+            return next(iter(self.environments))
+        name = columns[ENVIRONMENT_COLUMN][row]
+        if name not in self.environments:
+            raise RunError(
+                f"a row names environment {name!r}, which is none of --environment's ({', '.join(self.environments)})"
+            )
+        return name
+
+    def start(self, prompts: list, columns: dict) -> MultiTurn:
+        """One environment per row, reset with its dataset row (the prompt and the other columns; a text that reset
+        returns is added to the last message, as in TRL), and the tools each row is shown."""
+        prompts, taken = list(prompts), {}
+        environments, schemas, row_tools = [], [], []
+        for i, prompt in enumerate(prompts):
+            name = self.environment_of(columns, i)
+            environment = None
+            if name is not None:
+                pool = self.pool[name]
+                taken[name] = taken.get(name, 0) + 1
+                if len(pool) < taken[name]:
+                    pool.append(self.environments[name]())
+                environment = pool[taken[name] - 1]
+                row = {c: v[i] for c, v in columns.items() if c != ENVIRONMENT_COLUMN or len(self.environments) == 1}
+                observation = environment.reset(prompt=prompt, **row)
+                if observation is not None:
+                    last = prompt[-1]
+                    prompts[i] = prompt[:-1] + [{**last, "content": last["content"] + str(observation)}]
+            tools = self.tools + (environment_methods(environment) if environment is not None else [])
+            environments.append(environment)
+            schemas.append([tool_schema(t, t.__name__) for t in tools])
+            row_tools.append({t.__name__: t for t in tools})
+        return MultiTurn(prompts, environments, schemas, row_tools)
+
+    def reward_funcs(self) -> list[tuple[str, Callable]]:
+        """The environments' get_reward as reward sources, named after their classes (weight 1, as in TRL): each
+        scores the rollouts of its own class, None elsewhere."""
+
+        def environment_reward(cls):
+            if inspect.iscoroutinefunction(cls.get_reward):
+
+                async def reward(environments, **kwargs):
+                    return [await e.get_reward() if type(e) is cls else None for e in environments]
+
+                return reward
+
+            def reward(environments, **kwargs):
+                return [e.get_reward() if type(e) is cls else None for e in environments]
+
+            return reward
+
+        return [
+            (name, environment_reward(cls)) for name, cls in self.environments.items() if hasattr(cls, "get_reward")
+        ]
+
+
+def load_tool_use(args) -> Optional[ToolUse]:
+    """--tools and --environment loaded and checked (before any model loads); None without them."""
+    if not args.tools and not args.environment:
+        return None
+    pool = load_environments(args.environment or [])
+    return ToolUse(load_tools(args.tools or []), {name: type(p[0]) for name, p in pool.items()}, pool)
+
+
+def check_tool_template(args, tokenizer, first_prompt, image_column: Optional[str]) -> None:
+    """What multi-turn rollouts need of the prompts and the chat template (check_tool_format), before the policy
+    loads."""
+    if isinstance(first_prompt, str):
+        raise UsageError(
+            "--tools and --environment need chat prompts (a list of messages), which the chat template renders with "
+            "the tools' schemas; the prompts here are plain text"
+        )
+    if image_column is not None:
+        raise UsageError("--tools and --environment take text prompts only; these prompts have images")
+    stop_ids = [tokenizer.eos_token_id] + ([args.stop_token_id] if args.stop_token_id is not None else [])
+    check_tool_format(tokenizer, stop_ids, args.chat_template_kwargs or {}, args.model_name_or_path)

@@ -1,0 +1,473 @@
+"""Multi-turn rollouts with tools and environments (rloo_utils/tools.py, docs/tools.md): the chat template's format
+checked and parsed, the turns and the tools' results concatenated as ids, the mask that keeps the results out of the
+loss and the KL, rollback at the length limit, failing tools, environments with get_reward, and rloo.py end to end."""
+
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+
+from conftest import CHAT_TEMPLATE, ROOT, check_one_line_error, read_metrics, run_rloo, write_jsonl
+from rloo_utils.errors import UsageError
+from rloo_utils.tools import (
+    ToolUse,
+    check_tool_format,
+    load_environments,
+    load_tools,
+    parse_turn,
+    tool_metrics,
+    tool_suffix_ids,
+)
+
+# A Hermes-style template (Qwen2.5's layout, shortened): the tools' schemas in a system turn, calls as
+# <tool_call>{json}</tool_call> in the assistant's turn, results in a user turn as <tool_response>.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}'
+    "<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TOOLS_PY = '''
+import asyncio
+
+
+def secret(name: str) -> str:
+    """The secret word of a name.
+
+    Args:
+        name: whose secret
+    """
+    return {"ann": "good", "bob": "bad"}[name]
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("broken on purpose")
+
+
+async def slow_echo(text: str) -> str:
+    """Echoes, asynchronously.
+
+    Args:
+        text: what to echo
+    """
+    await asyncio.sleep(0)
+    return text
+
+
+def undocumented(x):
+    return x
+
+
+class Vault:
+    """An environment: reset with the row, a tool that reads the row's secret, a reward for saying it."""
+
+    def reset(self, prompt, secret_word, **row):
+        self.secret_word, self.opened = secret_word, 0
+        return " (the vault is locked)"
+
+    def open_vault(self) -> str:
+        """Opens the vault and reads its word."""
+        self.opened += 1
+        return self.secret_word
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+'''
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tiny):
+    tokenizer = tiny["tokenizer"]
+    tokenizer = type(tokenizer).from_pretrained(tiny["policy"])
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tools_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "tools.py"
+    path.write_text(TOOLS_PY)
+    return str(path)
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_template_format_is_checked_and_read_back(tool_tokenizer):
+    stop = [tool_tokenizer.eos_token_id]
+    check_tool_format(tool_tokenizer, stop, {}, "tiny")  # a Hermes template: accepted
+    plain = type(tool_tokenizer).from_pretrained(tool_tokenizer.name_or_path)
+    plain.chat_template = CHAT_TEMPLATE  # writes only each message's content: the calls are lost
+    with pytest.raises(UsageError, match="drops tool calls"):
+        check_tool_format(plain, stop, {}, "tiny")
+    llama_like = TOOL_TEMPLATE.replace("<tool_call>", "[CALL]").replace("</tool_call>", "[/CALL]")
+    with pytest.raises(UsageError, match="not in a format this project reads"):
+        check_tool_format(plain, stop, {"chat_template": llama_like}, "tiny")
+
+
+def test_a_turn_is_parsed_into_its_text_and_calls(tool_tokenizer):
+    turn = ids_of(
+        tool_tokenizer, 'hm <tool_call>{"name": "secret", "arguments": {"name": "ann"}}</tool_call><|im_end|>'
+    )
+    message = parse_turn(tool_tokenizer, [], turn)
+    assert message == {
+        "role": "assistant",
+        "content": "hm",
+        "tool_calls": [{"type": "function", "function": {"name": "secret", "arguments": {"name": "ann"}}}],
+    }
+    malformed = ids_of(tool_tokenizer, "<tool_call>{not json}</tool_call><|im_end|>")
+    assert "tool_calls" not in parse_turn(tool_tokenizer, [], malformed)  # no call: text, as in TRL
+    assert parse_turn(tool_tokenizer, [], ids_of(tool_tokenizer, "good<|im_end|>")) == {
+        "role": "assistant",
+        "content": "good",
+    }
+
+
+def test_the_suffix_is_what_the_template_writes_between_the_turns(tool_tokenizer):
+    """prompt + turn 1 + suffix is, id for id, the template's rendering of the conversation up to the next turn."""
+    stop = [tool_tokenizer.eos_token_id]
+    user = [{"role": "user", "content": "the secret of ann"}]
+    call = {"type": "function", "function": {"name": "secret", "arguments": {"name": "ann"}}}
+    result = {"role": "tool", "name": "secret", "content": "good"}
+    render = lambda messages, **kw: ids_of(
+        tool_tokenizer, tool_tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    )  # noqa: E731
+    prompt = render(user, add_generation_prompt=True)
+    turn = ids_of(tool_tokenizer, '<tool_call>{"name": "secret", "arguments": {"name": "ann"}}</tool_call><|im_end|>')
+    whole = render(
+        user + [{"role": "assistant", "content": "", "tool_calls": [call]}, result], add_generation_prompt=True
+    )
+    assert prompt + turn + tool_suffix_ids(tool_tokenizer, [result], stop, {}) == whole
+
+
+def scripted(tokenizer, turns_by_row: dict[int, list[str]]):
+    """A generate_turn that answers row i's k-th turn with turns_by_row[i][k] (its ids, cut to the budget), and
+    records each call's contexts and budgets."""
+    calls = []
+
+    def generate_turn(contexts, budgets):
+        calls.append((contexts, budgets))
+        out = []
+        for context, budget in zip(contexts, budgets):
+            row = next(i for i, c in enumerate(generate_turn.prompts) if context[: len(c)] == c)
+            turn = generate_turn.done[row]
+            generate_turn.done[row] += 1
+            out.append(ids_of(tokenizer, turns_by_row[row][turn])[:budget])
+        return out
+
+    generate_turn.calls = calls
+    return generate_turn
+
+
+def rollout(tokenizer, tools, turns_by_row, prompts, max_completion_length=256, max_tool_calling_iterations=None):
+    from types import SimpleNamespace
+
+    use = ToolUse(tools, {}, {})
+    turns = use.start(prompts, {})
+    prompt_ids = [
+        ids_of(tokenizer, tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, tools=s))
+        for p, s in zip(turns.prompts, turns.schemas)
+    ]
+    generate_turn = scripted(tokenizer, turns_by_row)
+    generate_turn.prompts, generate_turn.done = prompt_ids, [0] * len(prompts)
+    args = SimpleNamespace(
+        max_completion_length=max_completion_length,
+        max_tool_calling_iterations=max_tool_calling_iterations,
+        chat_template_kwargs=None,
+    )
+    turns.generate(generate_turn, prompt_ids, tokenizer, [tokenizer.eos_token_id], args)
+    return turns, prompt_ids, generate_turn
+
+
+CALL_ANN = '<tool_call>{"name": "secret", "arguments": {"name": "ann"}}</tool_call><|im_end|>'
+
+
+def test_a_two_turn_rollout_masks_the_tool_result_and_nothing_else(tool_tokenizer, tools_file):
+    """The hand-built case of docs/tools.md: turn 1 calls a tool, its result is appended as the template renders it
+    (mask 1), turn 2 answers; ids are the turns' as generated and the result's as rendered, never re-tokenised."""
+    tools = load_tools([f"{tools_file}:secret"])
+    prompts = [[{"role": "user", "content": "the secret of ann"}], [{"role": "user", "content": "say it"}]]
+    turns, prompt_ids, _ = rollout(
+        tool_tokenizer, tools, {0: [CALL_ANN, "good<|im_end|>"], 1: ["bad<|im_end|>"]}, prompts
+    )
+    stop = [tool_tokenizer.eos_token_id]
+    result = {"role": "tool", "name": "secret", "content": "good"}
+    first, second = ids_of(tool_tokenizer, CALL_ANN), ids_of(tool_tokenizer, "good<|im_end|>")
+    suffix = tool_suffix_ids(tool_tokenizer, [result], stop, {})
+    assert turns.ids[0] == first + suffix + second
+    assert turns.tool_mask[0] == [0] * len(first) + [1] * len(suffix) + [0] * len(second)
+    assert turns.ids[1] == ids_of(tool_tokenizer, "bad<|im_end|>") and not any(turns.tool_mask[1])
+    assert turns.messages[0] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "secret", "arguments": {"name": "ann"}}}],
+        },
+        result,
+        {"role": "assistant", "content": "good"},
+    ]
+    assert turns.ended == [True, True] and (turns.calls, turns.failures) == (1, 0)
+    assert tool_metrics(turns) == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0}
+    ids, completion_mask, tool_mask, ended = turns.tensors(tool_tokenizer.pad_token_id, "cpu")
+    assert ids.shape == (2, 256) and completion_mask[0].sum() == len(turns.ids[0])
+    assert tool_mask[0].sum() == len(suffix) and tool_mask[1].sum() == 0 and ended.all()
+    # the tools' schemas reached the prompt: the model was shown the tool it called
+    assert '"name": "secret"' in tool_tokenizer.decode(prompt_ids[0])
+
+
+def test_failing_and_unknown_tools_answer_with_their_error(tool_tokenizer, tools_file):
+    tools = load_tools([f"{tools_file}:broken", f"{tools_file}:slow_echo"])
+    calls = (
+        '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "nowhere", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "slow_echo", "arguments": {"text": "hi"}}</tool_call><|im_end|>'
+    )
+    turns, _, _ = rollout(
+        tool_tokenizer, tools, {0: [calls, "ok<|im_end|>"]}, [[{"role": "user", "content": "go"}]], 1024
+    )
+    results = turns.messages[0][1:4]
+    assert [m["content"] for m in results] == [
+        "{'error': 'broken on purpose'}",
+        "{'error': 'Tool nowhere not found.'}",
+        "hi",
+    ]
+    assert (turns.calls, turns.failures) == (3, 2)
+    assert tool_metrics(turns)["tools/failure_frequency"] == pytest.approx(2 / 3)
+
+
+def test_a_result_that_would_overflow_is_rolled_back(tool_tokenizer, tools_file):
+    """The results would leave no room for the model's answer: they are dropped, and the rollout ends with the turn
+    that called them; the budget of a later turn is what is left of max_completion_length."""
+    tools = load_tools([f"{tools_file}:secret"])
+    prompts = [[{"role": "user", "content": "the secret of ann"}]]
+    first = len(ids_of(tool_tokenizer, CALL_ANN))
+    suffix = len(
+        tool_suffix_ids(
+            tool_tokenizer, [{"role": "tool", "name": "secret", "content": "good"}], [tool_tokenizer.eos_token_id], {}
+        )
+    )
+    turns, _, _ = rollout(tool_tokenizer, tools, {0: [CALL_ANN, "good<|im_end|>"]}, prompts, first + suffix)
+    assert turns.ids[0] == ids_of(tool_tokenizer, CALL_ANN) and not any(turns.tool_mask[0])
+    assert len(turns.messages[0]) == 1 and turns.calls == 1  # the tool ran; its result is not in the completion
+    turns, _, generate_turn = rollout(
+        tool_tokenizer, tools, {0: [CALL_ANN, "good good good<|im_end|>"]}, prompts, first + suffix + 2
+    )
+    assert generate_turn.calls[1][1] == [2]  # the second turn's budget: what is left
+    assert len(turns.ids[0]) == first + suffix + 2 and turns.ended == [False]
+
+
+def test_the_rounds_of_calls_are_limited(tool_tokenizer, tools_file):
+    tools = load_tools([f"{tools_file}:secret"])
+    prompts = [[{"role": "user", "content": "again and again"}]]
+    turns, _, _ = rollout(tool_tokenizer, tools, {0: [CALL_ANN] * 5}, prompts, 512, max_tool_calling_iterations=2)
+    assert turns.calls == 2 and [m["role"] for m in turns.messages[0]] == ["assistant", "tool"] * 2 + ["assistant"]
+
+
+def test_an_environment_is_reset_with_its_row_and_owns_a_reward(tool_tokenizer, tools_file):
+    pool = load_environments([f"{tools_file}:Vault"])
+    use = ToolUse([], {"Vault": type(pool["Vault"][0])}, pool)
+    prompts = [[{"role": "user", "content": "open it"}]] * 2
+    turns = use.start(prompts, {"secret_word": ["good", "bad"]})
+    assert turns.prompts[0][-1]["content"] == "open it (the vault is locked)"  # what reset returned is added
+    assert [s["function"]["name"] for s in turns.schemas[0]] == ["open_vault"]
+    assert turns.environments[0] is pool["Vault"][0] and len(pool["Vault"]) == 2  # one instance per row, pooled
+    assert turns.tools[1]["open_vault"]() == "bad"
+    ((name, reward),) = use.reward_funcs()
+    assert name == "Vault" and reward(environments=turns.environments) == [0.0, 1.0]
+    use.start(prompts, {"secret_word": ["x", "y"]})
+    assert len(pool["Vault"]) == 2 and pool["Vault"][1].opened == 0  # reused and reset, not built again
+
+
+def test_bad_tools_are_refused_in_one_line(tools_file):
+    with pytest.raises(UsageError, match="has no JSON schema"):
+        load_tools([f"{tools_file}:undocumented"])
+    with pytest.raises(UsageError, match="does not exist"):
+        load_tools(["no_such_file.py:secret"])
+    with pytest.raises(UsageError, match="must be a class with a reset"):
+        load_environments([f"{tools_file}:secret"])
+
+
+def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, tool_tokenizer):
+    """One forward over prompt + turn 1 + tool result + turn 2 gives each model token the log-prob the policy gave it
+    when it generated that turn (its context then was everything before it): the update's log-probs are the
+    sampler's."""
+    import rloo
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
+    prompt = ids_of(tool_tokenizer, "<|im_start|>user\nthe secret<|im_end|>\n<|im_start|>assistant\n")
+    turn1, result = (
+        ids_of(tool_tokenizer, CALL_ANN),
+        ids_of(tool_tokenizer, "\n<|im_start|>user\ngood<|im_end|>\n<|im_start|>assistant\n"),
+    )
+    turn2 = ids_of(tool_tokenizer, "good movie<|im_end|>")
+    completion = turn1 + result + turn2
+    with torch.no_grad():
+        one = rloo.completion_logprobs(
+            policy,
+            torch.tensor([prompt]),
+            torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([completion]),
+            torch.ones(1, len(completion), dtype=torch.long),
+            1.0,
+            packing=None,
+        )[0]
+        context = prompt + turn1 + result
+        second = rloo.completion_logprobs(
+            policy,
+            torch.tensor([context]),
+            torch.ones(1, len(context), dtype=torch.long),
+            torch.tensor([turn2]),
+            torch.ones(1, len(turn2), dtype=torch.long),
+            1.0,
+            packing=None,
+        )[0]
+        first = rloo.completion_logprobs(
+            policy,
+            torch.tensor([prompt]),
+            torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([turn1]),
+            torch.ones(1, len(turn1), dtype=torch.long),
+            1.0,
+            packing=None,
+        )[0]
+    torch.testing.assert_close(one[: len(turn1)], first, rtol=0, atol=1e-5)
+    torch.testing.assert_close(one[len(turn1) + len(result) :], second, rtol=0, atol=1e-5)
+
+
+OPEN_CALL = '<tool_call>{"name": "open_vault", "arguments": {}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_policy(tiny, tmp_path_factory):
+    """The tiny policy taught, in a few supervised steps, the conversation of a tool user: it calls open_vault (one
+    added token, as the template writes the call) and then says the word the tool returned. A random policy would
+    almost never write a tool call; this one does often, and does not always (it still samples)."""
+    from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    tokenizer.add_tokens([AddedToken(OPEN_CALL, normalized=False, special=False)])
+    tokenizer.chat_template = TOOL_TEMPLATE
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    policy.resize_token_embeddings(len(tokenizer))
+    call = {"type": "function", "function": {"name": "open_vault", "arguments": {}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "open_vault",
+            "description": "Opens the vault and reads its word.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    examples = []
+    for word in ["good", "bad", "fine", "sad"]:
+        conversation = [
+            {"role": "user", "content": "open it (the vault is locked)"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "open_vault", "content": word},
+            {"role": "assistant", "content": word},
+        ]
+        text = tokenizer.apply_chat_template(conversation, tools=[schema], tokenize=False)
+        examples.append(ids_of(tokenizer, text))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(30):
+        for ids in examples:
+            loss = policy(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    path = str(tmp_path_factory.mktemp("tool_policy"))
+    policy.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vault_data(tmp_path_factory):
+    words = ["good", "bad", "fine", "sad"]
+    rows = [{"prompt": [{"role": "user", "content": "open it"}], "secret_word": words[i % 4]} for i in range(16)]
+    return write_jsonl(str(tmp_path_factory.mktemp("vault") / "train.jsonl"), rows)
+
+
+REWARDS_PY = '''
+def said_the_secret(completions, environments, **kwargs):
+    """1 when the last assistant turn is the environment's secret word."""
+    return [float(c[-1]["role"] == "assistant" and c[-1]["content"].strip() == e.secret_word)
+            for c, e in zip(completions, environments)]
+'''
+
+
+def test_rloo_py_trains_on_multi_turn_rollouts_with_an_environment(tool_policy, vault_data, tools_file, tmp_path):
+    """rloo.py end to end: the environment reset per rollout, the policy calls its tool, the result goes into the
+    completion, the reward functions get the messages and the environments, get_reward is a source of its own."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    proc = run_rloo(
+        "--model_name_or_path",
+        tool_policy,
+        "--dataset_name",
+        vault_data,
+        "--environment",
+        f"{tools_file}:Vault",
+        "--reward_funcs",
+        f"{rewards}:said_the_secret",
+        "--total_episodes",
+        32,
+        "--per_device_train_batch_size",
+        16,
+        "--max_completion_length",
+        96,
+        "--max_tool_calling_iterations",
+        1,
+        "--num_sample_generations",
+        1,
+        "--log_completions",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 2
+    assert any(row["tools/call_frequency"] > 0 for row in metrics)
+    for row in metrics:
+        assert row["tools/call_frequency"] <= 1  # one round of calls at most, one call each
+        assert row["tools/failure_frequency"] == 0
+        assert row["rewards/Vault/mean"] == pytest.approx(row["tools/call_frequency"])  # get_reward: calls made
+        assert "rewards/said_the_secret/mean" in row
+        # lengths count the policy's tokens only: a completion with a tool result is longer than these say
+        assert row["completions/max_length"] <= 96
+    (run,) = os.listdir(tmp_path / "runs")
+    with open(tmp_path / "runs" / run / "completions.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    with_result = [r for r in rows if "<tool_response>" in r["completion"]]
+    assert with_result and all(r["Vault"] == 1 for r in with_result)  # the result is in the completion, after a call
+
+
+def test_rloo_py_refuses_a_template_without_tools_before_loading_the_policy(tiny, vault_data, tools_file, tmp_path):
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        vault_data,
+        "--environment",
+        f"{tools_file}:Vault",
+        cwd=tmp_path,
+    )
+    check_one_line_error(proc, "drops tool calls or tool results")
+    proc = run_rloo("--model_name_or_path", tiny["policy"], "--tools", f"{tools_file}:undocumented", cwd=tmp_path)
+    check_one_line_error(proc, "has no JSON schema")
