@@ -763,15 +763,16 @@ def main(args: Args) -> None:
             )
         return torch.cat(chunks)
 
-    def generate_turn(contexts: list[list[int]], budgets: list[int], config) -> list[list[int]]:
+    def generate_turn(contexts: list[list[int]], budgets: list[int], rows, round_, config) -> list[tuple]:
         """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
-        far): the ids up to and including the first stop token, at most the row's budget of them."""
+        far): the ids up to and including the first stop token, at most the row's budget of them (and no log-probs:
+        the policy's own forward gives them)."""
         context_ids, context_mask = (t.to(device) for t in left_pad(contexts, tokenizer.pad_token_id))
         config = copy.deepcopy(config)
         config.max_new_tokens = max(budgets)
         turn_ids = generate(policy, context_ids, context_mask, config)  # (b, C)
         turn_mask, _ = completion_mask_from(turn_ids, stop_ids, eos_ids)
-        return [ids[: min(int(m.sum()), budget)].tolist() for ids, m, budget in zip(turn_ids, turn_mask, budgets)]
+        return [(ids[: min(int(m.sum()), b)].tolist(), None) for ids, m, b in zip(turn_ids, turn_mask, budgets)]
 
     def complete(prompts: list, columns: dict, config, seeds=None, copies=1):
         """The prompts tokenized and completed by the policy: (B, P) prompt ids and mask, how many prompts were
@@ -791,7 +792,7 @@ def main(args: Args) -> None:
         if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
             rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
             turns.generate(functools.partial(generate_turn, config=config), rows, tokenizer, stop_ids, args)
-            completion_ids, completion_mask, tool_mask, ended = turns.tensors(tokenizer.pad_token_id, device)
+            completion_ids, completion_mask, tool_mask, ended, _ = turns.tensors(tokenizer.pad_token_id, device)
         else:
             completion_ids = generate(policy, prompt_ids, prompt_mask, config, images, seeds, copies)  # (B, C)
             completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)

@@ -54,7 +54,7 @@ from rloo_utils.data import (
     row_images,
     text_prompts,
 )
-from rloo_utils.errors import NonFiniteWeights, RunError, Terminated, UsageError
+from rloo_utils.errors import NonFiniteWeights, RunError, Terminated
 from rloo_utils.evaluation import (
     check_metric_values,
     data_sources,
@@ -110,6 +110,7 @@ from rloo_utils.rewards import (
     reward_model_inputs,
     reward_sources,
 )
+from rloo_utils.tools import check_tool_template, load_tool_use, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
@@ -121,6 +122,7 @@ from rloo_utils.vllm_engine import (
     sampling_options,
     sampling_seeds,
     start_colocated_engine,
+    turn_seed,
     vllm_dtype,
     weight_push,
 )
@@ -696,14 +698,15 @@ def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     check_args(args)
     check_vllm_args(args, server=args.vllm_mode == "server")
-    if args.tools or args.environment:  # multi-turn rollouts (issue 42) are in rloo.py so far
-        raise UsageError("--tools and --environment run in rloo.py so far: use rloo.py for multi-turn rollouts")
     args = resolve_defaults(args)
     batch_size, mini_batch_size, num_updates = batch_sizes(args)
     G = args.num_generations
     prompts_per_rollout = batch_size // G
     checkpoint, training_state = resume_point(args, RESUMABLE_CHANGES)  # (None, None) for a new run
-    reward_funcs, reward_names, reward_weights = reward_sources(args, BUILTIN_REWARD_FUNCS)  # (F,) weights
+    tool_use = load_tool_use(args)  # --tools and --environment; None: single-turn rollouts
+    reward_funcs, reward_names, reward_weights = reward_sources(
+        args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []
+    )  # (F,) weights
     eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
     train_dataset, eval_dataset = load_datasets(args)  # eval_dataset: the held-out split, or None
     eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)  # None: no evaluation
@@ -724,6 +727,8 @@ def main(args: Args) -> None:
     console = Console()
 
     tokenizer, reward_tokenizer, processor = load_tokenizers(args, train_dataset[0]["prompt"], image_col)
+    if tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
+        check_tool_template(args, tokenizer, train_dataset[0]["prompt"], image_col)
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = from_pretrained(
         policy_class(policy_path),
@@ -813,8 +818,60 @@ def main(args: Args) -> None:
             device,
         )
 
-    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns):
-        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions."""
+    def generate_turn(contexts: list[list[int]], budgets: list[int], rows, round_, config, seeds=None) -> list[tuple]:
+        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
+        far): the ids up to and including the first stop token, at most the row's budget of them, with vLLM's
+        log-probs. seeds: each row's, for its first turn; a later turn's is drawn from it (turn_seed)."""
+        turn_seeds = None if seeds is None else [turn_seed(seeds[row], round_) for row in rows]
+        outputs = engine.generate(contexts, {**config, "max_tokens": max(budgets)}, turn_seeds)
+        pad_completions(outputs, max(budgets), tokenizer.pad_token_id, stop_ids, device)  # each ended at a stop token
+        return [(ids[:budget], logprobs[:budget]) for (ids, logprobs), budget in zip(outputs, budgets)]
+
+    def complete(prompts: list, columns: dict, config, seeds=None):
+        """The prompts tokenized and completed by vLLM: (B, P) prompt ids and mask, how many prompts were truncated,
+        their images; (B, C) completion ids, completion mask and tool mask (1 on the tools' results); (B,) whether
+        each ended; (B, C) vLLM's log-probs; the multi-turn rollouts, with --tools or --environment (else None)."""
+        turns = tool_use.start(prompts, columns) if tool_use else None  # environments reset; each row's tools
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
+            tokenizer,
+            turns.prompts if turns else prompts,
+            args.max_prompt_length,
+            device,
+            processor,
+            columns.get(image_col),
+            args.chat_template_kwargs,
+            turns and turns.schemas,
+        )  # (B, P)
+        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
+            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
+            turns.generate(
+                functools.partial(generate_turn, config=config, seeds=seeds), rows, tokenizer, stop_ids, args
+            )
+            completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
+                tokenizer.pad_token_id, device
+            )
+        else:
+            completion_ids, sampling_logprobs = generate(
+                engine, prompt_ids, prompt_mask, config, columns.get(image_col), seeds
+            )  # (B, C)
+            completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
+            tool_mask = torch.zeros_like(completion_mask)
+        return (
+            prompt_ids,
+            prompt_mask,
+            num_truncated,
+            images,
+            completion_ids,
+            completion_mask,
+            tool_mask,
+            ended,
+            sampling_logprobs,
+            turns,
+        )
+
+    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns=None):
+        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions. turns: a
+        multi-turn rollout's, whose messages the functions get as the completions, with its environments."""
         texts = tokenizer.batch_decode(
             completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
         )
@@ -852,7 +909,8 @@ def main(args: Args) -> None:
             len(texts),
             args.reward_timeout,
             None,
-            **reward_func_arguments(prompts, texts, completion_ids, completion_mask),
+            **reward_func_arguments(prompts, texts, completion_ids, completion_mask, turns and turns.messages),
+            **({"environments": turns.environments} if turns else {}),
             trainer_state=trainer_state,
             log_extra=reward_logs.log_extra,
             log_metric=reward_logs.log_metric,
@@ -884,25 +942,12 @@ def main(args: Args) -> None:
     def sample_table(step: int) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
         batch = (eval_dataset or train_dataset)[: args.num_sample_prompts]
-        prompt_ids, prompt_mask, _, images = tokenize_prompts(
-            tokenizer,
-            batch["prompt"],
-            args.max_prompt_length,
-            device,
-            processor,
-            batch.get(image_col),
-            args.chat_template_kwargs,
+        columns = {c: batch[c] for c in extra_columns if c in batch}
+        prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, _, ended, _, turns = complete(
+            batch["prompt"], columns, greedy_config
         )
-        completion_ids, _ = generate(engine, prompt_ids, prompt_mask, greedy_config, batch.get(image_col))
-        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         rewards, completions = score(
-            batch["prompt"],
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            ended,
-            {c: batch[c] for c in extra_columns if c in batch},
+            batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
         )
         reward_logs.clear()  # what reward functions logged on these prompts is not the update's
         rewards = weighted_reward(rewards, reward_weights).tolist()
@@ -925,22 +970,12 @@ def main(args: Args) -> None:
                 batch = eval_prompts[first : first + prompts_per_chunk]
                 prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
                 columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
-                prompt_ids, prompt_mask, _, images = tokenize_prompts(
-                    tokenizer,
-                    prompts,
-                    args.max_prompt_length,
-                    device,
-                    processor,
-                    columns.get(image_col),
-                    args.chat_template_kwargs,
-                )  # (b, P)
                 seeds = evaluation_seeds(args.seed, update, first * n, len(prompts))
-                completion_ids, _ = generate(
-                    engine, prompt_ids, prompt_mask, eval_config, columns.get(image_col), seeds
-                )
-                completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
+                prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, tool_mask, ended, _, turns = complete(
+                    prompts, columns, eval_config, seeds
+                )  # (b, P), (b, C), (b,)
                 rewards_per_func, completions = score(
-                    prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+                    prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
                 )  # (b, F)
                 parts["metric_values"].append(
                     call_reward_funcs(
@@ -949,7 +984,10 @@ def main(args: Args) -> None:
                         len(prompts),
                         args.reward_timeout,
                         check_metric_values,
-                        **reward_func_arguments(prompts, completions, completion_ids, completion_mask),
+                        **reward_func_arguments(
+                            prompts, completions, completion_ids, completion_mask, turns and turns.messages
+                        ),
+                        **({"environments": turns.environments} if turns else {}),
                         trainer_state=trainer_state,
                         log_extra=reward_logs.log_extra,
                         log_metric=reward_logs.log_metric,
@@ -959,7 +997,7 @@ def main(args: Args) -> None:
                 for name, value in [
                     ("rewards", rewards_per_func),
                     ("ids", completion_ids),
-                    ("mask", completion_mask),
+                    ("mask", completion_mask * (1 - tool_mask)),  # the policy's tokens: the lengths count these
                     ("ended", ended),
                 ]:
                     parts[name].append(value)
@@ -1013,31 +1051,25 @@ def main(args: Args) -> None:
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer,
-            prompts,
-            args.max_prompt_length,
-            device,
-            processor,
-            columns.get(image_col),
-            args.chat_template_kwargs,
-        )  # (B, P)
         with timer("generation"):
-            completion_ids, sampling_logprobs = generate(
-                engine,
+            (
                 prompt_ids,
                 prompt_mask,
-                generation_config,
-                columns.get(image_col),
-                sampling_seeds(args.seed, update, batch_size),
-            )
+                num_truncated,
+                images,
+                completion_ids,
+                completion_mask,
+                tool_mask,
+                ended,
+                sampling_logprobs,
+                turns,
+            ) = complete(prompts, columns, generation_config, sampling_seeds(args.seed, update, batch_size))
         if args.vllm_mode == "colocate":
             engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
         else:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
                 check_engine(engine, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
-        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
-        mask = completion_mask.float()
+        mask = (completion_mask * (1 - tool_mask)).float()  # the tokens the policy chose: only they enter loss and KL
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
         # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
         # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
@@ -1062,7 +1094,7 @@ def main(args: Args) -> None:
         )
         with timer("reward"):
             rewards_per_func, completions = score(
-                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
             )  # (B, F)
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
@@ -1177,7 +1209,8 @@ def main(args: Args) -> None:
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
-            **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
+            **completion_metrics(completion_ids, mask.long(), ended, eos_ids),  # the lengths of the policy's tokens
+            **(tool_metrics(turns) if turns else {}),
             **sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
@@ -1191,7 +1224,7 @@ def main(args: Args) -> None:
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
-            "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
+            "perf/generated_tokens_per_second": float(mask.sum()) / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **logged_metrics,

@@ -191,7 +191,8 @@ class MultiTurn:
     """A batch of multi-turn rollouts. Per row, from ToolUse.start: its prompt (with what its environment's reset
     added), its environment (or None), the schemas of the tools it is shown, its tools by name. Then from generate:
     its completion's ids (the model's turns and the tools' results between them), which of them are the tools' (1)
-    rather than the model's (0), its messages, whether its last turn ended with a stop token."""
+    rather than the model's (0), the sampler's log-probs of them where it gives them (0 on the tools'), its messages,
+    whether its last turn ended with a stop token."""
 
     prompts: list
     environments: list
@@ -199,6 +200,7 @@ class MultiTurn:
     tools: list[dict[str, Callable]]
     ids: list[list[int]] = field(default_factory=list)
     tool_mask: list[list[int]] = field(default_factory=list)
+    sampler_logprobs: list[list[float]] = field(default_factory=list)
     messages: list[list[dict]] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)
     calls: int = 0
@@ -210,20 +212,23 @@ class MultiTurn:
         the model goes on after the results, until it answers without a call, --max_tool_calling_iterations rounds
         of calls have run, or the completion reaches --max_completion_length (counted over every turn and result;
         results that would leave no room for a model token are rolled back, and the rollout ends with the turn that
-        called them). generate_turn(contexts, budgets): the model's next turn after each context (a prompt and its
-        completion so far), its ids up to and including its first stop token, at most budget of them."""
+        called them). generate_turn(contexts, budgets, rows, round): the model's next turn after each context (a
+        prompt and its completion so far; rows: whose; round: how many rounds of calls came before), as its ids up to
+        and including its first stop token, at most budget of them, and their sampling log-probs (or None)."""
         rows, limit, rounds = len(prompt_ids), args.max_completion_length, args.max_tool_calling_iterations
         template_kwargs = args.chat_template_kwargs or {}
         self.ids, self.tool_mask = [[] for _ in range(rows)], [[] for _ in range(rows)]
+        self.sampler_logprobs = [[] for _ in range(rows)]
         self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
         active, round_ = list(range(rows)), 0
         while active:
             contexts = [prompt_ids[i] + self.ids[i] for i in active]
-            turns = generate_turn(contexts, [limit - len(self.ids[i]) for i in active])
+            turns = generate_turn(contexts, [limit - len(self.ids[i]) for i in active], active, round_)
             going_on = []
-            for i, context, ids in zip(active, contexts, turns):
+            for i, context, (ids, logprobs) in zip(active, contexts, turns):
                 self.ids[i] += ids
                 self.tool_mask[i] += [0] * len(ids)
+                self.sampler_logprobs[i] += logprobs if logprobs is not None else [0.0] * len(ids)
                 self.ended[i] = bool(ids) and ids[-1] in stop_ids
                 message = parse_turn(tokenizer, context, ids, self.schemas[i])
                 self.messages[i].append(message)
@@ -236,19 +241,24 @@ class MultiTurn:
                     continue  # rolled back: the results would leave no room for the model's answer
                 self.ids[i] += suffix
                 self.tool_mask[i] += [1] * len(suffix)
+                self.sampler_logprobs[i] += [0.0] * len(suffix)  # not sampled: never in the loss
                 self.messages[i] += results
                 going_on.append(i)
             active, round_ = going_on, round_ + 1
 
     def tensors(self, pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
-        """(B, C) ids padded with pad_token_id to --max_completion_length, completion mask, tool mask; (B,) ended."""
+        """(B, C) ids padded with pad_token_id to --max_completion_length, completion mask, tool mask; (B,) ended;
+        (B, C) the sampler's log-probs (0 past the end and on the tools' tokens)."""
         ids = torch.full((len(self.ids), self.width), pad_token_id, dtype=torch.long)
         completion_mask, tool_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-        for i, (row, tools) in enumerate(zip(self.ids, self.tool_mask)):
+        sampler_logprobs = torch.zeros(ids.shape)
+        for i, (row, tools, logprobs) in enumerate(zip(self.ids, self.tool_mask, self.sampler_logprobs)):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             completion_mask[i, : len(row)] = 1
             tool_mask[i, : len(row)] = torch.tensor(tools, dtype=torch.long)
-        return ids.to(device), completion_mask.to(device), tool_mask.to(device), torch.tensor(self.ended).to(device)
+            sampler_logprobs[i, : len(row)] = torch.tensor(logprobs)
+        ended = torch.tensor(self.ended)
+        return tuple(t.to(device) for t in (ids, completion_mask, tool_mask, ended, sampler_logprobs))
 
 
 def tool_metrics(turns: MultiTurn) -> dict:

@@ -226,6 +226,13 @@ def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
     return [base + row for row in range(n)]
 
 
+def turn_seed(seed: int, round_: int) -> int:
+    """The seed of a multi-turn rollout's turn after `round_` rounds of tool calls, from its row's seed: the first
+    turn's is the row's own (a rollout without calls samples what a single-turn one does), a later one's a function of
+    both (a resumed run draws what the uninterrupted run drew)."""
+    return seed if round_ == 0 else int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
+
+
 def engine_options(args, config_folder: str, device, multimodal: bool = False) -> dict:
     """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
     are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""

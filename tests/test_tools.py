@@ -4,12 +4,11 @@ loss and the KL, rollback at the length limit, failing tools, environments with 
 
 import json
 import os
-import textwrap
 
 import pytest
 import torch
 
-from conftest import CHAT_TEMPLATE, ROOT, check_one_line_error, read_metrics, run_rloo, write_jsonl
+from conftest import CHAT_TEMPLATE, check_one_line_error, read_metrics, run_rloo, write_jsonl
 from rloo_utils.errors import UsageError
 from rloo_utils.tools import (
     ToolUse,
@@ -160,14 +159,14 @@ def scripted(tokenizer, turns_by_row: dict[int, list[str]]):
     records each call's contexts and budgets."""
     calls = []
 
-    def generate_turn(contexts, budgets):
+    def generate_turn(contexts, budgets, rows, round_):
         calls.append((contexts, budgets))
         out = []
         for context, budget in zip(contexts, budgets):
             row = next(i for i, c in enumerate(generate_turn.prompts) if context[: len(c)] == c)
             turn = generate_turn.done[row]
             generate_turn.done[row] += 1
-            out.append(ids_of(tokenizer, turns_by_row[row][turn])[:budget])
+            out.append((ids_of(tokenizer, turns_by_row[row][turn])[:budget], None))
         return out
 
     generate_turn.calls = calls
@@ -223,7 +222,7 @@ def test_a_two_turn_rollout_masks_the_tool_result_and_nothing_else(tool_tokenize
     ]
     assert turns.ended == [True, True] and (turns.calls, turns.failures) == (1, 0)
     assert tool_metrics(turns) == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0}
-    ids, completion_mask, tool_mask, ended = turns.tensors(tool_tokenizer.pad_token_id, "cpu")
+    ids, completion_mask, tool_mask, ended, _ = turns.tensors(tool_tokenizer.pad_token_id, "cpu")
     assert ids.shape == (2, 256) and completion_mask[0].sum() == len(turns.ids[0])
     assert tool_mask[0].sum() == len(suffix) and tool_mask[1].sum() == 0 and ended.all()
     # the tools' schemas reached the prompt: the model was shown the tool it called
@@ -413,11 +412,7 @@ def said_the_secret(completions, environments, **kwargs):
 '''
 
 
-def test_rloo_py_trains_on_multi_turn_rollouts_with_an_environment(tool_policy, vault_data, tools_file, tmp_path):
-    """rloo.py end to end: the environment reset per rollout, the policy calls its tool, the result goes into the
-    completion, the reward functions get the messages and the environments, get_reward is a source of its own."""
-    rewards = tmp_path / "rewards.py"
-    rewards.write_text(REWARDS_PY)
+def vault_run(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra):
     proc = run_rloo(
         "--model_name_or_path",
         tool_policy,
@@ -438,10 +433,27 @@ def test_rloo_py_trains_on_multi_turn_rollouts_with_an_environment(tool_policy, 
         "--num_sample_generations",
         1,
         "--log_completions",
-        cwd=tmp_path,
+        *extra,
+        cwd=cwd,
+        script=script,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = read_metrics(tmp_path)
+    (run,) = os.listdir(cwd / "runs")
+    with open(cwd / "runs" / run / "completions.jsonl") as f:
+        completions = [json.loads(line) for line in f]
+    with open(cwd / "runs" / run / "samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    return read_metrics(cwd), completions, samples
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py"])
+def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, tool_policy, vault_data, tools_file, tmp_path):
+    """End to end: the environment reset per rollout, the policy calls its tool, the result goes into the completion,
+    the reward functions get the messages and the environments, get_reward is a source of its own. With vLLM, its
+    log-probs are kept per model token: before any update they are the trainer's (the tools' tokens masked out)."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    metrics, completions, _ = vault_run(script, tool_policy, vault_data, tools_file, rewards, tmp_path)
     assert len(metrics) == 2
     assert any(row["tools/call_frequency"] > 0 for row in metrics)
     for row in metrics:
@@ -449,13 +461,26 @@ def test_rloo_py_trains_on_multi_turn_rollouts_with_an_environment(tool_policy, 
         assert row["tools/failure_frequency"] == 0
         assert row["rewards/Vault/mean"] == pytest.approx(row["tools/call_frequency"])  # get_reward: calls made
         assert "rewards/said_the_secret/mean" in row
-        # lengths count the policy's tokens only: a completion with a tool result is longer than these say
-        assert row["completions/max_length"] <= 96
-    (run,) = os.listdir(tmp_path / "runs")
-    with open(tmp_path / "runs" / run / "completions.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    with_result = [r for r in rows if "<tool_response>" in r["completion"]]
+        assert row["completions/max_length"] <= 96  # the policy's tokens
+    with_result = [r for r in completions if "<tool_response>" in r["completion"]]
     assert with_result and all(r["Vault"] == 1 for r in with_result)  # the result is in the completion, after a call
+    if script == "rloo_vllm.py":
+        assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(tool_policy, vault_data, tools_file, tmp_path):
+    """The greedy sample table before any update, with rloo.py's HF generation and rloo_vllm.py's engine: the same
+    completions, tool results and second turns included."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    tables = []
+    for script in ["rloo.py", "rloo_vllm.py"]:
+        (tmp_path / script).mkdir()
+        _, _, samples = vault_run(
+            script, tool_policy, vault_data, tools_file, rewards, tmp_path / script, "--total_episodes", 16
+        )
+        tables.append([(r["prompt"], r["completion"]) for r in samples if r["step"] == 0])
+    assert tables[0] == tables[1] and any("<tool_response>" in c for _, c in tables[0]), tables
 
 
 def test_rloo_py_refuses_a_template_without_tools_before_loading_the_policy(tiny, vault_data, tools_file, tmp_path):
