@@ -24,6 +24,7 @@ of the algorithm never needs (checks, run folders, checkpoints and resume, loggi
 
 import contextlib
 import datetime
+import copy
 import functools
 import math
 import os
@@ -135,6 +136,7 @@ from rloo_utils.sharded import (
     save_sharded_checkpoint,
     save_sharded_model,
 )
+from rloo_utils.tools import check_tool_template, load_tool_use, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
@@ -145,6 +147,7 @@ from rloo_utils.vllm_engine import (
     sampler_support,
     sampling_options,
     sampling_seeds,
+    turn_seed,
 )
 
 
@@ -716,8 +719,6 @@ def main(args: Args) -> None:
     use_server = args.vllm_server_host is not None or args.vllm_server_base_url is not None
     with agreed():
         check_args(args, world_size)
-        if args.tools or args.environment:  # multi-turn rollouts (issue 42) are in rloo.py so far
-            raise UsageError("--tools and --environment run in rloo.py so far: use rloo.py for multi-turn rollouts")
         check_vllm_args(args, server=use_server)
         args = resolve_defaults(args)
         batch_size, mini_batch_size, num_updates = batch_sizes(args, world_size)  # over all processes
@@ -725,7 +726,10 @@ def main(args: Args) -> None:
         G = args.num_generations
         prompts_per_rollout = batch_size // G
         checkpoint, training_state = resume_point(args, RESUMABLE_CHANGES, sharded=True)  # (None, None) for a new run
-        reward_funcs, reward_names, reward_weights = reward_sources(args, BUILTIN_REWARD_FUNCS)  # (F,) weights
+        tool_use = load_tool_use(args)  # --tools and --environment; None: single-turn rollouts
+        reward_funcs, reward_names, reward_weights = reward_sources(
+            args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []
+        )  # (F,) weights
         eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
         train_dataset, eval_dataset = load_datasets(args)  # eval_dataset: the held-out split, or None
         eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)  # None: no evaluation
@@ -751,6 +755,8 @@ def main(args: Args) -> None:
     # resumed policy's weights (with --use_peft its adapter's) come from its checkpoint.
     with agreed():
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, train_dataset[0]["prompt"], image_col)
+        if tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
+            check_tool_template(args, tokenizer, train_dataset[0]["prompt"], image_col)
         policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(
             policy_class(policy_path),
@@ -899,8 +905,72 @@ def main(args: Args) -> None:
                 )
         return torch.cat(chunks), None
 
-    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns):
-        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions."""
+    def generate_turn(contexts: list[list[int]], budgets: list[int], rows, round_, config, seeds=None) -> list[tuple]:
+        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
+        far): the ids up to and including the first stop token, at most the row's budget of them, with the server's
+        log-probs (None from HF generate). seeds: each row's, for its first turn; a later turn's is drawn from it."""
+        context_ids, context_mask = (t.to(device) for t in left_pad(contexts, tokenizer.pad_token_id))
+        turn_seeds = None if seeds is None else [turn_seed(seeds[row], round_) for row in rows]
+        if server is not None:
+            config = {**config, "max_tokens": max(budgets)}
+        else:
+            config = copy.deepcopy(config)
+            config.max_new_tokens = max(budgets)
+        turn_ids, turn_logprobs = generate(policy, context_ids, context_mask, config, None, turn_seeds)  # (b, C)
+        turn_mask, _ = completion_mask_from(turn_ids, stop_ids, eos_ids)
+        lengths = [min(int(m.sum()), budget) for m, budget in zip(turn_mask, budgets)]
+        return [
+            (ids[:n].tolist(), None if turn_logprobs is None else turn_logprobs[i, :n].tolist())
+            for i, (ids, n) in enumerate(zip(turn_ids, lengths))
+        ]
+
+    def complete(prompts: list, columns: dict, config, seeds=None, copies=1):
+        """The prompts tokenized and completed by the policy or the server: (b, P) prompt ids and mask, how many prompts
+        were truncated, their images; (b, C) completion ids, completion mask and tool mask (1 on the tools' results);
+        (b,) whether each ended; (b, C) the server's log-probs (None from HF generate); the multi-turn rollouts, with
+        --tools or --environment (else None). Every process makes every turn (a sharded forward is a collective)."""
+        turns = tool_use.start(prompts, columns) if tool_use else None  # environments reset; each row's tools
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
+            tokenizer,
+            turns.prompts if turns else prompts,
+            args.max_prompt_length,
+            device,
+            processor,
+            columns.get(image_col),
+            args.chat_template_kwargs,
+            turns and turns.schemas,
+        )  # (b, P)
+        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
+            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
+            turns.generate(
+                functools.partial(generate_turn, config=config, seeds=seeds), rows, tokenizer, stop_ids, args
+            )
+            completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
+                tokenizer.pad_token_id, device
+            )
+            sampling_logprobs = sampling_logprobs if server is not None else None
+        else:
+            completion_ids, sampling_logprobs = generate(
+                policy, prompt_ids, prompt_mask, config, columns.get(image_col) if server else images, seeds, copies
+            )  # (b, C), (b, C) or None
+            completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (b, C), (b,)
+            tool_mask = torch.zeros_like(completion_mask)
+        return (
+            prompt_ids,
+            prompt_mask,
+            num_truncated,
+            images,
+            completion_ids,
+            completion_mask,
+            tool_mask,
+            ended,
+            sampling_logprobs,
+            turns,
+        )
+
+    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns=None):
+        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions. turns: a
+        multi-turn rollout's, whose messages the functions get as the completions, with its environments."""
         texts = tokenizer.batch_decode(
             completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
         )
@@ -939,7 +1009,8 @@ def main(args: Args) -> None:
             len(texts),
             args.reward_timeout,
             None,
-            **reward_func_arguments(prompts, texts, completion_ids, completion_mask),
+            **reward_func_arguments(prompts, texts, completion_ids, completion_mask, turns and turns.messages),
+            **({"environments": turns.environments} if turns else {}),
             trainer_state=trainer_state,
             log_extra=reward_logs.log_extra,
             log_metric=reward_logs.log_metric,
@@ -972,28 +1043,13 @@ def main(args: Args) -> None:
         """Greedy completions for a few fixed eval prompts: printed, and logged as a table. Every process generates
         them (the sharded forward needs all of them); rank 0 shows them."""
         batch = (eval_dataset or train_dataset)[: args.num_sample_prompts]
-        prompt_ids, prompt_mask, _, images = tokenize_prompts(
-            tokenizer,
-            batch["prompt"],
-            args.max_prompt_length,
-            device,
-            processor,
-            batch.get(image_col),
-            args.chat_template_kwargs,
+        columns = {c: batch[c] for c in extra_columns if c in batch}
+        prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, _, ended, _, turns = complete(
+            batch["prompt"], columns, greedy_config
         )
-        completion_ids, _ = generate(
-            policy, prompt_ids, prompt_mask, greedy_config, batch.get(image_col) if server else images
-        )
-        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
         with agreed():  # a reward function that raises on one process stops all of them together, as in the loop
             rewards, completions = score(
-                batch["prompt"],
-                prompt_ids,
-                prompt_mask,
-                completion_ids,
-                completion_mask,
-                ended,
-                {c: batch[c] for c in extra_columns if c in batch},
+                batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
             )
         reward_logs.clear()  # what reward functions logged on these prompts is not the update's
         rewards = weighted_reward(rewards, reward_weights).tolist()
@@ -1019,29 +1075,13 @@ def main(args: Args) -> None:
                 batch = own_prompts[first : first + prompts_per_chunk]
                 prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
                 columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
-                prompt_ids, prompt_mask, _, images = tokenize_prompts(
-                    tokenizer,
-                    prompts,
-                    args.max_prompt_length,
-                    device,
-                    processor,
-                    columns.get(image_col),
-                    args.chat_template_kwargs,
-                )  # (b, P)
                 seeds = evaluation_seeds(args.seed, update, own_rows + first * n, len(prompts))
-                completion_ids, _ = generate(
-                    policy,
-                    prompt_ids,
-                    prompt_mask,
-                    eval_config,
-                    columns.get(image_col) if server else images,
-                    seeds,
-                    n,
-                )  # (b, C)
-                completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)
+                prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, tool_mask, ended, _, turns = complete(
+                    prompts, columns, eval_config, seeds, n
+                )  # (b, P), (b, C), (b,)
                 with agreed():  # a reward function that raises on one process stops all of them together
                     rewards_per_func, completions = score(
-                        prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+                        prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
                     )  # (b, F)
                     parts["metric_values"].append(
                         call_reward_funcs(
@@ -1050,7 +1090,10 @@ def main(args: Args) -> None:
                             len(prompts),
                             args.reward_timeout,
                             check_metric_values,
-                            **reward_func_arguments(prompts, completions, completion_ids, completion_mask),
+                            **reward_func_arguments(
+                                prompts, completions, completion_ids, completion_mask, turns and turns.messages
+                            ),
+                            **({"environments": turns.environments} if turns else {}),
                             trainer_state=trainer_state,
                             log_extra=reward_logs.log_extra,
                             log_metric=reward_logs.log_metric,
@@ -1060,7 +1103,7 @@ def main(args: Args) -> None:
                 for name, value in [
                     ("rewards", rewards_per_func),
                     ("ids", completion_ids),
-                    ("mask", completion_mask),
+                    ("mask", completion_mask * (1 - tool_mask)),  # the policy's tokens: the lengths count these
                     ("ended", ended),
                 ]:
                     parts[name].append(value)
@@ -1135,29 +1178,24 @@ def main(args: Args) -> None:
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer,
-            prompts,
-            args.max_prompt_length,
-            device,
-            processor,
-            columns.get(image_col),
-            args.chat_template_kwargs,
-        )  # (b, P)
+        seeds = sampling_seeds(args.seed, update, batch_size)[own_rows : own_rows + local_batch_size]
         with timer("generation"):
-            completion_ids, sampling_logprobs = generate(
-                policy,
+            (
                 prompt_ids,
                 prompt_mask,
-                generation_config,
-                columns.get(image_col) if server else images,
-                sampling_seeds(args.seed, update, batch_size)[own_rows : own_rows + local_batch_size],
-            )  # (b, C), (b, C) or None
+                num_truncated,
+                images,
+                completion_ids,
+                completion_mask,
+                tool_mask,
+                ended,
+                sampling_logprobs,
+                turns,
+            ) = complete(prompts, columns, generation_config, seeds)  # (b, P), (b, C), (b,), (b, C) or None
         if server is not None:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
                 check_engine(server, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
-        completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (b, C), (b,)
-        mask = completion_mask.float()
+        mask = (completion_mask * (1 - tool_mask)).float()  # the tokens the policy chose: only they enter loss and KL
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
         # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
         # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
@@ -1185,20 +1223,22 @@ def main(args: Args) -> None:
         )
         with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
             rewards_per_func, completions = score(
-                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns
+                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
             )  # (b, F)
 
         # The whole batch on every process, in rank order: the rewards, baselines, normalisations and metrics below are
         # those of one process holding every row; each process then updates on its own rows, from own_rows on.
         prompt_ids, prompt_mask = all_gather_prompts(prompt_ids, prompt_mask, tokenizer.pad_token_id)  # (B, P)
-        completion_ids, completion_mask, ended, old_logprobs, rewards_per_func = (
-            all_gather_rows(t) for t in (completion_ids, completion_mask, ended, old_logprobs, rewards_per_func)
-        )  # (B, C), (B, C), (B,), (B, C), (B, F)
+        completion_ids, completion_mask, tool_mask, ended, old_logprobs, rewards_per_func = (
+            all_gather_rows(t)
+            for t in (completion_ids, completion_mask, tool_mask, ended, old_logprobs, rewards_per_func)
+        )  # (B, C), (B, C), (B, C), (B,), (B, C), (B, F)
         ref_logprobs = all_gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
         sampling_logprobs = all_gather_rows(sampling_logprobs) if server is not None else None  # (B, C)
         trainer_sampling_logprobs = all_gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
-        mask = completion_mask.float()
+        mask = (completion_mask * (1 - tool_mask)).float()
         num_truncated = int(all_reduce(torch.tensor(num_truncated)))
+        tool_calls = all_reduce(torch.tensor([turns.calls, turns.failures])).tolist() if turns else None
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
             scores = torch.where(ended, scores, scores - args.missing_eos_penalty)
@@ -1320,7 +1360,8 @@ def main(args: Args) -> None:
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
-            **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
+            **completion_metrics(completion_ids, mask.long(), ended, eos_ids),  # the lengths of the policy's tokens
+            **(tool_metrics(*tool_calls, batch_size) if turns else {}),
             **(
                 sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights)
                 if server is not None
@@ -1338,7 +1379,7 @@ def main(args: Args) -> None:
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
-            "perf/generated_tokens_per_second": float(completion_mask.sum()) / max(timer.seconds["generation"], 1e-9),
+            "perf/generated_tokens_per_second": float(mask.sum()) / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **logged_metrics,

@@ -1210,7 +1210,7 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
             **completion_metrics(completion_ids, mask.long(), ended, eos_ids),  # the lengths of the policy's tokens
-            **(tool_metrics(turns) if turns else {}),
+            **(tool_metrics(turns.calls, turns.failures, len(prompts)) if turns else {}),
             **sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty

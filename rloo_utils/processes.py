@@ -79,3 +79,8 @@ def max_over_processes(value: int) -> int:
     largest = torch.tensor(value)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return int(largest)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether the flag is set on any process (a collective); with no process group, the flag itself."""
+    return max_over_processes(int(flag)) > 0

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from rloo_utils.errors import RunError, UsageError, describe
+from rloo_utils.processes import any_process
 from rloo_utils.rewards import await_all, load_reward_func
 
 # The tool-call format of Hermes-style chat templates (Qwen2.5, Qwen3, SmolLM3, NousResearch's Hermes):
@@ -221,7 +222,11 @@ class MultiTurn:
         self.sampler_logprobs = [[] for _ in range(rows)]
         self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
         active, round_ = list(range(rows)), 0
-        while active:
+        while any_process(bool(active)):  # every process makes every turn: a sharded model's forward is a collective
+            if not active:  # this process's rollouts have ended: it makes the turn on a row of its own, and drops it
+                generate_turn([prompt_ids[0]], [1], [0], round_)
+                round_ += 1
+                continue
             contexts = [prompt_ids[i] + self.ids[i] for i in active]
             turns = generate_turn(contexts, [limit - len(self.ids[i]) for i in active], active, round_)
             going_on = []
@@ -261,11 +266,11 @@ class MultiTurn:
         return tuple(t.to(device) for t in (ids, completion_mask, tool_mask, ended, sampler_logprobs))
 
 
-def tool_metrics(turns: MultiTurn) -> dict:
+def tool_metrics(calls: int, failures: int, completions: int) -> dict:
     """TRL's tools/ metrics: tool calls per completion, and the share of them that failed."""
     return {
-        "tools/call_frequency": turns.calls / max(len(turns.ids), 1),
-        "tools/failure_frequency": turns.failures / turns.calls if turns.calls else 0.0,
+        "tools/call_frequency": calls / max(completions, 1),
+        "tools/failure_frequency": failures / calls if calls else 0.0,
     }
 
 

@@ -221,7 +221,10 @@ def test_a_two_turn_rollout_masks_the_tool_result_and_nothing_else(tool_tokenize
         {"role": "assistant", "content": "good"},
     ]
     assert turns.ended == [True, True] and (turns.calls, turns.failures) == (1, 0)
-    assert tool_metrics(turns) == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0}
+    assert tool_metrics(turns.calls, turns.failures, len(turns.ids)) == {
+        "tools/call_frequency": 0.5,
+        "tools/failure_frequency": 0.0,
+    }
     ids, completion_mask, tool_mask, ended, _ = turns.tensors(tool_tokenizer.pad_token_id, "cpu")
     assert ids.shape == (2, 256) and completion_mask[0].sum() == len(turns.ids[0])
     assert tool_mask[0].sum() == len(suffix) and tool_mask[1].sum() == 0 and ended.all()
@@ -246,7 +249,7 @@ def test_failing_and_unknown_tools_answer_with_their_error(tool_tokenizer, tools
         "hi",
     ]
     assert (turns.calls, turns.failures) == (3, 2)
-    assert tool_metrics(turns)["tools/failure_frequency"] == pytest.approx(2 / 3)
+    assert tool_metrics(turns.calls, turns.failures, len(turns.ids))["tools/failure_frequency"] == pytest.approx(2 / 3)
 
 
 def test_a_result_that_would_overflow_is_rolled_back(tool_tokenizer, tools_file):
@@ -275,6 +278,26 @@ def test_the_rounds_of_calls_are_limited(tool_tokenizer, tools_file):
     prompts = [[{"role": "user", "content": "again and again"}]]
     turns, _, _ = rollout(tool_tokenizer, tools, {0: [CALL_ANN] * 5}, prompts, 512, max_tool_calling_iterations=2)
     assert turns.calls == 2 and [m["role"] for m in turns.messages[0]] == ["assistant", "tool"] * 2 + ["assistant"]
+
+
+def test_a_process_whose_rollouts_ended_makes_the_turns_of_the_others(tool_tokenizer, tools_file, monkeypatch):
+    """Another process still has a rollout going for two more turns: this one makes them too, on a row of its own
+    whose turn it drops (a sharded model's forward is a collective), and its rollouts stay as they ended."""
+    import rloo_utils.tools
+
+    others = iter([True, True, False])  # this process: one turn; the other process: three
+    monkeypatch.setattr(rloo_utils.tools, "any_process", lambda going_on: going_on or next(others))
+    tools = load_tools([f"{tools_file}:secret"])
+    turns, prompt_ids, generate_turn = rollout(
+        tool_tokenizer,
+        tools,
+        {0: ["bad<|im_end|>", "extra<|im_end|>", "extra<|im_end|>"]},
+        [[{"role": "user", "content": "hi"}]],
+    )
+    assert len(generate_turn.calls) == 3  # its own turn, then two it makes for the other process
+    assert [budgets for _, budgets in generate_turn.calls] == [[256], [1], [1]]
+    assert generate_turn.calls[1][0] == [prompt_ids[0]]
+    assert turns.ids[0] == ids_of(tool_tokenizer, "bad<|im_end|>") and len(turns.messages[0]) == 1
 
 
 def test_an_environment_is_reset_with_its_row_and_owns_a_reward(tool_tokenizer, tools_file):
@@ -466,6 +489,43 @@ def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, tool_po
     assert with_result and all(r["Vault"] == 1 for r in with_result)  # the result is in the completion, after a call
     if script == "rloo_vllm.py":
         assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy, vault_data, tools_file, tmp_path):
+    """rloo_multigpu.py on 2 processes (gloo, FSDP2): a process whose rollouts have ended makes the turns the other
+    still makes (a sharded forward is a collective: else both would hang), and the calls are counted over both."""
+    from test_multigpu import run_torchrun
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    proc = run_torchrun(
+        2,
+        "--model_name_or_path",
+        tool_policy,
+        "--dataset_name",
+        vault_data,
+        "--environment",
+        f"{tools_file}:Vault",
+        "--reward_funcs",
+        f"{rewards}:said_the_secret",
+        "--total_episodes",
+        32,
+        "--per_device_train_batch_size",
+        8,
+        "--max_completion_length",
+        96,
+        "--max_tool_calling_iterations",
+        2,
+        "--num_sample_generations",
+        1,
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 2 and any(row["tools/call_frequency"] > 0 for row in metrics)
+    for row in metrics:  # get_reward counts each rollout's calls: over the whole batch, as the call frequency
+        assert row["rewards/Vault/mean"] == pytest.approx(row["tools/call_frequency"])
 
 
 def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(tool_policy, vault_data, tools_file, tmp_path):
