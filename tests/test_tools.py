@@ -428,15 +428,20 @@ def vault_data(tmp_path_factory):
 
 
 REWARDS_PY = '''
-def said_the_secret(completions, environments, **kwargs):
+import os
+
+
+def said_the_secret(completions, environments, trainer_state, **kwargs):
+    if os.environ.get("FAIL_AT_STEP") == str(trainer_state.global_step):  # the resume test's failure
+        raise RuntimeError("failing on purpose")
     """1 when the last assistant turn is the environment's secret word."""
     return [float(c[-1]["role"] == "assistant" and c[-1]["content"].strip() == e.secret_word)
             for c, e in zip(completions, environments)]
 '''
 
 
-def vault_run(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra):
-    proc = run_rloo(
+def vault_run_proc(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra):
+    return run_rloo(
         "--model_name_or_path",
         tool_policy,
         "--dataset_name",
@@ -460,6 +465,10 @@ def vault_run(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra)
         cwd=cwd,
         script=script,
     )
+
+
+def vault_run(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra):
+    proc = vault_run_proc(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = os.listdir(cwd / "runs")
     with open(cwd / "runs" / run / "completions.jsonl") as f:
@@ -526,6 +535,34 @@ def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy
     assert len(metrics) == 2 and any(row["tools/call_frequency"] > 0 for row in metrics)
     for row in metrics:  # get_reward counts each rollout's calls: over the whole batch, as the call frequency
         assert row["rewards/Vault/mean"] == pytest.approx(row["tools/call_frequency"])
+
+
+def test_a_multi_turn_run_that_fails_resumes_as_the_same_run(
+    tool_policy, vault_data, tools_file, tmp_path, monkeypatch
+):
+    """A reward function fails in update 3: the run stops with the checkpoint of update 2, and the run resumed from it
+    (its environments built again, their tools' results drawn again) is the uninterrupted run, weights included."""
+    from conftest import run_outcome
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    runs = []
+    for name in ["uninterrupted", "resumed"]:
+        (tmp_path / name).mkdir()
+        args = ["--run_name", "run", "--total_episodes", 64, "--save_steps", 0]
+        if name == "resumed":
+            monkeypatch.setenv("FAIL_AT_STEP", "2")
+            failed = vault_run_proc("rloo.py", tool_policy, vault_data, tools_file, rewards, tmp_path / name, *args)
+            assert failed.returncode != 0 and "failing on purpose" in failed.stderr
+            assert os.listdir(tmp_path / name / "runs" / "run" / "checkpoints") == ["checkpoint-2"]
+            monkeypatch.delenv("FAIL_AT_STEP")
+            args += ["--resume_from_checkpoint", "latest"]
+        vault_run("rloo.py", tool_policy, vault_data, tools_file, rewards, tmp_path / name, *args)
+        runs.append(run_outcome(str(tmp_path / name / "runs" / "run")))
+    (metrics, samples, weights), (metrics_again, samples_again, weights_again) = runs
+    assert [r["step"] for r in metrics_again] == [r["step"] for r in metrics] and metrics_again == metrics
+    assert samples_again == samples and any(r.get("tools/call_frequency", 0) > 0 for r in metrics)
+    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
 
 
 def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(tool_policy, vault_data, tools_file, tmp_path):
