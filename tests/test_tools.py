@@ -440,8 +440,10 @@ def said_the_secret(completions, environments, trainer_state, **kwargs):
 '''
 
 
-def vault_run_proc(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra):
-    return run_rloo(
+def vault_args(tool_policy, vault_data, tools_file, rewards, batch_size=16, rounds=1) -> list:
+    """The options of a run of the tool policy on the vault: one environment per rollout, a reward function that reads
+    the messages and the environments, 2 updates."""
+    return [
         "--model_name_or_path",
         tool_policy,
         "--dataset_name",
@@ -453,17 +455,19 @@ def vault_run_proc(script, tool_policy, vault_data, tools_file, rewards, cwd, *e
         "--total_episodes",
         32,
         "--per_device_train_batch_size",
-        16,
+        batch_size,
         "--max_completion_length",
         96,
         "--max_tool_calling_iterations",
-        1,
+        rounds,
         "--num_sample_generations",
         1,
-        "--log_completions",
-        *extra,
-        cwd=cwd,
-        script=script,
+    ]
+
+
+def vault_run_proc(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra):
+    return run_rloo(
+        *vault_args(tool_policy, vault_data, tools_file, rewards), "--log_completions", *extra, cwd=cwd, script=script
     )
 
 
@@ -509,24 +513,7 @@ def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy
     rewards.write_text(REWARDS_PY)
     proc = run_torchrun(
         2,
-        "--model_name_or_path",
-        tool_policy,
-        "--dataset_name",
-        vault_data,
-        "--environment",
-        f"{tools_file}:Vault",
-        "--reward_funcs",
-        f"{rewards}:said_the_secret",
-        "--total_episodes",
-        32,
-        "--per_device_train_batch_size",
-        8,
-        "--max_completion_length",
-        96,
-        "--max_tool_calling_iterations",
-        2,
-        "--num_sample_generations",
-        1,
+        *vault_args(tool_policy, vault_data, tools_file, rewards, batch_size=8, rounds=2),
         cwd=tmp_path,
         timeout=900,
     )
