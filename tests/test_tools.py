@@ -482,14 +482,23 @@ def vault_run(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra)
     return read_metrics(cwd), completions, samples
 
 
+@pytest.fixture(scope="module")
+def vault_runs(tool_policy, vault_data, tools_file, tmp_path_factory):
+    """rloo.py's and rloo_vllm.py's runs of the tool policy on the vault: (metrics, completions, sample tables)."""
+    rewards = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    return {
+        script: vault_run(script, tool_policy, vault_data, tools_file, rewards, tmp_path_factory.mktemp("run"))
+        for script in ["rloo.py", "rloo_vllm.py"]
+    }
+
+
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py"])
-def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, tool_policy, vault_data, tools_file, tmp_path):
+def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_runs):
     """End to end: the environment reset per rollout, the policy calls its tool, the result goes into the completion,
     the reward functions get the messages and the environments, get_reward is a source of its own. With vLLM, its
     log-probs are kept per model token: before any update they are the trainer's (the tools' tokens masked out)."""
-    rewards = tmp_path / "rewards.py"
-    rewards.write_text(REWARDS_PY)
-    metrics, completions, _ = vault_run(script, tool_policy, vault_data, tools_file, rewards, tmp_path)
+    metrics, completions, _ = vault_runs[script]
     assert len(metrics) == 2
     assert any(row["tools/call_frequency"] > 0 for row in metrics)
     for row in metrics:
@@ -502,6 +511,15 @@ def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, tool_po
     assert with_result and all(r["Vault"] == 1 for r in with_result)  # the result is in the completion, after a call
     if script == "rloo_vllm.py":
         assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(vault_runs):
+    """The greedy sample table before any update, with rloo.py's HF generation and rloo_vllm.py's engine: the same
+    completions, tool results and second turns included."""
+    tables = [
+        [(r["prompt"], r["completion"]) for r in vault_runs[script][2] if r["step"] == 0] for script in vault_runs
+    ]
+    assert tables[0] == tables[1] and any("<tool_response>" in c for _, c in tables[0]), tables
 
 
 def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy, vault_data, tools_file, tmp_path):
@@ -550,21 +568,6 @@ def test_a_multi_turn_run_that_fails_resumes_as_the_same_run(
     assert [r["step"] for r in metrics_again] == [r["step"] for r in metrics] and metrics_again == metrics
     assert samples_again == samples and any(r.get("tools/call_frequency", 0) > 0 for r in metrics)
     assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
-
-
-def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(tool_policy, vault_data, tools_file, tmp_path):
-    """The greedy sample table before any update, with rloo.py's HF generation and rloo_vllm.py's engine: the same
-    completions, tool results and second turns included."""
-    rewards = tmp_path / "rewards.py"
-    rewards.write_text(REWARDS_PY)
-    tables = []
-    for script in ["rloo.py", "rloo_vllm.py"]:
-        (tmp_path / script).mkdir()
-        _, _, samples = vault_run(
-            script, tool_policy, vault_data, tools_file, rewards, tmp_path / script, "--total_episodes", 16
-        )
-        tables.append([(r["prompt"], r["completion"]) for r in samples if r["step"] == 0])
-    assert tables[0] == tables[1] and any("<tool_response>" in c for _, c in tables[0]), tables
 
 
 def test_rloo_py_refuses_a_template_without_tools_before_loading_the_policy(tiny, vault_data, tools_file, tmp_path):
