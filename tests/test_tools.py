@@ -522,6 +522,28 @@ def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(vault_runs
     assert tables[0] == tables[1] and any("<tool_response>" in c for _, c in tables[0]), tables
 
 
+def test_a_server_run_samples_every_turn_from_the_server(tool_policy, vault_data, tools_file, tmp_path_factory):
+    """rloo_vllm.py --vllm_mode server: each turn is a request of token ids (a later turn's seeded from its row's
+    seed), the server's log-probs kept per model token equal the trainer's, update after update."""
+    from conftest import start_vllm_server
+
+    server = start_vllm_server({"policy": tool_policy}, tmp_path_factory)
+    url = next(server)["url"]
+    try:
+        rewards = tmp_path_factory.mktemp("rewards") / "rewards.py"
+        rewards.write_text(REWARDS_PY)
+        cwd = tmp_path_factory.mktemp("server_run")
+        server_mode = ["--vllm_mode", "server", "--vllm_server_base_url", url]
+        metrics, completions, _ = vault_run(
+            "rloo_vllm.py", tool_policy, vault_data, tools_file, rewards, cwd, *server_mode
+        )
+    finally:
+        server.close()  # the server stops
+    assert len(metrics) == 2 and any(row["tools/call_frequency"] > 0 for row in metrics)
+    assert all(row["sampling/sampling_logp_difference/max"] < 1e-3 for row in metrics)
+    assert any("<tool_response>" in r["completion"] for r in completions)
+
+
 def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy, vault_data, tools_file, tmp_path):
     """rloo_multigpu.py on 2 processes (gloo, FSDP2): a process whose rollouts have ended makes the turns the other
     still makes (a sharded forward is a collective: else both would hang), and the calls are counted over both."""
