@@ -484,20 +484,34 @@ def vault_run(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra)
 
 @pytest.fixture(scope="module")
 def vault_runs(tool_policy, vault_data, tools_file, tmp_path_factory):
-    """rloo.py's and rloo_vllm.py's runs of the tool policy on the vault: (metrics, completions, sample tables)."""
+    """The tool policy's runs on the vault: rloo.py's (HF generate), and rloo_vllm.py's on a vLLM server, each turn
+    one request of token ids (a later turn seeded from its row's seed): (metrics, completions, sample tables). A
+    colocated engine takes the same turns through the same generate_turn (its engine.generate is every colocated
+    test's); CI runs the server, the path that differs more."""
+    from conftest import start_vllm_server
+
     rewards = tmp_path_factory.mktemp("rewards") / "rewards.py"
     rewards.write_text(REWARDS_PY)
-    return {
-        script: vault_run(script, tool_policy, vault_data, tools_file, rewards, tmp_path_factory.mktemp("run"))
-        for script in ["rloo.py", "rloo_vllm.py"]
+    runs = {
+        "rloo.py": vault_run("rloo.py", tool_policy, vault_data, tools_file, rewards, tmp_path_factory.mktemp("run"))
     }
+    server = start_vllm_server({"policy": tool_policy}, tmp_path_factory)
+    try:
+        server_mode = ["--vllm_mode", "server", "--vllm_server_base_url", next(server)["url"]]
+        cwd = tmp_path_factory.mktemp("server_run")
+        runs["rloo_vllm.py"] = vault_run(
+            "rloo_vllm.py", tool_policy, vault_data, tools_file, rewards, cwd, *server_mode
+        )
+    finally:
+        server.close()  # the server stops
+    return runs
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py"])
 def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_runs):
     """End to end: the environment reset per rollout, the policy calls its tool, the result goes into the completion,
     the reward functions get the messages and the environments, get_reward is a source of its own. With vLLM, its
-    log-probs are kept per model token: before any update they are the trainer's (the tools' tokens masked out)."""
+    log-probs are kept per model token and are the trainer's (the tools' tokens masked out)."""
     metrics, completions, _ = vault_runs[script]
     assert len(metrics) == 2
     assert any(row["tools/call_frequency"] > 0 for row in metrics)
@@ -509,39 +523,17 @@ def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_r
         assert row["completions/max_length"] <= 96  # the policy's tokens
     with_result = [r for r in completions if "<tool_response>" in r["completion"]]
     assert with_result and all(r["Vault"] == 1 for r in with_result)  # the result is in the completion, after a call
-    if script == "rloo_vllm.py":
-        assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
+    if script == "rloo_vllm.py":  # the server's log-probs of the model's tokens are the trainer's, update after update
+        assert all(row["sampling/sampling_logp_difference/max"] < 1e-3 for row in metrics)
 
 
 def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(vault_runs):
-    """The greedy sample table before any update, with rloo.py's HF generation and rloo_vllm.py's engine: the same
-    completions, tool results and second turns included."""
+    """The greedy sample table before any update, with rloo.py's HF generation and rloo_vllm.py's vLLM server: the
+    same completions, tool results and second turns included."""
     tables = [
         [(r["prompt"], r["completion"]) for r in vault_runs[script][2] if r["step"] == 0] for script in vault_runs
     ]
     assert tables[0] == tables[1] and any("<tool_response>" in c for _, c in tables[0]), tables
-
-
-def test_a_server_run_samples_every_turn_from_the_server(tool_policy, vault_data, tools_file, tmp_path_factory):
-    """rloo_vllm.py --vllm_mode server: each turn is a request of token ids (a later turn's seeded from its row's
-    seed), the server's log-probs kept per model token equal the trainer's, update after update."""
-    from conftest import start_vllm_server
-
-    server = start_vllm_server({"policy": tool_policy}, tmp_path_factory)
-    url = next(server)["url"]
-    try:
-        rewards = tmp_path_factory.mktemp("rewards") / "rewards.py"
-        rewards.write_text(REWARDS_PY)
-        cwd = tmp_path_factory.mktemp("server_run")
-        server_mode = ["--vllm_mode", "server", "--vllm_server_base_url", url]
-        metrics, completions, _ = vault_run(
-            "rloo_vllm.py", tool_policy, vault_data, tools_file, rewards, cwd, *server_mode
-        )
-    finally:
-        server.close()  # the server stops
-    assert len(metrics) == 2 and any(row["tools/call_frequency"] > 0 for row in metrics)
-    assert all(row["sampling/sampling_logp_difference/max"] < 1e-3 for row in metrics)
-    assert any("<tool_response>" in r["completion"] for r in completions)
 
 
 def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy, vault_data, tools_file, tmp_path):
