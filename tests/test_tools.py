@@ -4,11 +4,12 @@ loss and the KL, rollback at the length limit, failing tools, environments with 
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
-from conftest import CHAT_TEMPLATE, check_one_line_error, read_metrics, run_rloo, write_jsonl
+from conftest import CHAT_TEMPLATE, ROOT, check_one_line_error, read_metrics, run_rloo, write_jsonl
 from rloo_utils.errors import UsageError
 from rloo_utils.tools import (
     ToolUse,
@@ -20,20 +21,11 @@ from rloo_utils.tools import (
     tool_suffix_ids,
 )
 
-# A Hermes-style template (Qwen2.5's layout, shortened): the tools' schemas in a system turn, calls as
-# <tool_call>{json}</tool_call> in the assistant's turn, results in a user turn as <tool_response>.
-TOOL_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}'
-    "<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+import tool_vault  # noqa: E402
+
+TOOL_TEMPLATE = tool_vault.CHAT_TEMPLATE  # Hermes-style (Qwen2.5's layout, shortened): benchmark/tool_vault.py's
+
 
 TOOLS_PY = '''
 import asyncio
@@ -339,35 +331,22 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
     )
     turn2 = ids_of(tool_tokenizer, "good movie<|im_end|>")
     completion = turn1 + result + turn2
-    with torch.no_grad():
-        one = rloo.completion_logprobs(
-            policy,
-            torch.tensor([prompt]),
-            torch.ones(1, len(prompt), dtype=torch.long),
-            torch.tensor([completion]),
-            torch.ones(1, len(completion), dtype=torch.long),
-            1.0,
-            packing=None,
-        )[0]
-        context = prompt + turn1 + result
-        second = rloo.completion_logprobs(
-            policy,
-            torch.tensor([context]),
-            torch.ones(1, len(context), dtype=torch.long),
-            torch.tensor([turn2]),
-            torch.ones(1, len(turn2), dtype=torch.long),
-            1.0,
-            packing=None,
-        )[0]
-        first = rloo.completion_logprobs(
-            policy,
-            torch.tensor([prompt]),
-            torch.ones(1, len(prompt), dtype=torch.long),
-            torch.tensor([turn1]),
-            torch.ones(1, len(turn1), dtype=torch.long),
-            1.0,
-            packing=None,
-        )[0]
+
+    def logprobs_after(context: list[int], ids: list[int]) -> torch.Tensor:
+        """(len(ids),) the policy's log-probs of ids after context, in one forward."""
+        with torch.no_grad():
+            return rloo.completion_logprobs(
+                policy,
+                torch.tensor([context]),
+                torch.ones(1, len(context), dtype=torch.long),
+                torch.tensor([ids]),
+                torch.ones(1, len(ids), dtype=torch.long),
+                1.0,
+                packing=None,
+            )[0]
+
+    one = logprobs_after(prompt, completion)
+    first, second = logprobs_after(prompt, turn1), logprobs_after(prompt + turn1 + result, turn2)
     torch.testing.assert_close(one[: len(turn1)], first, rtol=0, atol=1e-5)
     torch.testing.assert_close(one[len(turn1) + len(result) :], second, rtol=0, atol=1e-5)
 
