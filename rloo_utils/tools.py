@@ -41,7 +41,10 @@ def tool_schema(func: Callable, name: str) -> dict:
 def load_tools(specs: list[str]) -> list[Callable]:
     """--tools: `file.py:function` or `module:function`, each with a schema (checked here, before any model loads)."""
     tools = [load_reward_func(spec, {}, "tool", "--tools") for spec in specs]
-    names = [getattr(t, "__name__", spec) for t, spec in zip(tools, specs)]
+    for tool, spec in zip(tools, specs):
+        if not isinstance(getattr(tool, "__name__", None), str):  # the model calls a tool by its name
+            raise UsageError(f"tool {spec} has no __name__ (a functools.partial?): give it as a def")
+    names = [t.__name__ for t in tools]
     for tool, name in zip(tools, names):
         tool_schema(tool, name)
     if len(set(names)) < len(names):
