@@ -322,5 +322,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout():
     """Sleep mode frees the engine's memory (30% of the GPU by default) for the largest no-grad forwards, as TRL does:
     right after generation. (The CPU build has no sleep mode, so this is read from the loop.)"""
     with open(os.path.join(ROOT, "rloo_vllm.py")) as f:
-        loop = "".join(f.read().split("for update in range(")[1].split())  # the code without its layout
-    assert loop.index("generate(engine,") < loop.index("engine.sleep()") < loop.index("rollout_logprobs(policy,")
+        code = "".join(f.read().split())  # the code without its layout
+    complete, loop = code.split("defcomplete(")[1].split("return(")[0], code.split("forupdateinrange(")[1]
+    assert "=generate(engine," in complete and "turns.generate(" in complete  # the rollout's generation: complete()
+    assert loop.index("=complete(prompts,") < loop.index("engine.sleep()") < loop.index("rollout_logprobs(policy,")

@@ -356,9 +356,10 @@ OPEN_CALL = '<tool_call>{"name": "open_vault", "arguments": {}}</tool_call>'
 
 @pytest.fixture(scope="module")
 def tool_policy(tiny, tmp_path_factory):
-    """The tiny policy taught, in a few supervised steps, the conversation of a tool user: it calls open_vault (one
-    added token, as the template writes the call) and then says the word the tool returned. A random policy would
-    almost never write a tool call; this one does often, and does not always (it still samples)."""
+    """The tiny policy taught, in a few supervised steps on the vault's prompt, the conversation of a tool user: it
+    calls open_vault (one added token, as the template writes the call) and then says the word the tool returned; one
+    example in five answers without the tool. So the greedy completion calls, by a wide margin on any CPU's rounding,
+    and a sampled one does not always."""
     from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
@@ -375,16 +376,20 @@ def tool_policy(tiny, tmp_path_factory):
             "parameters": {"type": "object", "properties": {}},
         },
     }
-    examples = []
+    user = {"role": "user", "content": "open it"}  # vault_data's prompt
+    conversations = [[user, {"role": "assistant", "content": "good"}]]  # a guess, without the tool
     for word in ["good", "bad", "fine", "sad"]:
-        conversation = [
-            {"role": "user", "content": "open it (the vault is locked)"},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "open_vault", "content": word},
-            {"role": "assistant", "content": word},
-        ]
-        text = tokenizer.apply_chat_template(conversation, tools=[schema], tokenize=False)
-        examples.append(ids_of(tokenizer, text))
+        conversations.append(
+            [
+                user,
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "open_vault", "content": word},
+                {"role": "assistant", "content": word},
+            ]
+        )
+    examples = [
+        ids_of(tokenizer, tokenizer.apply_chat_template(c, tools=[schema], tokenize=False)) for c in conversations
+    ]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     torch.manual_seed(0)
     for _ in range(30):
@@ -393,6 +398,11 @@ def tool_policy(tiny, tmp_path_factory):
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+    prompt = tokenizer.apply_chat_template([user], tools=[schema], tokenize=False, add_generation_prompt=True)
+    with torch.no_grad():
+        first = policy(input_ids=torch.tensor([ids_of(tokenizer, prompt)])).logits[0, -1].softmax(-1)
+    call_probability = first[tokenizer.convert_tokens_to_ids(OPEN_CALL)].item()
+    assert 0.6 < call_probability < 0.95, call_probability  # the tests below need both: greedy calls, sampling varies
     path = str(tmp_path_factory.mktemp("tool_policy"))
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
