@@ -9,7 +9,9 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+import time
 from dataclasses import fields, replace
 from typing import Annotated, Optional
 
@@ -54,11 +56,15 @@ def parse_args(args_class):
                 f"(`python {sys.argv[0]} --help` lists them)",
                 file=sys.stderr,
             )
+        else:  # torchrun stops the other processes when one exits: rank 0 must have said it first (it exits at once)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stopped by torchrun meanwhile: silently
+            time.sleep(PARSE_ERROR_WAIT)
         sys.exit(2)  # argparse's status for a usage error
     sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
     return expand_user_paths(args)
 
 
+PARSE_ERROR_WAIT = 10  # seconds another process waits, after a parse error, for rank 0 to say it and exit
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun
 
 

@@ -20,6 +20,33 @@ SCRIPTS = [
     "rloo_multigpu.py",
 ]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
 
+# The longest files first (minutes, 2026-11-26): under `-n 2 --dist loadfile` each worker takes the next file when it is
+# done, so that the two end together instead of one running the last long file alone.
+LONGEST_FIRST = [
+    "test_gpu_check.py",
+    "test_multigpu.py",
+    "test_vllm.py",
+    "test_benchmark.py",
+    "test_end_to_end.py",
+    "test_tools.py",
+    "test_lora.py",
+    "test_evaluation.py",
+    "test_resume.py",
+    "test_trl_switch.py",
+    "test_images.py",
+    "test_padding_free.py",
+    "test_real_use.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = os.path.basename(str(item.path))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

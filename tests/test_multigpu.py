@@ -481,7 +481,10 @@ def test_launch_errors_are_one_line(tiny, prompts_file, tmp_path):
 def test_a_parse_error_is_said_once_not_once_per_process(tmp_path):
     """The options are parsed before the process group, each process alike: rank 0 alone says why (torchrun's RANK;
     unset, a plain `python`), and every process exits 2. Then under torchrun itself: one line for the two."""
+    from rloo_utils.options import PARSE_ERROR_WAIT
+
     for rank in ("0", "1"):
+        start = time.monotonic()
         proc = subprocess.run(
             [sys.executable, SCRIPT, "--no_such_option"],
             cwd=tmp_path,
@@ -494,8 +497,9 @@ def test_a_parse_error_is_said_once_not_once_per_process(tmp_path):
         if rank == "0":
             line = check_one_line_error(proc, "Unrecognized options: --no_such_option", "--help` lists them")
             assert proc.stderr.strip() == line
-        else:
+        else:  # silent, and it waits: torchrun would stop rank 0 before it says why, were rank 1 first to exit
             assert proc.stderr == "" and proc.stdout == ""
+            assert time.monotonic() - start >= PARSE_ERROR_WAIT
     proc = run_torchrun(2, "--no_such_option", cwd=tmp_path)
     assert proc.returncode != 0
     (line,) = our_errors(proc.stderr)
