@@ -20,20 +20,24 @@ SCRIPTS = [
     "rloo_multigpu.py",
 ]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
 
-# The longest files first (minutes, 2026-11-26): under `-n 2 --dist loadfile` each worker takes the next file when it is
-# done, so that the two end together instead of one running the last long file alone.
-LONGEST_FIRST = [
-    "test_gpu_check.py",
-    "test_multigpu.py",
-    "test_vllm.py",
+# The longest files first: under the README's `-n 2 --dist loadfile --no-loadscope-reorder` each worker takes the next
+# file when it is done, so that the two end together instead of one running the last long file alone (xdist's own
+# order, the files with the most tests first, left the GPU kit's 6-minute fixture to the end).
+LONGEST_FIRST = [  # each file's seconds, summed over its tests, 2026-11-26: 1138, 997, 773, 772, 639, 595, 475, ...
     "test_benchmark.py",
+    "test_multigpu.py",
+    "test_resume.py",
+    "test_vllm.py",
     "test_end_to_end.py",
-    "test_tools.py",
+    "test_gpu_check.py",
     "test_lora.py",
     "test_evaluation.py",
-    "test_resume.py",
-    "test_trl_switch.py",
     "test_images.py",
+    "test_bad_input.py",
+    "test_trl_switch.py",
+    "test_tools.py",
+    "test_openrlbenchmark.py",
+    "test_precision.py",
     "test_padding_free.py",
     "test_real_use.py",
 ]
