@@ -57,7 +57,8 @@ def parse_args(args_class):
                 file=sys.stderr,
             )
         else:  # torchrun stops the other processes when one exits: rank 0 must have said it first (it exits at once)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stopped by torchrun meanwhile: silently
+            for stop in (signal.SIGTERM, signal.SIGINT):  # stopped meanwhile (torchrun, Ctrl-C): silently
+                signal.signal(stop, signal.SIG_DFL)
             time.sleep(PARSE_ERROR_WAIT)
         sys.exit(2)  # argparse's status for a usage error
     sys.stderr.write(captured.getvalue())  # tyro's warnings, if any
