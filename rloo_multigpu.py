@@ -119,6 +119,7 @@ from rloo_utils.packing import (
     varlen_kwargs,
 )
 from rloo_utils.processes import agreed, end_processes, whole
+from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.rewards import (
     RewardLogs,
     TrainerState,
@@ -148,6 +149,7 @@ from rloo_utils.vllm_engine import (
     sampling_options,
     sampling_seeds,
     turn_seed,
+    unpadded,
 )
 
 
@@ -344,6 +346,9 @@ class Args:
     """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
     vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
     """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
+    max_staleness: int = 0
+    """(server) asynchronous rollouts: the server samples the next updates' rollouts during this one, from weights at
+    most this many updates older than the policy they train (0: synchronous; docs/vllm.md)"""
     vllm_importance_sampling_correction: bool = True
     """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
     vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
@@ -854,7 +859,7 @@ def main(args: Args) -> None:
     console.print(evaluation_plan(eval_prompts, args, evaluate_after))
 
     def generate(
-        model, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1
+        model, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1, outputs=None
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(B, C) completion ids, padded to max_completion_length, and (B, C) the sampler's log-probs of them (the vLLM
         server's, one seed per completion; None from HF generate). HF generate runs in chunks, each sampling from the
@@ -862,17 +867,13 @@ def main(args: Args) -> None:
         forward is a collective: with synced_gpus a process whose completions have all ended goes on with the others.
         images: the rows' image tensors for HF generate; the rows' images as the dataset holds them for the server.
         copies: the rows hold each prompt that many times in a row, whose forward is then made once
-        (shared_prompt_cache; only with the model gathered: a sharded forward is a collective)."""
+        (shared_prompt_cache; only with the model gathered: a sharded forward is a collective). outputs: the server's,
+        where it generated them already (a rollout of the queue)."""
         if server is not None:
-            prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # without the left padding
             with agreed():  # a request that fails on one process stops every process
-                return pad_completions(
-                    server.generate(prompts, config, seeds, images),
-                    args.max_completion_length,
-                    tokenizer.pad_token_id,
-                    stop_ids,
-                    device,
-                )
+                if outputs is None:
+                    outputs = server.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
+                return pad_completions(outputs, args.max_completion_length, tokenizer.pad_token_id, stop_ids, device)
         model.eval()
         chunks = []
         with gathered(model, args.gather_for_generation):
@@ -924,11 +925,12 @@ def main(args: Args) -> None:
             for i, (ids, n) in enumerate(zip(turn_ids, lengths))
         ]
 
-    def complete(prompts: list, columns: dict, config, seeds=None, copies=1):
+    def complete(prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None):
         """The prompts tokenized and completed by the policy or the server: (b, P) prompt ids and mask, how many prompts
         were truncated, their images; (b, C) completion ids, completion mask and tool mask (1 on the tools' results);
         (b,) whether each ended; (b, C) the server's log-probs (None from HF generate); the multi-turn rollouts, with
-        --tools or --environment (else None). Every process makes every turn (a sharded forward is a collective)."""
+        --tools or --environment (else None). Every process makes every turn (a sharded forward is a collective).
+        outputs: the server's completions of the prompts, where the rollout queue generated them already."""
         turns = tool_use.start(prompts, columns) if tool_use else None  # environments reset; each row's tools
         prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
             tokenizer,
@@ -951,7 +953,14 @@ def main(args: Args) -> None:
             sampling_logprobs = sampling_logprobs if server is not None else None
         else:
             completion_ids, sampling_logprobs = generate(
-                policy, prompt_ids, prompt_mask, config, columns.get(image_col) if server else images, seeds, copies
+                policy,
+                prompt_ids,
+                prompt_mask,
+                config,
+                columns.get(image_col) if server else images,
+                seeds,
+                copies,
+                outputs,
             )  # (b, C), (b, C) or None
             completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (b, C), (b,)
             tool_mask = torch.zeros_like(completion_mask)
@@ -966,6 +975,38 @@ def main(args: Args) -> None:
             ended,
             sampling_logprobs,
             turns,
+        )
+
+    def rollout_request(update: int) -> dict:
+        """What the rollout of an update samples: this process's prompts, each repeated G times (its completions
+        adjacent, so group g is rows [g*G, (g+1)*G)), their columns and the seeds; with --max_staleness also the
+        prompts' token ids, tokenized here: the queue generates in a thread of its own, and a tokenizer is not
+        thread-safe."""
+        batch = next(batches)
+        prompts = [p for p in batch["prompt"] for _ in range(G)]
+        columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
+        seeds = sampling_seeds(args.seed, update, batch_size)[own_rows : own_rows + local_batch_size]
+        request = {"prompts": prompts, "columns": columns, "seeds": seeds}
+        if args.max_staleness:
+            prompt_ids, prompt_mask = tokenize_prompts(
+                tokenizer,
+                prompts,
+                args.max_prompt_length,
+                device,
+                processor,
+                columns.get(image_col),
+                args.chat_template_kwargs,
+            )[:2]
+            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
+        return request
+
+    def rollout_outputs(request: dict):
+        """With --max_staleness, the server's completions of a rollout (made in the queue's thread); else None:
+        complete() generates them when the update takes its rollout."""
+        if "token_ids" not in request:
+            return None
+        return server.generate(
+            request["token_ids"], generation_config, request["seeds"], request["columns"].get(image_col)
         )
 
     def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns=None):
@@ -1153,17 +1194,18 @@ def main(args: Args) -> None:
     # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
+    # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
+    # (rloo_utils/rollouts.py: which weights sample which rollout, and what a checkpoint keeps of them)
+    own_rows = rank * local_batch_size  # this process's rows of the global batch
+    rollouts = RolloutQueue(args.max_staleness, num_updates, rollout_request, rollout_outputs)
+    stateful = {"scheduler": scheduler, "rollouts": rollouts}
     progress = guard.start(
-        save_weights,
-        {"scheduler": scheduler},
-        logger,
-        console,
-        num_updates,
-        closing=() if server is None else (server,),
+        save_weights, stateful, logger, console, num_updates, closing=() if server is None else (server,)
     )
     batches = prompt_batches(
         train_dataset, prompts_per_rollout, args.seed, progress.update, rank, world_size
     )  # one per update
+    rollouts.start(progress.update)
     for update in range(progress.update + 1, num_updates + 1):
         timer = StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
@@ -1173,13 +1215,12 @@ def main(args: Args) -> None:
             evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
-        # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
-        own_rows = rank * local_batch_size  # this process's rows of the global batch
-        batch = next(batches)
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
-        seeds = sampling_seeds(args.seed, update, batch_size)[own_rows : own_rows + local_batch_size]
+        # Rollout: sampled by vLLM from the weights after update rollout.version: the policy's own, or with
+        # --max_staleness up to N updates older (generated while earlier updates trained); HF generate: the policy's
         with timer("generation"):
+            with agreed():  # a generation that failed on one process stops every process
+                rollout = rollouts.take(update)
+            prompts, columns = rollout.request["prompts"], rollout.request["columns"]
             (
                 prompt_ids,
                 prompt_mask,
@@ -1191,7 +1232,9 @@ def main(args: Args) -> None:
                 ended,
                 sampling_logprobs,
                 turns,
-            ) = complete(prompts, columns, generation_config, seeds)  # (b, P), (b, C), (b,), (b, C) or None
+            ) = complete(
+                prompts, columns, generation_config, rollout.request["seeds"], outputs=rollout.outputs
+            )  # (b, P), (b, C), (b,), (b, C) or None
         if server is not None:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
                 check_engine(server, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
@@ -1267,8 +1310,11 @@ def main(args: Args) -> None:
 
         # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
-        loss_advantages, is_weights = advantages, None
+        loss_advantages, is_weights, is_ratios = advantages, None, None
         if is_correction:
+            is_ratios = importance_sampling_weights(
+                trainer_sampling_logprobs, sampling_logprobs, mask, args.vllm_importance_sampling_mode, None, None
+            )  # before the bounds: what they truncate or mask is logged
             is_weights = importance_sampling_weights(
                 trainer_sampling_logprobs,
                 sampling_logprobs,
@@ -1339,8 +1385,12 @@ def main(args: Args) -> None:
                 progress.skipped_steps += not stepped
                 progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
         if server is not None:  # Weight sync: the next rollout (and sample table) samples from the updated policy
+            if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
+                with timer("generation_wait"), agreed():
+                    rollouts.before_push()
             with timer("weight_sync"):
                 server.push_weights(policy, weights_for_vllm(policy, server.dtype))
+        rollouts.pushed(update)  # the rollout they are scheduled to sample is asked for
         progress.update = update
         progress.episode += batch_size
         progress.num_tokens += int(prompt_mask.sum() + completion_mask.sum())
@@ -1363,7 +1413,7 @@ def main(args: Args) -> None:
             **completion_metrics(completion_ids, mask.long(), ended, eos_ids),  # the lengths of the policy's tokens
             **(tool_metrics(*tool_calls, batch_size) if turns else {}),
             **(
-                sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights)
+                sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights, is_ratios)
                 if server is not None
                 else {}
             ),
@@ -1379,9 +1429,17 @@ def main(args: Args) -> None:
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
-            "perf/generated_tokens_per_second": float(mask.sum()) / max(timer.seconds["generation"], 1e-9),
+            "perf/generated_tokens_per_second": float(mask.sum())
+            / max(
+                rollout.seconds if args.max_staleness else timer.seconds["generation"], 1e-9
+            ),  # in the queue's thread
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
+            **(
+                {"async/staleness": update - 1 - rollout.version, "time/background_generation": rollout.seconds}
+                if args.max_staleness
+                else {}
+            ),
             **logged_metrics,
         }
         if ref_policy is not None:
@@ -1565,22 +1623,30 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
     return rho.masked_fill((rho < low) | (rho > high), 0.0)
 
 
-def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor]) -> dict:
-    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range."""
+def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor], ratios=None) -> dict:
+    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range; the
+    sampler-trainer KL(pi_vllm || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer /
+    pi_vllm) on vLLM's samples; the share of the importance ratios (`ratios`, before the bounds) that the bounds
+    truncated or masked."""
     real = mask.bool()
-    gap = (old_logprobs - sampling_logprobs).abs()[real]
+    log_ratio = (old_logprobs - sampling_logprobs)[real]
+    gap = log_ratio.abs()
     metrics = {
         "sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
         "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0,
+        "sampling/kl": float((log_ratio.exp() - 1 - log_ratio).mean()) if real.any() else 0.0,
     }
     if weights is not None:
-        flat = weights.flatten() if weights.shape[1] == 1 else weights[real]
+        per_unit = (lambda x: x.flatten()) if weights.shape[1] == 1 else (lambda x: x[real])  # completions or tokens
+        flat, unbounded = per_unit(weights), per_unit(ratios)
         metrics.update(
             {
                 f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
                 for name in ("min", "mean", "max")
             }
         )
+        clipped = (flat != unbounded).float()
+        metrics["sampling/importance_sampling_ratio/clipped_fraction"] = float(clipped.mean()) if len(flat) else 0.0
     return metrics
 
 

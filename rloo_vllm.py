@@ -9,6 +9,8 @@ RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO
 This is rloo.py with generation moved to vLLM: a vLLM engine in this process (--vllm_mode colocate), or a vLLM server
 (--vllm_mode server) to which the policy's weights are pushed after every update. The loss uses the training model's
 log-probs, as in rloo.py; vLLM's own log-probs measure the sampler-trainer mismatch and weight the loss to correct it.
+With a server, --max_staleness N overlaps generation and training: the server samples the next rollouts from weights at
+most N updates old while the trainer updates, the same correction making up for their age.
 
 Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
 of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
@@ -101,6 +103,7 @@ from rloo_utils.packing import (
     packing_layout,
     varlen_kwargs,
 )
+from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.rewards import (
     RewardLogs,
     TrainerState,
@@ -123,6 +126,7 @@ from rloo_utils.vllm_engine import (
     sampling_seeds,
     start_colocated_engine,
     turn_seed,
+    unpadded,
     vllm_dtype,
     weight_push,
 )
@@ -255,6 +259,9 @@ class Args:
     """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
     vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
     """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
+    max_staleness: int = 0
+    """(server) asynchronous rollouts: the server samples the next updates' rollouts during this one, from weights at
+    most this many updates older than the policy they train (0: synchronous; docs/vllm.md)"""
     vllm_importance_sampling_correction: bool = True
     """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
     vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
@@ -806,12 +813,16 @@ def main(args: Args) -> None:
     )
     console.print(evaluation_plan(eval_prompts, args, evaluate_after))
 
-    def generate(engine, prompt_ids, prompt_mask, config, images=None, seeds=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(
+        engine, prompt_ids, prompt_mask, config, images=None, seeds=None, outputs=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, C) completion ids, padded with pad_token_id to max_completion_length, and (B, C) vLLM's log-probs of
-        them. images: each row's images as the dataset holds them (vLLM's own processor reads them)."""
-        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # without the left padding
+        them. images: each row's images as the dataset holds them (vLLM's own processor reads them). outputs: the
+        engine's, where it generated them already (a rollout of the queue)."""
+        if outputs is None:
+            outputs = engine.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
         return pad_completions(
-            engine.generate(prompts, config, seeds, images),
+            outputs,
             args.max_completion_length,
             tokenizer.pad_token_id,
             stop_ids,
@@ -827,10 +838,11 @@ def main(args: Args) -> None:
         pad_completions(outputs, max(budgets), tokenizer.pad_token_id, stop_ids, device)  # each ended at a stop token
         return [(ids[:budget], logprobs[:budget]) for (ids, logprobs), budget in zip(outputs, budgets)]
 
-    def complete(prompts: list, columns: dict, config, seeds=None):
+    def complete(prompts: list, columns: dict, config, seeds=None, outputs=None):
         """The prompts tokenized and completed by vLLM: (B, P) prompt ids and mask, how many prompts were truncated,
         their images; (B, C) completion ids, completion mask and tool mask (1 on the tools' results); (B,) whether
-        each ended; (B, C) vLLM's log-probs; the multi-turn rollouts, with --tools or --environment (else None)."""
+        each ended; (B, C) vLLM's log-probs; the multi-turn rollouts, with --tools or --environment (else None).
+        outputs: vLLM's completions of the prompts, where the rollout queue generated them already."""
         turns = tool_use.start(prompts, columns) if tool_use else None  # environments reset; each row's tools
         prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
             tokenizer,
@@ -852,7 +864,7 @@ def main(args: Args) -> None:
             )
         else:
             completion_ids, sampling_logprobs = generate(
-                engine, prompt_ids, prompt_mask, config, columns.get(image_col), seeds
+                engine, prompt_ids, prompt_mask, config, columns.get(image_col), seeds, outputs
             )  # (B, C)
             completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
             tool_mask = torch.zeros_like(completion_mask)
@@ -867,6 +879,36 @@ def main(args: Args) -> None:
             ended,
             sampling_logprobs,
             turns,
+        )
+
+    def rollout_request(update: int) -> dict:
+        """What the rollout of an update samples: its prompts, each repeated G times (its completions adjacent, so
+        group g is rows [g*G, (g+1)*G)), their columns and the seeds; with --max_staleness also the prompts' token
+        ids, tokenized here: the queue generates in a thread of its own, and a tokenizer is not thread-safe."""
+        batch = next(batches)
+        prompts = [p for p in batch["prompt"] for _ in range(G)]
+        columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
+        request = {"prompts": prompts, "columns": columns, "seeds": sampling_seeds(args.seed, update, batch_size)}
+        if args.max_staleness:
+            prompt_ids, prompt_mask = tokenize_prompts(
+                tokenizer,
+                prompts,
+                args.max_prompt_length,
+                device,
+                processor,
+                columns.get(image_col),
+                args.chat_template_kwargs,
+            )[:2]
+            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
+        return request
+
+    def rollout_outputs(request: dict):
+        """With --max_staleness, vLLM's completions of a rollout (made in the queue's thread); else None: complete()
+        generates them when the update takes its rollout."""
+        if "token_ids" not in request:
+            return None
+        return engine.generate(
+            request["token_ids"], generation_config, request["seeds"], request["columns"].get(image_col)
         )
 
     def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns=None):
@@ -1036,8 +1078,13 @@ def main(args: Args) -> None:
     # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
-    progress = guard.start(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, console, num_updates)
+    # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
+    # (rloo_utils/rollouts.py: which weights sample which rollout, and what a checkpoint keeps of them)
+    rollouts = RolloutQueue(args.max_staleness, num_updates, rollout_request, rollout_outputs)
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, "rollouts": rollouts}
+    progress = guard.start(save_weights, stateful, logger, console, num_updates)
     batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
+    rollouts.start(progress.update)
     for update in range(progress.update + 1, num_updates + 1):
         timer = StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
@@ -1047,11 +1094,11 @@ def main(args: Args) -> None:
             evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
-        # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
-        batch = next(batches)
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
+        # Rollout: sampled by vLLM from the weights after update rollout.version: the policy's own, or with
+        # --max_staleness up to N updates older (generated while earlier updates trained)
         with timer("generation"):
+            rollout = rollouts.take(update)
+            prompts, columns = rollout.request["prompts"], rollout.request["columns"]
             (
                 prompt_ids,
                 prompt_mask,
@@ -1063,7 +1110,7 @@ def main(args: Args) -> None:
                 ended,
                 sampling_logprobs,
                 turns,
-            ) = complete(prompts, columns, generation_config, sampling_seeds(args.seed, update, batch_size))
+            ) = complete(prompts, columns, generation_config, rollout.request["seeds"], rollout.outputs)
         if args.vllm_mode == "colocate":
             engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
         else:  # the server still holds this run's weights: no other run pushed its own
@@ -1123,8 +1170,11 @@ def main(args: Args) -> None:
 
         # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
-        loss_advantages, is_weights = advantages, None
+        loss_advantages, is_weights, is_ratios = advantages, None, None
         if args.vllm_importance_sampling_correction:
+            is_ratios = importance_sampling_weights(
+                trainer_sampling_logprobs, sampling_logprobs, mask, args.vllm_importance_sampling_mode, None, None
+            )  # before the bounds: what they truncate or mask is logged
             is_weights = importance_sampling_weights(
                 trainer_sampling_logprobs,
                 sampling_logprobs,
@@ -1191,8 +1241,12 @@ def main(args: Args) -> None:
                 progress.skipped_steps += not stepped
                 progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
         # Weight sync: the next rollout (and sample table) samples from the updated policy
+        if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
+            with timer("generation_wait"):
+                rollouts.before_push()
         with timer("weight_sync"):
             engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
+        rollouts.pushed(update)  # the rollout they are scheduled to sample is asked for
         progress.update = update
         progress.episode += batch_size
         progress.num_tokens += int(prompt_mask.sum() + completion_mask.sum())
@@ -1211,7 +1265,7 @@ def main(args: Args) -> None:
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
             **completion_metrics(completion_ids, mask.long(), ended, eos_ids),  # the lengths of the policy's tokens
             **(tool_metrics(turns.calls, turns.failures, len(prompts)) if turns else {}),
-            **sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights),
+            **sampling_metrics(trainer_sampling_logprobs, sampling_logprobs, mask, is_weights, is_ratios),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -1224,9 +1278,17 @@ def main(args: Args) -> None:
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
-            "perf/generated_tokens_per_second": float(mask.sum()) / max(timer.seconds["generation"], 1e-9),
+            "perf/generated_tokens_per_second": float(mask.sum())
+            / max(
+                rollout.seconds if args.max_staleness else timer.seconds["generation"], 1e-9
+            ),  # in the queue's thread
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
+            **(
+                {"async/staleness": update - 1 - rollout.version, "time/background_generation": rollout.seconds}
+                if args.max_staleness
+                else {}
+            ),
             **logged_metrics,
         }
         if ref_policy is not None:
@@ -1326,22 +1388,30 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
     return rho.masked_fill((rho < low) | (rho > high), 0.0)
 
 
-def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor]) -> dict:
-    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range."""
+def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor], ratios=None) -> dict:
+    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range; the
+    sampler-trainer KL(pi_vllm || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer /
+    pi_vllm) on vLLM's samples; the share of the importance ratios (`ratios`, before the bounds) that the bounds
+    truncated or masked."""
     real = mask.bool()
-    gap = (old_logprobs - sampling_logprobs).abs()[real]
+    log_ratio = (old_logprobs - sampling_logprobs)[real]
+    gap = log_ratio.abs()
     metrics = {
         "sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
         "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0,
+        "sampling/kl": float((log_ratio.exp() - 1 - log_ratio).mean()) if real.any() else 0.0,
     }
     if weights is not None:
-        flat = weights.flatten() if weights.shape[1] == 1 else weights[real]
+        per_unit = (lambda x: x.flatten()) if weights.shape[1] == 1 else (lambda x: x[real])  # completions or tokens
+        flat, unbounded = per_unit(weights), per_unit(ratios)
         metrics.update(
             {
                 f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
                 for name in ("min", "mean", "max")
             }
         )
+        clipped = (flat != unbounded).float()
+        metrics["sampling/importance_sampling_ratio/clipped_fraction"] = float(clipped.mean()) if len(flat) else 0.0
     return metrics
 
 

@@ -54,7 +54,9 @@ def hf_folder(preset: str, workdir: str) -> str:
     return path
 
 
-def start_server(model: str, workdir: str):
+def start_server(model: str, workdir: str, wrap=lambda command: command):
+    """The vLLM server of docs/vllm.md on the model, as wrap(command) runs it (async_timing.py pins it to a core):
+    (its process, its URL, the seconds it took to answer)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -85,7 +87,7 @@ def start_server(model: str, workdir: str):
     ]
     start = time.perf_counter()
     proc = subprocess.Popen(
-        command,
+        wrap(command),
         env=env,
         stdout=open(os.path.join(workdir, "server.log"), "w"),
         stderr=subprocess.STDOUT,

@@ -48,6 +48,7 @@ NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 def check_vllm_args(args, server: bool) -> None:
     """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
     generates (else a colocated engine, for a script with --vllm_mode, or HF generate)."""
+    check_max_staleness(args, server)
     if (
         args.generation_kwargs
         and (server or hasattr(args, "vllm_mode"))
@@ -148,6 +149,30 @@ def check_vllm_args(args, server: bool) -> None:
         raise UsageError(
             f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
             "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate"
+        )
+
+
+def check_max_staleness(args, server: bool) -> None:
+    """--max_staleness N (asynchronous rollouts, rloo_utils/rollouts.py) where the run can overlap them."""
+    staleness = getattr(args, "max_staleness", 0)
+    if staleness < 0:
+        raise UsageError(f"--max_staleness must be >= 0 (0: synchronous rollouts), got {staleness}")
+    if not staleness:
+        return
+    if not server:
+        raise UsageError(
+            f"--max_staleness {staleness} lets a vLLM server generate while the trainer updates, and there is no "
+            "server: start one and point the run at it (docs/vllm.md), or leave --max_staleness out"
+        )
+    if not args.vllm_importance_sampling_correction:
+        raise UsageError(
+            f"--max_staleness {staleness} trains on rollouts of older weights, which only the importance-sampling "
+            "correction weighs for their age: leave out --no-vllm_importance_sampling_correction, or --max_staleness"
+        )
+    if args.tools or args.environment:
+        raise UsageError(
+            f"--max_staleness {staleness}: a multi-turn rollout runs its tools and environments in the training "
+            "process, turn by turn, and is not generated ahead: leave out --max_staleness, or --tools/--environment"
         )
 
 
@@ -675,6 +700,11 @@ class VLLMServer:
             self.sender.shutdown()
 
 
+def unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's token ids without its padding: what an engine is given."""
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
 def pad_completions(
     outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int], device
 ):
@@ -716,7 +746,7 @@ def check_engine(
     not reach every weight (cause: what the error then says). After each rollout from a server: another run pushing its
     weights to the same server. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
     request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
-    prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+    prompts = unpadded(prompt_ids, prompt_mask)
     with agreed():  # several processes ask and find the same gap: they stop together (logprobs_of may be a collective)
         with agreed():  # a request that fails on one process stops all of them before the policy's forward
             outputs = engine.generate(prompts, options, None)

@@ -1,0 +1,259 @@
+"""Asynchronous rollouts (--max_staleness): the queue's schedule, failures and checkpoint (rloo_utils/rollouts.py), the
+metrics of a rollout sampled from older weights, the refusals, and end to end on a vLLM server: the logged staleness,
+an exact resume after a SIGKILL, and rloo_multigpu.py on two processes."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import rloo_multigpu
+import rloo_vllm
+from rloo_utils.errors import RunError, UsageError
+from rloo_utils.rollouts import RolloutQueue
+from rloo_utils.vllm_engine import check_vllm_args
+from tests.conftest import ROOT, run_env, run_outcome, run_rloo, start_vllm_server, wait_for_updates
+from tests.test_multigpu import run_torchrun
+from tests.test_vllm import REWARDS, resume_args
+
+
+class RecordingEngine:
+    """An engine whose weights are a version number: generate() answers a request with (its update, the version it
+    sampled from), taking `delay` seconds, and records when the weights changed under a request in flight."""
+
+    def __init__(self, delay: float = 0.02, fail_at: int = 0):
+        self.version, self.delay, self.fail_at = 0, delay, fail_at
+        self.events, self.pushed_under_a_request = [], False
+        self.lock = threading.Lock()
+
+    def request(self, update: int) -> dict:
+        self.events.append(("asked", update))
+        return {"update": update}
+
+    def generate(self, request: dict):
+        version = self.version
+        time.sleep(self.delay)
+        if request["update"] == self.fail_at:
+            raise RunError(f"the server failed on the rollout of update {self.fail_at}")
+        self.pushed_under_a_request |= self.version != version
+        return [([request["update"], version], [-0.5, -0.25])]
+
+    def push(self, version: int) -> None:
+        self.version = version
+
+
+def train(queue: RolloutQueue, engine: RecordingEngine, first: int, last: int) -> list:
+    """The training loop's side of the queue, from update `first` to `last`: the versions each rollout came from."""
+    versions = []
+    for update in range(first, last + 1):
+        rollout = queue.take(update)
+        assert rollout.outputs[0][0] == [update, rollout.version]  # the engine's answer to this update's request
+        versions.append(rollout.version)
+        engine.events.append(("trained", update))
+        queue.before_push()
+        engine.push(update)
+        queue.pushed(update)
+    return versions
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_each_rollout_is_sampled_from_the_weights_the_schedule_gives_and_never_under_a_push(max_staleness):
+    engine = RecordingEngine()
+    queue = RolloutQueue(max_staleness, 6, engine.request, engine.generate)
+    queue.start(0)
+    versions = train(queue, engine, 1, 6)
+    # v(j) = max(0, j - 1 - N): at most N versions older than the policy that trains on it (after update j - 1)
+    assert versions == [max(0, j - 1 - max_staleness) for j in range(1, 7)]
+    assert not engine.pushed_under_a_request
+    # asked once each, in order; with N > 0 the rollout of update k + 1 + N is asked before update k + 1 trains
+    asked = [u for kind, u in engine.events if kind == "asked"]
+    assert asked == list(range(1, 7))
+    for k in range(1, 6 - max_staleness):
+        ask, trained = engine.events.index(("asked", k + 1 + max_staleness)), engine.events.index(("trained", k + 1))
+        assert ask < trained
+
+
+def test_with_max_staleness_the_next_rollout_is_generated_while_the_update_trains():
+    engine = RecordingEngine(delay=0.3)
+    queue = RolloutQueue(1, 3, engine.request, engine.generate)
+    queue.start(0)
+    queue.take(1)
+    start = time.perf_counter()
+    time.sleep(0.3)  # update 1 trains; the rollout of update 2 is generated meanwhile
+    queue.before_push()
+    assert time.perf_counter() - start < 0.45  # not 0.3 + 0.3: the two overlapped
+    synchronous = RolloutQueue(0, 3, engine.request, engine.generate)
+    synchronous.start(0)
+    start = time.perf_counter()
+    synchronous.take(1)
+    assert time.perf_counter() - start >= 0.3  # N = 0: generated when the update takes it
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_failed_generation_is_raised_in_the_training_loop_before_its_update_trains(max_staleness):
+    engine = RecordingEngine(fail_at=3)
+    queue = RolloutQueue(max_staleness, 6, engine.request, engine.generate)
+    queue.start(0)
+    with pytest.raises(RunError, match="update 3"):
+        train(queue, engine, 1, 6)
+    trained = [u for kind, u in engine.events if kind == "trained"]
+    assert trained == [1, 2]  # N = 0: raised when update 3 takes it; N = 1: before update 2's weights are pushed
+    assert engine.version == (2 if max_staleness == 0 else 1)
+
+
+def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_goes_on_as_the_first():
+    engine = RecordingEngine()
+    uninterrupted = RolloutQueue(2, 8, engine.request, engine.generate)
+    uninterrupted.start(0)
+    expected = train(uninterrupted, engine, 1, 8)
+
+    engine = RecordingEngine()
+    queue = RolloutQueue(2, 8, engine.request, engine.generate)
+    queue.start(0)
+    train(queue, engine, 1, 3)
+    state = queue.state_dict()
+    # after update 3: the rollouts of updates 4 and 5 (from the weights after updates 1 and 2) are kept; that of
+    # update 6, from the weights after update 3 (the checkpoint's own), is sampled again
+    assert sorted(state["per_process"][0]) == [4, 5]
+    saved = {u: (v, rows[0]["ids"].tolist()) for u, (v, rows) in state["per_process"][0].items()}
+    assert saved == {4: (1, [4, 1]), 5: (2, [5, 2])}
+    assert state["per_process"][0][4][1][0]["logprobs"].dtype == torch.float64
+
+    resumed_engine = RecordingEngine()
+    resumed_engine.push(3)  # the checkpoint's weights
+    resumed = RolloutQueue(2, 8, resumed_engine.request, resumed_engine.generate)
+    resumed.load_state_dict(state)
+    resumed.start(3)
+    assert [u for kind, u in resumed_engine.events if kind == "asked"] == [4, 5, 6]  # every request made again
+    assert expected[3:] == train(resumed, resumed_engine, 4, 8)
+
+
+def test_a_kept_rollout_staler_than_max_staleness_is_sampled_again():
+    engine = RecordingEngine()
+    queue = RolloutQueue(2, 8, engine.request, engine.generate)
+    queue.start(0)
+    train(queue, engine, 1, 3)
+    state = queue.state_dict()
+    engine = RecordingEngine()
+    engine.push(3)
+    resumed = RolloutQueue(1, 8, engine.request, engine.generate)
+    resumed.load_state_dict(state)
+    resumed.start(3)
+    # kept: the rollouts of updates 4 and 5, from the weights after updates 1 and 2: 2 versions old, too stale for
+    # N = 1, sampled again from the checkpoint's weights
+    assert (resumed.take(4).version, resumed.take(5).version) == (3, 3)
+
+
+@pytest.mark.parametrize("script", [rloo_vllm, rloo_multigpu])
+def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand(script):
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])  # the trainer's log-probs of the sampled tokens
+    sampled = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, -0.5, 3.0]])  # vLLM's
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    ratios = script.importance_sampling_weights(old, sampled, mask, "token_truncate", None, None)
+    weights = script.importance_sampling_weights(old, sampled, mask, "token_truncate", None, 1.2)
+    metrics = script.sampling_metrics(old, sampled, mask, weights, ratios)
+    log_r = torch.tensor([0.5, -1.0, 0.0, 0.0, -3.5])  # over the 5 real tokens
+    k3 = float((log_r.exp() - 1 - log_r).mean())
+    assert metrics["sampling/kl"] == pytest.approx(k3, rel=1e-6)
+    assert metrics["sampling/kl"] > 0
+    assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 5)  # exp(0.5) > 1.2
+    sequence_ratios = script.importance_sampling_weights(old, sampled, mask, "sequence_mask", None, None)
+    sequence = script.importance_sampling_weights(old, sampled, mask, "sequence_mask", 0.5, 3.0)
+    metrics = script.sampling_metrics(old, sampled, mask, sequence, sequence_ratios)
+    assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 2)  # exp(-3.5) masked
+
+
+def test_max_staleness_is_refused_where_it_cannot_be_overlapped_or_corrected(tiny):
+    def refused(script, server, *needles, **options):
+        args = dataclasses.replace(script.Args(model_name_or_path=tiny["policy"]), **options)
+        with pytest.raises(UsageError) as error:
+            check_vllm_args(args, server=server)
+        for needle in needles:
+            assert needle in str(error.value), str(error.value)
+
+    refused(rloo_vllm, True, "--max_staleness must be >= 0", max_staleness=-1)
+    refused(rloo_vllm, False, "there is no server", max_staleness=1)  # colocated: generation and update share a device
+    refused(rloo_multigpu, False, "there is no server", max_staleness=1)  # HF generate
+    refused(
+        rloo_vllm,
+        True,
+        "--no-vllm_importance_sampling_correction",
+        max_staleness=2,
+        vllm_importance_sampling_correction=False,
+    )
+    refused(rloo_multigpu, True, "--tools/--environment", max_staleness=1, tools=["tools.py:f"])
+    check_vllm_args(dataclasses.replace(rloo_vllm.Args(), max_staleness=1, vllm_mode="server"), server=True)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    yield from start_vllm_server(tiny, tmp_path_factory)
+
+
+def server_args(tiny, prompts_file, server, *extra):
+    return [*resume_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"], *extra)]
+
+
+def test_a_run_with_max_staleness_logs_it_and_a_sigkilled_one_resumes_as_the_same_run(
+    tiny, server, prompts_file, tmp_path
+):
+    """With --max_staleness 1 the rollout of update j comes from the weights after update j - 2; the checkpoint after
+    update 3 keeps the rollout of update 4 (from the weights after update 2, gone by then), and the resumed run asks the
+    server for that of update 5 again: it ends as the uninterrupted run, metrics, sample tables and weights."""
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    reference.mkdir(), interrupted.mkdir()
+    args = server_args(tiny, prompts_file, server, "--max_staleness", 1)
+    proc = run_rloo(*args, cwd=reference, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = run_outcome(str(reference / "runs" / "run"))
+    assert [r["async/staleness"] for r in expected[0]] == [0, 1, 1, 1, 1, 1]
+    assert all(r["sampling/kl"] >= 0 for r in expected[0])
+    assert max(r["sampling/sampling_logp_difference/max"] for r in expected[0][1:]) > 1e-3  # older weights sampled
+    assert all(0 <= r["sampling/importance_sampling_ratio/clipped_fraction"] <= 1 for r in expected[0])
+
+    metrics = interrupted / "runs" / "run" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)],
+        cwd=interrupted,
+        env=run_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_updates(proc, metrics, 4)
+    proc.kill()
+    proc.wait()
+    checkpoint = interrupted / "runs" / "run" / "checkpoints" / "checkpoint-3"
+    assert sorted(os.listdir(checkpoint.parent)) == ["checkpoint-3"]
+    state = torch.load(checkpoint / "training_state.pt", weights_only=True)
+    assert list(state["rollouts"]["per_process"][0]) == [4]  # sampled from the weights after update 2
+    resumed = run_rloo(*args, "--resume_from_checkpoint", "latest", cwd=interrupted, script="rloo_vllm.py")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = run_outcome(str(interrupted / "runs" / "run"))
+    assert [r["episode"] for r in got[0]] == [8 * i for i in range(1, 7)]
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
+
+
+def test_rloo_multigpu_with_max_staleness_on_two_processes_is_the_run_of_one(tiny, server, prompts_file, tmp_path):
+    """Each process asks the server for its rows of the rollout; the queue runs in step on both."""
+    args = [
+        a for a in server_args(tiny, prompts_file, server, "--max_staleness", 1) if a not in ("--vllm_mode", "server")
+    ]
+    outcomes = []
+    for nproc in (1, 2):
+        cwd = tmp_path / str(nproc)
+        cwd.mkdir()
+        proc = run_torchrun(nproc, *args, cwd=cwd)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outcomes.append(run_outcome(str(cwd / "runs" / "run")))
+    one, two = outcomes
+    assert [r["async/staleness"] for r in one[0]] == [0, 1, 1, 1, 1, 1]
+    for a, b in zip(one[0], two[0]):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
