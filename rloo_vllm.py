@@ -260,8 +260,7 @@ class Args:
     vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
     """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
     max_staleness: int = 0
-    """(server) asynchronous rollouts: the server samples the next updates' rollouts during this one, from weights at
-    most this many updates older than the policy they train (0: synchronous; docs/vllm.md)"""
+    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
     vllm_importance_sampling_correction: bool = True
     """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
     vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
