@@ -1402,6 +1402,8 @@ def main(args: Args) -> None:
         losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
         logged_columns, logged_metrics = reward_logs.take(len(prompts))  # what reward functions logged
+        # the rollout's generation: with --max_staleness the server's own seconds, in the queue's thread
+        generation_seconds = rollout.seconds if args.max_staleness else timer.seconds["generation"]
         metrics = {
             "episode": progress.episode,
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
@@ -1428,10 +1430,7 @@ def main(args: Args) -> None:
             "prompts/truncated": num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
-            "perf/generated_tokens_per_second": float(mask.sum())
-            / max(
-                rollout.seconds if args.max_staleness else timer.seconds["generation"], 1e-9
-            ),  # in the queue's thread
+            "perf/generated_tokens_per_second": float(mask.sum()) / max(generation_seconds, 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **(
@@ -1622,7 +1621,9 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
     return rho.masked_fill((rho < low) | (rho > high), 0.0)
 
 
-def sampling_metrics(old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor], ratios=None) -> dict:
+def sampling_metrics(
+    old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor], ratios: Optional[torch.Tensor]
+) -> dict:
     """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range; the
     sampler-trainer KL(pi_vllm || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer /
     pi_vllm) on vLLM's samples; the share of the importance ratios (`ratios`, before the bounds) that the bounds

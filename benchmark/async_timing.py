@@ -4,10 +4,11 @@
 
 One server (started here as docs/vllm.md starts it, and stopped at the end) serves the runs one after the other, with
 nothing else running. Each run's first two updates are dropped (warm-up, and the asynchronous runs' first rollouts,
-which all come from the initial weights). What the table shows per run: the mean seconds of an update (the wall clock
-from one update's start to the next: the trainer's time plus the waits for the server), its stages as the run logs
-them (time/generation is the wait for the rollout; time/background_generation the server's own time for it, while
-the trainer worked), and the whole run.
+which all come from the initial weights). What the table shows per run: its stages as the run logs
+them (time/generation is the wait for the rollout; time/background_generation the server's own time for it, while the
+trainer worked), the update as the trainer times it (time/update: its stages and the waits for the server), the update
+end to end (from one update's logged end to the next: the logging and the sample tables included, which a background
+rollout overlaps too), and the whole run.
 
     python benchmark/async_timing.py --preset tiny       # the test model
     python benchmark/async_timing.py --preset smollm2    # SmolLM2-135M-Instruct, step_timing.py's workload
@@ -64,7 +65,9 @@ def run(name: str, command: list[str], workdir: str, drop: int) -> dict:
     (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
     with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
         rows = [row for row in map(json.loads, f) if "episode" in row]
-    return {"name": name, "rows": rows[drop:], "wall": time.perf_counter() - start}
+    since_start = [row["episode"] / row["eps"] for row in rows]  # each update's end, seconds after the run's start
+    periods = [b - a for a, b in zip(since_start, since_start[1:])][drop - 1 :]  # of the kept updates
+    return {"name": name, "rows": rows[drop:], "period": statistics.mean(periods), "wall": time.perf_counter() - start}
 
 
 def main():
@@ -116,11 +119,12 @@ def main():
     mean = lambda r, key: statistics.mean(row.get(key, 0.0) for row in r["rows"])  # noqa: E731
     for stage in [*STAGES, "background_generation"]:
         print(f"{'time/' + stage:<28}" + "".join(f"{mean(r, 'time/' + stage):>20.3f}" for r in results))
-    print(f"{'update':<28}" + "".join(f"{mean(r, 'time/update'):>20.3f}" for r in results))
+    print(f"{'update (time/update)':<28}" + "".join(f"{mean(r, 'time/update'):>20.3f}" for r in results))
+    print(f"{'update, end to end':<28}" + "".join(f"{r['period']:>20.3f}" for r in results))
     print(f"{'tokens per completion':<28}" + "".join(f"{mean(r, 'completions/mean_length'):>20.1f}" for r in results))
     print(f"{'whole run, wall (s)':<28}" + "".join(f"{r['wall']:>20.1f}" for r in results))
-    base = mean(results[0], "time/update")
-    print(f"{'speed-up over the first':<28}" + "".join(f"{base / mean(r, 'time/update'):>20.2f}" for r in results))
+    base = results[0]["period"]
+    print(f"{'speed-up, end to end':<28}" + "".join(f"{base / r['period']:>20.2f}" for r in results))
 
 
 if __name__ == "__main__":

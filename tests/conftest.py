@@ -36,6 +36,7 @@ LONGEST_FIRST = [  # each file's seconds, summed over its tests, 2026-11-26: 113
     "test_bad_input.py",
     "test_trl_switch.py",
     "test_tools.py",
+    "test_rollouts.py",
     "test_openrlbenchmark.py",
     "test_precision.py",
     "test_padding_free.py",

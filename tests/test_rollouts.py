@@ -4,6 +4,7 @@ an exact resume after a SIGKILL, and rloo_multigpu.py on two processes."""
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +18,15 @@ import rloo_vllm
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.vllm_engine import check_vllm_args
-from tests.conftest import ROOT, run_env, run_outcome, run_rloo, start_vllm_server, wait_for_updates
+from tests.conftest import (
+    ROOT,
+    check_one_line_error,
+    run_env,
+    run_outcome,
+    run_rloo,
+    start_vllm_server,
+    wait_for_updates,
+)
 from tests.test_multigpu import PER_MICRO_BATCH, run_torchrun
 from tests.test_vllm import REWARDS, resume_args
 
@@ -79,19 +88,25 @@ def test_each_rollout_is_sampled_from_the_weights_the_schedule_gives_and_never_u
 
 
 def test_with_max_staleness_the_next_rollout_is_generated_while_the_update_trains():
-    engine = RecordingEngine(delay=0.3)
-    queue = RolloutQueue(1, 3, engine.request, engine.generate)
+    generated, next_one_generated = [], threading.Event()
+
+    def generate(request):
+        generated.append(request["update"])
+        if request["update"] == 2:
+            next_one_generated.set()
+        return [([request["update"]], [0.0])]
+
+    queue = RolloutQueue(1, 3, lambda update: {"update": update}, generate)
     queue.start(0)
     queue.take(1)
-    start = time.perf_counter()
-    time.sleep(0.3)  # update 1 trains; the rollout of update 2 is generated meanwhile
-    queue.before_push()
-    assert time.perf_counter() - start < 0.45  # not 0.3 + 0.3: the two overlapped
-    synchronous = RolloutQueue(0, 3, engine.request, engine.generate)
+    # update 1 trains: the rollout of update 2 is generated meanwhile, in the queue's thread, before anyone takes it
+    assert next_one_generated.wait(timeout=60)
+    generated.clear()
+    synchronous = RolloutQueue(0, 3, lambda update: {"update": update}, generate)
     synchronous.start(0)
-    start = time.perf_counter()
+    assert generated == []  # N = 0: a rollout is generated when its update takes it, from the newest weights
     synchronous.take(1)
-    assert time.perf_counter() - start >= 0.3  # N = 0: generated when the update takes it
+    assert generated == [1]
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
@@ -262,3 +277,29 @@ def test_rloo_multigpu_with_max_staleness_on_two_processes_is_the_run_of_one(tin
         assert a.keys() == b.keys()
         for key in a.keys() - PER_MICRO_BATCH:
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key  # rounding, through exp() and 6 updates
+
+
+def test_a_server_that_dies_under_a_background_rollout_is_one_line_and_the_run_keeps_its_checkpoint(
+    tiny, server, prompts_file, tmp_path
+):
+    """The last test of the module: it kills the server while the rollout of a later update is being generated."""
+    args = server_args(tiny, prompts_file, server, "--max_staleness", 2, "--vllm_server_timeout", 10)
+    args[args.index("--save_steps") + 1] = 1
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)],
+        cwd=tmp_path,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
+    wait_for_updates(proc, metrics, 2)
+    os.killpg(server["process"].pid, signal.SIGKILL)
+    server["process"].wait()
+    _, stderr = proc.communicate(timeout=120)
+    proc.stderr = stderr
+    line = check_one_line_error(proc, f"the vLLM server at {server['url']}", "--resume_from_checkpoint")
+    checkpoints = sorted(os.listdir(tmp_path / "runs" / "run" / "checkpoints"))
+    assert checkpoints and checkpoints[-1] in line
+    assert os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / checkpoints[-1] / "policy")
