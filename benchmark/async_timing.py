@@ -18,19 +18,16 @@ The workload is step_timing.py's (8 completions of up to 64 tokens, beta 0.05, f
 """
 
 import argparse
-import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 from step_timing import SAME_AS_TRL_BASELINE  # noqa: E402
-from vllm_timing import hf_folder, start_server  # noqa: E402
+from vllm_timing import hf_folder, run, start_server  # noqa: E402
 
 STAGES = [
     "generation",
@@ -48,26 +45,6 @@ ONE_CORE = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 def pinned(core: int, command: list[str]) -> list[str]:
     return ["taskset", "--cpu-list", str(core), *command]
-
-
-def run(name: str, command: list[str], workdir: str, drop: int) -> dict:
-    cwd = os.path.join(workdir, name.replace(" ", "_"))
-    os.makedirs(cwd)
-    start = time.perf_counter()
-    subprocess.run(
-        command,
-        cwd=cwd,
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **ONE_CORE, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"},
-    )
-    (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
-    with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
-        rows = [row for row in map(json.loads, f) if "episode" in row]
-    since_start = [row["episode"] / row["eps"] for row in rows]  # each update's end, seconds after the run's start
-    periods = [b - a for a, b in zip(since_start, since_start[1:])][drop - 1 :]  # of the kept updates
-    return {"name": name, "rows": rows[drop:], "period": statistics.mean(periods), "wall": time.perf_counter() - start}
 
 
 def main():
@@ -105,7 +82,8 @@ def main():
             for staleness in cli.staleness:
                 command = [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *args]
                 command += ["--vllm_mode", "server", "--vllm_server_base_url", url, "--max_staleness", str(staleness)]
-                results.append(run(f"max_staleness {staleness}", pinned(trainer_core, command), workdir, drop=2))
+                name, env = f"max_staleness {staleness}", {**ONE_CORE, "TOKENIZERS_PARALLELISM": "false"}
+                results.append(run(name, pinned(trainer_core, command), workdir, drop=2, env=env))
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait()

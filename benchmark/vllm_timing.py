@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
@@ -104,8 +105,10 @@ def start_server(model: str, workdir: str, wrap=lambda command: command):
             time.sleep(1)
 
 
-def run(name: str, command: list[str], workdir: str) -> dict:
-    cwd = os.path.join(workdir, name)
+def run(name: str, command: list[str], workdir: str, drop: int = 1, env: Optional[dict] = None) -> dict:
+    """Run the command in a folder of its own, alone: the updates' metrics after the first `drop` (warm-up), the mean
+    seconds from one of them's logged end to the next's (the update end to end), and the whole run's wall clock."""
+    cwd = os.path.join(workdir, name.replace(" ", "_"))
     os.makedirs(cwd)
     start = time.perf_counter()
     subprocess.run(
@@ -114,12 +117,15 @@ def run(name: str, command: list[str], workdir: str) -> dict:
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "WANDB_MODE": "disabled"},
+        env={**os.environ, "WANDB_MODE": "disabled", **(env or {})},
     )
     (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
     with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
         rows = [row for row in map(json.loads, f) if "episode" in row]  # the updates' (not the evaluations')
-    return {"name": name, "rows": rows[1:], "wall": time.perf_counter() - start}
+    since_start = [row["episode"] / row["eps"] for row in rows]  # each update's logged end, seconds into the run
+    periods = [b - a for a, b in zip(since_start, since_start[1:])][drop - 1 :]  # those of the kept updates
+    period = statistics.mean(periods) if periods else float("nan")  # (a run of one update has none)
+    return {"name": name, "rows": rows[drop:], "period": period, "wall": time.perf_counter() - start}
 
 
 def main():

@@ -176,14 +176,26 @@ def other_reward(tmp_path_factory):
     return build_reward_model_with_its_own_tokenizer(str(tmp_path_factory.mktemp("other_reward")))
 
 
-@pytest.fixture(scope="session")
-def prompts_file(tmp_path_factory):
+def write_prompts(path: str) -> str:
+    """The tests' 64 prompts of 3 to 9 random words, each with a `topic` column; returns the path."""
     rng = __import__("random").Random(1)
     rows = [
         {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))), "topic": rng.choice(["a", "b"])}
         for _ in range(64)
     ]
-    return write_jsonl(str(tmp_path_factory.mktemp("data") / "prompts.jsonl"), rows)
+    return write_jsonl(path, rows)
+
+
+def build_tiny_task(out: str) -> None:
+    """The benchmark experiments' cheap task: the tiny models in <out>/tiny and the tests' prompts in
+    <out>/prompts.jsonl."""
+    build_tiny_models(os.path.join(out, "tiny"))
+    write_prompts(os.path.join(out, "prompts.jsonl"))
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory):
+    return write_prompts(str(tmp_path_factory.mktemp("data") / "prompts.jsonl"))
 
 
 def run_env() -> dict:

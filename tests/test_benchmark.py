@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import compare_algorithms  # noqa: E402
 import judge  # noqa: E402
 import plot  # noqa: E402
+from rloo_utils.vllm_engine import check_vllm_args  # noqa: E402
 
 LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
 PLOT = os.path.join(ROOT, "benchmark", "plot.py")
@@ -535,6 +536,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
         "trl_side_by_side.py",
         "vllm_sampling_seeds.py",
         "vllm_timing.py",
+        "async_timing.py",
         "launch.py",
         "plot.py",
         "judge.py",
@@ -690,6 +692,43 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
         monkeypatch.setattr(sys, "argv", command[1:])
         module.check_args(module.parse_args(module.Args))
         assert [command[i + 1] for i, w in enumerate(command) if w == "--model_name_or_path"] == [f"{out}/tiny/policy"]
+    assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
+    again = subprocess.run(script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
+    assert again.returncode != 0 and "exists" in again.stderr
+
+
+def test_the_async_experiment_runs_commands_rloo_vllm_accepts(tmp_path, monkeypatch):
+    """benchmark/experiments/async_learning.sh (--dry_run, which starts no server): --max_staleness 0 and 1 on the same
+    task and server, each seed once, pinned to the second core; its output folder is made anew, never reused."""
+    out = tmp_path / "out"
+    script = ["bash", os.path.join(ROOT, "benchmark", "experiments", "async_learning.sh")]
+    proc = subprocess.run(
+        [*script, "--dry_run"],
+        capture_output=True,
+        text=True,
+        env={**run_env(), "SEEDS": "2", "OUT": str(out)},
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("taskset ")]
+    second_core = str(sorted(os.sched_getaffinity(0))[1])
+    assert [c[:3] for c in commands] == [["taskset", "--cpu-list", second_core]] * 4
+    commands = [c[3:] for c in commands]
+    staleness = [c[c.index("--max_staleness") + 1] for c in commands]
+    assert [(c[1], s, c[-1]) for c, s in zip(commands, staleness)] == [
+        ("rloo_vllm.py", "0", "1"),
+        ("rloo_vllm.py", "0", "2"),
+        ("rloo_vllm.py", "1", "1"),
+        ("rloo_vllm.py", "1", "2"),
+    ]
+    rloo_vllm = __import__("rloo_vllm")
+    for command in commands:
+        monkeypatch.setattr(sys, "argv", command[1:])
+        args = rloo_vllm.parse_args(rloo_vllm.Args)
+        rloo_vllm.check_args(args)
+        check_vllm_args(args, server=True)
+        assert args.vllm_mode == "server" and args.model_name_or_path == f"{out}/tiny/policy"
     assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
     again = subprocess.run(script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
     assert again.returncode != 0 and "exists" in again.stderr

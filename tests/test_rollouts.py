@@ -4,9 +4,6 @@ an exact resume after a SIGKILL, and rloo_multigpu.py on two processes."""
 
 import dataclasses
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,16 +16,12 @@ from rloo_utils.errors import RunError, UsageError
 from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.vllm_engine import check_vllm_args
 from tests.conftest import (
-    ROOT,
-    check_one_line_error,
-    run_env,
     run_outcome,
     run_rloo,
     start_vllm_server,
-    wait_for_updates,
 )
 from tests.test_multigpu import PER_MICRO_BATCH, run_torchrun
-from tests.test_vllm import REWARDS, resume_args
+from tests.test_vllm import kill_the_server_under_a_run, resume_args, sigkill_after_updates
 
 
 class RecordingEngine:
@@ -231,17 +224,7 @@ def test_a_run_with_max_staleness_logs_it_and_a_sigkilled_one_resumes_as_the_sam
     assert max(r["sampling/sampling_logp_difference/max"] for r in expected[0][1:]) > 1e-3  # older weights sampled
     assert all(0 <= r["sampling/importance_sampling_ratio/clipped_fraction"] <= 1 for r in expected[0])
 
-    metrics = interrupted / "runs" / "run" / "metrics.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)],
-        cwd=interrupted,
-        env=run_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_for_updates(proc, metrics, 4)
-    proc.kill()
-    proc.wait()
+    sigkill_after_updates(args, interrupted, 4)
     checkpoint = interrupted / "runs" / "run" / "checkpoints" / "checkpoint-3"
     assert sorted(os.listdir(checkpoint.parent)) == ["checkpoint-3"]
     state = torch.load(checkpoint / "training_state.pt", weights_only=True)
@@ -282,24 +265,6 @@ def test_rloo_multigpu_with_max_staleness_on_two_processes_is_the_run_of_one(tin
 def test_a_server_that_dies_under_a_background_rollout_is_one_line_and_the_run_keeps_its_checkpoint(
     tiny, server, prompts_file, tmp_path
 ):
-    """The last test of the module: it kills the server while the rollout of a later update is being generated."""
+    """The last test of the module: it kills the server while the rollouts of later updates are being generated."""
     args = server_args(tiny, prompts_file, server, "--max_staleness", 2, "--vllm_server_timeout", 10)
-    args[args.index("--save_steps") + 1] = 1
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)],
-        cwd=tmp_path,
-        env=run_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
-    wait_for_updates(proc, metrics, 2)
-    os.killpg(server["process"].pid, signal.SIGKILL)
-    server["process"].wait()
-    _, stderr = proc.communicate(timeout=120)
-    proc.stderr = stderr
-    line = check_one_line_error(proc, f"the vLLM server at {server['url']}", "--resume_from_checkpoint")
-    checkpoints = sorted(os.listdir(tmp_path / "runs" / "run" / "checkpoints"))
-    assert checkpoints and checkpoints[-1] in line
-    assert os.path.isdir(tmp_path / "runs" / "run" / "checkpoints" / checkpoints[-1] / "policy")
+    kill_the_server_under_a_run(server, args, tmp_path)

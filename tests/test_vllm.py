@@ -423,6 +423,20 @@ def resume_args(tiny, data, *extra):
     ]
 
 
+def sigkill_after_updates(args, cwd, n: int) -> None:
+    """Run rloo_vllm.py with `args` in cwd (its run folder runs/run) and kill it with SIGKILL once it logged n updates."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)],
+        cwd=cwd,
+        env=run_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_updates(proc, cwd / "runs" / "run" / "metrics.jsonl", n)
+    proc.kill()
+    proc.wait()
+
+
 def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, tmp_path):
     """Each completion's seed depends on (--seed, update, row) only, and the resumed engine gets the checkpoint's
     weights before its first rollout: the resumed run equals the uninterrupted one, metrics and weights."""
@@ -431,17 +445,7 @@ def test_a_sigkilled_colocated_run_resumes_as_the_same_run(tiny, prompts_file, t
     proc = run_rloo(*resume_args(tiny, prompts_file), cwd=reference, script="rloo_vllm.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    metrics = interrupted / "runs" / "run" / "metrics.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, resume_args(tiny, prompts_file))],
-        cwd=interrupted,
-        env=run_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_for_updates(proc, metrics, 4)
-    proc.kill()
-    proc.wait()
+    sigkill_after_updates(resume_args(tiny, prompts_file), interrupted, 4)
     assert sorted(os.listdir(interrupted / "runs" / "run" / "checkpoints")) == ["checkpoint-3"]
     resumed = run_rloo(
         *resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=interrupted, script="rloo_vllm.py"
@@ -678,20 +682,9 @@ def test_a_server_started_without_processed_logprobs_is_one_line_before_training
         servers.close()
 
 
-def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint(tiny, server, prompts_file, tmp_path):
-    """The last test of the module: it kills the server."""
-    args = [
-        *resume_args(
-            tiny,
-            prompts_file,
-            "--vllm_mode",
-            "server",
-            "--vllm_server_base_url",
-            server["url"],
-            "--vllm_server_timeout",
-            10,
-        )
-    ]
+def kill_the_server_under_a_run(server, args, tmp_path) -> None:
+    """Kill the server after the rloo_vllm.py run with `args` (a checkpoint every update) has logged 2 updates: the
+    run stops with one line that names the server and its newest checkpoint, whose every checkpoint is complete."""
     args[args.index("--save_steps") + 1] = 1
     proc = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "rloo_vllm.py"), *map(str, args)],
@@ -717,3 +710,9 @@ def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint
     assert checkpoints[-1] in line
     with open(metrics) as f:
         assert len([json.loads(row) for row in f]) >= 2
+
+
+def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint(tiny, server, prompts_file, tmp_path):
+    """The last test of the module: it kills the server."""
+    where = ["--vllm_mode", "server", "--vllm_server_base_url", server["url"], "--vllm_server_timeout", 10]
+    kill_the_server_under_a_run(server, resume_args(tiny, prompts_file, *where), tmp_path)

@@ -18,30 +18,28 @@ if [ -e "$out" ]; then echo "async_learning.sh: error: $out exists: give another
 cores=($(python -c "import os; print(*sorted(os.sched_getaffinity(0))[:2])"))
 if [ ${#cores[@]} -lt 2 ]; then echo "async_learning.sh: error: the server and the runs need a core each" >&2; exit 2; fi
 mkdir -p "$out"
-python - "$out" <<'PY'
-import json, os, random, sys
-sys.path.insert(0, "tests")
-from conftest import WORDS, build_tiny_models
-out = sys.argv[1]
-build_tiny_models(os.path.join(out, "tiny"))
-rng = random.Random(1)  # the tests' prompts_file
-with open(os.path.join(out, "prompts.jsonl"), "w") as f:
-    for _ in range(64):
-        f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))),
-                            "topic": rng.choice(["a", "b"])}) + "\n")
-PY
+python -c "import sys; sys.path.insert(0, 'tests'); from conftest import build_tiny_task; build_tiny_task('$out')"
 port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 url="http://127.0.0.1:$port"
-VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
-    taskset --cpu-list "${cores[0]}" python -m vllm.entrypoints.openai.api_server --model "$out/tiny/policy" \
-    --port "$port" --dtype float32 --enforce-eager --no-enable-chunked-prefill --max-model-len 512 \
-    --generation-config vllm --logprobs-mode processed_logprobs > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
-until python -c "import urllib.request; urllib.request.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; do
-    kill -0 $server 2>/dev/null || { echo "async_learning.sh: error: the server did not start; see $out/server.log" >&2; exit 1; }
-    sleep 2
-done
+
+start_server() {  # as docs/vllm.md starts it, on the first core; stopped when this script ends
+    VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
+        taskset --cpu-list "${cores[0]}" python -m vllm.entrypoints.openai.api_server --model "$out/tiny/policy" \
+        --port "$port" --dtype float32 --enforce-eager --no-enable-chunked-prefill --max-model-len 512 \
+        --generation-config vllm --logprobs-mode processed_logprobs > "$out/server.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null || true' EXIT
+    until python -c "import urllib.request; urllib.request.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; do
+        if ! kill -0 $server 2>/dev/null; then
+            echo "async_learning.sh: error: the server did not start; see $out/server.log" >&2
+            exit 1
+        fi
+        sleep 2
+    done
+}
+
+case " $* " in *" --dry_run "*) dry_run=1 ;; *) dry_run=0 ;; esac
+if [ $dry_run = 0 ]; then start_server; fi
 task="--model_name_or_path $out/tiny/policy --dataset_name $out/prompts.jsonl \
 --reward_funcs tests/reward_fixtures.py:count_good --total_episodes 1280 --per_device_train_batch_size 32 \
 --max_completion_length 8 --learning_rate 3e-3 --num_generations 4 --beta 0 --num_sample_generations 0 \
@@ -50,7 +48,7 @@ export WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false OMP_NUM_TH
 run="taskset --cpu-list ${cores[1]} python rloo_vllm.py $task"
 python benchmark/launch.py --num_seeds "$seeds" --workers 1 --log_dir "$out/logs" \
     --command "$run --max_staleness 0 --exp_name async_n0" --command "$run --max_staleness 1 --exp_name async_n1" "$@"
-case " $* " in *" --dry_run "*) exit 0 ;; esac
+if [ $dry_run = 1 ]; then exit 0; fi
 python benchmark/plot.py --runs runs --regex '^async_(n0|n1)__' --metrics reward --last 5 --output "$out/reward.png"
 python - <<'PY'
 import glob, json, os

@@ -13,18 +13,7 @@ seeds=${SEEDS:-24}
 out=${OUT:-runs_vllm_sampling}
 if [ -e "$out" ]; then echo "vllm_sampling_learning.sh: error: $out exists: give another folder" >&2; exit 2; fi
 mkdir -p "$out"
-python - "$out" <<'PY'
-import json, os, random, sys
-sys.path.insert(0, "tests")
-from conftest import WORDS, build_tiny_models
-out = sys.argv[1]
-build_tiny_models(os.path.join(out, "tiny"))
-rng = random.Random(1)  # the tests' prompts_file
-with open(os.path.join(out, "prompts.jsonl"), "w") as f:
-    for _ in range(64):
-        f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))),
-                            "topic": rng.choice(["a", "b"])}) + "\n")
-PY
+python -c "import sys; sys.path.insert(0, 'tests'); from conftest import build_tiny_task; build_tiny_task('$out')"
 task="--model_name_or_path $out/tiny/policy --dataset_name $out/prompts.jsonl \
 --reward_funcs tests/reward_fixtures.py:count_good --total_episodes 1280 --per_device_train_batch_size 32 \
 --max_completion_length 8 --learning_rate 3e-3 --num_generations 4 --beta 0 --num_sample_generations 0"
