@@ -37,9 +37,11 @@ class Generation:
     """One rollout's generation: in a daemon thread (background, so the update runs meanwhile), or when its result is
     asked for. A failure is raised where the result is asked for, in the training loop."""
 
-    def __init__(self, generate: Callable, request: dict, version: int, background: bool, outputs=None):
+    def __init__(self, generate: Callable, request: dict, version: int, background: bool, kept: Optional[dict] = None):
+        """kept: a checkpoint's finished generation (its outputs and seconds), which is not run again."""
         self.generate, self.request, self.version = generate, request, version
-        self.outputs, self.error, self.seconds, self.finished = outputs, None, 0.0, outputs is not None
+        self.outputs, self.seconds = (kept["outputs"], kept["seconds"]) if kept else (None, 0.0)
+        self.error, self.finished = None, kept is not None
         self.thread = threading.Thread(target=self.run, daemon=True) if background and not self.finished else None
         if self.thread:
             self.thread.start()
@@ -73,7 +75,7 @@ class RolloutQueue:
         self.max_staleness, self.num_updates = max_staleness, num_updates
         self.request, self.generate = request, generate
         self.pending: dict[int, Generation] = {}  # update -> its rollout's generation
-        self.saved: dict[int, tuple] = {}  # update -> (version, outputs) from a checkpoint
+        self.saved: dict[int, dict] = {}  # update -> {"version", "outputs", "seconds"}, from a checkpoint
         self.version = 0  # the weights the engine holds: those after this update
 
     def sampled_from(self, update: int) -> int:
@@ -86,9 +88,9 @@ class RolloutQueue:
         self.version = version
         for update in range(version + 1, min(version + 1 + self.max_staleness, self.num_updates) + 1):
             request = self.request(update)
-            saved_version, outputs = self.saved.pop(update, (None, None))
-            if saved_version is not None and update - 1 - saved_version <= self.max_staleness:
-                self.pending[update] = Generation(self.generate, request, saved_version, False, outputs)
+            kept = self.saved.pop(update, None)
+            if kept is not None and update - 1 - kept["version"] <= self.max_staleness:
+                self.pending[update] = Generation(self.generate, request, kept["version"], False, kept)
             else:  # a new run's, the checkpoint's own weights', or one now too stale: sampled from these weights
                 self.pending[update] = Generation(self.generate, request, version, self.max_staleness > 0)
         self.saved.clear()
@@ -114,7 +116,11 @@ class RolloutQueue:
         process, as tensors: completion ids (int64) and their log-probs (float64, as the engine's JSON gave them).
         With a process group, a collective: every process's rollouts, in rank order."""
         own = {
-            update: (generation.version, [pack(ids, logprobs) for ids, logprobs in generation.outputs])
+            update: {
+                "version": generation.version,
+                "rows": [pack(ids, logprobs) for ids, logprobs in generation.outputs],
+                "seconds": generation.seconds,
+            }
             for update, generation in self.pending.items()
             if generation.version < self.version
             and generation.finished
@@ -134,12 +140,16 @@ class RolloutQueue:
         if len(per_process) != get_world_size():
             return
         self.saved = {
-            update: (version, [unpack(row) for row in rows])
-            for update, (version, rows) in per_process[get_rank()].items()
+            update: {
+                "version": kept["version"],
+                "outputs": [unpack(row) for row in kept["rows"]],
+                "seconds": kept["seconds"],
+            }
+            for update, kept in per_process[get_rank()].items()
         }
 
 
-def pack(ids: list[int], logprobs: Optional[list[float]]) -> dict:
+def pack(ids: list[int], logprobs: list[float]) -> dict:
     return {"ids": torch.tensor(ids, dtype=torch.long), "logprobs": torch.tensor(logprobs, dtype=torch.float64)}
 
 

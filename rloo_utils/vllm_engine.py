@@ -161,8 +161,9 @@ def check_max_staleness(args, server: bool) -> None:
         return
     if not server:
         raise UsageError(
-            f"--max_staleness {staleness} lets a vLLM server generate while the trainer updates, and there is no "
-            "server: start one and point the run at it (docs/vllm.md), or leave --max_staleness out"
+            f"--max_staleness {staleness} lets a vLLM server generate while the trainer updates, and this run has "
+            "no server (a colocated engine or HF generate shares the trainer's device): start one and point the run "
+            "at it (docs/vllm.md: --vllm_mode server in rloo_vllm.py), or leave --max_staleness out"
         )
     if not args.vllm_importance_sampling_correction:
         raise UsageError(

@@ -128,9 +128,10 @@ def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_go
     # after update 3: the rollouts of updates 4 and 5 (from the weights after updates 1 and 2) are kept; that of
     # update 6, from the weights after update 3 (the checkpoint's own), is sampled again
     assert sorted(state["per_process"][0]) == [4, 5]
-    saved = {u: (v, rows[0]["ids"].tolist()) for u, (v, rows) in state["per_process"][0].items()}
+    saved = {u: (kept["version"], kept["rows"][0]["ids"].tolist()) for u, kept in state["per_process"][0].items()}
     assert saved == {4: (1, [4, 1]), 5: (2, [5, 2])}
-    assert state["per_process"][0][4][1][0]["logprobs"].dtype == torch.float64
+    assert state["per_process"][0][4]["rows"][0]["logprobs"].dtype == torch.float64
+    assert state["per_process"][0][4]["seconds"] >= engine.delay  # its generation's, logged by the resumed run
 
     resumed_engine = RecordingEngine()
     resumed_engine.push(3)  # the checkpoint's weights
@@ -138,6 +139,7 @@ def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_go
     resumed.load_state_dict(state)
     resumed.start(3)
     assert [u for kind, u in resumed_engine.events if kind == "asked"] == [4, 5, 6]  # every request made again
+    assert resumed.pending[4].seconds == state["per_process"][0][4]["seconds"]
     assert expected[3:] == train(resumed, resumed_engine, 4, 8)
 
 
@@ -185,8 +187,10 @@ def test_max_staleness_is_refused_where_it_cannot_be_overlapped_or_corrected(tin
             assert needle in str(error.value), str(error.value)
 
     refused(rloo_vllm, True, "--max_staleness must be >= 0", max_staleness=-1)
-    refused(rloo_vllm, False, "there is no server", max_staleness=1)  # colocated: generation and update share a device
-    refused(rloo_multigpu, False, "there is no server", max_staleness=1)  # HF generate
+    refused(
+        rloo_vllm, False, "this run has no server", max_staleness=1
+    )  # colocated: generation and update share a device
+    refused(rloo_multigpu, False, "this run has no server", max_staleness=1)  # HF generate
     refused(
         rloo_vllm,
         True,
