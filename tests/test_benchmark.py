@@ -190,9 +190,24 @@ def test_a_log_is_never_overwritten_and_each_launch_has_its_own_folder(tmp_path,
     assert (tmp_path / "logs" / "00_run_seed1_2.log").read_text() == "hello\n"
 
 
+def commands_in_group(group: int) -> list[str]:
+    """The command names of the processes in a process group (Linux: /proc/<pid>/stat)."""
+    names = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(rest[2]) == group:  # state, ppid, pgrp
+            names.append(name)
+    return names
+
+
 def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, LAUNCH, "--command", "sleep 60", "--num_seeds", "2", "--log_dir", "logs"],
+        [sys.executable, LAUNCH, "--command", "sh -c 'sleep 60' x", "--num_seeds", "2", "--log_dir", "logs"],
         cwd=tmp_path,
         env=run_env(),
         stdout=subprocess.PIPE,
@@ -200,7 +215,9 @@ def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
         text=True,
         start_new_session=True,
     )
-    while not (tmp_path / "logs" / "00_run_seed1.log").exists():
+    # the run is sleeping (`sleep 60 --seed 1` failed at once, so that under load the queue could go on before the
+    # Ctrl-C; and the log is opened before the run's process starts)
+    while not (tmp_path / "logs" / "00_run_seed1.log").exists() or "sleep" not in commands_in_group(proc.pid):
         assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)
     proc.stderr = proc.communicate(timeout=60)[1]
