@@ -683,20 +683,28 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
         assert args.seed == int(command[-1])
 
 
+def dry_run_experiment(name: str, out) -> subprocess.CompletedProcess:
+    """benchmark/experiments/<name> --dry_run over 2 seeds, its output folder `out`: it succeeded."""
+    script = ["bash", os.path.join(ROOT, "benchmark", "experiments", name)]
+    env = {**run_env(), "SEEDS": "2", "OUT": str(out)}
+    proc = subprocess.run([*script, "--dry_run"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    proc.script = script
+    return proc
+
+
+def check_tiny_task_and_no_reuse(proc, out) -> None:
+    """The experiment built its task in `out`, and refuses to run again into that folder."""
+    assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
+    again = subprocess.run(proc.script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
+    assert again.returncode != 0 and "exists" in again.stderr
+
+
 def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, monkeypatch):
     """benchmark/experiments/vllm_sampling_learning.sh (--dry_run): the same task for rloo.py and rloo_vllm.py, each
     seed once, every option accepted; its output folder is made anew, never reused."""
     out = tmp_path / "out"
-    script = ["bash", os.path.join(ROOT, "benchmark", "experiments", "vllm_sampling_learning.sh")]
-    proc = subprocess.run(
-        [*script, "--dry_run"],
-        capture_output=True,
-        text=True,
-        env={**run_env(), "SEEDS": "2", "OUT": str(out)},
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = dry_run_experiment("vllm_sampling_learning.sh", out)
     commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("python ")]
     assert [(c[1], c[-1]) for c in commands] == [
         ("rloo.py", "1"),
@@ -709,25 +717,14 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
         monkeypatch.setattr(sys, "argv", command[1:])
         module.check_args(module.parse_args(module.Args))
         assert [command[i + 1] for i, w in enumerate(command) if w == "--model_name_or_path"] == [f"{out}/tiny/policy"]
-    assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
-    again = subprocess.run(script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
-    assert again.returncode != 0 and "exists" in again.stderr
+    check_tiny_task_and_no_reuse(proc, out)
 
 
 def test_the_async_experiment_runs_commands_rloo_vllm_accepts(tmp_path, monkeypatch):
     """benchmark/experiments/async_learning.sh (--dry_run, which starts no server): --max_staleness 0 and 1 on the same
     task and server, each seed once, pinned to the second core; its output folder is made anew, never reused."""
     out = tmp_path / "out"
-    script = ["bash", os.path.join(ROOT, "benchmark", "experiments", "async_learning.sh")]
-    proc = subprocess.run(
-        [*script, "--dry_run"],
-        capture_output=True,
-        text=True,
-        env={**run_env(), "SEEDS": "2", "OUT": str(out)},
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = dry_run_experiment("async_learning.sh", out)
     commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("taskset ")]
     second_core = str(sorted(os.sched_getaffinity(0))[1])
     assert [c[:3] for c in commands] == [["taskset", "--cpu-list", second_core]] * 4
@@ -746,9 +743,7 @@ def test_the_async_experiment_runs_commands_rloo_vllm_accepts(tmp_path, monkeypa
         rloo_vllm.check_args(args)
         check_vllm_args(args, server=True)
         assert args.vllm_mode == "server" and args.model_name_or_path == f"{out}/tiny/policy"
-    assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
-    again = subprocess.run(script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
-    assert again.returncode != 0 and "exists" in again.stderr
+    check_tiny_task_and_no_reuse(proc, out)
 
 
 @pytest.fixture(scope="module")
