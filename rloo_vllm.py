@@ -114,6 +114,7 @@ from rloo_utils.rewards import (
     reward_sources,
 )
 from rloo_utils.tools import check_tool_template, load_tool_use, tool_metrics
+from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
@@ -1614,7 +1615,12 @@ def completion_length(completion_ids, **kwargs) -> list[float]:
     return [float(len(ids)) for ids in completion_ids]
 
 
-BUILTIN_REWARD_FUNCS = {"vader_sentiment": vader_sentiment, "completion_length": completion_length}
+# with the verifiable rewards of tasks with a right answer: answer_accuracy, gsm8k_accuracy, number_only
+BUILTIN_REWARD_FUNCS = {
+    "vader_sentiment": vader_sentiment,
+    "completion_length": completion_length,
+    **VERIFIABLE_REWARD_FUNCS,
+}
 
 
 @torch.no_grad()

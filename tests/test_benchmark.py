@@ -657,6 +657,7 @@ def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file,
     "experiment, scripts",
     [
         ("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
+        ("arithmetic_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
         ("tldr.sh", ["rloo_vllm.py"] * 3 + ["rloo_multigpu.py"] * 3),
     ],
 )

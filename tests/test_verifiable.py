@@ -1,0 +1,180 @@
+"""Verifiable rewards (rloo_utils/verifiable.py) on hand-made completions, the arithmetic task's files and generator,
+benchmark/gsm8k_data.py on local files in GSM8K's schema, and the GSM8K recipe's commands."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_env
+from rloo_utils.rewards import load_reward_func
+from rloo_utils.verifiable import REWARD_FUNCS, answer_accuracy, gsm8k_accuracy, number_only
+
+ARITHMETIC = os.path.join(ROOT, "data", "arithmetic")
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("12", 12, 1.0),
+        ("The answer is 12.", 12, 1.0),  # the right number inside a longer text, a trailing period
+        ("7 + 5 = 12", 12, 1.0),  # several numbers: the last one is the answer
+        ("12, or maybe 13", 12, 0.0),
+        ("3 - 8 = -5", -5, 1.0),  # a negative
+        ("\u22125", -5, 1.0),  # a Unicode minus
+        ("8-3=5", 5, 1.0),  # a hyphen between numbers is not a sign
+        ("8-3", -3, 0.0),
+        ("It costs $1,234.", 1234, 1.0),  # a thousands comma
+        ("1,2,3", 3, 1.0),  # commas not grouped in threes: three numbers
+        ("12.0", 12, 1.0),  # numbers compare as numbers
+        ("12.5", 12, 0.0),
+        ("2.50", "2.5", 1.0),
+        ("", 12, 0.0),  # an empty completion
+        ("no number here", 0, 0.0),
+        ("so 5 + 7 = 12 #### 12 and then 13", 12, 1.0),  # "####" marks the answer
+        ("#### 1,000", "#### 1000", 1.0),  # a GSM8K solution as the answer
+        ("12", None, None),  # a row without an answer is not scored
+        ("12", "", None),
+        ("12", float("nan"), None),
+    ],
+)
+def test_answer_accuracy(completion, answer, expected):
+    assert answer_accuracy([completion], [answer]) == [expected]
+    assert answer_accuracy([chat(completion)], [answer]) == [expected]  # conversational: the assistant's message
+
+
+def test_gsm8k_accuracy_reads_only_the_marked_answer():
+    completions = ["so 72 #### 72", "the answer is 72", "#### 7", "#### $72.", "#### -3", "####", "#### 72\n#### 71"]
+    assert gsm8k_accuracy(completions, [72, 72, 72, 72, "#### -3", 72, 72]) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert gsm8k_accuracy(["#### 72"], [None]) == [None]
+
+
+def test_number_only_is_the_format_right_or_wrong():
+    completions = ["12", " 12. ", "-5", "1,000", "The answer is 12.", "12 apples", "", "12 13"]
+    assert number_only(completions, [12] * 8) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert number_only(["12"], [None]) == [None]
+    assert number_only(["12", "twelve"]) == [1.0, 0.0]  # without an answer column: the format alone
+
+
+@pytest.mark.parametrize("script", ["rloo", "rloo_vllm", "rloo_multigpu"])
+def test_every_script_offers_them_by_name_and_as_a_file(script):
+    builtin = __import__(script).BUILTIN_REWARD_FUNCS
+    for name, func in REWARD_FUNCS.items():
+        assert load_reward_func(name, builtin) is func
+    from_file = load_reward_func(os.path.join(ROOT, "rloo_utils", "verifiable.py") + ":answer_accuracy", builtin)
+    assert from_file(["7 + 5 = 12"], [12]) == [1.0]
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_the_arithmetic_files_are_what_their_script_writes(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ARITHMETIC, "make.py"), "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    for split in ("train", "test"):
+        assert (tmp_path / f"{split}.jsonl").read_text() == open(os.path.join(ARITHMETIC, f"{split}.jsonl")).read()
+    train, test = (
+        read_jsonl(os.path.join(ARITHMETIC, "train.jsonl")),
+        read_jsonl(os.path.join(ARITHMETIC, "test.jsonl")),
+    )
+    assert len(train) == 240 and len(test) == 60
+    questions = [row["prompt"][0]["content"] for row in train + test]
+    assert len(set(questions)) == 300  # every problem once, none in both splits
+    assert {s: sum(r["data_source"] == s for r in test) for s in ("add", "subtract", "multiply")} == {
+        "add": 20,
+        "subtract": 20,
+        "multiply": 20,
+    }
+    for row, question in zip(train + test, questions):  # each answer is right
+        a, symbol, b = question.removeprefix("What is ").split("?")[0].split()
+        assert row["answer"] == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[symbol]
+        assert answer_accuracy([str(row["answer"])], [row["answer"]]) == [1.0]
+
+
+def gsm8k_source(folder, rows: list[dict]) -> str:
+    os.makedirs(folder, exist_ok=True)
+    for split in ("train", "test"):
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(folder)
+
+
+def gsm8k_data(*args) -> subprocess.CompletedProcess:
+    command = [sys.executable, os.path.join(ROOT, "benchmark", "gsm8k_data.py"), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env={**run_env(), "HF_HUB_OFFLINE": "1"})
+
+
+def test_gsm8k_data_writes_prompts_and_answers(tmp_path):
+    rows = [
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
+        {"question": "It costs $1,200 less $50.", "answer": "1200-50=1150\n#### 1,150"},
+    ]
+    source, out = gsm8k_source(tmp_path / "source", rows), tmp_path / "out"
+    proc = gsm8k_data("--source", source, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    written = read_jsonl(out / "test.jsonl")
+    assert [r["answer"] for r in written] == [7, 1150] and {r["data_source"] for r in written} == {"gsm8k"}
+    assert written[0]["prompt"] == [
+        {
+            "role": "user",
+            "content": rows[0]["question"] + ' Let\'s think step by step and output the final answer after "####".',
+        }
+    ]
+    assert gsm8k_accuracy(["... #### 1,150"], [written[1]["answer"]]) == [1.0]
+    again = gsm8k_data("--source", source, "--out", out)  # never overwrites
+    assert again.returncode != 0 and again.stderr.count("\n") == 1 and "already holds train.jsonl" in again.stderr
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"question": "q", "answer": "no final answer"}], "has no '#### <number>'"),
+        ([{"text": "q", "answer": "#### 1"}], "has no column 'question'"),
+    ],
+)
+def test_gsm8k_data_refuses_in_one_line(tmp_path, rows, message):
+    proc = gsm8k_data("--source", gsm8k_source(tmp_path / "source", rows), "--out", tmp_path / "out")
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and message in proc.stderr
+    assert not (tmp_path / "out").exists()
+    offline = gsm8k_data("--out", tmp_path / "out")  # the hub id, with no hub
+    assert (
+        offline.returncode != 0 and offline.stderr.count("\n") == 1 and "could not load openai/gsm8k" in offline.stderr
+    )
+
+
+def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch):
+    """benchmark/experiments/gsm8k.sh (--dry_run, its data already prepared): rloo_vllm.py accepts every option, the
+    published run's batch (256 prompts, 4 minibatches) and 435 updates; EXTRA's options come last and win."""
+    data = gsm8k_source(tmp_path / "data", [{"prompt": "q", "answer": 1}])
+    env = {**run_env(), "DATA": data, "SEEDS": "2", "EXTRA": "--total_episodes 2048"}
+    recipe = os.path.join(ROOT, "benchmark", "experiments", "gsm8k.sh")
+    proc = subprocess.run(["bash", recipe, "--dry_run"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("python rloo")]
+    assert [(c[1], c[-1]) for c in commands] == [("rloo_vllm.py", "1"), ("rloo_vllm.py", "2")]
+    import rloo_vllm
+
+    monkeypatch.setattr(sys, "argv", commands[0][1:])
+    args = rloo_vllm.parse_args(rloo_vllm.Args)
+    rloo_vllm.check_args(args)
+    assert (args.model_name_or_path, args.reward_funcs, args.dataset_name) == (
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        ["gsm8k_accuracy"],
+        data,
+    )
+    rollout = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    assert rollout // args.num_generations == 256 and args.num_mini_batches == 4 and args.total_episodes == 2048
+    monkeypatch.setattr(sys, "argv", [*commands[0][1:-4], "--seed", "1"])  # without EXTRA: the published length
+    args = rloo_vllm.parse_args(rloo_vllm.Args)
+    assert args.total_episodes // rollout == 435
