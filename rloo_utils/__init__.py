@@ -1,12 +1,15 @@
 """The plumbing of rloo.py, rloo_vllm.py and rloo_multigpu.py: what a reader of the algorithm never needs and a forker
-never edits, one module per concern. Nothing here computes what enters the loss, and nothing here knows which script
-calls it: a script passes in what differs (its options, what a resume may change, how its model's weights are written).
+never edits, one module per concern. Nothing here computes what enters the loss (but the tasks' verifiable rewards,
+which a forker copies rather than edits), and nothing here knows which script calls it: a script passes in what differs
+(its options, what a resume may change, how its model's weights are written).
 
     errors       UsageError and RunError: one line each
     options      parse_args, check_args: every option checked before anything expensive
     data         prompt datasets, text and images
     models       policy, reward model, tokenizers, sampling configs; precision
     rewards      reward functions: loaded, called, checked
+    verifiable   reward functions of tasks with a right answer: the final answer parsed and checked
+    tools        multi-turn rollouts: tools and environments, the chat template's tool calls
     vision       a vision-language policy's inputs
     packing      padding-free forwards; the output layer's inputs
     lora         LoRA adapters (peft)
@@ -16,6 +19,7 @@ calls it: a script passes in what differs (its options, what a resume may change
     checkpoints  run folders, checkpoints, exact resume, signals, the rescue of a failed run
     sharded      FSDP2 sharded loading and saving (rloo_multigpu.py only)
     vllm_engine  vLLM: an engine in this process, a server's client (rloo_vllm.py; rloo_multigpu.py with a server)
+    rollouts     asynchronous rollouts: the queue of rollouts generated while the trainer updates
 
 rloo.py imports neither sharded nor vllm_engine (tests/test_scripts_in_step.py holds that).
 """

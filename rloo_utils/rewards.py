@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rloo_utils.data import content_text, left_pad
+from rloo_utils.data import REWARD_FUNC_ARGUMENTS, content_text, left_pad
 from rloo_utils.errors import RunError, UsageError, describe
 from rloo_utils.processes import get_rank
 
@@ -135,6 +135,34 @@ def reward_sources(
             "nothing but its KL penalty; give a source a weight"
         )
     return [load_reward_func(s, builtin) for s in specs] + [f for _, f in environment_rewards], names, weights
+
+
+def check_reward_columns(reward_funcs, reward_names, metric_funcs, metric_names, train_dataset, eval_dataset) -> None:
+    """Every argument a reward function (or evaluation metric function) needs, one without a default, is one it is
+    given: TRL's arguments or a column of the dataset (answer_accuracy reads `answer`). Else one line now, before the
+    models load, rather than a TypeError at the first update. Reward functions score both splits (the sample tables
+    and the evaluation read the held-out one); metric functions the held-out split."""
+    reward_names = reward_names[len(reward_names) - len(reward_funcs) :]  # without the reward model's
+    checks = [(f, n, "reward function", train_dataset) for f, n in zip(reward_funcs, reward_names)]
+    if eval_dataset is not None:
+        checks += [(f, n, "reward function", eval_dataset) for f, n in zip(reward_funcs, reward_names)]
+        checks += [(f, n, "evaluation metric function", eval_dataset) for f, n in zip(metric_funcs, metric_names)]
+    for func, name, what, dataset in checks:
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # a callable without a signature: its call says what it lacks
+            continue
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        needed = [p.name for p in parameters if p.default is p.empty and p.kind in kinds]
+        given = set(REWARD_FUNC_ARGUMENTS) | set(dataset.column_names) - {"prompt"}
+        missing = [p for p in needed if p not in given]
+        if missing:
+            split = "training" if dataset is train_dataset else "held-out"
+            raise UsageError(
+                f"{what} {name} needs the argument {missing[0]!r}, which the {split} split of the dataset does not give "
+                f"(its columns: {', '.join(dataset.column_names)}): add a column {missing[0]!r}, or give the argument "
+                "a default"
+            )
 
 
 @dataclass

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_env
+from conftest import ROOT, check_one_line_error, run_env, run_rloo, write_jsonl
 from rloo_utils.rewards import load_reward_func
 from rloo_utils.verifiable import REWARD_FUNCS, answer_accuracy, gsm8k_accuracy, number_only
 
@@ -178,3 +178,40 @@ def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", [*commands[0][1:-4], "--seed", "1"])  # without EXTRA: the published length
     args = rloo_vllm.parse_args(rloo_vllm.Args)
     assert args.total_episodes // rollout == 435
+
+
+def test_a_reward_function_whose_column_the_dataset_lacks_is_refused_before_the_models_load(tiny, tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(str(data / "train.jsonl"), [{"prompt": "1 + 1 =", "answer": 2}] * 4)
+    write_jsonl(str(data / "test.jsonl"), [{"prompt": "2 + 2 ="}] * 2)  # the held-out split has no answer
+    proc = run_rloo(
+        "--model_name_or_path",
+        tiny["policy"],
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        "answer_accuracy",
+        cwd=tmp_path,
+    )
+    check_one_line_error(proc, "reward function answer_accuracy needs the argument 'answer'", "held-out split")
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_check_reward_columns():
+    from datasets import Dataset
+
+    from rloo_utils.errors import UsageError
+    from rloo_utils.rewards import check_reward_columns
+
+    train, test = Dataset.from_list([{"prompt": "p", "answer": 1}]), Dataset.from_list([{"prompt": "p", "topic": "a"}])
+
+    def needs_topic(completions, topic, **kwargs): ...
+
+    def any_column(**kwargs): ...
+
+    check_reward_columns([answer_accuracy, any_column], ["model", "answer_accuracy", "any"], [], [], train, None)
+    check_reward_columns([any_column], ["any"], [needs_topic], ["needs_topic"], train, test)  # metric: held-out only
+    with pytest.raises(UsageError, match="reward function needs_topic needs the argument 'topic'.*training split"):
+        check_reward_columns([needs_topic], ["needs_topic"], [], [], train, test)
+    with pytest.raises(UsageError, match="evaluation metric function answer_accuracy needs the argument 'answer'"):
+        check_reward_columns([], [], [answer_accuracy], ["answer_accuracy"], train, test)
