@@ -1126,3 +1126,39 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
     length, precision, before_mib, after_mib, _ = proc.stdout.strip().splitlines()[-1].split()
     assert (length, precision) == ("8", "fp32") and float(before_mib) >= 0 and float(after_mib) >= 0, proc.stdout
     assert os.listdir(tmp_path) == []
+
+
+def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(tmp_path):
+    """benchmark/accuracy_table.py: each run's pass@k at its first and last evaluation, greedy pass@1 as the mean reward
+    of its first and last sample tables, each group's mean ± std; one line when no run has two evaluations."""
+    for name, (first, last) in {"rloo__1__1": (0.2, 0.6), "rloo__2__1": (0.4, 0.8), "other__1__1": (0.0, 0.0)}.items():
+        run = tmp_path / "runs" / name
+        write_jsonl(
+            str(run / "metrics.jsonl"),
+            [
+                {"step": 0, "eval/pass@1": first, "eval/pass@8": first + 0.1},
+                {"step": 32, "episode": 32, "reward": 0.5},
+                {"step": 64, "eval/pass@1": last, "eval/pass@8": last + 0.1},
+            ],
+        )
+        write_jsonl(str(run / "samples.jsonl"), [{"step": s, "reward": r} for s in (0, 64) for r in (s > 0, 0.0)])
+    table = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmark", "accuracy_table.py"), "--runs", tmp_path / "runs"]
+        + ["--regex", "^(rloo)__"],
+        capture_output=True,
+        text=True,
+    )
+    assert table.returncode == 0, table.stderr
+    rows = [line for line in table.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| group | run | greedy pass@1: first -> last | pass@1: first -> last | pass@8: first -> last |"
+    assert rows[1] == "| rloo | rloo__1__1 | 0.000 -> 0.500 | 0.200 -> 0.600 | 0.300 -> 0.700 |"
+    assert rows[-1] == (
+        "| **rloo** | **mean ± std of 2** | 0.000 ± 0.000 -> 0.500 ± 0.000 | 0.300 ± 0.141 -> 0.700 ± 0.141 | "
+        "0.400 ± 0.141 -> 0.800 ± 0.141 |"
+    )
+    none = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmark", "accuracy_table.py"), "--runs", tmp_path, "--regex", "^x"],
+        capture_output=True,
+        text=True,
+    )
+    assert none.returncode == 1 and none.stderr.count("\n") == 1 and "no run in" in none.stderr

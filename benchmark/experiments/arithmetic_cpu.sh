@@ -23,6 +23,9 @@ Held-out accuracy and the training reward from the local runs (runs/*/metrics.js
 python benchmark/plot.py --runs runs --regex '^(rloo|rloo_vllm)__' \\
     --metrics eval/pass@1 eval/pass@8 reward completions/mean_length --output benchmark/results/arithmetic_cpu.png
 
+The held-out accuracy at the first and last evaluation of each run (greedy pass@1 from the sample tables, pass@k):
+python benchmark/accuracy_table.py --runs runs --regex '^(rloo|rloo_vllm)__'
+
 From W&B (openrlbenchmark 0.3.1 in an environment of its own, benchmark/requirements-openrlbenchmark.txt; replace ?we=... with your entity, and the tag with --pr's pr-N if given):
 .venv-openrlbenchmark/bin/python -m openrlbenchmark.rlops_multi_metrics \\
     --filters '?we=${WANDB_ENTITY:-your-entity}&wpn=rloo&xaxis=train/episode&ceik=dataset_name&cen=exp_name&metrics=train/reward&metrics=train/kl&metrics=train/completions/mean_length' \\
