@@ -154,7 +154,8 @@ def check_reward_columns(reward_funcs, reward_names, metric_funcs, metric_names,
             continue
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         needed = [p.name for p in parameters if p.default is p.empty and p.kind in kinds]
-        given = set(REWARD_FUNC_ARGUMENTS) | set(dataset.column_names) - {"prompt"}
+        # a multi-turn rollout's functions also get its `environments` (--tools, --environment: checked there)
+        given = {*REWARD_FUNC_ARGUMENTS, "environments"} | set(dataset.column_names) - {"prompt"}
         missing = [p for p in needed if p not in given]
         if missing:
             split = "training" if dataset is train_dataset else "held-out"

@@ -46,13 +46,17 @@ def marked_number(text: str) -> Optional[Fraction]:
 
 def reference_answer(answer) -> Optional[Fraction]:
     """The dataset's answer: a number, or text holding one (a GSM8K solution: the number after its "####", else the
-    last number); None for a row without an answer (None or empty), which no function here scores."""
-    if answer is None or isinstance(answer, bool):
+    last number); None for a row without an answer (None, empty, NaN: a missing value), which no function here scores.
+    An answer that holds no number is a mistake in the data, not a row to skip: ValueError, naming it."""
+    if answer is None or (isinstance(answer, float) and answer != answer) or (isinstance(answer, str) and not answer):
         return None
-    if isinstance(answer, (int, float)):
-        return Fraction(answer) if answer == answer and abs(answer) != float("inf") else None
-    answer = str(answer)
-    return marked_number(answer) if "####" in answer else last_number(answer)
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and abs(answer) != float("inf"):
+        return Fraction(answer)
+    text = str(answer)
+    number = marked_number(text) if "####" in text else last_number(text)
+    if number is None:
+        raise ValueError(f"the answer {answer!r} holds no number to compare with: fix the dataset's answer column")
+    return number
 
 
 def answer_accuracy(completions, answer, **kwargs) -> list[Optional[float]]:

@@ -50,6 +50,13 @@ def test_answer_accuracy(completion, answer, expected):
     assert answer_accuracy([chat(completion)], [answer]) == [expected]  # conversational: the assistant's message
 
 
+@pytest.mark.parametrize("func", [answer_accuracy, gsm8k_accuracy, number_only])
+def test_an_answer_without_a_number_is_a_mistake_named_not_a_row_skipped(func):
+    for answer in ["twelve", "#### twelve", True, float("inf")]:
+        with pytest.raises(ValueError, match="holds no number to compare with"):
+            func(["12"], [answer])
+
+
 def test_gsm8k_accuracy_reads_only_the_marked_answer():
     completions = ["so 72 #### 72", "the answer is 72", "#### 7", "#### $72.", "#### -3", "####", "#### 72\n#### 71"]
     assert gsm8k_accuracy(completions, [72, 72, 72, 72, "#### -3", 72, 72]) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
@@ -84,6 +91,14 @@ def test_the_arithmetic_files_are_what_their_script_writes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for split in ("train", "test"):
         assert (tmp_path / f"{split}.jsonl").read_text() == open(os.path.join(ARITHMETIC, f"{split}.jsonl")).read()
+    (tmp_path / "test.jsonl").write_text("mine\n")  # someone's file: never overwritten
+    again = subprocess.run(
+        [sys.executable, os.path.join(ARITHMETIC, "make.py"), "--out", str(tmp_path), "--seed", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode != 0 and again.stderr.count("\n") == 1 and "nothing is overwritten" in again.stderr
+    assert (tmp_path / "test.jsonl").read_text() == "mine\n"
     train, test = (
         read_jsonl(os.path.join(ARITHMETIC, "train.jsonl")),
         read_jsonl(os.path.join(ARITHMETIC, "test.jsonl")),

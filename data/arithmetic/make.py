@@ -3,7 +3,7 @@ and op in +, -, * (300 problems), each a chat prompt with its `answer` and its `
 the held-out evaluation logs each one's accuracy). A fixed seed picks 20 of each operation for test.jsonl (60), the
 other 240 are train.jsonl; the same files on every machine:
 
-    python data/arithmetic/make.py            # rewrites train.jsonl and test.jsonl next to it
+    python data/arithmetic/make.py            # writes train.jsonl and test.jsonl next to it (the same files)
 
 SmolLM2-135M-Instruct knows most of these answers but seldom says only the answer: it explains, and runs past the
 16 tokens of a completion, or goes on to other numbers after it (docs/verifiable.md)."""
@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import sys
 
 OPERATIONS = {
     "add": ("+", lambda a, b: a + b),
@@ -55,9 +56,22 @@ if __name__ == "__main__":
     parser.add_argument("--test_per_source", type=int, default=20, help="held-out problems of each operation")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the split")
     args = parser.parse_args()
+    if not 1 <= args.test_per_source <= 99:
+        parser.error(
+            f"--test_per_source {args.test_per_source}: each operation has 100 problems; keep 1 to 99 for test"
+        )
     train, test = split(problems(), args.test_per_source, args.seed)
+    files = {
+        os.path.join(args.out, f"{name}.jsonl"): "".join(json.dumps(row) + "\n" for row in rows)
+        for name, rows in [("train", train), ("test", test)]
+    }
+    for path, text in files.items():  # a file of other content is someone's data: never overwritten
+        if os.path.exists(path) and open(path).read() != text:
+            sys.exit(
+                f"make.py: error: {path} exists and holds other problems: give another --out (nothing is overwritten)"
+            )
     os.makedirs(args.out, exist_ok=True)
-    for name, rows in [("train", train), ("test", test)]:
-        with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    for path, text in files.items():
+        with open(path, "w") as f:
+            f.write(text)
     print(f"{len(train)} train and {len(test)} test problems written to {args.out}")
