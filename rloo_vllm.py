@@ -717,7 +717,9 @@ def main(args: Args) -> None:
     )  # (F,) weights
     eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
     train_dataset, eval_dataset = load_datasets(args)  # eval_dataset: the held-out split, or None
-    check_reward_columns(reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset)
+    check_reward_columns(
+        args, reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset
+    )
     eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)  # None: no evaluation
     evaluate_after = evaluation_updates(args.eval_steps, args.eval_on_start, num_updates) if eval_prompts else set()
     extra_columns = [c for c in train_dataset.column_names if c != "prompt"]

@@ -66,7 +66,9 @@ def main(argv=None) -> int:
         cells = []
         for name in names:
             pairs = [accuracy[name] for accuracy in runs.values() if name in accuracy]
-            spread = [f"{statistics.mean(v):.3f} ± {statistics.stdev(v) if len(v) > 1 else 0:.3f}" for v in zip(*pairs)]
+            spread = [
+                f"{statistics.mean(v):.3f} ± {statistics.stdev(v) if len(v) > 1 else 0:.3f}" for v in zip(*pairs)
+            ]
             cells.append(" -> ".join(spread))
         print(f"| **{group}** | **mean ± std of {len(runs)}** | {' | '.join(cells)} |")
     return 0

@@ -68,8 +68,9 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True, help="the folder to write train.jsonl and test.jsonl to")
     args = parser.parse_args()
     try:
-        if os.path.exists(os.path.join(args.out, "train.jsonl")):
-            raise UsageError(f"{args.out} already holds train.jsonl: give a new --out (nothing is overwritten)")
+        for split in ("train", "test"):
+            if os.path.exists(os.path.join(args.out, f"{split}.jsonl")):
+                raise UsageError(f"{args.out} already holds {split}.jsonl: give a new --out (nothing is overwritten)")
         splits = {split: prompt_rows(load_split(args.source, split)) for split in ("train", "test")}
     except UsageError as e:
         sys.exit(f"error: {e}")

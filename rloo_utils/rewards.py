@@ -137,16 +137,21 @@ def reward_sources(
     return [load_reward_func(s, builtin) for s in specs] + [f for _, f in environment_rewards], names, weights
 
 
-def check_reward_columns(reward_funcs, reward_names, metric_funcs, metric_names, train_dataset, eval_dataset) -> None:
+def check_reward_columns(
+    args, reward_funcs, reward_names, metric_funcs, metric_names, train_dataset, eval_dataset
+) -> None:
     """Every argument a reward function (or evaluation metric function) needs, one without a default, is one it is
-    given: TRL's arguments or a column of the dataset (answer_accuracy reads `answer`). Else one line now, before the
-    models load, rather than a TypeError at the first update. Reward functions score both splits (the sample tables
-    and the evaluation read the held-out one); metric functions the held-out split."""
+    given: TRL's arguments, a column of the dataset (answer_accuracy reads `answer`), or a multi-turn rollout's
+    `environments` (--tools, --environment). Else one line now, before the models load, rather than a TypeError at the
+    first update. Reward functions score the training split, and the held-out one where the sample tables or the
+    evaluation read it; metric functions the held-out split where the run evaluates."""
     reward_names = reward_names[len(reward_names) - len(reward_funcs) :]  # without the reward model's
     checks = [(f, n, "reward function", train_dataset) for f, n in zip(reward_funcs, reward_names)]
-    if eval_dataset is not None:
+    if eval_dataset is not None and (args.num_sample_generations or args.eval_steps):
         checks += [(f, n, "reward function", eval_dataset) for f, n in zip(reward_funcs, reward_names)]
+    if eval_dataset is not None and args.eval_steps:
         checks += [(f, n, "evaluation metric function", eval_dataset) for f, n in zip(metric_funcs, metric_names)]
+    multi_turn = {"environments"} if args.tools or args.environment else set()
     for func, name, what, dataset in checks:
         try:
             parameters = inspect.signature(func).parameters.values()
@@ -154,15 +159,14 @@ def check_reward_columns(reward_funcs, reward_names, metric_funcs, metric_names,
             continue
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         needed = [p.name for p in parameters if p.default is p.empty and p.kind in kinds]
-        # a multi-turn rollout's functions also get its `environments` (--tools, --environment: checked there)
-        given = {*REWARD_FUNC_ARGUMENTS, "environments"} | set(dataset.column_names) - {"prompt"}
-        missing = [p for p in needed if p not in given]
-        if missing:
+        given = {*REWARD_FUNC_ARGUMENTS, *multi_turn} | set(dataset.column_names) - {"prompt"}
+        absent = [p for p in needed if p not in given]
+        if absent:
             split = "training" if dataset is train_dataset else "held-out"
             raise UsageError(
-                f"{what} {name} needs the argument {missing[0]!r}, which the {split} split of the dataset does not give "
-                f"(its columns: {', '.join(dataset.column_names)}): add a column {missing[0]!r}, or give the argument "
-                "a default"
+                f"{what} {name} needs the argument {absent[0]!r}, which the {split} split of the dataset does not "
+                f"give (its columns: {', '.join(dataset.column_names)}): add a column {absent[0]!r}, or give the "
+                "argument a default"
             )
 
 

@@ -10,11 +10,14 @@ from typing import Optional
 from rloo_utils.data import content_text
 
 # A number as people write it: a sign (ASCII or Unicode minus), digits with optional thousands commas (grouped in
-# threes; "1,2,3" is three numbers), an optional decimal part. Not preceded by a digit or a point, so "8-3" reads as 8
-# and 3, not 8 and -3; a trailing period ("is 12.") is the sentence's, not the number's.
-NUMBER = re.compile(r"(?<![\d.])[-\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+# threes; "1,2,3" is three numbers), an optional decimal part, or a bare one (".5"). Not preceded by a digit, nor by a
+# digit and a point, so "8-3" reads as 8 and 3 (not 8 and -3) and "1.5" as one number; a trailing period ("is 12.") is
+# the sentence's, not the number's.
+NUMBER_BODY = r"[-\u2212]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)"
+NUMBER = re.compile(r"(?<!\d)(?<!\d\.)" + NUMBER_BODY)
 # GSM8K's convention (its solutions end "#### 72"), and veRL's strict parse of a completion: the number after "####"
-FINAL_MARK = re.compile(r"####\s*\$?\s*([-\u2212]?[\d,]*\.?\d+)")
+# (a dollar sign allowed before it); each whitespace run is matched once, so a long one cannot make it slow
+FINAL_MARK = re.compile(r"####\s*(?:\$\s*)?(" + NUMBER_BODY + ")")
 
 
 def to_number(text: str) -> Optional[Fraction]:
@@ -44,34 +47,58 @@ def marked_number(text: str) -> Optional[Fraction]:
     return to_number(marked[-1]) if marked else None
 
 
+def whole_number(text: str) -> Optional[Fraction]:
+    """The text as one number, a trailing period allowed ("12.", "3/4", "1e5", "1,000"); None where it is more."""
+    text = text.strip().removesuffix(".").strip()
+    if not text or any(c.isspace() for c in text) or ("," in text and not NUMBER.fullmatch(text)):
+        return None  # "1,2,3" is three numbers, not 123
+    return to_number(text)
+
+
+def final_answer(text: str) -> Optional[Fraction]:
+    """A completion's final answer: the whole text where it is one number, else the number after its last "####",
+    else its last number (veRL's "flexible" parse); None where it holds no number."""
+    for parse in (whole_number, marked_number, last_number):
+        number = parse(text)
+        if number is not None:
+            return number
+    return None
+
+
+def missing(answer) -> bool:
+    """A row without an answer: None, empty, NaN (a missing value in a table), which no function here scores."""
+    return (
+        answer is None
+        or (isinstance(answer, float) and answer != answer)
+        or (isinstance(answer, str) and not answer.strip())
+    )
+
+
 def reference_answer(answer) -> Optional[Fraction]:
-    """The dataset's answer: a number, or text holding one (a GSM8K solution: the number after its "####", else the
-    last number); None for a row without an answer (None, empty, NaN: a missing value), which no function here scores.
-    An answer that holds no number is a mistake in the data, not a row to skip: ValueError, naming it."""
-    if answer is None or (isinstance(answer, float) and answer != answer) or (isinstance(answer, str) and not answer):
+    """The dataset's answer: a number, or text holding one (read as final_answer reads a completion: a GSM8K solution
+    is the number after its "####"); None for a row without one (missing). An answer that holds no number is a mistake
+    in the data, not a row to skip: ValueError, naming it."""
+    if missing(answer):
         return None
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and abs(answer) != float("inf"):
+    if isinstance(answer, int) and not isinstance(answer, bool):
         return Fraction(answer)
-    text = str(answer)
-    number = marked_number(text) if "####" in text else last_number(text)
-    if number is None:
+    number = final_answer(repr(answer) if isinstance(answer, float) else str(answer))  # repr: 0.1 is 1/10
+    if number is None or isinstance(answer, bool):
         raise ValueError(f"the answer {answer!r} holds no number to compare with: fix the dataset's answer column")
     return number
 
 
 def answer_accuracy(completions, answer, **kwargs) -> list[Optional[float]]:
-    """1.0 where the completion's final answer equals the dataset's `answer`, else 0.0; None for rows without one. The
-    final answer is the number after the last "####" when the completion has one, else its last number (veRL's
-    "flexible" parse); numbers compare as numbers: 1,000 = 1000 = 1000.0."""
+    """1.0 where the completion's final answer (final_answer: the whole text as a number, else the number after its last
+    "####", else its last number) equals the dataset's `answer`, else 0.0; None for rows without one. Numbers compare
+    as numbers: 1,000 = 1000 = 1000.0, 3/4 = 0.75."""
     rewards = []
     for completion, reference in zip(completions, answer):
         reference = reference_answer(reference)
         if reference is None:
             rewards.append(None)
             continue
-        text = completion_text(completion)
-        final = marked_number(text) if "####" in text else last_number(text)
-        rewards.append(float(final == reference))
+        rewards.append(float(final_answer(completion_text(completion)) == reference))
     return rewards
 
 
@@ -91,7 +118,7 @@ def number_only(completions, answer=None, **kwargs) -> list[Optional[float]]:
     answers = answer if answer is not None else [0] * len(completions)
     rewards = []
     for completion, reference in zip(completions, answers):
-        if reference_answer(reference) is None:
+        if missing(reference):  # the value itself is not read: another task's answer may be a word
             rewards.append(None)
             continue
         text = completion_text(completion).strip().removesuffix(".").strip()

@@ -40,6 +40,13 @@ def chat(text: str) -> list[dict]:
         ("no number here", 0, 0.0),
         ("so 5 + 7 = 12 #### 12 and then 13", 12, 1.0),  # "####" marks the answer
         ("#### 1,000", "#### 1000", 1.0),  # a GSM8K solution as the answer
+        ("3/4", "0.75", 1.0),  # a fraction, whole
+        ("4", "3/4", 0.0),  # an answer is read whole: 3/4 is not 4
+        ("0.1", 0.1, 1.0),  # a float column: 0.1 is 1/10, not its binary neighbour
+        ("7 + 5 is...12", 12, 1.0),
+        (".5", 0.5, 1.0),
+        ('The final answer after "####" is 18', 18, 1.0),  # "####" without a number: the last number
+        ("#### 1,8", 18, 0.0),  # commas after "####" read as everywhere
         ("12", None, None),  # a row without an answer is not scored
         ("12", "", None),
         ("12", float("nan"), None),
@@ -50,7 +57,7 @@ def test_answer_accuracy(completion, answer, expected):
     assert answer_accuracy([chat(completion)], [answer]) == [expected]  # conversational: the assistant's message
 
 
-@pytest.mark.parametrize("func", [answer_accuracy, gsm8k_accuracy, number_only])
+@pytest.mark.parametrize("func", [answer_accuracy, gsm8k_accuracy])
 def test_an_answer_without_a_number_is_a_mistake_named_not_a_row_skipped(func):
     for answer in ["twelve", "#### twelve", True, float("inf")]:
         with pytest.raises(ValueError, match="holds no number to compare with"):
@@ -66,7 +73,8 @@ def test_gsm8k_accuracy_reads_only_the_marked_answer():
 def test_number_only_is_the_format_right_or_wrong():
     completions = ["12", " 12. ", "-5", "1,000", "The answer is 12.", "12 apples", "", "12 13"]
     assert number_only(completions, [12] * 8) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert number_only(["12"], [None]) == [None]
+    assert number_only(["12", "12"], [None, "  "]) == [None, None]
+    assert number_only(["12"], ["Paris"]) == [1.0]  # another task's answer: the format is still read
     assert number_only(["12", "twelve"]) == [1.0, 0.0]  # without an answer column: the format alone
 
 
@@ -213,20 +221,33 @@ def test_a_reward_function_whose_column_the_dataset_lacks_is_refused_before_the_
 
 
 def test_check_reward_columns():
+    from types import SimpleNamespace
+
     from datasets import Dataset
 
     from rloo_utils.errors import UsageError
     from rloo_utils.rewards import check_reward_columns
 
     train, test = Dataset.from_list([{"prompt": "p", "answer": 1}]), Dataset.from_list([{"prompt": "p", "topic": "a"}])
+    run = SimpleNamespace(num_sample_generations=10, eval_steps=0.5, tools=None, environment=None)
+    no_held_out = SimpleNamespace(num_sample_generations=0, eval_steps=0, tools=None, environment=None)
+    multi_turn = SimpleNamespace(num_sample_generations=0, eval_steps=0, tools=["t.py:f"], environment=None)
 
     def needs_topic(completions, topic, **kwargs): ...
 
     def any_column(**kwargs): ...
 
-    check_reward_columns([answer_accuracy, any_column], ["model", "answer_accuracy", "any"], [], [], train, None)
-    check_reward_columns([any_column], ["any"], [needs_topic], ["needs_topic"], train, test)  # metric: held-out only
+    def needs_environments(completions, environments, **kwargs): ...
+
+    check_reward_columns(run, [answer_accuracy, any_column], ["model", "answer_accuracy", "any"], [], [], train, None)
+    check_reward_columns(run, [any_column], ["any"], [needs_topic], ["needs_topic"], train, test)  # metric: held-out
+    check_reward_columns(no_held_out, [answer_accuracy], ["answer_accuracy"], [], [], train, test)  # test never read
+    check_reward_columns(multi_turn, [needs_environments], ["e"], [], [], train, None)
     with pytest.raises(UsageError, match="reward function needs_topic needs the argument 'topic'.*training split"):
-        check_reward_columns([needs_topic], ["needs_topic"], [], [], train, test)
+        check_reward_columns(run, [needs_topic], ["needs_topic"], [], [], train, test)
+    with pytest.raises(UsageError, match="reward function answer_accuracy needs the argument 'answer'.*held-out"):
+        check_reward_columns(run, [answer_accuracy], ["answer_accuracy"], [], [], train, test)
     with pytest.raises(UsageError, match="evaluation metric function answer_accuracy needs the argument 'answer'"):
-        check_reward_columns([], [], [answer_accuracy], ["answer_accuracy"], train, test)
+        check_reward_columns(run, [], [], [answer_accuracy], ["answer_accuracy"], train, test)
+    with pytest.raises(UsageError, match="needs the argument 'environments'"):  # single-turn: none given
+        check_reward_columns(run, [needs_environments], ["e"], [], [], train, None)

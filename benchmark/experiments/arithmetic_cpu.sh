@@ -3,11 +3,12 @@
 # data/arithmetic/make.py: 240 train and 60 test problems of +, - and *), rewarded 1 where the last number of its
 # completion is the answer (answer_accuracy). 40 updates of 32 completions (4 prompts x 8), up to 16 tokens; held-out
 # evaluation on the 60 test problems before training and every 10 updates, 8 completions each at temperature 1 (pass@1
-# and pass@8, per operation), and greedy completions of all 60 in the sample tables (greedy pass@1: their mean reward).
-# Over 3 seeds with rloo.py and rloo_vllm.py (colocated vLLM engine), one run at a time: each uses every core (about
-# 25 min a run on 2 cores). Without a W&B account, set WANDB_MODE=offline.
+# and pass@8, per operation), and greedy completions of all 60 in the sample tables (greedy pass@1: their mean
+# reward).
+# Over 3 seeds with rloo.py and rloo_vllm.py (colocated vLLM engine), one run at a time, each on every core (an update
+# takes about 21 s on 2 cores; docs/verifiable.md). Without a W&B account, set WANDB_MODE=offline.
 #
-#   bash benchmark/experiments/arithmetic_cpu.sh          # extra arguments go to benchmark/launch.py (--pr 12, --dry_run)
+#   bash benchmark/experiments/arithmetic_cpu.sh      # extra arguments go to benchmark/launch.py (--pr 12, --dry_run)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ARITHMETIC="--dataset_name data/arithmetic --reward_funcs answer_accuracy --max_completion_length 16 \

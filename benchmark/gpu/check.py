@@ -44,6 +44,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import glob
+import hashlib
 import json
 import math
 import os
@@ -556,6 +557,20 @@ def rloo_evaluates(p: Part) -> dict:
     }
 
 
+def gsm8k_run_name(folder: str) -> str:
+    """The recipe runs its runs from the repo, as a user's: rloo_gsm8k's run folder there, of a name of the part's
+    folder (one check.py holds a work folder), moved into that folder when the part ends (keep_leftover_run)."""
+    return "gpu_check_gsm8k_" + hashlib.sha1(os.path.abspath(folder).encode()).hexdigest()[:12]
+
+
+def keep_leftover_run(folder: str) -> None:
+    """Move rloo_gsm8k's run folder from the repo's runs/ into the part's folder, if it is there."""
+    leftover = os.path.join(ROOT, "runs", gsm8k_run_name(folder))
+    if os.path.isdir(leftover):
+        shutil.rmtree(os.path.join(folder, "run"), ignore_errors=True)
+        shutil.move(leftover, os.path.join(folder, "run"))
+
+
 def rloo_gsm8k(p: Part) -> dict:
     """The GSM8K recipe's short version: benchmark/experiments/gsm8k.sh itself (its data preparation, options and
     gsm8k_accuracy reward, the greedy held-out evaluation) with rloo.py, 12 updates of up to 128 tokens, on the model
@@ -585,8 +600,7 @@ def rloo_gsm8k(p: Part) -> dict:
                     for q, r in zip(question, rows)
                 ],
             )
-    # the recipe runs its runs from the repo, as a user's: a run folder of a name of its own, moved here when done
-    run_name = f"gpu_check_gsm8k_{os.getpid()}_{time.time_ns()}"
+    run_name = gsm8k_run_name(p.folder)
     tokens, updates = (128, 12) if p.size == "full" else (16, 2)
     short = {
         "total_episodes": 64 * updates,
@@ -622,8 +636,7 @@ def rloo_gsm8k(p: Part) -> dict:
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     finally:
-        if os.path.isdir(os.path.join(ROOT, "runs", run_name)):
-            shutil.move(os.path.join(ROOT, "runs", run_name), run_dir)
+        keep_leftover_run(p.folder)
     if done.returncode:
         logs = sorted(glob.glob(os.path.join(p.folder, "launch", "*")))
         tail = open(logs[-1]).read()[-3000:] if logs else ""
@@ -1031,6 +1044,11 @@ def brief(results: dict) -> str:
     return json.dumps(shown, default=str).replace("|", "/")[:1500]
 
 
+def local_or_hub(name: str) -> str:
+    """A local path made absolute (the recipe runs from the repo's root), or a hub id as it is."""
+    return os.path.abspath(name) if os.path.exists(name) else name
+
+
 def check_folders(parser, cli) -> None:
     """Before anything runs: numbers in range, and folders the kit may write: --out new, or holding no report; --work
     new, empty, or one the kit made (it deletes its models/ and parts/ there), so that nothing of the user's is lost."""
@@ -1119,8 +1137,8 @@ def main():
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
         "COLUMNS": "160",
-        **({"RLOO_GSM8K_MODEL": os.path.abspath(cli.gsm8k_model)} if cli.gsm8k_model else {}),
-        **({"RLOO_GSM8K_SOURCE": cli.gsm8k_source} if cli.gsm8k_source else {}),
+        **({"RLOO_GSM8K_MODEL": local_or_hub(cli.gsm8k_model)} if cli.gsm8k_model else {}),
+        **({"RLOO_GSM8K_SOURCE": local_or_hub(cli.gsm8k_source)} if cli.gsm8k_source else {}),
     }
     trl_python = os.path.abspath(cli.trl_python) if os.sep in cli.trl_python else cli.trl_python
     if cli.device == "cpu":
@@ -1186,6 +1204,8 @@ def main():
         running.add(name)
         outcome = launch(command, min(cli.part_timeout, left), env, f"{work}:{name}")
         running.discard(name)
+        if name == "rloo_gsm8k":  # a part killed at its limit leaves its run in the repo's runs/: moved to its folder
+            keep_leftover_run(os.path.join(work, "parts", name))
         if not stopping.is_set():
             record(name, outcome)
 
