@@ -70,8 +70,11 @@ if __name__ == "__main__":
             sys.exit(
                 f"make.py: error: {path} exists and holds other problems: give another --out (nothing is overwritten)"
             )
-    os.makedirs(args.out, exist_ok=True)
-    for path, text in files.items():
-        with open(path, "w") as f:
-            f.write(text)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        for path, text in files.items():
+            with open(path, "w") as f:
+                f.write(text)
+    except OSError as e:
+        sys.exit(f"make.py: error: cannot write to {args.out} ({e.strerror}): give a folder you can write")
     print(f"{len(train)} train and {len(test)} test problems written to {args.out}")
