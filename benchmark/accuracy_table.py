@@ -38,6 +38,12 @@ def run_accuracy(run: str) -> dict[str, tuple[float, float]]:
     return found
 
 
+def mean_and_std(values):
+    """'0.739 ± 0.042': the sample standard deviation, 0 for a single run."""
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {spread:.3f}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", default=["runs"], help="folders holding run folders")
@@ -66,10 +72,7 @@ def main(argv=None) -> int:
         cells = []
         for name in names:
             pairs = [accuracy[name] for accuracy in runs.values() if name in accuracy]
-            spread = [
-                f"{statistics.mean(v):.3f} ± {statistics.stdev(v) if len(v) > 1 else 0:.3f}" for v in zip(*pairs)
-            ]
-            cells.append(" -> ".join(spread))
+            cells.append(" -> ".join(mean_and_std(values) for values in zip(*pairs)))
         print(f"| **{group}** | **mean ± std of {len(runs)}** | {' | '.join(cells)} |")
     return 0
 
