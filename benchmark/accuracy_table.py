@@ -49,11 +49,15 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", nargs="+", default=["runs"], help="folders holding run folders")
     parser.add_argument("--regex", required=True, help="groups runs by this regular expression on the folder name")
     args = parser.parse_args(argv)
+    try:
+        regex = re.compile(args.regex)
+    except re.error as e:
+        parser.error(f"--regex {args.regex!r} is not a regular expression: {e}")
     groups: dict[str, dict[str, dict]] = {}
     for folder in args.runs:
         for run in sorted(glob.glob(os.path.join(folder, "*", "metrics.jsonl"))):
             run = os.path.dirname(run)
-            match = re.search(args.regex, os.path.basename(run))
+            match = regex.search(os.path.basename(run))
             accuracy = run_accuracy(run) if match else {}
             if accuracy:
                 groups.setdefault(match.group(1) if match.groups() else match.group(0), {})[run] = accuracy

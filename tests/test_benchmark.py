@@ -1130,7 +1130,8 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
 
 def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(tmp_path):
     """benchmark/accuracy_table.py: each run's pass@k at its first and last evaluation, greedy pass@1 as the mean reward
-    of its first and last sample tables, each group's mean ± std; one line when no run has two evaluations."""
+    of its first and last sample tables, each group's mean ± std; one line when no run has two evaluations or the
+    regular expression is not one."""
     for name, (first, last) in {"rloo__1__1": (0.2, 0.6), "rloo__2__1": (0.4, 0.8), "other__1__1": (0.0, 0.0)}.items():
         run = tmp_path / "runs" / name
         write_jsonl(
@@ -1162,3 +1163,10 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
         text=True,
     )
     assert none.returncode == 1 and none.stderr.count("\n") == 1 and "no run in" in none.stderr
+    unbalanced = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmark", "accuracy_table.py"), "--runs", tmp_path, "--regex", "(rloo"],
+        capture_output=True,
+        text=True,
+    )
+    assert unbalanced.returncode == 2 and "--regex '(rloo' is not a regular expression" in unbalanced.stderr
+    assert "Traceback" not in unbalanced.stderr
