@@ -34,8 +34,13 @@ def load_split(source: str, split: str):
         files = [f for f in files if os.path.splitext(f)[1] in DATA_FORMATS]
         if not files:
             raise UsageError(f"{source} has no {split} file (.jsonl, .json, .parquet or .csv): give one per split")
-        kind = DATA_FORMATS[os.path.splitext(files[0])[1]]
-        return datasets.load_dataset(kind, data_files=os.path.join(source, files[0]), split="train")
+        path, kind = os.path.join(source, files[0]), DATA_FORMATS[os.path.splitext(files[0])[1]]
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"{path} is empty: the {split} split needs GSM8K rows (question, answer)")
+        try:
+            return datasets.load_dataset(kind, data_files=path, split="train")
+        except Exception as e:  # a malformed file: one line
+            raise UsageError(f"could not read {path} as {kind}: {describe(e)}") from None
     try:
         return datasets.load_dataset(source, "main", split=split)
     except Exception as e:  # no hub, an unknown id: one line
@@ -72,6 +77,9 @@ if __name__ == "__main__":
             if os.path.exists(os.path.join(args.out, f"{split}.jsonl")):
                 raise UsageError(f"{args.out} already holds {split}.jsonl: give a new --out (nothing is overwritten)")
         splits = {split: prompt_rows(load_split(args.source, split)) for split in ("train", "test")}
+        for split, rows in splits.items():
+            if not rows:
+                raise UsageError(f"the {split} split of {args.source} has no rows: nothing to train or evaluate on")
     except UsageError as e:
         sys.exit(f"error: {e}")
     os.makedirs(args.out, exist_ok=True)

@@ -176,6 +176,19 @@ def test_gsm8k_data_refuses_in_one_line(tmp_path, rows, message):
     )
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [("", "test.jsonl is empty"), ('{"question": "q", "ans\n', "could not read"), ("\n", "could not read")],
+)
+def test_gsm8k_data_says_an_empty_or_broken_file_in_one_line(tmp_path, text, message):
+    source = gsm8k_source(tmp_path / "source", [{"question": "q", "answer": "#### 1"}])
+    with open(os.path.join(source, "test.jsonl"), "w") as f:
+        f.write(text)
+    proc = gsm8k_data("--source", source, "--out", tmp_path / "out")
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch):
     """benchmark/experiments/gsm8k.sh (--dry_run, its data already prepared): rloo_vllm.py accepts every option, the
     published run's batch (256 prompts, 4 minibatches) and 435 updates; EXTRA's options come last and win."""
