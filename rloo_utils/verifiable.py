@@ -83,7 +83,7 @@ def reference_answer(answer) -> Optional[Fraction]:
     if isinstance(answer, int) and not isinstance(answer, bool):
         return Fraction(answer)
     number = final_answer(repr(answer) if isinstance(answer, float) else str(answer))  # repr: 0.1 is 1/10
-    if number is None or isinstance(answer, bool):
+    if number is None:
         raise ValueError(f"the answer {answer!r} holds no number to compare with: fix the dataset's answer column")
     return number
 
