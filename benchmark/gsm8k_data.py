@@ -83,7 +83,11 @@ if __name__ == "__main__":
     except UsageError as e:
         sys.exit(f"error: {e}")
     os.makedirs(args.out, exist_ok=True)
-    for split, rows in splits.items():
-        with open(os.path.join(args.out, f"{split}.jsonl"), "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    # each file whole or absent (written aside, then renamed), train.jsonl last: gsm8k.sh takes a folder holding it as
+    # prepared, so a kill midway leaves none that looks done
+    for split in ("test", "train"):
+        path = os.path.join(args.out, f"{split}.jsonl")
+        with open(path + ".partial", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in splits[split])
+        os.replace(path + ".partial", path)
     print(f"{len(splits['train'])} train and {len(splits['test'])} test problems written to {args.out}")

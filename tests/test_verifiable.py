@@ -146,6 +146,7 @@ def test_gsm8k_data_writes_prompts_and_answers(tmp_path):
     source, out = gsm8k_source(tmp_path / "source", rows), tmp_path / "out"
     proc = gsm8k_data("--source", source, "--out", out)
     assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(out)) == ["test.jsonl", "train.jsonl"]  # nothing written aside is left
     written = read_jsonl(out / "test.jsonl")
     assert [r["answer"] for r in written] == [7, 1150] and {r["data_source"] for r in written} == {"gsm8k"}
     assert written[0]["prompt"] == [
