@@ -17,10 +17,12 @@ Workload: movie_reviews train prompts, 8 completions per step (4 prompts x 2 gen
 tokens each, stopping at EOS as rloo.py does (--min_new_tokens 64 forces full-length completions), reward =
 VADER compound sentiment (or --reward count_good: the test model's "say good"). benchmark/step_timing.py --preset
 smollm2 runs rloo.py on the same work. Each optimizer step is timed with a callback; the first step is dropped as
-warm-up. --log_file writes one JSON line per step: its seconds, episode, mean reward and completion length.
+warm-up. --log_file writes one JSON line per step: its seconds, the completions the reward scored in it and in all
+(episode), TRL's mean reward and its completions' mean and longest length.
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -78,15 +80,29 @@ def completion_length(completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
 
 
+SCORED = []  # how many completions each call of the reward scored: what TRL generated, as it ran
+
+
+def counted(reward):
+    @functools.wraps(reward)
+    def scoring(*args, **kwargs):
+        values = reward(*args, **kwargs)
+        SCORED.append(len(values))
+        return values
+
+    return scoring
+
+
 class StepTimer(TrainerCallback):
     def __init__(self):
-        self.durations, self.logs, self._t0 = [], [], None
+        self.durations, self.logs, self.scored, self._t0, self._before = [], [], [], None, 0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._t0 = time.perf_counter()
+        self._t0, self._before = time.perf_counter(), sum(SCORED)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.durations.append(time.perf_counter() - self._t0)
+        self.scored.append(sum(SCORED) - self._before)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "completions/mean_length" in logs:
@@ -124,7 +140,7 @@ def main():
     )
     p.add_argument("--learning_rate", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--log_file", default=None, help="write each step's seconds, episode, reward and length here")
+    p.add_argument("--log_file", default=None, help="write each step's seconds, completions, reward and lengths here")
     args = p.parse_args()
     min_new = args.min_new_tokens
 
@@ -155,7 +171,7 @@ def main():
     )
     timer = StepTimer()
     rewards = {"vader": vader_reward, "count_good": count_good_reward, "completion_length": completion_length}
-    reward = rewards[args.reward]
+    reward = counted(rewards[args.reward])
     trainer = RLOOTrainer(
         model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[timer]
     )
@@ -164,15 +180,17 @@ def main():
 
     if args.log_file:
         with open(args.log_file, "w") as f:
-            for i, (seconds, logs) in enumerate(zip(timer.durations, timer.logs)):
+            for i, (seconds, scored, logs) in enumerate(zip(timer.durations, timer.scored, timer.logs)):
                 f.write(
                     json.dumps(
                         {
                             "step": i + 1,
-                            "episode": (i + 1) * config.per_device_train_batch_size,
+                            "completions": scored,
+                            "episode": sum(timer.scored[: i + 1]),
                             "seconds": seconds,
                             "reward": logs["reward"],
                             "completions/mean_length": logs["completions/mean_length"],
+                            "completions/max_length": logs["completions/max_length"],
                         }
                     )
                     + "\n"

@@ -1,8 +1,15 @@
-"""Fixtures: a tiny Llama policy, its tokenizer and a reward model, built locally in a second (nothing downloaded)."""
+"""Fixtures: a tiny Llama policy, its tokenizer and a reward model, built locally in a second (nothing downloaded).
+
+And what keeps the tests apart: one thread per process (two xdist workers share the 2 cores of CI, and so do the script
+runs and servers they start), vLLM's usage statistics off, the environment put back after each test, and the `slow`
+mark held honest: a test that starts a training process, torchrun or vLLM must carry it (`pytest -m "not slow"` is the
+fast tier, docs/tests.md)."""
 
 import importlib
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -11,6 +18,17 @@ import time
 import urllib.request
 
 import pytest
+
+# Before torch is imported anywhere in this process: its thread pool reads OMP_NUM_THREADS once. Every process the tests
+# start inherits these (a test about threads sets its own).
+os.environ.update(
+    OMP_NUM_THREADS="1",
+    MKL_NUM_THREADS="1",
+    VLLM_NO_USAGE_STATS="1",  # vLLM reports usage to its authors unless told not to
+    DO_NOT_TRACK="1",
+    TOKENIZERS_PARALLELISM="false",
+)
+ORIGINAL_ENVIRONMENT = dict(os.environ)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -21,35 +39,129 @@ SCRIPTS = [
 ]  # each holds the whole algorithm (tests/test_scripts_in_step.py)
 
 # The longest files first: under the README's `-n 2 --dist loadfile --no-loadscope-reorder` each worker takes the next
-# file when it is done, so that the two end together instead of one running the last long file alone (xdist's own
-# order, the files with the most tests first, left the GPU kit's 6-minute fixture to the end).
-LONGEST_FIRST = [  # each file's seconds, summed over its tests, 2026-11-26: 1138, 997, 773, 772, 639, 595, 475, ...
+# file when it is done, so that the two end together instead of one running the last long file alone. The order is that
+# of the per-file seconds of docs/tests.md ("Where the time goes"; `python tests/durations.py` makes the table).
+LONGEST_FIRST = [
     "test_benchmark.py",
+    "test_vllm.py",
     "test_multigpu.py",
     "test_resume.py",
-    "test_vllm.py",
-    "test_end_to_end.py",
-    "test_gpu_check.py",
     "test_lora.py",
-    "test_evaluation.py",
-    "test_images.py",
+    "test_gpu_check.py",
+    "test_end_to_end.py",
     "test_bad_input.py",
+    "test_evaluation.py",
     "test_trl_switch.py",
+    "test_precision.py",
+    "test_images.py",
     "test_tools.py",
     "test_rollouts.py",
-    "test_openrlbenchmark.py",
-    "test_precision.py",
     "test_padding_free.py",
     "test_real_use.py",
+    "test_openrlbenchmark.py",
+    "test_algorithm_family.py",
+    "test_verifiable.py",
+    "test_sharded_loading.py",
 ]
+
+
+SERVERS = {"server", "judge_server"}  # module-scoped fixtures that start a vLLM server and keep it until the file ends
 
 
 def pytest_collection_modifyitems(items):
     def rank(item):
         name = os.path.basename(str(item.path))
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        # In a file, the tests that need no server first: its server starts with the first test that asks for it
+        file_rank = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return file_rank, bool(SERVERS & set(item.fixturenames))
 
-    items.sort(key=rank)  # stable: each file's tests keep their order
+    items.sort(key=rank)  # stable: otherwise each file's tests keep their order
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: starts a training process, torchrun or vLLM (`-m 'not slow'` is the fast tier)"
+    )
+    config.addinivalue_line("markers", "learning: a run whose reward must rise (docs/tests.md, 5 seeds of each)")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--learning_seed", type=int, default=1, help="the seed of the learning tests' runs (docs/tests.md: 1 to 5)"
+    )
+    parser.addoption(
+        "--learning_record", default=None, help="append each learning test's rewards to this JSON lines file"
+    )
+
+
+# A command starts a run when Python (or bash) runs a script of this repository with it (a training script, a benchmark,
+# an experiment, a helper the tests run as a user would), or it is torchrun or vLLM.
+REPOSITORY_SCRIPTS = {
+    os.path.basename(path)
+    for pattern in ("*.py", "benchmark/*.py", "benchmark/gpu/*.py", "benchmark/experiments/*.sh", "tests/*.py")
+    for path in __import__("glob").glob(os.path.join(ROOT, pattern))
+}
+
+
+def what_it_starts(args) -> str | None:
+    """The script, module or program that makes a command (a list, or a shell line) a run, or None."""
+    if isinstance(args, (str, bytes)):
+        pieces = shlex.split(args.decode() if isinstance(args, bytes) else args)
+    else:
+        pieces = [os.fspath(word) for word in ([args] if isinstance(args, os.PathLike) else args)]
+    command = []
+    for piece in [*pieces, ";"]:
+        if piece not in ("&&", "||", ";", "|"):
+            command.append(piece)
+            continue
+        program, rest = (os.path.basename(command[0]), command[1:]) if command else ("", [])
+        if program in ("torchrun", "vllm"):
+            return program
+        if re.fullmatch(r"python[0-9.]*|bash|sh", program):
+            for i, word in enumerate(rest):
+                if word == "-m" and i + 1 < len(rest):
+                    module = rest[i + 1]
+                    if module == "torch.distributed.run" or module.split(".")[0] == "vllm":
+                        return module
+                    break
+                if word == "-c" or not word.startswith("-"):
+                    if word != "-c" and os.path.basename(word) in REPOSITORY_SCRIPTS:
+                        return word
+                    break
+        command = []
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Around each test, its fixtures included: its environment put back after it (in-process vLLM engines and
+    rloo_multigpu.py's main() write OMP_NUM_THREADS, VLLM_*, RANK, ... into os.environ, which every later test of this
+    worker and every process it starts would inherit), and, unless it is marked slow, no run started."""
+    environment = dict(os.environ)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
+    real_popen = subprocess.Popen
+    if item.get_closest_marker("slow") is None:
+
+        class Unmarked(real_popen):
+            def __init__(self, args, *more, **options):
+                started = what_it_starts(args)
+                if started:
+                    pytest.fail(
+                        f"{item.nodeid} starts {started}: mark it @pytest.mark.slow (the fast tier starts none)"
+                    )
+                super().__init__(args, *more, **options)
+
+        subprocess.Popen = Unmarked
+    try:
+        yield
+    finally:
+        subprocess.Popen = real_popen
+        if os.environ != environment:
+            os.environ.clear()
+            os.environ.update(environment)
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 CHAT_TEMPLATE = (
@@ -199,7 +311,7 @@ def prompts_file(tmp_path_factory):
 
 
 def run_env() -> dict:
-    return {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
 
 
 def run_rloo(*args, cwd, timeout=600, script="rloo.py"):
@@ -260,6 +372,55 @@ def wait_for_updates(proc: subprocess.Popen, metrics, n: int, timeout: float = 3
         time.sleep(0.02)
 
 
+# ---- Learning tests: a dense task that the tiny model learns on every seed in 12 updates ---------------------------
+def learning_task(policy: str, data: str, seed: int, per_device_train_batch_size: int = 32) -> list:
+    """12 updates of 32 completions (8 prompts x 4) of up to 8 tokens at lr 1e-2, no KL, rewarded by count_symbols
+    (tests/reward_fixtures.py): how many of the 32 one-character tokens "!" to "@" a completion writes, ~0.6 at first."""
+    return [
+        "--model_name_or_path",
+        policy,
+        "--dataset_name",
+        data,
+        "--reward_funcs",
+        os.path.join(ROOT, "tests", "reward_fixtures.py") + ":count_symbols",
+        "--total_episodes",
+        384,
+        "--per_device_train_batch_size",
+        per_device_train_batch_size,
+        "--max_completion_length",
+        8,
+        "--learning_rate",
+        "1e-2",
+        "--num_generations",
+        4,
+        "--beta",
+        0,
+        "--num_sample_generations",
+        0,
+        "--seed",
+        seed,
+    ]
+
+
+@pytest.fixture
+def learning_seed(request) -> int:
+    return request.config.getoption("learning_seed")
+
+
+def check_learned(request, rewards: list[float], gain: float, window: int = 3, above: float | None = None) -> None:
+    """The mean reward of the last `window` updates passes that of the first by `gain` (and `above`, where given), a
+    margin under what each learning test reached on every one of seeds 1 to 5 (docs/tests.md); with
+    --learning_record, the rewards are kept there."""
+    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+    record = request.config.getoption("learning_record")
+    if record:
+        with open(record, "a") as f:
+            seed = request.config.getoption("learning_seed")
+            test = request.node.nodeid
+            f.write(json.dumps({"test": test, "seed": seed, "first": first, "last": last, "rewards": rewards}) + "\n")
+    assert last > first + gain and (above is None or last > above), (first, last, rewards)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -267,8 +428,8 @@ def free_port() -> int:
 
 
 def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_logprobs"):
-    """vLLM's OpenAI-compatible server on the tiny model, as docs/vllm.md starts it, for a module-scoped fixture (a
-    server keeps a core busy: no longer than its tests need it); stopped at the end. logprobs_mode: what a server
+    """vLLM's OpenAI-compatible server on the tiny model, as docs/vllm.md starts it, for a module-scoped fixture;
+    stopped at the end. logprobs_mode: what a server
     started otherwise than docs/vllm.md says returns."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
@@ -297,6 +458,10 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # The model runs in the engine's process: with its own worker process (vLLM's default on CPU), the worker spins
+        # on their shared-memory queue for 1 s after every step, 1 s of a core per request that took 0.1 s
+        # (docs/tests.md, "Servers")
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
     proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -318,7 +483,7 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                proc.wait(timeout=60)
 
 
 # ---- A tiny vision-language policy (LLaVA: a CLIP vision tower, a Llama language model) and a task on images --------

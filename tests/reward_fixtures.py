@@ -20,6 +20,14 @@ def count_good(completions, **kwargs):
     return [float(_text(c).split().count("good")) for c in completions]
 
 
+def count_symbols(completions, **kwargs):
+    """How many of the completion's characters are ASCII digits or punctuation, "!" to "@": a dense reward for the
+    tiny model, whose tokenizer has one token for each of these 32 characters among its 512 (a random policy writes
+    about 0.4 of them in 8 tokens, and the completions of a group differ), so that it rises on every seed within a dozen
+    updates, where count_good's one token in 512 rises on some seeds only (docs/tests.md, "Learning tests")."""
+    return [float(sum("!" <= ch <= "@" for ch in _text(c))) for c in completions]
+
+
 def says_good(completions, **kwargs):
     """An evaluation metric that is a success test: whether the completion says "good"."""
     return ["good" in _text(c).split() for c in completions]

@@ -369,6 +369,7 @@ RUNS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", RUNS, ids=[" ".join(map(str, r[1::2])) for r in RUNS])
 def test_end_to_end(extra, tiny, prompts_file, tmp_path):
     proc = run_rloo(
@@ -418,31 +419,54 @@ def test_end_to_end(extra, tiny, prompts_file, tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # Token-level KL (--token_level_kl)
 # ----------------------------------------------------------------------------------------------------------------
+def kl_before_of_the_loop(kl: torch.Tensor, beta: float, token_level_kl: bool = True) -> torch.Tensor:
+    """kl_before as the training loop of the script under test computes it: main() computes it inline, in one statement
+    with no function of its own, so that statement (found in main's code) is run here on kl, as the loop runs it."""
+    import ast
+    import inspect
+    import types
+
+    (statement,) = [
+        node
+        for node in ast.walk(ast.parse(inspect.getsource(rloo.main)))
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["kl_before"]
+    ]
+    code = compile(ast.Expression(statement.value), "main's kl_before", "eval")
+    args = types.SimpleNamespace(beta=beta, token_level_kl=token_level_kl)
+    return eval(code, {"torch": torch}, {"args": args, "kl": kl})
+
+
 @per_script
 def test_token_level_kl_charges_each_token_the_kl_penalties_from_it_on():
     """REINFORCE++ eq. 1: r_t = -beta kl_t, plus the score at the last token. Token t's return is what follows it,
-    score - beta sum_{s>=t} kl_s, and its advantage that return minus the completion's baseline."""
+    score - beta sum_{s>=t} kl_s, and its advantage that return minus the completion's baseline. The advantage stage
+    as the loop runs it (its kl_before, kl_penalized_reward, compute_advantages) against numbers worked out by hand."""
     scores = torch.tensor([1.0, 3.0])  # one group of two completions
     kl = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.4, -0.2, 0.0, 0.0]])  # masked: row 1 has 2 tokens
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     trains = torch.ones(2, dtype=torch.bool)
-    rewards, _ = rloo.kl_penalized_reward(scores, kl, mask, beta=0.5, token_level=True)
-    kl_before = 0.5 * (kl.cumsum(1) - kl)  # what rloo.py's advantage stage gives it with --token_level_kl
+    # beta times the KL of the tokens before each token: row 0 0, 0.1, 0.1 + 0.2; row 1 0, 0.4
+    kl_before = kl_before_of_the_loop(kl, beta=0.5)
+    torch.testing.assert_close(kl_before * mask, torch.tensor([[0.0, 0.05, 0.15, 0.0], [0.0, 0.2, 0.0, 0.0]]))
+    assert torch.equal(kl_before_of_the_loop(kl, beta=0.5, token_level_kl=False), torch.zeros(2, 4))
+    # The completion's reward: score - beta * its whole KL, 1 - 0.5 * 0.6 and 3 - 0.5 * 0.2, at either level
+    rewards, non_score = rloo.kl_penalized_reward(scores, kl, mask, beta=0.5, token_level=True)
+    torch.testing.assert_close(rewards, torch.tensor([0.7, 2.9]))
+    torch.testing.assert_close(non_score, torch.tensor([-0.3, -0.1]))
+    torch.testing.assert_close(rloo.kl_penalized_reward(scores, kl, mask, 0.5, token_level=False)[0], rewards)
+    # The baseline of each completion is its sibling's whole reward: A = 0.7 - 2.9 = -2.2 and 2.2. Token t's advantage
+    # is its return minus it: row 0, 1 - 0.5 * (0.6, 0.5, 0.3) - 2.9; row 1, 3 - 0.5 * (0.2, -0.2) - 0.7.
     per_token = rloo.compute_advantages(rewards, kl_before, trains, 2, "rloo", "none")
-    advantages = rloo.compute_advantages(rewards, torch.zeros_like(kl), trains, 2, "rloo", "none")  # without it
-    for i, j in [(0, 1), (1, 0)]:  # the baseline of each completion is its sibling's whole reward
-        for t in range(int(mask[i].sum())):
-            to_go = scores[i] - 0.5 * kl[i, t:].sum()
-            assert per_token[i, t].item() == pytest.approx((to_go - rewards[j]).item())
-    assert torch.equal(
-        per_token[:, 0], advantages[:, 0]
-    )  # the first token is charged everything: the sequence advantage
-    # Without the flag every token carries the completion's advantage; with a divisor the KL part is divided too.
-    assert torch.equal(advantages, advantages[:, :1].expand(2, 4))
-    scaled = rloo.compute_advantages(rewards, kl_before, trains, 2, "rloo", "group")  # divided by the group's std
-    torch.testing.assert_close(scaled, per_token / ((rewards[0] - rewards[1]).abs() / math.sqrt(2) + 1e-4))
+    by_hand = torch.tensor([[-2.2, -2.15, -2.05, 0.0], [2.2, 2.4, 0.0, 0.0]])
+    torch.testing.assert_close(per_token * mask, by_hand)
+    # Without the flag every token carries the completion's advantage, the first token's with it (it is charged all)
+    advantages = rloo.compute_advantages(rewards, kl_before_of_the_loop(kl, 0.5, False), trains, 2, "rloo", "none")
+    torch.testing.assert_close(advantages, torch.tensor([[-2.2] * 4, [2.2] * 4]))
+    # With a divisor the KL part is divided too: the group's std of 0.7 and 2.9 is 2.2 / sqrt(2)
+    scaled = rloo.compute_advantages(rewards, kl_before, trains, 2, "rloo", "group")
+    torch.testing.assert_close(scaled * mask, by_hand / (2.2 / math.sqrt(2) + 1e-4))
     none_train = rloo.compute_advantages(rewards, kl_before, torch.tensor([True, False]), 2, "rloo", "none")
-    assert (none_train[1] == 0).all()
+    torch.testing.assert_close(none_train * mask, torch.tensor([[-2.2, -2.15, -2.05, 0.0], [0.0] * 4]))
 
 
 @per_script
@@ -451,12 +475,13 @@ def test_token_level_kl_changes_the_gradient_of_token_losses_only(loss_type):
     kl = torch.tensor([[0.3, 0.6, 0.9], [0.2, 0.2, 0.0]])
     mask, trains = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.ones(2, dtype=torch.bool)
     advantages = torch.tensor([1.0, -1.0])
+    rewards = torch.tensor([1.0, 0.0])  # one group: the leave-one-out advantages 1 and -1
     grads = {}
     for token_level_kl in [False, True]:
         for args in [args_for("--loss_type", loss_type), args_for()]:
             logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
-            kl_before = 1.0 * (kl.cumsum(1) - kl) if token_level_kl else torch.zeros_like(kl)  # the advantage stage's
-            per_token = advantages[:, None] + kl_before  # compute_advantages' A_t, the rloo estimator unscaled
+            kl_before = kl_before_of_the_loop(kl, beta=1.0, token_level_kl=token_level_kl)  # the loop's
+            per_token = rloo.compute_advantages(rewards, kl_before, trains, 2, "rloo", "none")  # A_t, unscaled
             loss, _ = rloo.policy_loss(args, logprobs, logprobs.detach(), per_token, mask, trains, 2, mask.sum())
             (grads[token_level_kl, args.loss_type],) = torch.autograd.grad(loss, logprobs)
     # On-policy, a token loss has the gradient -A_t / tokens: A_t = A + beta * (KL of the tokens before t)

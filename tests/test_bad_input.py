@@ -218,7 +218,18 @@ def test_infinite_values_that_mean_something_are_accepted():
 THROUGH_THE_SCRIPT = [["--num_generations", 1], ["--beta", "nan"], ["--ppo_clip"], ["--save_steps", -1]]
 
 
-@pytest.mark.parametrize("extra,needles", EARLY, ids=[" ".join(map(str, e)) for e, _ in EARLY])
+# Checked after check_args, by the script (the reward sources, the checkpoint to resume): each through a run of it
+CHECKED_LATER = ("--reward_weights", "--reward_funcs", "--resume_from_checkpoint")
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        pytest.param(e, n, marks=[pytest.mark.slow] if e in THROUGH_THE_SCRIPT or e[0] in CHECKED_LATER else [])
+        for e, n in EARLY
+    ],
+    ids=[" ".join(map(str, e)) for e, _ in EARLY],
+)
 def test_checked_before_models_load(extra, needles, prompts_file, tmp_path):
     argv = ["--model_name_or_path", str(tmp_path), "--dataset_name", prompts_file, *map(str, extra)]
     # check_args is the first thing the script does with its options: a refusal it makes needs no process of its own
@@ -233,6 +244,7 @@ def test_checked_before_models_load(extra, needles, prompts_file, tmp_path):
     check_one_line_error(run_rloo(*argv, cwd=tmp_path), *needles)
 
 
+@pytest.mark.slow
 def test_missing_model_path(prompts_file, tmp_path):
     check_one_line_error(
         run_rloo("--model_name_or_path", "/nowhere/model", "--dataset_name", prompts_file, cwd=tmp_path),
@@ -240,6 +252,7 @@ def test_missing_model_path(prompts_file, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_folder_that_is_not_a_model(prompts_file, tmp_path):
     check_one_line_error(
         run_rloo("--model_name_or_path", tmp_path, "--dataset_name", prompts_file, cwd=tmp_path),
@@ -248,6 +261,7 @@ def test_folder_that_is_not_a_model(prompts_file, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_dataset_without_prompt_column(tiny, tmp_path):
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"question": "x"}])
     check_one_line_error(
@@ -257,6 +271,7 @@ def test_dataset_without_prompt_column(tiny, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_empty_dataset(tiny, tmp_path):
     data = tmp_path / "empty.csv"
     data.write_text("prompt\n")
@@ -265,6 +280,7 @@ def test_empty_dataset(tiny, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_missing_split(tiny, prompts_file, tmp_path):
     check_one_line_error(
         run_rloo(
@@ -289,6 +305,7 @@ def test_missing_split(tiny, prompts_file, tmp_path):
         ("returns_string", "reward function returns_string returned 'high' (a str) at index 0"),
     ],
 )
+@pytest.mark.slow
 def test_broken_reward_functions(func, needle, tiny, prompts_file, tmp_path):
     import reward_fixtures
 
@@ -315,6 +332,7 @@ def test_broken_reward_functions(func, needle, tiny, prompts_file, tmp_path):
     assert not os.path.exists(tmp_path / "out")  # nothing was written as a "trained" model
 
 
+@pytest.mark.slow
 def test_output_dir_with_a_trained_model_is_not_overwritten(tiny, prompts_file, tmp_path):
     out = tmp_path / "trained"
     out.mkdir()
@@ -361,6 +379,7 @@ def test_bad_prompts_and_columns(rows, needle, tmp_path):
         load_prompt_dataset(data, "train")
 
 
+@pytest.mark.slow
 def test_bad_prompts_are_one_line_before_anything_is_made(tmp_path):
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"prompt": "a"}, {"prompt": 3}])
     check_one_line_error(
@@ -405,6 +424,7 @@ def test_bad_data_files(files, needle, tmp_path):
         load_datasets(rloo.Args(dataset_name=str(folder)))
 
 
+@pytest.mark.slow
 def test_a_file_datasets_cannot_parse_is_one_line(tmp_path):
     """datasets logs its own error line too; only rloo.py's may reach the user."""
     (tmp_path / "d.jsonl").write_text('{"prompt": "x"\n')
@@ -414,6 +434,7 @@ def test_a_file_datasets_cannot_parse_is_one_line(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_formats_may_differ_between_splits_and_home_is_expanded(tiny, tmp_path):
     """train.jsonl with test.csv is fine (each split in its own format); ~ in paths is the user's home."""
     home = tmp_path / "home"
@@ -443,6 +464,7 @@ def test_formats_may_differ_between_splits_and_home_is_expanded(tiny, tmp_path):
         env={**run_env(), "HOME": str(home)},
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.exists(home / "out" / "config.json")  # --output_dir ~/out went to the home folder
@@ -461,6 +483,7 @@ def copy_policy(tiny, folder, **tokenizer_changes):
     return folder
 
 
+@pytest.mark.slow
 def test_chat_prompts_need_a_chat_template(tiny, tmp_path):
     policy = copy_policy(tiny, tmp_path / "policy", chat_template=None)
     os.remove(policy / "chat_template.jinja")
@@ -471,6 +494,7 @@ def test_chat_prompts_need_a_chat_template(tiny, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_tokenizer_without_eos_is_refused(tiny, prompts_file, tmp_path):
     policy = copy_policy(tiny, tmp_path / "policy", eos_token=None)
     from transformers import AutoTokenizer
@@ -482,6 +506,7 @@ def test_a_tokenizer_without_eos_is_refused(tiny, prompts_file, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_stop_token_id_outside_the_vocabulary(tiny, prompts_file, tmp_path):
     proc = run_rloo(
         "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--stop_token_id", 100000, cwd=tmp_path
@@ -497,6 +522,7 @@ def save_classifier(tiny, folder, **config):
     return folder
 
 
+@pytest.mark.slow
 def test_reward_models_that_cannot_score(tiny, prompts_file, tmp_path):
     run = lambda rm: run_rloo(
         "--model_name_or_path",
@@ -566,6 +592,7 @@ def test_arrays_and_tensors_are_lists_of_floats():
     assert call_reward_funcs([lambda **kwargs: torch.tensor([0.5, -1.0])], ["f"], 2, None)[0].tolist() == [0.5, -1.0]
 
 
+@pytest.mark.slow
 def test_a_reward_function_cannot_end_the_run_quietly(tiny, prompts_file, tmp_path):
     proc = run_rloo(
         "--model_name_or_path",
@@ -582,6 +609,7 @@ def test_a_reward_function_cannot_end_the_run_quietly(tiny, prompts_file, tmp_pa
     assert proc.returncode == 1
 
 
+@pytest.mark.slow
 def test_a_reward_module_that_exits_on_import(tmp_path, prompts_file):
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\ndef f(completions, **kwargs):\n    return []\n")
     proc = run_rloo(
@@ -596,6 +624,7 @@ def test_a_reward_module_that_exits_on_import(tmp_path, prompts_file):
     check_one_line_error(proc, f"could not import reward function '{tmp_path}/exits.py:f' (SystemExit: 0)")
 
 
+@pytest.mark.slow
 def test_callable_instances_and_partials_are_reward_functions(tiny, prompts_file, tmp_path):
     proc = run_rloo(
         "--model_name_or_path",
@@ -633,6 +662,7 @@ def test_callable_instances_and_partials_are_reward_functions(tiny, prompts_file
         (["--lr_scheduler_kwargs", '{"min_lr": 1' + "0" * 400 + "}"], "(401 digits) is past the range of a float"),
     ],
 )
+@pytest.mark.slow
 def test_parse_errors_are_one_line(argv, needle, tmp_path):
     proc = run_rloo(*argv, cwd=tmp_path)
     line = check_one_line_error(proc, needle, "--help` lists them")
@@ -640,6 +670,7 @@ def test_parse_errors_are_one_line(argv, needle, tmp_path):
     assert proc.stderr.strip() == line and not set("│╭╰─") & set(proc.stderr)
 
 
+@pytest.mark.slow
 def test_help_is_still_tyros(tmp_path):
     proc = run_rloo("--help", cwd=tmp_path)
     assert proc.returncode == 0 and "--beta" in proc.stdout and "KL coefficient" in proc.stdout

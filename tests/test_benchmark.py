@@ -7,6 +7,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
 PLOT = os.path.join(ROOT, "benchmark", "plot.py")
 JUDGE = os.path.join(ROOT, "benchmark", "judge.py")
 TEMPLATE = os.path.join(ROOT, "benchmark", "slurm_template.sh")
+LORA_OPTIONS = "--use_peft --lora_target_modules all-linear --learning_rate 3e-4"  # benchmark/lora.py's default
 
 
 def run_script(script, *args, cwd, env=None):
@@ -38,7 +40,7 @@ def run_script(script, *args, cwd, env=None):
 
 def git_describe() -> str:
     tag = subprocess.run(
-        ["git", "describe", "--tags", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
+        ["git", "describe", "--tags", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=60
     ).stdout.strip()
     assert tag
     return tag
@@ -96,6 +98,7 @@ def two_runs(tiny, prompts_file, tmp_path_factory):
     return cwd, proc
 
 
+@pytest.mark.slow
 def test_the_launcher_runs_every_command_over_the_seeds_with_the_tags(two_runs):
     cwd, proc = two_runs
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -113,6 +116,7 @@ def test_the_launcher_runs_every_command_over_the_seeds_with_the_tags(two_runs):
         assert (cwd / "logs" / name).read_text().strip() == f"tags mine,{tag},pr-7 argv ['--seed', '{seed}']"
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_named_with_its_log(tmp_path):
     fail = shlex.join([sys.executable, "-c", "import sys; print('out of luck'); sys.exit(3)"])
     proc = run_script(LAUNCH, "--command", fail, "--num_seeds", 1, "--log_dir", "logs", cwd=tmp_path)
@@ -122,6 +126,7 @@ def test_a_failed_run_is_named_with_its_log(tmp_path):
     assert (tmp_path / "logs" / "00_run_seed1.log").read_text() == "out of luck\n"
 
 
+@pytest.mark.slow
 def test_slurm_jobs_are_rendered_one_per_run_and_never_overwritten(tmp_path):
     commands = ["python rloo.py --track", "torchrun --nproc_per_node 8 rloo_multigpu.py --track"]
     args = [a for c in commands for a in ("--command", c)] + [
@@ -205,6 +210,7 @@ def commands_in_group(group: int) -> list[str]:
     return names
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, LAUNCH, "--command", "sh -c 'sleep 60' x", "--num_seeds", "2", "--log_dir", "logs"],
@@ -217,8 +223,10 @@ def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
     )
     # the run is sleeping (`sleep 60 --seed 1` failed at once, so that under load the queue could go on before the
     # Ctrl-C; and the log is opened before the run's process starts)
+    deadline = time.time() + 120
     while not (tmp_path / "logs" / "00_run_seed1.log").exists() or "sleep" not in commands_in_group(proc.pid):
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, proc.communicate(timeout=60)
+        assert time.time() < deadline, "the launcher started no run in 120 s"
     os.killpg(proc.pid, signal.SIGINT)
     proc.stderr = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130
@@ -226,6 +234,7 @@ def test_ctrl_c_stops_the_launcher_with_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["00_run_seed1.log"]  # the queued run never started
 
 
+@pytest.mark.slow
 def test_a_run_that_took_ctrl_c_alone_stops_the_queue(tmp_path):
     # the run's own Ctrl-C ends it before the launcher's signal handler runs: its worker must not start the next
     proc = run_script(
@@ -253,6 +262,7 @@ def test_a_run_that_took_ctrl_c_alone_stops_the_queue(tmp_path):
         (["--command", "x", "--slurm_template", TEMPLATE, "--slurm_dir", "empty.sh"], ["cannot write empty.sh"]),
     ],
 )
+@pytest.mark.slow
 def test_the_launcher_refuses_bad_input_in_one_line(args, needles, tmp_path):
     (tmp_path / "bad.sh").write_text("#SBATCH --partition={{partition}}\n{{command}}\n")
     (tmp_path / "empty.sh").write_text("#!/bin/bash\n")
@@ -261,6 +271,7 @@ def test_the_launcher_refuses_bad_input_in_one_line(args, needles, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.sh", "empty.sh"]  # nothing run, nothing written
 
 
+@pytest.mark.slow
 def test_the_plot_draws_the_mean_and_spread_of_the_runs_metrics(two_runs, tmp_path):
     cwd, _ = two_runs
     rows = [
@@ -301,6 +312,7 @@ def test_the_plot_draws_the_mean_and_spread_of_the_runs_metrics(two_runs, tmp_pa
     np.testing.assert_allclose(mean, expected)
 
 
+@pytest.mark.slow
 def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
     cwd, _ = two_runs
     (tmp_path / "taken.png").write_bytes(b"mine")
@@ -360,6 +372,7 @@ def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
     assert not (tmp_path / "new.png").exists()
 
 
+@pytest.mark.slow
 def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tmp_path):
     out = tmp_path / "compare"
     script = os.path.join(ROOT, "benchmark", "compare_algorithms.py")
@@ -490,6 +503,7 @@ def test_compare_algorithms_takes_every_saved_model_for_a_finished_run(files, tm
     assert compare_algorithms.run_state(str(tmp_path), "rloo__1") == ("rloo__1__2", "new")
 
 
+@pytest.mark.slow
 def test_compare_algorithms_does_not_train_a_finished_lora_run_again(tmp_path):
     """A --use_peft comparison run again: its run (an adapter in <run>/model) is finished, not trained anew."""
     out = tmp_path / "compare"
@@ -530,6 +544,7 @@ def test_compare_algorithms_does_not_train_a_finished_lora_run_again(tmp_path):
         (["--", "--seed", "3"], ["--seed after -- is the comparison's"]),
     ],
 )
+@pytest.mark.slow
 def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_path):
     (tmp_path / "a_file").write_text("mine\n")
     check_one_line_error(
@@ -559,6 +574,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
         "judge.py",
     ],
 )
+@pytest.mark.slow
 def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path):
     """Not argparse's usage block; trl_baseline.py in TRL's environment (it names that environment in ours)."""
     python = os.path.join(ROOT, ".venv-trl", "bin", "python") if script == "trl_baseline.py" else sys.executable
@@ -581,6 +597,7 @@ def test_every_benchmark_script_says_a_parse_error_in_one_line(script, tmp_path)
         )
 
 
+@pytest.mark.slow
 def test_the_memory_benchmark_reads_each_process_s_own_peak(tmp_path):
     """multigpu_memory.py on a small model: a peak per process of each run, from the process itself (getrusage), and
     a run of 2 processes whose every process holds less than the single process (each has half the model)."""
@@ -615,8 +632,11 @@ def test_the_memory_benchmark_reads_each_process_s_own_peak(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file, tmp_path):
-    """benchmark/lora.py on the test model: a row per run (peak memory, seconds per update, rewards) and the curves."""
+    """benchmark/lora.py on the test model: a row per run (peak memory, seconds per update, rewards) and the curves.
+    The runs (kept with --keep) are what it says: the LoRA run trained an adapter, the full run the whole model, each
+    for 3 updates of 16 completions; every figure of a row but the memory and the wall time is its run's own logs."""
     options = (
         f"--model_name_or_path {tiny['policy']} --dataset_name {prompts_file} --reward_funcs "
         f"{os.path.join(ROOT, 'tests', 'reward_fixtures.py')}:text_length --max_completion_length 8"
@@ -631,6 +651,8 @@ def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file,
             options,
             "--output",
             "curves.png",
+            "--keep",
+            "kept",
         ],
         cwd=tmp_path,
         env=run_env(),
@@ -648,6 +670,23 @@ def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file,
         float(cells[0]) > 100 and float(cells[1]) > 0 for cells in rows.values()
     )
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert f"{options}, 3 updates of 16 completions, seed 1; LoRA: {LORA_OPTIONS}" in proc.stdout
+    for name, cells in rows.items():
+        run = tmp_path / "kept" / "runs" / f"{name}__1"
+        logged = [r for r in plot.load_run(str(run))["rows"] if "episode" in r]
+        assert [r["episode"] for r in logged] == [16, 32, 48]  # --updates 3 of 16 completions
+        timed = ["time/update", "time/policy_forward_backward", "time/optimizer"]
+        later = {k: statistics.mean(r[k] for r in logged[1:]) for k in timed}  # (the first update warms up)
+        first, last = (float(x) for x in cells[3].split("->"))  # the first and last tenth: one update each of 3
+        assert (float(cells[1]), float(cells[2])) == pytest.approx(
+            (later["time/update"], later["time/policy_forward_backward"] + later["time/optimizer"]), abs=0.0051
+        )
+        assert (first, last, float(cells[4])) == pytest.approx(
+            (logged[0]["reward"], logged[-1]["reward"], logged[-1]["kl"]), abs=0.00051
+        )
+        adapter = (run / "model" / "adapter_model.safetensors").exists()
+        assert adapter == (name == "lora") and (run / "model" / "model.safetensors").exists() == (name == "full")
+        assert json.loads((run / "args.json").read_text())["use_peft"] == (name == "lora")
     check_one_line_error(
         run_script(os.path.join(ROOT, "benchmark", "lora.py"), "--updates", "1", cwd=tmp_path), "--updates must be >= 2"
     )
@@ -661,6 +700,7 @@ def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file,
         ("tldr.sh", ["rloo_vllm.py"] * 3 + ["rloo_multigpu.py"] * 3),
     ],
 )
+@pytest.mark.slow
 def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, scripts, monkeypatch):
     """Each experiment's commands (--dry_run) over 3 seeds, every option one the script knows and accepts."""
     proc = subprocess.run(
@@ -695,12 +735,17 @@ def dry_run_experiment(name: str, out) -> subprocess.CompletedProcess:
 
 
 def check_tiny_task_and_no_reuse(proc, out) -> None:
-    """The experiment built its task in `out`, and refuses to run again into that folder."""
+    """The experiment built its task in `out`, and refuses to run again into that folder. Asked again with --dry_run
+    (which it refuses the same, before anything else) and a timeout: were the refusal gone, this would print commands
+    and fail, not start an experiment of its default seeds."""
     assert os.path.exists(out / "tiny" / "policy" / "config.json") and (out / "prompts.jsonl").exists()
-    again = subprocess.run(proc.script, capture_output=True, text=True, env={**run_env(), "OUT": str(out)}, cwd=ROOT)
+    env = {**run_env(), "SEEDS": "2", "OUT": str(out)}
+    again = subprocess.run([*proc.script, "--dry_run"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert again.returncode != 0 and "exists" in again.stderr
+    assert again.stdout == "" and "launch.py" not in again.stderr  # refused first: nothing launched, not even dry
 
 
+@pytest.mark.slow
 def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, monkeypatch):
     """benchmark/experiments/vllm_sampling_learning.sh (--dry_run): the same task for rloo.py and rloo_vllm.py, each
     seed once, every option accepted; its output folder is made anew, never reused."""
@@ -721,6 +766,7 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
     check_tiny_task_and_no_reuse(proc, out)
 
 
+@pytest.mark.slow
 def test_the_async_experiment_runs_commands_rloo_vllm_accepts(tmp_path, monkeypatch):
     """benchmark/experiments/async_learning.sh (--dry_run, which starts no server): --max_staleness 0 and 1 on the same
     task and server, each seed once, pinned to the second core; its output folder is made anew, never reused."""
@@ -779,6 +825,7 @@ def judge_stand_in():
     server.shutdown()
 
 
+@pytest.mark.slow
 def test_the_judge_without_vllm_says_so_in_one_line_before_loading_the_model(tiny, judge_stand_in, tmp_path):
     """The default generator where vLLM does not import (a stand-in package first on the path that raises, as a
     missing or broken install does): one line naming the fixes, before the model loads or --output is claimed.
@@ -808,6 +855,7 @@ def test_the_judge_without_vllm_says_so_in_one_line_before_loading_the_model(tin
     assert "Model win rate:" in proc.stdout and "12 judged pairs" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_judge_says_a_folder_without_a_model_holds_none_and_where_its_model_is(tiny, judge_stand_in, tmp_path):
     """A run folder, an unfinished run (its newest checkpoint's policy/, or sharded checkpoints, or none yet) or any
     other folder without a model: one line saying it holds no trained model and what it is, not a tokenizer's error."""
@@ -854,6 +902,7 @@ def test_the_judge_says_a_folder_without_a_model_holds_none_and_where_its_model_
         assert "tokenizer" not in line.lower(), line
 
 
+@pytest.mark.slow
 def test_the_judge_refuses_a_lora_adapter_for_its_vllm_generator_before_loading(tiny, judge_stand_in, tmp_path):
     """A --use_peft run's model is an adapter: HF generate loads it on its base, a vLLM engine cannot (a traceback
     after the checks): one line naming the merged model, and ~ expanded as for every path."""
@@ -894,6 +943,7 @@ def judge_data(folder) -> str:
     return str(folder / "data")
 
 
+@pytest.mark.slow
 def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_server, tmp_path):
     """The tiny model judged by itself on a real vLLM server: whatever it answers, the win rate is counted from it."""
     common = [
@@ -936,6 +986,7 @@ def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_serve
     assert any(r["model"].strip() for r in rows)
 
 
+@pytest.mark.slow
 def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_server, tmp_path):
     data = judge_data(tmp_path)
     (tmp_path / "taken.jsonl").write_text("mine\n")
@@ -959,6 +1010,7 @@ def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_s
     assert sorted(os.listdir(tmp_path)) == ["data", "taken.jsonl"]
 
 
+@pytest.mark.slow
 def test_the_judge_releases_its_output_when_it_fails_after_claiming_it(tiny, judge_server, tmp_path, monkeypatch):
     """A failure while generating (here an out-of-memory error) leaves no empty --output to block the rerun."""
 
@@ -985,6 +1037,7 @@ def test_the_judge_releases_its_output_when_it_fails_after_claiming_it(tiny, jud
     assert not (tmp_path / "wins.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
     """Quick mode on the test model: rloo.py and TRL 1.16's RLOOTrainer (in its own environment, .venv-trl, which the
     README's test command makes) each run 6 updates; the table and the PNG come from their real logs."""
@@ -1018,6 +1071,7 @@ def test_the_trl_comparison_runs_both_trainers_on_the_same_work(tmp_path):
     assert len(curves) == 4 and all(line.split()[-1] == "-" for line in curves)
 
 
+@pytest.mark.slow
 def test_the_trl_comparison_refuses_an_output_it_could_not_write_before_running(tmp_path):
     """An --output in a folder that cannot be made, or a PNG that exists, is one line before either trainer runs."""
     (tmp_path / "a_file").write_text("mine\n")
@@ -1034,6 +1088,7 @@ def test_the_trl_comparison_refuses_an_output_it_could_not_write_before_running(
     assert sorted(os.listdir(tmp_path)) == ["a_file", "taken.png"]
 
 
+@pytest.mark.slow
 def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_file, tmp_path):
     """benchmark/padding_free.py on the test model: every stage of both paths, the workload's padding, each path's peak;
     --embedded runs rloo.py with each path and reads its stage timings."""
@@ -1065,6 +1120,27 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
     assert sorted(rows) == sorted(["old_logprobs", "reference_forward", "reward", "policy_forward_backward"])
     assert all(float(padded) > 0 and float(packed) > 0 for padded, packed, _ in rows.values()), proc.stdout
     assert "peak memory (MiB)" in proc.stdout and "real tokens per micro-batch: [" in proc.stdout
+    # The workload is the one it names: the first 2 prompts of the embedded dataset 4 times each under the chat
+    # template, and completions of round(16^(i/7)) tokens, i = 0..7 (1 1 2 3 5 7 11 16: 46 tokens); so many real tokens
+    # in 8 rows as wide as the widest prompt plus 16, and every real token in one of the 2 micro-batches of 4
+    import re
+
+    from datasets import load_dataset
+
+    import rloo
+
+    prompts = load_dataset("json", data_files=os.path.join(ROOT, "data", "movie_reviews", "train.jsonl"))["train"]
+    prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(
+        tiny["tokenizer"], [p for p in prompts["prompt"][:2] for _ in range(4)], 512, "cpu"
+    )
+    real, padded, padding = re.search(
+        r"(\d+) real tokens in (\d+) padded positions \((\d+)% padding\)", proc.stdout
+    ).groups()
+    assert (int(real), int(padded)) == (int(prompt_mask.sum()) + 46, 8 * (prompt_ids.shape[1] + 16)), proc.stdout
+    assert int(padding) == round(100 * (1 - int(real) / int(padded)))
+    micro, heaviest = re.search(r"real tokens per micro-batch: \[(.*)\] \(heaviest (\S+)x", proc.stdout).groups()
+    micro = [int(n) for n in micro.split(",")]
+    assert len(micro) == 2 and sum(micro) == int(real) and heaviest == f"{max(micro) / statistics.mean(micro):.2f}"
     proc = subprocess.run(
         [
             sys.executable,
@@ -1091,10 +1167,18 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
     assert proc.returncode == 0, proc.stderr[-3000:]
     update = next(line.split() for line in proc.stdout.splitlines() if line.startswith("update "))
     assert float(update[1]) > 0 and float(update[2]) > 0, proc.stdout
+    # 2 updates a run, the first dropped: every stage of both paths read from the runs' logs (a stage they did not log
+    # would read 0 and its speed-up nan)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("python rloo.py (the embedded default), 2 updates a run, 1 runs of each path,")
+    stages = ["generation", "old_logprobs", "reference_forward", "reward", "policy_forward_backward", "optimizer"]
+    assert [line.split()[0] for line in lines[2:]] == [*stages, "update"], proc.stdout
+    assert "nan" not in proc.stdout and all(float(line.split()[2]) > 0 for line in lines[2:]), proc.stdout
     check_one_line_error(run_script(script, "--batch", "0", cwd=tmp_path), "--batch must be 1 or more, got 0")
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before", ["49250cc", "9152136"])
 def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tiny, tmp_path):
     """benchmark/logprob_memory.py on the test model: the code each --before names (kept in the script) and rloo.py's
@@ -1126,8 +1210,32 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
     length, precision, before_mib, after_mib, _ = proc.stdout.strip().splitlines()[-1].split()
     assert (length, precision) == ("8", "fp32") and float(before_mib) >= 0 and float(after_mib) >= 0, proc.stdout
     assert os.listdir(tmp_path) == []
+    header = ["completion", "precision", "before", "MiB", "after", "MiB", "saved"]
+    assert proc.stdout.strip().splitlines()[-2].split() == header  # one row: one completion length, one precision
+    # What it compares is the same computation: the code kept as --before gives the micro-batch it measures (a random
+    # batch, temperature 0.7) the log-probs, entropies and gradient of rloo.py's completion_logprobs
+    import logprob_memory
+    import torch
+
+    import rloo
+
+    policy = logprob_memory.load_policy(tiny["policy"]).train()
+    rloo.disable_dropout(policy)
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(policy.config.vocab_size, (2, 4), generator=generator)
+    completion_ids = torch.randint(policy.config.vocab_size, (2, 8), generator=generator)
+    computed = {}
+    for implementation in [before, "after"]:
+        logprobs, entropy = logprob_memory.IMPLEMENTATIONS[implementation](
+            policy, prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids), 0.7, True
+        )
+        gradient = torch.autograd.grad(-logprobs.mean(), policy.model.embed_tokens.weight)[0]
+        computed[implementation] = (logprobs.detach(), entropy.detach(), gradient)
+    for kept, own in zip(computed[before], computed["after"]):
+        torch.testing.assert_close(kept, own, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(tmp_path):
     """benchmark/accuracy_table.py: each run's pass@k at its first and last evaluation, greedy pass@1 as the mean reward
     of its first and last sample tables, each group's mean ± std; one line when no run has two evaluations or the
@@ -1148,6 +1256,7 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
         + ["--regex", "^(rloo)__"],
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert table.returncode == 0, table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("| ")]
@@ -1161,12 +1270,14 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
         [sys.executable, os.path.join(ROOT, "benchmark", "accuracy_table.py"), "--runs", tmp_path, "--regex", "^x"],
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert none.returncode == 1 and none.stderr.count("\n") == 1 and "no run in" in none.stderr
     unbalanced = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmark", "accuracy_table.py"), "--runs", tmp_path, "--regex", "(rloo"],
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert unbalanced.returncode == 2 and "--regex '(rloo' is not a regular expression" in unbalanced.stderr
     assert "Traceback" not in unbalanced.stderr

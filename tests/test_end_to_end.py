@@ -13,9 +13,20 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo, write_jsonl
+from conftest import (
+    ROOT,
+    check_learned,
+    check_one_line_error,
+    learning_task,
+    read_metrics,
+    run_env,
+    run_rloo,
+    write_jsonl,
+)
 from rloo_utils.errors import UsageError
 from rloo_utils.models import load_reward_tokenizer
+
+pytestmark = pytest.mark.slow  # every test of this file starts a run (tests/conftest.py)
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 # Metric names of both TRL generations (seeds 001 and 003, and TRL 1.16's RLOOTrainer), which openrlbenchmark
@@ -299,37 +310,12 @@ def test_rewards_past_float32_stop_the_run_with_one_line(func, options, needles,
         assert len(read_metrics(tmp_path)) == 1
 
 
-def test_learning_raises_a_simple_reward(tiny, prompts_file, tmp_path):
-    """The tiny random model learns to say "good" more often within a short run."""
-    proc = run_rloo(
-        "--model_name_or_path",
-        tiny["policy"],
-        "--dataset_name",
-        prompts_file,
-        "--reward_funcs",
-        f"{REWARDS}:count_good",
-        "--total_episodes",
-        1280,
-        "--per_device_train_batch_size",
-        32,
-        "--max_completion_length",
-        8,
-        "--learning_rate",
-        "3e-3",
-        "--num_generations",
-        4,
-        "--beta",
-        0,
-        "--num_sample_generations",
-        0,
-        "--seed",
-        3,
-        cwd=tmp_path,
-    )
+@pytest.mark.learning
+def test_learning_raises_a_simple_reward(tiny, prompts_file, tmp_path, learning_seed, request):
+    """The tiny random model learns to write more of the symbols it is paid for within 12 updates."""
+    proc = run_rloo(*learning_task(tiny["policy"], prompts_file, learning_seed), cwd=tmp_path)
     check_ok(proc)
-    rewards = [r["reward"] for r in read_metrics(tmp_path)]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 1.0, rewards
+    check_learned(request, [r["reward"] for r in read_metrics(tmp_path)], gain=1.0)
 
 
 def test_track_with_wandb_offline(tiny, prompts_file, tmp_path):
@@ -517,8 +503,26 @@ def test_token_level_kl_changes_the_token_loss(tiny, prompts_file, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The seed commands, as docs/options.md documents them, run to their first update with hub ids swapped for local paths
+# The seed commands, as docs/options.md documents them: their batches as the script computes them from the documented
+# command, in process; then the command itself to its first update, hub ids swapped for local paths and the batch made
+# small (the last value of an option given twice wins), every other option as documented
 # ----------------------------------------------------------------------------------------------------------------
+SMALL_BATCH = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
+
+
+def documented_batches(argv: list[str], script: str = "rloo", world_size: int = 1) -> tuple[int, int, int]:
+    """(completions per rollout, per minibatch, rollouts) of a documented command, parsed as the script parses it."""
+    import importlib
+
+    import tyro
+
+    from rloo_utils.options import batch_sizes, check_args
+
+    args = tyro.cli(importlib.import_module(script).Args, args=argv, use_underscores=True)
+    check_args(args)
+    return batch_sizes(args, world_size)
+
+
 def readme_command(name: str) -> list[str]:
     """The command in docs/options.md's block marked <!-- seed command: name -->."""
     readme = open(os.path.join(ROOT, "docs", "options.md")).read()
@@ -550,7 +554,7 @@ def run_to_first_update(argv: list[str], cwd, timeout: float = 300) -> dict:
                 time.sleep(0.5)
         finally:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=60)
     raise AssertionError(f"no update logged (exit {proc.returncode}): {open(cwd / 'stderr.txt').read()[-3000:]}")
 
 
@@ -560,8 +564,10 @@ def test_the_quick_start_seed_command_runs_as_old_trl_ran_it(tiny, tmp_path):
     ]
     data = os.path.dirname(write_jsonl(str(tmp_path / "descriptiveness-sentiment" / "descriptiveness.jsonl"), rows))
     local = {"trl-internal-testing/descriptiveness-sentiment-trl-style": data, "EleutherAI/pythia-14m": tiny["policy"]}
-    row = run_to_first_update([local.get(a, a) for a in readme_command("quick start")], tmp_path)
-    assert row["episode"] == 64 and row["completions/min_length"] == 53  # old TRL sampled past EOS: 53 tokens each
+    argv = readme_command("quick start")
+    assert documented_batches(argv[2:]) == (64, 64, 156)  # 32 prompts x 2 a rollout, one minibatch, as old TRL
+    row = run_to_first_update([*(local.get(a, a) for a in argv), *SMALL_BATCH], tmp_path)
+    assert row["episode"] == 8 and row["completions/min_length"] == 53  # old TRL sampled past EOS: 53 tokens each
     assert row["val/ratio_var"] > 0  # 4 PPO epochs over the rollout
 
 
@@ -578,6 +584,9 @@ def test_the_tldr_seed_command_runs_as_old_trl_ran_it(tiny, tmp_path):
         "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": tiny["policy"],
         "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": tiny["reward"],
     }
-    row = run_to_first_update([local.get(a, a) for a in readme_command("tldr")], tmp_path)
-    assert row["episode"] == 16 * 16 * 2 and row["completions/max_length"] <= 53  # stops at EOS (--stop_token eos)
+    argv = readme_command("tldr")
+    assert documented_batches(argv[2:]) == (16 * 16 * 2, 16 * 16, 1953)  # 2 minibatches of 16 x 16 accumulated
+    small = [*SMALL_BATCH, "--local_rollout_forward_batch_size", "8"]
+    row = run_to_first_update([*(local.get(a, a) for a in argv), *small], tmp_path)
+    assert row["episode"] == 8 * 2 and row["completions/max_length"] <= 53  # stops at EOS (--stop_token eos)
     assert "kl" in row and "rewards/cleanrl__EleutherAI_pythia-1b-deduped__reward__tldr/mean" not in row

@@ -18,6 +18,8 @@ import pytest
 
 from conftest import ROOT, run_env
 
+pytestmark = pytest.mark.slow  # every test of this file starts a run (tests/conftest.py)
+
 CHECK = os.path.join(ROOT, "tests", "fsdp_reshard_check.py")
 
 

@@ -22,8 +22,9 @@ CHECK = os.path.join(ROOT, "benchmark", "gpu", "check.py")
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    """The whole kit on the CPU: every part, three at a time (on 2 cores its parts wait on imports and on each other:
-    304 s against 399 s two at a time, 2026-11-26), TRL from its own environment (.venv-trl)."""
+    """The whole kit on the CPU at its smoke size (each part's code once, 2 updates a run: what the parts would show
+    on a CPU, learning, resuming, evaluating without changing the training, is held by the tests that own it), every
+    part, three at a time (on 2 cores its parts wait on imports and on each other), TRL from its own environment."""
     out, work = tmp_path_factory.mktemp("report"), tmp_path_factory.mktemp("work")
     trl_python = os.path.join(ROOT, ".venv-trl", "bin", "python")
     proc = subprocess.run(
@@ -38,6 +39,8 @@ def kit(tmp_path_factory):
             work,
             "--jobs",
             "3",
+            "--size",
+            "smoke",
             "--trl_python",
             trl_python,
             "--deadline",
@@ -56,6 +59,7 @@ def kit(tmp_path_factory):
         return proc, report, f.read()
 
 
+@pytest.mark.slow
 def test_every_part_passes_on_the_cpu_and_the_report_says_what_ran(kit):
     proc, report, markdown = kit
     statuses = {name: part["status"] for name, part in report["parts"].items()}
@@ -76,16 +80,18 @@ def test_every_part_passes_on_the_cpu_and_the_report_says_what_ran(kit):
     assert "| setup | before B/param | after B/param |" in markdown
 
 
+@pytest.mark.slow
 def test_the_parts_numbers_are_those_of_real_runs(kit):
     parts = {name: part.get("results", {}) for name, part in kit[1]["parts"].items()}
     for name in ("rloo_fp32", "rloo_bf16", "rloo_gradient_checkpointing", "rloo_padded", "rloo_lora", "rloo_vlm"):
-        assert parts[name]["updates"] == 4 and parts[name]["seconds_per_update"] > 0, name
-        assert parts[name]["peak_max_rss_gib"][0] > 0.1 and parts[name]["kl_last"] != 0, name  # the policy moved
-    learns = parts["rloo_learns"]
-    assert learns["updates"] == 40 and learns["reward_last_5"] > learns["reward_first_5"] + 0.5
+        assert parts[name]["updates"] == 2 and parts[name]["seconds_per_update"] > 0, name
+        assert parts[name]["peak_max_rss_gib"][0] > 0.1, name
+        if name != "rloo_vlm":  # its 0/1 colour reward can tie every group of the first update: no step to take
+            assert parts[name]["kl_last"] != 0, name  # the reward model never ties: the first update moved the policy
+    assert parts["rloo_learns"]["updates"] == 2  # at smoke size; the learning is tests/test_end_to_end.py's
     evaluates = parts["rloo_evaluates"]
     assert evaluates["training_differences"] == "none: the same training"
-    assert [e["step"] for e in evaluates["evaluations"]] == [0, 16, 32] and evaluates["not_evaluating"]["updates"] == 4
+    assert [e["step"] for e in evaluates["evaluations"]] == [0, 8, 16] and evaluates["not_evaluating"]["updates"] == 2
     gsm8k = parts["rloo_gsm8k"]  # the recipe itself ran, short: its data made, 2 updates, evaluated 3 times
     assert gsm8k["updates"] == 2 and len(gsm8k["flexible_accuracy"]) == 3 and 0 <= gsm8k["accuracy_after"] <= 1
     assert "bash benchmark/experiments/gsm8k.sh" in kit[1]["parts"]["rloo_gsm8k"]["commands"][0].replace(ROOT + "/", "")
@@ -94,7 +100,7 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
     for name, processes in (("multigpu_1_process", 1), ("multigpu_every_process", 2)):
         result = parts[name]
         assert result["processes"] == processes and result["resume_differences"] == "none: the same run", name
-        assert 3 <= result["killed_after_update"] < 6 and result["resumed"]["updates"] == 6, name
+        assert result["killed_after_update"] == 2 and result["resumed"]["updates"] == 3, name
         assert len(result["uninterrupted"]["peak_max_rss_gib"]) == processes, name
     memory = parts["memory_per_parameter"]
     assert memory["table"][0] == "| setup | before B/param | after B/param |"
@@ -103,6 +109,10 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
     rloo, trl = parts["timing_rloo"], parts["timing_trl"]
     assert set(rloo["stages"]) == set(check.STAGES) and rloo["seconds_per_update"] > sum(rloo["stages"].values())
     assert rloo["workload"] == trl["workload"] and rloo["workload"]["bf16"] is False
+    # the same work by each side's own log: as many updates, of as many completions, none past the length asked
+    assert rloo["ran"]["updates"] == trl["ran"]["updates"] == rloo["workload"]["updates"] == 2
+    assert rloo["ran"]["completions"] == trl["ran"]["completions"] == [rloo["workload"]["completions"]]
+    assert 1 < rloo["ran"]["longest"] <= rloo["workload"]["max_tokens"] and 1 < trl["ran"]["longest"] <= 32
     assert rloo["tokens_per_completion"] > 1 and trl["tokens_per_completion"] > 1 and trl["trl"] == "1.16.0"
 
 
@@ -155,6 +165,7 @@ def marked_processes(work) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_stopped_check_kills_every_process_of_its_parts_and_keeps_the_report(tmp_path):
     """SIGTERM (as Ctrl-C) while a part runs rloo.py: nothing of it runs on, the report says what was interrupted; and
     while it ran, a second check on its work folder was refused in one line."""
@@ -223,6 +234,7 @@ def test_carried_wheels_go_first_on_the_parts_path(tmp_path):
         capture_output=True,
         text=True,
         env={**os.environ, **env},
+        timeout=120,
     )
     assert probe.stdout.strip() == "42", probe.stderr
     assert "none in" in check.install_wheels(str(tmp_path / "absent"), str(tmp_path / "work2"), {})["wheels"]
@@ -238,6 +250,7 @@ def test_carried_wheels_go_first_on_the_parts_path(tmp_path):
         (["--work", "{tmp}/home"], "holds files the kit did not make: give a new or empty folder"),
     ],
 )
+@pytest.mark.slow
 def test_bad_options_are_one_line_and_touch_nothing(option, needle, tmp_path):
     (tmp_path / "a_file").write_text("mine\n")
     (tmp_path / "old_report").mkdir()
@@ -253,6 +266,7 @@ def test_bad_options_are_one_line_and_touch_nothing(option, needle, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_asking_for_cuda_without_one_is_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, CHECK, "--out", tmp_path / "r", "--wheels", tmp_path / "none"],

@@ -6,7 +6,6 @@ input is refused in one line."""
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 
@@ -15,8 +14,8 @@ import torch
 
 from conftest import (
     COLOURS,
-    ROOT,
     VLM_CHAT_TEMPLATE,
+    check_learned,
     check_one_line_error,
     read_metrics,
     run_env,
@@ -74,7 +73,9 @@ def colour_images(n: int, sizes=((16, 16), (24, 16), (20, 20))):
     return [Image.new("RGB", sizes[i % len(sizes)], list(COLOURS.values())[i % 3]) for i in range(n)]
 
 
-def test_a_tiny_vlm_learns_to_name_the_colour_it_sees(tiny_vlm, tmp_path):
+@pytest.mark.slow
+@pytest.mark.learning
+def test_a_tiny_vlm_learns_to_name_the_colour_it_sees(tiny_vlm, tmp_path, learning_seed, request):
     """The reward function gets the images (the dataset's `image` column, as TRL passes columns) and pays 1 for the
     colour's name; the colours are balanced, so a policy blind to the image earns at most 1/3 on average."""
     proc = vlm_run(
@@ -88,12 +89,13 @@ def test_a_tiny_vlm_learns_to_name_the_colour_it_sees(tiny_vlm, tmp_path):
         "colours",
         "--output_dir",
         tmp_path / "model",
+        "--seed",
+        learning_seed,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rewards = [row["rewards/colour_named/mean"] for row in read_metrics(tmp_path)]
     assert len(rewards) == 80
-    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
-    assert first < 0.3 and last > 0.45, (first, last, rewards)  # blind: <= 1/3 on average
+    check_learned(request, rewards, gain=0.15, window=10, above=0.45)  # blind to the image: <= 1/3 on average
     # the trained model is a VLM folder transformers loads, processor included, and it still names colours
     check = (
         "import sys, torch; from transformers import AutoModelForImageTextToText, AutoProcessor; from PIL import Image\n"
@@ -103,13 +105,18 @@ def test_a_tiny_vlm_learns_to_name_the_colour_it_sees(tiny_vlm, tmp_path):
         "print(type(model).__name__, type(processor).__name__, processor.image_processor is not None)"
     )
     loaded = subprocess.run(
-        [sys.executable, "-c", check, str(tmp_path / "model")], capture_output=True, text=True, env=run_env()
+        [sys.executable, "-c", check, str(tmp_path / "model")],
+        capture_output=True,
+        text=True,
+        env=run_env(),
+        timeout=300,
     )
     assert loaded.stdout.split() == ["LlavaForConditionalGeneration", "LlavaProcessor", "True"], loaded.stderr[-2000:]
     samples = [json.loads(line) for line in open(tmp_path / "runs" / "colours" / "samples.jsonl")]
     assert samples and all(s["prompt"] == "what colour is this image" for s in samples)
 
 
+@pytest.mark.slow
 def test_a_vlm_trains_on_two_processes_and_resumes(tiny_vlm, tmp_path):
     """rloo_multigpu.py: the vision tower sharded with the decoder layers; each process feeds its own rows' images to
     generate (synced) and to the update; a checkpoint of a VLM resumes."""
@@ -143,14 +150,9 @@ def test_a_vlm_trains_on_two_processes_and_resumes(tiny_vlm, tmp_path):
         "--run_name",
         "two",
     ]
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        os.path.join(ROOT, "rloo_multigpu.py"),
-    ]
+    from test_multigpu import torchrun as torchrun_of
+
+    torchrun = torchrun_of(2)  # --standalone: a free port of its own, never the fixed 29500 another test may hold
     proc = subprocess.run(
         [*torchrun, *map(str, args), "--output_dir", str(tmp_path / "model")],
         cwd=tmp_path,
@@ -587,6 +589,7 @@ CHAT = [{"role": "user", "content": "what colour is this image"}]
         "too long",
     ],
 )
+@pytest.mark.slow
 def test_bad_image_input_is_one_line(case, tiny_vlm, tiny, tmp_path):
     good = os.path.join(os.path.dirname(tiny_vlm["data"]), "images", "0.png")
     extra, needles = [], []
@@ -638,6 +641,7 @@ def test_bad_image_input_is_one_line(case, tiny_vlm, tiny, tmp_path):
     check_one_line_error(proc, *needles)
 
 
+@pytest.mark.slow
 def test_a_text_reward_model_scores_the_text_of_image_prompts(tiny_vlm, tiny, tmp_path):
     """A reward model reads text, as in TRL: beside a VLM it scores the prompt's text parts and the completion through
     its own tokenizer, with no image token; the reward function still gets the images."""

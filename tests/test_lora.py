@@ -164,11 +164,14 @@ with torch.no_grad():
 json.dump({{"adapter_moved": float((adapted - plain).abs().max()), "merged_gap": float((merged - adapted).abs().max())}},
           sys.stdout)
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=run_env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
 def test_every_script_trains_the_adapter_and_saves_what_peft_loads(script, tiny, prompts_file, tmp_path):
     from safetensors.torch import load_file
@@ -212,6 +215,7 @@ def test_every_script_trains_the_adapter_and_saves_what_peft_loads(script, tiny,
     assert loaded["adapter_moved"] > 1e-3 and loaded["merged_gap"] < 1e-4
 
 
+@pytest.mark.slow
 def test_a_sigkilled_lora_run_resumes_as_the_same_run(tiny, prompts_file, tmp_path):
     from safetensors.torch import load_file
 
@@ -240,7 +244,7 @@ def test_a_sigkilled_lora_run_resumes_as_the_same_run(tiny, prompts_file, tmp_pa
     )
     wait_for_updates(proc, killed / "runs" / "run" / "metrics.jsonl", 4)
     proc.kill()
-    assert proc.wait() == -signal.SIGKILL
+    assert proc.wait(timeout=60) == -signal.SIGKILL
     assert sorted(os.listdir(killed / "runs" / "run" / "checkpoints")) == ["checkpoint-3"]
     resumed = run_rloo(*args, "--resume_from_checkpoint", "latest", cwd=killed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -258,6 +262,7 @@ def test_a_sigkilled_lora_run_resumes_as_the_same_run(tiny, prompts_file, tmp_pa
     assert all(torch.equal(outcome[1][2][k], outcome[0][2][k]) for k in outcome[0][2])  # the adapter, bit for bit
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_path):
     """rloo_multigpu.py with a LoRA policy sharded by FSDP2 (frozen base, trained adapters): on 2 processes the run of
     1 process on the same global batch, the adapter and the merged model saved from the shards."""
@@ -279,14 +284,16 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
     ]
     proc = run_rloo(*same_batch_args(tiny, prompts_file, 16, *lora), cwd=one, script="rloo_multigpu.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    a1 = load_file(one / "runs" / "run" / "model" / "adapter_model.safetensors")
+    assert any(t.any() for k, t in a1.items() if ".lora_B." in k)  # the adapter trained: B moved away from 0
     proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8, *lora), cwd=two)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m1, m2 = read_metrics(one), read_metrics(two)
-    assert m1[0]["kl"] == 0 and m1[-1]["kl"] > 0
+    assert m1[0]["kl"] == 0 and m1[-1]["kl"] != 0  # (k1: a KL of either sign)
     for a, b in zip(m1, m2):
         for k in {k for k in a if not wall_clock(k)} - PER_MICRO_BATCH:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-    a1, a2 = (load_file(d / "runs" / "run" / "model" / "adapter_model.safetensors") for d in (one, two))
+    a2 = load_file(two / "runs" / "run" / "model" / "adapter_model.safetensors")
     assert a1.keys() == a2.keys() and any("lora_magnitude_vector" in k for k in a1)  # DoRA's magnitudes trained too
     assert any(k.endswith("model.norm.weight") for k in a1)  # and the layers saved in full
     for k in a1:
@@ -316,6 +323,7 @@ def test_two_processes_train_the_adapter_of_one_process(tiny, prompts_file, tmp_
         (["--use_peft", "--reward_model_path", "POLICY"], ["is the policy's own model", "sequence classifier"]),
     ],
 )
+@pytest.mark.slow
 def test_bad_lora_options_are_one_line_and_leave_nothing(extra, needles, tiny, prompts_file, tmp_path):
     extra = [tiny["policy"] if e == "POLICY" else e for e in extra]
     proc = run_rloo(
@@ -334,6 +342,7 @@ def test_bad_lora_options_are_one_line_and_leave_nothing(extra, needles, tiny, p
     assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")  # no run folder left
 
 
+@pytest.mark.slow
 def test_a_sigkilled_lora_run_on_two_processes_resumes_as_the_same_run(tiny, prompts_file, tmp_path):
     """rloo_multigpu.py's checkpoint holds the adapter's shards and their AdamW states; the base is read again."""
     from safetensors.torch import load_file
@@ -350,7 +359,7 @@ def test_a_sigkilled_lora_run_on_two_processes_resumes_as_the_same_run(tiny, pro
     wait_for_updates(proc, killed / "runs" / "run" / "metrics.jsonl", 4)
     for pid in worker_pids(proc.pid).values():
         os.kill(pid, signal.SIGKILL)
-    proc.wait()
+    proc.wait(timeout=60)
     assert sorted(os.listdir(killed / "runs" / "run" / "checkpoints"))[-1] == "checkpoint-3"
     resumed = run_torchrun(2, *args, "--resume_from_checkpoint", "latest", cwd=killed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -365,6 +374,7 @@ def test_a_sigkilled_lora_run_on_two_processes_resumes_as_the_same_run(tiny, pro
     assert all(torch.equal(outcome[1][1][k], outcome[0][1][k]) for k in outcome[0][1])
 
 
+@pytest.mark.slow
 def test_a_lora_policy_whose_files_rank_0_reads_whole_trains_on_two_processes(tiny, prompts_file, tmp_path):
     """Where the files are not the model's tensors (Mixtral's experts, fused by transformers on load; the GGUF default)
     rank 0 loads the base whole and sends each process its shards: the frozen weights arrive as they are."""

@@ -21,8 +21,10 @@ import torch
 
 from conftest import (
     ROOT,
+    check_learned,
     check_one_line_error,
     free_port,
+    learning_task,
     read_metrics,
     run_env,
     run_outcome,
@@ -31,6 +33,8 @@ from conftest import (
     wait_for_updates,
     write_jsonl,
 )
+
+pytestmark = pytest.mark.slow  # every test of this file starts a run (tests/conftest.py)
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo_multigpu.py")
@@ -53,7 +57,7 @@ def run_torchrun(nproc: int, *args, cwd, timeout=600, env=None) -> subprocess.Co
             for pid in worker_pids(proc.pid).values():
                 os.kill(pid, signal.SIGKILL)
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=60)
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
@@ -64,39 +68,18 @@ def our_errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("rloo_multigpu.py: error:")]
 
 
-def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(tiny, prompts_file, tmp_path):
+@pytest.mark.learning
+def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(
+    tiny, prompts_file, tmp_path, learning_seed, request
+):
     from transformers import AutoModelForCausalLM
 
-    proc = run_torchrun(
-        2,
-        "--model_name_or_path",
-        tiny["policy"],
-        "--dataset_name",
-        prompts_file,
-        "--reward_funcs",
-        f"{REWARDS}:count_good",
-        "--total_episodes",
-        1280,
-        "--per_device_train_batch_size",
-        16,
-        "--max_completion_length",
-        8,
-        "--learning_rate",
-        "3e-3",
-        "--beta",
-        0,
-        "--num_sample_generations",
-        0,
-        "--seed",
-        3,
-        "--save_steps",
-        40,
-        cwd=tmp_path,
-    )
+    task = learning_task(tiny["policy"], prompts_file, learning_seed, per_device_train_batch_size=16)
+    proc = run_torchrun(2, *task, "--save_steps", 12, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rewards = [r["reward"] for r in read_metrics(tmp_path)]
-    assert len(rewards) == 40  # 1280 / (16 x 2 processes)
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 1.0, rewards
+    assert len(rewards) == 12  # 384 / (16 x 2 processes)
+    check_learned(request, rewards, gain=1.0)
     (run,) = os.listdir(tmp_path / "runs")
     saved = tmp_path / "runs" / run / "model"
     with open(saved / "config.json") as f:
@@ -108,7 +91,7 @@ def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(tiny, pro
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(tmp_path / "runs" / run / "checkpoints" / "checkpoint-40" / "dcp", tmp_path / "policy.pt")
+    dcp_to_torch_save(tmp_path / "runs" / run / "checkpoints" / "checkpoint-12" / "dcp", tmp_path / "policy.pt")
     gathered, saved_weights = torch.load(tmp_path / "policy.pt")["model"], load_file(saved / "model.safetensors")
     assert saved_weights.keys() == gathered.keys() - {
         "lm_head.weight"
@@ -161,10 +144,13 @@ PER_MICRO_BATCH = {"val/ratio", "val/ratio_var", "clip_ratio/low_min", "clip_rat
 
 
 def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batch(tiny, prompts_file, tmp_path):
+    from test_resume import weights_moved
+
     one, two, sharded = tmp_path / "one", tmp_path / "two", tmp_path / "sharded"
     one.mkdir(), two.mkdir(), sharded.mkdir()
     proc = run_rloo(*same_batch_args(tiny, prompts_file, 16), cwd=one, script="rloo_multigpu.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert weights_moved(run_outcome(str(one / "runs" / "run"))[2], tiny["policy"])  # it trained: else all agree
     proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8), cwd=two)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # generating from the sharded policy (every forward gathers each layer) samples what the gathered policy samples
@@ -187,7 +173,7 @@ def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batc
         assert a.keys() == b.keys()
         for k in a.keys() - PER_MICRO_BATCH:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-    assert m1[-1]["kl"] > 0 and m1[0]["loss/policy_avg"] != 0  # it trained
+    assert m1[-1]["kl"] != 0 and m1[0]["loss/policy_avg"] != 0  # it trained (k1: a KL of either sign)
     # Adam magnifies rounding where a gradient is ~0 (m / sqrt(v) of two tiny numbers): such a weight may move by up to
     # the learning rate a step either way, and packing 16 rows or 8 + 8 (padding-free) rounds differently. A few in a
     # thousand may do so; a wrong update would move most.
@@ -232,7 +218,9 @@ def test_bf16_mixed_precision_with_gradient_checkpointing_and_a_reward_model(tin
 def worker_pids(torchrun_pid: int) -> dict[int, int]:
     """rank -> pid of the worker processes torchrun started."""
     ranks = {}
-    for pid in subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split():
+    for pid in subprocess.run(
+        ["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True, timeout=600
+    ).stdout.split():
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
         if b"RANK" in env:
@@ -274,13 +262,15 @@ def resume_args(tiny, data, *extra):
 
 
 def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(tiny, prompts_file, tmp_path):
+    from test_resume import weights_moved
+
     reference, interrupted, killed = tmp_path / "reference", tmp_path / "interrupted", tmp_path / "killed"
     reference.mkdir(), interrupted.mkdir(), killed.mkdir()
     proc = run_torchrun(2, *resume_args(tiny, prompts_file), cwd=reference)
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = run_outcome(str(reference / "runs" / "run"))
     assert [r["episode"] for r in expected[0]] == [16 * i for i in range(1, 7)]
-    assert expected[0][-1]["kl"] > 0  # it trained
+    assert weights_moved(expected[2], tiny["policy"]) and expected[0][-1]["kl"] != 0  # it trained (k1: either sign)
 
     # SIGKILL of every process after the checkpoint of update 3: the resumed run starts from it
     metrics = killed / "runs" / "run" / "metrics.jsonl"
@@ -294,7 +284,7 @@ def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(ti
     wait_for_updates(proc, metrics, 4)
     for pid in worker_pids(proc.pid).values():
         os.kill(pid, signal.SIGKILL)
-    proc.wait()
+    proc.wait(timeout=60)
     assert sorted(os.listdir(killed / "runs" / "run" / "checkpoints"))[-1] == "checkpoint-3"
     resumed = run_torchrun(2, *resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=killed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -507,12 +497,17 @@ def test_a_parse_error_is_said_once_not_once_per_process(tmp_path):
 
 
 def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp_path):
-    """docs/multigpu.md's torchrun block, hub ids swapped for the test model and local data, on 2 processes instead of 8,
-    to its first update: a rollout of 16 x 16 x 2 completions per process."""
+    """docs/multigpu.md's torchrun block: its batches on the 8 processes documented, as the script computes them; then
+    the block itself, hub ids swapped for the test model and local data, the batch made small, on 2 processes instead of
+    8, to its first update."""
     readme = open(os.path.join(ROOT, "docs", "multigpu.md")).read()
     block = re.search(r"<!-- seed command: tldr multigpu -->\n```bash\n(.*?)```", readme, re.S).group(1)
     argv = shlex.split(block.replace("\\\n", " "))
     assert argv[:4] == ["torchrun", "--nproc_per_node", "8", "rloo_multigpu.py"]
+    from test_end_to_end import SMALL_BATCH, documented_batches
+
+    # on the 8 processes documented: 2 minibatches of 16 x 16 accumulated on each process
+    assert documented_batches(argv[4:], "rloo_multigpu", world_size=8) == (16 * 16 * 8 * 2, 16 * 16 * 8, 244)
     posts = [
         {"prompt": f"SUBREDDIT: r/movies\n\nTITLE: {w}\n\nPOST: the film was {w}\n\nTL;DR:"}
         for w in ["good", "bad"] * 8
@@ -527,7 +522,13 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
     }
     with open(tmp_path / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen(
-            [*torchrun(2), *(local.get(a, a) for a in argv[4:])],
+            [
+                *torchrun(2),
+                *(local.get(a, a) for a in argv[4:]),
+                *SMALL_BATCH,
+                "--local_rollout_forward_batch_size",
+                "8",
+            ],
             cwd=tmp_path,
             env=run_env(),
             stdout=subprocess.DEVNULL,
@@ -552,8 +553,8 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
             for pid in worker_pids(proc.pid).values():
                 os.kill(pid, signal.SIGKILL)
             proc.kill()
-            proc.wait()
-    assert row["episode"] == 16 * 16 * 2 * 2 and row["completions/max_length"] <= 53
+            proc.wait(timeout=60)
+    assert row["episode"] == 8 * 2 * 2 and row["completions/max_length"] <= 53  # 2 minibatches of 8 on 2 processes
     assert "kl" in row and row["val/ratio_var"] >= 0
 
 
@@ -593,40 +594,17 @@ def test_two_processes_sample_from_the_server_at_another_temperature(tiny, serve
     assert len(rows) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
 
 
-def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(tiny, server, prompts_file, tmp_path):
+@pytest.mark.learning
+def test_two_processes_sampling_from_the_vllm_server_raise_a_simple_reward(
+    tiny, server, prompts_file, tmp_path, learning_seed, request
+):
     """Only happens if the gathered weights reach the server after every update: the samples come from vLLM."""
-    proc = run_torchrun(
-        2,
-        "--model_name_or_path",
-        tiny["policy"],
-        "--dataset_name",
-        prompts_file,
-        "--reward_funcs",
-        f"{REWARDS}:count_good",
-        "--total_episodes",
-        1280,
-        "--per_device_train_batch_size",
-        16,
-        "--max_completion_length",
-        8,
-        "--learning_rate",
-        "3e-3",
-        "--beta",
-        0,
-        "--num_sample_generations",
-        0,
-        "--seed",
-        3,
-        "--vllm_server_base_url",
-        server["url"],
-        cwd=tmp_path,
-    )
+    task = learning_task(tiny["policy"], prompts_file, learning_seed, per_device_train_batch_size=16)
+    proc = run_torchrun(2, *task, "--vllm_server_base_url", server["url"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
-    rewards = [r["reward"] for r in rows]
-    # +0.5, as in test_vllm.py: at 40 updates this sparse task ends anywhere in 0-1.6 over seeds 1-6 from the server
-    # (0-7.8 from HF generate, other draws); a server left on the initial weights stays at the first updates' <= 0.06
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.5, rewards
+    # a server left on the initial weights would stay near the first updates' reward
+    check_learned(request, [r["reward"] for r in rows], gain=1.0)
     # the server sampled from the policy being trained: its log-probs are the trainer's, update after update
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows)
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in rows)

@@ -17,6 +17,8 @@ import pytest
 from conftest import ROOT, read_metrics, run_rloo
 from wandb_api_standin import WandbApiStandin, read_offline_run
 
+pytestmark = pytest.mark.slow  # every test of this file starts a run (tests/conftest.py)
+
 VENV = os.path.join(ROOT, ".venv-openrlbenchmark")  # openrlbenchmark pins rich and tyro below this project's
 INSTALL = (
     "python -m venv .venv-openrlbenchmark && "

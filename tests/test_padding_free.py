@@ -208,6 +208,7 @@ def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
     assert packing_layout(llama, False, False, console, "policy") is None  # --no_padding_free
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
 def test_every_metric_of_a_run_is_the_same_padded_and_padding_free(script, tiny, prompts_file, tmp_path):
     """4 updates of 2 epochs x 2 minibatches with a reward model and the KL: every logged metric but the wall-clock

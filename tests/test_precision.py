@@ -124,6 +124,7 @@ AttentionInterface.register("sdpa", recording)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
 def test_every_attention_computes_in_bf16_under_bf16(script, tiny, prompts_file, tmp_path):
     """Policy (generation, rollout, training), reference (--beta), reward model and, for rloo_vllm.py, the forward that
@@ -160,6 +161,7 @@ def test_every_attention_computes_in_bf16_under_bf16(script, tiny, prompts_file,
 
 
 # ---- float16 --------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
 def test_dtype_float16_is_one_line_and_leaves_no_run_folder(script, tiny, prompts_file, tmp_path):
     proc = run_rloo(*short(tiny, prompts_file, "--dtype", "float16"), cwd=tmp_path, script=script)
@@ -181,6 +183,7 @@ def float16_policy(tiny, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_float16_checkpoint_with_dtype_auto_trains_in_float32(
     processes, float16_policy, tiny, prompts_file, tmp_path
@@ -269,6 +272,7 @@ torch.optim.AdamW.step = poisoned
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multigpu.py"])
 def test_nan_weights_after_a_step_stop_the_run_and_nothing_of_them_is_saved(script, tiny, prompts_file, tmp_path):
     patch = tmp_path / "nan_patch.py"
@@ -313,6 +317,7 @@ def test_nan_weights_after_a_step_stop_the_run_and_nothing_of_them_is_saved(scri
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
 
 
+@pytest.mark.slow
 def test_nan_weights_at_the_first_step_save_nothing(tiny, prompts_file, tmp_path):
     """No earlier checkpoint: the line says nothing was saved, and the run's folders are removed."""
     patch = tmp_path / "nan_patch.py"
@@ -409,6 +414,7 @@ def test_a_lora_policys_base_layers_in_bf16_but_not_dora_bases(use_dora, tiny):
         assert magnitudes and all(p.dtype == torch.float32 for p in magnitudes)
 
 
+@pytest.mark.slow
 def test_a_lora_run_under_bf16_has_kl_zero_at_its_first_update(tiny, prompts_file, tmp_path):
     """The reference is the policy with its adapter disabled, its base in bf16: what the policy computes before its
     first step (at the update's rollout, lora_B is 0)."""

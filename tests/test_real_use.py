@@ -37,6 +37,7 @@ def bf16_policy(tiny, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
 def test_a_model_saved_in_bf16_trains_in_fp32_and_moves_at_a_small_learning_rate(
     script, bf16_policy, prompts_file, tmp_path
@@ -318,11 +319,68 @@ def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, 
     assert not (tmp_path / "weights").exists()
 
 
-def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout():
+class RecordingEngine:
+    """A stand-in for rloo_vllm.py's ColocatedVLLM, with the methods the loop calls, that records what the run asks of it
+    (and the forwards it is told of), in order. Each completion is the same three tokens, ended by a stop token."""
+
+    def __init__(self, events: list, policy):
+        self.events, self.policy, self.dtype = events, policy, None
+
+    def generate(self, prompts, options, seeds, images=None):
+        self.events.append("generate")
+        return [([5, 6, options["stop_token_ids"][0]], [-6.0, -6.0, -6.0]) for _ in prompts]
+
+    def sleep(self):
+        self.events.append("sleep")
+
+    def push_weights(self, policy, weights):
+        self.events.append("push_weights")
+
+    def close(self):
+        self.events.append("close")
+
+
+def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, prompts_file, tmp_path, monkeypatch):
     """Sleep mode frees the engine's memory (30% of the GPU by default) for the largest no-grad forwards, as TRL does:
-    right after generation. (The CPU build has no sleep mode, so this is read from the loop.)"""
-    with open(os.path.join(ROOT, "rloo_vllm.py")) as f:
-        code = "".join(f.read().split())  # the code without its layout
-    complete, loop = code.split("defcomplete(")[1].split("return(")[0], code.split("forupdateinrange(")[1]
-    assert "=generate(engine," in complete and "turns.generate(" in complete  # the rollout's generation: complete()
-    assert loop.index("=complete(prompts,") < loop.index("engine.sleep()") < loop.index("rollout_logprobs(policy,")
+    right after generation. rloo_vllm.main runs 2 updates here with a recording engine in the colocated engine's place
+    (the CPU build has no sleep mode; the check of the engine's log-probs, which needs vLLM's, is left out): in every
+    update the engine sleeps after generating the rollout and before the policy's and the reference's forwards of it."""
+    import signal
+    import sys
+
+    import rloo_vllm
+    from rloo_utils.checkpoints import RunGuard
+
+    events, engines = [], []
+    forward = rloo_vllm.completion_logprobs
+
+    def recording_forward(model, *args, **kwargs):
+        if torch.is_grad_enabled():
+            events.append("training forward")
+        else:
+            events.append("policy forward" if model is engines[0].policy else "reference forward")
+        return forward(model, *args, **kwargs)
+
+    def colocated(args, policy, device, processor=None):  # ColocatedVLLM's arguments
+        engines.append(RecordingEngine(events, policy))
+        return engines[0]
+
+    monkeypatch.setattr(rloo_vllm, "ColocatedVLLM", colocated)
+    monkeypatch.setattr(rloo_vllm, "check_engine", lambda *args: events.append("check_engine"))
+    monkeypatch.setattr(rloo_vllm, "completion_logprobs", recording_forward)
+    monkeypatch.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", "16"]
+    argv += ["--per_device_train_batch_size", "8", "--max_completion_length", "8", "--num_sample_generations", "0"]
+    argv += ["--reward_funcs", f"{REWARDS}:text_length", "--beta", "0.05"]
+    monkeypatch.setattr(sys, "argv", ["rloo_vllm.py", *argv])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rloo_vllm.main(rloo_vllm.parse_args(rloo_vllm.Args))
+    finally:
+        for s, handler in handlers.items():  # the run's Ctrl-C handling ends with it
+            signal.signal(s, handler)
+    calls = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]  # a forward in chunks: one call
+    rollout = ["generate", "sleep", "policy forward", "reference forward", "training forward", "push_weights"]
+    assert calls == ["push_weights", "check_engine", *rollout, *rollout, "close"], events

@@ -135,6 +135,16 @@ def outcome(cwd):
     return run_outcome(os.path.join(cwd, "runs", "run"))
 
 
+def weights_moved(weights: dict, model_folder: str) -> bool:
+    """Whether a run's saved weights (run_outcome's) differ from those of the model it started from (its
+    model.safetensors, every tensor of which the run saved): the policy trained."""
+    from safetensors.torch import load_file
+
+    initial = load_file(os.path.join(model_folder, "model.safetensors"))
+    assert initial.keys() <= weights.keys(), sorted(initial.keys() - weights.keys())
+    return any(not torch.equal(weights[k], initial[k]) for k in initial)
+
+
 def assert_same_run(expected, got):
     assert [r["step"] for r in got[0]] == [r["step"] for r in expected[0]]  # no step twice, none missing
     assert got[0] == expected[0]  # every metric of every step, exactly
@@ -150,17 +160,17 @@ def reference(tiny, prompts_file, tmp_path_factory):
     proc = run_rloo(*train_args(tiny, prompts_file), cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = outcome(cwd)
-    assert (
-        len(result[0]) == 6 and result[0][-1]["kl"] > 0 and result[0][-1]["advantages/std"] > 0
-    )  # it learns something
+    assert len(result[0]) == 6 and weights_moved(result[2], tiny["policy"])  # it learns something
+    assert result[0][-1]["kl"] != 0 and result[0][-1]["advantages/std"] > 0  # (k1: a KL of either sign)
     return result
 
 
+@pytest.mark.slow
 def test_sigkill_after_checkpoint_then_resume_is_the_same_run(reference, tiny, prompts_file, tmp_path):
     proc = start(tmp_path, *train_args(tiny, prompts_file))
     wait_until(lambda: logged_updates(tmp_path) >= 4, proc)  # past checkpoint-3, before the end
     proc.kill()
-    assert proc.wait() == -signal.SIGKILL
+    assert proc.wait(timeout=60) == -signal.SIGKILL
     assert 4 <= logged_updates(tmp_path) < 6 and checkpoint_names(tmp_path) == ["checkpoint-3"]
 
     resumed = run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
@@ -198,6 +208,7 @@ def test_sigkill_after_checkpoint_then_resume_is_the_same_run(reference, tiny, p
     )
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_leaves_no_checkpoint_resume_trusts(reference, tiny, prompts_file, tmp_path):
     proc = start(
         tmp_path, *train_args(tiny, prompts_file), patch=("block", os.path.join("tmp-checkpoint-6", TRAINING_STATE))
@@ -205,7 +216,7 @@ def test_sigkill_during_a_save_leaves_no_checkpoint_resume_trusts(reference, tin
     partial = tmp_path / "runs" / "run" / "checkpoints" / "tmp-checkpoint-6" / TRAINING_STATE
     wait_until(partial.exists, proc)  # checkpoint-6 half written
     proc.kill()
-    assert proc.wait() == -signal.SIGKILL
+    assert proc.wait(timeout=60) == -signal.SIGKILL
     assert checkpoint_names(tmp_path) == ["checkpoint-3", "tmp-checkpoint-6"]
 
     resumed = run_rloo(*train_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=tmp_path)
@@ -214,6 +225,7 @@ def test_sigkill_during_a_save_leaves_no_checkpoint_resume_trusts(reference, tin
     assert checkpoint_names(tmp_path) == ["checkpoint-3", "checkpoint-6"]
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_its_command_resumes_the_same_run(reference, tiny, prompts_file, tmp_path):
     # save_steps 0: the only checkpoint is the one SIGTERM asks for; --track: W&B (offline) continues the same run id
     proc = start(tmp_path, *train_args(tiny, prompts_file, "--track", save_steps=0))
@@ -231,7 +243,12 @@ def test_sigterm_writes_a_checkpoint_and_its_command_resumes_the_same_run(refere
         os.path.join("runs", "run", "checkpoints", saved),
     ]
     resumed = subprocess.run(
-        [sys.executable, *command[1:]], cwd=tmp_path, env=run_env(), capture_output=True, text=True
+        [sys.executable, *command[1:]],
+        cwd=tmp_path,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(reference, outcome(tmp_path))
@@ -239,6 +256,7 @@ def test_sigterm_writes_a_checkpoint_and_its_command_resumes_the_same_run(refere
     assert len(offline_runs) == 2 and len({path.rsplit("-", 1)[1] for path in offline_runs}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multigpu.py"])
 def test_sigterm_before_training_leaves_nothing_and_exits_143(script, tiny, prompts_file, tmp_path):
     """Between the run's claim of its folders and its first update (models loading): as on Ctrl-C the run removes what
@@ -260,6 +278,7 @@ def test_sigterm_before_training_leaves_nothing_and_exits_143(script, tiny, prom
     assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
 
 
+@pytest.mark.slow
 def test_sigint_checkpoints_and_keeps_the_newest(tiny, prompts_file, tmp_path):
     proc = start(tmp_path, *train_args(tiny, prompts_file, "--save_total_limit", 2, save_steps=1))
     wait_until(lambda: logged_updates(tmp_path) >= 3, proc)
@@ -295,6 +314,7 @@ def hung_run_args(tiny, data, func, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_stops_a_hung_update_and_keeps_the_last_complete_one(tiny, prompts_file, tmp_path):
     """The first SIGTERM waits for the update, which a hung reward never finishes; the second (a scheduler's grace
     period ending) stops at once, and the checkpoint of the last complete update is written all the same."""
@@ -313,6 +333,7 @@ def test_a_second_sigterm_stops_a_hung_update_and_keeps_the_last_complete_one(ti
     assert checkpoint_names(tmp_path) == ["checkpoint-1"] and logged_updates(tmp_path) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("func", ["hangs_from_the_second_update", "async_hangs_from_the_second_update"])
 def test_a_reward_past_its_timeout_stops_the_run_and_keeps_the_last_complete_update(func, tiny, prompts_file, tmp_path):
     proc = run_rloo(*hung_run_args(tiny, prompts_file, func, "--reward_timeout", 3), cwd=tmp_path, timeout=300)
@@ -466,6 +487,7 @@ def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 # Non-finite values, end to end
 # ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_skipped_steps_in_a_row_stop_the_run_after_a_checkpoint(tiny, prompts_file, tmp_path):
     proc = run_rloo(
         "--model_name_or_path",
@@ -501,6 +523,7 @@ def test_skipped_steps_in_a_row_stop_the_run_after_a_checkpoint(tiny, prompts_fi
     assert not os.path.exists(tmp_path / "runs" / "run" / "model" / "config.json")
 
 
+@pytest.mark.slow
 def test_a_non_finite_reward_model_score_names_the_model(tiny, prompts_file, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
@@ -593,6 +616,7 @@ def faulty_reference(tiny, prompts_file, tmp_path_factory):
     return outcome(cwd)
 
 
+@pytest.mark.slow
 def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exactly(
     faulty_reference, tiny, prompts_file, tmp_path
 ):
@@ -604,11 +628,14 @@ def test_a_failure_after_training_writes_a_checkpoint_and_the_run_continues_exac
         "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python",
     )
     assert checkpoint_names(tmp_path) == ["checkpoint-3"] and logged_updates(tmp_path) == 3
-    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    resumed = subprocess.run(
+        continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(faulty_reference, outcome(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_failure_in_a_sample_table_keeps_the_update_before_it_whole(faulty_reference, tiny, prompts_file, tmp_path):
     # Call 5 scores the sample table after update 3, made at the start of update 4: update 3 is complete, so
     # checkpoint-3 is its exact state, and the resumed run makes that table again
@@ -619,7 +646,9 @@ def test_a_failure_in_a_sample_table_keeps_the_update_before_it_whole(faulty_ref
         "the state after update 3 is in runs/run/checkpoints/checkpoint-3; continue with: python",
     )
     assert checkpoint_names(tmp_path) == ["checkpoint-3"] and logged_updates(tmp_path) == 3
-    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    resumed = subprocess.run(
+        continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(faulty_reference, outcome(tmp_path))  # the failed table's rows included
 
@@ -640,6 +669,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny, prompts_file, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", FAILING_STEP, SCRIPT, *map(str, train_args(tiny, prompts_file, save_steps=0))],
@@ -647,6 +677,7 @@ def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny
         env=run_env(),
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert proc.returncode != 0 and "CUDA out of memory" in proc.stderr
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("rloo.py: error:")]
@@ -657,12 +688,15 @@ def test_a_failure_inside_an_update_keeps_its_weights_and_the_run_continues(tiny
     state = torch.load(tmp_path / "runs" / "run" / "checkpoints" / "checkpoint-4" / TRAINING_STATE, weights_only=True)
     assert state["update"] == 4 and state["episode"] == 32
     assert state["scheduler"]["last_epoch"] == 13  # 3 updates x 2 epochs x 2 minibatches, and update 4's first step
-    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    resumed = subprocess.run(
+        continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = outcome(tmp_path)[0]
     assert [r["episode"] for r in metrics] == [8, 16, 24, 40, 48]  # no update twice; update 4 never got to its log
 
 
+@pytest.mark.slow
 def test_a_run_that_trained_nothing_leaves_nothing_and_the_same_command_runs_again(tiny, prompts_file, tmp_path):
     proc = run_faulty(tmp_path, tiny, prompts_file, 1, "--output_dir", "out/model")  # the sample table at episode 0
     error = check_one_line_error(proc, "reward function text_length raised RuntimeError: the judge is down")
@@ -673,6 +707,7 @@ def test_a_run_that_trained_nothing_leaves_nothing_and_the_same_command_runs_aga
     assert is_saved_model(str(tmp_path / "out" / "model"))
 
 
+@pytest.mark.slow
 def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_model(
     reference, tiny, prompts_file, tmp_path
 ):
@@ -687,11 +722,14 @@ def test_a_failed_final_save_leaves_the_last_checkpoint_and_resuming_saves_the_m
         "No space left on device",
         "the state after update 6 is in runs/run/checkpoints/checkpoint-6",
     )
-    resumed = subprocess.run(continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True)
+    resumed = subprocess.run(
+        continue_command(error), cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(reference, outcome(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_resume_while_the_run_is_still_running_is_refused(tiny, prompts_file, tmp_path):
     long_run = ("--total_episodes", 4800)  # 600 updates: still running when the second process starts, on any machine
     proc = start(tmp_path, *train_args(tiny, prompts_file, *long_run, save_steps=1))
@@ -703,7 +741,7 @@ def test_a_resume_while_the_run_is_still_running_is_refused(tiny, prompts_file, 
         check_one_line_error(second, "runs/run is in use by another run", f"(pid {proc.pid})")
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=60)
 
 
 def test_a_run_that_went_on_after_its_newest_checkpoint_was_found_is_not_resumed(tmp_path, monkeypatch):
@@ -720,6 +758,7 @@ def test_a_run_that_went_on_after_its_newest_checkpoint_was_found_is_not_resumed
     assert sorted(os.listdir(folder)) == ["checkpoint-4", "checkpoint-5"]  # nothing of the run touched
 
 
+@pytest.mark.slow
 def test_an_existing_file_as_output_dir_is_refused_before_training_and_kept(tiny, prompts_file, tmp_path):
     (tmp_path / "notes.txt").write_text("my notes")
     proc = run_rloo(*train_args(tiny, prompts_file, "--output_dir", "notes.txt"), cwd=tmp_path)
@@ -917,6 +956,7 @@ def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_ru
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(tiny, prompts_file, tmp_path):
     proc = start(tmp_path, *train_args(tiny, prompts_file))
     wait_until(lambda: os.path.isdir(tmp_path / "runs" / "run"), proc)
@@ -930,6 +970,7 @@ def test_a_checkpoints_folder_that_cannot_be_created_is_a_save_error(tiny, promp
     )
 
 
+@pytest.mark.slow
 def test_a_damaged_training_state_is_refused_before_any_model_loads(saved_run, tiny, prompts_file):
     args, run_dir, checkpoint = saved_run
     open(os.path.join(checkpoint, TRAINING_STATE), "wb").write(b"half a checkpoint")

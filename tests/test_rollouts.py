@@ -211,6 +211,7 @@ def server_args(tiny, prompts_file, server, *extra):
     return [*resume_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"], *extra)]
 
 
+@pytest.mark.slow
 def test_a_run_with_max_staleness_logs_it_and_a_sigkilled_one_resumes_as_the_same_run(
     tiny, server, prompts_file, tmp_path
 ):
@@ -241,6 +242,7 @@ def test_a_run_with_max_staleness_logs_it_and_a_sigkilled_one_resumes_as_the_sam
     assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
 
 
+@pytest.mark.slow
 def test_rloo_multigpu_with_max_staleness_on_two_processes_is_the_run_of_one(tiny, server, prompts_file, tmp_path):
     """Each process asks the server for its rows of the rollout; the queue runs in step on both."""
     args = [
@@ -266,6 +268,7 @@ def test_rloo_multigpu_with_max_staleness_on_two_processes_is_the_run_of_one(tin
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key  # rounding, through exp() and 6 updates
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_under_a_background_rollout_is_one_line_and_the_run_keeps_its_checkpoint(
     tiny, server, prompts_file, tmp_path
 ):

@@ -186,12 +186,20 @@ def test_the_code_is_laid_out_by_the_formatter_at_120_columns():
     longer than 120 characters (comments and strings included, which the formatter leaves alone) and no lambda is
     assigned to a name (a def says what it is)."""
     formatted = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--check", "."], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "ruff", "format", "--check", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert formatted.returncode == 0, formatted.stdout + formatted.stderr
     ruff_check = ["check", "--select", "E501,E731", "--ignore-noqa", "--no-cache"]  # lines over 120, assigned lambdas
     checked = subprocess.run(
-        [sys.executable, "-m", "ruff", *ruff_check, *SCRIPTS, "rloo_utils"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "ruff", *ruff_check, *SCRIPTS, "rloo_utils"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
 

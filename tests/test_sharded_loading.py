@@ -108,6 +108,7 @@ def checks(tiny, tiny_vlm, tmp_path_factory):
     "name, streamed",
     [("llama_bf16", True), ("llama_untied", True), ("reward", True), ("llava", True), ("mixtral", False)],
 )
+@pytest.mark.slow
 def test_every_process_gets_the_shards_of_the_loading_before(checks, name, streamed):
     reports, _, _ = checks
     for rank, report in enumerate(reports[name]):
@@ -129,6 +130,7 @@ def tensors_of(folder) -> dict:
     return tensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_bf16", "llama_untied", "reward", "llava", "mixtral"])
 def test_the_model_saved_shard_by_shard_loads_as_save_pretrained_s(checks, name):
     import transformers
@@ -149,6 +151,7 @@ def test_the_model_saved_shard_by_shard_loads_as_save_pretrained_s(checks, name)
     assert {f for f in os.listdir(new) if not f.startswith(("tokenizer", "chat_template"))} == set(os.listdir(old))
 
 
+@pytest.mark.slow
 def test_a_large_model_is_saved_in_files_of_the_largest_size_given(tiny, tmp_path):
     """save_sharded_model's max_shard_size splits the weights into files and an index, as save_pretrained's does."""
     script = f"""

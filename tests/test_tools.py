@@ -4,6 +4,8 @@ loss and the KL, rollback at the length limit, failing tools, environments with 
 
 import json
 import os
+import re
+import statistics
 import sys
 
 import pytest
@@ -316,24 +318,31 @@ def test_bad_tools_are_refused_in_one_line(tools_file):
         load_environments([f"{tools_file}:secret"])
 
 
-def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, tool_tokenizer):
+def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, tool_tokenizer, tools_file):
     """One forward over prompt + turn 1 + tool result + turn 2 gives each model token the log-prob the policy gave it
     when it generated that turn (its context then was everything before it): the update's log-probs are the
-    sampler's."""
+    sampler's. The tensors are a real rollout's, as the loop builds them: two rows (one calls the tool, one answers at
+    once), their left-padded prompts, the completion mask the forward attends with, the loss's mask without the tool's
+    tokens."""
     import rloo
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
-    prompt = ids_of(tool_tokenizer, "<|im_start|>user\nthe secret<|im_end|>\n<|im_start|>assistant\n")
-    turn1, result = (
-        ids_of(tool_tokenizer, CALL_ANN),
-        ids_of(tool_tokenizer, "\n<|im_start|>user\ngood<|im_end|>\n<|im_start|>assistant\n"),
-    )
-    turn2 = ids_of(tool_tokenizer, "good movie<|im_end|>")
-    completion = turn1 + result + turn2
+    tools = load_tools([f"{tools_file}:secret"])
+    prompts = [[{"role": "user", "content": "the secret of ann"}], [{"role": "user", "content": "say a word"}]]
+    turns_by_row = {0: [CALL_ANN, "good movie<|im_end|>"], 1: ["bad<|im_end|>"]}
+    turns, prompt_rows, generate_turn = rollout(tool_tokenizer, tools, turns_by_row, prompts)
+    prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(
+        tool_tokenizer, turns.prompts, 512, "cpu", tools=turns.schemas
+    )  # (2, P), as complete() builds them
+    assert [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)] == prompt_rows
+    completion_ids, completion_mask, tool_mask, _, _ = turns.tensors(tool_tokenizer.pad_token_id, "cpu")  # (2, 256)
+    with torch.no_grad():
+        one = rloo.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
+    loss_mask = (completion_mask * (1 - tool_mask)).bool()  # the loop's: the tokens the policy chose
 
     def logprobs_after(context: list[int], ids: list[int]) -> torch.Tensor:
-        """(len(ids),) the policy's log-probs of ids after context, in one forward."""
+        """(len(ids),) the policy's log-probs of ids after context, in one forward of that context alone."""
         with torch.no_grad():
             return rloo.completion_logprobs(
                 policy,
@@ -345,10 +354,18 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
                 packing=None,
             )[0]
 
-    one = logprobs_after(prompt, completion)
-    first, second = logprobs_after(prompt, turn1), logprobs_after(prompt + turn1 + result, turn2)
-    torch.testing.assert_close(one[: len(turn1)], first, rtol=0, atol=1e-5)
-    torch.testing.assert_close(one[len(turn1) + len(result) :], second, rtol=0, atol=1e-5)
+    (first_contexts, _), (second_contexts, _) = generate_turn.calls  # what the sampler saw, turn by turn
+    turn1, turn2, bad = (ids_of(tool_tokenizer, turns_by_row[row][k]) for row, k in [(0, 0), (0, 1), (1, 0)])
+    assert first_contexts == prompt_rows  # the second turn came after the first and the tool's result:
+    assert second_contexts == [prompt_rows[0] + turns.ids[0][: -len(turn2)]] and turns.ids[0][: len(turn1)] == turn1
+    sampler = [
+        torch.cat([logprobs_after(prompt_rows[0], turn1), logprobs_after(second_contexts[0], turn2)]),
+        logprobs_after(prompt_rows[1], bad),
+    ]
+    assert loss_mask.sum(1).tolist() == [len(turn1) + len(turn2), len(bad)]
+    for row in range(2):
+        torch.testing.assert_close(one[row][loss_mask[row]], sampler[row], rtol=0, atol=1e-5)
+    assert completion_ids[0][loss_mask[0]].tolist() == turn1 + turn2  # the loss sees the model's tokens, no tool's
 
 
 OPEN_CALL = '<tool_call>{"name": "open_vault", "arguments": {}}</tool_call>'
@@ -409,10 +426,19 @@ def tool_policy(tiny, tmp_path_factory):
     return path
 
 
+VAULT_WORDS = ["good", "bad", "fine", "sad"]
+
+
+def last_answer(completion: str) -> str:
+    """The text of a logged completion's last turn without its tool calls (the decoded completion: turns, and the tools'
+    results written by TOOL_TEMPLATE, special tokens left out), as the reward function reads the last message."""
+    last = completion.rsplit("</tool_response>", 1)[-1].strip().removeprefix("assistant\n")
+    return re.sub(r"<tool_call>.*?</tool_call>", "", last, flags=re.DOTALL).strip()
+
+
 @pytest.fixture(scope="module")
 def vault_data(tmp_path_factory):
-    words = ["good", "bad", "fine", "sad"]
-    rows = [{"prompt": [{"role": "user", "content": "open it"}], "secret_word": words[i % 4]} for i in range(16)]
+    rows = [{"prompt": [{"role": "user", "content": "open it"}], "secret_word": VAULT_WORDS[i % 4]} for i in range(16)]
     return write_jsonl(str(tmp_path_factory.mktemp("vault") / "train.jsonl"), rows)
 
 
@@ -496,11 +522,13 @@ def vault_runs(tool_policy, vault_data, tools_file, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py"])
 def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_runs):
     """End to end: the environment reset per rollout, the policy calls its tool, the result goes into the completion,
-    the reward functions get the messages and the environments, get_reward is a source of its own. With vLLM, its
-    log-probs are kept per model token and are the trainer's (the tools' tokens masked out)."""
+    the reward functions get the messages and the environments, get_reward is a source of its own, and the rewards
+    logged are what said_the_secret gives for what each completion said. With vLLM, its log-probs are kept per model
+    token and are the trainer's (the tools' tokens masked out)."""
     metrics, completions, _ = vault_runs[script]
     assert len(metrics) == 2
     assert any(row["tools/call_frequency"] > 0 for row in metrics)
@@ -512,10 +540,28 @@ def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_r
         assert row["completions/max_length"] <= 96  # the policy's tokens
     with_result = [r for r in completions if "<tool_response>" in r["completion"]]
     assert with_result and all(r["Vault"] == 1 for r in with_result)  # the result is in the completion, after a call
+    # The rewards logged are what the reward function gives for what the run did: 1 where the last answer is the
+    # secret word, which a completion shows where the vault was opened (its tool's result); any other answer scores 0
+    for r in completions:
+        answer = last_answer(r["completion"])
+        if "<tool_response>" in r["completion"]:
+            word = r["completion"].rsplit("<tool_response>", 1)[1].split("</tool_response>")[0].strip()
+            assert word in VAULT_WORDS and r["said_the_secret"] == float(answer == word), r
+        else:
+            assert r["said_the_secret"] in (0.0, 1.0) and (r["said_the_secret"] == 0 or answer in VAULT_WORDS), r
+    assert any(r["said_the_secret"] == 1 for r in with_result)  # (the tool policy says the word it read)
+    for row in metrics:  # and each update's means are those of its completions
+        update = [r for r in completions if r["step"] == row["step"]]
+        assert len(update) == 16
+        assert row["rewards/said_the_secret/mean"] == pytest.approx(
+            statistics.mean(r["said_the_secret"] for r in update)
+        )
+        assert row["reward"] == pytest.approx(statistics.mean(r["said_the_secret"] + r["Vault"] for r in update))
     if script == "rloo_vllm.py":  # the server's log-probs of the model's tokens are the trainer's, update after update
         assert all(row["sampling/sampling_logp_difference/max"] < 1e-3 for row in metrics)
 
 
+@pytest.mark.slow
 def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(vault_runs):
     """The greedy sample table before any update, with rloo.py's HF generation and rloo_vllm.py's vLLM server: the
     same completions, tool results and second turns included."""
@@ -525,6 +571,7 @@ def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(vault_runs
     assert tables[0] == tables[1] and any("<tool_response>" in c for _, c in tables[0]), tables
 
 
+@pytest.mark.slow
 def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy, vault_data, tools_file, tmp_path):
     """rloo_multigpu.py on 2 processes (gloo, FSDP2): a process whose rollouts have ended makes the turns the other
     still makes (a sharded forward is a collective: else both would hang), and the calls are counted over both."""
@@ -545,6 +592,7 @@ def test_two_processes_make_every_turn_together_and_count_every_call(tool_policy
         assert row["rewards/Vault/mean"] == pytest.approx(row["tools/call_frequency"])
 
 
+@pytest.mark.slow
 def test_a_multi_turn_run_that_fails_resumes_as_the_same_run(
     tool_policy, vault_data, tools_file, tmp_path, monkeypatch
 ):
@@ -573,6 +621,7 @@ def test_a_multi_turn_run_that_fails_resumes_as_the_same_run(
     assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_rloo_py_refuses_a_template_without_tools_before_loading_the_policy(tiny, vault_data, tools_file, tmp_path):
     proc = run_rloo(
         "--model_name_or_path",

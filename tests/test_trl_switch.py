@@ -40,6 +40,7 @@ def jsonl(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multigpu.py", "rloo_vllm.py"])
 def test_reward_functions_written_for_trl_run_unchanged(script, tiny, tmp_path):
     """TRL's keyword arguments (trainer_state, log_extra, log_metric; an async function awaited), on the embedded
@@ -249,6 +250,7 @@ def custom_code_model(tiny, folder) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 def test_trust_remote_code_loads_a_model_with_its_own_code(tiny, prompts_file, tmp_path):
     """Refused in one line without --trust_remote_code; with it, trained by rloo.py and by 2 processes of
     rloo_multigpu.py (which builds the model empty from its config), and saved with its code."""
@@ -300,6 +302,7 @@ def hub_cache_with_two_revisions(tiny, cache) -> None:
             os.remove(os.path.join(repo, "snapshots", commit, "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_model_revision_picks_the_version_every_load_reads(tiny, prompts_file, tmp_path):
     """--model_revision v2 reaches the config, the tokenizer and the weights, in one process and in two (which read
     the weights' files themselves); without it, main is read (and fails here, having no weights)."""

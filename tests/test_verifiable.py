@@ -94,7 +94,10 @@ def read_jsonl(path: str) -> list[dict]:
 
 def test_the_arithmetic_files_are_what_their_script_writes(tmp_path):
     proc = subprocess.run(
-        [sys.executable, os.path.join(ARITHMETIC, "make.py"), "--out", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, os.path.join(ARITHMETIC, "make.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     for split in ("train", "test"):
@@ -104,6 +107,7 @@ def test_the_arithmetic_files_are_what_their_script_writes(tmp_path):
         [sys.executable, os.path.join(ARITHMETIC, "make.py"), "--out", str(tmp_path), "--seed", "1"],
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert again.returncode != 0 and again.stderr.count("\n") == 1 and "nothing is overwritten" in again.stderr
     assert (tmp_path / "test.jsonl").read_text() == "mine\n"
@@ -135,9 +139,12 @@ def gsm8k_source(folder, rows: list[dict]) -> str:
 
 def gsm8k_data(*args) -> subprocess.CompletedProcess:
     command = [sys.executable, os.path.join(ROOT, "benchmark", "gsm8k_data.py"), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, env={**run_env(), "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        command, capture_output=True, text=True, env={**run_env(), "HF_HUB_OFFLINE": "1"}, timeout=600
+    )
 
 
+@pytest.mark.slow
 def test_gsm8k_data_writes_prompts_and_answers(tmp_path):
     rows = [
         {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
@@ -167,6 +174,7 @@ def test_gsm8k_data_writes_prompts_and_answers(tmp_path):
         ([{"text": "q", "answer": "#### 1"}], "has no column 'question'"),
     ],
 )
+@pytest.mark.slow
 def test_gsm8k_data_refuses_in_one_line(tmp_path, rows, message):
     proc = gsm8k_data("--source", gsm8k_source(tmp_path / "source", rows), "--out", tmp_path / "out")
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and message in proc.stderr
@@ -181,6 +189,7 @@ def test_gsm8k_data_refuses_in_one_line(tmp_path, rows, message):
     "text, message",
     [("", "test.jsonl is empty"), ('{"question": "q", "ans\n', "could not read"), ("\n", "could not read")],
 )
+@pytest.mark.slow
 def test_gsm8k_data_says_an_empty_or_broken_file_in_one_line(tmp_path, text, message):
     source = gsm8k_source(tmp_path / "source", [{"question": "q", "answer": "#### 1"}])
     with open(os.path.join(source, "test.jsonl"), "w") as f:
@@ -190,6 +199,7 @@ def test_gsm8k_data_says_an_empty_or_broken_file_in_one_line(tmp_path, text, mes
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch):
     """benchmark/experiments/gsm8k.sh (--dry_run, its data already prepared): rloo_vllm.py accepts every option, the
     published run's batch (256 prompts, 4 minibatches) and 435 updates; EXTRA's options come last and win."""
@@ -217,6 +227,7 @@ def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch
     assert args.total_episodes // rollout == 435
 
 
+@pytest.mark.slow
 def test_a_reward_function_whose_column_the_dataset_lacks_is_refused_before_the_models_load(tiny, tmp_path):
     data = tmp_path / "data"
     write_jsonl(str(data / "train.jsonl"), [{"prompt": "1 + 1 =", "answer": 2}] * 4)
