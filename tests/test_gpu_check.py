@@ -100,7 +100,7 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
     for name, processes in (("multigpu_1_process", 1), ("multigpu_every_process", 2)):
         result = parts[name]
         assert result["processes"] == processes and result["resume_differences"] == "none: the same run", name
-        assert result["killed_after_update"] == 2 and result["resumed"]["updates"] == 3, name
+        assert result["killed_after_update"] == 2 and result["resumed"]["updates"] == 3, name  # killed in update 3
         assert len(result["uninterrupted"]["peak_max_rss_gib"]) == processes, name
     memory = parts["memory_per_parameter"]
     assert memory["table"][0] == "| setup | before B/param | after B/param |"
