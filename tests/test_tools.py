@@ -383,6 +383,10 @@ def tool_policy(tiny, tmp_path_factory):
     tokenizer.add_tokens([AddedToken(OPEN_CALL, normalized=False, special=False)])
     tokenizer.chat_template = TOOL_TEMPLATE
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    # Seeded before the new token's embedding is drawn (from the global generator): it, and so the policy and every
+    # test below, depended on the tests the worker had run before this file, and some draws (seed 0's) give a policy
+    # whose greedy completion of the run's prompt answers without the tool (the check below reads "open it" alone)
+    torch.manual_seed(1)
     policy.resize_token_embeddings(len(tokenizer))
     call = {"type": "function", "function": {"name": "open_vault", "arguments": {}}}
     schema = {
@@ -408,7 +412,6 @@ def tool_policy(tiny, tmp_path_factory):
         ids_of(tokenizer, tokenizer.apply_chat_template(c, tools=[schema], tokenize=False)) for c in conversations
     ]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
-    torch.manual_seed(0)
     for _ in range(30):
         for ids in examples:
             loss = policy(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss
