@@ -43,8 +43,8 @@ SCRIPTS = [
 # of the per-file seconds of docs/tests.md ("Where the time goes"; `python tests/durations.py` makes the table).
 LONGEST_FIRST = [
     "test_benchmark.py",
-    "test_vllm.py",
     "test_multigpu.py",
+    "test_vllm.py",
     "test_resume.py",
     "test_lora.py",
     "test_gpu_check.py",
@@ -54,12 +54,12 @@ LONGEST_FIRST = [
     "test_trl_switch.py",
     "test_precision.py",
     "test_images.py",
-    "test_tools.py",
     "test_rollouts.py",
+    "test_tools.py",
     "test_padding_free.py",
     "test_real_use.py",
-    "test_openrlbenchmark.py",
     "test_algorithm_family.py",
+    "test_openrlbenchmark.py",
     "test_verifiable.py",
     "test_sharded_loading.py",
 ]
