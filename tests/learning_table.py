@@ -23,6 +23,8 @@ def main():
             rows = [json.loads(line) for line in f if line.strip()]
     except (OSError, json.JSONDecodeError) as e:
         sys.exit(f"error: cannot read {args.record} ({e}): run the learning tests with --learning_record first")
+    if not rows:
+        sys.exit(f"error: {args.record} holds no rewards: run the learning tests with --learning_record {args.record}")
     by_test = collections.defaultdict(dict)
     for row in rows:
         file, name = row["test"].split("::", 1)
