@@ -5,7 +5,9 @@ runs and servers they start), vLLM's usage statistics off, the environment put b
 mark held honest: a test that starts a training process, torchrun or vLLM must carry it (`pytest -m "not slow"` is the
 fast tier, docs/tests.md)."""
 
+import glob
 import importlib
+import itertools
 import json
 import os
 import re
@@ -99,7 +101,7 @@ def pytest_addoption(parser):
 REPOSITORY_SCRIPTS = {
     os.path.basename(path)
     for pattern in ("*.py", "benchmark/*.py", "benchmark/gpu/*.py", "benchmark/experiments/*.sh", "tests/*.py")
-    for path in __import__("glob").glob(os.path.join(ROOT, pattern))
+    for path in glob.glob(os.path.join(ROOT, pattern))
 }
 
 
@@ -118,16 +120,12 @@ def what_it_starts(args) -> str | None:
         if program in ("torchrun", "vllm"):
             return program
         if re.fullmatch(r"python[0-9.]*|bash|sh", program):
-            for i, word in enumerate(rest):
-                if word == "-m" and i + 1 < len(rest):
-                    module = rest[i + 1]
-                    if module == "torch.distributed.run" or module.split(".")[0] == "vllm":
-                        return module
-                    break
-                if word == "-c" or not word.startswith("-"):
-                    if word != "-c" and os.path.basename(word) in REPOSITORY_SCRIPTS:
-                        return word
-                    break
+            options = list(itertools.takewhile(lambda word: word.startswith("-"), rest))
+            target = rest[len(options)] if len(options) < len(rest) else ""  # after -m a module, else a script
+            if options[-1:] == ["-m"] and (target == "torch.distributed.run" or target.split(".")[0] == "vllm"):
+                return target
+            if not {"-c", "-m"} & set(options) and os.path.basename(target) in REPOSITORY_SCRIPTS:
+                return target
         command = []
     return None
 
@@ -429,8 +427,7 @@ def free_port() -> int:
 
 def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_logprobs"):
     """vLLM's OpenAI-compatible server on the tiny model, as docs/vllm.md starts it, for a module-scoped fixture;
-    stopped at the end. logprobs_mode: what a server
-    started otherwise than docs/vllm.md says returns."""
+    stopped at the end. logprobs_mode: what a server started otherwise than docs/vllm.md says returns."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = [

@@ -485,9 +485,9 @@ def memory_per_parameter(p: Part) -> dict:
 
 
 def multigpu(nproc_of, *options):
-    """rloo_multigpu.py, 6 updates of 8 completions per process (3 at size smoke): the same run whole, and killed
-    (SIGKILL, every process) after its first checkpoint (after update 2 and killed in update 3; smoke: after update 1,
-    killed in update 2), then resumed with `--resume_from_checkpoint latest`; the two must be the same run. A reward function that takes 0.25 s next to the reward model keeps the updates slow enough to be killed in the
+    """rloo_multigpu.py, 6 updates of 8 completions per process: the same run whole, and killed (SIGKILL, every
+    process) in update 3, after its first checkpoint (a checkpoint every 2 updates; at size smoke, 3 updates and a
+    checkpoint every update), then resumed with `--resume_from_checkpoint latest`; the two must be the same run. A reward function that takes 0.25 s next to the reward model keeps the updates slow enough to be killed in the
     middle of the run, however fast the GPU."""
 
     def part(p: Part) -> dict:
