@@ -47,18 +47,18 @@ LONGEST_FIRST = [
     "test_benchmark.py",
     "test_multigpu.py",
     "test_vllm.py",
-    "test_resume.py",
     "test_lora.py",
+    "test_resume.py",
     "test_gpu_check.py",
     "test_end_to_end.py",
-    "test_bad_input.py",
     "test_evaluation.py",
-    "test_trl_switch.py",
-    "test_precision.py",
     "test_images.py",
-    "test_rollouts.py",
+    "test_precision.py",
+    "test_trl_switch.py",
+    "test_bad_input.py",
     "test_tools.py",
     "test_padding_free.py",
+    "test_rollouts.py",
     "test_real_use.py",
     "test_algorithm_family.py",
     "test_openrlbenchmark.py",
@@ -67,13 +67,13 @@ LONGEST_FIRST = [
 ]
 
 
-SERVERS = {"server", "judge_server"}  # module-scoped fixtures that start a vLLM server and keep it until the file ends
+SERVERS = {"server", "dying_server"}  # fixtures of the vLLM server a pytest worker's tests share, started at first use
 
 
 def pytest_collection_modifyitems(items):
     def rank(item):
         name = os.path.basename(str(item.path))
-        # In a file, the tests that need no server first: its server starts with the first test that asks for it
+        # In a file, the tests that need no server first: the server starts with the first test that asks for it
         file_rank = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
         return file_rank, bool(SERVERS & set(item.fixturenames))
 
@@ -426,8 +426,8 @@ def free_port() -> int:
 
 
 def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_logprobs"):
-    """vLLM's OpenAI-compatible server on the tiny model, as docs/vllm.md starts it, for a module-scoped fixture;
-    stopped at the end. logprobs_mode: what a server started otherwise than docs/vllm.md says returns."""
+    """vLLM's OpenAI-compatible server on the tiny model, as docs/vllm.md starts it, for a fixture; stopped at the end.
+    logprobs_mode: what a server started otherwise than docs/vllm.md says returns."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = [
@@ -481,6 +481,37 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def server(tiny, tmp_path_factory):
+    """The tiny model's vLLM server, one for all the tests of a pytest worker that need it (it starts with the first):
+    every run and test pushes its weights before it samples, so what an earlier test left on it does not count."""
+    yield from start_vllm_server(tiny, tmp_path_factory)
+
+
+@pytest.fixture
+def dying_server(tiny, server):
+    """A server for a test to kill: tests/forwarder.py in front of the shared server, as {"url", "process"}. SIGKILLed,
+    it is what a run sees of a server that dies (connections reset, the port refused); the server behind serves on
+    (checked after the test: it completes a prompt)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tests", "forwarder.py"), str(port), server["url"].rsplit(":", 1)[1]],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield {"url": f"http://127.0.0.1:{port}", "process": proc}
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    body = json.dumps({"model": tiny["policy"], "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+    request = urllib.request.Request(server["url"] + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert len(json.load(response)["choices"]) == 1
 
 
 # ---- A tiny vision-language policy (LLaVA: a CLIP vision tower, a Llama language model) and a task on images --------

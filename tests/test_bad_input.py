@@ -20,7 +20,7 @@ from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo
 import rloo
 from rloo_utils.data import load_datasets, load_prompt_dataset
 from rloo_utils.errors import UsageError
-from rloo_utils.models import check_reward_model_config, load_reward_tokenizer
+from rloo_utils.models import check_reward_model_config, load_reward_tokenizer, load_tokenizers
 from rloo_utils.options import check_args
 from rloo_utils.rewards import call_reward_funcs
 from rloo_utils.vllm_engine import check_vllm_args
@@ -261,39 +261,33 @@ def test_folder_that_is_not_a_model(prompts_file, tmp_path):
     )
 
 
-@pytest.mark.slow
+def refused_on_loading(*argv, needles: tuple[str, ...]) -> None:
+    """The script's first loads (the data, then the tokenizers) from its command line refuse it with a UsageError that
+    says every needle: what the script prints as one line (test_folder_that_is_not_a_model holds that path)."""
+    args = tyro.cli(rloo.Args, args=list(map(str, argv)), use_underscores=True)
+    with pytest.raises(UsageError) as refusal:
+        train, _ = load_datasets(args)
+        load_tokenizers(args, train[0]["prompt"])
+    assert all(needle in str(refusal.value) for needle in needles), str(refusal.value)
+
+
 def test_dataset_without_prompt_column(tiny, tmp_path):
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"question": "x"}])
-    check_one_line_error(
-        run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path),
-        "has no 'prompt' column",
-        "question",
+    refused_on_loading(
+        "--model_name_or_path", tiny["policy"], "--dataset_name", data, needles=("has no 'prompt' column", "question")
     )
 
 
-@pytest.mark.slow
 def test_empty_dataset(tiny, tmp_path):
     data = tmp_path / "empty.csv"
     data.write_text("prompt\n")
-    check_one_line_error(
-        run_rloo("--model_name_or_path", tiny["policy"], "--dataset_name", data, cwd=tmp_path), "is empty"
-    )
+    refused_on_loading("--model_name_or_path", tiny["policy"], "--dataset_name", data, needles=("is empty",))
 
 
-@pytest.mark.slow
-def test_missing_split(tiny, prompts_file, tmp_path):
-    check_one_line_error(
-        run_rloo(
-            "--model_name_or_path",
-            tiny["policy"],
-            "--dataset_name",
-            os.path.dirname(prompts_file),
-            "--dataset_train_split",
-            "nope",
-            cwd=tmp_path,
-        ),
-        "has no split 'nope'",
-    )
+def test_missing_split(tiny, prompts_file):
+    data = os.path.dirname(prompts_file)
+    argv = ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--dataset_train_split", "nope"]
+    refused_on_loading(*argv, needles=("has no split 'nope'",))
 
 
 @pytest.mark.parametrize(
@@ -483,35 +477,27 @@ def copy_policy(tiny, folder, **tokenizer_changes):
     return folder
 
 
-@pytest.mark.slow
 def test_chat_prompts_need_a_chat_template(tiny, tmp_path):
     policy = copy_policy(tiny, tmp_path / "policy", chat_template=None)
     os.remove(policy / "chat_template.jinja")
     data = write_jsonl(str(tmp_path / "chat.jsonl"), [{"prompt": [{"role": "user", "content": "hi"}]}] * 8)
-    check_one_line_error(
-        run_rloo("--model_name_or_path", policy, "--dataset_name", data, cwd=tmp_path),
-        f"the prompts are chat messages, but the tokenizer of {policy} has no chat template",
-    )
+    needle = f"the prompts are chat messages, but the tokenizer of {policy} has no chat template"
+    refused_on_loading("--model_name_or_path", policy, "--dataset_name", data, needles=(needle,))
 
 
-@pytest.mark.slow
 def test_a_tokenizer_without_eos_is_refused(tiny, prompts_file, tmp_path):
     policy = copy_policy(tiny, tmp_path / "policy", eos_token=None)
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(policy).eos_token_id is None
-    check_one_line_error(
-        run_rloo("--model_name_or_path", policy, "--dataset_name", prompts_file, cwd=tmp_path),
-        f"the tokenizer of {policy} has no EOS token",
-    )
+    needle = f"the tokenizer of {policy} has no EOS token"
+    refused_on_loading("--model_name_or_path", policy, "--dataset_name", prompts_file, needles=(needle,))
 
 
-@pytest.mark.slow
-def test_stop_token_id_outside_the_vocabulary(tiny, prompts_file, tmp_path):
-    proc = run_rloo(
-        "--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--stop_token_id", 100000, cwd=tmp_path
-    )
-    check_one_line_error(proc, f"--stop_token_id 100000 is not in the vocabulary of {tiny['policy']} (400 tokens)")
+def test_stop_token_id_outside_the_vocabulary(tiny, prompts_file):
+    argv = ["--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--stop_token_id", 100000]
+    needle = f"--stop_token_id 100000 is not in the vocabulary of {tiny['policy']} (400 tokens)"
+    refused_on_loading(*argv, needles=(needle,))
 
 
 def save_classifier(tiny, folder, **config):

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, check_one_line_error, free_port, run_env, start_vllm_server, wait_for_updates, write_jsonl
+from conftest import ROOT, check_one_line_error, free_port, run_env, wait_for_updates, write_jsonl
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import compare_algorithms  # noqa: E402
@@ -928,12 +928,6 @@ def test_the_judge_refuses_a_lora_adapter_for_its_vllm_generator_before_loading(
     assert "generating" not in proc.stdout, line
 
 
-# Last in this file: the server (module-scoped) keeps a core busy from its first use to the end of the module
-@pytest.fixture(scope="module")
-def judge_server(tiny, tmp_path_factory):
-    yield from start_vllm_server(tiny, tmp_path_factory)
-
-
 def judge_data(folder) -> str:
     rows = [
         {"prompt": f"the movie was {w} and", "completion": f" it was {w} ."}
@@ -944,7 +938,7 @@ def judge_data(folder) -> str:
 
 
 @pytest.mark.slow
-def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_server, tmp_path):
+def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, server, tmp_path):
     """The tiny model judged by itself on a real vLLM server: whatever it answers, the win rate is counted from it."""
     common = [
         "--model_name_or_path",
@@ -954,7 +948,7 @@ def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_serve
         "--max_new_tokens",
         8,
         "--judge_base_url",
-        judge_server["url"] + "/v1",
+        server["url"] + "/v1",
         "--judge_model",
         tiny["policy"],
         "--judge_choice",
@@ -975,10 +969,7 @@ def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_serve
     # the answers are the server's: asked again (greedy), it says the same
     r = rows[0]
     first, second = (r["model"], r["reference"]) if r["model_position"] == 0 else (r["reference"], r["model"])
-    assert (
-        judge.ask_judge(judge_server["url"] + "/v1", tiny["policy"], None, r["prompt"], first, second, True)
-        == r["answer"]
-    )
+    assert judge.ask_judge(server["url"] + "/v1", tiny["policy"], None, r["prompt"], first, second, True) == r["answer"]
     # the completions come from the model: vLLM's greedy completions are HF generate's
     proc = run_script(JUDGE, *common, "--generator", "vllm", "--output", "vllm.jsonl", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -987,11 +978,11 @@ def test_the_judge_win_rate_comes_from_the_judges_real_answers(tiny, judge_serve
 
 
 @pytest.mark.slow
-def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_server, tmp_path):
+def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, server, tmp_path):
     data = judge_data(tmp_path)
     (tmp_path / "taken.jsonl").write_text("mine\n")
     common = ["--model_name_or_path", tiny["policy"], "--dataset_name", data, "--judge_model", tiny["policy"]]
-    url = judge_server["url"] + "/v1"
+    url = server["url"] + "/v1"
     for args, needles in [
         (["--judge_base_url", f"http://127.0.0.1:{free_port()}/v1"], ["does not answer"]),
         (["--judge_base_url", url, "--judge_model", "gpt-4o-mini"], ["does not serve --judge_model gpt-4o-mini"]),
@@ -1011,7 +1002,7 @@ def test_the_judge_refuses_bad_input_in_one_line_before_generating(tiny, judge_s
 
 
 @pytest.mark.slow
-def test_the_judge_releases_its_output_when_it_fails_after_claiming_it(tiny, judge_server, tmp_path, monkeypatch):
+def test_the_judge_releases_its_output_when_it_fails_after_claiming_it(tiny, server, tmp_path, monkeypatch):
     """A failure while generating (here an out-of-memory error) leaves no empty --output to block the rerun."""
 
     def out_of_memory(*args, **kwargs):
@@ -1026,7 +1017,7 @@ def test_the_judge_releases_its_output_when_it_fails_after_claiming_it(tiny, jud
         "--judge_model",
         tiny["policy"],
         "--judge_base_url",
-        judge_server["url"] + "/v1",
+        server["url"] + "/v1",
         "--generator",
         "hf",
         "--output",

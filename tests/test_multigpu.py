@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,6 @@ from conftest import (
     run_env,
     run_outcome,
     run_rloo,
-    start_vllm_server,
     wait_for_updates,
     write_jsonl,
 )
@@ -261,16 +261,25 @@ def resume_args(tiny, data, *extra):
     ]
 
 
-def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(tiny, prompts_file, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tiny, prompts_file, tmp_path_factory):
+    """The uninterrupted run of resume_args on 2 processes: its folder (checkpoints after updates 3 and 6) and
+    outcome."""
     from test_resume import weights_moved
 
-    reference, interrupted, killed = tmp_path / "reference", tmp_path / "interrupted", tmp_path / "killed"
-    reference.mkdir(), interrupted.mkdir(), killed.mkdir()
-    proc = run_torchrun(2, *resume_args(tiny, prompts_file), cwd=reference)
+    cwd = tmp_path_factory.mktemp("reference")
+    proc = run_torchrun(2, *resume_args(tiny, prompts_file), cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = run_outcome(str(reference / "runs" / "run"))
+    expected = run_outcome(str(cwd / "runs" / "run"))
     assert [r["episode"] for r in expected[0]] == [16 * i for i in range(1, 7)]
     assert weights_moved(expected[2], tiny["policy"]) and expected[0][-1]["kl"] != 0  # it trained (k1: either sign)
+    return cwd, expected
+
+
+def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(reference, tiny, prompts_file, tmp_path):
+    expected = reference[1]
+    interrupted, killed = tmp_path / "interrupted", tmp_path / "killed"
+    interrupted.mkdir(), killed.mkdir()
 
     # SIGKILL of every process after the checkpoint of update 3: the resumed run starts from it
     metrics = killed / "runs" / "run" / "metrics.jsonl"
@@ -319,15 +328,13 @@ def test_sigterm_on_one_process_or_sigkill_on_all_then_resume_is_the_same_run(ti
     assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
 
 
-def test_a_checkpoint_resumes_only_on_as_many_processes(tiny, prompts_file, tmp_path):
-    proc = run_torchrun(2, *resume_args(tiny, prompts_file, "--total_episodes", 48), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_checkpoint_resumes_only_on_as_many_processes(reference, tiny, prompts_file, tmp_path):
+    shutil.copytree(reference[0] / "runs", tmp_path / "runs")
     resumed = run_rloo(
-        *resume_args(tiny, prompts_file, "--total_episodes", 48, "--resume_from_checkpoint", "latest"),
-        cwd=tmp_path,
-        script="rloo_multigpu.py",
+        *resume_args(tiny, prompts_file, "--resume_from_checkpoint", "latest"), cwd=tmp_path, script="rloo_multigpu.py"
     )
     check_one_line_error(resumed, "written by 2 processes", "this run has 1")
+    assert run_outcome(str(tmp_path / "runs" / "run"))[0] == reference[1][0]  # the run's folder as it was
 
 
 @pytest.mark.parametrize(
@@ -559,11 +566,6 @@ def test_the_tldr_seed_command_runs_on_several_processes_as_documented(tiny, tmp
 
 
 # Last in this file: the server (module-scoped) keeps a core busy from its first use to the end of the module
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    yield from start_vllm_server(tiny, tmp_path_factory)
-
-
 def test_two_processes_sample_from_the_server_at_another_temperature(tiny, server, prompts_file, tmp_path):
     """The start-up check compares greedy log-probs at temperature 1 (vLLM's for greedy), whatever --temperature; the
     samples' log-probs are the trainer's at --temperature."""

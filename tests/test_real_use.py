@@ -107,7 +107,6 @@ def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
     """What ColocatedVLLM hands vllm.LLM on a GPU (sleep mode, bf16, CUDA graphs) names LLM's and EngineArgs' fields."""
     import inspect
 
-    import rloo_vllm
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
@@ -143,12 +142,10 @@ def test_sampling_parameters_and_server_requests_are_vllms(tiny, script):
         assert request.to_sampling_params(max_tokens=16, default_sampling_params={}).stop_token_ids == [2, 3]
 
 
-@pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
-def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
+def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny):
     """The trainer side of vLLM's NCCL weight transfer: init info (rank included), client and weight source, the
     engine's constructor, and a source whose tensors match the metadata the server sizes its buffers from (vLLM's own
     check). The NCCL rendezvous itself needs GPUs."""
-    import importlib
     import inspect
     import json
 
@@ -156,7 +153,6 @@ def test_the_nccl_weight_transfer_is_built_as_vllm_expects(tiny, script):
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-    rloo = importlib.import_module(script)
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     init_info, client, source = nccl_sender_parts("http://127.0.0.1:8000", 30.0, 2, policy)
     assert init_info.is_sender and init_info.world_size == 3
@@ -191,7 +187,6 @@ class ServerFailingOnRank1:
         self.rank = rank
 
     def generate(self, prompts, options, seeds):
-        import rloo_multigpu
 
         if self.rank == 1:
             raise RunError("the vLLM server at http://x does not answer /v1/completions")
@@ -277,12 +272,8 @@ def server_info(cuda_visible_devices=None) -> dict:
     return {"vllm_config": {}, "system_env": {"env_vars": env}}
 
 
-@pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
-def test_a_server_on_the_trainers_gpu_is_refused(script, monkeypatch):
+def test_a_server_on_the_trainers_gpu_is_refused(monkeypatch):
     """NCCL fails with "duplicate GPU" when the sender and a server worker share a GPU: refused before anything runs."""
-    import importlib
-
-    rloo = importlib.import_module(script)
     pretend_gpu(monkeypatch, count=4, current=0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(UsageError, match="runs on GPU 0, which this trainer uses too"):

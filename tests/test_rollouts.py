@@ -18,7 +18,6 @@ from rloo_utils.vllm_engine import check_vllm_args
 from tests.conftest import (
     run_outcome,
     run_rloo,
-    start_vllm_server,
 )
 from tests.test_multigpu import PER_MICRO_BATCH, run_torchrun
 from tests.test_vllm import kill_the_server_under_a_run, resume_args, sigkill_after_updates
@@ -202,11 +201,6 @@ def test_max_staleness_is_refused_where_it_cannot_be_overlapped_or_corrected(tin
     check_vllm_args(dataclasses.replace(rloo_vllm.Args(), max_staleness=1, vllm_mode="server"), server=True)
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    yield from start_vllm_server(tiny, tmp_path_factory)
-
-
 def server_args(tiny, prompts_file, server, *extra):
     return [*resume_args(tiny, prompts_file, "--vllm_mode", "server", "--vllm_server_base_url", server["url"], *extra)]
 
@@ -270,8 +264,8 @@ def test_rloo_multigpu_with_max_staleness_on_two_processes_is_the_run_of_one(tin
 
 @pytest.mark.slow
 def test_a_server_that_dies_under_a_background_rollout_is_one_line_and_the_run_keeps_its_checkpoint(
-    tiny, server, prompts_file, tmp_path
+    tiny, dying_server, prompts_file, tmp_path
 ):
-    """The last test of the module: it kills the server while the rollouts of later updates are being generated."""
-    args = server_args(tiny, prompts_file, server, "--max_staleness", 2, "--vllm_server_timeout", 10)
-    kill_the_server_under_a_run(server, args, tmp_path)
+    """The server dies while the rollouts of later updates are being generated."""
+    args = server_args(tiny, prompts_file, dying_server, "--max_staleness", 2, "--vllm_server_timeout", 10)
+    kill_the_server_under_a_run(dying_server, args, tmp_path)

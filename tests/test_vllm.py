@@ -153,11 +153,6 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         engine.close()
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    yield from start_vllm_server(tiny, tmp_path_factory)
-
-
 @pytest.mark.slow
 def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
@@ -700,7 +695,7 @@ def test_a_server_started_without_processed_logprobs_is_one_line_before_training
 
 
 def kill_the_server_under_a_run(server, args, tmp_path) -> None:
-    """Kill the server after the rloo_vllm.py run with `args` (a checkpoint every update) has logged 2 updates: the
+    """Kill the server (a dying_server) after the rloo_vllm.py run with `args` (a checkpoint every update) has logged 2 updates: the
     run stops with one line that names the server and its newest checkpoint, whose every checkpoint is complete."""
     args[args.index("--save_steps") + 1] = 1
     proc = subprocess.Popen(
@@ -730,7 +725,8 @@ def kill_the_server_under_a_run(server, args, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint(tiny, server, prompts_file, tmp_path):
-    """The last test of the module: it kills the server."""
-    where = ["--vllm_mode", "server", "--vllm_server_base_url", server["url"], "--vllm_server_timeout", 10]
-    kill_the_server_under_a_run(server, resume_args(tiny, prompts_file, *where), tmp_path)
+def test_a_server_that_dies_mid_run_is_one_line_and_the_run_keeps_its_checkpoint(
+    tiny, dying_server, prompts_file, tmp_path
+):
+    where = ["--vllm_mode", "server", "--vllm_server_base_url", dying_server["url"], "--vllm_server_timeout", 10]
+    kill_the_server_under_a_run(dying_server, resume_args(tiny, prompts_file, *where), tmp_path)
