@@ -100,7 +100,7 @@ from rloo_utils.rewards import (
     reward_model_inputs,
     reward_sources,
 )
-from rloo_utils.tools import check_tool_template, load_tool_use, tool_metrics
+from rloo_utils.tools import MultiTurn, check_tool_template, load_tool_use, tool_metrics
 from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 
@@ -625,6 +625,31 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
 
 
 # ---- Main: set-up, then the training loop ----------------------------------------------------------------------------
+# ---- A rollout -------------------------------------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """The completions of some prompts, sampled by the policy (Sampler.sample): the B rows of an update (each prompt's G
+    completions adjacent, so group g is rows [g*G, (g+1)*G)), a sample table's, or a chunk of an evaluation's."""
+
+    prompts: list  # (B,) as the dataset holds them: strings, or chat messages
+    columns: dict  # the dataset's other columns, B values each: what reward functions get besides the completions
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (B, C) padded with the pad token to --max_completion_length
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including the stop token
+    tool_mask: torch.Tensor  # (B, C) 1 on the tools' results between the model's turns (multi-turn rollouts)
+    ended: torch.Tensor  # (B,) whether each completion ended: a stop token came
+    num_truncated: int = 0  # how many prompts were cut to --max_prompt_length
+    images: Optional[list] = None  # a VLM's prompts: each row's image tensors (images_batch)
+    turns: Optional[MultiTurn] = None  # --tools, --environment: the conversations, their environments, the tool calls
+    sampling_logprobs: Optional[torch.Tensor] = None  # (B, C) the sampler's own log-probs (vLLM's); HF generate: None
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """(B, C) the tokens the policy chose (not the tools' results): only they enter the loss and the KL."""
+        return (self.completion_mask * (1 - self.tool_mask)).float()
+
+
 def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     check_args(args)
@@ -711,7 +736,6 @@ def main(args: Args) -> None:
     trainer_state = TrainerState(
         max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(train_dataset))
     )
-    reward_logs = RewardLogs()
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -728,8 +752,37 @@ def main(args: Args) -> None:
     )
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # The logs, and the progress bar (a resumed run's continue where its checkpoint ends)
-    logger = open_logger(args, run_dir, training_state, console, num_updates)
+    # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
+    sampler = Sampler(args, policy, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device, autocast)
+    scorer = Scorer(
+        args,
+        tokenizer,
+        reward_tokenizer,
+        reward_model,
+        reward_packing,
+        reward_funcs,
+        reward_names,
+        trainer_state,
+        device,
+        autocast,
+    )
+    table = (eval_dataset or train_dataset)[: args.num_sample_prompts]
+    table = (table["prompt"], {c: table[c] for c in extra_columns if c in table})  # prompts, columns
+    eval_funcs = (eval_metric_funcs, eval_metric_names)
+    logger = open_logger(args, run_dir, training_state, console, num_updates)  # a resumed run's logs go on
+    evaluator = Evaluator(
+        args,
+        sampler,
+        scorer,
+        table,
+        eval_prompts,
+        (greedy_config, eval_config),
+        eval_funcs,
+        reward_weights,
+        eos_ids,
+        console,
+        logger,
+    )
     console.print(
         f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
         f"{G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
@@ -738,239 +791,20 @@ def main(args: Args) -> None:
     )
     console.print(evaluation_plan(eval_prompts, args, evaluate_after))
 
-    def generate(model, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1) -> torch.Tensor:
-        """(B, C) completion ids, padded with pad_token_id to max_completion_length, in chunks; with seeds (one per
-        row), each chunk samples from the seed of its first row (the evaluation's random streams). copies: the rows
-        hold each prompt that many times in a row, whose forward is then made once (shared_prompt_cache)."""
-        model.eval()
-        chunks = []
-        for i in range(0, len(prompt_ids), args.local_rollout_forward_batch_size):
-            rows = slice(i, i + args.local_rollout_forward_batch_size)
-            if seeds is not None:
-                torch.manual_seed(seeds[i])
-            with torch.no_grad(), autocast():
-                shared = None  # the prompt's forward made once for its copies
-                if images is None:
-                    shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
-                out = model.generate(
-                    input_ids=prompt_ids[rows],
-                    attention_mask=prompt_mask[rows],
-                    past_key_values=shared,
-                    generation_config=config,
-                    **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, device, model.dtype)),
-                )
-            chunks.append(
-                F.pad(
-                    out[:, prompt_ids.shape[1] :],
-                    (0, args.max_completion_length - out.shape[1] + prompt_ids.shape[1]),
-                    value=tokenizer.pad_token_id,
-                )
-            )
-        return torch.cat(chunks)
-
-    def generate_turn(contexts: list[list[int]], budgets: list[int], rows, round_, config) -> list[tuple]:
-        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
-        far): the ids up to and including the first stop token, at most the row's budget of them (and no log-probs:
-        the policy's own forward gives them)."""
-        context_ids, context_mask = (t.to(device) for t in left_pad(contexts, tokenizer.pad_token_id))
-        config = copy.deepcopy(config)
-        config.max_new_tokens = max(budgets)
-        turn_ids = generate(policy, context_ids, context_mask, config)  # (b, C)
-        turn_mask, _ = completion_mask_from(turn_ids, stop_ids, eos_ids)
-        return [(ids[: min(int(m.sum()), b)].tolist(), None) for ids, m, b in zip(turn_ids, turn_mask, budgets)]
-
-    def complete(prompts: list, columns: dict, config, seeds=None, copies=1):
-        """The prompts tokenized and completed by the policy: (B, P) prompt ids and mask, how many prompts were
-        truncated, their images; (B, C) completion ids, completion mask and tool mask (1 on the tools' results); (B,)
-        whether each ended; the multi-turn rollouts, with --tools or --environment (else None)."""
-        turns = tool_use.start(prompts, columns) if tool_use else None  # environments reset; each row's tools
-        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer,
-            turns.prompts if turns else prompts,
-            args.max_prompt_length,
-            device,
-            processor,
-            columns.get(image_col),
-            args.chat_template_kwargs,
-            turns and turns.schemas,
-        )  # (B, P)
-        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
-            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
-            turns.generate(functools.partial(generate_turn, config=config), rows, tokenizer, stop_ids, args)
-            completion_ids, completion_mask, tool_mask, ended, _ = turns.tensors(tokenizer.pad_token_id, device)
-        else:
-            completion_ids = generate(policy, prompt_ids, prompt_mask, config, images, seeds, copies)  # (B, C)
-            completion_mask, ended = completion_mask_from(completion_ids, stop_ids, eos_ids)  # (B, C), (B,)
-            tool_mask = torch.zeros_like(completion_mask)
-        return prompt_ids, prompt_mask, num_truncated, images, completion_ids, completion_mask, tool_mask, ended, turns
-
-    def score(prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns=None):
-        """(B, F) rewards of every source (NaN where a function returned None), and the decoded completions. turns: a
-        multi-turn rollout's, whose messages the functions get as the completions, with its environments."""
-        texts = tokenizer.batch_decode(
-            completion_ids * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
-        )
-        per_source = []
-        if reward_model is not None:
-            chunk = args.local_rollout_forward_batch_size
-            if reward_tokenizer is None:  # it reads the policy's own token ids
-                input_ids = torch.cat([prompt_ids, completion_ids], 1)
-                attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-            else:
-                input_ids, attention_mask = (
-                    t.to(device)
-                    for t in reward_model_inputs(reward_tokenizer, prompts, texts, ended, args.chat_template_kwargs)
-                )
-            with autocast():
-                per_source.append(
-                    torch.cat(
-                        [
-                            reward_model_scores(
-                                reward_model, input_ids[i : i + chunk], attention_mask[i : i + chunk], reward_packing
-                            )
-                            for i in range(0, len(input_ids), chunk)
-                        ]
-                    ).cpu()
-                )
-            bad = (~per_source[0].isfinite()).nonzero()
-            if len(bad):
-                raise RunError(
-                    f"reward model {reward_names[0]} gave a non-finite score ({per_source[0][bad[0, 0]]}) at index "
-                    f"{int(bad[0, 0])}: check its weights, or leave out --bf16"
-                )
-        per_source += call_reward_funcs(
-            reward_funcs,
-            reward_names[len(per_source) :],
-            len(texts),
-            args.reward_timeout,
-            None,
-            **reward_func_arguments(prompts, texts, completion_ids, completion_mask, turns and turns.messages),
-            **({"environments": turns.environments} if turns else {}),
-            trainer_state=trainer_state,
-            log_extra=reward_logs.log_extra,
-            log_metric=reward_logs.log_metric,
-            **columns,
-        )
-        return torch.stack(per_source, 1).to(device), texts
-
-    def rollout_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, images) -> torch.Tensor:
-        model.eval()  # no adapter dropout: the sampling policy's log-probs
-        chunk = args.local_rollout_forward_batch_size
-        with torch.no_grad(), autocast():
-            return torch.cat(
-                [
-                    completion_logprobs(
-                        model,
-                        prompt_ids[i : i + chunk],
-                        prompt_mask[i : i + chunk],
-                        completion_ids[i : i + chunk],
-                        completion_mask[i : i + chunk],
-                        args.temperature,
-                        images=images_batch(images, slice(i, i + chunk), device, model.dtype),
-                        packing=packing,
-                    )
-                    for i in range(0, len(prompt_ids), chunk)
-                ]
-            ).float()
-
-    def sample_table(step: int) -> None:
-        """Greedy completions for a few fixed eval prompts: printed, and logged as a table."""
-        batch = (eval_dataset or train_dataset)[: args.num_sample_prompts]
-        columns = {c: batch[c] for c in extra_columns if c in batch}
-        prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, _, ended, turns = complete(
-            batch["prompt"], columns, greedy_config
-        )
-        rewards, completions = score(
-            batch["prompt"], prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
-        )
-        reward_logs.clear()  # what reward functions logged on these prompts is not the update's
-        rewards = weighted_reward(rewards, reward_weights).tolist()
-        rows = [
-            {"prompt": message_text(p), "completion": c, "reward": r}
-            for p, c, r in zip(batch["prompt"], completions, rewards)
-        ]
-        show_samples(console, logger, rows, step)
-
-    def evaluate(update: int, step: int) -> None:
-        """Held-out evaluation of the policy after `update`: --num_generations_eval completions of each test prompt
-        at --eval_temperature, from random streams of its own (the run trains as it would without it), scored by the
-        reward and the --eval_metric_funcs; their task metrics (rloo_utils/evaluation.py) logged under eval/."""
-        start, n = time.perf_counter(), args.num_generations_eval
-        prompts_per_chunk = max(1, args.local_rollout_forward_batch_size // n)
-        columns_of_test = [c for c in eval_prompts.column_names if c != "prompt"]
-        parts = defaultdict(list)  # per chunk: (b, F) rewards, (b, C) completions and mask, (b,) ended, metric values
-        with own_random_streams(args.seed, update, device):
-            for first in range(0, len(eval_prompts), prompts_per_chunk):
-                batch = eval_prompts[first : first + prompts_per_chunk]
-                prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
-                columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
-                seeds = evaluation_seeds(args.seed, update, first * n, len(prompts))
-                prompt_ids, prompt_mask, _, _, completion_ids, completion_mask, tool_mask, ended, turns = complete(
-                    prompts, columns, eval_config, seeds, n
-                )  # (b, P), (b, C), (b,)
-                rewards_per_func, completions = score(
-                    prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
-                )  # (b, F)
-                parts["metric_values"].append(
-                    call_reward_funcs(
-                        eval_metric_funcs,
-                        eval_metric_names,
-                        len(prompts),
-                        args.reward_timeout,
-                        check_metric_values,
-                        **reward_func_arguments(
-                            prompts, completions, completion_ids, completion_mask, turns and turns.messages
-                        ),
-                        **({"environments": turns.environments} if turns else {}),
-                        trainer_state=trainer_state,
-                        log_extra=reward_logs.log_extra,
-                        log_metric=reward_logs.log_metric,
-                        **columns,
-                    )
-                )
-                for name, value in [
-                    ("rewards", rewards_per_func),
-                    ("ids", completion_ids),
-                    ("mask", completion_mask * (1 - tool_mask)),  # the policy's tokens: the lengths count these
-                    ("ended", ended),
-                ]:
-                    parts[name].append(value)
-            reward_logs.clear()  # what the functions logged on the test prompts is no update's
-        rewards_per_func, completion_ids, completion_mask, ended = (
-            torch.cat(parts[name]) for name in ["rewards", "ids", "mask", "ended"]
-        )  # (R, F), (R, C), (R, C), (R,): R = n completions of each test prompt
-        rewards = weighted_reward(rewards_per_func, reward_weights).view(-1, n)  # (prompts, n)
-        values = joined_metric_values(parts["metric_values"], eval_metric_names, n)  # name -> ((prompts, n), boolean)
-        sources = data_sources(eval_prompts)
-        metrics = {
-            **reward_metrics(rewards_per_func, reward_names, reward_weights, rewards.view(-1), n),  # TRL's eval_ names
-            **completion_metrics(completion_ids, completion_mask, ended, eos_ids),
-            **task_metrics(rewards, values, args.eval_success_threshold),
-            **(per_source_metrics(rewards, values, args.eval_success_threshold, sources) if sources else {}),
-            "prompts": len(eval_prompts),
-            "seconds": time.perf_counter() - start,
-        }
-        logger.log(metrics, step, "eval")
-        console.print(evaluation_summary(metrics, update, n))
-
-    def save_weights(folder: str) -> None:
-        """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
-        policy.save_pretrained(os.path.join(folder, "policy"))
-        (processor or tokenizer).save_pretrained(os.path.join(folder, "policy"))
-
     # ---- Training loop -----------------------------------------------------------------------------------------------
     # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
+    save_weights = functools.partial(save_policy, policy=policy, tokenizer=processor or tokenizer)
     progress = guard.start(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, console, num_updates)
     batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
     for update in range(progress.update + 1, num_updates + 1):
         timer = StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
-                sample_table(progress.episode)
+                evaluator.sample_table(progress.episode)
         if progress.update in evaluate_after:  # the policy so far on the held-out prompts (update 0: before training)
-            evaluate(progress.update, progress.episode)
+            evaluator.evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
         # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
@@ -978,23 +812,17 @@ def main(args: Args) -> None:
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
         with timer("generation"):
-            prompt_ids, prompt_mask, num_truncated, images, completion_ids, completion_mask, tool_mask, ended, turns = (
-                complete(prompts, columns, generation_config)
-            )  # (B, P), (B, C), (B,)
-        mask = (completion_mask * (1 - tool_mask)).float()  # the tokens the policy chose: only they enter loss and KL
+            rollout = sampler.sample(prompts, columns, generation_config)  # (B, P) prompts, (B, C) completions
+        mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
         # log pi_old: a forward of its own only when the KL or a later minibatch needs it; else the update's forward
         # fills it
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         if not ratio_is_one or ref_policy is not None:
             with timer("old_logprobs"):
-                old_logprobs = rollout_logprobs(
-                    policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images
-                )
+                old_logprobs = rollout_logprobs(policy, rollout, args, autocast, packing)
         if ref_policy is not None:
             with timer("reference_forward"), adapter_disabled(ref_policy):
-                ref_logprobs = rollout_logprobs(
-                    ref_policy, prompt_ids, prompt_mask, completion_ids, completion_mask, images
-                )  # (B, C)
+                ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, packing)  # (B, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         trainer_state.global_step, trainer_state.epoch = (
@@ -1002,12 +830,10 @@ def main(args: Args) -> None:
             (progress.episode / G) / len(train_dataset),
         )
         with timer("reward"):
-            rewards_per_func, completions = score(
-                prompts, prompt_ids, prompt_mask, completion_ids, completion_mask, ended, columns, turns
-            )  # (B, F)
+            rewards_per_func, completions = scorer.score(rollout)  # (B, F)
         scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
         if args.missing_eos_penalty is not None:
-            scores = torch.where(ended, scores, scores - args.missing_eos_penalty)
+            scores = torch.where(rollout.ended, scores, scores - args.missing_eos_penalty)
         check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
         if args.normalize_reward:
             scores = whiten_nan(scores, eps=1e-8)
@@ -1024,7 +850,7 @@ def main(args: Args) -> None:
         # Advantage: the estimator's baseline over the scorable siblings of each group, then its normalisation
         in_loss = has_baseline(rlhf_reward, G)  # (B,) rows that enter the loss (scored, with a scored sibling)
         if args.mask_truncated_completions:
-            in_loss &= ended
+            in_loss &= rollout.ended
         kl_before = args.beta * (kl.cumsum(1) - kl) if args.token_level_kl else torch.zeros_like(kl)  # (B, C)
         advantages = compute_advantages(
             rlhf_reward, kl_before, in_loss, G, args.advantage_estimator, args.advantage_normalization
@@ -1049,13 +875,13 @@ def main(args: Args) -> None:
                         with autocast():
                             logprobs, entropy = completion_logprobs(
                                 policy,
-                                prompt_ids[idx],
-                                prompt_mask[idx],
-                                completion_ids[idx],
-                                completion_mask[idx],
+                                rollout.prompt_ids[idx],
+                                rollout.prompt_mask[idx],
+                                rollout.completion_ids[idx],
+                                rollout.completion_mask[idx],
                                 args.temperature,
                                 with_entropy=True,
-                                images=images_batch(images, idx, device, policy.dtype),
+                                images=images_batch(rollout.images, idx, device, policy.dtype),
                                 packing=packing,
                             )  # (b, C)
                         if (
@@ -1087,13 +913,14 @@ def main(args: Args) -> None:
                 progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
         progress.update = update
         progress.episode += batch_size
-        progress.num_tokens += int(prompt_mask.sum() + completion_mask.sum())
+        num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
+        progress.num_tokens += num_tokens
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
         micro = dict(zip(stats, torch.stack([torch.stack(v).float() for v in stats.values()]).tolist()))  # one sync
         losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
-        logged_columns, logged_metrics = reward_logs.take(len(prompts))  # what reward functions logged
+        logged_columns, logged_metrics = scorer.logs.take(len(prompts))  # what reward functions logged
         metrics = {
             "episode": progress.episode,
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
@@ -1101,8 +928,8 @@ def main(args: Args) -> None:
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
-            **completion_metrics(completion_ids, mask.long(), ended, eos_ids),  # the lengths of the policy's tokens
-            **(tool_metrics(turns.calls, turns.failures, len(prompts)) if turns else {}),
+            **completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # the policy's tokens
+            **(tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
             **update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -1112,9 +939,9 @@ def main(args: Args) -> None:
             # health and speed
             "advantages/mean": float(advantages[in_loss, 0].mean()) if in_loss.any() else 0.0,
             "advantages/std": float(advantages[in_loss, 0].std()) if in_loss.sum() > 1 else 0.0,
-            "prompts/truncated": num_truncated,
+            "prompts/truncated": rollout.num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
-            "perf/tokens_per_second": int(prompt_mask.sum() + completion_mask.sum()) / update_seconds,
+            "perf/tokens_per_second": num_tokens / update_seconds,
             "perf/generated_tokens_per_second": float(mask.sum()) / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
@@ -1137,9 +964,9 @@ def main(args: Args) -> None:
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
         guard.update_done(progress)
     if sample_every:
-        sample_table(progress.episode)  # the trained policy
+        evaluator.sample_table(progress.episode)  # the trained policy
     if progress.update in evaluate_after:
-        evaluate(progress.update, progress.episode)
+        evaluator.evaluate(progress.update, progress.episode)
 
     # ---- Output ------------------------------------------------------------------------------------------------------
     save_model(output_dir, policy, processor or tokenizer)  # with --use_peft: the adapter
@@ -1148,6 +975,272 @@ def main(args: Args) -> None:
     guard.finished()  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")
+
+
+# ---- The loop's seams: sampling, scoring, log-probs, held-out tables -------------------------------------------------
+class Sampler:
+    """Prompts in, a Rollout out: the policy completes them with HF generate, in one go or (--tools, --environment)
+    turn by turn with the tools' results in between (rloo_utils/tools.py); a VLM's images go beside its prompts."""
+
+    def __init__(self, args, policy, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device, autocast):
+        self.args, self.policy, self.tokenizer, self.processor = args, policy, tokenizer, processor
+        self.tool_use, self.image_col, self.stop_ids, self.eos_ids = tool_use, image_col, stop_ids, eos_ids
+        self.device, self.autocast = device, autocast
+
+    def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1) -> Rollout:
+        """The prompts tokenized and completed. seeds: one per row (the evaluation's random streams); copies: each
+        prompt's rows are that many in a row, whose prompt forward is then made once."""
+        tokenizer, args = self.tokenizer, self.args
+        turns = self.tool_use.start(prompts, columns) if self.tool_use else None  # environments reset; each row's tools
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
+            tokenizer,
+            turns.prompts if turns else prompts,
+            args.max_prompt_length,
+            self.device,
+            self.processor,
+            columns.get(self.image_col),
+            args.chat_template_kwargs,
+            turns and turns.schemas,
+        )  # (B, P)
+        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
+            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
+            turns.generate(functools.partial(self.generate_turn, config=config), rows, tokenizer, self.stop_ids, args)
+            completion_ids, completion_mask, tool_mask, ended, _ = turns.tensors(tokenizer.pad_token_id, self.device)
+        else:
+            completion_ids = self.generate(prompt_ids, prompt_mask, config, images, seeds, copies)  # (B, C)
+            completion_mask, ended = completion_mask_from(completion_ids, self.stop_ids, self.eos_ids)  # (B, C), (B,)
+            tool_mask = torch.zeros_like(completion_mask)
+        return Rollout(
+            prompts=prompts,
+            columns=columns,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            tool_mask=tool_mask,
+            ended=ended,
+            num_truncated=num_truncated,
+            images=images,
+            turns=turns,
+        )
+
+    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1) -> torch.Tensor:
+        """(B, C) completion ids, padded with the pad token to --max_completion_length, in chunks of
+        --local_rollout_forward_batch_size; with seeds, each chunk samples from the seed of its first row. copies: the
+        rows hold each prompt that many times in a row, whose forward is then made once (shared_prompt_cache)."""
+        model, chunk = self.policy, self.args.local_rollout_forward_batch_size
+        model.eval()
+        chunks = []
+        for i in range(0, len(prompt_ids), chunk):
+            rows = slice(i, i + chunk)
+            if seeds is not None:
+                torch.manual_seed(seeds[i])
+            with torch.no_grad(), self.autocast():
+                shared = None  # the prompt's forward made once for its copies
+                if images is None:
+                    shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
+                out = model.generate(
+                    input_ids=prompt_ids[rows],
+                    attention_mask=prompt_mask[rows],
+                    past_key_values=shared,
+                    generation_config=config,
+                    **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, self.device, model.dtype)),
+                )
+            padding = self.args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
+            chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=self.tokenizer.pad_token_id))
+        return torch.cat(chunks)
+
+    def generate_turn(self, contexts: list[list[int]], budgets: list[int], rows, round_, config) -> list[tuple]:
+        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
+        far): the ids up to and including the first stop token, at most the row's budget of them (and no log-probs:
+        the policy's own forward gives them)."""
+        context_ids, context_mask = (t.to(self.device) for t in left_pad(contexts, self.tokenizer.pad_token_id))
+        config = copy.deepcopy(config)
+        config.max_new_tokens = max(budgets)
+        turn_ids = self.generate(context_ids, context_mask, config)  # (b, C)
+        turn_mask, _ = completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
+        return [(ids[: min(int(m.sum()), b)].tolist(), None) for ids, m, b in zip(turn_ids, turn_mask, budgets)]
+
+
+class Scorer:
+    """A rollout's rewards, (B, F) by every source: the reward model first, then the reward functions (NaN where one
+    returned None). The functions get what TRL gives them (prompts, completions, completion_ids, the dataset's columns,
+    trainer_state, log_extra and log_metric; in multi-turn rollouts the conversations and environments)."""
+
+    def __init__(
+        self, args, tokenizer, reward_tokenizer, reward_model, packing, funcs, names, trainer_state, device, autocast
+    ):
+        self.args, self.tokenizer, self.reward_tokenizer, self.reward_model = (
+            args,
+            tokenizer,
+            reward_tokenizer,
+            reward_model,
+        )
+        self.packing, self.funcs, self.names, self.trainer_state = packing, funcs, names, trainer_state
+        self.device, self.autocast = device, autocast
+        self.logs = RewardLogs()  # what the functions log (log_extra, log_metric)
+
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, list[str]]:
+        """(B, F) rewards of every source, and the decoded completions."""
+        texts = self.tokenizer.batch_decode(
+            rollout.completion_ids * rollout.completion_mask
+            + self.tokenizer.pad_token_id * (1 - rollout.completion_mask),
+            skip_special_tokens=True,
+        )
+        per_source = [] if self.reward_model is None else [self.model_scores(rollout, texts)]
+        per_source += self.call(self.funcs, self.names[len(per_source) :], rollout, texts)
+        return torch.stack(per_source, 1).to(self.device), texts
+
+    def model_scores(self, rollout: Rollout, texts: list[str]) -> torch.Tensor:
+        """(B,) the reward model's scores, in chunks: of the policy's token ids, or (a reward model with a tokenizer of
+        its own) of the prompts and completions as text again."""
+        chunk = self.args.local_rollout_forward_batch_size
+        if self.reward_tokenizer is None:  # it reads the policy's own token ids
+            input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+        else:
+            input_ids, attention_mask = (
+                t.to(self.device)
+                for t in reward_model_inputs(
+                    self.reward_tokenizer, rollout.prompts, texts, rollout.ended, self.args.chat_template_kwargs
+                )
+            )
+        with self.autocast():
+            scores = torch.cat(
+                [
+                    reward_model_scores(
+                        self.reward_model, input_ids[i : i + chunk], attention_mask[i : i + chunk], self.packing
+                    )
+                    for i in range(0, len(input_ids), chunk)
+                ]
+            ).cpu()
+        bad = (~scores.isfinite()).nonzero()
+        if len(bad):
+            raise RunError(
+                f"reward model {self.names[0]} gave a non-finite score ({scores[bad[0, 0]]}) at index "
+                f"{int(bad[0, 0])}: check its weights, or leave out --bf16"
+            )
+        return scores
+
+    def call(self, funcs, names, rollout: Rollout, texts: list[str], check=None) -> list[torch.Tensor]:
+        """Each function's (B,) values on the rollout (call_reward_funcs: NaN for None, one line for a failure)."""
+        turns = rollout.turns
+        return call_reward_funcs(
+            funcs,
+            names,
+            len(texts),
+            self.args.reward_timeout,
+            check,
+            **reward_func_arguments(
+                rollout.prompts, texts, rollout.completion_ids, rollout.completion_mask, turns and turns.messages
+            ),
+            **({"environments": turns.environments} if turns else {}),
+            trainer_state=self.trainer_state,
+            log_extra=self.logs.log_extra,
+            log_metric=self.logs.log_metric,
+            **rollout.columns,
+        )
+
+
+def rollout_logprobs(model, rollout: Rollout, args, autocast, packing, support=None):
+    """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
+    --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution."""
+    model.eval()  # no adapter dropout: the sampling policy's log-probs
+    chunk, device = args.local_rollout_forward_batch_size, rollout.prompt_ids.device
+    with torch.no_grad(), autocast():
+        chunks = [
+            completion_logprobs(
+                model,
+                rollout.prompt_ids[i : i + chunk],
+                rollout.prompt_mask[i : i + chunk],
+                rollout.completion_ids[i : i + chunk],
+                rollout.completion_mask[i : i + chunk],
+                args.temperature,
+                images=images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
+                packing=packing,
+                support=support,
+            )
+            for i in range(0, len(rollout.prompt_ids), chunk)
+        ]
+    return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
+
+
+class Evaluator:
+    """What the run shows of the policy besides training: greedy sample tables of a few fixed prompts, and the held-out
+    evaluation (--eval_steps) of the test prompts, from random streams of its own (the run trains as it would
+    without it)."""
+
+    def __init__(
+        self, args, sampler, scorer, table, eval_prompts, configs, metric_funcs, weights, eos_ids, console, logger
+    ):
+        self.args, self.sampler, self.scorer, self.table, self.eval_prompts = args, sampler, scorer, table, eval_prompts
+        self.greedy_config, self.eval_config = configs
+        self.metric_funcs, self.metric_names = metric_funcs
+        self.weights, self.eos_ids, self.console, self.logger = weights, eos_ids, console, logger
+
+    def sample_table(self, step: int) -> None:
+        """Greedy completions of the table's prompts (the test split's first --num_sample_prompts, or the train
+        split's): printed, and logged as a table."""
+        prompts, columns = self.table
+        rollout = self.sampler.sample(prompts, columns, self.greedy_config)
+        rewards, completions = self.scorer.score(rollout)
+        self.scorer.logs.clear()  # what reward functions logged on these prompts is not the update's
+        rewards = weighted_reward(rewards, self.weights).tolist()
+        rows = [
+            {"prompt": message_text(p), "completion": c, "reward": r} for p, c, r in zip(prompts, completions, rewards)
+        ]
+        show_samples(self.console, self.logger, rows, step)
+
+    def evaluate(self, update: int, step: int) -> None:
+        """The policy after `update` on the test prompts: --num_generations_eval completions of each at
+        --eval_temperature, scored by the reward and the --eval_metric_funcs; their task metrics
+        (rloo_utils/evaluation.py) logged under eval/."""
+        args, eval_prompts, scorer = self.args, self.eval_prompts, self.scorer
+        start, n = time.perf_counter(), args.num_generations_eval
+        prompts_per_chunk = max(1, args.local_rollout_forward_batch_size // n)
+        columns_of_test = [c for c in eval_prompts.column_names if c != "prompt"]
+        parts = defaultdict(list)  # per chunk: (b, F) rewards, (b, C) completions and mask, (b,) ended, metric values
+        with own_random_streams(args.seed, update, self.sampler.device):
+            for first in range(0, len(eval_prompts), prompts_per_chunk):
+                batch = eval_prompts[first : first + prompts_per_chunk]
+                prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
+                columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
+                seeds = evaluation_seeds(args.seed, update, first * n, len(prompts))
+                rollout = self.sampler.sample(prompts, columns, self.eval_config, seeds, n)
+                rewards_per_func, completions = scorer.score(rollout)  # (b, F)
+                parts["metric_values"].append(
+                    scorer.call(self.metric_funcs, self.metric_names, rollout, completions, check_metric_values)
+                )
+                for name, value in [
+                    ("rewards", rewards_per_func),
+                    ("ids", rollout.completion_ids),
+                    ("mask", rollout.policy_mask.long()),  # the policy's tokens: the lengths count these
+                    ("ended", rollout.ended),
+                ]:
+                    parts[name].append(value)
+            scorer.logs.clear()  # what the functions logged on the test prompts is no update's
+        rewards_per_func, completion_ids, completion_mask, ended = (
+            torch.cat(parts[name]) for name in ["rewards", "ids", "mask", "ended"]
+        )  # (R, F), (R, C), (R, C), (R,): R = n completions of each test prompt
+        rewards = weighted_reward(rewards_per_func, self.weights).view(-1, n)  # (prompts, n)
+        values = joined_metric_values(parts["metric_values"], self.metric_names, n)  # name -> ((prompts, n), boolean)
+        sources = data_sources(eval_prompts)
+        metrics = {
+            **reward_metrics(rewards_per_func, scorer.names, self.weights, rewards.view(-1), n),  # TRL's eval_ names
+            **completion_metrics(completion_ids, completion_mask, ended, self.eos_ids),
+            **task_metrics(rewards, values, args.eval_success_threshold),
+            **(per_source_metrics(rewards, values, args.eval_success_threshold, sources) if sources else {}),
+            "prompts": len(eval_prompts),
+            "seconds": time.perf_counter() - start,
+        }
+        self.logger.log(metrics, step, "eval")
+        self.console.print(evaluation_summary(metrics, update, n))
+
+
+def save_policy(folder: str, policy, tokenizer) -> None:
+    """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
+    policy.save_pretrained(os.path.join(folder, "policy"))
+    tokenizer.save_pretrained(os.path.join(folder, "policy"))
 
 
 # ---- Data ------------------------------------------------------------------------------------------------------------

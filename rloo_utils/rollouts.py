@@ -22,7 +22,7 @@ from rloo_utils.processes import get_rank, get_world_size
 
 
 @dataclass
-class Rollout:
+class QueuedRollout:
     """What an update trains on: its request (prompts, columns, seeds...), the engine's outputs (per completion: token
     ids and their sampling log-probs; None where the script generates at take time), the weight version that sampled
     it, and the seconds its generation took."""
@@ -55,25 +55,26 @@ class Generation:
         self.seconds = time.perf_counter() - start
         self.finished = True
 
-    def result(self) -> Rollout:
+    def result(self) -> QueuedRollout:
         if self.thread is not None:
             self.thread.join()
         elif not self.finished:
             self.run()
         if self.error is not None:
             raise self.error
-        return Rollout(self.request, self.outputs, self.version, self.seconds)
+        return QueuedRollout(self.request, self.outputs, self.version, self.seconds)
 
 
 class RolloutQueue:
     """The rollouts of the coming updates (max_staleness + 1 of them at most), each sampled from its scheduled weights.
-    request(update): what the rollout samples (called once per update, in order); generate(request): the engine's
-    outputs for it, run in a thread when max_staleness > 0 (it must not use the tokenizer or a collective). Its
-    state_dict() is what a checkpoint holds: the finished rollouts of weights older than the newest."""
+    generate(request): the engine's outputs for a rollout's request, run in a thread when max_staleness > 0 (it must not
+    use the tokenizer or a collective); request(update), given to start(): what the rollout samples (called once per
+    update, in order). Its state_dict() is what a checkpoint holds: the finished rollouts of weights older than the
+    newest."""
 
-    def __init__(self, max_staleness: int, num_updates: int, request: Callable, generate: Callable):
-        self.max_staleness, self.num_updates = max_staleness, num_updates
-        self.request, self.generate = request, generate
+    def __init__(self, max_staleness: int, num_updates: int, generate: Callable):
+        self.max_staleness, self.num_updates, self.generate = max_staleness, num_updates, generate
+        self.request: Callable = None  # update -> its rollout's request (start)
         self.pending: dict[int, Generation] = {}  # update -> its rollout's generation
         self.saved: dict[int, dict] = {}  # update -> {"version", "outputs", "seconds"}, from a checkpoint
         self.version = 0  # the weights the engine holds: those after this update
@@ -82,10 +83,11 @@ class RolloutQueue:
         """v(j): the weights the rollout of update j is sampled from."""
         return max(0, update - 1 - self.max_staleness)
 
-    def start(self, version: int) -> None:
+    def start(self, version: int, request: Callable) -> None:
         """The weights after update `version` are on the engine (0: a new run): ask for every rollout they or older
-        weights sample. A checkpoint's rollouts are used where they are at most max_staleness versions old."""
-        self.version = version
+        weights sample, request(update) saying what each samples. A checkpoint's rollouts are used where they are at
+        most max_staleness versions old."""
+        self.version, self.request = version, request
         for update in range(version + 1, min(version + 1 + self.max_staleness, self.num_updates) + 1):
             request = self.request(update)
             kept = self.saved.pop(update, None)
@@ -95,7 +97,7 @@ class RolloutQueue:
                 self.pending[update] = Generation(self.generate, request, version, self.max_staleness > 0)
         self.saved.clear()
 
-    def take(self, update: int) -> Rollout:
+    def take(self, update: int) -> QueuedRollout:
         """The rollout of this update, waited for (a failure of its generation is raised here)."""
         return self.pending.pop(update).result()
 

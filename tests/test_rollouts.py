@@ -65,8 +65,8 @@ def train(queue: RolloutQueue, engine: RecordingEngine, first: int, last: int) -
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 def test_each_rollout_is_sampled_from_the_weights_the_schedule_gives_and_never_under_a_push(max_staleness):
     engine = RecordingEngine()
-    queue = RolloutQueue(max_staleness, 6, engine.request, engine.generate)
-    queue.start(0)
+    queue = RolloutQueue(max_staleness, 6, engine.generate)
+    queue.start(0, engine.request)
     versions = train(queue, engine, 1, 6)
     # v(j) = max(0, j - 1 - N): at most N versions older than the policy that trains on it (after update j - 1)
     assert versions == [max(0, j - 1 - max_staleness) for j in range(1, 7)]
@@ -88,14 +88,14 @@ def test_with_max_staleness_the_next_rollout_is_generated_while_the_update_train
             next_one_generated.set()
         return [([request["update"]], [0.0])]
 
-    queue = RolloutQueue(1, 3, lambda update: {"update": update}, generate)
-    queue.start(0)
+    queue = RolloutQueue(1, 3, generate)
+    queue.start(0, lambda update: {"update": update})
     queue.take(1)
     # update 1 trains: the rollout of update 2 is generated meanwhile, in the queue's thread, before anyone takes it
     assert next_one_generated.wait(timeout=60)
     generated.clear()
-    synchronous = RolloutQueue(0, 3, lambda update: {"update": update}, generate)
-    synchronous.start(0)
+    synchronous = RolloutQueue(0, 3, generate)
+    synchronous.start(0, lambda update: {"update": update})
     assert generated == []  # N = 0: a rollout is generated when its update takes it, from the newest weights
     synchronous.take(1)
     assert generated == [1]
@@ -104,8 +104,8 @@ def test_with_max_staleness_the_next_rollout_is_generated_while_the_update_train
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_a_failed_generation_is_raised_in_the_training_loop_before_its_update_trains(max_staleness):
     engine = RecordingEngine(fail_at=3)
-    queue = RolloutQueue(max_staleness, 6, engine.request, engine.generate)
-    queue.start(0)
+    queue = RolloutQueue(max_staleness, 6, engine.generate)
+    queue.start(0, engine.request)
     with pytest.raises(RunError, match="update 3"):
         train(queue, engine, 1, 6)
     trained = [u for kind, u in engine.events if kind == "trained"]
@@ -115,13 +115,13 @@ def test_a_failed_generation_is_raised_in_the_training_loop_before_its_update_tr
 
 def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_goes_on_as_the_first():
     engine = RecordingEngine()
-    uninterrupted = RolloutQueue(2, 8, engine.request, engine.generate)
-    uninterrupted.start(0)
+    uninterrupted = RolloutQueue(2, 8, engine.generate)
+    uninterrupted.start(0, engine.request)
     expected = train(uninterrupted, engine, 1, 8)
 
     engine = RecordingEngine()
-    queue = RolloutQueue(2, 8, engine.request, engine.generate)
-    queue.start(0)
+    queue = RolloutQueue(2, 8, engine.generate)
+    queue.start(0, engine.request)
     train(queue, engine, 1, 3)
     state = queue.state_dict()
     # after update 3: the rollouts of updates 4 and 5 (from the weights after updates 1 and 2) are kept; that of
@@ -134,9 +134,9 @@ def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_go
 
     resumed_engine = RecordingEngine()
     resumed_engine.push(3)  # the checkpoint's weights
-    resumed = RolloutQueue(2, 8, resumed_engine.request, resumed_engine.generate)
+    resumed = RolloutQueue(2, 8, resumed_engine.generate)
     resumed.load_state_dict(state)
-    resumed.start(3)
+    resumed.start(3, resumed_engine.request)
     assert [u for kind, u in resumed_engine.events if kind == "asked"] == [4, 5, 6]  # every request made again
     assert resumed.pending[4].seconds == state["per_process"][0][4]["seconds"]
     assert expected[3:] == train(resumed, resumed_engine, 4, 8)
@@ -144,15 +144,15 @@ def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_go
 
 def test_a_kept_rollout_staler_than_max_staleness_is_sampled_again():
     engine = RecordingEngine()
-    queue = RolloutQueue(2, 8, engine.request, engine.generate)
-    queue.start(0)
+    queue = RolloutQueue(2, 8, engine.generate)
+    queue.start(0, engine.request)
     train(queue, engine, 1, 3)
     state = queue.state_dict()
     engine = RecordingEngine()
     engine.push(3)
-    resumed = RolloutQueue(1, 8, engine.request, engine.generate)
+    resumed = RolloutQueue(1, 8, engine.generate)
     resumed.load_state_dict(state)
-    resumed.start(3)
+    resumed.start(3, engine.request)
     # kept: the rollouts of updates 4 and 5, from the weights after updates 1 and 2: 2 versions old, too stale for
     # N = 1, sampled again from the checkpoint's weights
     assert (resumed.take(4).version, resumed.take(5).version) == (3, 3)

@@ -1,11 +1,13 @@
 """The scripts repeat the algorithm on purpose, so that each stands alone; this keeps what they share identical.
 
-Every top-level function, class and constant defined in more than one script must have the same source in each, except
-the intended differences named below, each with its reason. A fix in one script is then a fix in all of them.
+Every top-level function, class and constant defined in more than one script must have the same source in each (a class
+method by method: the loop's seams share what they can), except the intended differences named below, each with its
+reason. A fix in one script is then a fix in all of them.
 """
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -21,16 +23,36 @@ INTENDED_DIFFERENCES = {
     "weights_for_vllm": "rloo_multigpu.py: the shards gathered one tensor at a time",
     "main": "the driver: rloo_vllm.py generates with vLLM and syncs its weights; rloo_multigpu.py forms the process group, "
     "shards the models and gathers the batch",
+    "Sampler": "the generation: HF generate; vLLM's engine; a sharded HF generate, or a vLLM server",
+    "Sampler.__init__": "what each generates with: the policy, vLLM's engine, the policy or a server",
+    "Sampler.sample": "vLLM gives log-probs with its completions, and takes the dataset's images as they are",
+    "Sampler.generate": "HF generate; vLLM's engine; HF generate on a sharded model, or a server",
+    "Sampler.generate_turn": "a multi-turn rollout's turn: HF's generation config, or vLLM's sampling parameters",
+    "Sampler.request": "rloo_multigpu.py: this process's share of the batch, and of its seeds",
+    "Sampler.background_outputs": "rloo_vllm.py: vLLM's engine or a server; rloo_multigpu.py: a server",
+    "Scorer.model_scores": "rloo_multigpu.py: the reward model's FSDP units resharded after its forward",
+    "Evaluator.sample_table": "rloo_multigpu.py: a reward function that fails on one process stops all of them",
+    "Evaluator.evaluate": "rloo_multigpu.py: each process evaluates its share of the prompts, gathered after",
+    "save_policy": "rloo_multigpu.py: every process writes its shards, and the optimizer's",
 }
 
 
 def top_level_definitions(script: str) -> dict[str, str]:
-    """name -> source of each top-level def, class and NAME = ... assignment."""
+    """name -> source of each top-level def, class and NAME = ... assignment; a class's methods as Class.method, the
+    class itself as the rest of its body (docstring, fields)."""
     with open(os.path.join(ROOT, script)) as f:
         source = f.read()
     definitions = {}
     for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        if isinstance(node, ast.ClassDef):
+            methods = [n for n in node.body if isinstance(n, ast.FunctionDef)]
+            rest = [ast.get_source_segment(source, n) for n in node.body if n not in methods]
+            definitions[node.name] = "\n".join(
+                [f"class {node.name}", *[ast.unparse(d) for d in node.decorator_list], *rest]
+            )
+            for method in methods:
+                definitions[f"{node.name}.{method.name}"] = ast.get_source_segment(source, method)
+        elif isinstance(node, ast.FunctionDef):
             definitions[node.name] = ast.get_source_segment(source, node)
         elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
             for target in node.targets:
@@ -139,12 +161,16 @@ def test_a_script_imports_only_the_plumbing_it_uses(script):
 # `diff rloo.py <script>` shows generation and weight sync, or the process group, sharding and reductions.
 ADDED = {
     "rloo_vllm.py": {
+        "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples",
+        "Sampler.background_outputs": "the rollout queue: an update's completions made ahead, in its thread",
         "ColocatedVLLM": "vLLM's engine in this process",
         "weights_for_vllm": "weight sync: the policy's weights as vLLM loads them",
         "importance_sampling_weights": "the off-policy correction of vLLM's samples (truncated importance sampling)",
         "sampling_metrics": "how far vLLM's log-probs are from the trainer's",
     },
     "rloo_multigpu.py": {
+        "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples, this process's share",
+        "Sampler.background_outputs": "the rollout queue: an update's completions made ahead by the server",
         "init_processes": "the process group",
         "shard": "FSDP2 sharding",
         "reshard": "forward-only FSDP units resharded after their forward",
@@ -164,7 +190,8 @@ ADDED = {
 def test_a_script_adds_to_rloo_py_only_its_own_concern(script):
     """A design check: everything rloo.py defines is in every script, and a script adds only what ADDED names."""
     assert not DEFINITIONS["rloo.py"].keys() - DEFINITIONS[script].keys(), f"{script} lacks a definition of rloo.py"
-    added = DEFINITIONS[script].keys() - DEFINITIONS["rloo.py"].keys()
+    new = DEFINITIONS[script].keys() - DEFINITIONS["rloo.py"].keys()
+    added = {name for name in new if "." not in name or name.split(".")[0] not in new}  # a new class brings its methods
     assert added == ADDED.get(script, {}).keys(), (
         f"{script} adds {sorted(added - ADDED.get(script, {}).keys())} "
         f"and no longer has {sorted(ADDED.get(script, {}).keys() - added)}: "
@@ -213,3 +240,23 @@ def test_every_option_has_a_one_line_help(script):
     docs = [n.value.value for n in args.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)]
     assert len(docs) == len(fields) > 50, "every option has its docstring"
     assert [d for d in docs if "\n" in d] == []
+
+
+def test_the_readme_links_to_the_lines_it_names():
+    """The README's links into rloo.py, [`name`](rloo.py#L<n>), land on the line that opens what they name: a stage's
+    comment, or the def or class of a function or seam (a line number that drifts with an edit fails here)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        links = re.findall(r"\[`([^`]+)`\]\(rloo\.py#L(\d+)\)", f.read())
+    with open(os.path.join(ROOT, "rloo.py")) as f:
+        lines = f.read().splitlines()
+    assert len(links) >= 10  # the six stages, main() and the seams
+
+    def opens(line: str, name: str) -> bool:
+        line = line.strip()
+        return line.startswith(name) or bool(re.match(rf"(def|class) {re.escape(name.removesuffix('()'))}\b", line))
+
+    for name, number in links:
+        where = [i for i, line in enumerate(lines, 1) if opens(line, name)]
+        assert where == [int(number)], (
+            f"the README links {name} to rloo.py line {number}; the lines that open it: {where}"
+        )

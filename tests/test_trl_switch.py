@@ -1,5 +1,5 @@
 """A TRL user switches without friction: TRL's options (model loading, sampling, schedules, advantage normalisation,
-completion tables), reward functions written for TRL 1.16 run unchanged, and the README maps every RLOOConfig field."""
+completion tables), reward functions written for TRL 1.16 run unchanged, and docs/options.md maps every RLOOConfig field."""
 
 import dataclasses
 import glob
@@ -364,20 +364,20 @@ def trl_config_fields() -> list[str]:
 
 
 def migration_table() -> dict[str, str]:
-    """The README's table: TRL's option -> what to give here (or why not)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    section = readme[readme.index("<!-- migration table -->") :]
+    """The migration table of docs/options.md: TRL's option -> what to give here (or why not)."""
+    with open(os.path.join(ROOT, "docs", "options.md")) as f:
+        options = f.read()
+    section = options[options.index("<!-- migration table -->") :]
     rows = re.findall(r"^\| `([a-z0-9_]+)` \| (.+) \|$", section, flags=re.M)
     return dict(rows)
 
 
-def test_the_readme_maps_every_rlooconfig_field_of_trl():
+def test_the_migration_table_maps_every_rlooconfig_field_of_trl():
     """Every field RLOOConfig adds to TrainingArguments (TRL 1.16), and the TrainingArguments fields a TRL user sets,
     has a row; every flag a row names is an option of the scripts."""
     table = migration_table()
     missing = sorted(set(trl_config_fields()) - set(table))
-    assert not missing, f"the README's migration table has no row for {missing}"
+    assert not missing, f"the migration table (docs/options.md) has no row for {missing}"
     for name in [
         "learning_rate",
         "lr_scheduler_type",
