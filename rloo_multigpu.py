@@ -877,20 +877,7 @@ def main(args: Args) -> None:
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
-    sampler = Sampler(
-        args,
-        policy,
-        server,
-        tokenizer,
-        processor,
-        tool_use,
-        image_col,
-        stop_ids,
-        eos_ids,
-        device,
-        generation_config,
-        own_rows,
-    )
+    sampler = Sampler(args, policy, server, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device)
     scorer = Scorer(
         args,
         tokenizer,
@@ -958,7 +945,7 @@ def main(args: Args) -> None:
     batches = prompt_batches(
         train_dataset, prompts_per_rollout, args.seed, progress.update, rank, world_size
     )  # one per update
-    rollouts.start(progress.update, functools.partial(sampler.request, batches))
+    rollouts.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
         timer = StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
@@ -1244,24 +1231,10 @@ class Sampler:
     between (rloo_utils/tools.py); a VLM's images go beside its prompts. With --max_staleness the rollout queue asks the
     server for an update's completions ahead (request, then background_outputs in its thread); sample() takes them."""
 
-    def __init__(
-        self,
-        args,
-        policy,
-        server,
-        tokenizer,
-        processor,
-        tool_use,
-        image_col,
-        stop_ids,
-        eos_ids,
-        device,
-        config,
-        own_rows,
-    ):
+    def __init__(self, args, policy, server, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device):
         self.args, self.policy, self.server, self.tokenizer, self.processor = args, policy, server, tokenizer, processor
         self.tool_use, self.image_col, self.stop_ids, self.eos_ids = tool_use, image_col, stop_ids, eos_ids
-        self.device, self.config, self.own_rows = device, config, own_rows  # own_rows: this process's first row
+        self.device = device
 
     def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
         """The prompts tokenized and completed: (b, ...) tensors of this process's rows. seeds: one per row; copies:
@@ -1371,17 +1344,17 @@ class Sampler:
             for i, (ids, n) in enumerate(zip(turn_ids, lengths))
         ]
 
-    def request(self, batches, update: int) -> dict:
+    def request(self, batches, config, update: int) -> dict:
         """What the rollout of an update samples: this process's prompts of the next batch, each repeated G times (its
-        completions adjacent, so group g is rows [g*G, (g+1)*G)), their columns and the seeds; with --max_staleness also
-        the prompts' token ids, tokenized here: the queue generates in a thread of its own, and a tokenizer is not
-        thread-safe."""
+        completions adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters
+        (config); with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of
+        its own, and a tokenizer is not thread-safe."""
         batch, G = next(batches), self.args.num_generations
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
-        batch_size = len(prompts) * dist.get_world_size()
-        seeds = sampling_seeds(self.args.seed, update, batch_size)[self.own_rows : self.own_rows + len(prompts)]
-        request = {"prompts": prompts, "columns": columns, "seeds": seeds}
+        own_rows = dist.get_rank() * len(prompts)  # this process's first row of the batch
+        seeds = sampling_seeds(self.args.seed, update, len(prompts) * dist.get_world_size())[own_rows:][: len(prompts)]
+        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
         if self.args.max_staleness:
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
@@ -1401,7 +1374,7 @@ class Sampler:
         if "token_ids" not in request:
             return None
         token_ids, images = request["token_ids"], request["columns"].get(self.image_col)
-        return self.server.generate(token_ids, self.config, request["seeds"], images)
+        return self.server.generate(token_ids, request["config"], request["seeds"], images)
 
 
 class Scorer:

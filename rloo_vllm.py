@@ -832,9 +832,7 @@ def main(args: Args) -> None:
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
-    sampler = Sampler(
-        args, engine, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device, generation_config
-    )
+    sampler = Sampler(args, engine, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device)
     scorer = Scorer(
         args,
         tokenizer,
@@ -891,7 +889,7 @@ def main(args: Args) -> None:
     save_weights = functools.partial(save_policy, policy=policy, tokenizer=processor or tokenizer)
     progress = guard.start(save_weights, stateful, logger, console, num_updates)
     batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
-    rollouts.start(progress.update, functools.partial(sampler.request, batches))
+    rollouts.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
         timer = StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
@@ -1126,10 +1124,10 @@ class Sampler:
     prompts, as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout queue asks
     for an update's completions ahead (request, then background_outputs in its thread), and sample() takes them."""
 
-    def __init__(self, args, engine, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device, config):
+    def __init__(self, args, engine, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device):
         self.args, self.engine, self.tokenizer, self.processor = args, engine, tokenizer, processor
         self.tool_use, self.image_col, self.stop_ids, self.eos_ids = tool_use, image_col, stop_ids, eos_ids
-        self.device, self.config = device, config  # config: the rollouts' sampling parameters
+        self.device = device
 
     def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
         """The prompts tokenized and completed. seeds: one per row; copies: each prompt's rows are that many in a row
@@ -1191,19 +1189,16 @@ class Sampler:
         pad_completions(outputs, max(budgets), self.tokenizer.pad_token_id, self.stop_ids, self.device)  # each ended
         return [(ids[:budget], logprobs[:budget]) for (ids, logprobs), budget in zip(outputs, budgets)]
 
-    def request(self, batches, update: int) -> dict:
+    def request(self, batches, config, update: int) -> dict:
         """What the rollout of an update samples: the next batch's prompts, each repeated G times (its completions
-        adjacent, so group g is rows [g*G, (g+1)*G)), their columns and the seeds; with --max_staleness also the
-        prompts' token ids, tokenized here: the queue generates in a thread of its own, and a tokenizer is not
-        thread-safe."""
+        adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
+        with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
+        and a tokenizer is not thread-safe."""
         batch, G = next(batches), self.args.num_generations
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
-        request = {
-            "prompts": prompts,
-            "columns": columns,
-            "seeds": sampling_seeds(self.args.seed, update, len(prompts)),
-        }
+        seeds = sampling_seeds(self.args.seed, update, len(prompts))
+        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
         if self.args.max_staleness:
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
@@ -1223,7 +1218,7 @@ class Sampler:
         if "token_ids" not in request:
             return None
         return self.engine.generate(
-            request["token_ids"], self.config, request["seeds"], request["columns"].get(self.image_col)
+            request["token_ids"], request["config"], request["seeds"], request["columns"].get(self.image_col)
         )
 
 
