@@ -222,7 +222,7 @@ class Args:
     """per-token KL: k1 = log p - log p_ref; k3 = exp(-d) + d - 1 (Schulman 2020)"""
     token_level_kl: bool = False
     """each token's advantage carries the KL penalties from that token on (REINFORCE++ eq. 1)"""
-    advantage_estimator: Literal["rloo", "grpo", "dr_grpo", "reinforce_pp"] = "rloo"
+    advantage_estimator: "AdvantageEstimator" = "rloo"
     """baseline within each group of G: rloo = mean of the other G-1; grpo, dr_grpo, reinforce_pp = the group mean"""
     advantage_normalization: Literal["estimator", "none", "group", "batch"] = "estimator"
     """scaling of the centred advantages: none, group (/ group std), batch (whitened), or the estimator's own"""
@@ -344,10 +344,6 @@ RESUMABLE_CHANGES = {
 }
 
 
-# The scaling an estimator comes with, in its paper; any other: none
-ESTIMATOR_NORMALIZATION = {"grpo": "group", "reinforce_pp": "batch"}
-
-
 def resolve_defaults(args: Args) -> Args:
     """Fill in the defaults that depend on other options (after the checks, which see what the user gave)."""
     gspo = args.loss_type == "gspo"  # the GSPO paper's clip range, on its sequence ratio
@@ -357,7 +353,7 @@ def resolve_defaults(args: Args) -> Args:
         epsilon_high = 4e-4 if gspo and args.epsilon is None else epsilon
     normalization = args.advantage_normalization
     if normalization == "estimator":
-        normalization = ESTIMATOR_NORMALIZATION.get(args.advantage_estimator, "none")
+        normalization = ESTIMATORS[args.advantage_estimator][1]
         normalization = "batch" if args.normalize_advantages else normalization
     aggregation = args.loss_aggregation or ("seq-mean-token-mean" if gspo else "token-mean")
     sapo = args.loss_type == "sapo"
@@ -434,6 +430,17 @@ def has_baseline(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return (scorable & (scorable.sum(1, keepdim=True) > 1)).view(-1)
 
 
+# The advantage estimators: each a baseline, (B,) rewards and G -> (B,) rewards centred within their groups, and the
+# scaling it comes with in its paper (--advantage_normalization estimator). A new estimator is a function and an entry.
+ESTIMATORS = {
+    "rloo": (rloo_advantages, "none"),  # r_i - mean_{j != i} r_j (Ahmadian et al. 2024)
+    "grpo": (group_mean_advantages, "group"),  # (r_i - mean) / (std + 1e-4) (Shao et al. 2024)
+    "dr_grpo": (group_mean_advantages, "none"),  # r_i - mean (Liu et al. 2025)
+    "reinforce_pp": (group_mean_advantages, "batch"),  # r_i - mean, whitened over the batch (Hu 2025)
+}
+AdvantageEstimator = Literal[tuple(ESTIMATORS)]  # --advantage_estimator's choices
+
+
 def whiten_over_batch(advantages: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(A - mean) / (std + 1e-4) over the rows that carry a gradient (the others stay 0), and the divisor."""
     if valid.sum() < 2:
@@ -454,10 +461,8 @@ def compute_advantages(rewards, kl_before, in_loss, num_generations: int, estima
     dr_grpo       r_i - mean                              (Liu et al. 2025, Dr. GRPO)
     reinforce_pp  r_i - mean, then whitened over the batch (Hu 2025, REINFORCE++)
     """
-    if estimator == "rloo":
-        advantages = rloo_advantages(rewards, num_generations)  # (B,)
-    else:
-        advantages = group_mean_advantages(rewards, num_generations)
+    baseline, _ = ESTIMATORS[estimator]
+    advantages = baseline(rewards, num_generations)  # (B,)
     divisor = torch.ones_like(advantages)  # what the centred reward is divided by
     if normalization == "group":
         divisor = group_std(rewards, num_generations) + 1e-4

@@ -118,6 +118,51 @@ def test_estimator_defaults_and_the_trl_flag():
     assert args_for("--advantage_estimator", "reinforce_pp").advantage_normalization == "batch"
 
 
+FORK_ESTIMATOR = """
+def best_of_group_advantages(rewards, num_generations):
+    \"\"\"A_i = r_i - max of its group: what a fork might try.\"\"\"
+    r = rewards.view(-1, num_generations)
+    return (r - r.amax(1, keepdim=True)).view(-1)
+
+
+ESTIMATORS = {
+    "best_of_group": (best_of_group_advantages, "group"),"""
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
+def test_a_new_estimator_is_a_function_and_an_entry(script, tmp_path, monkeypatch):
+    """A fork adds an estimator by adding its function and its entry to ESTIMATORS, nothing else: the option takes its
+    name (the choices are the registry's), the estimator's normalisation is its default, and the advantages are its."""
+    import importlib.util
+    import os
+    import sys
+    import typing
+
+    from conftest import ROOT
+
+    source = open(os.path.join(ROOT, script)).read()
+    assert source.count("\nESTIMATORS = {") == 1
+    fork = tmp_path / f"fork_{script}"
+    fork.write_text(source.replace("\nESTIMATORS = {", FORK_ESTIMATOR))
+    monkeypatch.syspath_prepend(ROOT)  # its rloo_utils/, as a fork beside the script has it
+    spec = importlib.util.spec_from_file_location(fork.stem, fork)
+    forked = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, forked)  # as a script's own module is, while its classes are made
+    spec.loader.exec_module(forked)
+    assert typing.get_args(forked.AdvantageEstimator) == tuple(forked.ESTIMATORS) == ("best_of_group", "rloo", "grpo",
+        "dr_grpo", "reinforce_pp")  # fmt: skip
+    import tyro
+
+    args = tyro.cli(forked.Args, args=["--advantage_estimator", "best_of_group"], use_underscores=True)
+    check_args(args)
+    args = forked.resolve_defaults(args)
+    assert args.advantage_normalization == "group"
+    advantages = forked.compute_advantages(REWARDS, torch.zeros(8, 1), ALL, 4, "best_of_group", "none")[:, 0]
+    torch.testing.assert_close(advantages, torch.tensor([-5.0, -4.0, -3.0, 0.0, -4.0, -4.0, 0.0, 0.0]))
+    with pytest.raises(SystemExit):  # and a name that is not in the registry is refused by the parser
+        tyro.cli(forked.Args, args=["--advantage_estimator", "best_of_grup"], use_underscores=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Losses, per token. Three tokens with ratios r = [1.5, 0.5, 1.1] against pi_old, advantages per sequence.
 # ----------------------------------------------------------------------------------------------------------------
