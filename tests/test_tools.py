@@ -334,7 +334,7 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
     turns, prompt_rows, generate_turn = rollout(tool_tokenizer, tools, turns_by_row, prompts)
     prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(
         tool_tokenizer, turns.prompts, 512, "cpu", tools=turns.schemas
-    )  # (2, P), as complete() builds them
+    )  # (2, P), as Sampler.sample builds them
     assert [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)] == prompt_rows
     completion_ids, completion_mask, tool_mask, _, _ = turns.tensors(tool_tokenizer.pad_token_id, "cpu")  # (2, 256)
     with torch.no_grad():
