@@ -1357,8 +1357,8 @@ class Sampler:
         batch, G = next(batches), self.args.num_generations
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
-        own_rows = dist.get_rank() * len(prompts)  # this process's first row of the batch
-        seeds = sampling_seeds(self.args.seed, update, len(prompts) * dist.get_world_size())[own_rows:][: len(prompts)]
+        first, batch_size = dist.get_rank() * len(prompts), len(prompts) * dist.get_world_size()  # this process's rows
+        seeds = sampling_seeds(self.args.seed, update, batch_size)[first : first + len(prompts)]
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
         if self.args.max_staleness:
             prompt_ids, prompt_mask = tokenize_prompts(
