@@ -23,8 +23,8 @@ of the algorithm never needs (checks, run folders, checkpoints and resume, loggi
 """
 
 import contextlib
-import datetime
 import copy
+import datetime
 import functools
 import math
 import os
@@ -49,49 +49,48 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rloo_utils.checkpoints import (
+    CheckpointOptions,
     claim_run,
     report_one_line_error,
     resume_point,
 )
 from rloo_utils.data import (
     EMBEDDED_DATASET,
-    content_text,
     image_column,
     left_pad,
     load_datasets,
+    message_text,
     prompt_batches,
     text_prompts,
 )
-from rloo_utils.errors import NonFiniteWeights, RunError, Terminated, UsageError
+from rloo_utils.errors import NonFiniteWeights, Terminated, UsageError
 from rloo_utils.evaluation import (
-    check_metric_values,
-    data_sources,
+    EvaluationOptions,
+    Evaluator,
     evaluation_plan,
     evaluation_prompts,
-    evaluation_seeds,
-    evaluation_summary,
     evaluation_updates,
-    joined_metric_values,
     metric_funcs,
-    own_random_streams,
-    per_source_metrics,
-    process_share,
-    task_metrics,
 )
 from rloo_utils.logs import (
+    LoggingOptions,
     StageTimer,
     completion_metrics,
     completion_rows,
     gather_objects,
     open_logger,
+    reward_metrics,
     show_samples,
     update_metrics,
 )
-from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights, transformers_model
+from rloo_utils.lora import LoraOptions, adapter_disabled, add_adapter, merged_weights, transformers_model
 from rloo_utils.models import (
     EMBEDDED_MODEL_HELP,
+    ModelLoadingOptions,
     bf16_by_default,
+    disable_dropout,
     embedded_model,
+    end_token_ids,
     frozen_linear_weights_to,
     generation_configs,
     load_tokenizers,
@@ -99,10 +98,12 @@ from rloo_utils.models import (
     policy_class,
     set_up_cuda,
     shared_prompt_cache,
+    tokenize_prompts,
     weights_finite,
 )
 from rloo_utils.options import (
     JsonObject,
+    OldTrlOptions,
     batch_sizes,
     check_args,
     clip_bounds,
@@ -112,24 +113,23 @@ from rloo_utils.options import (
 )
 from rloo_utils.packing import (
     check_output_layer,
-    output_layer,
-    output_layer_inputs,
-    pack_sequences,
+    chunked_completion_logprobs,
+    last_true_index,
     packing_layout,
-    varlen_kwargs,
+    position_ids_from,
 )
-from rloo_utils.processes import agreed, end_processes, whole
-from rloo_utils.rollouts import RolloutQueue
+from rloo_utils.processes import agreed, end_processes, gather_rows, whole
 from rloo_utils.rewards import (
-    RewardLogs,
+    BUILTIN_REWARD_FUNCS,
+    Scorer,
     TrainerState,
-    call_reward_funcs,
     check_reward_columns,
     check_reward_range,
-    reward_func_arguments,
-    reward_model_inputs,
+    group_std,
     reward_sources,
+    weighted_reward,
 )
+from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.sharded import (
     empty_model,
     load_sharded_checkpoint,
@@ -138,9 +138,8 @@ from rloo_utils.sharded import (
     save_sharded_checkpoint,
     save_sharded_model,
 )
-from rloo_utils.tools import MultiTurn, check_tool_template, load_tool_use, tool_metrics
-from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
-from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
+from rloo_utils.tools import MultiTurn, ToolUseOptions, check_tool_template, load_tool_use, tool_metrics
+from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
     VLLMServer,
@@ -156,36 +155,26 @@ from rloo_utils.vllm_engine import (
 
 
 @dataclass
-class Args:
+class Args(
+    ModelLoadingOptions,
+    LoraOptions,
+    ToolUseOptions,
+    EvaluationOptions,
+    LoggingOptions,
+    CheckpointOptions,
+    OldTrlOptions,
+):
+    """Every option: the algorithm's here; a feature's in its module's group above, a section of --help of its own."""
+
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (prefix of the run name)"""
     seed: int = 1
     """seed of python, numpy and torch"""
-    run_name: Optional[str] = None
-    """the run folder is runs/<run_name>; None: <exp_name>__<seed>__<unix time>"""
-    output_dir: Optional[str] = None
-    """where the trained model and tokenizer are saved; None: runs/<run_name>/model"""
-    track: bool = False
-    """log to Weights & Biases (WANDB_MODE=offline works; tags come from WANDB_TAGS)"""
-    wandb_project_name: str = "rloo"
-    """the W&B project"""
-    wandb_entity: Optional[str] = None
-    """the W&B entity (team)"""
 
-    # Model and data
+    # Model and data (how the model is loaded: ModelLoadingOptions)
     model_name_or_path: Annotated[str, tyro.conf.arg(help_behavior_hint=EMBEDDED_MODEL_HELP)] = embedded_model()
     """policy (and tokenizer): a hub id, a local folder, or a local .gguf file"""
-    sft_model_path: Optional[str] = None
-    """old-TRL name: if set, the policy weights come from here and the tokenizer from --model_name_or_path"""
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the trained policy's weights and AdamW states; auto: the checkpoint's (keep float32: docs/options.md)"""
-    model_revision: Optional[str] = None
-    """the policy's version on the hub: a branch, tag or commit; None: main"""
-    trust_remote_code: bool = False
-    """run the modelling code a hub model ships (an architecture transformers lacks): only for code you trust"""
-    attn_implementation: Optional[str] = None
-    """the policy's attention kernel (eager, sdpa, flash_attention_2, ...); None: transformers' choice"""
     dataset_name: str = EMBEDDED_DATASET
     """a hub dataset id, or a local .jsonl/.json/.parquet/.csv file or a folder of them (one split per file name)"""
     dataset_train_split: str = "train"
@@ -196,24 +185,6 @@ class Args:
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
     chat_template_kwargs: JsonObject = None
     """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
-
-    # LoRA adapters (peft; TRL's ModelConfig names)
-    use_peft: bool = False
-    """train LoRA adapters (Hu et al. 2021) on the frozen policy; the reference is it with its adapter off"""
-    lora_r: int = 16
-    """rank r of each adapter B A"""
-    lora_alpha: int = 32
-    """each adapter adds (alpha / r) B A to its layer's weight"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input in the update (TRL: 0.05; 0 here, so the update's log-probs are the sampler's)"""
-    lora_target_modules: Optional[list[str]] = None
-    """the linear layers that get adapters (e.g. q_proj v_proj), or all-linear; None: peft's default for the model"""
-    lora_modules_to_save: Optional[list[str]] = None
-    """layers trained in full next to the adapters (e.g. an untied lm_head), saved with them"""
-    use_dora: bool = False
-    """DoRA (Liu et al. 2024): a trained magnitude times the direction of W + (alpha / r) B A"""
-    save_merged_model: bool = False
-    """also save the policy with its adapter merged in (a plain model, e.g. for vLLM) to <output_dir>/merged"""
 
     # Reward
     reward_model_path: Optional[str] = None
@@ -248,22 +219,12 @@ class Args:
     """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
     generation_kwargs: JsonObject = None
     """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
-    stop_token: Optional[Literal["eos"]] = None
-    """old-TRL flag: end completions at EOS (done anyway unless --ignore_eos; accepted for the seed commands)"""
     stop_token_id: Optional[int] = None
     """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
     ignore_eos: bool = False
     """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
-
-    # Tools and environments: multi-turn rollouts (docs/tools.md)
-    tools: Optional[list[str]] = None
-    """functions the model may call, `file.py:function` or `module:function`: typed, with a Google-style docstring"""
-    environment: Optional[list[str]] = None
-    """classes `file.py:Class`, one per rollout: reset(**row), its methods are tools, get_reward() a reward source"""
-    max_tool_calling_iterations: Optional[int] = None
-    """rounds of tool calls a rollout may make; None: until the model answers without one or runs out of tokens"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
@@ -276,9 +237,7 @@ class Args:
     """baseline within each group of G: rloo = mean of the other G-1; grpo, dr_grpo, reinforce_pp = the group mean"""
     advantage_normalization: Literal["estimator", "none", "group", "batch"] = "estimator"
     """scaling of the centred advantages: none, group (/ group std), batch (whitened), or the estimator's own"""
-    normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
-    """TRL's name for --advantage_normalization batch"""
-    loss_type: Literal["sequence", "token", "cispo", "gspo", "sapo"] = "sequence"
+    loss_type: "LossType" = "sequence"
     """sequence (TRL's RLOO: clipped sequence ratio), token (-A log p), cispo, gspo or sapo (docs/algorithm.md)"""
     ppo_clip: bool = False
     """(loss_type token) PPO's clipped surrogate on each token's ratio instead of -A log p"""
@@ -329,7 +288,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     padding_free: bool = True
-    """forwards on real tokens only, sequences packed into rows (docs/speed.md)"""
+    """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
     gather_for_generation: bool = True
     """gather the whole policy on every process while it generates (old TRL's ds3_gather_...)"""
     fsdp_cpu_offload: bool = False
@@ -360,42 +319,6 @@ class Args:
     """upper bound C_max of the importance ratio (None: none)"""
     vllm_importance_sampling_clip_min: Optional[float] = None
     """lower bound C_min of the importance ratio (None: none)"""
-
-    # Held-out evaluation (its metrics: docs/metrics.md)
-    eval_steps: float = 0.5
-    """evaluate on the test split every N updates (below 1: that fraction of the run) and at the end; 0: never"""
-    eval_on_start: bool = True
-    """also evaluate before the first update (TRL's name; with --eval_steps > 0)"""
-    max_eval_prompts: Optional[int] = None
-    """evaluate on the first N prompts of the test split; None: all of them"""
-    num_generations_eval: Optional[int] = None
-    """completions per test prompt, the n of mean@n and best@k / pass@k; None: --num_generations"""
-    eval_temperature: Optional[float] = None
-    """the evaluation's sampling temperature (0: greedy, with --num_generations_eval 1); None: --temperature"""
-    eval_success_threshold: Optional[float] = None
-    """a completion whose reward is at least this is a success, and pass@k is logged; None: no such test"""
-    eval_metric_funcs: Optional[list[str]] = None
-    """metrics of the evaluation only, never trained on (the reward-function signature; booleans give pass@k)"""
-
-    # Logging
-    num_sample_generations: int = 10
-    """how many times to print and log a table of sample completions (0: never)"""
-    num_sample_prompts: int = 4
-    """prompts in each sample table"""
-    log_completions: bool = False
-    """each update, print and log (completions.jsonl, W&B) the sampled completions with their rewards and advantages"""
-    num_completions_to_print: Optional[int] = None
-    """rows of that table printed each update (all are logged); None: all"""
-
-    # Checkpoints and faults
-    save_steps: int = 0
-    """write runs/<run_name>/checkpoints/checkpoint-<update> every N updates (0: only on SIGINT/SIGTERM)"""
-    save_total_limit: Optional[int] = None
-    """keep only the newest K checkpoints; None: keep them all"""
-    resume_from_checkpoint: Optional[str] = None
-    """continue a run exactly: a checkpoint folder, a run folder, or `latest` (of --run_name)"""
-    max_skipped_steps: int = 10
-    """stop the run when this many optimizer steps in a row were skipped for a non-finite loss or gradient"""
 
 
 # Options a resumed run may change: none of them alters what is computed.
@@ -443,14 +366,14 @@ def resolve_defaults(args: Args) -> Args:
     if normalization == "estimator":
         normalization = ESTIMATORS[args.advantage_estimator][1]
         normalization = "batch" if args.normalize_advantages else normalization
-    aggregation = args.loss_aggregation or ("seq-mean-token-mean" if gspo else "token-mean")
+    aggregation = LOSSES[args.loss_type][1]  # None: one loss per completion
     sapo = args.loss_type == "sapo"
     return replace(
         args,
         epsilon=epsilon,
         epsilon_high=epsilon_high,
         advantage_normalization=normalization,
-        loss_aggregation=None if args.loss_type == "sequence" else aggregation,
+        loss_aggregation=aggregation and (args.loss_aggregation or aggregation),
         sapo_tau_pos=(args.sapo_tau_pos or 1.0) if sapo else None,
         sapo_tau_neg=(args.sapo_tau_neg or 1.05) if sapo else None,
         num_generations_eval=args.num_generations_eval or args.num_generations,
@@ -504,14 +427,6 @@ def group_mean_advantages(rewards: torch.Tensor, num_generations: int) -> torch.
     return (r - r.nanmean(1, keepdim=True)).view(-1)
 
 
-def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """(B,) unbiased std of the scorable rewards of each row's group."""
-    r = rewards.view(-1, num_generations)  # (num_prompts, G)
-    n = (~r.isnan()).sum(1, keepdim=True)
-    variance = (r - r.nanmean(1, keepdim=True)).square().nansum(1, keepdim=True) / (n - 1).clamp(min=1)
-    return variance.sqrt().expand_as(r).reshape(-1)
-
-
 def has_baseline(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """(B,) rows that are scored and have a scored sibling to compare with; the others get no gradient."""
     scorable = ~rewards.view(-1, num_generations).isnan()
@@ -561,37 +476,41 @@ def compute_advantages(rewards, kl_before, in_loss, num_generations: int, estima
     return torch.where(in_loss[:, None], advantages[:, None] + kl_before / divisor[:, None], 0.0)  # (B, C)
 
 
-# Each loss returns its (B,) or (B, C) losses and the detached log-ratio log pi / pi_old of what its clip acts on.
-def clipped_surrogate_loss(logprob_sum, old_logprob_sum, advantages, epsilon_low: float, epsilon_high: float):
-    """PPO's clipped surrogate (Schulman et al. 2017) on the sequence ratio rho_i = pi(y_i|x_i) / pi_old(y_i|x_i):
-    (B,) losses max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)); the whole completion is one action."""
-    ratio = torch.exp(logprob_sum - old_logprob_sum)
-    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high))
-    return loss, logprob_sum.detach() - old_logprob_sum
+# The losses: each takes (b, C) log-probs under the policy and under the one that sampled, (b, C) advantages per token
+# (with the sequence-level KL every token of a completion has its A), the (b, C) mask of the policy's tokens and the
+# options; it returns its losses, (b,) one per completion or (b, C) one per token, the detached log-ratio
+# log pi / pi_old of the units its clip acts on, (b,) or (b, C), and statistics of its own named by their metric (their
+# mean over those units is logged). A new loss is a function and an entry in LOSSES.
+def sequence_loss(logprobs, old_logprobs, advantages, mask, args):
+    """TRL's RLOO: PPO's clipped surrogate (Schulman et al. 2017) on the sequence ratio rho_i = pi(y_i|x_i) /
+    pi_old(y_i|x_i), (b,) losses max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)): the whole completion is one
+    action."""
+    logprob_sum, old_logprob_sum = (logprobs * mask).sum(1), (old_logprobs * mask).sum(1)  # (b,)
+    ratio, a = torch.exp(logprob_sum - old_logprob_sum), advantages[:, 0]
+    loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high))
+    return loss, logprob_sum.detach() - old_logprob_sum, {}
 
 
-# The token-level losses take advantages per token: (B, C), or (B, 1) for one per completion.
-def pg_token_loss(logprobs, old_logprobs, advantages):
-    """REINFORCE per token (Williams 1992): (B, C) losses -A log pi(y_t)."""
-    return -advantages * logprobs, logprobs.detach() - old_logprobs
-
-
-def ppo_token_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_high: float, dual_clip=None):
-    """PPO's clipped surrogate on each token's ratio, (B, C); with dual clip (Ye et al. 2020) the loss of a token with
-    A < 0 is capped at c|A|, so a huge ratio cannot blow up the update."""
+def token_loss(logprobs, old_logprobs, advantages, mask, args):
+    """REINFORCE per token (Williams 1992), (b, C) losses -A log pi(y_t); with --ppo_clip, PPO's clipped surrogate on
+    each token's ratio, and with --dual_clip c (Ye et al. 2020) the loss of a token with A < 0 capped at c|A|, so that
+    a huge ratio cannot blow up the update."""
+    log_ratio = logprobs.detach() - old_logprobs
+    if not args.ppo_clip:
+        return -advantages * logprobs, log_ratio, {}
     ratio = torch.exp(logprobs - old_logprobs)
-    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - epsilon_low, 1 + epsilon_high))
-    if dual_clip is not None:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
-    return loss, logprobs.detach() - old_logprobs
+    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high))
+    if args.dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -args.dual_clip * advantages), loss)
+    return loss, log_ratio, {}
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, epsilon_low: float, epsilon_high: float):
-    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio under a stop-gradient, (B, C) losses
+def cispo_loss(logprobs, old_logprobs, advantages, mask, args):
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio under a stop-gradient, (b, C) losses
     -sg(clip(ratio)) A log pi(y_t). Unlike PPO no token loses its gradient; clipping only bounds its weight."""
     log_ratio = logprobs.detach() - old_logprobs
-    weight = torch.exp(log_ratio).clamp(1 - epsilon_low, 1 + epsilon_high)
-    return -weight * advantages * logprobs, log_ratio
+    weight = torch.exp(log_ratio).clamp(1 - args.epsilon, 1 + args.epsilon_high)
+    return -weight * advantages * logprobs, log_ratio, {}
 
 
 def masked_mean_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -599,24 +518,37 @@ def masked_mean_per_row(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, epsilon_low: float, epsilon_high: float):
+def gspo_loss(logprobs, old_logprobs, advantages, mask, args):
     """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios
-    s = exp(mean_t (log pi - log pi_old)), clipped like PPO. Token form, (B, C): s_t = sg(s) pi(y_t) / sg(pi(y_t)) has
+    s = exp(mean_t (log pi - log pi_old)), clipped like PPO. Token form, (b, C): s_t = sg(s) pi(y_t) / sg(pi(y_t)) has
     the value s and the gradient s grad log pi(y_t); averaged over the tokens of a sequence it is s grad log s. Its
-    log-ratio is log s, (B,)."""
-    log_s = masked_mean_per_row(logprobs.detach() - old_logprobs, mask)  # (B,)
-    s = torch.exp(log_s)[:, None] * torch.exp(logprobs - logprobs.detach())  # (B, C)
-    return torch.maximum(-advantages * s, -advantages * s.clamp(1 - epsilon_low, 1 + epsilon_high)), log_s
+    log-ratio is log s, (b,)."""
+    log_s = masked_mean_per_row(logprobs.detach() - old_logprobs, mask)  # (b,)
+    s = torch.exp(log_s)[:, None] * torch.exp(logprobs - logprobs.detach())  # (b, C)
+    loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - args.epsilon, 1 + args.epsilon_high))
+    return loss, log_s, {}
 
 
-def sapo_loss(logprobs, old_logprobs, advantages, tau_pos: float, tau_neg: float):
-    """SAPO (arXiv:2511.20347, 2025): a smooth sigmoid gate in place of the hard clip, (B, C) losses -gate A with
+def sapo_loss(logprobs, old_logprobs, advantages, mask, args):
+    """SAPO (arXiv:2511.20347, 2025): a smooth sigmoid gate in place of the hard clip, (b, C) losses -gate A with
     gate = sigmoid(tau (ratio - 1)) 4 / tau, tau = tau_pos where A > 0 else tau_neg. d gate / d ratio = 1 at ratio 1
-    (REINFORCE on-policy) and fades away from it. Also returns the gate values."""
+    (REINFORCE on-policy) and fades away from it."""
     ratio = torch.exp(logprobs - old_logprobs)
-    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    tau = torch.where(advantages > 0, args.sapo_tau_pos, args.sapo_tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    return -gate * advantages, logprobs.detach() - old_logprobs, gate.detach()
+    return -gate * advantages, logprobs.detach() - old_logprobs, {"sapo/gate_mean": gate.detach()}
+
+
+# --loss_type: each loss and how its per-token losses make the minibatch's (--loss_aggregation's default; None: one
+# per completion).
+LOSSES = {
+    "sequence": (sequence_loss, None),  # TRL's RLOO
+    "token": (token_loss, "token-mean"),  # REINFORCE, or PPO per token (--ppo_clip)
+    "cispo": (cispo_loss, "token-mean"),
+    "gspo": (gspo_loss, "seq-mean-token-mean"),  # every sequence weighs the same, as its ratio
+    "sapo": (sapo_loss, "token-mean"),
+}
+LossType = Literal[tuple(LOSSES)]  # --loss_type's choices
 
 
 def aggregate_loss(
@@ -635,44 +567,25 @@ def aggregate_loss(
 
 def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens):
     """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it; and its
-    statistics (clip_statistics, and the sum of the token ratios)."""
-    gate = None
-    if args.loss_type == "sequence":  # one unit per completion
-        advantages = advantages[:, 0]  # (b,)
-        loss, log_ratio = clipped_surrogate_loss(
-            (logprobs * mask).sum(1), (old_logprobs * mask).sum(1), advantages, args.epsilon, args.epsilon_high
-        )
-        loss, units = (loss * in_loss).sum() / mini_batch_size, torch.ones_like(loss)
+    statistics: clip_statistics over the units of its clip, the sum of the token ratios, the loss's own."""
+    losses, log_ratio, own_stats = LOSSES[args.loss_type][0](logprobs, old_logprobs, advantages, mask, args)
+    if losses.dim() == 1:  # one per completion
+        loss = (losses * in_loss).sum() / mini_batch_size
     else:
-        if args.loss_type == "token" and args.ppo_clip:
-            token_loss, log_ratio = ppo_token_loss(
-                logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high, args.dual_clip
-            )
-        elif args.loss_type == "token":
-            token_loss, log_ratio = pg_token_loss(logprobs, old_logprobs, advantages)
-        elif args.loss_type == "cispo":
-            token_loss, log_ratio = cispo_loss(logprobs, old_logprobs, advantages, args.epsilon, args.epsilon_high)
-        elif args.loss_type == "gspo":
-            token_loss, log_ratio = gspo_loss(logprobs, old_logprobs, advantages, mask, args.epsilon, args.epsilon_high)
-        else:
-            token_loss, log_ratio, gate = sapo_loss(
-                logprobs, old_logprobs, advantages, args.sapo_tau_pos, args.sapo_tau_neg
-            )
         loss = aggregate_loss(
-            token_loss,
+            losses,
             mask * in_loss[:, None],
             args.loss_aggregation,
             mini_batch_size,
             mini_batch_tokens,
             args.max_completion_length,
         )
-        units = mask
-        if args.loss_type == "gspo":  # its ratio and clip are per sequence
-            advantages, units = advantages[:, 0], torch.ones_like(in_loss, dtype=mask.dtype)
-    stats = clip_statistics(log_ratio, advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
+    per_token = log_ratio.dim() == 2  # the clip's units: tokens, or completions
+    units = mask if per_token else torch.ones_like(in_loss, dtype=mask.dtype)
+    unit_advantages = advantages if per_token else advantages[:, 0]
+    stats = clip_statistics(log_ratio, unit_advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
     stats["token_ratio"] = ((logprobs.detach() - old_logprobs).exp() * mask).sum()
-    if gate is not None:
-        stats["sapo_gate"] = (gate * units).sum()
+    stats.update({name: (values * units).sum() for name, values in own_stats.items()})
     return loss, stats
 
 
@@ -719,8 +632,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     return grad_norm, finite
 
 
-# ---- Main: set-up, then the training loop ----------------------------------------------------------------------------
-# ---- A rollout -------------------------------------------------------------------------------------------------------
+# ---- A rollout, then main(): set-up and the training loop -----------------------------------------------------------
 @dataclass
 class Rollout:
     """The completions of some prompts, sampled by the policy (Sampler.sample): the B rows of an update (each prompt's G
@@ -869,6 +781,11 @@ def main(args: Args) -> None:
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
     check_output_layer(policy, autocast, "policy")  # the log-probs are made from the output layer's inputs
     packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy", autocast)  # or None
+    # log pi(y_t | x, y_<t): completion_logprobs, the definition; by default the same numbers without padding or the
+    # (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
+    logprobs_of = completion_logprobs
+    if args.padding_free:
+        logprobs_of = functools.partial(chunked_completion_logprobs, packing=packing)
     reward_packing = packing_layout(
         reward_model and getattr(reward_model, reward_model.base_model_prefix),
         args.padding_free,
@@ -883,7 +800,7 @@ def main(args: Args) -> None:
     # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
     sampler = Sampler(args, policy, server, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device)
-    scorer = Scorer(
+    scorer = ShardedScorer(
         args,
         tokenizer,
         reward_tokenizer,
@@ -927,9 +844,9 @@ def main(args: Args) -> None:
             :2
         ]
 
-        def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast, packing)
+        def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast)
             with torch.no_grad(), autocast():
-                return completion_logprobs(policy, *rollout, temperature=1.0, packing=packing)
+                return logprobs_of(policy, *rollout, temperature=1.0)
 
         check_engine(server, *probe, greedy_config, greedy_logprobs)
         recheck_config = {
@@ -981,11 +898,11 @@ def main(args: Args) -> None:
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or is_correction or support is not None:
             with timer("old_logprobs"):
-                logprobs = rollout_logprobs(policy, rollout, args, autocast, packing, support)
+                logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of, support)
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
             with timer("reference_forward"), adapter_disabled(ref_policy):
-                ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, packing)  # (b, C)
+                ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (b, C)
             if ref_policy is not policy:
                 reshard(ref_policy)
 
@@ -1002,7 +919,7 @@ def main(args: Args) -> None:
         # The rollout's images and multi-turn record stay this process's own.
         prompt_ids, prompt_mask = all_gather_prompts(rollout.prompt_ids, rollout.prompt_mask, tokenizer.pad_token_id)
         completion_ids, completion_mask, tool_mask, ended, old_logprobs, rewards_per_func = (
-            all_gather_rows(t)
+            gather_rows(t)
             for t in (
                 rollout.completion_ids,
                 rollout.completion_mask,
@@ -1012,9 +929,9 @@ def main(args: Args) -> None:
                 rewards_per_func,
             )
         )  # (B, C), (B, C), (B, C), (B,), (B, C), (B, F)
-        ref_logprobs = all_gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
-        sampling_logprobs = all_gather_rows(rollout.sampling_logprobs) if server is not None else None  # (B, C)
-        trainer_sampling_logprobs = all_gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
+        ref_logprobs = gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
+        sampling_logprobs = gather_rows(rollout.sampling_logprobs) if server is not None else None  # (B, C)
+        trainer_sampling_logprobs = gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
         num_truncated = int(all_reduce(torch.tensor(rollout.num_truncated)))
         tool_calls = (
             all_reduce(torch.tensor([rollout.turns.calls, rollout.turns.failures])).tolist() if rollout.turns else None
@@ -1099,7 +1016,7 @@ def main(args: Args) -> None:
                     idx = order[mu_start : mu_start + args.per_device_train_batch_size]
                     with timer("policy_forward_backward"):
                         with autocast():
-                            logprobs, entropy = completion_logprobs(
+                            logprobs, entropy = logprobs_of(
                                 policy,
                                 rollout.prompt_ids[idx],
                                 rollout.prompt_mask[idx],
@@ -1108,7 +1025,6 @@ def main(args: Args) -> None:
                                 args.temperature,
                                 with_entropy=True,
                                 images=images_batch(rollout.images, idx - own_rows, device, policy.dtype),
-                                packing=packing,
                             )  # (b, C)
                         if (
                             on_policy
@@ -1149,9 +1065,7 @@ def main(args: Args) -> None:
         progress.episode += batch_size
         num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
         progress.num_tokens += num_tokens
-        old_logprobs = all_gather_rows(
-            old_logprobs[own_rows : own_rows + local_batch_size]
-        )  # as the update filled them in
+        old_logprobs = gather_rows(old_logprobs[own_rows : own_rows + local_batch_size])  # as the update filled them in
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
         micro = reduce_micro_stats(stats)  # of the global micro-batches
@@ -1229,7 +1143,7 @@ def main(args: Args) -> None:
     end_processes(0)
 
 
-# ---- The loop's seams: sampling, scoring, log-probs, held-out tables -------------------------------------------------
+# ---- The loop's seams: sampling, log-probs, checkpoints (scoring, held-out tables: rloo_utils) ----------------------
 class Sampler:
     """Prompts in, a Rollout out: this process's rows, completed by the policy with HF generate (every process in each
     sharded forward) or by a vLLM server, in one go or (--tools, --environment) turn by turn with the tools' results in
@@ -1382,95 +1296,24 @@ class Sampler:
         return self.server.generate(token_ids, request["config"], request["seeds"], images)
 
 
-class Scorer:
-    """A rollout's rewards, (B, F) by every source: the reward model first, then the reward functions (NaN where one
-    returned None). The functions get what TRL gives them (prompts, completions, completion_ids, the dataset's columns,
-    trainer_state, log_extra and log_metric; in multi-turn rollouts the conversations and environments)."""
-
-    def __init__(
-        self, args, tokenizer, reward_tokenizer, reward_model, packing, funcs, names, trainer_state, device, autocast
-    ):
-        self.args, self.tokenizer, self.reward_tokenizer, self.reward_model = (
-            args,
-            tokenizer,
-            reward_tokenizer,
-            reward_model,
-        )
-        self.packing, self.funcs, self.names, self.trainer_state = packing, funcs, names, trainer_state
-        self.device, self.autocast = device, autocast
-        self.logs = RewardLogs()  # what the functions log (log_extra, log_metric)
-
-    def score(self, rollout: Rollout) -> tuple[torch.Tensor, list[str]]:
-        """(B, F) rewards of every source, and the decoded completions."""
-        texts = self.tokenizer.batch_decode(
-            rollout.completion_ids * rollout.completion_mask
-            + self.tokenizer.pad_token_id * (1 - rollout.completion_mask),
-            skip_special_tokens=True,
-        )
-        per_source = [] if self.reward_model is None else [self.model_scores(rollout, texts)]
-        per_source += self.call(self.funcs, self.names[len(per_source) :], rollout, texts)
-        return torch.stack(per_source, 1).to(self.device), texts
+class ShardedScorer(Scorer):
+    """The Scorer of a sharded reward model: its parameters, gathered for the forward, are freed again after it."""
 
     def model_scores(self, rollout: Rollout, texts: list[str]) -> torch.Tensor:
-        """(B,) the reward model's scores, in chunks: of the policy's token ids, or (a reward model with a tokenizer of
-        its own) of the prompts and completions as text again."""
-        chunk = self.args.local_rollout_forward_batch_size
-        if self.reward_tokenizer is None:  # it reads the policy's own token ids
-            input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
-            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
-        else:
-            input_ids, attention_mask = (
-                t.to(self.device)
-                for t in reward_model_inputs(
-                    self.reward_tokenizer, rollout.prompts, texts, rollout.ended, self.args.chat_template_kwargs
-                )
-            )
-        with self.autocast():
-            scores = torch.cat(
-                [
-                    reward_model_scores(
-                        self.reward_model, input_ids[i : i + chunk], attention_mask[i : i + chunk], self.packing
-                    )
-                    for i in range(0, len(input_ids), chunk)
-                ]
-            ).cpu()
+        scores = super().model_scores(rollout, texts)
         reshard(self.reward_model)
-        bad = (~scores.isfinite()).nonzero()
-        if len(bad):
-            raise RunError(
-                f"reward model {self.names[0]} gave a non-finite score ({scores[bad[0, 0]]}) at index "
-                f"{int(bad[0, 0])}: check its weights, or leave out --bf16"
-            )
         return scores
 
-    def call(self, funcs, names, rollout: Rollout, texts: list[str], check=None) -> list[torch.Tensor]:
-        """Each function's (B,) values on the rollout (call_reward_funcs: NaN for None, one line for a failure)."""
-        turns = rollout.turns
-        return call_reward_funcs(
-            funcs,
-            names,
-            len(texts),
-            self.args.reward_timeout,
-            check,
-            **reward_func_arguments(
-                rollout.prompts, texts, rollout.completion_ids, rollout.completion_mask, turns and turns.messages
-            ),
-            **({"environments": turns.environments} if turns else {}),
-            trainer_state=self.trainer_state,
-            log_extra=self.logs.log_extra,
-            log_metric=self.logs.log_metric,
-            **rollout.columns,
-        )
 
-
-def rollout_logprobs(model, rollout: Rollout, args, autocast, packing, support=None):
+def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, support=None):
     """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
-    --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution."""
+    --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution. logprobs_of:
+    completion_logprobs, or its padding-free form."""
     model.eval()  # no adapter dropout: the sampling policy's log-probs
     chunk, device = args.local_rollout_forward_batch_size, rollout.prompt_ids.device
     with torch.no_grad(), autocast():
         chunks = [
-            completion_logprobs(
+            logprobs_of(
                 model,
                 rollout.prompt_ids[i : i + chunk],
                 rollout.prompt_mask[i : i + chunk],
@@ -1478,96 +1321,11 @@ def rollout_logprobs(model, rollout: Rollout, args, autocast, packing, support=N
                 rollout.completion_mask[i : i + chunk],
                 args.temperature,
                 images=images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
-                packing=packing,
                 support=support,
             )
             for i in range(0, len(rollout.prompt_ids), chunk)
         ]
     return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
-
-
-class Evaluator:
-    """What the run shows of the policy besides training: greedy sample tables of a few fixed prompts, and the held-out
-    evaluation (--eval_steps) of the test prompts, from random streams of its own (the run trains as it would
-    without it)."""
-
-    def __init__(
-        self, args, sampler, scorer, table, eval_prompts, configs, metric_funcs, weights, eos_ids, console, logger
-    ):
-        self.args, self.sampler, self.scorer, self.table, self.eval_prompts = args, sampler, scorer, table, eval_prompts
-        self.greedy_config, self.eval_config = configs
-        self.metric_funcs, self.metric_names = metric_funcs
-        self.weights, self.eos_ids, self.console, self.logger = weights, eos_ids, console, logger
-
-    def sample_table(self, step: int) -> None:
-        """Greedy completions of the table's prompts (the test split's first --num_sample_prompts, or the train
-        split's): printed, and logged as a table. Every process generates them (the sharded forward needs all of them);
-        rank 0 shows them."""
-        prompts, columns = self.table
-        rollout = self.sampler.sample(prompts, columns, self.greedy_config)
-        with agreed():  # a reward function that raises on one process stops all of them together, as in the loop
-            rewards, completions = self.scorer.score(rollout)
-        self.scorer.logs.clear()  # what reward functions logged on these prompts is not the update's
-        rewards = weighted_reward(rewards, self.weights).tolist()
-        rows = [
-            {"prompt": message_text(p), "completion": c, "reward": r} for p, c, r in zip(prompts, completions, rewards)
-        ]
-        show_samples(self.console, self.logger, rows, step)
-
-    def evaluate(self, update: int, step: int) -> None:
-        """The policy after `update` on the test prompts: --num_generations_eval completions of each at
-        --eval_temperature, scored by the reward and the --eval_metric_funcs; their task metrics
-        (rloo_utils/evaluation.py) logged under eval/. Each process evaluates its share of the prompts (as many as every
-        other), and the results are gathered."""
-        args, eval_prompts, scorer = self.args, self.eval_prompts, self.scorer
-        start, n = time.perf_counter(), args.num_generations_eval
-        prompts_per_chunk = max(1, args.local_rollout_forward_batch_size // n)
-        columns_of_test = [c for c in eval_prompts.column_names if c != "prompt"]
-        own_prompts = eval_prompts.select(process_share(len(eval_prompts), dist.get_rank(), dist.get_world_size()))
-        own_rows = dist.get_rank() * len(own_prompts) * n  # this process's first row of the gathered completions
-        parts = defaultdict(list)  # per chunk: (b, F) rewards, (b, C) completions and mask, (b,) ended, metric values
-        with own_random_streams(args.seed, update, self.sampler.device):
-            for first in range(0, len(own_prompts), prompts_per_chunk):
-                batch = own_prompts[first : first + prompts_per_chunk]
-                prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
-                columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
-                seeds = evaluation_seeds(args.seed, update, own_rows + first * n, len(prompts))
-                rollout = self.sampler.sample(prompts, columns, self.eval_config, seeds, n)
-                with agreed():  # a reward function that raises on one process stops all of them together
-                    rewards_per_func, completions = scorer.score(rollout)  # (b, F)
-                    parts["metric_values"].append(
-                        scorer.call(self.metric_funcs, self.metric_names, rollout, completions, check_metric_values)
-                    )
-                for name, value in [
-                    ("rewards", rewards_per_func),
-                    ("ids", rollout.completion_ids),
-                    ("mask", rollout.policy_mask.long()),  # the policy's tokens: the lengths count these
-                    ("ended", rollout.ended),
-                ]:
-                    parts[name].append(value)
-            scorer.logs.clear()  # what the functions logged on the test prompts is no update's
-        num_rows = len(eval_prompts) * n  # of every process, in rank order, without the repeated prompts
-        rewards_per_func, completion_ids, completion_mask, ended = (
-            all_gather_rows(torch.cat(parts[name]))[:num_rows] for name in ["rewards", "ids", "mask", "ended"]
-        )  # (R, F), (R, C), (R, C), (R,): R = n completions of each test prompt
-        rewards = weighted_reward(rewards_per_func, self.weights).view(-1, n)  # (prompts, n)
-        values = {
-            name: (v[: len(eval_prompts)], boolean)
-            for name, (v, boolean) in joined_metric_values(
-                gather_objects(parts["metric_values"]), self.metric_names, n
-            ).items()
-        }  # name -> ((prompts, n), boolean)
-        sources = data_sources(eval_prompts)
-        metrics = {
-            **reward_metrics(rewards_per_func, scorer.names, self.weights, rewards.view(-1), n),  # TRL's eval_ names
-            **completion_metrics(completion_ids, completion_mask, ended, self.eos_ids),
-            **task_metrics(rewards, values, args.eval_success_threshold),
-            **(per_source_metrics(rewards, values, args.eval_success_threshold, sources) if sources else {}),
-            "prompts": len(eval_prompts),
-            "seconds": time.perf_counter() - start,
-        }
-        self.logger.log(metrics, step, "eval")
-        self.console.print(evaluation_summary(metrics, update, n))
 
 
 def save_policy(folder: str, policy, optimizer) -> None:
@@ -1665,21 +1423,12 @@ def gathered(model: torch.nn.Module, enabled: bool):
         root.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
 
 
-def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
-    """(b, ...) rows of each process -> (world size x b, ...) rows of all, in rank order, on every process."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
-
-
 def all_gather_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pad_token_id: int):
-    """all_gather_rows for left-padded prompts, whose widths differ between processes: padded to the widest first."""
+    """gather_rows for left-padded prompts, whose widths differ between processes: padded to the widest first."""
     width = torch.tensor(prompt_ids.shape[1], device=prompt_ids.device)
     dist.all_reduce(width, op=dist.ReduceOp.MAX)
     pad = int(width) - prompt_ids.shape[1]
-    return all_gather_rows(F.pad(prompt_ids, (pad, 0), value=pad_token_id)), all_gather_rows(
-        F.pad(prompt_mask, (pad, 0))
-    )
+    return gather_rows(F.pad(prompt_ids, (pad, 0), value=pad_token_id)), gather_rows(F.pad(prompt_mask, (pad, 0)))
 
 
 def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -1752,112 +1501,7 @@ def sampling_metrics(
     return metrics
 
 
-# ---- Data ------------------------------------------------------------------------------------------------------------
-def tokenize_prompts(
-    tokenizer,
-    prompts: list,
-    max_prompt_length: int,
-    device,
-    processor=None,
-    images=None,
-    chat_template_kwargs: Optional[dict] = None,
-    tools: Optional[list[list[dict]]] = None,
-):
-    """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
-    expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
-    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
-    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens.
-    tools: per row, the schemas of the tools the chat template shows it (--tools, --environment)."""
-    if images is not None:
-        rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length, chat_template_kwargs)
-        return *(t.to(device) for t in left_pad(rows, tokenizer.pad_token_id)), 0, image_tensors
-    rows = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            rows.append(tokenizer(prompt)["input_ids"])
-        else:
-            template_kwargs = {**(chat_template_kwargs or {}), **({"tools": tools[i]} if tools else {})}
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **template_kwargs)
-            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    num_truncated = sum(len(r) > max_prompt_length for r in rows)
-    rows = [last_tokens(r, max_prompt_length, tokenizer.bos_token_id) for r in rows]
-    ids, mask = left_pad(rows, tokenizer.pad_token_id)
-    return ids.to(device), mask.to(device), num_truncated, None
-
-
-# ---- Log-probabilities and completion masks --------------------------------------------------------------------------
-def last_tokens(ids: list[int], max_length: int, bos_token_id: Optional[int]) -> list[int]:
-    """The last max_length tokens of a prompt, its BOS kept in front (where it has one and there is room)."""
-    if len(ids) <= max_length:
-        return ids
-    if ids[0] == bos_token_id and max_length > 1:
-        return ids[:1] + ids[len(ids) - max_length + 1 :]
-    return ids[-max_length:]
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def last_true_index(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) column of the last 1 in each row of a (B, T) 0/1 mask: the last real token."""
-    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
-
-
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions count real tokens only, so a left-padded prompt sees the same positions as an unpadded one."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
-
-
-# Positions whose logits are made at a time: a chunk's fp32 logits stay at 64 MB whatever the vocabulary
-LOGIT_CHUNK_ELEMENTS = 2**24
-
-
-def logprobs_through_output_layer(
-    output_layer,
-    transform,
-    hidden: torch.Tensor,
-    ids: torch.Tensor,
-    temperature: float,
-    with_entropy: bool = False,
-    support: Optional[Callable] = None,
-):
-    """(K,) fp32 log softmax(transform(output_layer(hidden)) / temperature)[ids], from the (K, H) hidden states that
-    predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time, and with gradients each chunk's
-    logits are made again in the backward pass (activation checkpointing) rather than kept, so the step's peak memory
-    stops growing with K x V (TRL 1.16 does the same). Detached, after it: with_entropy, the (K,) entropies
-    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the
-    tokens the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
-
-    def chunk_logprobs(chunk, chunk_ids):  # (k, H), (k,) -> tuple of (k,)
-        logits = transform(output_layer(chunk)).float() / temperature  # (k, V)
-        logprobs = logits.log_softmax(-1)
-        out = [logprobs.gather(-1, chunk_ids[:, None]).squeeze(-1)]
-        with torch.no_grad():
-            if with_entropy:
-                out.append(-(logprobs.exp() * logprobs).sum(-1))
-            if support is not None:
-                kept = support(logits).scatter(-1, chunk_ids[:, None], True)
-                renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
-                out.append(renormalised.gather(-1, chunk_ids[:, None]).squeeze(-1))
-        return tuple(out)
-
-    trained = hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters())
-    keep_graph = torch.is_grad_enabled() and trained
-    step = max(1, LOGIT_CHUNK_ELEMENTS // output_layer.weight.shape[0])
-    chunks = [
-        torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
-        if keep_graph
-        else chunk_logprobs(chunk, chunk_ids)
-        for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))
-    ]
-    outputs = [torch.cat(values) for values in zip(*chunks)]  # K = 0: one empty chunk
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-
+# ---- Log-probabilities, completion masks, reward normalisation -------------------------------------------------------
 def completion_logprobs(
     model,
     prompt_ids,
@@ -1867,54 +1511,36 @@ def completion_logprobs(
     temperature: float,
     with_entropy: bool = False,
     images: Optional[dict] = None,
-    packing: Optional[str] = None,
     support: Optional[Callable] = None,
 ):
-    """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; with_entropy, also the
-    entropies, and with a sampler's `support`, the log-probs on its distribution (logprobs_through_output_layer).
-    The forward stops at the output layer's inputs where a real completion token is predicted, (K, H). images: the
-    rows' image tensors (images_batch), for a VLM. packing: pack_sequences' layout (padding-free), or None: padded
-    rows, cut of the columns that are padding in every row (left of the longest prompt, right of the longest
-    completion). Padding positions get 0.
-    """
-    real = completion_mask.bool()  # (B, C)
-    if packing:  # the real tokens only
-        mask = torch.cat([prompt_mask, completion_mask], 1)
-        ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1), mask, packing)
-        with output_layer_inputs(model, index[:, prompt_ids.shape[1] :][real] - 1) as hidden:  # a token is predicted
-            model(input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(mask, packing))  # before it
-    else:
-        first = int(prompt_mask.any(0).nonzero()[0])
-        last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
-        input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)  # (B, L)
-        attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-        position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
-        flat_index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)  # (B, L)
-        index = flat_index[:, -last - 1 : -1]  # (B, last): where completion tokens 0..last-1 are predicted
-        with output_layer_inputs(model, index[real[:, :last]]) as hidden:
-            model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                **vision_inputs(model, input_ids, images),
-            )
-    layer, transform = output_layer(model)
-    out = logprobs_through_output_layer(
-        layer, transform, hidden[0], completion_ids[real], temperature, with_entropy, support
+    """(B, C) log pi(y_t | x, y_<t) of each completion token under `model`, on logits / temperature; 0 on padding.
+    The definition, in one padded forward: the logits at position t predict token t + 1. with_entropy: also the (B, C)
+    entropies -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (B, C) log-probs renormalised over
+    the tokens it could draw, the distribution vLLM's log-probs are on. images: a VLM's image tensors (images_batch).
+    --padding_free (the default) gives the same numbers from chunked_completion_logprobs (rloo_utils/packing.py, tested
+    equal): a forward of the real tokens only, whose (B, L, V) logits are never held at once."""
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P + C)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)  # left padding skipped
+    output = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **vision_inputs(model, input_ids, images),
     )
-    if isinstance(out, torch.Tensor):
-        return out.new_zeros(real.shape).masked_scatter(real, out)  # (K,) -> (B, C)
-    return tuple(values.new_zeros(real.shape).masked_scatter(real, values) for values in out)
-
-
-def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
-    """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
-    declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
-    ends at any of them, unless ignore_eos, and at --stop_token_id."""
-    eos_ids = {tokenizer.eos_token_id} | set([model_eos] if isinstance(model_eos, int) else model_eos or [])
-    stop_ids = (set() if ignore_eos else eos_ids) | ({stop_token_id} if stop_token_id is not None else set())
-    return sorted(eos_ids), sorted(stop_ids)
+    logits = output.logits[:, prompt_ids.shape[1] - 1 : -1].float() / temperature  # (B, C, V)
+    logprobs = logits.log_softmax(-1)
+    out = [logprobs.gather(-1, completion_ids[..., None]).squeeze(-1)]  # (B, C)
+    with torch.no_grad():
+        if with_entropy:
+            out.append(-(logprobs.exp() * logprobs).sum(-1))
+        if support is not None:
+            kept = support(logits).scatter(-1, completion_ids[..., None], True)  # the sampled token is always kept
+            renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
+            out.append(renormalised.gather(-1, completion_ids[..., None]).squeeze(-1))
+    out = [values * completion_mask for values in out]
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_ids: list[int]):
@@ -1928,93 +1554,12 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_
     return mask.long(), stopped | holds_eos
 
 
-# ---- Rewards ---------------------------------------------------------------------------------------------------------
-def message_text(message) -> str:
-    """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
-    return message if isinstance(message, str) else content_text(message[-1]["content"])
-
-
-@functools.cache
-def vader_analyzer():
-    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-    return SentimentIntensityAnalyzer()  # reads its lexicon: built once
-
-
-def vader_sentiment(completions, **kwargs) -> list[float]:
-    """VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014; a lexicon, no download)."""
-    return [vader_analyzer().polarity_scores(message_text(c))["compound"] for c in completions]
-
-
-def completion_length(completion_ids, **kwargs) -> list[float]:
-    """Number of completion tokens: a simple signal to check that learning works."""
-    return [float(len(ids)) for ids in completion_ids]
-
-
-# with the verifiable rewards of tasks with a right answer: answer_accuracy, gsm8k_accuracy, number_only
-BUILTIN_REWARD_FUNCS = {
-    "vader_sentiment": vader_sentiment,
-    "completion_length": completion_length,
-    **VERIFIABLE_REWARD_FUNCS,
-}
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, input_ids, attention_mask, packing: Optional[str] = None) -> torch.Tensor:
-    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
-    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS).
-    Padding-free with `packing` (pack_sequences), as completion_logprobs."""
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
-    last = last_true_index(attention_mask)  # (B,)
-    if packing:
-        ids, positions, index = pack_sequences(input_ids, attention_mask, packing)
-        hidden = backbone(
-            input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(attention_mask, packing)
-        ).last_hidden_state.flatten(0, 1)
-        return reward_model.score(hidden[index[torch.arange(len(last)), last]]).squeeze(-1).float()
-    hidden = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
-    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
-
-
-def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
-    total = torch.nansum(rewards_per_func * weights, dim=1)
-    return torch.where(rewards_per_func.isnan().all(1), torch.nan, total)
-
-
 def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN."""
     valid = x[~x.isnan()]
     if valid.numel() < 2:
         return x - valid.mean() if valid.numel() else x
     return (x - valid.mean()) / (valid.std() + eps)
-
-
-# ---- Metrics (each one's definition, next to old TRL's and TRL 1.16's: docs/metrics.md) ------------------------------
-def reward_metrics(
-    rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int
-) -> dict:
-    """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
-    its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""
-    reward = weighted_reward(rewards_per_func, reward_weights)  # (B,)
-    scored = reward[~reward.isnan()]
-    std = group_std(rlhf_reward, num_generations).view(-1, num_generations)[:, 0]  # (num_prompts,)
-    num_scored = (~rlhf_reward.view(-1, num_generations).isnan()).sum(1)
-    metrics = {
-        "reward": float(scored.mean()),
-        "reward_std": float(scored.std()),
-        "frac_reward_zero_std": float(((num_scored > 1) & torch.isclose(std, torch.zeros_like(std))).float().mean()),
-    }
-    for j, name in enumerate(reward_names):
-        values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
-        metrics[f"rewards/{name}/mean"] = float(values.mean())
-        metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
-    return metrics
 
 
 if __name__ == "__main__":

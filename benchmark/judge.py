@@ -68,6 +68,7 @@ def generate_hf(
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     import rloo
+    from rloo_utils.models import end_token_ids, tokenize_prompts
     from rloo_utils.models import from_pretrained
 
     torch.manual_seed(seed)
@@ -76,14 +77,14 @@ def generate_hf(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = from_pretrained(AutoModelForCausalLM, model_path).to(device).eval()
-    _, stop_ids = rloo.end_token_ids(tokenizer, model.generation_config.eos_token_id, None, False)
+    _, stop_ids = end_token_ids(tokenizer, model.generation_config.eos_token_id, None, False)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, **sampling
     )
     texts = []
     for i in range(0, len(prompts), batch_size):
-        ids, mask, _, _ = rloo.tokenize_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_length, device)
+        ids, mask, _, _ = tokenize_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_length, device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
         completion_mask, _ = rloo.completion_mask_from(out, stop_ids, stop_ids)
@@ -160,19 +161,19 @@ def generate_vllm(
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    import rloo
+    from rloo_utils.models import end_token_ids, tokenize_prompts
     from rloo_utils.models import from_pretrained
 
     cpu = vllm_environment()
     from vllm import LLM, SamplingParams
 
     tokenizer = from_pretrained(AutoTokenizer, model_path)
-    ids, mask, _, _ = rloo.tokenize_prompts(tokenizer, prompts, max_prompt_length, torch.device("cpu"))
+    ids, mask, _, _ = tokenize_prompts(tokenizer, prompts, max_prompt_length, torch.device("cpu"))
     try:  # the EOS ids the model declares, as HF generate stops at them
         model_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:  # no generation_config.json
         model_eos = None
-    _, stop_ids = rloo.end_token_ids(tokenizer, model_eos, None, False)
+    _, stop_ids = end_token_ids(tokenizer, model_eos, None, False)
     llm = LLM(
         model=model_path,
         seed=seed,

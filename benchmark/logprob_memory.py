@@ -16,7 +16,7 @@ torch.cuda.max_memory_allocated. In fp32, and on a GPU also under bf16 autocast
 "--model qwen2.5-0.5b-shape" is a model built from a config with Qwen2.5-0.5B's output layer and embeddings (hidden
 896, vocabulary 151,936, tied) and one decoder layer of its shape, random weights: the output layer is what is measured.
 
---before picks the code compared with rloo.py's own completion_logprobs ("after"), each kept here verbatim:
+--before picks the code compared with the scripts' chunked_completion_logprobs ("after"), each kept here verbatim:
   49250cc  the (K, V) logits made whole by the model, log-softmax a chunk of positions at a time (recomputed in the
            backward pass); replaced by the log-probs made from the output layer's inputs a chunk at a time (issue 37)
   9152136  fp32 copies of the whole logits (replaced by 49250cc's chunking)
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
-from rloo_utils.models import from_pretrained  # noqa: E402
+from rloo_utils.models import disable_dropout, from_pretrained  # noqa: E402
+from rloo_utils.packing import chunked_completion_logprobs, position_ids_from  # noqa: E402
 
 QWEN_SHAPE = "qwen2.5-0.5b-shape"
 
@@ -61,7 +62,7 @@ def old_completion_logprobs(
         model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=rloo.position_ids_from(attention_mask),
+            position_ids=position_ids_from(attention_mask),
             logits_to_keep=last + 1,
             use_cache=False,
         ).logits[:, :-1]
@@ -121,7 +122,7 @@ def whole_logits_completion_logprobs(
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=rloo.position_ids_from(attention_mask),
+        position_ids=position_ids_from(attention_mask),
         logits_to_keep=last + 1,
         use_cache=False,
     ).logits[:, :-1]
@@ -135,7 +136,7 @@ def whole_logits_completion_logprobs(
 IMPLEMENTATIONS = {
     "9152136": old_completion_logprobs,
     "49250cc": whole_logits_completion_logprobs,
-    "after": rloo.completion_logprobs,
+    "after": chunked_completion_logprobs,
 }
 
 
@@ -177,7 +178,7 @@ def measure(
     """Peak memory (bytes) one micro-batch adds, in this process."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(model_path).to(device).train()
-    rloo.disable_dropout(policy)
+    disable_dropout(policy)
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     vocab = policy.config.vocab_size
@@ -252,7 +253,7 @@ def main():
         f"tokens), forward + backward with entropies, on {device}"
         + (", gradient checkpointing" if cli.gradient_checkpointing else "")
     )
-    print(f"before: rloo.py as of commit {cli.before}; after: rloo.py's completion_logprobs")
+    print(f"before: rloo.py as of commit {cli.before}; after: rloo_utils/packing.py's chunked_completion_logprobs")
     print(f"{'completion':>10} {'precision':>9} {'before MiB':>11} {'after MiB':>10} {'saved':>7}")
     for completion_length in cli.completion_lengths:
         for precision in cli.precisions:

@@ -16,7 +16,7 @@ reward model is counted here.)
 
 Measured by tensor accounting, not by the resident set: the bytes of the unique storages (shared tensors, e.g. the tied
 LM head, counted once: by storage data_ptr) of the parameters of the policy and the reference, of the gradients after
-one backward (of -mean completion log-prob by rloo.completion_logprobs, under torch.autocast("cpu", bfloat16), on a
+one backward (of -mean completion log-prob by chunked_completion_logprobs, under torch.autocast("cpu", bfloat16), on a
 micro-batch of --batch random prompts and completions: 2 x (16 + 16) tokens by default, as their number changes no
 byte counted here), and of AdamW's state after optimizer.step(); each divided by the model's parameter count (without
 the adapters). Each measurement runs in a fresh process. Before the update, each
@@ -41,9 +41,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import rloo  # noqa: E402
+from rloo_utils.models import disable_dropout, frozen_linear_weights_to  # noqa: E402
 from rloo_utils.lora import adapter_disabled, add_adapter  # noqa: E402
-from rloo_utils.models import frozen_linear_weights_to  # noqa: E402
+from rloo_utils.packing import chunked_completion_logprobs  # noqa: E402
 
 STAGES = ["policy", "frozen", "gradients", "adamw"]
 
@@ -63,7 +63,7 @@ def build_model(cli):
     )
     torch.manual_seed(cli.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
-    rloo.disable_dropout(model)
+    disable_dropout(model)
     return model
 
 
@@ -124,9 +124,9 @@ def measure(setup: str, variant: str, cli) -> dict:
     # Before any update: the reference's log-probs are the policy's (rloo.py's rollout forwards: eval, no grad)
     policy.eval()
     with torch.no_grad(), autocast():
-        policy_logprobs = rloo.completion_logprobs(policy, *batch)
+        policy_logprobs = chunked_completion_logprobs(policy, *batch)
         with adapter_disabled(ref):  # LoRA: the base; a full fine-tune's copy: as it is
-            ref_logprobs = rloo.completion_logprobs(ref.eval(), *batch)
+            ref_logprobs = chunked_completion_logprobs(ref.eval(), *batch)
     kl = {
         "equal": torch.equal(policy_logprobs, ref_logprobs),
         "max_abs_diff": float((policy_logprobs - ref_logprobs).abs().max()),
@@ -158,7 +158,7 @@ def measure(setup: str, variant: str, cli) -> dict:
     policy.train()
     start = time.perf_counter()
     with autocast():
-        loss = -rloo.completion_logprobs(policy, *batch).mean()
+        loss = -chunked_completion_logprobs(policy, *batch).mean()
     loss.backward()
     backward_s = time.perf_counter() - start
     add("gradients", [p.grad for model in (policy, ref) for p in model.parameters() if p.grad is not None])

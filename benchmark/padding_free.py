@@ -28,6 +28,7 @@ first update of each run.
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -42,8 +43,9 @@ from rich.console import Console
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
-from rloo_utils.models import from_pretrained  # noqa: E402
-from rloo_utils.packing import packing_layout  # noqa: E402
+from rloo_utils.models import disable_dropout, from_pretrained, tokenize_prompts  # noqa: E402
+from rloo_utils.rewards import reward_model_scores  # noqa: E402
+from rloo_utils.packing import chunked_completion_logprobs, packing_layout  # noqa: E402
 
 PATHS = ["padded", "padding_free"]
 STAGES = ["old_logprobs", "reference_forward", "reward", "policy_forward_backward"]
@@ -65,7 +67,7 @@ def worker(path: str, cli) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     policy = from_pretrained(AutoModelForCausalLM, cli.model).to(device)
-    rloo.disable_dropout(policy)
+    disable_dropout(policy)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy, as rloo.py makes it
     config = from_pretrained(AutoConfig, cli.model)
     config.num_labels = 1
@@ -76,6 +78,10 @@ def worker(path: str, cli) -> dict:
     console = Console(quiet=True)
     wanted = path == "padding_free"
     packing = packing_layout(policy, wanted, False, console, "policy")
+    # the scripts' choice: the padding-free path, or (--no_padding_free) the plain definition
+    logprobs_of = (
+        functools.partial(chunked_completion_logprobs, packing=packing) if wanted else rloo.completion_logprobs
+    )
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     reward_packing = packing_layout(backbone, wanted, False, console, "reward model")
     if wanted and (packing is None or reward_packing is None):
@@ -85,7 +91,7 @@ def worker(path: str, cli) -> dict:
         "prompt"
     ]
     G = 4
-    prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(
+    prompt_ids, prompt_mask, _, _ = tokenize_prompts(
         tokenizer, [p for p in prompts[: cli.batch // G] for _ in range(G)], 512, device
     )  # (B, P)
     C = cli.max_completion_length
@@ -102,14 +108,13 @@ def worker(path: str, cli) -> dict:
         with torch.no_grad():
             return torch.cat(
                 [
-                    rloo.completion_logprobs(
+                    logprobs_of(
                         model,
                         prompt_ids[i : i + chunk],
                         prompt_mask[i : i + chunk],
                         completion_ids[i : i + chunk],
                         completion_mask[i : i + chunk],
                         1.0,
-                        packing=packing,
                     )
                     for i in range(0, cli.batch, chunk)
                 ]
@@ -120,7 +125,7 @@ def worker(path: str, cli) -> dict:
         ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
         return torch.cat(
             [
-                rloo.reward_model_scores(reward_model, ids[i : i + chunk], mask[i : i + chunk], reward_packing)
+                reward_model_scores(reward_model, ids[i : i + chunk], mask[i : i + chunk], reward_packing)
                 for i in range(0, cli.batch, chunk)
             ]
         )
@@ -130,7 +135,7 @@ def worker(path: str, cli) -> dict:
         order = torch.randperm(cli.batch, generator=torch.Generator().manual_seed(3)).to(device)
         for start in range(0, cli.batch, cli.per_device_train_batch_size):
             idx = order[start : start + cli.per_device_train_batch_size]
-            logprobs, _ = rloo.completion_logprobs(
+            logprobs, _ = logprobs_of(
                 policy,
                 prompt_ids[idx],
                 prompt_mask[idx],
@@ -138,7 +143,6 @@ def worker(path: str, cli) -> dict:
                 completion_mask[idx],
                 1.0,
                 with_entropy=True,
-                packing=packing,
             )
             mask = completion_mask[idx]
             (-(logprobs * mask).sum() / mask.sum().clamp(min=1) * len(idx) / cli.batch).backward()

@@ -4,7 +4,7 @@ rloo_vllm.py gives every completion its own SamplingParams.seed (sampling_seeds:
 the uninterrupted one). vLLM then gives that request a torch.Generator of its own, which its sampler serves one request
 at a time; a request without a seed shares the batch's random numbers. This script builds the engine exactly as
 rloo_vllm.py does (ColocatedVLLM from a parsed Args, the policy's weights pushed) and times one rollout, the same
-prompts (the dataset's first P, through rloo_vllm.tokenize_prompts) and sizes every time, seeded three ways:
+prompts (the dataset's first P, through tokenize_prompts) and sizes every time, seeded three ways:
 
     per-completion seed  P*G requests, seed = sampling_seeds(seed, update, row)   (rloo_vllm.py)
     no seed              P*G requests without a seed
@@ -62,6 +62,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rloo_vllm
+    from rloo_utils.models import tokenize_prompts
     from rloo_utils.data import load_datasets
     from rloo_utils.models import embedded_model, from_pretrained
     from rloo_utils.vllm_engine import sampling_options, sampling_seeds
@@ -100,9 +101,7 @@ def main():
     policy = from_pretrained(AutoModelForCausalLM, args.model_name_or_path)
     train, _ = load_datasets(args)
     texts = train[[i % len(train) for i in range(P)]]["prompt"]  # from the top again if the dataset has fewer
-    prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(
-        tokenizer, texts, args.max_prompt_length, torch.device("cpu")
-    )
+    prompt_ids, prompt_mask, _, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_length, torch.device("cpu"))
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
     started = time.perf_counter()

@@ -29,6 +29,24 @@ from rloo_utils.options import launch_world_size
 from rloo_utils.processes import agreed, end_processes, from_rank_0, get_rank, get_world_size, max_over_processes
 
 
+@dataclass
+class CheckpointOptions:
+    """The run's folder, checkpoints and resume (docs/resume.md)"""
+
+    run_name: Optional[str] = None
+    """the run folder is runs/<run_name>; None: <exp_name>__<seed>__<unix time>"""
+    output_dir: Optional[str] = None
+    """where the trained model and tokenizer are saved; None: runs/<run_name>/model"""
+    save_steps: int = 0
+    """write runs/<run_name>/checkpoints/checkpoint-<update> every N updates (0: only on SIGINT/SIGTERM)"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest K checkpoints; None: keep them all"""
+    resume_from_checkpoint: Optional[str] = None
+    """continue a run exactly: a checkpoint folder, a run folder, or `latest` (of --run_name)"""
+    max_skipped_steps: int = 10
+    """stop the run when this many optimizer steps in a row were skipped for a non-finite loss or gradient"""
+
+
 def report_one_line_error(exc_type, exc, tb):
     """sys.excepthook: UsageError and RunError are one line; anything else keeps its traceback. Either way the run's
     guard first says what the failure leaves behind (RunGuard.on_failure), on the same line. An error every process

@@ -11,7 +11,6 @@ import torch
 
 from rloo_utils.errors import UsageError, describe
 
-
 # The default --dataset_name: this folder's movie-review openings, named relative to it so that a run's config (the env
 # id openrlbenchmark groups runs by) is the same on every machine
 EMBEDDED_DATASET = "data/movie_reviews"
@@ -301,3 +300,8 @@ def with_image_placeholders(prompt: list[dict], num_images: int) -> list[dict]:
         first_user = next((m for m in messages if m["role"] == "user"), messages[0])
         first_user["content"] = [{"type": "image"}] * num_images + first_user["content"]
     return messages
+
+
+def message_text(message) -> str:
+    """A prompt or completion is a string, or (conversational data) a list of chat messages: take the last one."""
+    return message if isinstance(message, str) else content_text(message[-1]["content"])

@@ -5,13 +5,39 @@ of the completions. The scripts generate and score; the names of what they log a
 import contextlib
 import math
 import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
+from rloo_utils.data import message_text
 from rloo_utils.errors import UsageError
-from rloo_utils.rewards import check_reward_values, load_reward_func, reward_func_name
+from rloo_utils.logs import completion_metrics, gather_objects, reward_metrics, show_samples
+from rloo_utils.processes import agreed, gather_rows, get_rank, get_world_size
+from rloo_utils.rewards import check_reward_values, load_reward_func, reward_func_name, weighted_reward
+
+
+@dataclass
+class EvaluationOptions:
+    """Held-out evaluation on the test split (its metrics: docs/metrics.md)"""
+
+    eval_steps: float = 0.5
+    """evaluate on the test split every N updates (below 1: that fraction of the run) and at the end; 0: never"""
+    eval_on_start: bool = True
+    """also evaluate before the first update (TRL's name; with --eval_steps > 0)"""
+    max_eval_prompts: Optional[int] = None
+    """evaluate on the first N prompts of the test split; None: all of them"""
+    num_generations_eval: Optional[int] = None
+    """completions per test prompt, the n of mean@n and best@k / pass@k; None: --num_generations"""
+    eval_temperature: Optional[float] = None
+    """the evaluation's sampling temperature (0: greedy, with --num_generations_eval 1); None: --temperature"""
+    eval_success_threshold: Optional[float] = None
+    """a completion whose reward is at least this is a success, and pass@k is logged; None: no such test"""
+    eval_metric_funcs: Optional[list[str]] = None
+    """metrics of the evaluation only, never trained on (the reward-function signature; booleans give pass@k)"""
 
 
 # The column that names each test prompt's data source (veRL's name): its metrics are also logged per source
@@ -245,3 +271,88 @@ def evaluation_summary(metrics: dict, update: int, n: int) -> str:
         f"{name} {metrics[name]:.3f}" for name in ["reward", f"best@{n}", "pass@1", f"pass@{n}"] if name in metrics
     ]
     return f"evaluation after update {update}: {', '.join(shown)} ({metrics['seconds']:.1f} s)"
+
+
+class Evaluator:
+    """What the run shows of the policy besides training: greedy sample tables of a few fixed prompts, and the held-out
+    evaluation (--eval_steps) of the test prompts, from random streams of its own (the run trains as it would
+    without it). One for the three scripts: their sampler and scorer do the work; in a run of several processes each
+    evaluates its share of the test prompts, and the results are gathered."""
+
+    def __init__(
+        self, args, sampler, scorer, table, eval_prompts, configs, metric_funcs, weights, eos_ids, console, logger
+    ):
+        self.args, self.sampler, self.scorer, self.table, self.eval_prompts = args, sampler, scorer, table, eval_prompts
+        self.greedy_config, self.eval_config = configs
+        self.metric_funcs, self.metric_names = metric_funcs
+        self.weights, self.eos_ids, self.console, self.logger = weights, eos_ids, console, logger
+
+    def sample_table(self, step: int) -> None:
+        """Greedy completions of the table's prompts (the test split's first --num_sample_prompts, or the train
+        split's): printed, and logged as a table. With several processes every one generates them (a sharded forward
+        needs all of them); rank 0 shows them."""
+        prompts, columns = self.table
+        rollout = self.sampler.sample(prompts, columns, self.greedy_config)
+        with agreed():  # a reward function that raises on one process stops all of them together, as in the loop
+            rewards, completions = self.scorer.score(rollout)
+        self.scorer.logs.clear()  # what reward functions logged on these prompts is not the update's
+        rewards = weighted_reward(rewards, self.weights).tolist()
+        rows = [
+            {"prompt": message_text(p), "completion": c, "reward": r} for p, c, r in zip(prompts, completions, rewards)
+        ]
+        show_samples(self.console, self.logger, rows, step)
+
+    def evaluate(self, update: int, step: int) -> None:
+        """The policy after `update` on the test prompts: --num_generations_eval completions of each at
+        --eval_temperature, scored by the reward and the --eval_metric_funcs; their task metrics
+        (rloo_utils/evaluation.py) logged under eval/. Each process evaluates its share of the prompts (as many as every
+        other), and the results are gathered."""
+        args, eval_prompts, scorer = self.args, self.eval_prompts, self.scorer
+        start, n = time.perf_counter(), args.num_generations_eval
+        prompts_per_chunk = max(1, args.local_rollout_forward_batch_size // n)
+        columns_of_test = [c for c in eval_prompts.column_names if c != "prompt"]
+        own_prompts = eval_prompts.select(process_share(len(eval_prompts), get_rank(), get_world_size()))
+        own_rows = get_rank() * len(own_prompts) * n  # this process's first row of the gathered completions
+        parts = defaultdict(list)  # per chunk: (b, F) rewards, (b, C) completions and mask, (b,) ended, metric values
+        with own_random_streams(args.seed, update, self.sampler.device):
+            for first in range(0, len(own_prompts), prompts_per_chunk):
+                batch = own_prompts[first : first + prompts_per_chunk]
+                prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
+                columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
+                seeds = evaluation_seeds(args.seed, update, own_rows + first * n, len(prompts))
+                rollout = self.sampler.sample(prompts, columns, self.eval_config, seeds, n)
+                with agreed():  # a reward function that raises on one process stops all of them together
+                    rewards_per_func, completions = scorer.score(rollout)  # (b, F)
+                    parts["metric_values"].append(
+                        scorer.call(self.metric_funcs, self.metric_names, rollout, completions, check_metric_values)
+                    )
+                for name, value in [
+                    ("rewards", rewards_per_func),
+                    ("ids", rollout.completion_ids),
+                    ("mask", rollout.policy_mask.long()),  # the policy's tokens: the lengths count these
+                    ("ended", rollout.ended),
+                ]:
+                    parts[name].append(value)
+            scorer.logs.clear()  # what the functions logged on the test prompts is no update's
+        num_rows = len(eval_prompts) * n  # of every process, in rank order, without the repeated prompts
+        rewards_per_func, completion_ids, completion_mask, ended = (
+            gather_rows(torch.cat(parts[name]))[:num_rows] for name in ["rewards", "ids", "mask", "ended"]
+        )  # (R, F), (R, C), (R, C), (R,): R = n completions of each test prompt
+        rewards = weighted_reward(rewards_per_func, self.weights).view(-1, n)  # (prompts, n)
+        values = {
+            name: (v[: len(eval_prompts)], boolean)
+            for name, (v, boolean) in joined_metric_values(
+                gather_objects(parts["metric_values"]), self.metric_names, n
+            ).items()
+        }  # name -> ((prompts, n), boolean)
+        sources = data_sources(eval_prompts)
+        metrics = {
+            **reward_metrics(rewards_per_func, scorer.names, self.weights, rewards.view(-1), n),  # TRL's eval_ names
+            **completion_metrics(completion_ids, completion_mask, ended, self.eos_ids),
+            **task_metrics(rewards, values, args.eval_success_threshold),
+            **(per_source_metrics(rewards, values, args.eval_success_threshold, sources) if sources else {}),
+            "prompts": len(eval_prompts),
+            "seconds": time.perf_counter() - start,
+        }
+        self.logger.log(metrics, step, "eval")
+        self.console.print(evaluation_summary(metrics, update, n))

@@ -8,7 +8,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -17,6 +17,27 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rloo_utils.processes import get_rank
+from rloo_utils.rewards import group_std, weighted_reward
+
+
+@dataclass
+class LoggingOptions:
+    """Logging: Weights & Biases, sample tables, the sampled completions"""
+
+    track: bool = False
+    """log to Weights & Biases (WANDB_MODE=offline works; tags come from WANDB_TAGS)"""
+    wandb_project_name: str = "rloo"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team)"""
+    num_sample_generations: int = 10
+    """how many times to print and log a table of sample completions (0: never)"""
+    num_sample_prompts: int = 4
+    """prompts in each sample table"""
+    log_completions: bool = False
+    """each update, print and log (completions.jsonl, W&B) the sampled completions with their rewards and advantages"""
+    num_completions_to_print: Optional[int] = None
+    """rows of that table printed each update (all are logged); None: all"""
 
 
 TABLES = ("samples", "completions")  # the tables a run logs (Logger.log_table), each to <name>.jsonl
@@ -251,8 +272,8 @@ def update_metrics(
     }
     if "dual_clipped" in micro:
         metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
-    if "sapo_gate" in micro:
-        metrics["sapo/gate_mean"] = sum(micro["sapo_gate"]) / units
+    # a loss's own statistics, named by their metric: their mean over its units (SAPO's sapo/gate_mean)
+    metrics.update({name: sum(values) / units for name, values in micro.items() if "/" in name})
     return metrics
 
 
@@ -299,3 +320,24 @@ class ProgressBar:
 
     def stop(self) -> None:
         self.progress.stop()
+
+
+def reward_metrics(
+    rewards_per_func, reward_names: list[str], reward_weights, rlhf_reward, num_generations: int
+) -> dict:
+    """`reward`: the weighted sum of the sources, before any penalty, normalisation or clipping (TRL 1.16); per source
+    its mean and std where it applied; the fraction of groups whose rewards, KL penalty included, are all equal."""
+    reward = weighted_reward(rewards_per_func, reward_weights)  # (B,)
+    scored = reward[~reward.isnan()]
+    std = group_std(rlhf_reward, num_generations).view(-1, num_generations)[:, 0]  # (num_prompts,)
+    num_scored = (~rlhf_reward.view(-1, num_generations).isnan()).sum(1)
+    metrics = {
+        "reward": float(scored.mean()),
+        "reward_std": float(scored.std()),
+        "frac_reward_zero_std": float(((num_scored > 1) & torch.isclose(std, torch.zeros_like(std))).float().mean()),
+    }
+    for j, name in enumerate(reward_names):
+        values = rewards_per_func[:, j][~rewards_per_func[:, j].isnan()]
+        metrics[f"rewards/{name}/mean"] = float(values.mean())
+        metrics[f"rewards/{name}/std"] = float(values.std()) if len(values) > 1 else math.nan
+    return metrics

@@ -4,11 +4,34 @@ import contextlib
 import math
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from rloo_utils.errors import UsageError, describe
+
+
+@dataclass
+class LoraOptions:
+    """LoRA adapters (peft; TRL's ModelConfig names; docs/lora.md)"""
+
+    use_peft: bool = False
+    """train LoRA adapters (Hu et al. 2021) on the frozen policy; the reference is it with its adapter off"""
+    lora_r: int = 16
+    """rank r of each adapter B A"""
+    lora_alpha: int = 32
+    """each adapter adds (alpha / r) B A to its layer's weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in the update (TRL: 0.05; 0 here, so the update's log-probs are the sampler's)"""
+    lora_target_modules: Optional[list[str]] = None
+    """the linear layers that get adapters (e.g. q_proj v_proj), or all-linear; None: peft's default for the model"""
+    lora_modules_to_save: Optional[list[str]] = None
+    """layers trained in full next to the adapters (e.g. an untied lm_head), saved with them"""
+    use_dora: bool = False
+    """DoRA (Liu et al. 2024): a trained magnitude times the direction of W + (alpha / r) B A"""
+    save_merged_model: bool = False
+    """also save the policy with its adapter merged in (a plain model, e.g. for vLLM) to <output_dir>/merged"""
 
 
 def is_peft_model(model) -> bool:
@@ -28,7 +51,7 @@ def add_adapter(model, args):
     Of a model built empty (empty_model) they are drawn on the CPU and kept in `adapter_init` for load_shards, which
     also computes DoRA's magnitudes (the row norms of the weights) once the weights are read."""
     from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import LoraLayer, Linear
+    from peft.tuners.lora import Linear, LoraLayer
 
     targets = args.lora_target_modules
     config = LoraConfig(

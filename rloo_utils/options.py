@@ -3,6 +3,7 @@ it and the fix (check_args), TRL's option names and JSON options included; the b
 schedule an option names."""
 
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -12,8 +13,8 @@ import re
 import signal
 import sys
 import time
-from dataclasses import fields, replace
-from typing import Annotated, Optional
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass, replace
+from typing import Annotated, Literal, Optional
 
 import torch
 import tyro
@@ -23,13 +24,55 @@ from rloo_utils.models import set_model_options
 from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY
 
 
+@dataclass
+class OldTrlOptions:
+    """Old TRL's names, accepted so that its commands run unchanged (docs/options.md)"""
+
+    sft_model_path: Optional[str] = None
+    """old-TRL name: if set, the policy weights come from here and the tokenizer from --model_name_or_path"""
+    stop_token: Optional[Literal["eos"]] = None
+    """old-TRL flag: end completions at EOS (done anyway unless --ignore_eos; accepted for the seed commands)"""
+    normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
+    """TRL's name for --advantage_normalization batch"""
+
+
+def option_groups(args_class) -> list[type]:
+    """The groups of options (dataclasses of rloo_utils' modules) a script's Args is made of, beside its own."""
+    return [base for base in args_class.__bases__ if is_dataclass(base)]
+
+
+def in_sections(args_class):
+    """args_class as the command line shows it: its own options, then each group's in a section of `--help` of its own,
+    titled by the group's name and described by its docstring; every flag keeps its name (no prefix), and its default
+    is the script's."""
+    defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(args_class)}
+    spec = []
+    for group in option_groups(args_class):
+        names = [f.name for f in fields(group)]
+        spec += [(name, Annotated[Optional[object], tyro.conf.Suppress], None) for name in names]  # not flat as well
+        title = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Options")).lower()
+        group_defaults = functools.partial(group, **{name: defaults[name] for name in names})
+        spec.append(
+            (group.__name__, Annotated[group, tyro.conf.arg(name=title)], field(default_factory=group_defaults))
+        )
+    return make_dataclass(args_class.__name__, spec, bases=(args_class,))
+
+
+def flattened(parsed, args_class):
+    """The Args of what in_sections(args_class) parsed: its own options and those of each group side by side."""
+    values = {f.name: getattr(parsed, f.name) for f in fields(args_class)}
+    for group in option_groups(args_class):
+        values.update({f.name: getattr(getattr(parsed, group.__name__), f.name) for f in fields(group)})
+    return args_class(**values)
+
+
 def parse_args(args_class):
-    """tyro's parser of a script's Args dataclass, with its boxed parse error folded into one line (help and success
-    are tyro's own); paths given with ~ expanded."""
-    captured = io.StringIO()
+    """tyro's parser of a script's Args dataclass, its option groups in sections (in_sections), with its boxed parse
+    error folded into one line (help and success are tyro's own); paths given with ~ expanded."""
+    captured, view = io.StringIO(), in_sections(args_class)
     try:
         with contextlib.redirect_stderr(captured):
-            args = tyro.cli(args_class, use_underscores=True)
+            args = flattened(tyro.cli(view, use_underscores=True, config=(tyro.conf.OmitArgPrefixes,)), args_class)
     except SystemExit as e:
         if not e.code:
             raise  # --help
@@ -38,7 +81,7 @@ def parse_args(args_class):
         os.environ["COLUMNS"] = "100000"
         try:
             with contextlib.redirect_stderr(wide):
-                tyro.cli(args_class, use_underscores=True)
+                tyro.cli(view, use_underscores=True, config=(tyro.conf.OmitArgPrefixes,))
         except SystemExit:
             pass
         finally:

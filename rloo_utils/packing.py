@@ -4,14 +4,15 @@ from which the log-probs are made a chunk at a time."""
 
 import contextlib
 import itertools
+import math
 from typing import Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 
 from rloo_utils.errors import UsageError, describe
 from rloo_utils.lora import transformers_model
-from rloo_utils.vision import builds_own_positions
-
+from rloo_utils.vision import builds_own_positions, vision_inputs
 
 # Attention implementations that keep packed sequences apart in any number of rows: transformers' mask utilities build
 # a block-causal mask per row from position ids that restart at 0. Any other (flash attention's varlen kernels, which
@@ -182,3 +183,109 @@ def check_output_layer(model, autocast, name: str) -> None:
             "do not reproduce (known: a soft cap, logit_scale, logits_scaling): add it to "
             "rloo_utils.output_layer"
         )
+
+
+def last_true_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) column of the last 1 in each row of a (B, T) 0/1 mask: the last real token."""
+    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions count real tokens only, so a left-padded prompt sees the same positions as an unpadded one."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+# Positions whose logits are made at a time: a chunk's fp32 logits stay at 64 MB whatever the vocabulary
+LOGIT_CHUNK_ELEMENTS = 2**24
+
+
+def logprobs_through_output_layer(
+    output_layer,
+    transform,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    support: Optional[Callable] = None,
+):
+    """(K,) fp32 log softmax(transform(output_layer(hidden)) / temperature)[ids], from the (K, H) hidden states that
+    predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time, and with gradients each chunk's
+    logits are made again in the backward pass (activation checkpointing) rather than kept, so the step's peak memory
+    stops growing with K x V (TRL 1.16 does the same). Detached, after it: with_entropy, the (K,) entropies
+    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the
+    tokens the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
+
+    def chunk_logprobs(chunk, chunk_ids):  # (k, H), (k,) -> tuple of (k,)
+        logits = transform(output_layer(chunk)).float() / temperature  # (k, V)
+        logprobs = logits.log_softmax(-1)
+        out = [logprobs.gather(-1, chunk_ids[:, None]).squeeze(-1)]
+        with torch.no_grad():
+            if with_entropy:
+                out.append(-(logprobs.exp() * logprobs).sum(-1))
+            if support is not None:
+                kept = support(logits).scatter(-1, chunk_ids[:, None], True)
+                renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
+                out.append(renormalised.gather(-1, chunk_ids[:, None]).squeeze(-1))
+        return tuple(out)
+
+    trained = hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters())
+    keep_graph = torch.is_grad_enabled() and trained
+    step = max(1, LOGIT_CHUNK_ELEMENTS // output_layer.weight.shape[0])
+    chunks = [
+        torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
+        if keep_graph
+        else chunk_logprobs(chunk, chunk_ids)
+        for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))
+    ]
+    outputs = [torch.cat(values) for values in zip(*chunks)]  # K = 0: one empty chunk
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def chunked_completion_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    temperature: float,
+    with_entropy: bool = False,
+    images: Optional[dict] = None,
+    packing: Optional[str] = None,
+    support: Optional[Callable] = None,
+):
+    """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; with_entropy, also the
+    entropies, and with a sampler's `support`, the log-probs on its distribution (logprobs_through_output_layer).
+    The forward stops at the output layer's inputs where a real completion token is predicted, (K, H). images: the
+    rows' image tensors (images_batch), for a VLM. packing: pack_sequences' layout (padding-free), or None: padded
+    rows, cut of the columns that are padding in every row (left of the longest prompt, right of the longest
+    completion). Padding positions get 0.
+    """
+    real = completion_mask.bool()  # (B, C)
+    if packing:  # the real tokens only
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        ids, positions, index = pack_sequences(torch.cat([prompt_ids, completion_ids], 1), mask, packing)
+        with output_layer_inputs(model, index[:, prompt_ids.shape[1] :][real] - 1) as hidden:  # a token is predicted
+            model(input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(mask, packing))  # before it
+    else:
+        first = int(prompt_mask.any(0).nonzero()[0])
+        last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
+        input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)  # (B, L)
+        attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
+        position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)
+        flat_index = torch.arange(input_ids.numel(), device=input_ids.device).view(input_ids.shape)  # (B, L)
+        index = flat_index[:, -last - 1 : -1]  # (B, last): where completion tokens 0..last-1 are predicted
+        with output_layer_inputs(model, index[real[:, :last]]) as hidden:
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                **vision_inputs(model, input_ids, images),
+            )
+    layer, transform = output_layer(model)
+    out = logprobs_through_output_layer(
+        layer, transform, hidden[0], completion_ids[real], temperature, with_entropy, support
+    )
+    if isinstance(out, torch.Tensor):
+        return out.new_zeros(real.shape).masked_scatter(real, out)  # (K,) -> (B, C)
+    return tuple(values.new_zeros(real.shape).masked_scatter(real, values) for values in out)

@@ -19,6 +19,15 @@ def get_world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """(b, ...) rows of each process -> (world size x b, ...) rows of all, in rank order, on every process."""
+    if get_world_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
 @contextlib.contextmanager
 def agreed():
     """`with agreed():` around work that holds no collective: if it raises on any process, the first failing process's

@@ -18,9 +18,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rloo_utils.data import REWARD_FUNC_ARGUMENTS, content_text, left_pad
+from rloo_utils.data import REWARD_FUNC_ARGUMENTS, content_text, left_pad, message_text
 from rloo_utils.errors import RunError, UsageError, describe
+from rloo_utils.packing import last_true_index, pack_sequences, position_ids_from, varlen_kwargs
 from rloo_utils.processes import get_rank
+from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
 
 
 def reward_model_inputs(
@@ -373,3 +375,144 @@ def check_reward_range(scores: torch.Tensor, update: int) -> None:
         "once summed or squared (the baselines, the std of --normalize_reward and of group normalisation): "
         "scale them down (a reward function's values, --reward_weights)"
     )
+
+
+@functools.cache
+def vader_analyzer():
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    return SentimentIntensityAnalyzer()  # reads its lexicon: built once
+
+
+def vader_sentiment(completions, **kwargs) -> list[float]:
+    """VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014; a lexicon, no download)."""
+    return [vader_analyzer().polarity_scores(message_text(c))["compound"] for c in completions]
+
+
+def completion_length(completion_ids, **kwargs) -> list[float]:
+    """Number of completion tokens: a simple signal to check that learning works."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+# with the verifiable rewards of tasks with a right answer: answer_accuracy, gsm8k_accuracy, number_only
+BUILTIN_REWARD_FUNCS = {
+    "vader_sentiment": vader_sentiment,
+    "completion_length": completion_length,
+    **VERIFIABLE_REWARD_FUNCS,
+}
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids, attention_mask, packing: Optional[str] = None) -> torch.Tensor:
+    """(B,) scores: the value head read at the last real token, which for a completion that ended is its EOS, as in
+    "The N+ implementation details of RLHF with PPO" (found by the mask: the padding token may equal EOS).
+    Padding-free with `packing` (pack_sequences), as completion_logprobs."""
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    last = last_true_index(attention_mask)  # (B,)
+    if packing:
+        ids, positions, index = pack_sequences(input_ids, attention_mask, packing)
+        hidden = backbone(
+            input_ids=ids, position_ids=positions, use_cache=False, **varlen_kwargs(attention_mask, packing)
+        ).last_hidden_state.flatten(0, 1)
+        return reward_model.score(hidden[index[torch.arange(len(last)), last]]).squeeze(-1).float()
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+
+
+def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
+    total = torch.nansum(rewards_per_func * weights, dim=1)
+    return torch.where(rewards_per_func.isnan().all(1), torch.nan, total)
+
+
+def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(B,) unbiased std of the scorable rewards of each row's group."""
+    r = rewards.view(-1, num_generations)  # (num_prompts, G)
+    n = (~r.isnan()).sum(1, keepdim=True)
+    variance = (r - r.nanmean(1, keepdim=True)).square().nansum(1, keepdim=True) / (n - 1).clamp(min=1)
+    return variance.sqrt().expand_as(r).reshape(-1)
+
+
+class Scorer:
+    """A rollout's rewards, (B, F) by every source: the reward model first, then the reward functions (NaN where one
+    returned None). The functions get what TRL gives them (prompts, completions, completion_ids, the dataset's columns,
+    trainer_state, log_extra and log_metric; in multi-turn rollouts the conversations and environments)."""
+
+    def __init__(
+        self, args, tokenizer, reward_tokenizer, reward_model, packing, funcs, names, trainer_state, device, autocast
+    ):
+        self.args, self.tokenizer, self.reward_tokenizer, self.reward_model = (
+            args,
+            tokenizer,
+            reward_tokenizer,
+            reward_model,
+        )
+        self.packing, self.funcs, self.names, self.trainer_state = packing, funcs, names, trainer_state
+        self.device, self.autocast = device, autocast
+        self.logs = RewardLogs()  # what the functions log (log_extra, log_metric)
+
+    def score(self, rollout) -> tuple[torch.Tensor, list[str]]:
+        """(B, F) rewards of every source, and the decoded completions."""
+        texts = self.tokenizer.batch_decode(
+            rollout.completion_ids * rollout.completion_mask
+            + self.tokenizer.pad_token_id * (1 - rollout.completion_mask),
+            skip_special_tokens=True,
+        )
+        per_source = [] if self.reward_model is None else [self.model_scores(rollout, texts)]
+        per_source += self.call(self.funcs, self.names[len(per_source) :], rollout, texts)
+        return torch.stack(per_source, 1).to(self.device), texts
+
+    def model_scores(self, rollout, texts: list[str]) -> torch.Tensor:
+        """(B,) the reward model's scores, in chunks: of the policy's token ids, or (a reward model with a tokenizer of
+        its own) of the prompts and completions as text again."""
+        chunk = self.args.local_rollout_forward_batch_size
+        if self.reward_tokenizer is None:  # it reads the policy's own token ids
+            input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+        else:
+            input_ids, attention_mask = (
+                t.to(self.device)
+                for t in reward_model_inputs(
+                    self.reward_tokenizer, rollout.prompts, texts, rollout.ended, self.args.chat_template_kwargs
+                )
+            )
+        with self.autocast():
+            scores = torch.cat(
+                [
+                    reward_model_scores(
+                        self.reward_model, input_ids[i : i + chunk], attention_mask[i : i + chunk], self.packing
+                    )
+                    for i in range(0, len(input_ids), chunk)
+                ]
+            ).cpu()
+        bad = (~scores.isfinite()).nonzero()
+        if len(bad):
+            raise RunError(
+                f"reward model {self.names[0]} gave a non-finite score ({scores[bad[0, 0]]}) at index "
+                f"{int(bad[0, 0])}: check its weights, or leave out --bf16"
+            )
+        return scores
+
+    def call(self, funcs, names, rollout, texts: list[str], check=None) -> list[torch.Tensor]:
+        """Each function's (B,) values on the rollout (call_reward_funcs: NaN for None, one line for a failure)."""
+        turns = rollout.turns
+        return call_reward_funcs(
+            funcs,
+            names,
+            len(texts),
+            self.args.reward_timeout,
+            check,
+            **reward_func_arguments(
+                rollout.prompts, texts, rollout.completion_ids, rollout.completion_mask, turns and turns.messages
+            ),
+            **({"environments": turns.environments} if turns else {}),
+            trainer_state=self.trainer_state,
+            log_extra=self.logs.log_extra,
+            log_metric=self.logs.log_metric,
+            **rollout.columns,
+        )

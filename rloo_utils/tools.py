@@ -16,6 +16,19 @@ from rloo_utils.errors import RunError, UsageError, describe
 from rloo_utils.processes import any_process
 from rloo_utils.rewards import await_all, load_reward_func
 
+
+@dataclass
+class ToolUseOptions:
+    """Tools and environments: multi-turn rollouts (docs/tools.md)"""
+
+    tools: Optional[list[str]] = None
+    """functions the model may call, `file.py:function` or `module:function`: typed, with a Google-style docstring"""
+    environment: Optional[list[str]] = None
+    """classes `file.py:Class`, one per rollout: reset(**row), its methods are tools, get_reward() a reward source"""
+    max_tool_calling_iterations: Optional[int] = None
+    """rounds of tool calls a rollout may make; None: until the model answers without one or runs out of tokens"""
+
+
 # The tool-call format of Hermes-style chat templates (Qwen2.5, Qwen3, SmolLM3, NousResearch's Hermes):
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A tokenizer that carries its own response_template
 # (transformers' response parsing) is parsed with that instead.

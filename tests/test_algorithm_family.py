@@ -2,11 +2,13 @@
 with torch.autograd, the default against the previous implementation, and an end-to-end run of each."""
 
 import math
+import types
 
 import pytest
 import torch
 
 import rloo
+from rloo_utils.logs import update_metrics
 from rloo_utils.options import check_args
 from conftest import read_metrics, run_rloo
 
@@ -129,26 +131,33 @@ ESTIMATORS = {
     "best_of_group": (best_of_group_advantages, "group"),"""
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
-def test_a_new_estimator_is_a_function_and_an_entry(script, tmp_path, monkeypatch):
-    """A fork adds an estimator by adding its function and its entry to ESTIMATORS, nothing else: the option takes its
-    name (the choices are the registry's), the estimator's normalisation is its default, and the advantages are its."""
+def fork_of(script: str, registry: str, addition: str, tmp_path, monkeypatch):
+    """A copy of the script with `addition` (a function and the first entry of the registry) put in, imported."""
     import importlib.util
     import os
     import sys
-    import typing
 
     from conftest import ROOT
 
     source = open(os.path.join(ROOT, script)).read()
-    assert source.count("\nESTIMATORS = {") == 1
+    assert source.count(f"\n{registry} = {{") == 1
     fork = tmp_path / f"fork_{script}"
-    fork.write_text(source.replace("\nESTIMATORS = {", FORK_ESTIMATOR))
+    fork.write_text(source.replace(f"\n{registry} = {{", addition))
     monkeypatch.syspath_prepend(ROOT)  # its rloo_utils/, as a fork beside the script has it
     spec = importlib.util.spec_from_file_location(fork.stem, fork)
     forked = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, forked)  # as a script's own module is, while its classes are made
     spec.loader.exec_module(forked)
+    return forked
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
+def test_a_new_estimator_is_a_function_and_an_entry(script, tmp_path, monkeypatch):
+    """A fork adds an estimator by adding its function and its entry to ESTIMATORS, nothing else: the option takes its
+    name (the choices are the registry's), the estimator's normalisation is its default, and the advantages are its."""
+    import typing
+
+    forked = fork_of(script, "ESTIMATORS", FORK_ESTIMATOR, tmp_path, monkeypatch)
     assert typing.get_args(forked.AdvantageEstimator) == tuple(forked.ESTIMATORS) == ("best_of_group", "rloo", "grpo",
         "dr_grpo", "reinforce_pp")  # fmt: skip
     import tyro
@@ -163,6 +172,47 @@ def test_a_new_estimator_is_a_function_and_an_entry(script, tmp_path, monkeypatc
         tyro.cli(forked.Args, args=["--advantage_estimator", "best_of_grup"], use_underscores=True)
 
 
+FORK_LOSS = """
+def sequence_reinforce_loss(logprobs, old_logprobs, advantages, mask, args):
+    \"\"\"-A log pi(y) per completion, with the mean sequence ratio as a statistic of its own.\"\"\"
+    logprob_sum = (logprobs * mask).sum(1)
+    log_ratio = logprob_sum.detach() - (old_logprobs * mask).sum(1)
+    return -advantages[:, 0] * logprob_sum, log_ratio, {"fork/ratio_mean": log_ratio.exp()}
+
+
+LOSSES = {
+    "sequence_reinforce": (sequence_reinforce_loss, None),"""
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])
+def test_a_new_loss_is_a_function_and_an_entry(script, tmp_path, monkeypatch):
+    """A fork adds a loss by adding its function and its entry to LOSSES, nothing else: --loss_type takes its name,
+    the training loop's policy_loss makes the minibatch loss of it, and its statistics reach the logged metrics."""
+    import typing
+
+    import tyro
+
+    forked = fork_of(script, "LOSSES", FORK_LOSS, tmp_path, monkeypatch)
+    assert typing.get_args(forked.LossType) == tuple(forked.LOSSES)
+    assert typing.get_args(forked.LossType)[:2] == ("sequence_reinforce", "sequence")
+    args = tyro.cli(forked.Args, args=["--loss_type", "sequence_reinforce"], use_underscores=True)
+    check_args(args)
+    args = forked.resolve_defaults(args)
+    logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0, 0.0], [-0.5, -1.0, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    advantages = torch.tensor([[2.0], [-1.0]]).expand(2, 3)
+    loss, stats = forked.policy_loss(args, logprobs, old, advantages, mask, torch.tensor([True, True]), 2, None)
+    torch.testing.assert_close(loss, torch.tensor(-(2.0 * -3.0 + -1.0 * -1.5) / 2))  # the mean of -A log pi(y)
+    torch.testing.assert_close(stats["units"], torch.tensor(2.0))  # one unit per completion
+    torch.testing.assert_close(stats["fork/ratio_mean"], torch.tensor(math.exp(0.5) + math.exp(0.5)))
+    micro = {name: [float(value)] for name, value in {**stats, "entropy": 0.0, "tokens": 5.0}.items()}
+    metrics = update_metrics(micro, [float(loss)], [1.0], [1e-5])
+    assert metrics["fork/ratio_mean"] == pytest.approx(math.exp(0.5))  # its mean over the units, logged
+    with pytest.raises(SystemExit):  # and a name that is not in the registry is refused by the parser
+        tyro.cli(forked.Args, args=["--loss_type", "sequence_reinfroce"], use_underscores=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Losses, per token. Three tokens with ratios r = [1.5, 0.5, 1.1] against pi_old, advantages per sequence.
 # ----------------------------------------------------------------------------------------------------------------
@@ -170,14 +220,23 @@ OLD = torch.tensor([[-1.0, -2.0, -0.5]])
 RATIOS = torch.tensor([[1.5, 0.5, 1.1]])
 
 
+MASK = torch.ones(1, 3)
+SAPO = types.SimpleNamespace(sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+
+
 def current_logprobs():
     return (OLD + RATIOS.log()).requires_grad_()
+
+
+def options(epsilon=0.2, epsilon_high=0.2, ppo_clip=False, dual_clip=None):
+    """The options a loss reads."""
+    return types.SimpleNamespace(epsilon=epsilon, epsilon_high=epsilon_high, ppo_clip=ppo_clip, dual_clip=dual_clip)
 
 
 @per_script
 def test_token_policy_gradient_by_hand():
     logprobs = current_logprobs()
-    loss, log_ratio = rloo.pg_token_loss(logprobs, OLD, torch.tensor([[2.0]]))
+    loss, log_ratio, _ = rloo.token_loss(logprobs, OLD, torch.tensor([[2.0]]), MASK, options())
     torch.testing.assert_close(loss, -2.0 * logprobs.detach())
     torch.testing.assert_close(log_ratio.exp(), RATIOS)  # not in the loss: for the clip metrics
     loss.sum().backward()
@@ -188,7 +247,7 @@ def test_token_policy_gradient_by_hand():
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_token_ppo_clip_by_hand(advantage):
     logprobs = current_logprobs()
-    loss, log_ratio = rloo.ppo_token_loss(logprobs, OLD, torch.tensor([[advantage]]), 0.2, 0.3)
+    loss, log_ratio, _ = rloo.token_loss(logprobs, OLD, torch.tensor([[advantage]]), MASK, options(0.2, 0.3, True))
     torch.testing.assert_close(log_ratio.exp(), RATIOS)
     if advantage > 0:  # 1.5 is clipped at 1.3 (no gradient); 0.5 and 1.1 are not (the clip only stops increases)
         expected, grad = [-1.3, -0.5, -1.1], [0.0, -0.5, -1.1]
@@ -205,19 +264,19 @@ def test_token_ppo_clip_by_hand(advantage):
 def test_dual_clip_caps_the_loss_of_negative_advantages():
     old = torch.zeros(1, 3)
     logprobs = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0)]], requires_grad=True)
-    loss, _ = rloo.ppo_token_loss(logprobs, old, torch.tensor([[-1.0]]), 0.2, 0.2, dual_clip=3.0)
+    loss, _, _ = rloo.token_loss(logprobs, old, torch.tensor([[-1.0]]), MASK, options(0.2, 0.2, True, dual_clip=3.0))
     # ratio 5 with A = -1: PPO's loss 5 is capped at c|A| = 3 and has no gradient; ratio 2 stays at 2.
     torch.testing.assert_close(loss.detach(), torch.tensor([[3.0, 2.0, 3.0]]))
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 2.0, 0.0]]))
-    positive, _ = rloo.ppo_token_loss(logprobs.detach(), old, torch.tensor([[1.0]]), 0.2, 0.2, dual_clip=3.0)
+    positive, _, _ = rloo.token_loss(logprobs.detach(), old, torch.tensor([[1.0]]), MASK, options(0.2, 0.2, True, 3.0))
     torch.testing.assert_close(positive, torch.full((1, 3), -1.2))  # A > 0: only the usual clip
 
 
 @per_script
 def test_cispo_weight_is_clipped_and_stop_gradient():
     logprobs = current_logprobs()
-    loss, log_ratio = rloo.cispo_loss(logprobs, OLD, torch.tensor([[2.0]]), 0.2, 0.3)
+    loss, log_ratio, _ = rloo.cispo_loss(logprobs, OLD, torch.tensor([[2.0]]), MASK, options(0.2, 0.3))
     torch.testing.assert_close(log_ratio.exp(), RATIOS)  # unclipped: the clip metrics see the ratio itself
     weight = torch.tensor([[1.3, 0.8, 1.1]])  # clip(r, 0.8, 1.3)
     torch.testing.assert_close(loss.detach(), -weight * 2.0 * logprobs.detach())
@@ -232,7 +291,7 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
     old = torch.tensor([[-1.1, -1.9, -0.45, 0.0], [-0.3, -0.6, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     advantages = torch.tensor([1.5, -0.5])
-    token_loss, log_s = rloo.gspo_loss(logprobs, old, advantages[:, None], mask, 0.2, 0.2)
+    token_loss, log_s, _ = rloo.gspo_loss(logprobs, old, advantages[:, None], mask, options(0.2, 0.2))
     loss = (token_loss * mask).sum(1) / mask.sum(1)  # GSPO averages over the tokens of a sequence
     # The value: s_i = exp(mean_t (log p - log p_old)) for every token of sequence i.
     s = torch.exp(((logprobs.detach() - old) * mask).sum(1) / mask.sum(1))
@@ -249,7 +308,7 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
 @per_script
 def test_gspo_clips_the_whole_sequence():
     logprobs = torch.tensor([[0.2, 0.4]], requires_grad=True)  # s = exp(0.3) > 1 + 0.2: clipped for A > 0
-    loss, _ = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([[1.0]]), torch.ones(1, 2), 0.2, 0.2)
+    loss, _, _ = rloo.gspo_loss(logprobs, torch.zeros(1, 2), torch.tensor([[1.0]]), torch.ones(1, 2), options(0.2, 0.2))
     torch.testing.assert_close(loss.detach(), torch.full((1, 2), -1.2))
     loss.sum().backward()
     assert (logprobs.grad == 0).all()
@@ -259,7 +318,8 @@ def test_gspo_clips_the_whole_sequence():
 def test_sapo_gate_by_hand_and_its_gradient():
     for advantage, tau in [(2.0, 1.0), (-2.0, 1.05)]:
         logprobs = current_logprobs()
-        loss, log_ratio, gate = rloo.sapo_loss(logprobs, OLD, torch.tensor([[advantage]]), tau_pos=1.0, tau_neg=1.05)
+        loss, log_ratio, stats = rloo.sapo_loss(logprobs, OLD, torch.tensor([[advantage]]), MASK, SAPO)
+        gate = stats["sapo/gate_mean"]
         torch.testing.assert_close(log_ratio.exp(), RATIOS)
         sig = torch.sigmoid(tau * (RATIOS - 1))
         torch.testing.assert_close(gate, sig * 4 / tau)
@@ -268,7 +328,7 @@ def test_sapo_gate_by_hand_and_its_gradient():
         # d gate / d r = 4 sig (1 - sig), d r / d log p = r
         torch.testing.assert_close(logprobs.grad, -advantage * 4 * sig * (1 - sig) * RATIOS)
     on_policy = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss, _, gate = rloo.sapo_loss(on_policy, on_policy.detach(), torch.tensor([[3.0]]), 1.0, 1.05)
+    loss, _, _ = rloo.sapo_loss(on_policy, on_policy.detach(), torch.tensor([[3.0]]), torch.ones(1, 2), SAPO)
     loss.sum().backward()
     torch.testing.assert_close(on_policy.grad, torch.full((1, 2), -3.0))  # on-policy: the REINFORCE gradient
 
@@ -321,7 +381,7 @@ def test_default_loss_is_the_previous_implementation_bit_for_bit():
     clipped = (ratio > 1.2) & (advantages > 0)
     assert stats["units"].item() == 6 and stats["clipped_high"].item() == clipped.sum().item()
     torch.testing.assert_close(stats["approxkl"], (0.5 * ratio.detach().log().square()).sum())
-    assert "sapo_gate" not in stats and "dual_clipped" not in stats
+    assert "sapo/gate_mean" not in stats and "dual_clipped" not in stats
 
 
 @pytest.mark.parametrize(
@@ -345,7 +405,7 @@ def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv
     )
     loss.backward()
     assert (logprobs.grad[1] == 0).all() and (logprobs.grad[0] != 0).any()  # the row that does not train adds nothing
-    assert ("sapo_gate" in stats) == (args.loss_type == "sapo")
+    assert ("sapo/gate_mean" in stats) == (args.loss_type == "sapo")
     assert stats["units"].item() == (2 if args.loss_type == "gspo" else 6)  # gspo clips whole sequences
     torch.testing.assert_close(stats["token_ratio"], (RATIOS.sum() * 2).reshape(()))
 

@@ -19,6 +19,7 @@ import compare_algorithms  # noqa: E402
 import judge  # noqa: E402
 import plot  # noqa: E402
 from rloo_utils.vllm_engine import check_vllm_args  # noqa: E402
+from rloo_utils.models import disable_dropout, tokenize_prompts  # noqa: E402
 
 LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
 PLOT = os.path.join(ROOT, "benchmark", "plot.py")
@@ -1118,10 +1119,8 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
 
     from datasets import load_dataset
 
-    import rloo
-
     prompts = load_dataset("json", data_files=os.path.join(ROOT, "data", "movie_reviews", "train.jsonl"))["train"]
-    prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(
+    prompt_ids, prompt_mask, _, _ = tokenize_prompts(
         tiny["tokenizer"], [p for p in prompts["prompt"][:2] for _ in range(4)], 512, "cpu"
     )
     real, padded, padding = re.search(
@@ -1208,10 +1207,8 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
     import logprob_memory
     import torch
 
-    import rloo
-
     policy = logprob_memory.load_policy(tiny["policy"]).train()
-    rloo.disable_dropout(policy)
+    disable_dropout(policy)
     generator = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(policy.config.vocab_size, (2, 4), generator=generator)
     completion_ids = torch.randint(policy.config.vocab_size, (2, 8), generator=generator)

@@ -1,6 +1,7 @@
 """Each formula of rloo.py against values computed by hand."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -9,7 +10,18 @@ import rloo
 from rloo_utils.data import load_prompt_dataset
 from rloo_utils.errors import UsageError
 from rloo_utils.options import batch_sizes, lr_scheduler
-from rloo_utils.rewards import call_reward_funcs, load_reward_func, reward_model_inputs
+from rloo_utils.rewards import (
+    BUILTIN_REWARD_FUNCS,
+    call_reward_funcs,
+    load_reward_func,
+    reward_model_inputs,
+    reward_model_scores,
+    vader_sentiment,
+    weighted_reward,
+)
+from rloo_utils.models import end_token_ids, tokenize_prompts
+import rloo_utils.packing as packing_module
+from rloo_utils.packing import logprobs_through_output_layer
 
 pytestmark = pytest.mark.usefixtures("each_script")  # every test runs against every script that has the function
 
@@ -86,7 +98,7 @@ def test_whiten_over_batch_only_over_rows_that_train():
 # ----------------------------------------------------------------------------------------------------------------
 def test_weighted_reward_is_nan_aware():
     per_func = torch.tensor([[1.0, 2.0], [math.nan, 4.0], [math.nan, math.nan]])
-    out = rloo.weighted_reward(per_func, torch.tensor([0.5, 2.0]))
+    out = weighted_reward(per_func, torch.tensor([0.5, 2.0]))
     assert out[0].item() == pytest.approx(0.5 + 4.0)
     assert out[1].item() == pytest.approx(8.0)
     assert out[2].isnan()
@@ -113,20 +125,20 @@ def test_call_reward_func_turns_none_into_nan_and_checks_values():
 
 
 def test_vader_sentiment_reads_plain_and_conversational_completions():
-    plain = rloo.vader_sentiment(["What a wonderful, joyful film.", "A dreadful, boring mess."])
-    chat = rloo.vader_sentiment([[{"role": "assistant", "content": "What a wonderful, joyful film."}]])
+    plain = vader_sentiment(["What a wonderful, joyful film.", "A dreadful, boring mess."])
+    chat = vader_sentiment([[{"role": "assistant", "content": "What a wonderful, joyful film."}]])
     assert plain[0] > 0.5 and plain[1] < -0.5
     assert chat[0] == plain[0]
 
 
 def test_load_reward_func_by_name_module_and_file(tmp_path):
-    assert load_reward_func("vader_sentiment", rloo.BUILTIN_REWARD_FUNCS) is rloo.vader_sentiment
+    assert load_reward_func("vader_sentiment", BUILTIN_REWARD_FUNCS) is vader_sentiment
     assert load_reward_func("math:sqrt", {})(4) == 2
     file = tmp_path / "my_rewards.py"
     file.write_text("def shout(completions, **kw):\n    return [float(c.count('!')) for c in completions]\n")
     assert load_reward_func(f"{file}:shout", {})(completions=["a!!"]) == [2.0]
     with pytest.raises(UsageError, match="unknown reward function 'nope'"):
-        load_reward_func("nope", rloo.BUILTIN_REWARD_FUNCS)
+        load_reward_func("nope", BUILTIN_REWARD_FUNCS)
     with pytest.raises(UsageError, match="has no function 'missing'"):
         load_reward_func(f"{file}:missing", {})
 
@@ -176,11 +188,12 @@ def test_token_level_and_sequence_level_kl_give_the_same_reward():
 # ----------------------------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------------------------
-def test_clipped_surrogate_by_hand_and_its_gradient():
+def test_sequence_loss_is_the_clipped_surrogate_by_hand_with_its_gradient():
     ratios = torch.tensor([1.5, 0.5, 0.9, 1.1, 1.25])
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    clip, ones = types.SimpleNamespace(epsilon=0.2, epsilon_high=0.3), torch.ones(5, 1)  # one token a completion
     logprob_sum = ratios.log().requires_grad_()
-    loss, log_ratio = rloo.clipped_surrogate_loss(logprob_sum, torch.zeros(5), advantages, 0.2, 0.3)
+    loss, log_ratio, _ = rloo.sequence_loss(logprob_sum[:, None], torch.zeros(5, 1), advantages[:, None], ones, clip)
     torch.testing.assert_close(log_ratio, ratios.log())  # the ratio the clip metrics see
     # A > 0, rho 1.5 > 1 + 0.3: clipped at 1.3; A < 0, rho 0.5 < 0.8: clipped at 0.8; inside: -A rho.
     torch.testing.assert_close(loss.detach(), torch.tensor([-1.3, 0.8, -0.9, 1.1, -1.25]))
@@ -194,7 +207,10 @@ def test_clipped_surrogate_by_hand_and_its_gradient():
 def test_on_policy_ratio_is_exactly_one_and_the_loss_is_reinforce():
     logprob_sum = torch.tensor([-3.0, -7.0], requires_grad=True)
     advantages = torch.tensor([2.0, -1.0])
-    loss, _ = rloo.clipped_surrogate_loss(logprob_sum, logprob_sum.detach(), advantages, 0.2, 0.2)
+    clip = types.SimpleNamespace(epsilon=0.2, epsilon_high=0.2)
+    loss, _, _ = rloo.sequence_loss(
+        logprob_sum[:, None], logprob_sum.detach()[:, None], advantages[:, None], torch.ones(2, 1), clip
+    )
     assert torch.exp(logprob_sum - logprob_sum.detach()).tolist() == [1.0, 1.0]
     loss.sum().backward()
     torch.testing.assert_close(logprob_sum.grad, -advantages)  # the gradient of -A log pi
@@ -214,14 +230,14 @@ def plain_logprobs_and_entropy(layer, transform, hidden, ids, temperature):
 def test_logprobs_through_the_output_layer_by_hand_in_chunks(monkeypatch, chunk_elements, soft_cap):
     """The log-probs, entropies and gradients (of the hidden states and the output layer) made a chunk of positions at
     a time equal those of the whole (K, V) logits; a transform after the output layer (Gemma's soft cap) is applied."""
-    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(packing_module, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
     layer = torch.nn.Linear(5, 7, bias=False)
     transform = (lambda x: soft_cap * torch.tanh(x / soft_cap)) if soft_cap else (lambda x: x)
     hidden = torch.randn(8, 5, requires_grad=True)
     ids = torch.randint(7, (8,))
     weights = torch.randn(8)
-    out, entropy = rloo.logprobs_through_output_layer(layer, transform, hidden, ids, 0.7, with_entropy=True)
+    out, entropy = logprobs_through_output_layer(layer, transform, hidden, ids, 0.7, with_entropy=True)
     expected, expected_entropy = plain_logprobs_and_entropy(layer, transform, hidden, ids, 0.7)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(entropy, expected_entropy.detach())
@@ -235,15 +251,15 @@ def test_logprobs_through_the_output_layer_by_hand_in_chunks(monkeypatch, chunk_
     zero = torch.nn.Linear(5, 7, bias=False)
     torch.nn.init.zeros_(zero.weight)
     identity = lambda x: x  # noqa: E731
-    _, uniform = rloo.logprobs_through_output_layer(zero, identity, torch.randn(2, 5), torch.tensor([0, 1]), 1.0, True)
+    _, uniform = logprobs_through_output_layer(zero, identity, torch.randn(2, 5), torch.tensor([0, 1]), 1.0, True)
     torch.testing.assert_close(uniform, torch.full((2,), math.log(7)))
     with torch.no_grad():
         zero.weight[3, 0] = 100.0
     one_hot = torch.tensor([[1.0, 0, 0, 0, 0]])
-    _, peaked = rloo.logprobs_through_output_layer(zero, identity, one_hot, torch.tensor([3]), 1.0, True)
+    _, peaked = logprobs_through_output_layer(zero, identity, one_hot, torch.tensor([3]), 1.0, True)
     assert peaked.item() == pytest.approx(0.0, abs=1e-6)
     # No position: empty log-probs, and a backward that reaches nothing
-    empty = rloo.logprobs_through_output_layer(layer, transform, hidden[:0], ids[:0], 1.0)
+    empty = logprobs_through_output_layer(layer, transform, hidden[:0], ids[:0], 1.0)
     assert empty.shape == (0,) and empty.dtype == torch.float32
 
 
@@ -251,7 +267,7 @@ def test_log_probs_keep_no_vocabulary_sized_tensor_for_the_backward_pass(monkeyp
     """What autograd saves for the backward pass of the log-probs: the (K, H) hidden states and the output layer's
     weight, never a (K, V) tensor of logits, bf16 or fp32 (with a 150k vocabulary and 8k tokens that is gigabytes); the
     gradient under bf16 autocast is the plain one up to bf16 rounding."""
-    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", 2 * 50)  # two positions per chunk
+    monkeypatch.setattr(packing_module, "LOGIT_CHUNK_ELEMENTS", 2 * 50)  # two positions per chunk
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 50, bias=False)
     hidden = torch.randn(24, 16, requires_grad=True)
@@ -263,7 +279,7 @@ def test_log_probs_keep_no_vocabulary_sized_tensor_for_the_backward_pass(monkeyp
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-        out = rloo.logprobs_through_output_layer(layer, lambda x: x, hidden, ids, 0.9)
+        out = logprobs_through_output_layer(layer, lambda x: x, hidden, ids, 0.9)
     assert out.dtype == torch.float32
     assert all(50 not in shape or shape == (50, 16) for shape in saved), saved  # the weight (V, H); no chunk's (2, V)
     (grad,) = torch.autograd.grad(out.sum(), hidden)
@@ -291,13 +307,13 @@ def test_completion_mask_keeps_the_first_stop_token_and_nothing_after():
 def test_end_tokens_are_every_eos_the_model_declares(tiny):
     tok = tiny["tokenizer"]  # eos <|im_end|>
     eos = tok.eos_token_id
-    assert rloo.end_token_ids(tok, None, None, False) == ([eos], [eos])
-    assert rloo.end_token_ids(tok, eos, None, False) == ([eos], [eos])
-    assert rloo.end_token_ids(tok, [7, eos, 0], 9, False) == (
+    assert end_token_ids(tok, None, None, False) == ([eos], [eos])
+    assert end_token_ids(tok, eos, None, False) == ([eos], [eos])
+    assert end_token_ids(tok, [7, eos, 0], 9, False) == (
         sorted({0, 7, eos}),
         sorted({0, 7, eos, 9}),
     )  # Llama 3, Qwen
-    assert rloo.end_token_ids(tok, [7], 9, True) == (sorted({7, eos}), [9])  # --ignore_eos: only --stop_token_id stops
+    assert end_token_ids(tok, [7], 9, True) == (sorted({7, eos}), [9])  # --ignore_eos: only --stop_token_id stops
 
 
 def test_entropy_metric_only_counts_real_tokens(tiny):
@@ -316,7 +332,7 @@ def test_entropy_metric_only_counts_real_tokens(tiny):
         model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, half, 1.0, True
     )
     torch.testing.assert_close(ent_half[:, :2], ent_full[:, :2])
-    assert (ent_half[:, 2:] == 0).all()  # masked columns are cut before the forward, so they carry no entropy
+    assert (ent_half[:, 2:] == 0).all()  # masked columns carry no entropy
 
 
 def test_completion_logprobs_match_a_plain_forward_and_ignore_left_padding(tiny):
@@ -347,7 +363,7 @@ def test_reward_model_scores_read_the_last_real_token(tiny):
     pad = tiny["tokenizer"].pad_token_id
     ids = torch.tensor([[pad, 11, 12, 13, pad, pad], [11, 12, 13, 14, 15, 16]])
     mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-    scores = rloo.reward_model_scores(rm, ids, mask)
+    scores = reward_model_scores(rm, ids, mask)
     with torch.no_grad():
         alone = rm.score(rm.model(torch.tensor([[11, 12, 13]])).last_hidden_state[:, -1]).squeeze()
     assert scores[0].item() == pytest.approx(alone.item(), abs=1e-5)
@@ -359,7 +375,7 @@ def test_reward_model_scores_read_the_last_real_token(tiny):
 def test_tokenize_prompts_left_pads_and_left_truncates(tiny):
     tok = tiny["tokenizer"]
     long_text, short_text = "the movie was good and the plot was great", "the film"
-    ids, mask, truncated, images = rloo.tokenize_prompts(tok, [long_text, short_text], 4, "cpu")
+    ids, mask, truncated, images = tokenize_prompts(tok, [long_text, short_text], 4, "cpu")
     assert images is None  # text prompts carry no image tensors
     full = tok(long_text, add_special_tokens=False)["input_ids"]
     assert truncated == 1 and ids.shape[1] == 4
@@ -383,14 +399,14 @@ def test_plain_prompts_get_the_bos_and_chat_prompts_get_it_once(tiny):
     tok = with_bos(tiny["tokenizer"])  # BOS is <|im_start|>, which the chat template also opens every message with
     bos, text = tok.bos_token_id, "the movie was good"
     assert tok(text)["input_ids"][0] == bos
-    ids, mask, _, _ = rloo.tokenize_prompts(tok, [text], 64, "cpu")
+    ids, mask, _, _ = tokenize_prompts(tok, [text], 64, "cpu")
     assert ids[0].tolist() == [bos] + tok(text, add_special_tokens=False)["input_ids"]
     chat = [{"role": "user", "content": text}]
-    ids, _, _, _ = rloo.tokenize_prompts(tok, [chat], 64, "cpu")
+    ids, _, _, _ = tokenize_prompts(tok, [chat], 64, "cpu")
     templated = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert ids[0].tolist() == tok(templated, add_special_tokens=False)["input_ids"] and ids[0, 1] != bos
     # Truncated from the left, a prompt keeps its BOS and its last tokens.
-    ids, _, truncated, _ = rloo.tokenize_prompts(tok, ["the movie was good and the plot was great"], 4, "cpu")
+    ids, _, truncated, _ = tokenize_prompts(tok, ["the movie was good and the plot was great"], 4, "cpu")
     assert (
         truncated == 1
         and ids[0].tolist()

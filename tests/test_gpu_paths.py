@@ -13,10 +13,16 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from test_padding_free import ragged_batch, tiny_model
 
-import rloo  # noqa: E402  (each_script swaps in each script in turn)
 from rloo_utils.lora import adapter_layers, merged_weight, merged_weights, plain_state_dict  # noqa: E402
-from rloo_utils.packing import PACKED_ROWS, pack_sequences, packing_layout, varlen_kwargs  # noqa: E402
+from rloo_utils.packing import (  # noqa: E402
+    PACKED_ROWS,
+    chunked_completion_logprobs,
+    pack_sequences,
+    packing_layout,
+    varlen_kwargs,
+)
 from rloo_utils.vllm_engine import VLLMServer, nccl_sender_parts, weight_push  # noqa: E402
+from rloo_utils.rewards import reward_model_scores  # noqa: E402
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 CALLS = []  # what varlen_recorder saw, one dict per layer call
@@ -69,7 +75,7 @@ def test_varlen_kwargs_are_the_bounds_of_pack_sequences_one_row():
     assert varlen_kwargs(mask, "rows") == {}
 
 
-def test_one_row_forwards_hand_the_attention_each_sequences_bounds(each_script):
+def test_one_row_forwards_hand_the_attention_each_sequences_bounds():
     """In every script: a varlen attention gets cu_seq_lens / max_length in every layer, and the packed log-probs are
     the padded forward's; packing_layout picks the one-row layout for it (it is not in PACKED_ROWS)."""
     model = tiny_model("llama", "varlen_recorder")
@@ -82,7 +88,7 @@ def test_one_row_forwards_hand_the_attention_each_sequences_bounds(each_script):
     batch, real = ragged_batch(), ragged_batch()[3].bool()
     CALLS.clear()
     with torch.no_grad():
-        packed = rloo.completion_logprobs(model, *batch, temperature=1.0, packing="one_row")
+        packed = chunked_completion_logprobs(model, *batch, temperature=1.0, packing="one_row")
     assert len(CALLS) == model.config.num_hidden_layers
     expected = torch.tensor([0, 16, 29, 40, 45, 50, 54], dtype=torch.int32)
     for call in CALLS:
@@ -94,12 +100,12 @@ def test_one_row_forwards_hand_the_attention_each_sequences_bounds(each_script):
 
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
-        padded = rloo.completion_logprobs(model, *batch, temperature=1.0, packing=None)
+        padded = chunked_completion_logprobs(model, *batch, temperature=1.0, packing=None)
     torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-5)
     assert (packed[~real] == 0).all()
 
 
-def test_one_row_reward_model_scores_hand_the_backbone_the_bounds(each_script):
+def test_one_row_reward_model_scores_hand_the_backbone_the_bounds():
     import transformers
 
     torch.manual_seed(0)
@@ -118,10 +124,10 @@ def test_one_row_reward_model_scores_hand_the_backbone_the_bounds(each_script):
     prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     reward_model.config._attn_implementation = "sdpa"
-    padded = rloo.reward_model_scores(reward_model, ids, mask)
+    padded = reward_model_scores(reward_model, ids, mask)
     reward_model.config._attn_implementation = "varlen_recorder"
     CALLS.clear()
-    packed = rloo.reward_model_scores(reward_model, ids, mask, "one_row")
+    packed = reward_model_scores(reward_model, ids, mask, "one_row")
     assert len(CALLS) == 2 and all(
         torch.equal(call["cu_seq_lens_q"], varlen_kwargs(mask, "one_row")["cu_seq_lens_q"]) for call in CALLS
     )

@@ -27,7 +27,7 @@ from conftest import (
 import rloo
 from rloo_utils.data import left_pad, with_image_placeholders
 from rloo_utils.lora import add_adapter
-from rloo_utils.models import generation_configs, load_tokenizers
+from rloo_utils.models import generation_configs, load_tokenizers, tokenize_prompts
 from rloo_utils.rewards import reward_model_inputs
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import engine_options, generate_request, prompt_runs, sampling_options
@@ -189,7 +189,7 @@ def llava_batch(tiny_vlm, images, texts):
 
     processor = AutoProcessor.from_pretrained(tiny_vlm["policy"] if isinstance(tiny_vlm, dict) else tiny_vlm)
     prompts = [[{"role": "user", "content": text}] for text in texts]
-    return processor, rloo.tokenize_prompts(processor.tokenizer, prompts, 64, "cpu", processor, images)
+    return processor, tokenize_prompts(processor.tokenizer, prompts, 64, "cpu", processor, images)
 
 
 def logprobs_alone_and_together(model, prompt_ids, prompt_mask, image_rows, completion_ids):

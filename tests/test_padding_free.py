@@ -3,6 +3,7 @@ log-probs, entropies, gradients, reward-model scores and, run end to end, every 
 see each other the scripts fall back to padded forwards, and say so."""
 
 import contextlib
+import functools
 import json
 import os
 
@@ -15,7 +16,15 @@ from test_multigpu import run_torchrun
 
 import rloo  # noqa: E402  (each_script swaps in each script in turn)
 from rloo_utils.errors import UsageError  # noqa: E402
-from rloo_utils.packing import check_output_layer, pack_sequences, packing_layout  # noqa: E402
+import rloo_utils.packing as packing_module  # noqa: E402
+from rloo_utils.packing import (  # noqa: E402
+    check_output_layer,
+    chunked_completion_logprobs,
+    pack_sequences,
+    packing_layout,
+    position_ids_from,
+)
+from rloo_utils.rewards import reward_model_scores  # noqa: E402
 
 
 def tiny_model(family: str, attention: str):
@@ -91,7 +100,7 @@ def test_pack_sequences_packs_real_tokens_with_positions_restarting():
         real = mask.bool()
         assert torch.equal(packed.flatten()[index[real]], ids[real])  # every real token, where index says
         assert len(set(index[real].tolist())) == int(lengths.sum())  # each in a place of its own
-        assert torch.equal(positions.flatten()[index[real]], rloo.position_ids_from(mask)[real])
+        assert torch.equal(positions.flatten()[index[real]], position_ids_from(mask)[real])
         starts = index[torch.arange(len(ids)), mask.argmax(1)]  # each sequence's first token: position 0, in one row
         ends = starts + lengths - 1
         assert (positions.flatten()[starts] == 0).all() and torch.equal(starts // length, ends // length)
@@ -99,39 +108,42 @@ def test_pack_sequences_packs_real_tokens_with_positions_restarting():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "gemma2"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_packed_logprobs_entropies_and_gradients_are_the_padded_ones(each_script, family, attention):
-    """In every script, both layouts: the log-probs and entropies of the real completion tokens and the gradient of a
-    loss on them equal the padded forward's, to float rounding; padding positions are 0."""
+def test_padding_free_logprobs_entropies_and_gradients_are_the_definitions(each_script, family, attention):
+    """In every script: chunked_completion_logprobs (--padding_free, the default), packed in both layouts or padded,
+    gives what the script's plain completion_logprobs defines: the log-probs, entropies and log-probs on a sampler's
+    support of the real completion tokens, and the gradient of a loss on them, to float rounding; padding is 0."""
     model = tiny_model(family, attention)
-    assert rloo.packing_layout(model, True, False, Console(quiet=True), "policy") == "rows"
+    assert packing_layout(model, True, False, Console(quiet=True), "policy") == "rows"
     batch = ragged_batch()
     real = batch[3].bool()
+    top_5 = lambda logits: logits >= logits.topk(5).values[..., -1:]  # noqa: E731  (a sampler's support, as top-k)
 
-    def forward(packing):
+    def forward(logprobs_of):
         model.zero_grad()
-        logprobs, entropy = rloo.completion_logprobs(model, *batch, 0.7, with_entropy=True, packing=packing)
+        logprobs, entropy, on_support = logprobs_of(model, *batch, 0.7, with_entropy=True, support=top_5)
         (logprobs * real).sum().backward()
-        return logprobs, entropy, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return logprobs, entropy, on_support, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    padded = forward(None)
-    for packing in ["rows", "one_row"]:
-        logprobs, entropy, grads = forward(packing)
-        torch.testing.assert_close(logprobs[real], padded[0][real], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(entropy[real], padded[1][real], rtol=1e-5, atol=1e-5)
-        assert (logprobs[~real] == 0).all() and (entropy[~real] == 0).all()
-        assert len(grads) == len(padded[2])
-        for packed_grad, padded_grad in zip(grads, padded[2]):
-            torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-4, atol=1e-5)
+    *definition, definition_grads = forward(rloo.completion_logprobs)
+    assert not torch.allclose(definition[0][real], definition[2][real])  # the support matters here
+    for packing in [None, "rows", "one_row"]:
+        *values, grads = forward(functools.partial(chunked_completion_logprobs, packing=packing))
+        for value, expected in zip(values, definition):
+            torch.testing.assert_close(value[real], expected[real], rtol=1e-5, atol=1e-5)
+            assert (value[~real] == 0).all() and (expected[~real] == 0).all()
+        assert len(grads) == len(definition_grads)
+        for grad, expected in zip(grads, definition_grads):
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "cohere", "granite"])
-def test_logprobs_entropies_and_gradients_are_those_of_the_whole_logits(each_script, family, monkeypatch):
-    """In every script, padded and both packed layouts: the log-probs, entropies and gradients made from the output
+def test_logprobs_entropies_and_gradients_are_those_of_the_whole_logits(family, monkeypatch):
+    """Padded and both packed layouts: the log-probs, entropies and gradients made from the output
     layer's inputs a few positions at a time equal those of each row's whole (T, V) logits as the model returns them
     (after Gemma's soft cap, Cohere's logit_scale, Granite's logits_scaling), one unpadded forward per row."""
-    monkeypatch.setattr(rloo, "LOGIT_CHUNK_ELEMENTS", 3 * 300)  # 3 positions a chunk
+    monkeypatch.setattr(packing_module, "LOGIT_CHUNK_ELEMENTS", 3 * 300)  # 3 positions a chunk
     model = tiny_model(family, "sdpa")
-    rloo.check_output_layer(model, contextlib.nullcontext, "policy")
+    check_output_layer(model, contextlib.nullcontext, "policy")
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch = ragged_batch()
     real = completion_mask.bool()
     model.zero_grad()
@@ -147,7 +159,7 @@ def test_logprobs_entropies_and_gradients_are_those_of_the_whole_logits(each_scr
     expected_grads = [p.grad.clone() for p in model.parameters()]
     for packing in [None, "rows", "one_row"]:
         model.zero_grad()
-        logprobs, entropy = rloo.completion_logprobs(model, *batch, 0.7, with_entropy=True, packing=packing)
+        logprobs, entropy = chunked_completion_logprobs(model, *batch, 0.7, with_entropy=True, packing=packing)
         (logprobs * real).sum().backward()
         torch.testing.assert_close(logprobs, expected_logprobs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
@@ -180,13 +192,11 @@ def test_packed_reward_model_scores_are_the_padded_ones(each_script, tiny):
     torch.nn.init.normal_(reward_model.score.weight)  # a head that reads the hidden state: scores far apart
     prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-    padded = rloo.reward_model_scores(reward_model, ids, mask)
+    padded = reward_model_scores(reward_model, ids, mask)
     assert padded.std() > 0.1
-    layout = rloo.packing_layout(reward_model.model, True, False, Console(quiet=True), "reward model")
+    layout = packing_layout(reward_model.model, True, False, Console(quiet=True), "reward model")
     for packing in [layout, "one_row"]:
-        torch.testing.assert_close(
-            rloo.reward_model_scores(reward_model, ids, mask, packing), padded, rtol=1e-5, atol=1e-5
-        )
+        torch.testing.assert_close(reward_model_scores(reward_model, ids, mask, packing), padded, rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
@@ -200,8 +210,10 @@ def test_a_model_whose_packed_sequences_see_each_other_gets_padded_forwards():
         "see each other" in console.export_text()
     )
     batch, real = ragged_batch(), ragged_batch()[3].bool()
-    padded = rloo.completion_logprobs(opt, *batch, 1.0)
-    assert not torch.allclose(rloo.completion_logprobs(opt, *batch, 1.0, packing="rows")[real], padded[real], atol=1e-3)
+    padded = chunked_completion_logprobs(opt, *batch, 1.0)
+    assert not torch.allclose(
+        chunked_completion_logprobs(opt, *batch, 1.0, packing="rows")[real], padded[real], atol=1e-3
+    )
     llama = tiny_model("llama", "sdpa")
     assert packing_layout(llama, True, True, console, "policy") is None
     assert "policy: padded forwards, not padding-free: image prompts are not packed" in console.export_text()

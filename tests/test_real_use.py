@@ -343,7 +343,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
     from rloo_utils.checkpoints import RunGuard
 
     events, engines = [], []
-    forward = rloo_vllm.completion_logprobs
+    forward = rloo_vllm.chunked_completion_logprobs  # --padding_free's
 
     def recording_forward(model, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -358,7 +358,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
 
     monkeypatch.setattr(rloo_vllm, "ColocatedVLLM", colocated)
     monkeypatch.setattr(rloo_vllm, "check_engine", lambda *args: events.append("check_engine"))
-    monkeypatch.setattr(rloo_vllm, "completion_logprobs", recording_forward)
+    monkeypatch.setattr(rloo_vllm, "chunked_completion_logprobs", recording_forward)
     monkeypatch.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)

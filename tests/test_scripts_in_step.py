@@ -6,6 +6,7 @@ reason. A fix in one script is then a fix in all of them.
 """
 
 import ast
+import glob
 import os
 import re
 import subprocess
@@ -30,9 +31,6 @@ INTENDED_DIFFERENCES = {
     "Sampler.generate_turn": "a multi-turn rollout's turn: HF's generation config, or vLLM's sampling parameters",
     "Sampler.request": "rloo_multigpu.py: this process's share of the batch, and of its seeds",
     "Sampler.background_outputs": "rloo_vllm.py: vLLM's engine or a server; rloo_multigpu.py: a server",
-    "Scorer.model_scores": "rloo_multigpu.py: the reward model's FSDP units resharded after its forward",
-    "Evaluator.sample_table": "rloo_multigpu.py: a reward function that fails on one process stops all of them",
-    "Evaluator.evaluate": "rloo_multigpu.py: each process evaluates its share of the prompts, gathered after",
     "save_policy": "rloo_multigpu.py: every process writes its shards, and the optimizer's",
 }
 
@@ -68,7 +66,7 @@ SHARED = sorted(
 
 def test_the_scripts_share_the_algorithm():
     assert len(SCRIPTS) >= 2 and len(SHARED) > 40  # this guard would pass vacuously on scripts that share nothing
-    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "reward_metrics", "main"]:
+    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "Rollout", "main"]:
         assert name in SHARED
 
 
@@ -175,7 +173,7 @@ ADDED = {
         "shard": "FSDP2 sharding",
         "reshard": "forward-only FSDP units resharded after their forward",
         "all_gather_prompts": "each process's prompts, seen by every process (a synced generate, the sample tables)",
-        "all_gather_rows": "the batch's rows of every process, for the group baselines",
+        "ShardedScorer": "the reward model's FSDP units resharded after its forward",
         "gathered": "a tensor's rows of every process",
         "all_reduce": "the reductions of the logged metrics",
         "reduce_micro_stats": "the loss statistics summed over processes",
@@ -233,13 +231,26 @@ def test_the_code_is_laid_out_by_the_formatter_at_120_columns():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_option_has_a_one_line_help(script):
-    """--help reads as a list: each option's docstring is one line (what does not fit is in docs/options.md)."""
+    """--help reads as a list: each option's docstring is one line (what does not fit is in docs/options.md), those of
+    the script's Args and of the groups of options it is made of (rloo_utils' *Options)."""
     with open(os.path.join(ROOT, script)) as f:
         args = next(n for n in ast.parse(f.read()).body if isinstance(n, ast.ClassDef) and n.name == "Args")
-    fields = [n.target.id for n in args.body if isinstance(n, ast.AnnAssign)]
-    docs = [n.value.value for n in args.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)]
-    assert len(docs) == len(fields) > 50, "every option has its docstring"
-    assert [d for d in docs if "\n" in d] == []
+    groups = [base.id for base in args.bases]
+    assert len(groups) >= 5 and all(name.endswith("Options") for name in groups)
+    classes = [args]
+    for path in glob.glob(os.path.join(ROOT, "rloo_utils", "*.py")):
+        with open(path) as f:
+            classes += [n for n in ast.parse(f.read()).body if isinstance(n, ast.ClassDef) and n.name in groups]
+    assert len(classes) == len(groups) + 1
+    num_fields = 0
+    for cls in classes:
+        body = cls.body[1:] if isinstance(cls.body[0], ast.Expr) else cls.body  # its own docstring: the section's
+        fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
+        docs = [n.value.value for n in body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)]
+        assert len(docs) == len(fields), f"every option of {cls.name} has its docstring"
+        assert [d for d in docs if "\n" in d] == []
+        num_fields += len(fields)
+    assert num_fields > 90
 
 
 def test_the_readme_links_to_the_lines_it_names():
@@ -260,3 +271,50 @@ def test_the_readme_links_to_the_lines_it_names():
         assert where == [int(number)], (
             f"the README links {name} to rloo.py line {number}; the lines that open it: {where}"
         )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_each_group_of_options_in_its_section_and_every_flag_keeps_its_name(script, capsys, monkeypatch):
+    """The groups of options a script's Args is made of (LoRA, tools, evaluation, ...) are each a titled section of
+    --help holding their options, and the command line parses to what a flat Args would: the same flags and aliases,
+    the same values."""
+    import dataclasses
+    import importlib
+    import sys
+
+    import tyro
+
+    from rloo_utils.options import option_groups, parse_args
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(module.Args)
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    titles = {"LoraOptions": "lora", "ToolUseOptions": "tool use", "OldTrlOptions": "old trl"}
+    groups = option_groups(module.Args)
+    assert {g.__name__ for g in groups} >= set(titles) | {"EvaluationOptions", "LoggingOptions", "CheckpointOptions"}
+    lines = help_text.splitlines()
+    headers = [  # a title above a rule (a section's description is above one too)
+        i
+        for i in range(len(lines) - 1)
+        if re.fullmatch(r"[-─]{20,}", lines[i + 1].strip(" │")) and lines[i].strip(" │╭─╮").endswith("options")
+    ]
+    sections = {  # title -> text, from its header to the next one
+        lines[i].strip(" │╭─╮"): "\n".join(lines[i : j - 1]) for i, j in zip(headers, headers[1:] + [len(lines) + 1])
+    }
+    for group in groups:
+        default_title = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Options")).lower()
+        section = sections[f"{titles.get(group.__name__, default_title)} options"]
+        assert " ".join(group.__doc__.split()[:4]) in " ".join(section.split())  # its description
+        for option in dataclasses.fields(group):
+            assert f"--{option.name}" in section
+    argv = ["--use_peft", "--lora_r", "4", "--eval_steps", "3", "--run_name", "x", "--normalize_advantage", "--track"]
+    argv += ["--tools", "a.py:f", "--dtype", "bfloat16", "--rloo_k", "3", "--kl_coef", "0.1", "--save_steps", "2"]
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    parsed = parse_args(module.Args)
+    assert type(parsed) is module.Args
+    assert parsed == tyro.cli(module.Args, args=argv, use_underscores=True)
+    assert (parsed.use_peft, parsed.lora_r, parsed.num_generations, parsed.normalize_advantages) == (True, 4, 3, True)

@@ -22,6 +22,7 @@ from rloo_utils.tools import (
     tool_metrics,
     tool_suffix_ids,
 )
+from rloo_utils.models import tokenize_prompts
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import tool_vault  # noqa: E402
@@ -332,7 +333,7 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
     prompts = [[{"role": "user", "content": "the secret of ann"}], [{"role": "user", "content": "say a word"}]]
     turns_by_row = {0: [CALL_ANN, "good movie<|im_end|>"], 1: ["bad<|im_end|>"]}
     turns, prompt_rows, generate_turn = rollout(tool_tokenizer, tools, turns_by_row, prompts)
-    prompt_ids, prompt_mask, _, _ = rloo.tokenize_prompts(
+    prompt_ids, prompt_mask, _, _ = tokenize_prompts(
         tool_tokenizer, turns.prompts, 512, "cpu", tools=turns.schemas
     )  # (2, P), as Sampler.sample builds them
     assert [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)] == prompt_rows
@@ -351,7 +352,6 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
                 torch.tensor([ids]),
                 torch.ones(1, len(ids), dtype=torch.long),
                 1.0,
-                packing=None,
             )[0]
 
     (first_contexts, _), (second_contexts, _) = generate_turn.calls  # what the sampler saw, turn by turn

@@ -18,7 +18,7 @@ import rloo
 from rloo_utils.checkpoints import check_resumable
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.logs import Logger
-from rloo_utils.models import generation_configs
+from rloo_utils.models import generation_configs, tokenize_prompts
 from rloo_utils.options import check_args
 from rloo_utils.rewards import RewardLogs, call_reward_funcs, reward_model_inputs
 from rloo_utils.vllm_engine import check_vllm_args, sampling_options
@@ -210,10 +210,8 @@ def test_chat_template_kwargs_reach_the_prompts_and_the_reward_model(tiny):
     tokenizer = tiny["tokenizer"]
     tokenizer.chat_template = THINKING_TEMPLATE
     chat = [[{"role": "user", "content": "the movie was"}]]
-    plain, _, _, _ = rloo.tokenize_prompts(tokenizer, chat, 64, "cpu")
-    no_thinking, _, _, _ = rloo.tokenize_prompts(
-        tokenizer, chat, 64, "cpu", chat_template_kwargs={"enable_thinking": False}
-    )
+    plain, _, _, _ = tokenize_prompts(tokenizer, chat, 64, "cpu")
+    no_thinking, _, _, _ = tokenize_prompts(tokenizer, chat, 64, "cpu", chat_template_kwargs={"enable_thinking": False})
     assert "<think></think>" not in tokenizer.decode(plain[0]) and tokenizer.decode(no_thinking[0]).endswith(
         "<think></think>"
     )

@@ -49,6 +49,8 @@ from rloo_utils.vllm_engine import (
     sampling_options,
     sampling_seeds,
 )
+from rloo_utils.models import tokenize_prompts
+from rloo_utils.packing import logprobs_through_output_layer
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 PROMPTS = ["the movie was", "a very long film and", "it is"]
@@ -103,7 +105,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     assert engine_greedy(engine, tokenizer, args) == after_hf
 
     # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
-    probe = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, args.max_prompt_length, torch.device("cpu"))[:2]
+    probe = tokenize_prompts(tokenizer, PROMPTS, args.max_prompt_length, torch.device("cpu"))[:2]
     logprobs_of = lambda *rollout: rloo_vllm.completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
     options = sampling_options(args, stop_ids=[], greedy=True)
     check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
@@ -137,7 +139,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
         args = vllm_args(tiny, temperature=0.7)
-        prompt_ids, prompt_mask, _, _ = rloo_vllm.tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
+        prompt_ids, prompt_mask, _, _ = tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
         outputs = engine.generate(prompts, sampling_options(args, [], greedy=False), [1, 2, 3])
         completion_ids, sampling_logprobs = pad_completions(outputs, 16, 0, [], torch.device("cpu"))
@@ -355,7 +357,7 @@ def test_the_trainer_takes_log_probs_on_the_tokens_vllms_sampler_can_draw(top_k,
     layer = torch.nn.Linear(40, 40, bias=False)
     torch.nn.init.eye_(layer.weight)
     ids = vllm_logits.argmax(-1)
-    _, on_support = rloo_vllm.logprobs_through_output_layer(
+    _, on_support = logprobs_through_output_layer(
         layer, lambda x: x, logits, ids, 1.0, support=sampler_support(top_k, top_p, min_p)
     )
     torch.testing.assert_close(on_support, vllm_logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1))
