@@ -36,16 +36,12 @@ from rich.console import Console
 from rloo_utils.checkpoints import (
     CheckpointOptions,
     claim_run,
-    load_checkpoint_weights,
     report_one_line_error,
-    resume_point,
     save_model,
 )
 from rloo_utils.data import (
     EMBEDDED_DATASET,
-    image_column,
     left_pad,
-    load_datasets,
     message_text,
     prompt_batches,
 )
@@ -54,9 +50,6 @@ from rloo_utils.evaluation import (
     EvaluationOptions,
     Evaluator,
     evaluation_plan,
-    evaluation_prompts,
-    evaluation_updates,
-    metric_funcs,
 )
 from rloo_utils.logs import (
     LoggingOptions,
@@ -69,27 +62,20 @@ from rloo_utils.logs import (
     show_samples,
     update_metrics,
 )
-from rloo_utils.lora import LoraOptions, adapter_disabled, add_adapter
+from rloo_utils.lora import LoraOptions, adapter_disabled
 from rloo_utils.models import (
     EMBEDDED_MODEL_HELP,
     ModelLoadingOptions,
     bf16_by_default,
-    disable_dropout,
     embedded_model,
     end_token_ids,
-    from_pretrained,
-    frozen_linear_weights_to,
     generation_configs,
-    load_reward_model,
-    load_tokenizers,
-    model_dtype,
-    policy_class,
     set_up_cuda,
     shared_prompt_cache,
     tokenize_prompts,
     weights_finite,
 )
-from rloo_utils.options import JsonObject, OldTrlOptions, batch_sizes, check_args, clip_bounds, lr_scheduler, parse_args
+from rloo_utils.options import JsonObject, OldTrlOptions, check_args, clip_bounds, lr_scheduler, parse_args
 from rloo_utils.packing import (
     check_output_layer,
     chunked_completion_logprobs,
@@ -101,13 +87,12 @@ from rloo_utils.rewards import (
     BUILTIN_REWARD_FUNCS,
     Scorer,
     TrainerState,
-    check_reward_columns,
     check_reward_range,
     group_std,
-    reward_sources,
     weighted_reward,
 )
-from rloo_utils.tools import MultiTurn, ToolUseOptions, check_tool_template, load_tool_use, tool_metrics
+from rloo_utils.runs import load_models, plan_run
+from rloo_utils.tools import MultiTurn, ToolUseOptions, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
 
 
@@ -578,78 +563,30 @@ def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     check_args(args)
     args = resolve_defaults(args)
-    batch_size, mini_batch_size, num_updates = batch_sizes(args)
+    plan = plan_run(args, RESUMABLE_CHANGES, BUILTIN_REWARD_FUNCS)  # batch sizes, resume point, data, rewards, eval
+    batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    checkpoint, training_state = resume_point(args, RESUMABLE_CHANGES)  # (None, None) for a new run
-    tool_use = load_tool_use(args)  # --tools and --environment; None: single-turn rollouts
-    reward_funcs, reward_names, reward_weights = reward_sources(
-        args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []
-    )  # (F,) weights
-    eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
-    train_dataset, eval_dataset = load_datasets(args)  # eval_dataset: the held-out split, or None
-    check_reward_columns(
-        args, reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset
-    )
-    eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)  # None: no evaluation
-    evaluate_after = evaluation_updates(args.eval_steps, args.eval_on_start, num_updates) if eval_prompts else set()
-    extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
-    image_col = image_column(train_dataset.column_names, args.dataset_name)  # vision-language prompts; None: text
-    run_dir, output_dir, guard = claim_run(args, checkpoint, training_state, batch_size)
-    run_name = os.path.basename(run_dir)
+    run_dir, output_dir, guard = claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     set_up_cuda(args.tf32)
-    reward_weights = reward_weights.to(device)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)  # autocast()
     console = Console()
 
-    tokenizer, reward_tokenizer, processor = load_tokenizers(args, train_dataset[0]["prompt"], image_col)
-    if tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
-        check_tool_template(args, tokenizer, train_dataset[0]["prompt"], image_col)
-    policy_path = args.sft_model_path or args.model_name_or_path
-    policy = from_pretrained(
-        policy_class(policy_path),
-        policy_path,
-        dtype=model_dtype(args.dtype, policy_path),
-        attn_implementation=args.attn_implementation,
-    ).to(device)
-    reward_model = None
-    if args.reward_model_path:
-        reward_model = load_reward_model(args.reward_model_path).to(device, torch.float32)
-    disable_dropout(policy)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        policy.config.use_cache = False
-    # The reference is the initial policy, frozen, needed only for the KL penalty: a copy that runs under the policy's
-    # autocast, so that the KL is exactly 0 before training. With --use_peft it is the policy itself with its adapter
-    # disabled: the frozen weights, which need no copy. Frozen linear layers (the reference's, the reward model's, a
-    # LoRA policy's base) are held in bf16 under --bf16, as autocast would cast them at every forward: half the memory.
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not args.use_peft else None
-    if args.use_peft:
-        policy = add_adapter(policy, args)
-        ref_policy = policy if args.beta > 0 else None
-    for model in (policy, ref_policy, reward_model):
-        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
-    if checkpoint is not None:
-        load_checkpoint_weights(policy, os.path.join(checkpoint, "policy"))
+    # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
+    models = load_models(args, plan, device)
+    policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
     never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-    generation_config, greedy_config = generation_configs(
+    generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled
-    )  # sampling, greedy
-    eval_config = (
-        greedy_config
-        if args.eval_temperature == 0
-        else generation_configs(
-            replace(args, temperature=args.eval_temperature), stop_ids, tokenizer.pad_token_id, never_sampled
-        )[0]
-    )
+    )  # sampling, greedy (the sample tables), the evaluation's
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -658,88 +595,56 @@ def main(args: Args) -> None:
     scheduler = lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
     trainer_state = TrainerState(
-        max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(train_dataset))
+        max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(plan.train_dataset))
     )
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
     check_output_layer(policy, autocast, "policy")  # the log-probs are made from the output layer's inputs
-    packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy", autocast)  # or None
     # log pi(y_t | x, y_<t): completion_logprobs, the definition; by default the same numbers without padding or the
     # (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
     logprobs_of = completion_logprobs
     if args.padding_free:
+        packing = packing_layout(policy, True, plan.image_column is not None, console, "policy", autocast)  # or None
         logprobs_of = functools.partial(chunked_completion_logprobs, packing=packing)
-    reward_packing = packing_layout(
-        reward_model and getattr(reward_model, reward_model.base_model_prefix),
-        args.padding_free,
-        False,
-        console,
-        "reward model",
-        autocast,
-    )
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
-    sampler = Sampler(args, policy, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device, autocast)
-    scorer = Scorer(
-        args,
-        tokenizer,
-        reward_tokenizer,
-        reward_model,
-        reward_packing,
-        reward_funcs,
-        reward_names,
-        trainer_state,
-        device,
-        autocast,
-    )
-    table = (eval_dataset or train_dataset)[: args.num_sample_prompts]
-    table = (table["prompt"], {c: table[c] for c in extra_columns if c in table})  # prompts, columns
-    eval_funcs = (eval_metric_funcs, eval_metric_names)
-    logger = open_logger(args, run_dir, training_state, console, num_updates)  # a resumed run's logs go on
-    evaluator = Evaluator(
-        args,
-        sampler,
-        scorer,
-        table,
-        eval_prompts,
-        (greedy_config, eval_config),
-        eval_funcs,
-        reward_weights,
-        eos_ids,
-        console,
-        logger,
-    )
+    sampler = Sampler(args, policy, models, plan, stop_ids, eos_ids, device, autocast)
+    scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
+    logger = open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
+    evaluator = Evaluator(args, plan, sampler, scorer, (greedy_config, eval_config), eos_ids, console, logger)
     console.print(
-        f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
-        f"{G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
+        f"run {os.path.basename(run_dir)}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} "
+        f"prompts x {G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
         f"compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
-        + (f"; resumed from {checkpoint}" if checkpoint else "")
+        + (f"; resumed from {plan.checkpoint}" if plan.checkpoint else "")
     )
-    console.print(evaluation_plan(eval_prompts, args, evaluate_after))
+    console.print(evaluation_plan(plan.eval_prompts, args, plan.evaluate_after))
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
     # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
-    save_weights = functools.partial(save_policy, policy=policy, tokenizer=processor or tokenizer)
+    save_weights = functools.partial(save_policy, policy=policy, tokenizer=models.processor or tokenizer)
     progress = guard.start(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, console, num_updates)
-    batches = prompt_batches(train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
+    batches = prompt_batches(plan.train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
     for update in range(progress.update + 1, num_updates + 1):
         timer = StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
                 evaluator.sample_table(progress.episode)
-        if progress.update in evaluate_after:  # the policy so far on the held-out prompts (update 0: before training)
+        if (
+            progress.update in plan.evaluate_after
+        ):  # the policy so far on the held-out prompts (update 0: before training)
             evaluator.evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
         # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
         batch = next(batches)
         prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in extra_columns}
+        columns = {c: [v for v in batch[c] for _ in range(G)] for c in plan.extra_columns}
         with timer("generation"):
             rollout = sampler.sample(prompts, columns, generation_config)  # (B, P) prompts, (B, C) completions
         mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
@@ -756,11 +661,11 @@ def main(args: Args) -> None:
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         trainer_state.global_step, trainer_state.epoch = (
             (update - 1) * steps_per_update,
-            (progress.episode / G) / len(train_dataset),
+            (progress.episode / G) / len(plan.train_dataset),
         )
         with timer("reward"):
             rewards_per_func, completions = scorer.score(rollout)  # (B, F)
-        scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
+        scores = weighted_reward(rewards_per_func, scorer.weights)  # (B,)
         if args.missing_eos_penalty is not None:
             scores = torch.where(rollout.ended, scores, scores - args.missing_eos_penalty)
         check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
@@ -855,7 +760,7 @@ def main(args: Args) -> None:
             "eps": progress.episode / (time.time() - progress.start_time),
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
-            **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
+            **reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # the policy's tokens
             **(tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
             **update_metrics(micro, losses, grad_norms, learning_rates),
@@ -884,7 +789,7 @@ def main(args: Args) -> None:
                 [message_text(p) for p in gather_objects(prompts)],
                 gather_objects(completions),
                 rewards_per_func,
-                reward_names,
+                scorer.names,
                 advantages[:, 0],
                 logged_columns,
             )
@@ -893,13 +798,13 @@ def main(args: Args) -> None:
         guard.update_done(progress)
     if sample_every:
         evaluator.sample_table(progress.episode)  # the trained policy
-    if progress.update in evaluate_after:
+    if progress.update in plan.evaluate_after:
         evaluator.evaluate(progress.update, progress.episode)
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    save_model(output_dir, policy, processor or tokenizer)  # with --use_peft: the adapter
+    save_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
     if args.save_merged_model:
-        save_model(os.path.join(output_dir, "merged"), policy, processor or tokenizer, merged=True)
+        save_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
     guard.finished()  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")
@@ -910,9 +815,9 @@ class Sampler:
     """Prompts in, a Rollout out: the policy completes them with HF generate, in one go or (--tools, --environment)
     turn by turn with the tools' results in between (rloo_utils/tools.py); a VLM's images go beside its prompts."""
 
-    def __init__(self, args, policy, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device, autocast):
-        self.args, self.policy, self.tokenizer, self.processor = args, policy, tokenizer, processor
-        self.tool_use, self.image_col, self.stop_ids, self.eos_ids = tool_use, image_col, stop_ids, eos_ids
+    def __init__(self, args, policy, models, plan, stop_ids, eos_ids, device, autocast):
+        self.args, self.policy, self.tokenizer, self.processor = args, policy, models.tokenizer, models.processor
+        self.tool_use, self.image_col, self.stop_ids, self.eos_ids = plan.tool_use, plan.image_column, stop_ids, eos_ids
         self.device, self.autocast = device, autocast
 
     def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1) -> Rollout:

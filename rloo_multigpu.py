@@ -52,13 +52,10 @@ from rloo_utils.checkpoints import (
     CheckpointOptions,
     claim_run,
     report_one_line_error,
-    resume_point,
 )
 from rloo_utils.data import (
     EMBEDDED_DATASET,
-    image_column,
     left_pad,
-    load_datasets,
     message_text,
     prompt_batches,
     text_prompts,
@@ -68,9 +65,6 @@ from rloo_utils.evaluation import (
     EvaluationOptions,
     Evaluator,
     evaluation_plan,
-    evaluation_prompts,
-    evaluation_updates,
-    metric_funcs,
 )
 from rloo_utils.logs import (
     LoggingOptions,
@@ -104,7 +98,6 @@ from rloo_utils.models import (
 from rloo_utils.options import (
     JsonObject,
     OldTrlOptions,
-    batch_sizes,
     check_args,
     clip_bounds,
     launch_world_size,
@@ -123,13 +116,12 @@ from rloo_utils.rewards import (
     BUILTIN_REWARD_FUNCS,
     Scorer,
     TrainerState,
-    check_reward_columns,
     check_reward_range,
     group_std,
-    reward_sources,
     weighted_reward,
 )
 from rloo_utils.rollouts import RolloutQueue
+from rloo_utils.runs import Models, plan_run
 from rloo_utils.sharded import (
     empty_model,
     load_sharded_checkpoint,
@@ -138,7 +130,7 @@ from rloo_utils.sharded import (
     save_sharded_checkpoint,
     save_sharded_model,
 )
-from rloo_utils.tools import MultiTurn, ToolUseOptions, check_tool_template, load_tool_use, tool_metrics
+from rloo_utils.tools import MultiTurn, ToolUseOptions, check_tool_template, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
@@ -147,7 +139,7 @@ from rloo_utils.vllm_engine import (
     check_vllm_args,
     pad_completions,
     sampler_support,
-    sampling_options,
+    sampling_configs,
     sampling_seeds,
     turn_seed,
     unpadded,
@@ -669,33 +661,18 @@ def main(args: Args) -> None:
         check_args(args, world_size)
         check_vllm_args(args, server=use_server)
         args = resolve_defaults(args)
-        batch_size, mini_batch_size, num_updates = batch_sizes(args, world_size)  # over all processes
-        local_batch_size = batch_size // world_size  # the completions each process rolls out
-        G = args.num_generations
-        prompts_per_rollout = batch_size // G
-        checkpoint, training_state = resume_point(args, RESUMABLE_CHANGES, sharded=True)  # (None, None) for a new run
-        tool_use = load_tool_use(args)  # --tools and --environment; None: single-turn rollouts
-        reward_funcs, reward_names, reward_weights = reward_sources(
-            args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []
-        )  # (F,) weights
-        eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
-        train_dataset, eval_dataset = load_datasets(args)  # eval_dataset: the held-out split, or None
-        check_reward_columns(
-            args, reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset
-        )
-        eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)  # None: no evaluation
-        evaluate_after = evaluation_updates(args.eval_steps, args.eval_on_start, num_updates) if eval_prompts else set()
-        extra_columns = [c for c in train_dataset.column_names if c != "prompt"]
+        plan = plan_run(args, RESUMABLE_CHANGES, BUILTIN_REWARD_FUNCS, world_size, sharded=True)  # over all processes
         server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
-    image_col = image_column(train_dataset.column_names, args.dataset_name)  # vision-language prompts; None: text
-    run_dir, output_dir, guard = claim_run(args, checkpoint, training_state, batch_size)
-    run_name = os.path.basename(run_dir)
+    batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
+    local_batch_size = batch_size // world_size  # the completions each process rolls out
+    G = args.num_generations
+    prompts_per_rollout = batch_size // G
+    run_dir, output_dir, guard = claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     seed = (args.seed + 1_000_003 * rank) % 2**32  # each process samples its own completions
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    reward_weights = reward_weights.to(device)
     autocast = contextlib.nullcontext  # bf16 is FSDP's mixed precision (shard)
     console = Console(quiet=rank != 0)
 
@@ -705,15 +682,16 @@ def main(args: Args) -> None:
     # layers held so), so that the KL is exactly 0 before training; with --use_peft the policy, adapter disabled. A
     # resumed policy's weights (with --use_peft its adapter's) come from its checkpoint.
     with agreed():
-        tokenizer, reward_tokenizer, processor = load_tokenizers(args, train_dataset[0]["prompt"], image_col)
-        if tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
-            check_tool_template(args, tokenizer, train_dataset[0]["prompt"], image_col)
+        first_prompt = plan.train_dataset[0]["prompt"]
+        tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
+        if plan.tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
+            check_tool_template(args, tokenizer, first_prompt, plan.image_column)
         policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(
             policy_class(policy_path),
             policy_path,
             model_dtype(args.dtype, policy_path),
-            weights=checkpoint is None or args.use_peft,  # (a LoRA checkpoint holds the adapter only)
+            weights=plan.checkpoint is None or args.use_peft,  # (a LoRA checkpoint holds the adapter only)
             attn_implementation=args.attn_implementation,
         )
         ref_policy = (
@@ -739,27 +717,16 @@ def main(args: Args) -> None:
     mesh = init_device_mesh(device.type, (world_size,))
     for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
         shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
+    models = Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
     never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-    generation_config, greedy_config = generation_configs(
+    generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled
-    )  # sampling, greedy
-    eval_config = (
-        greedy_config
-        if args.eval_temperature == 0
-        else generation_configs(
-            replace(args, temperature=args.eval_temperature), stop_ids, tokenizer.pad_token_id, never_sampled
-        )[0]
-    )
+    )  # sampling, greedy (the sample tables), the evaluation's
     if server is not None:  # vLLM's sampling parameters for the same semantics
-        generation_config, greedy_config = (
-            sampling_options(args, stop_ids, greedy, never_sampled) for greedy in (False, True)
-        )
-        eval_config = sampling_options(
-            replace(args, temperature=args.eval_temperature), stop_ids, args.eval_temperature == 0, never_sampled
-        )
+        generation_config, greedy_config, eval_config = sampling_configs(args, stop_ids, never_sampled)
     support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
@@ -769,10 +736,10 @@ def main(args: Args) -> None:
     scheduler = lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
     trainer_state = TrainerState(
-        max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(train_dataset))
+        max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(plan.train_dataset))
     )
-    if checkpoint is not None:
-        load_sharded_checkpoint(checkpoint, policy, optimizer)
+    if plan.checkpoint is not None:
+        load_sharded_checkpoint(plan.checkpoint, policy, optimizer)
     if server is not None:  # the server samples from the policy: its weights now, and after every update
         server.push_weights(policy, weights_for_vllm(policy, server.dtype))
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
@@ -780,69 +747,35 @@ def main(args: Args) -> None:
     # log pi_old needs its own forward only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
     check_output_layer(policy, autocast, "policy")  # the log-probs are made from the output layer's inputs
-    packing = packing_layout(policy, args.padding_free, image_col is not None, console, "policy", autocast)  # or None
     # log pi(y_t | x, y_<t): completion_logprobs, the definition; by default the same numbers without padding or the
     # (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
     logprobs_of = completion_logprobs
     if args.padding_free:
+        packing = packing_layout(policy, True, plan.image_column is not None, console, "policy", autocast)  # or None
         logprobs_of = functools.partial(chunked_completion_logprobs, packing=packing)
-    reward_packing = packing_layout(
-        reward_model and getattr(reward_model, reward_model.base_model_prefix),
-        args.padding_free,
-        False,
-        console,
-        "reward model",
-        autocast,
-    )
     local_mini_batch_size = mini_batch_size // world_size
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
-    sampler = Sampler(args, policy, server, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device)
-    scorer = ShardedScorer(
-        args,
-        tokenizer,
-        reward_tokenizer,
-        reward_model,
-        reward_packing,
-        reward_funcs,
-        reward_names,
-        trainer_state,
-        device,
-        autocast,
-    )
-    table = (eval_dataset or train_dataset)[: args.num_sample_prompts]
-    table = (table["prompt"], {c: table[c] for c in extra_columns if c in table})  # prompts, columns
-    eval_funcs = (eval_metric_funcs, eval_metric_names)
+    sampler = Sampler(args, policy, server, models, plan, stop_ids, eos_ids, device)
+    scorer = ShardedScorer(args, models, plan, trainer_state, device, autocast, console)
     with agreed():
-        logger = open_logger(args, run_dir, training_state, console, num_updates)  # a resumed run's logs go on
-    evaluator = Evaluator(
-        args,
-        sampler,
-        scorer,
-        table,
-        eval_prompts,
-        (greedy_config, eval_config),
-        eval_funcs,
-        reward_weights,
-        eos_ids,
-        console,
-        logger,
-    )
+        logger = open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
+    evaluator = Evaluator(args, plan, sampler, scorer, (greedy_config, eval_config), eos_ids, console, logger)
     console.print(
-        f"run {run_name}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} prompts x "
-        f"{G}) on {world_size} processes ({local_batch_size} each), {num_optimizer_steps} optimizer steps, "
+        f"run {os.path.basename(run_dir)}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} "
+        f"prompts x {G}) on {world_size} processes ({local_batch_size} each), {num_optimizer_steps} optimizer steps, "
         f"device {device.type} ({'bf16' if args.bf16 else 'fp32'} compute; --no_bf16 / --bf16 to change), logs in "
-        f"{run_dir}" + (f"; resumed from {checkpoint}" if checkpoint else "")
+        f"{run_dir}" + (f"; resumed from {plan.checkpoint}" if plan.checkpoint else "")
     )
-    console.print(evaluation_plan(eval_prompts, args, evaluate_after))
+    console.print(evaluation_plan(plan.eval_prompts, args, plan.evaluate_after))
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
     if server is not None:
-        probe = tokenize_prompts(tokenizer, text_prompts(train_dataset[:2]["prompt"]), args.max_prompt_length, device)[
-            :2
-        ]
+        probe = tokenize_prompts(
+            tokenizer, text_prompts(plan.train_dataset[:2]["prompt"]), args.max_prompt_length, device
+        )[:2]
 
         def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast)
             with torch.no_grad(), autocast():
@@ -865,7 +798,7 @@ def main(args: Args) -> None:
         save_weights, stateful, logger, console, num_updates, closing=() if server is None else (server,)
     )
     batches = prompt_batches(
-        train_dataset, prompts_per_rollout, args.seed, progress.update, rank, world_size
+        plan.train_dataset, prompts_per_rollout, args.seed, progress.update, rank, world_size
     )  # one per update
     rollouts.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
@@ -873,7 +806,9 @@ def main(args: Args) -> None:
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
                 evaluator.sample_table(progress.episode)
-        if progress.update in evaluate_after:  # the policy so far on the held-out prompts (update 0: before training)
+        if (
+            progress.update in plan.evaluate_after
+        ):  # the policy so far on the held-out prompts (update 0: before training)
             evaluator.evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
@@ -909,7 +844,7 @@ def main(args: Args) -> None:
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         trainer_state.global_step, trainer_state.epoch = (
             (update - 1) * steps_per_update,
-            (progress.episode / G) / len(train_dataset),
+            (progress.episode / G) / len(plan.train_dataset),
         )
         with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
             rewards_per_func, completions = scorer.score(rollout)  # (b, F)
@@ -948,7 +883,7 @@ def main(args: Args) -> None:
             sampling_logprobs=sampling_logprobs,
         )
         mask = rollout.policy_mask  # (B, C)
-        scores = weighted_reward(rewards_per_func, reward_weights)  # (B,)
+        scores = weighted_reward(rewards_per_func, scorer.weights)  # (B,)
         if args.missing_eos_penalty is not None:
             scores = torch.where(rollout.ended, scores, scores - args.missing_eos_penalty)
         with agreed():  # every process holds the whole batch: they stop together
@@ -1080,7 +1015,7 @@ def main(args: Args) -> None:
             "eps": progress.episode / (time.time() - progress.start_time),
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
-            **reward_metrics(rewards_per_func, reward_names, reward_weights, rlhf_reward, G),
+            **reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # the policy's tokens
             **(tool_metrics(*tool_calls, batch_size) if rollout.turns else {}),
             **(
@@ -1119,7 +1054,7 @@ def main(args: Args) -> None:
                 [message_text(p) for p in gather_objects(prompts)],
                 gather_objects(completions),
                 rewards_per_func,
-                reward_names,
+                scorer.names,
                 advantages[:, 0],
                 logged_columns,
             )
@@ -1128,13 +1063,13 @@ def main(args: Args) -> None:
         guard.update_done(progress)
     if sample_every:
         evaluator.sample_table(progress.episode)  # the trained policy
-    if progress.update in evaluate_after:
+    if progress.update in plan.evaluate_after:
         evaluator.evaluate(progress.update, progress.episode)
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    save_sharded_model(output_dir, policy, processor or tokenizer)  # with --use_peft: the adapter
+    save_sharded_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
     if args.save_merged_model:
-        save_sharded_model(os.path.join(output_dir, "merged"), policy, processor or tokenizer, merged=True)
+        save_sharded_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
     if server is not None:
         server.close()
     guard.finished()  # the model is saved: nothing left to rescue
@@ -1150,9 +1085,10 @@ class Sampler:
     between (rloo_utils/tools.py); a VLM's images go beside its prompts. With --max_staleness the rollout queue asks the
     server for an update's completions ahead (request, then background_outputs in its thread); sample() takes them."""
 
-    def __init__(self, args, policy, server, tokenizer, processor, tool_use, image_col, stop_ids, eos_ids, device):
-        self.args, self.policy, self.server, self.tokenizer, self.processor = args, policy, server, tokenizer, processor
-        self.tool_use, self.image_col, self.stop_ids, self.eos_ids = tool_use, image_col, stop_ids, eos_ids
+    def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device):
+        self.args, self.policy, self.server, self.tokenizer = args, policy, server, models.tokenizer
+        self.processor, self.tool_use, self.image_col = models.processor, plan.tool_use, plan.image_column
+        self.stop_ids, self.eos_ids = stop_ids, eos_ids
         self.device = device
 
     def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:

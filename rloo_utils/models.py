@@ -248,24 +248,10 @@ def load_tokenizers(args, first_prompt, images: Optional[str] = None):
 
 def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampled: Optional[list[int]] = None):
     """HF generate's configs: sampling (--temperature, --top_p, --top_k, --min_p, --repetition_penalty,
-    --generation_kwargs), and greedy (the sample tables); a completion
-    ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens)."""
+    --generation_kwargs), greedy (the sample tables), and the evaluation's (sampling at --eval_temperature; 0: greedy);
+    a completion ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens)."""
     from transformers import GenerationConfig
 
-    sampling = GenerationConfig(
-        max_new_tokens=args.max_completion_length,
-        min_new_tokens=0,
-        do_sample=True,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        eos_token_id=stop_ids,
-        pad_token_id=pad_token_id,
-        suppress_tokens=never_sampled or None,
-        **(args.generation_kwargs or {}),
-    )
     greedy = GenerationConfig(
         max_new_tokens=args.max_completion_length,
         do_sample=False,
@@ -273,7 +259,27 @@ def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampl
         pad_token_id=pad_token_id,
         suppress_tokens=never_sampled or None,
     )
-    return sampling, greedy
+    eval_temperature = args.temperature if args.eval_temperature is None else args.eval_temperature
+    sampling, evaluation = (
+        GenerationConfig(
+            max_new_tokens=args.max_completion_length,
+            min_new_tokens=0,
+            do_sample=True,
+            temperature=temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            eos_token_id=stop_ids,
+            pad_token_id=pad_token_id,
+            suppress_tokens=never_sampled or None,
+            **(args.generation_kwargs or {}),
+        )
+        if temperature != 0
+        else greedy  # the evaluation's, at --eval_temperature 0
+        for temperature in (args.temperature, eval_temperature)
+    )
+    return sampling, greedy, evaluation
 
 
 def shared_prompt_cache(model, prompt_ids, prompt_mask, copies: int, config):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rloo_utils.data import REWARD_FUNC_ARGUMENTS, content_text, left_pad, message_text
 from rloo_utils.errors import RunError, UsageError, describe
-from rloo_utils.packing import last_true_index, pack_sequences, position_ids_from, varlen_kwargs
+from rloo_utils.packing import last_true_index, pack_sequences, packing_layout, position_ids_from, varlen_kwargs
 from rloo_utils.processes import get_rank
 from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
 
@@ -443,17 +443,15 @@ class Scorer:
     returned None). The functions get what TRL gives them (prompts, completions, completion_ids, the dataset's columns,
     trainer_state, log_extra and log_metric; in multi-turn rollouts the conversations and environments)."""
 
-    def __init__(
-        self, args, tokenizer, reward_tokenizer, reward_model, packing, funcs, names, trainer_state, device, autocast
-    ):
-        self.args, self.tokenizer, self.reward_tokenizer, self.reward_model = (
-            args,
-            tokenizer,
-            reward_tokenizer,
-            reward_model,
-        )
-        self.packing, self.funcs, self.names, self.trainer_state = packing, funcs, names, trainer_state
-        self.device, self.autocast = device, autocast
+    def __init__(self, args, models, plan, trainer_state, device, autocast, console):
+        """models: the run's (runs.Models), plan: its reward sources and weights (runs.RunPlan); trainer_state: what
+        the functions get as TRL's trainer_state. A reward model's forwards are padding-free where it allows."""
+        self.args, self.tokenizer, self.reward_tokenizer = args, models.tokenizer, models.reward_tokenizer
+        self.reward_model, self.funcs, self.names = models.reward_model, plan.reward_funcs, plan.reward_names
+        self.weights = plan.reward_weights.to(device)  # (F,) --reward_weights
+        self.trainer_state, self.device, self.autocast = trainer_state, device, autocast
+        backbone = self.reward_model and getattr(self.reward_model, self.reward_model.base_model_prefix)
+        self.packing = packing_layout(backbone, args.padding_free, False, console, "reward model", autocast)
         self.logs = RewardLogs()  # what the functions log (log_extra, log_metric)
 
     def score(self, rollout) -> tuple[torch.Tensor, list[str]]:

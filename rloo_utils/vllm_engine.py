@@ -17,7 +17,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -184,6 +184,18 @@ def nccl_transfer(args) -> bool:
 
 def vllm_dtype(args) -> str:
     return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def sampling_configs(args, stop_ids: list[int], never_sampled: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
+    """vLLM's sampling parameters of a run, as models.generation_configs makes HF's: sampling, greedy (the sample
+    tables), and the evaluation's (at --eval_temperature; 0: greedy)."""
+    return (
+        sampling_options(args, stop_ids, False, never_sampled),
+        sampling_options(args, stop_ids, True, never_sampled),
+        sampling_options(
+            replace(args, temperature=args.eval_temperature), stop_ids, args.eval_temperature == 0, never_sampled
+        ),
+    )
 
 
 def sampling_options(args, stop_ids: list[int], greedy: bool, never_sampled: Optional[list[int]] = None) -> dict:

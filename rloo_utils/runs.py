@@ -1,0 +1,135 @@
+"""A run's set-up, the same in every script: what it is given before any model loads (its plan: the batch sizes, the
+checkpoint it resumes, its data, its reward sources and held-out prompts, each checked), and the models of a script
+that holds them whole (rloo_multigpu.py shards its own)."""
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from rloo_utils.checkpoints import load_checkpoint_weights, resume_point
+from rloo_utils.data import image_column, load_datasets
+from rloo_utils.evaluation import evaluation_prompts, evaluation_updates, metric_funcs
+from rloo_utils.lora import add_adapter
+from rloo_utils.models import (
+    disable_dropout,
+    from_pretrained,
+    frozen_linear_weights_to,
+    load_reward_model,
+    load_tokenizers,
+    model_dtype,
+    policy_class,
+)
+from rloo_utils.options import batch_sizes
+from rloo_utils.rewards import check_reward_columns, reward_sources
+from rloo_utils.tools import ToolUse, check_tool_template, load_tool_use
+
+
+@dataclass
+class RunPlan:
+    """What a run is given before any model loads, every part of it checked."""
+
+    batch_size: int  # completions per update, over all processes (B)
+    mini_batch_size: int  # completions per optimizer step, over all processes
+    num_updates: int
+    checkpoint: Optional[str]  # the checkpoint a resumed run continues from; None: a new run
+    training_state: Optional[dict]  # its counters and random generators
+    tool_use: Optional[ToolUse]  # --tools and --environment; None: single-turn rollouts
+    reward_funcs: list  # the reward functions, after the reward model if there is one
+    reward_names: list[str]  # (F,) every reward source, the reward model first
+    reward_weights: torch.Tensor  # (F,)
+    metric_funcs: list  # --eval_metric_funcs: metrics of the evaluation only
+    metric_names: list[str]
+    train_dataset: Any
+    eval_dataset: Any  # the held-out split, or None
+    eval_prompts: Any  # the prompts evaluated; None: no evaluation
+    evaluate_after: set[int]  # the updates after which the policy is evaluated (0: before training)
+    extra_columns: list[str]  # the dataset's columns besides the prompt: what reward functions get
+    image_column: Optional[str]  # vision-language prompts' images; None: text
+
+
+def plan_run(args, resumable_changes: set[str], builtin_reward_funcs: dict, world_size=1, sharded=False) -> RunPlan:
+    """The checks that need no model, in the order a user meets them: the batch arithmetic, the checkpoint a resumed
+    run continues (what it may change: resumable_changes), the tools, the reward sources and evaluation metrics, the
+    data and the columns the functions read, the held-out prompts."""
+    batch_size, mini_batch_size, num_updates = batch_sizes(args, world_size)
+    checkpoint, training_state = resume_point(args, resumable_changes, sharded=sharded)  # (None, None): a new run
+    tool_use = load_tool_use(args)
+    reward_funcs, reward_names, reward_weights = reward_sources(
+        args, builtin_reward_funcs, tool_use.reward_funcs() if tool_use else []
+    )
+    eval_metric_funcs, eval_metric_names = metric_funcs(args, builtin_reward_funcs)
+    train_dataset, eval_dataset = load_datasets(args)
+    check_reward_columns(
+        args, reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset
+    )
+    eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)
+    return RunPlan(
+        batch_size=batch_size,
+        mini_batch_size=mini_batch_size,
+        num_updates=num_updates,
+        checkpoint=checkpoint,
+        training_state=training_state,
+        tool_use=tool_use,
+        reward_funcs=reward_funcs,
+        reward_names=reward_names,
+        reward_weights=reward_weights,
+        metric_funcs=eval_metric_funcs,
+        metric_names=eval_metric_names,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        eval_prompts=eval_prompts,
+        evaluate_after=evaluation_updates(args.eval_steps, args.eval_on_start, num_updates) if eval_prompts else set(),
+        extra_columns=[c for c in train_dataset.column_names if c != "prompt"],
+        image_column=image_column(train_dataset.column_names, args.dataset_name),
+    )
+
+
+@dataclass
+class Models:
+    """The models of a run and their tokenizers."""
+
+    tokenizer: Any  # the policy's
+    reward_tokenizer: Any  # a reward model's own, or None: it reads the policy's token ids
+    processor: Any  # a vision-language policy's processor, or None
+    policy: torch.nn.Module  # with --use_peft, the frozen model with its trained adapters
+    ref_policy: Optional[torch.nn.Module]  # the KL's reference; None when --beta is 0
+    reward_model: Optional[torch.nn.Module]
+
+
+def load_models(args, plan: RunPlan, device) -> Models:
+    """The tokenizers, the policy and the reward model, on `device`. The reference is the initial policy, frozen, needed
+    only for the KL penalty: a copy that runs under the policy's autocast, so that the KL is exactly 0 before
+    training; with --use_peft it is the policy itself with its adapter disabled: the frozen weights, which need no
+    copy. Frozen linear layers (the reference's, the reward model's, a LoRA policy's base) are held in bf16 under
+    --bf16, as autocast would cast them at every forward: half the memory. A resumed run's policy is its
+    checkpoint's. Dropout is off: it would make the update's log-probs differ from the sampler's."""
+    first_prompt = plan.train_dataset[0]["prompt"]
+    tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
+    if plan.tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
+        check_tool_template(args, tokenizer, first_prompt, plan.image_column)
+    policy_path = args.sft_model_path or args.model_name_or_path
+    policy = from_pretrained(
+        policy_class(policy_path),
+        policy_path,
+        dtype=model_dtype(args.dtype, policy_path),
+        attn_implementation=args.attn_implementation,
+    ).to(device)
+    reward_model = None
+    if args.reward_model_path:
+        reward_model = load_reward_model(args.reward_model_path).to(device, torch.float32)
+    disable_dropout(policy)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not args.use_peft else None
+    if args.use_peft:
+        policy = add_adapter(policy, args)
+        ref_policy = policy if args.beta > 0 else None
+    for model in (policy, ref_policy, reward_model):
+        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
+    if plan.checkpoint is not None:
+        load_checkpoint_weights(policy, os.path.join(plan.checkpoint, "policy"))
+    return Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)
