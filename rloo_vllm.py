@@ -29,7 +29,7 @@ import sys
 import time
 import types
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
@@ -39,13 +39,11 @@ import tyro
 from rich.console import Console
 
 from rloo_utils.checkpoints import (
-    CheckpointOptions,
     claim_run,
     report_one_line_error,
     save_model,
 )
 from rloo_utils.data import (
-    EMBEDDED_DATASET,
     message_text,
     prompt_batches,
     row_images,
@@ -53,12 +51,9 @@ from rloo_utils.data import (
 )
 from rloo_utils.errors import NonFiniteWeights, Terminated
 from rloo_utils.evaluation import (
-    EvaluationOptions,
     Evaluator,
-    evaluation_plan,
 )
 from rloo_utils.logs import (
-    LoggingOptions,
     StageTimer,
     completion_metrics,
     completion_rows,
@@ -68,27 +63,20 @@ from rloo_utils.logs import (
     show_samples,
     update_metrics,
 )
-from rloo_utils.lora import LoraOptions, adapter_disabled, merged_weights
+from rloo_utils.lora import adapter_disabled, merged_weights
 from rloo_utils.models import (
-    EMBEDDED_MODEL_HELP,
-    ModelLoadingOptions,
-    bf16_by_default,
-    embedded_model,
     end_token_ids,
     set_up_cuda,
     tokenize_prompts,
     weights_finite,
 )
-from rloo_utils.options import JsonObject, OldTrlOptions, check_args, clip_bounds, lr_scheduler, parse_args
+from rloo_utils.options import FeatureOptions, JsonObject, check_args, clip_bounds, lr_scheduler, parse_args
 from rloo_utils.packing import (
-    check_output_layer,
-    chunked_completion_logprobs,
     last_true_index,
-    packing_layout,
+    padding_free_logprobs,
     position_ids_from,
 )
 from rloo_utils.rewards import (
-    BUILTIN_REWARD_FUNCS,
     Scorer,
     TrainerState,
     check_reward_range,
@@ -97,7 +85,7 @@ from rloo_utils.rewards import (
 )
 from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.runs import load_models, plan_run
-from rloo_utils.tools import MultiTurn, ToolUseOptions, tool_metrics
+from rloo_utils.tools import MultiTurn, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
@@ -117,16 +105,8 @@ from rloo_utils.vllm_engine import (
 
 
 @dataclass
-class Args(
-    ModelLoadingOptions,
-    LoraOptions,
-    ToolUseOptions,
-    EvaluationOptions,
-    LoggingOptions,
-    CheckpointOptions,
-    OldTrlOptions,
-):
-    """Every option: the algorithm's here; a feature's in its module's group above, a section of --help of its own."""
+class Args(FeatureOptions):
+    """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
 
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -134,15 +114,7 @@ class Args(
     seed: int = 1
     """seed of python, numpy and torch"""
 
-    # Model and data (how the model is loaded: ModelLoadingOptions)
-    model_name_or_path: Annotated[str, tyro.conf.arg(help_behavior_hint=EMBEDDED_MODEL_HELP)] = embedded_model()
-    """policy (and tokenizer): a hub id, a local folder, or a local .gguf file"""
-    dataset_name: str = EMBEDDED_DATASET
-    """a hub dataset id, or a local .jsonl/.json/.parquet/.csv file or a folder of them (one split per file name)"""
-    dataset_train_split: str = "train"
-    """the split to train on"""
-    dataset_test_split: str = "test"
-    """the held-out split: evaluation and sample tables (none: no evaluation, sample tables from the train split)"""
+    # Prompts (the model and the dataset: ModelOptions, DataOptions)
     max_prompt_length: int = 256
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
     chat_template_kwargs: JsonObject = None
@@ -281,12 +253,6 @@ class Args(
     """gradient clipping by global norm"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk during the rollout"""
-    bf16: bool = field(default_factory=bf16_by_default)
-    """bf16 autocast for every forward; weights and AdamW stay fp32; default: on a GPU that computes bf16"""
-    tf32: bool = True
-    """(GPU) fp32 matrix products in TF32 (what is left in fp32: --no_bf16 runs, fp32 steps of a bf16 run)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
     padding_free: bool = True
     """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
 
@@ -632,7 +598,7 @@ def main(args: Args) -> None:
     check_args(args)
     check_vllm_args(args, server=args.vllm_mode == "server")
     args = resolve_defaults(args)
-    plan = plan_run(args, RESUMABLE_CHANGES, BUILTIN_REWARD_FUNCS)  # batch sizes, resume point, data, rewards, eval
+    plan = plan_run(args, RESUMABLE_CHANGES)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
@@ -675,13 +641,11 @@ def main(args: Args) -> None:
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
     ratio_is_one = args.num_ppo_epochs == 1 and args.num_mini_batches == 1
-    check_output_layer(policy, autocast, "policy")  # the log-probs are made from the output layer's inputs
-    # log pi(y_t | x, y_<t): completion_logprobs, the definition; by default the same numbers without padding or the
-    # (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
+    # log pi(y_t | x, y_<t): completion_logprobs, the definition; by default (--padding_free) the same numbers without
+    # padding or the (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
     logprobs_of = completion_logprobs
     if args.padding_free:
-        packing = packing_layout(policy, True, plan.image_column is not None, console, "policy", autocast)  # or None
-        logprobs_of = functools.partial(chunked_completion_logprobs, packing=packing)
+        logprobs_of = padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
@@ -695,7 +659,7 @@ def main(args: Args) -> None:
         f"compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
         + (f"; resumed from {plan.checkpoint}" if plan.checkpoint else "")
     )
-    console.print(evaluation_plan(plan.eval_prompts, args, plan.evaluate_after))
+    console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
     probe = tokenize_prompts(tokenizer, text_prompts(plan.train_dataset[:2]["prompt"]), args.max_prompt_length, device)[

@@ -25,8 +25,15 @@ from rloo_utils.data import dataset_path
 from rloo_utils.errors import NonFiniteWeights, RunError, Terminated, UsageError, describe
 from rloo_utils.lora import is_peft_model, merged_weights, trained_names, transformers_model
 from rloo_utils.models import from_pretrained, weights_finite
-from rloo_utils.options import launch_world_size
-from rloo_utils.processes import agreed, end_processes, from_rank_0, get_rank, get_world_size, max_over_processes
+from rloo_utils.processes import (
+    agreed,
+    end_processes,
+    from_rank_0,
+    get_rank,
+    get_world_size,
+    launch_world_size,
+    max_over_processes,
+)
 
 
 @dataclass

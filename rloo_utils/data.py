@@ -5,6 +5,7 @@ import io
 import itertools
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -14,6 +15,18 @@ from rloo_utils.errors import UsageError, describe
 # The default --dataset_name: this folder's movie-review openings, named relative to it so that a run's config (the env
 # id openrlbenchmark groups runs by) is the same on every machine
 EMBEDDED_DATASET = "data/movie_reviews"
+
+
+@dataclass
+class DataOptions:
+    """The prompts: a dataset and its splits (TRL's ScriptArguments names)"""
+
+    dataset_name: str = EMBEDDED_DATASET
+    """a hub dataset id, or a local .jsonl/.json/.parquet/.csv file or a folder of them (one split per file name)"""
+    dataset_train_split: str = "train"
+    """the split to train on"""
+    dataset_test_split: str = "test"
+    """the held-out split: evaluation and sample tables (none: no evaluation, sample tables from the train split)"""
 
 
 def dataset_path(name: str) -> str:

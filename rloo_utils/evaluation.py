@@ -283,11 +283,16 @@ class Evaluator:
         """plan: the run's test prompts and metric functions (runs.RunPlan); configs: the sampler's greedy config (the
         sample tables) and the evaluation's."""
         self.args, self.sampler, self.scorer, self.eval_prompts = args, sampler, scorer, plan.eval_prompts
+        self.evaluate_after = plan.evaluate_after
         table = (plan.eval_dataset or plan.train_dataset)[: args.num_sample_prompts]  # the test split's, or the train's
         self.table = (table["prompt"], {c: table[c] for c in plan.extra_columns if c in table})  # prompts, columns
         self.greedy_config, self.eval_config = configs
         self.metric_funcs, self.metric_names = plan.metric_funcs, plan.metric_names
         self.weights, self.eos_ids, self.console, self.logger = scorer.weights, eos_ids, console, logger
+
+    def plan(self) -> str:
+        """One line: what the run evaluates and when (evaluation_plan)."""
+        return evaluation_plan(self.eval_prompts, self.args, self.evaluate_after)
 
     def sample_table(self, step: int) -> None:
         """Greedy completions of the table's prompts (the test split's first --num_sample_prompts, or the train

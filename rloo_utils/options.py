@@ -19,9 +19,15 @@ from typing import Annotated, Literal, Optional
 import torch
 import tyro
 
+from rloo_utils.checkpoints import CheckpointOptions
+from rloo_utils.data import DataOptions
 from rloo_utils.errors import UsageError, describe
-from rloo_utils.models import set_model_options
+from rloo_utils.evaluation import EvaluationOptions
+from rloo_utils.logs import LoggingOptions
+from rloo_utils.lora import LoraOptions
+from rloo_utils.models import ModelOptions, SpeedOptions, set_model_options
 from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY
+from rloo_utils.tools import ToolUseOptions
 
 
 @dataclass
@@ -36,9 +42,25 @@ class OldTrlOptions:
     """TRL's name for --advantage_normalization batch"""
 
 
+@dataclass
+class FeatureOptions(
+    ModelOptions,
+    DataOptions,
+    LoraOptions,
+    ToolUseOptions,
+    EvaluationOptions,
+    LoggingOptions,
+    CheckpointOptions,
+    SpeedOptions,
+    OldTrlOptions,
+):
+    """The options of the features, a group from each one's module: a script's Args adds the algorithm's own."""
+
+
 def option_groups(args_class) -> list[type]:
-    """The groups of options (dataclasses of rloo_utils' modules) a script's Args is made of, beside its own."""
-    return [base for base in args_class.__bases__ if is_dataclass(base)]
+    """The groups of options (dataclasses of rloo_utils' modules) a script's Args is made of, beside its own: the
+    classes it derives from that declare options."""
+    return [c for c in args_class.__mro__[1:] if is_dataclass(c) and vars(c).get("__annotations__")]
 
 
 def in_sections(args_class):
@@ -109,28 +131,6 @@ def parse_args(args_class):
 
 
 PARSE_ERROR_WAIT = 10  # seconds another process waits, after a parse error, for rank 0 to say it and exit
-RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun
-
-
-def launch_world_size() -> int:
-    """The number of processes this run is launched with (torchrun's WORLD_SIZE; 1 for a plain `python`)."""
-    given = [v for v in RENDEZVOUS_VARIABLES if v in os.environ]
-    if given and len(given) < len(RENDEZVOUS_VARIABLES):
-        missing = [v for v in RENDEZVOUS_VARIABLES if v not in os.environ]
-        raise UsageError(
-            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun, which sets them all, or "
-            "unset them to run one process"
-        )
-    try:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        assert world_size >= 1 and 0 <= int(os.environ.get("RANK", "0")) < world_size
-    except (ValueError, AssertionError):
-        raise UsageError(
-            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} RANK={os.environ.get('RANK')} do not describe a "
-            "process of the group: launch with torchrun"
-        ) from None
-    return world_size
 
 
 def batch_sizes(args, world_size: int = 1) -> tuple[int, int, int]:

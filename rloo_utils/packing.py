@@ -3,6 +3,7 @@ attention kernel cannot keep packed sequences apart, padded forwards (probed onc
 from which the log-probs are made a chunk at a time."""
 
 import contextlib
+import functools
 import itertools
 import math
 from typing import Callable, Optional
@@ -289,3 +290,13 @@ def chunked_completion_logprobs(
     if isinstance(out, torch.Tensor):
         return out.new_zeros(real.shape).masked_scatter(real, out)  # (K,) -> (B, C)
     return tuple(values.new_zeros(real.shape).masked_scatter(real, values) for values in out)
+
+
+def padding_free_logprobs(model, images: bool, console, autocast) -> Callable:
+    """What --padding_free computes the log-probs of `model`'s completions with: chunked_completion_logprobs on the
+    layout packing_layout probes (packed rows; padded ones where the model cannot be packed, or holds images), once
+    check_output_layer has made sure that the output layer's inputs give the model's logits."""
+    check_output_layer(model, autocast, "policy")
+    return functools.partial(
+        chunked_completion_logprobs, packing=packing_layout(model, True, images, console, "policy", autocast)
+    )

@@ -93,3 +93,27 @@ def max_over_processes(value: int) -> int:
 def any_process(flag: bool) -> bool:
     """Whether the flag is set on any process (a collective); with no process group, the flag itself."""
     return max_over_processes(int(flag)) > 0
+
+
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun
+
+
+def launch_world_size() -> int:
+    """The number of processes this run is launched with (torchrun's WORLD_SIZE; 1 for a plain `python`)."""
+    given = [v for v in RENDEZVOUS_VARIABLES if v in os.environ]
+    if given and len(given) < len(RENDEZVOUS_VARIABLES):
+        missing = [v for v in RENDEZVOUS_VARIABLES if v not in os.environ]
+        raise UsageError(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun, which sets them all, or "
+            "unset them to run one process"
+        )
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        assert world_size >= 1 and 0 <= int(os.environ.get("RANK", "0")) < world_size
+    except (ValueError, AssertionError):
+        raise UsageError(
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} RANK={os.environ.get('RANK')} do not describe a "
+            "process of the group: launch with torchrun"
+        ) from None
+    return world_size

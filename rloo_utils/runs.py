@@ -23,7 +23,7 @@ from rloo_utils.models import (
     policy_class,
 )
 from rloo_utils.options import batch_sizes
-from rloo_utils.rewards import check_reward_columns, reward_sources
+from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, check_reward_columns, reward_sources
 from rloo_utils.tools import ToolUse, check_tool_template, load_tool_use
 
 
@@ -50,7 +50,7 @@ class RunPlan:
     image_column: Optional[str]  # vision-language prompts' images; None: text
 
 
-def plan_run(args, resumable_changes: set[str], builtin_reward_funcs: dict, world_size=1, sharded=False) -> RunPlan:
+def plan_run(args, resumable_changes: set[str], world_size=1, sharded=False) -> RunPlan:
     """The checks that need no model, in the order a user meets them: the batch arithmetic, the checkpoint a resumed
     run continues (what it may change: resumable_changes), the tools, the reward sources and evaluation metrics, the
     data and the columns the functions read, the held-out prompts."""
@@ -58,9 +58,9 @@ def plan_run(args, resumable_changes: set[str], builtin_reward_funcs: dict, worl
     checkpoint, training_state = resume_point(args, resumable_changes, sharded=sharded)  # (None, None): a new run
     tool_use = load_tool_use(args)
     reward_funcs, reward_names, reward_weights = reward_sources(
-        args, builtin_reward_funcs, tool_use.reward_funcs() if tool_use else []
+        args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []
     )
-    eval_metric_funcs, eval_metric_names = metric_funcs(args, builtin_reward_funcs)
+    eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
     train_dataset, eval_dataset = load_datasets(args)
     check_reward_columns(
         args, reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset

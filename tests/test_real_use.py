@@ -339,11 +339,12 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
     import signal
     import sys
 
+    import rloo_utils.packing as packing
     import rloo_vllm
     from rloo_utils.checkpoints import RunGuard
 
     events, engines = [], []
-    forward = rloo_vllm.chunked_completion_logprobs  # --padding_free's
+    forward = packing.chunked_completion_logprobs  # --padding_free's
 
     def recording_forward(model, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -358,7 +359,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
 
     monkeypatch.setattr(rloo_vllm, "ColocatedVLLM", colocated)
     monkeypatch.setattr(rloo_vllm, "check_engine", lambda *args: events.append("check_engine"))
-    monkeypatch.setattr(rloo_vllm, "chunked_completion_logprobs", recording_forward)
+    monkeypatch.setattr(packing, "chunked_completion_logprobs", recording_forward)
     monkeypatch.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
