@@ -24,7 +24,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Annotated, Callable, Literal, Optional
+from typing import Annotated, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
@@ -87,6 +87,8 @@ from rloo_utils.vision import builds_own_positions, image_token_ids, images_batc
 @dataclass
 class Args(FeatureOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
+
+    RESUMABLE: ClassVar = {"reward_timeout"}  # with each group's: the options a resumed run may change
 
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -197,32 +199,6 @@ class Args(FeatureOptions):
     """rows per generation / no-grad forward chunk during the rollout"""
     padding_free: bool = True
     """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
-
-
-# Options a resumed run may change: none of them alters what is computed.
-RESUMABLE_CHANGES = {
-    "run_name",
-    "resume_from_checkpoint",
-    "save_steps",
-    "save_total_limit",
-    "max_skipped_steps",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "output_dir",
-    "log_completions",
-    "num_completions_to_print",
-    "save_merged_model",
-    "reward_timeout",
-    # the held-out evaluation samples from random streams of its own: the run trains as it would without it
-    "eval_steps",
-    "eval_on_start",
-    "max_eval_prompts",
-    "num_generations_eval",
-    "eval_temperature",
-    "eval_success_threshold",
-    "eval_metric_funcs",
-}
 
 
 def resolve_defaults(args: Args) -> Args:
@@ -529,7 +505,7 @@ def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     check_args(args)
     args = resolve_defaults(args)
-    plan = plan_run(args, RESUMABLE_CHANGES)  # batch sizes, resume point, data, rewards, eval
+    plan = plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G

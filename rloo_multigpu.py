@@ -36,7 +36,7 @@ import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Annotated, Callable, Literal, Optional
+from typing import Annotated, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
@@ -121,6 +121,7 @@ from rloo_utils.tools import MultiTurn, check_tool_template, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
+    ImportanceSamplingOptions,
     VLLMServer,
     check_engine,
     check_vllm_args,
@@ -134,8 +135,21 @@ from rloo_utils.vllm_engine import (
 
 
 @dataclass
-class Args(FeatureOptions):
+class Args(FeatureOptions, ImportanceSamplingOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
+
+    # with each group's: the options a resumed run may change (where the server is changes no sample; a test checks that
+    # gathered generation samples what sharded generation does)
+    RESUMABLE: ClassVar = {
+        "reward_timeout",
+        "ddp_timeout",
+        "vllm_server_base_url",
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_timeout",
+        "vllm_server_weight_transfer",
+        "gather_for_generation",
+    }
 
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -266,50 +280,6 @@ class Args(FeatureOptions):
     """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
     max_staleness: int = 0
     """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
-    vllm_importance_sampling_correction: bool = True
-    """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
-    vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
-        "sequence_mask"
-    )
-    """sequence_* (a ratio per completion) or token_*; *_truncate clips it, *_mask zeroes it"""
-    vllm_importance_sampling_clip_max: Optional[float] = 3.0
-    """upper bound C_max of the importance ratio (None: none)"""
-    vllm_importance_sampling_clip_min: Optional[float] = None
-    """lower bound C_min of the importance ratio (None: none)"""
-
-
-# Options a resumed run may change: none of them alters what is computed.
-RESUMABLE_CHANGES = {
-    "run_name",
-    "resume_from_checkpoint",
-    "save_steps",
-    "save_total_limit",
-    "max_skipped_steps",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "output_dir",
-    "log_completions",
-    "num_completions_to_print",
-    "save_merged_model",
-    "reward_timeout",
-    "ddp_timeout",
-    # where the server is changes no sample
-    "vllm_server_base_url",
-    "vllm_server_host",
-    "vllm_server_port",
-    "vllm_server_timeout",
-    "vllm_server_weight_transfer",
-    "gather_for_generation",
-    # the held-out evaluation samples from random streams of its own: the run trains as it would without it
-    "eval_steps",
-    "eval_on_start",
-    "max_eval_prompts",
-    "num_generations_eval",
-    "eval_temperature",
-    "eval_success_threshold",
-    "eval_metric_funcs",
-}  # the same samples, gathered or not (a test checks it)
 
 
 def resolve_defaults(args: Args) -> Args:
@@ -626,7 +596,7 @@ def main(args: Args) -> None:
         check_args(args, world_size)
         check_vllm_args(args, server=use_server)
         args = resolve_defaults(args)
-        plan = plan_run(args, RESUMABLE_CHANGES, world_size, sharded=True)  # over all processes
+        plan = plan_run(args, world_size, sharded=True)  # over all processes
         server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     local_batch_size = batch_size // world_size  # the completions each process rolls out

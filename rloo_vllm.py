@@ -30,7 +30,7 @@ import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Annotated, Callable, Literal, Optional
+from typing import Annotated, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
@@ -46,7 +46,6 @@ from rloo_utils.checkpoints import (
 from rloo_utils.data import (
     message_text,
     prompt_batches,
-    row_images,
     text_prompts,
 )
 from rloo_utils.errors import NonFiniteWeights, Terminated
@@ -89,6 +88,9 @@ from rloo_utils.tools import MultiTurn, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
+    ColocatedVLLM,
+    ImportanceSamplingOptions,
+    VLLMOptions,
     VLLMServer,
     check_engine,
     check_vllm_args,
@@ -96,17 +98,16 @@ from rloo_utils.vllm_engine import (
     sampler_support,
     sampling_configs,
     sampling_seeds,
-    start_colocated_engine,
     turn_seed,
     unpadded,
-    vllm_dtype,
-    weight_push,
 )
 
 
 @dataclass
-class Args(FeatureOptions):
+class Args(FeatureOptions, VLLMOptions, ImportanceSamplingOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
+
+    RESUMABLE: ClassVar = {"reward_timeout"}  # with each group's: the options a resumed run may change
 
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -159,44 +160,6 @@ class Args(FeatureOptions):
     """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
-
-    # vLLM
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: a vLLM engine in this process; server: a vLLM server started apart (docs/vllm.md)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """(colocate, GPU) share of the GPU's memory vLLM takes for its weights and KV cache; training uses the rest"""
-    vllm_cpu_kv_cache_gib: int = 1
-    """(colocate, CPU) memory for vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
-    vllm_max_model_length: Annotated[Optional[int], tyro.conf.arg(aliases=("--vllm_max_model_len",))] = None
-    """(colocate) longest prompt + completion the engine holds; None: max_prompt_length + max_completion_length"""
-    vllm_enforce_eager: bool = False
-    """(colocate) no CUDA graphs: slower generation, faster start (always eager on CPU)"""
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """(colocate) the engine's weights and compute; auto: bfloat16 on a GPU, float32 on the CPU"""
-    vllm_enable_sleep_mode: bool = False
-    """(colocate, GPU) free the engine's weights and KV cache during the update, restored for the next rollout"""
-    vllm_server_base_url: Optional[str] = None
-    """(server) e.g. http://10.0.0.2:8000; None: http://<vllm_server_host>:<vllm_server_port>"""
-    vllm_server_host: str = "127.0.0.1"
-    """(server) host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """(server) port of the vLLM server"""
-    vllm_server_timeout: float = 240.0
-    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
-    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
-    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
-    max_staleness: int = 0
-    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
-    vllm_importance_sampling_correction: bool = True
-    """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
-    vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
-        "sequence_mask"
-    )
-    """sequence_* (a ratio per completion) or token_*; *_truncate clips it, *_mask zeroes it"""
-    vllm_importance_sampling_clip_max: Optional[float] = 3.0
-    """upper bound C_max of the importance ratio (None: none)"""
-    vllm_importance_sampling_clip_min: Optional[float] = None
-    """lower bound C_min of the importance ratio (None: none)"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
@@ -255,42 +218,6 @@ class Args(FeatureOptions):
     """rows per generation / no-grad forward chunk during the rollout"""
     padding_free: bool = True
     """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
-
-
-# Options a resumed run may change: none of them alters what is computed.
-RESUMABLE_CHANGES = {
-    "run_name",
-    "resume_from_checkpoint",
-    "save_steps",
-    "save_total_limit",
-    "max_skipped_steps",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "output_dir",
-    "log_completions",
-    "num_completions_to_print",
-    "save_merged_model",
-    "reward_timeout",
-    # where the server is and how much memory the engine takes change no sample
-    "vllm_server_base_url",
-    "vllm_server_host",
-    "vllm_server_port",
-    "vllm_server_timeout",
-    "vllm_server_weight_transfer",
-    "vllm_gpu_memory_utilization",
-    "vllm_cpu_kv_cache_gib",
-    "vllm_enforce_eager",
-    "vllm_enable_sleep_mode",
-    # the held-out evaluation samples from random streams of its own: the run trains as it would without it
-    "eval_steps",
-    "eval_on_start",
-    "max_eval_prompts",
-    "num_generations_eval",
-    "eval_temperature",
-    "eval_success_threshold",
-    "eval_metric_funcs",
-}
 
 
 def resolve_defaults(args: Args) -> Args:
@@ -598,7 +525,7 @@ def main(args: Args) -> None:
     check_args(args)
     check_vllm_args(args, server=args.vllm_mode == "server")
     args = resolve_defaults(args)
-    plan = plan_run(args, RESUMABLE_CHANGES)  # batch sizes, resume point, data, rewards, eval
+    plan = plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
@@ -1052,48 +979,6 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     adapter merged into its weights (the trained copy unchanged), in the engine's dtype (bf16 on a GPU: half the
     bytes of fp32). Its items() yields them one tensor at a time."""
     return types.SimpleNamespace(items=lambda: merged_weights(policy, dtype=dtype))
-
-
-class ColocatedVLLM:
-    """A vLLM engine in this process (TRL's vllm_mode="colocate"), on the training device; push_weights copies the
-    policy's tensors into it through vLLM's reload_weights."""
-
-    def __init__(self, args: Args, policy, device, processor=None):
-        self.llm, self.folder = start_colocated_engine(args, policy, device, processor)
-        self.dtype = getattr(torch, vllm_dtype(args))  # what the engine holds its weights in
-        self.sleep_mode = args.vllm_enable_sleep_mode
-
-    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]], images=None):
-        """Per prompt: (completion token ids, their sampling log-probs). images: each prompt's, as vLLM's multi-modal
-        input (its ids hold the image tokens the processor expanded already)."""
-        from vllm import SamplingParams
-
-        params = [SamplingParams(**options, seed=seed, detokenize=False) for seed in seeds or [None] * len(prompts)]
-        inputs = [{"prompt_token_ids": p} for p in prompts]
-        for row, value in zip(inputs, images or []):
-            row["multi_modal_data"] = {"image": [image.convert("RGB") for image in row_images(value)]}
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [
-            (list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
-            for o in (out.outputs[0] for out in outputs)
-        ]
-
-    def sleep(self) -> None:
-        if self.sleep_mode:  # level 2: weights and KV cache are freed (the weights are pushed again anyway)
-            self.llm.sleep(level=2)
-
-    def push_weights(self, policy, weights) -> None:
-        """weights: weights_for_vllm(policy, self.dtype)."""
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["weights"])
-        with weight_push():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-
-    def close(self) -> None:
-        self.folder.cleanup()
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:

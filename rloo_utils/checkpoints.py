@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -39,6 +39,17 @@ from rloo_utils.processes import (
 @dataclass
 class CheckpointOptions:
     """The run's folder, checkpoints and resume (docs/resume.md)"""
+
+    # the options a resumed run may change (options.resumable_options): where it writes and how often, none of what it
+    # computes
+    RESUMABLE: ClassVar = {
+        "run_name",
+        "output_dir",
+        "resume_from_checkpoint",
+        "save_steps",
+        "save_total_limit",
+        "max_skipped_steps",
+    }
 
     run_name: Optional[str] = None
     """the run folder is runs/<run_name>; None: <exp_name>__<seed>__<unix time>"""

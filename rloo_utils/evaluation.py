@@ -8,7 +8,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
@@ -23,6 +23,17 @@ from rloo_utils.rewards import check_reward_values, load_reward_func, reward_fun
 @dataclass
 class EvaluationOptions:
     """Held-out evaluation on the test split (its metrics: docs/metrics.md)"""
+
+    # the held-out evaluation samples from random streams of its own: the run trains as it would without it
+    RESUMABLE: ClassVar = {
+        "eval_steps",
+        "eval_on_start",
+        "max_eval_prompts",
+        "num_generations_eval",
+        "eval_temperature",
+        "eval_success_threshold",
+        "eval_metric_funcs",
+    }
 
     eval_steps: float = 0.5
     """evaluate on the test split every N updates (below 1: that fraction of the run) and at the end; 0: never"""

@@ -9,7 +9,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from rloo_utils.rewards import group_std, weighted_reward
 @dataclass
 class LoggingOptions:
     """Logging: Weights & Biases, sample tables, the sampled completions"""
+
+    RESUMABLE: ClassVar = {"track", "wandb_project_name", "wandb_entity", "log_completions", "num_completions_to_print"}
 
     track: bool = False
     """log to Weights & Biases (WANDB_MODE=offline works; tags come from WANDB_TAGS)"""

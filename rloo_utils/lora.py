@@ -5,7 +5,7 @@ import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
@@ -15,6 +15,8 @@ from rloo_utils.errors import UsageError, describe
 @dataclass
 class LoraOptions:
     """LoRA adapters (peft; TRL's ModelConfig names; docs/lora.md)"""
+
+    RESUMABLE: ClassVar = {"save_merged_model"}  # an output of the run's end
 
     use_peft: bool = False
     """train LoRA adapters (Hu et al. 2021) on the frozen policy; the reference is it with its adapter off"""

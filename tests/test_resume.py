@@ -42,6 +42,7 @@ from rloo_utils.checkpoints import (
 )
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.lora import add_adapter
+from rloo_utils.options import resumable_options
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 SCRIPT = os.path.join(ROOT, "rloo.py")
@@ -476,12 +477,14 @@ def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
     check_resumable(
         rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
         str(tmp_path),
-        rloo.RESUMABLE_CHANGES,
+        resumable_options(rloo.Args),
     )
     with pytest.raises(UsageError, match="--num_generations is 8 here but 4 in"):
-        check_resumable(rloo.replace(args, num_generations=8), str(tmp_path), rloo.RESUMABLE_CHANGES)
+        check_resumable(rloo.replace(args, num_generations=8), str(tmp_path), resumable_options(rloo.Args))
     with pytest.raises(UsageError, match="--reward_funcs is"):
-        check_resumable(rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path), rloo.RESUMABLE_CHANGES)
+        check_resumable(
+            rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path), resumable_options(rloo.Args)
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -880,7 +883,7 @@ def saved_run(tiny, tmp_path, monkeypatch):
 
 def test_a_sound_checkpoint_passes_the_checks(saved_run):
     args, run_dir, checkpoint = saved_run
-    check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
+    check_resumable(args, checkpoint, resumable_options(rloo.Args))
     assert load_training_state(checkpoint, run_dir, sharded=False)["update"] == 2
 
 
@@ -951,7 +954,7 @@ def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_ru
     args, run_dir, checkpoint = saved_run
     damage(checkpoint, run_dir)
     with pytest.raises(UsageError) as error:  # the checks of a resume, in the order rloo.py makes them
-        check_resumable(args, checkpoint, rloo.RESUMABLE_CHANGES)
+        check_resumable(args, checkpoint, resumable_options(rloo.Args))
         load_training_state(checkpoint, run_dir, sharded=False)
     assert needle in str(error.value) and "\n" not in str(error.value)
 

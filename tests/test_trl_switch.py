@@ -19,7 +19,7 @@ from rloo_utils.checkpoints import check_resumable
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.logs import Logger
 from rloo_utils.models import generation_configs, tokenize_prompts
-from rloo_utils.options import check_args
+from rloo_utils.options import check_args, resumable_options
 from rloo_utils.rewards import RewardLogs, call_reward_funcs, reward_model_inputs
 from rloo_utils.vllm_engine import check_vllm_args, sampling_options
 import rloo_vllm
@@ -460,9 +460,9 @@ def test_a_run_of_an_earlier_version_is_refused_and_the_embedded_dataset_matches
     saved = json.loads(json.dumps(dataclasses.asdict(args)))
     saved["dataset_name"] = os.path.join(ROOT, "data", "movie_reviews")
     (tmp_path / "args.json").write_text(json.dumps(saved))
-    check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
+    check_resumable(args, str(tmp_path), resumable_options(rloo.Args))
     with pytest.raises(UsageError, match="--repetition_penalty is 1.1 here but 1.0 in"):
-        check_resumable(dataclasses.replace(args, repetition_penalty=1.1), str(tmp_path), rloo.RESUMABLE_CHANGES)
+        check_resumable(dataclasses.replace(args, repetition_penalty=1.1), str(tmp_path), resumable_options(rloo.Args))
     del saved["min_p"], saved["reward_timeout"]  # reward_timeout may change on resume: its absence is no matter
     (tmp_path / "args.json").write_text(json.dumps(saved))
     with pytest.raises(
@@ -471,7 +471,7 @@ def test_a_run_of_an_earlier_version_is_refused_and_the_embedded_dataset_matches
             f"{tmp_path} has no --min_p in its args.json: another script or an earlier version of this project wrote it"
         ),
     ):
-        check_resumable(args, str(tmp_path), rloo.RESUMABLE_CHANGES)
+        check_resumable(args, str(tmp_path), resumable_options(rloo.Args))
 
 
 def test_generation_kwargs_go_to_the_generator_that_samples():
