@@ -24,13 +24,11 @@ of the algorithm never needs (checks, run folders, checkpoints and resume, loggi
 
 import contextlib
 import copy
-import datetime
 import functools
 import math
 import os
 import random
 import signal
-import socket
 import sys
 import time
 import types
@@ -46,7 +44,6 @@ import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rloo_utils.checkpoints import (
     claim_run,
@@ -58,7 +55,7 @@ from rloo_utils.data import (
     prompt_batches,
     text_prompts,
 )
-from rloo_utils.errors import NonFiniteWeights, Terminated, UsageError
+from rloo_utils.errors import NonFiniteWeights, Terminated
 from rloo_utils.evaluation import (
     Evaluator,
 )
@@ -72,7 +69,7 @@ from rloo_utils.logs import (
     show_samples,
     update_metrics,
 )
-from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights, transformers_model
+from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights
 from rloo_utils.models import (
     disable_dropout,
     end_token_ids,
@@ -99,7 +96,17 @@ from rloo_utils.packing import (
     padding_free_logprobs,
     position_ids_from,
 )
-from rloo_utils.processes import agreed, end_processes, gather_rows, launch_world_size, whole
+from rloo_utils.processes import (
+    agreed,
+    all_gather_prompts,
+    all_reduce,
+    end_processes,
+    gather_rows,
+    init_processes,
+    launch_world_size,
+    reduce_micro_stats,
+    whole,
+)
 from rloo_utils.rewards import (
     Scorer,
     TrainerState,
@@ -111,11 +118,13 @@ from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.runs import Models, plan_run
 from rloo_utils.sharded import (
     empty_model,
+    gathered,
     load_sharded_checkpoint,
     load_sharded_reward_model,
-    load_shards,
+    reshard,
     save_sharded_checkpoint,
     save_sharded_model,
+    shard,
 )
 from rloo_utils.tools import MultiTurn, check_tool_template, tool_metrics
 from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
@@ -1200,119 +1209,6 @@ def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, suppo
 def save_policy(folder: str, policy, optimizer) -> None:
     """The policy and optimizer state of a checkpoint: every process writes its shards."""
     save_sharded_checkpoint(folder, policy, optimizer)
-
-
-# ---- Processes: the group, sharding, and the collectives the algorithm needs -----------------------------------------
-def init_processes(timeout_s: int) -> tuple[int, int, torch.device]:
-    """Join torchrun's process group, or form a group of one for a plain `python rloo_multigpu.py`: NCCL for GPU
-    tensors, gloo for CPU ones. Returns (rank, world size, this process's device)."""
-    if not timeout_s > 0:  # checked here, not in check_args: the group is formed with it before check_args runs
-        raise UsageError(f"--ddp_timeout must be > 0 seconds, got {timeout_s}")
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool) -> torch.nn.Module:
-    """FSDP2, then the weights of a model built empty read into its shards (load_shards). Each decoder layer (the
-    classes transformers lists in _no_split_modules) is a unit whose weights are gathered for its forward and freed
-    after it; the root holds the rest (embeddings, tied LM head, norm). A VLM's
-    vision tower is sharded the same way: its encoder layers and patch embeddings are in _no_split_modules. A reward
-    model's backbone and score head are units of their own: reward_model_scores calls them one by one. Gradients are
-    summed over the processes, not averaged: each process's loss is already its share of the global loss."""
-    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-    options = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy(),
-        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else None,
-    }
-    options = {k: v for k, v in options.items() if v is not None}
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, **options)
-    if hasattr(model, "score"):
-        fully_shard(getattr(model, model.base_model_prefix), **options)
-        fully_shard(model.score, **options)
-    root = transformers_model(model)  # (not a peft wrapper, whose forward generate goes around)
-    fully_shard(root, **options)
-    load_shards(
-        model, "cpu" if cpu_offload else mesh.device_type
-    )  # the weights of an empty_model, each process its own
-    if (
-        getattr(model.config, "vision_config", None) is not None
-    ):  # generate runs a VLM's vision tower before the model's
-        root._get_fsdp_state()._lazy_init()  # forward, and FSDP2 makes the first unit to run the root: fix it now
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # a plain sum (gloo has no pre-multiplied sum), divided by 1
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Every unit of a model that only runs forwards (the reference, the reward model) back in shards: FSDP2 never
-    reshards a root after its forward (lazy init clears the root's post-forward mesh), only a backward does, so without
-    this the root's weights (embeddings, LM head; a reward model's backbone and score head) would stay gathered."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
-@contextlib.contextmanager
-def gathered(model: torch.nn.Module, enabled: bool):
-    """The sharded model whole on every process for the duration of the block (FSDP2's unshard of every unit),
-    resharded after it."""
-    if not enabled:
-        yield
-        return
-    units, root = [m for m in model.modules() if isinstance(m, FSDPModule)], transformers_model(model)
-    root.set_reshard_after_forward(False)
-    for unit in units:
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.reshard()
-        root.set_reshard_after_forward(True)
-        root.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
-
-
-def all_gather_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pad_token_id: int):
-    """gather_rows for left-padded prompts, whose widths differ between processes: padded to the widest first."""
-    width = torch.tensor(prompt_ids.shape[1], device=prompt_ids.device)
-    dist.all_reduce(width, op=dist.ReduceOp.MAX)
-    pad = int(width) - prompt_ids.shape[1]
-    return gather_rows(F.pad(prompt_ids, (pad, 0), value=pad_token_id)), gather_rows(F.pad(prompt_mask, (pad, 0)))
-
-
-def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    x = x.clone()
-    dist.all_reduce(x, op=op)
-    return x
-
-
-def reduce_micro_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, list[float]]:
-    """Per-micro-batch statistics of this process -> those of the global micro-batches (the same micro-batch of every
-    process): sums are summed, low_min (all units clipped) is a minimum, high_max (any unit clipped) a maximum."""
-    values = torch.stack([torch.stack(v).float() for v in stats.values()])  # (statistics, micro-batches)
-    reduced = {op: all_reduce(values, op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)}
-    op_of = {"low_min": dist.ReduceOp.MIN, "high_max": dist.ReduceOp.MAX}
-    return {name: reduced[op_of.get(name, dist.ReduceOp.SUM)][i].tolist() for i, name in enumerate(stats)}
 
 
 # ---- The vLLM server of rloo_vllm.py: sampling, weight sync, and the sampler-trainer mismatch ------------------------

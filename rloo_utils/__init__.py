@@ -4,20 +4,21 @@ which a forker copies rather than edits), and nothing here knows which script ca
 (its options, what a resume may change, how its model's weights are written).
 
     errors       UsageError and RunError: one line each
-    options      parse_args, check_args: every option checked before anything expensive
+    options      the groups of options, parse_args and check_args: every option checked before anything expensive
     data         prompt datasets, text and images
     models       policy, reward model, tokenizers, sampling configs; precision
-    rewards      reward functions: loaded, called, checked
+    rewards      reward functions: loaded, called, checked; the Scorer of a rollout
     verifiable   reward functions of tasks with a right answer: the final answer parsed and checked
     tools        multi-turn rollouts: tools and environments, the chat template's tool calls
     vision       a vision-language policy's inputs
-    packing      padding-free forwards; the output layer's inputs
+    packing      padding-free forwards; the log-probs from the output layer's inputs, a chunk at a time
     lora         LoRA adapters (peft)
     logs         metrics.jsonl, tables, TensorBoard, W&B; the progress bar; an update's metrics
-    evaluation   the held-out evaluation: when, its own random streams, pass@k and the other task metrics
-    processes    torch.distributed's group; one process is a group of one
+    evaluation   the held-out evaluation and sample tables (Evaluator): when, its own random streams, pass@k
+    processes    torch.distributed's group and the collectives the scripts need; one process is a group of one
     checkpoints  run folders, checkpoints, exact resume, signals, the rescue of a failed run
-    sharded      FSDP2 sharded loading and saving (rloo_multigpu.py only)
+    runs         a run's set-up: its plan (batch sizes, resume point, data, rewards, evaluation) and its models
+    sharded      FSDP2: sharding, sharded loading and saving (rloo_multigpu.py only)
     vllm_engine  vLLM: an engine in this process, a server's client (rloo_vllm.py; rloo_multigpu.py with a server)
     rollouts     asynchronous rollouts: the queue of rollouts generated while the trainer updates
 

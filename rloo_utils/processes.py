@@ -2,11 +2,14 @@
 `agreed()` lets an error through as it is."""
 
 import contextlib
+import datetime
 import os
+import socket
 import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from rloo_utils.errors import RunError, UsageError, describe
 
@@ -117,3 +120,48 @@ def launch_world_size() -> int:
             "process of the group: launch with torchrun"
         ) from None
     return world_size
+
+
+def init_processes(timeout_s: int) -> tuple[int, int, torch.device]:
+    """Join torchrun's process group, or form a group of one for a plain `python rloo_multigpu.py`: NCCL for GPU
+    tensors, gloo for CPU ones. Returns (rank, world size, this process's device)."""
+    if not timeout_s > 0:  # checked here, not in check_args: the group is formed with it before check_args runs
+        raise UsageError(f"--ddp_timeout must be > 0 seconds, got {timeout_s}")
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_gather_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pad_token_id: int):
+    """gather_rows for left-padded prompts, whose widths differ between processes: padded to the widest first."""
+    width = torch.tensor(prompt_ids.shape[1], device=prompt_ids.device)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    pad = int(width) - prompt_ids.shape[1]
+    return gather_rows(F.pad(prompt_ids, (pad, 0), value=pad_token_id)), gather_rows(F.pad(prompt_mask, (pad, 0)))
+
+
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x, op=op)
+    return x
+
+
+def reduce_micro_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, list[float]]:
+    """Per-micro-batch statistics of this process -> those of the global micro-batches (the same micro-batch of every
+    process): sums are summed, low_min (all units clipped) is a minimum, high_max (any unit clipped) a maximum."""
+    values = torch.stack([torch.stack(v).float() for v in stats.values()])  # (statistics, micro-batches)
+    reduced = {op: all_reduce(values, op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)}
+    op_of = {"low_min": dist.ReduceOp.MIN, "high_max": dist.ReduceOp.MAX}
+    return {name: reduced[op_of.get(name, dist.ReduceOp.SUM)][i].tolist() for i, name in enumerate(stats)}

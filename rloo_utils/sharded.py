@@ -1,10 +1,12 @@
 """Sharded models (rloo_multigpu.py): built empty, each process reading and writing only its own rows of the safetensors
 files; sharded checkpoints of the policy and its optimizer."""
 
+import contextlib
 import json
 import os
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rloo_utils.checkpoints import check_checkpoint_finite, is_saved_model, save_model
 from rloo_utils.errors import RunError, describe
@@ -284,3 +286,70 @@ def load_sharded_checkpoint(checkpoint: str, policy, optimizer) -> None:
     set_model_state_dict(policy, state["model"], options=StateDictOptions(strict=trained_names(policy) is None))
     set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     check_checkpoint_finite(policy, checkpoint)
+
+
+def shard(model: torch.nn.Module, mesh, mixed_precision: bool, cpu_offload: bool) -> torch.nn.Module:
+    """FSDP2, then the weights of a model built empty read into its shards (load_shards). Each decoder layer (the
+    classes transformers lists in _no_split_modules) is a unit whose weights are gathered for its forward and freed
+    after it; the root holds the rest (embeddings, tied LM head, norm). A VLM's
+    vision tower is sharded the same way: its encoder layers and patch embeddings are in _no_split_modules. A reward
+    model's backbone and score head are units of their own: reward_model_scores calls them one by one. Gradients are
+    summed over the processes, not averaged: each process's loss is already its share of the global loss."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    options = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else None,
+    }
+    options = {k: v for k, v in options.items() if v is not None}
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, **options)
+    if hasattr(model, "score"):
+        fully_shard(getattr(model, model.base_model_prefix), **options)
+        fully_shard(model.score, **options)
+    root = transformers_model(model)  # (not a peft wrapper, whose forward generate goes around)
+    fully_shard(root, **options)
+    load_shards(
+        model, "cpu" if cpu_offload else mesh.device_type
+    )  # the weights of an empty_model, each process its own
+    if (
+        getattr(model.config, "vision_config", None) is not None
+    ):  # generate runs a VLM's vision tower before the model's
+        root._get_fsdp_state()._lazy_init()  # forward, and FSDP2 makes the first unit to run the root: fix it now
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # a plain sum (gloo has no pre-multiplied sum), divided by 1
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every unit of a model that only runs forwards (the reference, the reward model) back in shards: FSDP2 never
+    reshards a root after its forward (lazy init clears the root's post-forward mesh), only a backward does, so without
+    this the root's weights (embeddings, LM head; a reward model's backbone and score head) would stay gathered."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module, enabled: bool):
+    """The sharded model whole on every process for the duration of the block (FSDP2's unshard of every unit),
+    resharded after it."""
+    if not enabled:
+        yield
+        return
+    units, root = [m for m in model.modules() if isinstance(m, FSDPModule)], transformers_model(model)
+    root.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        root.set_reshard_after_forward(True)
+        root.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
