@@ -33,31 +33,7 @@ import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
-from rloo_utils.checkpoints import (
-    claim_run,
-    report_one_line_error,
-    save_model,
-)
-from rloo_utils.data import (
-    left_pad,
-    message_text,
-    prompt_batches,
-)
-from rloo_utils.errors import NonFiniteWeights, Terminated
-from rloo_utils.evaluation import (
-    Evaluator,
-)
-from rloo_utils.logs import (
-    StageTimer,
-    completion_metrics,
-    completion_rows,
-    gather_objects,
-    open_logger,
-    reward_metrics,
-    show_samples,
-    update_metrics,
-)
-from rloo_utils.lora import adapter_disabled
+from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, runs, tools, vision
 from rloo_utils.models import (
     end_token_ids,
     generation_configs,
@@ -66,26 +42,11 @@ from rloo_utils.models import (
     tokenize_prompts,
     weights_finite,
 )
-from rloo_utils.options import FeatureOptions, JsonObject, check_args, clip_bounds, lr_scheduler, parse_args
-from rloo_utils.packing import (
-    last_true_index,
-    padding_free_logprobs,
-    position_ids_from,
-)
-from rloo_utils.rewards import (
-    Scorer,
-    TrainerState,
-    check_reward_range,
-    group_std,
-    weighted_reward,
-)
-from rloo_utils.runs import load_models, plan_run
-from rloo_utils.tools import MultiTurn, tool_metrics
-from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
+from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
 
 
 @dataclass
-class Args(FeatureOptions):
+class Args(options.FeatureOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
 
     RESUMABLE: ClassVar = {"reward_timeout"}  # with each group's: the options a resumed run may change
@@ -99,7 +60,7 @@ class Args(FeatureOptions):
     # Prompts (the model and the dataset: ModelOptions, DataOptions)
     max_prompt_length: int = 256
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
-    chat_template_kwargs: JsonObject = None
+    chat_template_kwargs: options.JsonObject = None
     """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
 
     # Reward
@@ -133,7 +94,7 @@ class Args(FeatureOptions):
     """min-p sampling: only tokens at least min_p times as likely as the likeliest one (None: off)"""
     repetition_penalty: float = 1.0
     """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
-    generation_kwargs: JsonObject = None
+    generation_kwargs: options.JsonObject = None
     """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
     stop_token_id: Optional[int] = None
     """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
@@ -187,7 +148,7 @@ class Args(FeatureOptions):
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant", "cosine", "cosine_with_min_lr"] = "linear"
     """learning-rate schedule after warm-up: to 0 linearly or along a half cosine, constant, or cosine to a floor"""
-    lr_scheduler_kwargs: JsonObject = None
+    lr_scheduler_kwargs: options.JsonObject = None
     """the schedule's arguments as JSON (transformers'): '{"min_lr_rate": 0.1}' for cosine_with_min_lr, num_cycles"""
     warmup_steps: float = 0
     """optimizer steps of linear warm-up from 0; below 1, a fraction of all optimizer steps (TRL's warmup_ratio)"""
@@ -244,7 +205,7 @@ def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
     """
     kl_penalty = -beta * kl * mask  # (B, C)
     if token_level:
-        last = last_true_index(mask)  # (B,)
+        last = packing.last_true_index(mask)  # (B,)
         token_rewards = kl_penalty.clone()
         token_rewards[torch.arange(len(last)), last] += scores
         return token_rewards.sum(1), kl_penalty.sum(1)
@@ -468,7 +429,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     if finite:
         optimizer.step()
         if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
-            raise NonFiniteWeights(
+            raise errors.NonFiniteWeights(
                 "an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
                 "their dtype's range): they are not kept; lower --learning_rate"
             )
@@ -492,7 +453,7 @@ class Rollout:
     ended: torch.Tensor  # (B,) whether each completion ended: a stop token came
     num_truncated: int = 0  # how many prompts were cut to --max_prompt_length
     images: Optional[list] = None  # a VLM's prompts: each row's image tensors (images_batch)
-    turns: Optional[MultiTurn] = None  # --tools, --environment: the conversations, their environments, the tool calls
+    turns: Optional[tools.MultiTurn] = None  # --tools, --environment: the conversations, environments, tool calls
     sampling_logprobs: Optional[torch.Tensor] = None  # (B, C) the sampler's own log-probs (vLLM's); HF generate: None
 
     @property
@@ -503,13 +464,13 @@ class Rollout:
 
 def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
-    check_args(args)
+    options.check_args(args)
     args = resolve_defaults(args)
-    plan = plan_run(args)  # batch sizes, resume point, data, rewards, eval
+    plan = runs.plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_dir, output_dir, guard = claim_run(args, plan.checkpoint, plan.training_state, batch_size)
+    run_dir, output_dir, guard = checkpoints.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -520,12 +481,12 @@ def main(args: Args) -> None:
     console = Console()
 
     # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
-    models = load_models(args, plan, device)
+    models = runs.load_models(args, plan, device)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
-    never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+    never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled
     )  # sampling, greedy (the sample tables), the evaluation's
@@ -534,7 +495,7 @@ def main(args: Args) -> None:
     num_optimizer_steps = num_updates * steps_per_update
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = lr_scheduler(optimizer, args, num_optimizer_steps)
+    scheduler = options.lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
     trainer_state = TrainerState(
         max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(plan.train_dataset))
@@ -547,14 +508,14 @@ def main(args: Args) -> None:
     # padding or the (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
     logprobs_of = completion_logprobs
     if args.padding_free:
-        logprobs_of = padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
+        logprobs_of = packing.padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
     sampler = Sampler(args, policy, models, plan, stop_ids, eos_ids, device, autocast)
     scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
-    logger = open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
-    evaluator = Evaluator(args, plan, sampler, scorer, (greedy_config, eval_config), eos_ids, console, logger)
+    logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
+    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
     console.print(
         f"run {os.path.basename(run_dir)}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} "
         f"prompts x {G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
@@ -569,9 +530,9 @@ def main(args: Args) -> None:
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
     save_weights = functools.partial(save_policy, policy=policy, tokenizer=models.processor or tokenizer)
     progress = guard.start(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, console, num_updates)
-    batches = prompt_batches(plan.train_dataset, prompts_per_rollout, args.seed, skip=progress.update)  # one per update
+    batches = data.prompt_batches(plan.train_dataset, prompts_per_rollout, args.seed, skip=progress.update)
     for update in range(progress.update + 1, num_updates + 1):
-        timer = StageTimer()
+        timer = logs.StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
                 evaluator.sample_table(progress.episode)
@@ -595,7 +556,7 @@ def main(args: Args) -> None:
             with timer("old_logprobs"):
                 old_logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of)
         if ref_policy is not None:
-            with timer("reference_forward"), adapter_disabled(ref_policy):
+            with timer("reference_forward"), lora.adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (B, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
@@ -612,7 +573,7 @@ def main(args: Args) -> None:
         if args.normalize_reward:
             scores = whiten_nan(scores, eps=1e-8)
         if args.reward_clip_range is not None:
-            scores = scores.clamp(*clip_bounds(args.reward_clip_range))
+            scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:
@@ -655,7 +616,7 @@ def main(args: Args) -> None:
                                 rollout.completion_mask[idx],
                                 args.temperature,
                                 with_entropy=True,
-                                images=images_batch(rollout.images, idx, device, policy.dtype),
+                                images=vision.images_batch(rollout.images, idx, device, policy.dtype),
                             )  # (b, C)
                         if (
                             on_policy
@@ -700,10 +661,10 @@ def main(args: Args) -> None:
             "eps": progress.episode / (time.time() - progress.start_time),
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
-            **reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
-            **completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # the policy's tokens
-            **(tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
-            **update_metrics(micro, losses, grad_norms, learning_rates),
+            **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
+            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
+            **(tools.tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
+            **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),
@@ -725,15 +686,15 @@ def main(args: Args) -> None:
             metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
         logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
-            rows = completion_rows(
-                [message_text(p) for p in gather_objects(prompts)],
-                gather_objects(completions),
+            rows = logs.completion_rows(
+                [data.message_text(p) for p in logs.gather_objects(prompts)],
+                logs.gather_objects(completions),
                 rewards_per_func,
                 scorer.names,
                 advantages[:, 0],
                 logged_columns,
             )
-            show_samples(console, logger, rows, progress.episode, "completions", args.num_completions_to_print)
+            logs.show_samples(console, logger, rows, progress.episode, "completions", args.num_completions_to_print)
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
         guard.update_done(progress)
     if sample_every:
@@ -742,9 +703,9 @@ def main(args: Args) -> None:
         evaluator.evaluate(progress.update, progress.episode)
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    save_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
+    checkpoints.save_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
     if args.save_merged_model:
-        save_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
+        checkpoints.save_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
     guard.finished()  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")
@@ -817,7 +778,9 @@ class Sampler:
                     attention_mask=prompt_mask[rows],
                     past_key_values=shared,
                     generation_config=config,
-                    **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, self.device, model.dtype)),
+                    **vision.vision_inputs(
+                        model, prompt_ids[rows], vision.images_batch(images, rows, self.device, model.dtype)
+                    ),
                 )
             padding = self.args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
             chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=self.tokenizer.pad_token_id))
@@ -827,7 +790,7 @@ class Sampler:
         """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
         far): the ids up to and including the first stop token, at most the row's budget of them (and no log-probs:
         the policy's own forward gives them)."""
-        context_ids, context_mask = (t.to(self.device) for t in left_pad(contexts, self.tokenizer.pad_token_id))
+        context_ids, context_mask = (t.to(self.device) for t in data.left_pad(contexts, self.tokenizer.pad_token_id))
         config = copy.deepcopy(config)
         config.max_new_tokens = max(budgets)
         turn_ids = self.generate(context_ids, context_mask, config)  # (b, C)
@@ -850,7 +813,7 @@ def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, suppo
                 rollout.completion_ids[i : i + chunk],
                 rollout.completion_mask[i : i + chunk],
                 args.temperature,
-                images=images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
+                images=vision.images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
                 support=support,
             )
             for i in range(0, len(rollout.prompt_ids), chunk)
@@ -884,13 +847,14 @@ def completion_logprobs(
     equal): a forward of the real tokens only, whose (B, L, V) logits are never held at once."""
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P + C)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)  # left padding skipped
+    # positions count real tokens, so that left padding changes nothing (a VLM that builds its own: None)
+    position_ids = None if vision.builds_own_positions(model) else packing.position_ids_from(attention_mask)
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
-        **vision_inputs(model, input_ids, images),
+        **vision.vision_inputs(model, input_ids, images),
     )
     logits = output.logits[:, prompt_ids.shape[1] - 1 : -1].float() / temperature  # (B, C, V)
     logprobs = logits.log_softmax(-1)
@@ -926,6 +890,6 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    sys.excepthook = report_one_line_error  # one line for bad input; a failed run's rescue (RunGuard.on_failure)
-    signal.signal(signal.SIGTERM, Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
-    main(parse_args(Args))
+    sys.excepthook = checkpoints.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
+    signal.signal(signal.SIGTERM, errors.Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
+    main(options.parse_args(Args))

@@ -45,31 +45,7 @@ import tyro
 from rich.console import Console
 from torch.distributed.device_mesh import init_device_mesh
 
-from rloo_utils.checkpoints import (
-    claim_run,
-    report_one_line_error,
-)
-from rloo_utils.data import (
-    left_pad,
-    message_text,
-    prompt_batches,
-    text_prompts,
-)
-from rloo_utils.errors import NonFiniteWeights, Terminated
-from rloo_utils.evaluation import (
-    Evaluator,
-)
-from rloo_utils.logs import (
-    StageTimer,
-    completion_metrics,
-    completion_rows,
-    gather_objects,
-    open_logger,
-    reward_metrics,
-    show_samples,
-    update_metrics,
-)
-from rloo_utils.lora import adapter_disabled, add_adapter, merged_weights
+from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, runs, tools, vision
 from rloo_utils.models import (
     disable_dropout,
     end_token_ids,
@@ -83,19 +59,6 @@ from rloo_utils.models import (
     tokenize_prompts,
     weights_finite,
 )
-from rloo_utils.options import (
-    FeatureOptions,
-    JsonObject,
-    check_args,
-    clip_bounds,
-    lr_scheduler,
-    parse_args,
-)
-from rloo_utils.packing import (
-    last_true_index,
-    padding_free_logprobs,
-    position_ids_from,
-)
 from rloo_utils.processes import (
     agreed,
     all_gather_prompts,
@@ -107,15 +70,8 @@ from rloo_utils.processes import (
     reduce_micro_stats,
     whole,
 )
-from rloo_utils.rewards import (
-    Scorer,
-    TrainerState,
-    check_reward_range,
-    group_std,
-    weighted_reward,
-)
+from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
 from rloo_utils.rollouts import RolloutQueue
-from rloo_utils.runs import Models, plan_run
 from rloo_utils.sharded import (
     empty_model,
     gathered,
@@ -126,8 +82,6 @@ from rloo_utils.sharded import (
     save_sharded_model,
     shard,
 )
-from rloo_utils.tools import MultiTurn, check_tool_template, tool_metrics
-from rloo_utils.vision import builds_own_positions, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
     ImportanceSamplingOptions,
@@ -144,7 +98,7 @@ from rloo_utils.vllm_engine import (
 
 
 @dataclass
-class Args(FeatureOptions, ImportanceSamplingOptions):
+class Args(options.FeatureOptions, ImportanceSamplingOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
 
     # with each group's: the options a resumed run may change (where the server is changes no sample; a test checks that
@@ -169,7 +123,7 @@ class Args(FeatureOptions, ImportanceSamplingOptions):
     # Prompts (the model and the dataset: ModelOptions, DataOptions)
     max_prompt_length: int = 256
     """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
-    chat_template_kwargs: JsonObject = None
+    chat_template_kwargs: options.JsonObject = None
     """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
 
     # Reward
@@ -203,7 +157,7 @@ class Args(FeatureOptions, ImportanceSamplingOptions):
     """min-p sampling: only tokens at least min_p times as likely as the likeliest one (None: off)"""
     repetition_penalty: float = 1.0
     """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
-    generation_kwargs: JsonObject = None
+    generation_kwargs: options.JsonObject = None
     """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
     stop_token_id: Optional[int] = None
     """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
@@ -257,7 +211,7 @@ class Args(FeatureOptions, ImportanceSamplingOptions):
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant", "cosine", "cosine_with_min_lr"] = "linear"
     """learning-rate schedule after warm-up: to 0 linearly or along a half cosine, constant, or cosine to a floor"""
-    lr_scheduler_kwargs: JsonObject = None
+    lr_scheduler_kwargs: options.JsonObject = None
     """the schedule's arguments as JSON (transformers'): '{"min_lr_rate": 0.1}' for cosine_with_min_lr, num_cycles"""
     warmup_steps: float = 0
     """optimizer steps of linear warm-up from 0; below 1, a fraction of all optimizer steps (TRL's warmup_ratio)"""
@@ -334,7 +288,7 @@ def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
     """
     kl_penalty = -beta * kl * mask  # (B, C)
     if token_level:
-        last = last_true_index(mask)  # (B,)
+        last = packing.last_true_index(mask)  # (B,)
         token_rewards = kl_penalty.clone()
         token_rewards[torch.arange(len(last)), last] += scores
         return token_rewards.sum(1), kl_penalty.sum(1)
@@ -560,7 +514,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     if finite:
         optimizer.step()
         if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
-            raise NonFiniteWeights(
+            raise errors.NonFiniteWeights(
                 "an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
                 "their dtype's range): they are not kept; lower --learning_rate"
             )
@@ -584,7 +538,7 @@ class Rollout:
     ended: torch.Tensor  # (B,) whether each completion ended: a stop token came
     num_truncated: int = 0  # how many prompts were cut to --max_prompt_length
     images: Optional[list] = None  # a VLM's prompts: each row's image tensors (images_batch)
-    turns: Optional[MultiTurn] = None  # --tools, --environment: the conversations, their environments, the tool calls
+    turns: Optional[tools.MultiTurn] = None  # --tools, --environment: the conversations, environments, tool calls
     sampling_logprobs: Optional[torch.Tensor] = None  # (B, C) the sampler's own log-probs (vLLM's); HF generate: None
 
     @property
@@ -597,21 +551,21 @@ def main(args: Args) -> None:
     launch_world_size()  # the rendezvous variables, checked before anything waits for the other processes
     rank, world_size, device = init_processes(args.ddp_timeout)
     set_up_cuda(args.tf32)
-    sys.excepthook = report_one_line_error  # init_process_group wrapped it, to put [rank<N>]: before every line
+    sys.excepthook = checkpoints.report_one_line_error  # init_process_group wrapped it, to put [rank<N>]: before lines
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder).
     # Every process runs the checks; a failure on any stops all of them, reported once by rank 0 (`agreed`)
     use_server = args.vllm_server_host is not None or args.vllm_server_base_url is not None
     with agreed():
-        check_args(args, world_size)
+        options.check_args(args, world_size)
         check_vllm_args(args, server=use_server)
         args = resolve_defaults(args)
-        plan = plan_run(args, world_size, sharded=True)  # over all processes
+        plan = runs.plan_run(args, world_size, sharded=True)  # over all processes
         server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     local_batch_size = batch_size // world_size  # the completions each process rolls out
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_dir, output_dir, guard = claim_run(args, plan.checkpoint, plan.training_state, batch_size)
+    run_dir, output_dir, guard = checkpoints.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     seed = (args.seed + 1_000_003 * rank) % 2**32  # each process samples its own completions
     random.seed(seed)
@@ -629,7 +583,7 @@ def main(args: Args) -> None:
         first_prompt = plan.train_dataset[0]["prompt"]
         tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
         if plan.tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
-            check_tool_template(args, tokenizer, first_prompt, plan.image_column)
+            tools.check_tool_template(args, tokenizer, first_prompt, plan.image_column)
         policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(
             policy_class(policy_path),
@@ -654,18 +608,18 @@ def main(args: Args) -> None:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
     if args.use_peft:
-        policy = add_adapter(policy, args)
+        policy = lora.add_adapter(policy, args)
         ref_policy = policy if args.beta > 0 else None
     for model in (policy, ref_policy, reward_model):  # frozen linear layers in bf16 under --bf16, as FSDP gathers them
         frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
     mesh = init_device_mesh(device.type, (world_size,))
     for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
         shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
-    models = Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)
+    models = runs.Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
-    never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+    never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled
     )  # sampling, greedy (the sample tables), the evaluation's
@@ -677,7 +631,7 @@ def main(args: Args) -> None:
     num_optimizer_steps = num_updates * steps_per_update
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = lr_scheduler(optimizer, args, num_optimizer_steps)
+    scheduler = options.lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
     trainer_state = TrainerState(
         max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(plan.train_dataset))
@@ -694,7 +648,7 @@ def main(args: Args) -> None:
     # padding or the (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
     logprobs_of = completion_logprobs
     if args.padding_free:
-        logprobs_of = padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
+        logprobs_of = packing.padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
     local_mini_batch_size = mini_batch_size // world_size
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
@@ -703,8 +657,8 @@ def main(args: Args) -> None:
     sampler = Sampler(args, policy, server, models, plan, stop_ids, eos_ids, device)
     scorer = ShardedScorer(args, models, plan, trainer_state, device, autocast, console)
     with agreed():
-        logger = open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
-    evaluator = Evaluator(args, plan, sampler, scorer, (greedy_config, eval_config), eos_ids, console, logger)
+        logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's go on
+    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
     console.print(
         f"run {os.path.basename(run_dir)}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} "
         f"prompts x {G}) on {world_size} processes ({local_batch_size} each), {num_optimizer_steps} optimizer steps, "
@@ -716,7 +670,7 @@ def main(args: Args) -> None:
     # ---- Training loop -----------------------------------------------------------------------------------------------
     if server is not None:
         probe = tokenize_prompts(
-            tokenizer, text_prompts(plan.train_dataset[:2]["prompt"]), args.max_prompt_length, device
+            tokenizer, data.text_prompts(plan.train_dataset[:2]["prompt"]), args.max_prompt_length, device
         )[:2]
 
         def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast)
@@ -739,12 +693,12 @@ def main(args: Args) -> None:
     progress = guard.start(
         save_weights, stateful, logger, console, num_updates, closing=() if server is None else (server,)
     )
-    batches = prompt_batches(
+    batches = data.prompt_batches(
         plan.train_dataset, prompts_per_rollout, args.seed, progress.update, rank, world_size
     )  # one per update
     rollouts.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
-        timer = StageTimer()
+        timer = logs.StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
                 evaluator.sample_table(progress.episode)
@@ -778,7 +732,7 @@ def main(args: Args) -> None:
                 logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of, support)
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
-            with timer("reference_forward"), adapter_disabled(ref_policy):
+            with timer("reference_forward"), lora.adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (b, C)
             if ref_policy is not policy:
                 reshard(ref_policy)
@@ -833,7 +787,7 @@ def main(args: Args) -> None:
         if args.normalize_reward:
             scores = whiten_nan(scores, eps=1e-8)
         if args.reward_clip_range is not None:
-            scores = scores.clamp(*clip_bounds(args.reward_clip_range))
+            scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:
@@ -901,7 +855,7 @@ def main(args: Args) -> None:
                                 rollout.completion_mask[idx],
                                 args.temperature,
                                 with_entropy=True,
-                                images=images_batch(rollout.images, idx - own_rows, device, policy.dtype),
+                                images=vision.images_batch(rollout.images, idx - own_rows, device, policy.dtype),
                             )  # (b, C)
                         if (
                             on_policy
@@ -957,15 +911,15 @@ def main(args: Args) -> None:
             "eps": progress.episode / (time.time() - progress.start_time),
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
-            **reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
-            **completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # the policy's tokens
-            **(tool_metrics(*tool_calls, batch_size) if rollout.turns else {}),
+            **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
+            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
+            **(tools.tool_metrics(*tool_calls, batch_size) if rollout.turns else {}),
             **(
                 sampling_metrics(trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios)
                 if server is not None
                 else {}
             ),
-            **update_metrics(micro, losses, grad_norms, learning_rates),
+            **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),
@@ -992,15 +946,15 @@ def main(args: Args) -> None:
             metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
         logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
-            rows = completion_rows(
-                [message_text(p) for p in gather_objects(prompts)],
-                gather_objects(completions),
+            rows = logs.completion_rows(
+                [data.message_text(p) for p in logs.gather_objects(prompts)],
+                logs.gather_objects(completions),
                 rewards_per_func,
                 scorer.names,
                 advantages[:, 0],
                 logged_columns,
             )
-            show_samples(console, logger, rows, progress.episode, "completions", args.num_completions_to_print)
+            logs.show_samples(console, logger, rows, progress.episode, "completions", args.num_completions_to_print)
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
         guard.update_done(progress)
     if sample_every:
@@ -1116,7 +1070,9 @@ class Sampler:
                         past_key_values=shared,
                         generation_config=config,
                         synced_gpus=world_size > 1,
-                        **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, device, model.dtype)),
+                        **vision.vision_inputs(
+                            model, prompt_ids[rows], vision.images_batch(images, rows, device, model.dtype)
+                        ),
                     )
                 padding = args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
                 chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=pad_token_id))
@@ -1126,7 +1082,7 @@ class Sampler:
         """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
         far): the ids up to and including the first stop token, at most the row's budget of them, with the server's
         log-probs (None from HF generate). seeds: each row's, for its first turn; a later turn's is drawn from it."""
-        context_ids, context_mask = (t.to(self.device) for t in left_pad(contexts, self.tokenizer.pad_token_id))
+        context_ids, context_mask = (t.to(self.device) for t in data.left_pad(contexts, self.tokenizer.pad_token_id))
         turn_seeds = None if seeds is None else [turn_seed(seeds[row], round_) for row in rows]
         if self.server is not None:
             config = {**config, "max_tokens": max(budgets)}
@@ -1198,7 +1154,7 @@ def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, suppo
                 rollout.completion_ids[i : i + chunk],
                 rollout.completion_mask[i : i + chunk],
                 args.temperature,
-                images=images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
+                images=vision.images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
                 support=support,
             )
             for i in range(0, len(rollout.prompt_ids), chunk)
@@ -1219,7 +1175,7 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     a collective every process goes through while rank 0 sends them: no device holds the whole model. With
     --fsdp_cpu_offload each shard goes from CPU memory to the GPU to be gathered there (NCCL, as torch's own does). In
     the server's dtype (bf16 on a GPU), cast before the gather: half the bytes of fp32 gathered and sent."""
-    return types.SimpleNamespace(items=lambda: merged_weights(policy, gather=whole, dtype=dtype))
+    return types.SimpleNamespace(items=lambda: lora.merged_weights(policy, gather=whole, dtype=dtype))
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
@@ -1286,13 +1242,14 @@ def completion_logprobs(
     equal): a forward of the real tokens only, whose (B, L, V) logits are never held at once."""
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P + C)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    position_ids = None if builds_own_positions(model) else position_ids_from(attention_mask)  # left padding skipped
+    # positions count real tokens, so that left padding changes nothing (a VLM that builds its own: None)
+    position_ids = None if vision.builds_own_positions(model) else packing.position_ids_from(attention_mask)
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
-        **vision_inputs(model, input_ids, images),
+        **vision.vision_inputs(model, input_ids, images),
     )
     logits = output.logits[:, prompt_ids.shape[1] - 1 : -1].float() / temperature  # (B, C, V)
     logprobs = logits.log_softmax(-1)
@@ -1328,6 +1285,6 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    sys.excepthook = report_one_line_error  # one line for bad input; a failed run's rescue (RunGuard.on_failure)
-    signal.signal(signal.SIGTERM, Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
-    main(parse_args(Args))
+    sys.excepthook = checkpoints.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
+    signal.signal(signal.SIGTERM, errors.Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
+    main(options.parse_args(Args))

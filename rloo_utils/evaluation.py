@@ -290,14 +290,14 @@ class Evaluator:
     without it). One for the three scripts: their sampler and scorer do the work; in a run of several processes each
     evaluates its share of the test prompts, and the results are gathered."""
 
-    def __init__(self, args, plan, sampler, scorer, configs, eos_ids, console, logger):
-        """plan: the run's test prompts and metric functions (runs.RunPlan); configs: the sampler's greedy config (the
-        sample tables) and the evaluation's."""
+    def __init__(self, args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger):
+        """plan: the run's test prompts and metric functions (runs.RunPlan); greedy_config: the sampler's for the sample
+        tables, eval_config: the evaluation's."""
         self.args, self.sampler, self.scorer, self.eval_prompts = args, sampler, scorer, plan.eval_prompts
         self.evaluate_after = plan.evaluate_after
         table = (plan.eval_dataset or plan.train_dataset)[: args.num_sample_prompts]  # the test split's, or the train's
         self.table = (table["prompt"], {c: table[c] for c in plan.extra_columns if c in table})  # prompts, columns
-        self.greedy_config, self.eval_config = configs
+        self.greedy_config, self.eval_config = greedy_config, eval_config
         self.metric_funcs, self.metric_names = plan.metric_funcs, plan.metric_names
         self.weights, self.eos_ids, self.console, self.logger = scorer.weights, eos_ids, console, logger
 

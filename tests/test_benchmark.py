@@ -20,6 +20,7 @@ import judge  # noqa: E402
 import plot  # noqa: E402
 from rloo_utils.vllm_engine import check_vllm_args  # noqa: E402
 from rloo_utils.models import disable_dropout, tokenize_prompts  # noqa: E402
+from rloo_utils import options
 
 LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
 PLOT = os.path.join(ROOT, "benchmark", "plot.py")
@@ -720,8 +721,8 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
         script = next(w for w in command if w.endswith(".py"))
         module = __import__(script[:-3])
         monkeypatch.setattr(sys, "argv", [script, *command[command.index(script) + 1 :]])
-        args = module.parse_args(module.Args)
-        module.check_args(args)
+        args = options.parse_args(module.Args)
+        options.check_args(args)
         assert args.seed == int(command[-1])
 
 
@@ -762,7 +763,7 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
     for command in commands:
         module = __import__(command[1][:-3])
         monkeypatch.setattr(sys, "argv", command[1:])
-        module.check_args(module.parse_args(module.Args))
+        options.check_args(options.parse_args(module.Args))
         assert [command[i + 1] for i, w in enumerate(command) if w == "--model_name_or_path"] == [f"{out}/tiny/policy"]
     check_tiny_task_and_no_reuse(proc, out)
 
@@ -787,8 +788,8 @@ def test_the_async_experiment_runs_commands_rloo_vllm_accepts(tmp_path, monkeypa
     rloo_vllm = __import__("rloo_vllm")
     for command in commands:
         monkeypatch.setattr(sys, "argv", command[1:])
-        args = rloo_vllm.parse_args(rloo_vllm.Args)
-        rloo_vllm.check_args(args)
+        args = options.parse_args(rloo_vllm.Args)
+        options.check_args(args)
         check_vllm_args(args, server=True)
         assert args.vllm_mode == "server" and args.model_name_or_path == f"{out}/tiny/policy"
     check_tiny_task_and_no_reuse(proc, out)

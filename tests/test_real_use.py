@@ -21,6 +21,7 @@ from rloo_utils.vllm_engine import (
     nccl_sender_parts,
     sampling_options,
 )  # noqa: E402
+from rloo_utils import options
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 
@@ -369,7 +370,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
     monkeypatch.setattr(sys, "argv", ["rloo_vllm.py", *argv])
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        rloo_vllm.main(rloo_vllm.parse_args(rloo_vllm.Args))
+        rloo_vllm.main(options.parse_args(rloo_vllm.Args))
     finally:
         for s, handler in handlers.items():  # the run's Ctrl-C handling ends with it
             signal.signal(s, handler)

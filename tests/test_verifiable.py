@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT, check_one_line_error, run_env, run_rloo, write_jsonl
 from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, load_reward_func
 from rloo_utils.verifiable import REWARD_FUNCS, answer_accuracy, gsm8k_accuracy, number_only
+from rloo_utils import options
 
 ARITHMETIC = os.path.join(ROOT, "data", "arithmetic")
 
@@ -213,8 +214,8 @@ def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch
     import rloo_vllm
 
     monkeypatch.setattr(sys, "argv", commands[0][1:])
-    args = rloo_vllm.parse_args(rloo_vllm.Args)
-    rloo_vllm.check_args(args)
+    args = options.parse_args(rloo_vllm.Args)
+    options.check_args(args)
     assert (args.model_name_or_path, args.reward_funcs, args.dataset_name) == (
         "Qwen/Qwen2.5-0.5B-Instruct",
         ["gsm8k_accuracy"],
@@ -223,7 +224,7 @@ def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch
     rollout = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     assert rollout // args.num_generations == 256 and args.num_mini_batches == 4 and args.total_episodes == 2048
     monkeypatch.setattr(sys, "argv", [*commands[0][1:-4], "--seed", "1"])  # without EXTRA: the published length
-    args = rloo_vllm.parse_args(rloo_vllm.Args)
+    args = options.parse_args(rloo_vllm.Args)
     assert args.total_episodes // rollout == 435
 
 
