@@ -749,34 +749,22 @@ def main(args: Args) -> None:
         # those of one process holding every row; each process then updates on its own rows, from own_rows on.
         # The rollout's images and multi-turn record stay this process's own.
         prompt_ids, prompt_mask = all_gather_prompts(rollout.prompt_ids, rollout.prompt_mask, tokenizer.pad_token_id)
-        completion_ids, completion_mask, tool_mask, ended, old_logprobs, rewards_per_func = (
-            gather_rows(t)
-            for t in (
-                rollout.completion_ids,
-                rollout.completion_mask,
-                rollout.tool_mask,
-                rollout.ended,
-                old_logprobs,
-                rewards_per_func,
-            )
-        )  # (B, C), (B, C), (B, C), (B,), (B, C), (B, F)
-        ref_logprobs = gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
-        sampling_logprobs = gather_rows(rollout.sampling_logprobs) if server is not None else None  # (B, C)
-        trainer_sampling_logprobs = gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
-        num_truncated = int(all_reduce(torch.tensor(rollout.num_truncated)))
-        tool_calls = (
-            all_reduce(torch.tensor([rollout.turns.calls, rollout.turns.failures])).tolist() if rollout.turns else None
-        )
         rollout = replace(
             rollout,
             prompt_ids=prompt_ids,  # (B, P)
             prompt_mask=prompt_mask,
-            completion_ids=completion_ids,  # (B, C)
-            completion_mask=completion_mask,
-            tool_mask=tool_mask,
-            ended=ended,  # (B,)
-            num_truncated=num_truncated,
-            sampling_logprobs=sampling_logprobs,
+            **{
+                name: gather_rows(getattr(rollout, name)) for name in ["completion_ids", "completion_mask", "tool_mask"]
+            },
+            ended=gather_rows(rollout.ended),  # (B,)
+            num_truncated=int(all_reduce(torch.tensor(rollout.num_truncated))),
+            sampling_logprobs=gather_rows(rollout.sampling_logprobs) if server is not None else None,  # (B, C)
+        )
+        old_logprobs, rewards_per_func = gather_rows(old_logprobs), gather_rows(rewards_per_func)  # (B, C), (B, F)
+        ref_logprobs = gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
+        trainer_sampling_logprobs = gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
+        tool_calls = (
+            all_reduce(torch.tensor([rollout.turns.calls, rollout.turns.failures])).tolist() if rollout.turns else None
         )
         mask = rollout.policy_mask  # (B, C)
         scores = weighted_reward(rewards_per_func, scorer.weights)  # (B,)
@@ -809,22 +797,14 @@ def main(args: Args) -> None:
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
         loss_advantages, is_weights, is_ratios = advantages, None, None
         if is_correction:
-            is_ratios = importance_sampling_weights(
-                trainer_sampling_logprobs,
-                rollout.sampling_logprobs,
-                mask,
-                args.vllm_importance_sampling_mode,
-                None,
-                None,
-            )  # before the bounds: what they truncate or mask is logged
-            is_weights = importance_sampling_weights(
-                trainer_sampling_logprobs,
-                rollout.sampling_logprobs,
-                mask,
-                args.vllm_importance_sampling_mode,
-                args.vllm_importance_sampling_clip_min,
-                args.vllm_importance_sampling_clip_max,
-            )  # (B, 1) or (B, C)
+            bounds = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+            # the ratios before the bounds (what the bounds cut is logged), and the (B, 1) or (B, C) weights
+            is_ratios, is_weights = (
+                importance_sampling_weights(
+                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, args.vllm_importance_sampling_mode, *b
+                )
+                for b in [(None, None), bounds]
+            )
             loss_advantages = advantages * is_weights
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps

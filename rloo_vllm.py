@@ -640,22 +640,14 @@ def main(args: Args) -> None:
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
         loss_advantages, is_weights, is_ratios = advantages, None, None
         if args.vllm_importance_sampling_correction:
-            is_ratios = importance_sampling_weights(
-                trainer_sampling_logprobs,
-                rollout.sampling_logprobs,
-                mask,
-                args.vllm_importance_sampling_mode,
-                None,
-                None,
-            )  # before the bounds: what they truncate or mask is logged
-            is_weights = importance_sampling_weights(
-                trainer_sampling_logprobs,
-                rollout.sampling_logprobs,
-                mask,
-                args.vllm_importance_sampling_mode,
-                args.vllm_importance_sampling_clip_min,
-                args.vllm_importance_sampling_clip_max,
-            )  # (B, 1) or (B, C)
+            bounds = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+            # the ratios before the bounds (what the bounds cut is logged), and the (B, 1) or (B, C) weights
+            is_ratios, is_weights = (
+                importance_sampling_weights(
+                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, args.vllm_importance_sampling_mode, *b
+                )
+                for b in [(None, None), bounds]
+            )
             loss_advantages = advantages * is_weights
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
