@@ -6,9 +6,11 @@ clipped surrogate (Schulman et al. 2017), the whole completion being a single ac
 RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO, SAPO) are one flag away:
 --advantage_estimator, --loss_type.
 
-Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
-of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
-of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils/.
+Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, the
+Rollout, main() (set-up in a few calls, then the training loop, one stage of an update after the other), then the
+seams the loop calls: the Sampler (prompts to a rollout), the log-probs of a rollout and completion_logprobs, their
+definition. What a reader of the algorithm never needs (checks, the set-up, scoring, evaluation, run folders,
+checkpoints and resume, logging) is in rloo_utils/, called by its module's name: logs.update_metrics(...).
 
     python rloo.py --help        # every option, its default and what it does
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU
@@ -29,7 +31,6 @@ from typing import Annotated, Callable, ClassVar, Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
@@ -536,9 +537,8 @@ def main(args: Args) -> None:
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
                 evaluator.sample_table(progress.episode)
-        if (
-            progress.update in plan.evaluate_after
-        ):  # the policy so far on the held-out prompts (update 0: before training)
+        # the policy so far on the held-out prompts (update 0: before training)
+        if progress.update in plan.evaluate_after:
             evaluator.evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
@@ -549,8 +549,7 @@ def main(args: Args) -> None:
         with timer("generation"):
             rollout = sampler.sample(prompts, columns, generation_config)  # (B, P) prompts, (B, C) completions
         mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
-        # log pi_old: a forward of its own only when the KL or a later minibatch needs it; else the update's forward
-        # fills it
+        # log pi_old: a forward of its own only for the KL or a later minibatch; else the update's forward fills it
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         if not ratio_is_one or ref_policy is not None:
             with timer("old_logprobs"):
@@ -618,9 +617,8 @@ def main(args: Args) -> None:
                                 with_entropy=True,
                                 images=vision.images_batch(rollout.images, idx, device, policy.dtype),
                             )  # (b, C)
-                        if (
-                            on_policy
-                        ):  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                        # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                        if on_policy:
                             old_logprobs[idx] = logprobs.detach()
                         loss, loss_stats = policy_loss(
                             args,

@@ -13,9 +13,11 @@ the loss of each process is its share of the global loss, and FSDP sums the grad
 Generation is HF generate on the sharded policy, or rloo_vllm.py's vLLM server (--vllm_server_host), to which the
 processes push the policy after every update, gathered one tensor at a time.
 
-Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
-of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
-of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils/.
+Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, the
+Rollout, main() (set-up in a few calls, then the training loop, one stage of an update after the other), then the
+seams the loop calls: the Sampler (prompts to a rollout), the log-probs of a rollout and completion_logprobs, their
+definition. What a reader of the algorithm never needs (checks, the set-up, scoring, evaluation, run folders,
+checkpoints and resume, logging) is in rloo_utils/, called by its module's name: logs.update_metrics(...).
 
     python rloo_multigpu.py --help                            # every option; batch sizes are per process
     torchrun --nproc_per_node 2 rloo_multigpu.py              # the embedded default on 2 processes
@@ -40,7 +42,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 from torch.distributed.device_mesh import init_device_mesh
@@ -702,9 +703,8 @@ def main(args: Args) -> None:
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
                 evaluator.sample_table(progress.episode)
-        if (
-            progress.update in plan.evaluate_after
-        ):  # the policy so far on the held-out prompts (update 0: before training)
+        # the policy so far on the held-out prompts (update 0: before training)
+        if progress.update in plan.evaluate_after:
             evaluator.evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
@@ -837,9 +837,8 @@ def main(args: Args) -> None:
                                 with_entropy=True,
                                 images=vision.images_batch(rollout.images, idx - own_rows, device, policy.dtype),
                             )  # (b, C)
-                        if (
-                            on_policy
-                        ):  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                        # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                        if on_policy:
                             old_logprobs[idx] = logprobs.detach()
                         loss, loss_stats = policy_loss(
                             args,

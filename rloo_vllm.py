@@ -12,9 +12,11 @@ log-probs, as in rloo.py; vLLM's own log-probs measure the sampler-trainer misma
 With a server, --max_staleness N overlaps generation and training: the server samples the next rollouts from weights at
 most N updates old while the trainer updates, the same correction making up for their age.
 
-Read it in order: Args (every option), the estimators and losses, main() (set-up, then the training loop, one stage
-of an update after the other), then what the loop calls: tokens, log-probabilities, rewards, metrics. What a reader
-of the algorithm never needs (checks, run folders, checkpoints and resume, logging) is in rloo_utils/.
+Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, the
+Rollout, main() (set-up in a few calls, then the training loop, one stage of an update after the other), then the
+seams the loop calls: the Sampler (prompts to a rollout), the log-probs of a rollout and completion_logprobs, their
+definition. What a reader of the algorithm never needs (checks, the set-up, scoring, evaluation, run folders,
+checkpoints and resume, logging) is in rloo_utils/, called by its module's name: logs.update_metrics(...).
 
     python rloo_vllm.py --help   # every option, its default and what it does
     python rloo_vllm.py          # the embedded default, as rloo.py's, with vLLM sampling
@@ -34,7 +36,6 @@ from typing import Annotated, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
-import torch.utils.checkpoint
 import tyro
 from rich.console import Console
 
@@ -571,9 +572,8 @@ def main(args: Args) -> None:
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
             with timer("sample_table"):
                 evaluator.sample_table(progress.episode)
-        if (
-            progress.update in plan.evaluate_after
-        ):  # the policy so far on the held-out prompts (update 0: before training)
+        # the policy so far on the held-out prompts (update 0: before training)
+        if progress.update in plan.evaluate_after:
             evaluator.evaluate(progress.update, progress.episode)
         update_start = time.perf_counter()
 
@@ -677,9 +677,8 @@ def main(args: Args) -> None:
                                 with_entropy=True,
                                 images=vision.images_batch(rollout.images, idx, device, policy.dtype),
                             )  # (b, C)
-                        if (
-                            on_policy
-                        ):  # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                        # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
+                        if on_policy:
                             old_logprobs[idx] = logprobs.detach()
                         loss, loss_stats = policy_loss(
                             args,
