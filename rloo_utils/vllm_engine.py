@@ -881,3 +881,32 @@ def check_engine(
                 f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's "
                 f"by {float(gap):.3g} per token (at most {tolerance} expected); {cause}"
             )
+
+
+def sampling_metrics(
+    old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor], ratios: Optional[torch.Tensor]
+) -> dict:
+    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range; the
+    sampler-trainer KL(pi_vllm || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer /
+    pi_vllm) on vLLM's samples; the share of the importance ratios (`ratios`, before the bounds) that the bounds
+    truncated or masked."""
+    real = mask.bool()
+    log_ratio = (old_logprobs - sampling_logprobs)[real]
+    gap = log_ratio.abs()
+    metrics = {
+        "sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
+        "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0,
+        "sampling/kl": float((log_ratio.exp() - 1 - log_ratio).mean()) if real.any() else 0.0,
+    }
+    if weights is not None:
+        per_unit = (lambda x: x.flatten()) if weights.shape[1] == 1 else (lambda x: x[real])  # completions or tokens
+        flat, unbounded = per_unit(weights), per_unit(ratios)
+        metrics.update(
+            {
+                f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
+                for name in ("min", "mean", "max")
+            }
+        )
+        clipped = (flat != unbounded).float()
+        metrics["sampling/importance_sampling_ratio/clipped_fraction"] = float(clipped.mean()) if len(flat) else 0.0
+    return metrics

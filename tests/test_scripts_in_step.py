@@ -160,7 +160,6 @@ ADDED = {
         "Sampler.background_outputs": "the rollout queue: an update's completions made ahead, in its thread",
         "weights_for_vllm": "weight sync: the policy's weights as vLLM loads them",
         "importance_sampling_weights": "the off-policy correction of vLLM's samples (truncated importance sampling)",
-        "sampling_metrics": "how far vLLM's log-probs are from the trainer's",
     },
     "rloo_multigpu.py": {
         "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples, this process's share",
@@ -168,7 +167,6 @@ ADDED = {
         "ShardedScorer": "the reward model's FSDP units resharded after its forward",
         "weights_for_vllm": "weight sync with a vLLM server: the shards gathered one tensor at a time",
         "importance_sampling_weights": "the off-policy correction of a vLLM server's samples",
-        "sampling_metrics": "how far a vLLM server's log-probs are from the trainer's",
     },
 }
 
