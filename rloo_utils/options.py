@@ -58,15 +58,19 @@ class FeatureOptions(
 
 
 def option_groups(args_class) -> list[type]:
-    """The groups of options (dataclasses of rloo_utils' modules) a script's Args is made of, beside its own: the
-    classes it derives from that declare options."""
-    return [c for c in args_class.__mro__[1:] if is_dataclass(c) and vars(c).get("__annotations__")]
+    """The groups of options a script's Args is made of, beside its own: the dataclasses of rloo_utils' modules it
+    derives from that declare options (a fork's Args, derived from a script's, has the script's as its own)."""
+    return [
+        c
+        for c in args_class.__mro__
+        if is_dataclass(c) and c.__module__.startswith("rloo_utils.") and vars(c).get("__annotations__")
+    ]
 
 
 def resumable_options(args_class) -> set[str]:
     """The options a resumed run may change, none of which alters what it computes: the RESUMABLE of the script's Args
-    and of each of its groups."""
-    return set().union(*(vars(c).get("RESUMABLE", ()) for c in [args_class, *option_groups(args_class)]))
+    and of each of its groups (and of a fork's Args)."""
+    return set().union(*(vars(c).get("RESUMABLE", ()) for c in args_class.__mro__))
 
 
 def in_sections(args_class):

@@ -307,3 +307,30 @@ def test_help_shows_each_group_of_options_in_its_section_and_every_flag_keeps_it
     assert type(parsed) is module.Args
     assert parsed == tyro.cli(module.Args, args=argv, use_underscores=True)
     assert (parsed.use_peft, parsed.lora_r, parsed.num_generations, parsed.normalize_advantages) == (True, 4, 3, True)
+
+
+def test_a_fork_s_args_derived_from_a_script_s_parse_with_the_fork_s_defaults_and_options(monkeypatch):
+    """A fork may derive its Args from rloo.py's, give a group's option another default and add one of its own: the
+    groups are still rloo_utils' (the script's Args counting as the fork's own options), the command line parses to
+    the fork's Args, and what a resumed run may change is still the script's."""
+    import sys
+    from dataclasses import dataclass
+
+    import rloo
+    from rloo_utils.options import option_groups, parse_args, resumable_options
+
+    @dataclass
+    class Args(rloo.Args):
+        eval_steps: float = 3.0
+        """a fork's own default"""
+        my_option: int = 7
+        """a fork's own option"""
+
+    assert option_groups(Args) == option_groups(rloo.Args)
+    assert resumable_options(Args) == resumable_options(rloo.Args) and "reward_timeout" in resumable_options(Args)
+    monkeypatch.setattr(sys, "argv", ["fork.py", "--my_option", "8"])
+    parsed = parse_args(Args)
+    assert type(parsed) is Args and (parsed.eval_steps, parsed.my_option) == (3.0, 8)
+    monkeypatch.setattr(sys, "argv", ["fork.py", "--eval_steps", "5", "--rloo_k", "3"])
+    parsed = parse_args(Args)
+    assert (parsed.eval_steps, parsed.num_generations, parsed.my_option) == (5.0, 3, 7)
