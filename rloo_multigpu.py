@@ -84,7 +84,6 @@ from rloo_utils.sharded import (
     shard,
 )
 from rloo_utils.vllm_engine import (
-    sampling_metrics,
     SHARED_SERVER,
     ImportanceSamplingOptions,
     VLLMServer,
@@ -93,6 +92,7 @@ from rloo_utils.vllm_engine import (
     pad_completions,
     sampler_support,
     sampling_configs,
+    sampling_metrics,
     sampling_seeds,
     turn_seed,
     unpadded,
@@ -1147,7 +1147,7 @@ def save_policy(folder: str, policy, optimizer) -> None:
     save_sharded_checkpoint(folder, policy, optimizer)
 
 
-# ---- The vLLM server of rloo_vllm.py: sampling, weight sync, and the sampler-trainer mismatch ------------------------
+# ---- The vLLM server of rloo_vllm.py: weight sync, and the off-policy correction of its samples ----------------------
 def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA

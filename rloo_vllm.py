@@ -44,7 +44,6 @@ from rloo_utils.models import end_token_ids, set_up_cuda, tokenize_prompts, weig
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
 from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.vllm_engine import (
-    sampling_metrics,
     SHARED_SERVER,
     ColocatedVLLM,
     ImportanceSamplingOptions,
@@ -55,6 +54,7 @@ from rloo_utils.vllm_engine import (
     pad_completions,
     sampler_support,
     sampling_configs,
+    sampling_metrics,
     sampling_seeds,
     turn_seed,
     unpadded,
@@ -920,7 +920,7 @@ def save_policy(folder: str, policy, tokenizer) -> None:
     tokenizer.save_pretrained(os.path.join(folder, "policy"))
 
 
-# ---- vLLM: the engine (in this process, or a server), sampling, weight sync, and the sampler-trainer mismatch --------
+# ---- vLLM: weight sync, and the off-policy correction of its samples (the engine: rloo_utils/vllm_engine.py) ---------
 def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
