@@ -13,11 +13,12 @@ the loss of each process is its share of the global loss, and FSDP sums the grad
 Generation is HF generate on the sharded policy, or rloo_vllm.py's vLLM server (--vllm_server_host), to which the
 processes push the policy after every update, gathered one tensor at a time.
 
-Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, the
-Rollout, main() (set-up in a few calls, then the training loop, one stage of an update after the other), then the
-seams the loop calls: the Sampler (prompts to a rollout), the log-probs of a rollout and completion_logprobs, their
-definition. What a reader of the algorithm never needs (checks, the set-up, scoring, evaluation, run folders,
-checkpoints and resume, logging) is in rloo_utils/, called by its module's name: logs.update_metrics(...).
+Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, main()
+(set-up in a few calls, then the training loop, one stage of an update after the other), then the seams the loop calls:
+the Sampler (how prompts are completed; a rollout, the value it gives, is in rloo_utils/rollouts.py), the log-probs of
+a rollout and completion_logprobs, their definition. What a reader of the algorithm never needs (checks, the set-up,
+scoring, evaluation, run folders, checkpoints and resume, logging) is in rloo_utils/, called by its module's name:
+logs.update_metrics(...).
 
     python rloo_multigpu.py --help                            # every option; batch sizes are per process
     torchrun --nproc_per_node 2 rloo_multigpu.py              # the embedded default on 2 processes
@@ -36,7 +37,7 @@ import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Annotated, Callable, ClassVar, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -44,17 +45,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from rich.console import Console
-from torch.distributed.device_mesh import init_device_mesh
 
-from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, runs, tools, vision
+from rloo_utils import (
+    checkpoints,
+    data,
+    errors,
+    evaluation,
+    logs,
+    lora,
+    options,
+    packing,
+    rollouts,
+    runs,
+    vision,
+)
 from rloo_utils.models import (
-    disable_dropout,
     end_token_ids,
-    frozen_linear_weights_to,
     generation_configs,
-    load_tokenizers,
-    model_dtype,
-    policy_class,
     set_up_cuda,
     shared_prompt_cache,
     tokenize_prompts,
@@ -72,20 +79,19 @@ from rloo_utils.processes import (
     whole,
 )
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
-from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.sharded import (
-    empty_model,
+    ShardingOptions,
     gathered,
     load_sharded_checkpoint,
-    load_sharded_reward_model,
+    load_sharded_models,
     reshard,
     save_sharded_checkpoint,
     save_sharded_model,
-    shard,
 )
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
     ImportanceSamplingOptions,
+    ServerOptions,
     VLLMServer,
     check_engine,
     check_vllm_args,
@@ -94,27 +100,13 @@ from rloo_utils.vllm_engine import (
     sampling_configs,
     sampling_metrics,
     sampling_seeds,
-    turn_seed,
     unpadded,
 )
 
 
 @dataclass
-class Args(options.FeatureOptions, ImportanceSamplingOptions):
+class Args(options.FeatureOptions, ShardingOptions, ServerOptions, ImportanceSamplingOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
-
-    # with each group's: the options a resumed run may change (where the server is changes no sample; a test checks that
-    # gathered generation samples what sharded generation does)
-    RESUMABLE: ClassVar = {
-        "reward_timeout",
-        "ddp_timeout",
-        "vllm_server_base_url",
-        "vllm_server_host",
-        "vllm_server_port",
-        "vllm_server_timeout",
-        "vllm_server_weight_transfer",
-        "gather_for_generation",
-    }
 
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -122,21 +114,7 @@ class Args(options.FeatureOptions, ImportanceSamplingOptions):
     seed: int = 1
     """seed of python, numpy and torch"""
 
-    # Prompts (the model and the dataset: ModelOptions, DataOptions)
-    max_prompt_length: int = 256
-    """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
-    chat_template_kwargs: options.JsonObject = None
-    """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
-
-    # Reward
-    reward_model_path: Optional[str] = None
-    """a sequence classification model (num_labels=1), read at the last real token"""
-    reward_funcs: Optional[list[str]] = None
-    """built-in names, `module:function` or `file.py:function`; None: vader_sentiment without a reward model"""
-    reward_weights: Optional[list[float]] = None
-    """one weight per reward source, the reward model first; None: all 1.0"""
-    reward_timeout: Optional[float] = None
-    """seconds a reward function's call may take; past it the run stops with a checkpoint; None: no limit"""
+    # Reward (where the score comes from: RewardSourceOptions)
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of a completion that did not stop by itself ("EOS trick")"""
     normalize_reward: bool = False
@@ -144,27 +122,13 @@ class Args(options.FeatureOptions, ImportanceSamplingOptions):
     reward_clip_range: Optional[list[float]] = None
     """clip scores to [lo, hi] (two numbers) or [-c, c] (one number), after normalize_reward"""
 
-    # Generation
+    # Generation (the prompts, and the sampler's filters and stop tokens: GenerationOptions)
     num_generations: Annotated[int, tyro.conf.arg(aliases=("--rloo_k",))] = 4
     """completions per prompt (G, the RLOO k); at least 2"""
     max_completion_length: Annotated[int, tyro.conf.arg(aliases=("--response_length",))] = 32
     """maximum number of generated tokens per completion"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed on logits / temperature"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    top_k: int = 0
-    """top-k sampling (0: off)"""
-    min_p: Optional[float] = None
-    """min-p sampling: only tokens at least min_p times as likely as the likeliest one (None: off)"""
-    repetition_penalty: float = 1.0
-    """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
-    generation_kwargs: options.JsonObject = None
-    """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
-    stop_token_id: Optional[int] = None
-    """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
-    ignore_eos: bool = False
-    """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
 
@@ -221,30 +185,6 @@ class Args(options.FeatureOptions, ImportanceSamplingOptions):
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / no-grad forward chunk during the rollout, on each process"""
-    padding_free: bool = True
-    """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
-    gather_for_generation: bool = True
-    """gather the whole policy on every process while it generates (old TRL's ds3_gather_...)"""
-    fsdp_cpu_offload: bool = False
-    """keep the shards, gradients and optimizer state in CPU memory between uses (slower, less GPU memory)"""
-    ddp_timeout: int = 1800
-    """seconds a process waits for the others at a collective before the run fails (a process that died or hangs)"""
-
-    # vLLM server (rloo_vllm.py's server mode; docs/vllm.md: the command that starts it)
-    vllm_server_host: Optional[str] = None
-    """generate with the vLLM server at this host instead of HF generate; None: no server"""
-    vllm_server_port: int = 8000
-    """(server) port of the vLLM server"""
-    vllm_server_base_url: Optional[str] = None
-    """(server) e.g. http://10.0.0.2:8000, instead of --vllm_server_host and --vllm_server_port"""
-    vllm_server_timeout: float = 240.0
-    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
-    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
-    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
-    max_staleness: int = 0
-    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
 
 
 def resolve_defaults(args: Args) -> Args:
@@ -459,7 +399,7 @@ def aggregate_loss(
 
 def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens):
     """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it; and its
-    statistics: clip_statistics over the units of its clip, the sum of the token ratios, the loss's own."""
+    statistics: logs.clip_statistics over the units of its clip, the sum of the token ratios, the loss's own."""
     losses, log_ratio, own_stats = LOSSES[args.loss_type][0](logprobs, old_logprobs, advantages, mask, args)
     if losses.dim() == 1:  # one per completion
         loss = (losses * in_loss).sum() / mini_batch_size
@@ -475,34 +415,10 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
     per_token = log_ratio.dim() == 2  # the clip's units: tokens, or completions
     units = mask if per_token else torch.ones_like(in_loss, dtype=mask.dtype)
     unit_advantages = advantages if per_token else advantages[:, 0]
-    stats = clip_statistics(log_ratio, unit_advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
+    stats = logs.clip_statistics(log_ratio, unit_advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
     stats["token_ratio"] = ((logprobs.detach() - old_logprobs).exp() * mask).sum()
     stats.update({name: (values * units).sum() for name, values in own_stats.items()})
     return loss, stats
-
-
-def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
-    """Units whose ratio left [1 - eps_low, 1 + eps_high] on the side its advantage pushes it (low: A < 0, high: A > 0):
-    where PPO's clip cuts the gradient. The same definition for every loss, so clip fractions compare across them."""
-    return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
-
-
-def clip_statistics(log_ratio, advantages, units, epsilon_low: float, epsilon_high: float, dual_clip=None) -> dict:
-    """Sums over the real units of a micro-batch's loss (tokens, or completions; units 1 for a real one), and whether
-    all or any were clipped (TRL 1.16's min and max over the units): update_metrics makes the clip fractions of them."""
-    ratio, real = log_ratio.exp(), units.bool()
-    low, high = clipped_units(ratio, advantages, epsilon_low, epsilon_high)
-    stats = {
-        "units": units.sum(),
-        "approxkl": (0.5 * log_ratio.square() * units).sum(),
-        "clipped_low": (low * units).sum(),
-        "clipped_high": (high * units).sum(),
-        "low_min": (low | ~real).all(),
-        "high_max": (high & real).any(),
-    }
-    if dual_clip is not None:  # units whose loss the dual clip capped
-        stats["dual_clipped"] = (((ratio > dual_clip) & (advantages < 0)) * units).sum()
-    return stats
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -524,31 +440,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     return grad_norm, finite
 
 
-# ---- A rollout, then main(): set-up and the training loop -----------------------------------------------------------
-@dataclass
-class Rollout:
-    """The completions of some prompts, sampled by the policy (Sampler.sample): the B rows of an update (each prompt's G
-    completions adjacent, so group g is rows [g*G, (g+1)*G)), a sample table's, or a chunk of an evaluation's."""
-
-    prompts: list  # (B,) as the dataset holds them: strings, or chat messages
-    columns: dict  # the dataset's other columns, B values each: what reward functions get besides the completions
-    prompt_ids: torch.Tensor  # (B, P) left-padded
-    prompt_mask: torch.Tensor  # (B, P)
-    completion_ids: torch.Tensor  # (B, C) padded with the pad token to --max_completion_length
-    completion_mask: torch.Tensor  # (B, C) 1 up to and including the stop token
-    tool_mask: torch.Tensor  # (B, C) 1 on the tools' results between the model's turns (multi-turn rollouts)
-    ended: torch.Tensor  # (B,) whether each completion ended: a stop token came
-    num_truncated: int = 0  # how many prompts were cut to --max_prompt_length
-    images: Optional[list] = None  # a VLM's prompts: each row's image tensors (images_batch)
-    turns: Optional[tools.MultiTurn] = None  # --tools, --environment: the conversations, environments, tool calls
-    sampling_logprobs: Optional[torch.Tensor] = None  # (B, C) the sampler's own log-probs (vLLM's); HF generate: None
-
-    @property
-    def policy_mask(self) -> torch.Tensor:
-        """(B, C) the tokens the policy chose (not the tools' results): only they enter the loss and the KL."""
-        return (self.completion_mask * (1 - self.tool_mask)).float()
-
-
+# ---- main(): set-up and the training loop ----------------------------------------------------------------------------
 def main(args: Args) -> None:
     launch_world_size()  # the rendezvous variables, checked before anything waits for the other processes
     rank, world_size, device = init_processes(args.ddp_timeout)
@@ -576,48 +468,10 @@ def main(args: Args) -> None:
     autocast = contextlib.nullcontext  # bf16 is FSDP's mixed precision (shard)
     console = Console(quiet=rank != 0)
 
-    # Every process builds the models on the meta device (no memory) and shards them; each then reads only its shards of
-    # the weights (load_shards), so that no process holds a whole model. The reference is the initial policy, frozen,
-    # needed only for the KL penalty, sharded as the policy is (with --bf16 both compute in bf16, its frozen linear
-    # layers held so), so that the KL is exactly 0 before training; with --use_peft the policy, adapter disabled. A
-    # resumed policy's weights (with --use_peft its adapter's) come from its checkpoint.
-    with agreed():
-        first_prompt = plan.train_dataset[0]["prompt"]
-        tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
-        if plan.tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
-            tools.check_tool_template(args, tokenizer, first_prompt, plan.image_column)
-        policy_path = args.sft_model_path or args.model_name_or_path
-        policy = empty_model(
-            policy_class(policy_path),
-            policy_path,
-            model_dtype(args.dtype, policy_path),
-            weights=plan.checkpoint is None or args.use_peft,  # (a LoRA checkpoint holds the adapter only)
-            attn_implementation=args.attn_implementation,
-        )
-        ref_policy = (
-            empty_model(
-                policy_class(policy_path),
-                policy_path,
-                model_dtype(args.dtype, policy_path),
-                attn_implementation=args.attn_implementation,
-            ).requires_grad_(False)
-            if args.beta > 0 and not args.use_peft
-            else None
-        )  # only the policy learns
-        reward_model = load_sharded_reward_model(args.reward_model_path) if args.reward_model_path else None
-    disable_dropout(policy)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        policy.config.use_cache = False
-    if args.use_peft:
-        policy = lora.add_adapter(policy, args)
-        ref_policy = policy if args.beta > 0 else None
-    for model in (policy, ref_policy, reward_model):  # frozen linear layers in bf16 under --bf16, as FSDP gathers them
-        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
-    mesh = init_device_mesh(device.type, (world_size,))
-    for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
-        shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
-    models = runs.Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)
+    # The policy, its reference for the KL, the reward model: each process holds its shards of them (FSDP2), read from
+    # the files without any process holding a whole model (rloo_utils/sharded.py)
+    models = load_sharded_models(args, plan, device, world_size)
+    policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
@@ -661,12 +515,7 @@ def main(args: Args) -> None:
     with agreed():
         logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
-    console.print(
-        f"run {os.path.basename(run_dir)}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} "
-        f"prompts x {G}) on {world_size} processes ({local_batch_size} each), {num_optimizer_steps} optimizer steps, "
-        f"device {device.type} ({'bf16' if args.bf16 else 'fp32'} compute; --no_bf16 / --bf16 to change), logs in "
-        f"{run_dir}" + (f"; resumed from {plan.checkpoint}" if plan.checkpoint else "")
-    )
+    console.print(runs.first_line(args, plan, run_dir, device, world_size))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -689,16 +538,16 @@ def main(args: Args) -> None:
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
     # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
     # (rloo_utils/rollouts.py: which weights sample which rollout, and what a checkpoint keeps of them)
-    rollouts = RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
-    stateful = {"scheduler": scheduler, "rollouts": rollouts}
-    save_weights = functools.partial(save_policy, policy=policy, optimizer=optimizer)
+    queue = rollouts.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
+    stateful = {"scheduler": scheduler, "rollouts": queue}
+    save_weights = functools.partial(save_sharded_checkpoint, policy=policy, optimizer=optimizer)  # each its shards
     progress = guard.start(
         save_weights, stateful, logger, console, num_updates, closing=() if server is None else (server,)
     )
     batches = data.prompt_batches(
         plan.train_dataset, prompts_per_rollout, args.seed, progress.update, rank, world_size
     )  # one per update
-    rollouts.start(progress.update, functools.partial(sampler.request, batches, generation_config))
+    queue.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
         timer = logs.StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
@@ -713,7 +562,7 @@ def main(args: Args) -> None:
         # --max_staleness up to N updates older (generated while earlier updates trained); HF generate: the policy's
         with timer("generation"):
             with agreed():  # a generation that failed on one process stops every process
-                queued = rollouts.take(update)
+                queued = queue.take(update)
             prompts, columns = queued.request["prompts"], queued.request["columns"]
             rollout = sampler.sample(
                 prompts, columns, generation_config, queued.request["seeds"], outputs=queued.outputs
@@ -739,10 +588,8 @@ def main(args: Args) -> None:
                 reshard(ref_policy)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
-        trainer_state.global_step, trainer_state.epoch = (
-            (update - 1) * steps_per_update,
-            (progress.episode / G) / len(plan.train_dataset),
-        )
+        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
+        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
         with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
             rewards_per_func, completions = scorer.score(rollout)  # (b, F)
 
@@ -868,10 +715,10 @@ def main(args: Args) -> None:
         if server is not None:  # Weight sync: the next rollout (and sample table) samples from the updated policy
             if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
                 with timer("generation_wait"), agreed():
-                    rollouts.before_push()
+                    queue.before_push()
             with timer("weight_sync"):
                 server.push_weights(policy, weights_for_vllm(policy, server.dtype))
-        rollouts.pushed(update)  # the rollout they are scheduled to sample is asked for
+        queue.pushed(update)  # the rollout they are scheduled to sample is asked for
         progress.update = update
         progress.episode += batch_size
         num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
@@ -893,7 +740,7 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(tools.tool_metrics(*tool_calls, batch_size) if rollout.turns else {}),
+            **(logs.tool_metrics(*tool_calls, batch_size) if rollout.turns else {}),
             **(
                 sampling_metrics(trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios)
                 if server is not None
@@ -954,85 +801,32 @@ def main(args: Args) -> None:
     end_processes(0)
 
 
-# ---- The loop's seams: sampling, log-probs, checkpoints (scoring, held-out tables: rloo_utils) ----------------------
-class Sampler:
-    """Prompts in, a Rollout out: this process's rows, completed by the policy with HF generate (every process in each
-    sharded forward) or by a vLLM server, in one go or (--tools, --environment) turn by turn with the tools' results in
-    between (rloo_utils/tools.py); a VLM's images go beside its prompts. With --max_staleness the rollout queue asks the
-    server for an update's completions ahead (request, then background_outputs in its thread); sample() takes them."""
+# ---- The loop's seams: sampling, log-probs (scoring, held-out tables, checkpoints: rloo_utils) -----------------------
+class Sampler(rollouts.BaseSampler):
+    """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): this process's rows,
+    completed by the policy with HF generate (every process in each sharded forward) or by a vLLM server, in one go or,
+    with --tools or --environment, turn by turn (every process makes every turn: a sharded forward is a collective).
+    With --max_staleness the rollout queue asks the server for an update's completions ahead (request, then
+    background_outputs in its thread); sample() takes them."""
 
     def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device):
-        self.args, self.policy, self.server, self.tokenizer = args, policy, server, models.tokenizer
-        self.processor, self.tool_use, self.image_col = models.processor, plan.tool_use, plan.image_column
-        self.stop_ids, self.eos_ids = stop_ids, eos_ids
-        self.device = device
+        super().__init__(args, models, plan, stop_ids, eos_ids, device)
+        self.policy, self.server = policy, server
+        self.reads_images_itself = server is not None  # a server takes the dataset's images; HF generate the tensors
 
-    def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
-        """The prompts tokenized and completed: (b, ...) tensors of this process's rows. seeds: one per row; copies:
-        each prompt's rows are that many in a row, whose forward is then made once; outputs: the server's completions
-        made already (the rollout queue's). Every process makes every turn (a sharded forward is a collective)."""
-        tokenizer, args = self.tokenizer, self.args
-        turns = self.tool_use.start(prompts, columns) if self.tool_use else None  # environments reset; each row's tools
-        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer,
-            turns.prompts if turns else prompts,
-            args.max_prompt_length,
-            self.device,
-            self.processor,
-            columns.get(self.image_col),
-            args.chat_template_kwargs,
-            turns and turns.schemas,
-        )  # (b, P)
-        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
-            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
-            generate_turn = functools.partial(self.generate_turn, config=config, seeds=seeds)
-            turns.generate(generate_turn, rows, tokenizer, self.stop_ids, args)
-            completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
-                tokenizer.pad_token_id, self.device
-            )
-            sampling_logprobs = sampling_logprobs if self.server is not None else None
-        else:
-            completion_ids, sampling_logprobs = self.generate(
-                prompt_ids,
-                prompt_mask,
-                config,
-                columns.get(self.image_col) if self.server else images,
-                seeds,
-                copies,
-                outputs,
-            )  # (b, C), (b, C) or None
-            completion_mask, ended = completion_mask_from(completion_ids, self.stop_ids, self.eos_ids)  # (b, C), (b,)
-            tool_mask = torch.zeros_like(completion_mask)
-        return Rollout(
-            prompts=prompts,
-            columns=columns,
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            tool_mask=tool_mask,
-            ended=ended,
-            num_truncated=num_truncated,
-            images=images,
-            turns=turns,
-            sampling_logprobs=sampling_logprobs,
-        )
-
-    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1, outputs=None):
+    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
         """(b, C) completion ids, padded to --max_completion_length, and (b, C) the sampler's log-probs of them (the
         server's, one seed per completion; None from HF generate). HF generate runs in chunks, each sampling from the
         seed of its first row, so that a rollout does not depend on the number of processes; the sharded model's
         forward is a collective: with synced_gpus a process whose completions have all ended goes on with the others.
         images: the rows' image tensors for HF generate; the rows' images as the dataset holds them for the server.
         copies: the rows hold each prompt that many times in a row, whose forward is then made once
-        (shared_prompt_cache; only with the model gathered: a sharded forward is a collective). outputs: the server's,
-        where it generated them already (a rollout of the queue)."""
+        (shared_prompt_cache; only with the model gathered: a sharded forward is a collective)."""
         args, model, device, pad_token_id = self.args, self.policy, self.device, self.tokenizer.pad_token_id
         if self.server is not None:
             with agreed():  # a request that fails on one process stops every process
-                if outputs is None:
-                    outputs = self.server.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
-                return pad_completions(outputs, args.max_completion_length, pad_token_id, self.stop_ids, device)
+                outputs = self.server.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
+            return self.completions(outputs)
         model.eval()
         chunks, chunk, world_size = [], args.local_rollout_forward_batch_size, dist.get_world_size()
         with gathered(model, args.gather_for_generation):
@@ -1058,19 +852,24 @@ class Sampler:
                 chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=pad_token_id))
         return torch.cat(chunks), None
 
-    def generate_turn(self, contexts: list[list[int]], budgets: list[int], rows, round_, config, seeds=None):
-        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
-        far): the ids up to and including the first stop token, at most the row's budget of them, with the server's
-        log-probs (None from HF generate). seeds: each row's, for its first turn; a later turn's is drawn from it."""
+    def completions(self, outputs: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, C) completion ids padded to --max_completion_length and (b, C) their log-probs, from the server's outputs
+        (one that a process cannot read stops every process)."""
+        length, pad_token_id = self.args.max_completion_length, self.tokenizer.pad_token_id
+        with agreed():
+            return pad_completions(outputs, length, pad_token_id, self.stop_ids, self.device)
+
+    def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
+        """The next turn after each context: at most its budget of ids, up to and including the first stop token, with
+        the server's log-probs (None from HF generate). seeds: each context's."""
         context_ids, context_mask = (t.to(self.device) for t in data.left_pad(contexts, self.tokenizer.pad_token_id))
-        turn_seeds = None if seeds is None else [turn_seed(seeds[row], round_) for row in rows]
         if self.server is not None:
             config = {**config, "max_tokens": max(budgets)}
         else:
             config = copy.deepcopy(config)
             config.max_new_tokens = max(budgets)
-        turn_ids, turn_logprobs = self.generate(context_ids, context_mask, config, None, turn_seeds)  # (b, C)
-        turn_mask, _ = completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
+        turn_ids, turn_logprobs = self.generate(context_ids, context_mask, config, None, seeds)  # (b, C)
+        turn_mask, _ = rollouts.completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
         lengths = [min(int(m.sum()), budget) for m, budget in zip(turn_mask, budgets)]
         return [
             (ids[:n].tolist(), None if turn_logprobs is None else turn_logprobs[i, :n].tolist())
@@ -1113,13 +912,13 @@ class Sampler:
 class ShardedScorer(Scorer):
     """The Scorer of a sharded reward model: its parameters, gathered for the forward, are freed again after it."""
 
-    def model_scores(self, rollout: Rollout, texts: list[str]) -> torch.Tensor:
+    def model_scores(self, rollout: rollouts.Rollout, texts: list[str]) -> torch.Tensor:
         scores = super().model_scores(rollout, texts)
         reshard(self.reward_model)
         return scores
 
 
-def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, support=None):
+def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_of, support=None):
     """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
     --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution. logprobs_of:
     completion_logprobs, or its padding-free form."""
@@ -1140,11 +939,6 @@ def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, suppo
             for i in range(0, len(rollout.prompt_ids), chunk)
         ]
     return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
-
-
-def save_policy(folder: str, policy, optimizer) -> None:
-    """The policy and optimizer state of a checkpoint: every process writes its shards."""
-    save_sharded_checkpoint(folder, policy, optimizer)
 
 
 # ---- The vLLM server of rloo_vllm.py: weight sync, and the off-policy correction of its samples ----------------------
@@ -1173,7 +967,7 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
     return rho.masked_fill((rho < low) | (rho > high), 0.0)
 
 
-# ---- Log-probabilities, completion masks, reward normalisation -------------------------------------------------------
+# ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------
 def completion_logprobs(
     model,
     prompt_ids,
@@ -1214,17 +1008,6 @@ def completion_logprobs(
             out.append(renormalised.gather(-1, completion_ids[..., None]).squeeze(-1))
     out = [values * completion_mask for values in out]
     return out[0] if len(out) == 1 else tuple(out)
-
-
-def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_ids: list[int]):
-    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether the completion ended:
-    a stop token came, or (when EOS does not stop it, --ignore_eos) it holds an EOS."""
-    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, dtype=torch.long, device=completion_ids.device))
-    stopped = is_stop.any(1)
-    first_stop = torch.where(stopped, is_stop.int().argmax(1), completion_ids.shape[1])
-    mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
-    holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
-    return mask.long(), stopped | holds_eos
 
 
 def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:

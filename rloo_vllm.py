@@ -12,11 +12,12 @@ log-probs, as in rloo.py; vLLM's own log-probs measure the sampler-trainer misma
 With a server, --max_staleness N overlaps generation and training: the server samples the next rollouts from weights at
 most N updates old while the trainer updates, the same correction making up for their age.
 
-Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, the
-Rollout, main() (set-up in a few calls, then the training loop, one stage of an update after the other), then the
-seams the loop calls: the Sampler (prompts to a rollout), the log-probs of a rollout and completion_logprobs, their
-definition. What a reader of the algorithm never needs (checks, the set-up, scoring, evaluation, run folders,
-checkpoints and resume, logging) is in rloo_utils/, called by its module's name: logs.update_metrics(...).
+Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, main()
+(set-up in a few calls, then the training loop, one stage of an update after the other), then the seams the loop calls:
+the Sampler (how prompts are completed; a rollout, the value it gives, is in rloo_utils/rollouts.py), the log-probs of
+a rollout and completion_logprobs, their definition. What a reader of the algorithm never needs (checks, the set-up,
+scoring, evaluation, run folders, checkpoints and resume, logging) is in rloo_utils/, called by its module's name:
+logs.update_metrics(...).
 
     python rloo_vllm.py --help   # every option, its default and what it does
     python rloo_vllm.py          # the embedded default, as rloo.py's, with vLLM sampling
@@ -32,17 +33,16 @@ import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Annotated, Callable, ClassVar, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
 import torch
 import tyro
 from rich.console import Console
 
-from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, runs, tools, vision
+from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, rollouts, runs, vision
 from rloo_utils.models import end_token_ids, set_up_cuda, tokenize_prompts, weights_finite
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
-from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
     ColocatedVLLM,
@@ -56,7 +56,6 @@ from rloo_utils.vllm_engine import (
     sampling_configs,
     sampling_metrics,
     sampling_seeds,
-    turn_seed,
     unpadded,
 )
 
@@ -65,29 +64,13 @@ from rloo_utils.vllm_engine import (
 class Args(options.FeatureOptions, VLLMOptions, ImportanceSamplingOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
 
-    RESUMABLE: ClassVar = {"reward_timeout"}  # with each group's: the options a resumed run may change
-
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (prefix of the run name)"""
     seed: int = 1
     """seed of python, numpy and torch"""
 
-    # Prompts (the model and the dataset: ModelOptions, DataOptions)
-    max_prompt_length: int = 256
-    """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
-    chat_template_kwargs: options.JsonObject = None
-    """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
-
-    # Reward
-    reward_model_path: Optional[str] = None
-    """a sequence classification model (num_labels=1), read at the last real token"""
-    reward_funcs: Optional[list[str]] = None
-    """built-in names, `module:function` or `file.py:function`; None: vader_sentiment without a reward model"""
-    reward_weights: Optional[list[float]] = None
-    """one weight per reward source, the reward model first; None: all 1.0"""
-    reward_timeout: Optional[float] = None
-    """seconds a reward function's call may take; past it the run stops with a checkpoint; None: no limit"""
+    # Reward (where the score comes from: RewardSourceOptions)
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of a completion that did not stop by itself ("EOS trick")"""
     normalize_reward: bool = False
@@ -95,27 +78,13 @@ class Args(options.FeatureOptions, VLLMOptions, ImportanceSamplingOptions):
     reward_clip_range: Optional[list[float]] = None
     """clip scores to [lo, hi] (two numbers) or [-c, c] (one number), after normalize_reward"""
 
-    # Generation
+    # Generation (the prompts, and the sampler's filters and stop tokens: GenerationOptions)
     num_generations: Annotated[int, tyro.conf.arg(aliases=("--rloo_k",))] = 4
     """completions per prompt (G, the RLOO k); at least 2"""
     max_completion_length: Annotated[int, tyro.conf.arg(aliases=("--response_length",))] = 32
     """maximum number of generated tokens per completion"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed on logits / temperature"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    top_k: int = 0
-    """top-k sampling (0: off)"""
-    min_p: Optional[float] = None
-    """min-p sampling: only tokens at least min_p times as likely as the likeliest one (None: off)"""
-    repetition_penalty: float = 1.0
-    """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
-    generation_kwargs: options.JsonObject = None
-    """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
-    stop_token_id: Optional[int] = None
-    """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
-    ignore_eos: bool = False
-    """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
 
@@ -172,10 +141,6 @@ class Args(options.FeatureOptions, VLLMOptions, ImportanceSamplingOptions):
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / no-grad forward chunk during the rollout"""
-    padding_free: bool = True
-    """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
 
 
 def resolve_defaults(args: Args) -> Args:
@@ -390,7 +355,7 @@ def aggregate_loss(
 
 def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens):
     """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it; and its
-    statistics: clip_statistics over the units of its clip, the sum of the token ratios, the loss's own."""
+    statistics: logs.clip_statistics over the units of its clip, the sum of the token ratios, the loss's own."""
     losses, log_ratio, own_stats = LOSSES[args.loss_type][0](logprobs, old_logprobs, advantages, mask, args)
     if losses.dim() == 1:  # one per completion
         loss = (losses * in_loss).sum() / mini_batch_size
@@ -406,34 +371,10 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
     per_token = log_ratio.dim() == 2  # the clip's units: tokens, or completions
     units = mask if per_token else torch.ones_like(in_loss, dtype=mask.dtype)
     unit_advantages = advantages if per_token else advantages[:, 0]
-    stats = clip_statistics(log_ratio, unit_advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
+    stats = logs.clip_statistics(log_ratio, unit_advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
     stats["token_ratio"] = ((logprobs.detach() - old_logprobs).exp() * mask).sum()
     stats.update({name: (values * units).sum() for name, values in own_stats.items()})
     return loss, stats
-
-
-def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
-    """Units whose ratio left [1 - eps_low, 1 + eps_high] on the side its advantage pushes it (low: A < 0, high: A > 0):
-    where PPO's clip cuts the gradient. The same definition for every loss, so clip fractions compare across them."""
-    return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
-
-
-def clip_statistics(log_ratio, advantages, units, epsilon_low: float, epsilon_high: float, dual_clip=None) -> dict:
-    """Sums over the real units of a micro-batch's loss (tokens, or completions; units 1 for a real one), and whether
-    all or any were clipped (TRL 1.16's min and max over the units): update_metrics makes the clip fractions of them."""
-    ratio, real = log_ratio.exp(), units.bool()
-    low, high = clipped_units(ratio, advantages, epsilon_low, epsilon_high)
-    stats = {
-        "units": units.sum(),
-        "approxkl": (0.5 * log_ratio.square() * units).sum(),
-        "clipped_low": (low * units).sum(),
-        "clipped_high": (high * units).sum(),
-        "low_min": (low | ~real).all(),
-        "high_max": (high & real).any(),
-    }
-    if dual_clip is not None:  # units whose loss the dual clip capped
-        stats["dual_clipped"] = (((ratio > dual_clip) & (advantages < 0)) * units).sum()
-    return stats
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -453,31 +394,7 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -
     return grad_norm, finite
 
 
-# ---- A rollout, then main(): set-up and the training loop -----------------------------------------------------------
-@dataclass
-class Rollout:
-    """The completions of some prompts, sampled by the policy (Sampler.sample): the B rows of an update (each prompt's G
-    completions adjacent, so group g is rows [g*G, (g+1)*G)), a sample table's, or a chunk of an evaluation's."""
-
-    prompts: list  # (B,) as the dataset holds them: strings, or chat messages
-    columns: dict  # the dataset's other columns, B values each: what reward functions get besides the completions
-    prompt_ids: torch.Tensor  # (B, P) left-padded
-    prompt_mask: torch.Tensor  # (B, P)
-    completion_ids: torch.Tensor  # (B, C) padded with the pad token to --max_completion_length
-    completion_mask: torch.Tensor  # (B, C) 1 up to and including the stop token
-    tool_mask: torch.Tensor  # (B, C) 1 on the tools' results between the model's turns (multi-turn rollouts)
-    ended: torch.Tensor  # (B,) whether each completion ended: a stop token came
-    num_truncated: int = 0  # how many prompts were cut to --max_prompt_length
-    images: Optional[list] = None  # a VLM's prompts: each row's image tensors (images_batch)
-    turns: Optional[tools.MultiTurn] = None  # --tools, --environment: the conversations, environments, tool calls
-    sampling_logprobs: Optional[torch.Tensor] = None  # (B, C) the sampler's own log-probs (vLLM's); HF generate: None
-
-    @property
-    def policy_mask(self) -> torch.Tensor:
-        """(B, C) the tokens the policy chose (not the tools' results): only they enter the loss and the KL."""
-        return (self.completion_mask * (1 - self.tool_mask)).float()
-
-
+# ---- main(): set-up and the training loop ----------------------------------------------------------------------------
 def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     options.check_args(args)
@@ -538,12 +455,7 @@ def main(args: Args) -> None:
     scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
     logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
-    console.print(
-        f"run {os.path.basename(run_dir)}: {num_updates} updates of {batch_size} completions ({prompts_per_rollout} "
-        f"prompts x {G}), {num_optimizer_steps} optimizer steps, device {device} ({'bf16' if args.bf16 else 'fp32'} "
-        f"compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
-        + (f"; resumed from {plan.checkpoint}" if plan.checkpoint else "")
-    )
+    console.print(runs.first_line(args, plan, run_dir, device))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -562,12 +474,12 @@ def main(args: Args) -> None:
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
     # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
     # (rloo_utils/rollouts.py: which weights sample which rollout, and what a checkpoint keeps of them)
-    rollouts = RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
-    stateful = {"optimizer": optimizer, "scheduler": scheduler, "rollouts": rollouts}
-    save_weights = functools.partial(save_policy, policy=policy, tokenizer=models.processor or tokenizer)
+    queue = rollouts.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, "rollouts": queue}
+    save_weights = functools.partial(checkpoints.save_policy, policy=policy, tokenizer=models.processor or tokenizer)
     progress = guard.start(save_weights, stateful, logger, console, num_updates)
     batches = data.prompt_batches(plan.train_dataset, prompts_per_rollout, args.seed, skip=progress.update)
-    rollouts.start(progress.update, functools.partial(sampler.request, batches, generation_config))
+    queue.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
         timer = logs.StageTimer()
         if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
@@ -581,7 +493,7 @@ def main(args: Args) -> None:
         # Rollout: sampled by vLLM from the weights after update queued.version: the policy's own, or with
         # --max_staleness up to N updates older (generated while earlier updates trained)
         with timer("generation"):
-            queued = rollouts.take(update)
+            queued = queue.take(update)
             prompts, columns = queued.request["prompts"], queued.request["columns"]
             rollout = sampler.sample(
                 prompts, columns, generation_config, queued.request["seeds"], outputs=queued.outputs
@@ -606,10 +518,8 @@ def main(args: Args) -> None:
                 ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (B, C)
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
-        trainer_state.global_step, trainer_state.epoch = (
-            (update - 1) * steps_per_update,
-            (progress.episode / G) / len(plan.train_dataset),
-        )
+        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
+        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
         with timer("reward"):
             rewards_per_func, completions = scorer.score(rollout)  # (B, F)
         scores = weighted_reward(rewards_per_func, scorer.weights)  # (B,)
@@ -707,10 +617,10 @@ def main(args: Args) -> None:
         # Weight sync: the next rollout (and sample table) samples from the updated policy
         if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
             with timer("generation_wait"):
-                rollouts.before_push()
+                queue.before_push()
         with timer("weight_sync"):
             engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
-        rollouts.pushed(update)  # the rollout they are scheduled to sample is asked for
+        queue.pushed(update)  # the rollout they are scheduled to sample is asked for
         progress.update = update
         progress.episode += batch_size
         num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
@@ -731,7 +641,7 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(tools.tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
+            **(logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
             **sampling_metrics(trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
@@ -786,75 +696,33 @@ def main(args: Args) -> None:
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")
 
 
-# ---- The loop's seams: sampling, log-probs, checkpoints (scoring, held-out tables: rloo_utils) ----------------------
-class Sampler:
-    """Prompts in, a Rollout out: vLLM completes them (an engine in this process, or a server), in one go or (--tools,
-    --environment) turn by turn with the tools' results in between (rloo_utils/tools.py); a VLM's images go beside its
-    prompts, as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout queue asks
-    for an update's completions ahead (request, then background_outputs in its thread), and sample() takes them."""
+# ---- The loop's seams: sampling, log-probs (scoring, held-out tables, checkpoints: rloo_utils) -----------------------
+class Sampler(rollouts.BaseSampler):
+    """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): vLLM completes them
+    (an engine in this process, or a server), in one go or, with --tools or --environment, turn by turn; a VLM's images
+    go as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout queue asks for an
+    update's completions ahead (request, then background_outputs in its thread), and sample() takes them."""
+
+    reads_images_itself = True
 
     def __init__(self, args, engine, models, plan, stop_ids, eos_ids, device):
-        self.args, self.engine, self.tokenizer, self.processor = args, engine, models.tokenizer, models.processor
-        self.tool_use, self.image_col, self.stop_ids, self.eos_ids = plan.tool_use, plan.image_column, stop_ids, eos_ids
-        self.device = device
+        super().__init__(args, models, plan, stop_ids, eos_ids, device)
+        self.engine = engine
 
-    def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
-        """The prompts tokenized and completed. seeds: one per row; copies: each prompt's rows are that many in a row
-        (vLLM caches a prompt's forward itself); outputs: vLLM's completions made already (the rollout queue's)."""
-        tokenizer, args = self.tokenizer, self.args
-        turns = self.tool_use.start(prompts, columns) if self.tool_use else None  # environments reset; each row's tools
-        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer,
-            turns.prompts if turns else prompts,
-            args.max_prompt_length,
-            self.device,
-            self.processor,
-            columns.get(self.image_col),
-            args.chat_template_kwargs,
-            turns and turns.schemas,
-        )  # (B, P)
-        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
-            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
-            generate_turn = functools.partial(self.generate_turn, config=config, seeds=seeds)
-            turns.generate(generate_turn, rows, tokenizer, self.stop_ids, args)
-            completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
-                tokenizer.pad_token_id, self.device
-            )
-        else:
-            completion_ids, sampling_logprobs = self.generate(
-                prompt_ids, prompt_mask, config, columns.get(self.image_col), seeds, outputs
-            )  # (B, C), (B, C)
-            completion_mask, ended = completion_mask_from(completion_ids, self.stop_ids, self.eos_ids)  # (B, C), (B,)
-            tool_mask = torch.zeros_like(completion_mask)
-        return Rollout(
-            prompts=prompts,
-            columns=columns,
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            tool_mask=tool_mask,
-            ended=ended,
-            num_truncated=num_truncated,
-            images=images,
-            turns=turns,
-            sampling_logprobs=sampling_logprobs,
-        )
-
-    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, outputs=None):
+    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
         """(B, C) completion ids, padded with the pad token to --max_completion_length, and (B, C) vLLM's log-probs of
-        them. images: each row's, as the dataset holds them. outputs: the engine's, where it generated them already."""
-        if outputs is None:
-            outputs = self.engine.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
+        them. images: each row's, as the dataset holds them. copies: vLLM caches a prompt's forward itself."""
+        return self.completions(self.engine.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images))
+
+    def completions(self, outputs: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C) completion ids padded to --max_completion_length and (B, C) their log-probs, from vLLM's outputs."""
         length, pad_token_id = self.args.max_completion_length, self.tokenizer.pad_token_id
         return pad_completions(outputs, length, pad_token_id, self.stop_ids, self.device)
 
-    def generate_turn(self, contexts: list[list[int]], budgets: list[int], rows, round_, config, seeds=None):
-        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
-        far): the ids up to and including the first stop token, at most the row's budget of them, with vLLM's
-        log-probs. seeds: each row's, for its first turn; a later turn's is drawn from it (turn_seed)."""
-        turn_seeds = None if seeds is None else [turn_seed(seeds[row], round_) for row in rows]
-        outputs = self.engine.generate(contexts, {**config, "max_tokens": max(budgets)}, turn_seeds)
+    def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
+        """The next turn after each context: at most its budget of ids, up to and including the first stop token, with
+        vLLM's log-probs. seeds: each context's."""
+        outputs = self.engine.generate(contexts, {**config, "max_tokens": max(budgets)}, seeds)
         pad_completions(outputs, max(budgets), self.tokenizer.pad_token_id, self.stop_ids, self.device)  # each ended
         return [(ids[:budget], logprobs[:budget]) for (ids, logprobs), budget in zip(outputs, budgets)]
 
@@ -891,7 +759,7 @@ class Sampler:
         )
 
 
-def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, support=None):
+def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_of, support=None):
     """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
     --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution. logprobs_of:
     completion_logprobs, or its padding-free form."""
@@ -912,12 +780,6 @@ def rollout_logprobs(model, rollout: Rollout, args, autocast, logprobs_of, suppo
             for i in range(0, len(rollout.prompt_ids), chunk)
         ]
     return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
-
-
-def save_policy(folder: str, policy, tokenizer) -> None:
-    """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
-    policy.save_pretrained(os.path.join(folder, "policy"))
-    tokenizer.save_pretrained(os.path.join(folder, "policy"))
 
 
 # ---- vLLM: weight sync, and the off-policy correction of its samples (the engine: rloo_utils/vllm_engine.py) ---------
@@ -944,7 +806,7 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
     return rho.masked_fill((rho < low) | (rho > high), 0.0)
 
 
-# ---- Log-probabilities, completion masks, reward normalisation -------------------------------------------------------
+# ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------
 def completion_logprobs(
     model,
     prompt_ids,
@@ -985,17 +847,6 @@ def completion_logprobs(
             out.append(renormalised.gather(-1, completion_ids[..., None]).squeeze(-1))
     out = [values * completion_mask for values in out]
     return out[0] if len(out) == 1 else tuple(out)
-
-
-def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_ids: list[int]):
-    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether the completion ended:
-    a stop token came, or (when EOS does not stop it, --ignore_eos) it holds an EOS."""
-    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, dtype=torch.long, device=completion_ids.device))
-    stopped = is_stop.any(1)
-    first_stop = torch.where(stopped, is_stop.int().argmax(1), completion_ids.shape[1])
-    mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
-    holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
-    return mask.long(), stopped | holds_eos
 
 
 def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -67,9 +67,8 @@ def generate_hf(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import rloo
-    from rloo_utils.models import end_token_ids, tokenize_prompts
-    from rloo_utils.models import from_pretrained
+    from rloo_utils.models import end_token_ids, from_pretrained, tokenize_prompts
+    from rloo_utils.rollouts import completion_mask_from
 
     torch.manual_seed(seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +86,7 @@ def generate_hf(
         ids, mask, _, _ = tokenize_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_length, device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
-        completion_mask, _ = rloo.completion_mask_from(out, stop_ids, stop_ids)
+        completion_mask, _ = completion_mask_from(out, stop_ids, stop_ids)
         texts += tokenizer.batch_decode(
             out * completion_mask + tokenizer.pad_token_id * (1 - completion_mask), skip_special_tokens=True
         )

@@ -308,6 +308,12 @@ def save_model(output_dir: str, policy, tokenizer, state_dict: Optional[dict] = 
                 )
 
 
+def save_policy(folder: str, policy, tokenizer) -> None:
+    """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
+    policy.save_pretrained(os.path.join(folder, "policy"))
+    tokenizer.save_pretrained(os.path.join(folder, "policy"))
+
+
 def checkpoint_dirs(run_dir: str) -> list[str]:
     """The complete checkpoints of a run, oldest first (a save in progress is a tmp-checkpoint-<update> folder)."""
     folder = os.path.join(run_dir, "checkpoints")

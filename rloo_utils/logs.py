@@ -228,6 +228,14 @@ def completion_rows(
     ]
 
 
+def tool_metrics(calls: int, failures: int, completions: int) -> dict:
+    """TRL's tools/ metrics: tool calls per completion, and the share of them that failed."""
+    return {
+        "tools/call_frequency": calls / max(completions, 1),
+        "tools/failure_frequency": failures / calls if calls else 0.0,
+    }
+
+
 def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int]) -> dict:
     """Lengths in real tokens (EOS included) of all completions and of those that ended (0 if none did), the fraction
     that did not end, and old TRL's count of EOS tokens (here only real ones: never padding)."""
@@ -244,6 +252,30 @@ def completion_metrics(completion_ids, completion_mask, ended, eos_ids: list[int
         "completions/max_terminated_length": float(terminated.max()),
         "val/num_eos_tokens": int(is_eos.sum()),
     }
+
+
+def clipped_units(ratio, advantages, epsilon_low: float, epsilon_high: float):
+    """Units whose ratio left [1 - eps_low, 1 + eps_high] on the side its advantage pushes it (low: A < 0, high: A > 0):
+    where PPO's clip cuts the gradient. The same definition for every loss, so clip fractions compare across them."""
+    return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+
+
+def clip_statistics(log_ratio, advantages, units, epsilon_low: float, epsilon_high: float, dual_clip=None) -> dict:
+    """Sums over the real units of a micro-batch's loss (tokens, or completions; units 1 for a real one), and whether
+    all or any were clipped (TRL 1.16's min and max over the units): update_metrics makes the clip fractions of them."""
+    ratio, real = log_ratio.exp(), units.bool()
+    low, high = clipped_units(ratio, advantages, epsilon_low, epsilon_high)
+    stats = {
+        "units": units.sum(),
+        "approxkl": (0.5 * log_ratio.square() * units).sum(),
+        "clipped_low": (low * units).sum(),
+        "clipped_high": (high * units).sum(),
+        "low_min": (low | ~real).all(),
+        "high_max": (high & real).any(),
+    }
+    if dual_clip is not None:  # units whose loss the dual clip capped
+        stats["dual_clipped"] = (((ratio > dual_clip) & (advantages < 0)) * units).sum()
+    return stats
 
 
 def update_metrics(

@@ -328,7 +328,7 @@ class ModelOptions:
 
 @dataclass
 class SpeedOptions:
-    """Speed and memory: precision, recomputed activations (docs/speed.md)"""
+    """Speed and memory, not the numbers: precision, recomputed activations, packing, chunks (docs/speed.md)"""
 
     bf16: bool = field(default_factory=bf16_by_default)
     """bf16 compute (autocast; rloo_multigpu.py: FSDP2 mixed precision), weights and AdamW fp32; default: a bf16 GPU"""
@@ -336,6 +336,10 @@ class SpeedOptions:
     """(GPU) fp32 matrix products in TF32 (what is left in fp32: --no_bf16 runs, fp32 steps of a bf16 run)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    padding_free: bool = True
+    """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / no-grad forward chunk during the rollout (rloo_multigpu.py: on each process)"""
 
 
 def expandable_segments_by_default() -> None:

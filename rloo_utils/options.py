@@ -26,8 +26,80 @@ from rloo_utils.evaluation import EvaluationOptions
 from rloo_utils.logs import LoggingOptions
 from rloo_utils.lora import LoraOptions
 from rloo_utils.models import ModelOptions, SpeedOptions, set_model_options
-from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY
+from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY, RewardSourceOptions
 from rloo_utils.tools import ToolUseOptions
+
+
+def finite_json_number(text: str) -> float:
+    """A JSON number as a float, refused past float64 (1e400 would parse as inf); NaN and Infinity, which Python's json
+    accepts but JSON does not, are refused by json_object."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past the range of a float: give a finite number")
+    return value
+
+
+def finite_json_int(text: str) -> int:
+    """A JSON integer, refused past the range of a float (every option takes it as one)."""
+    if abs(value := int(text)) > sys.float_info.max:
+        raise ValueError(f"{text[:20]}... ({len(text)} digits) is past the range of a float: give a finite number")
+    return value
+
+
+def not_a_json_number(word: str):
+    raise ValueError(f"{word} is not a JSON number: give a finite number")
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(
+            text, parse_float=finite_json_number, parse_int=finite_json_int, parse_constant=not_a_json_number
+        )
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{text!r} is not JSON ({e.msg}); give an object such as '{{\"key\": 1}}'") from None
+    except ValueError as e:
+        raise ValueError(f"{text if len(text) <= 80 else text[:60] + '...'!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{text!r} is not a JSON object; give one such as '{{\"key\": 1}}'")
+    return value
+
+
+# An option that takes keyword arguments as a JSON object (TRL's dict options, e.g. --chat_template_kwargs)
+JsonObject = Annotated[
+    Optional[dict],
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="JSON",
+        instance_from_str=lambda words: json_object(words[0]),
+        is_instance=lambda value: value is None or isinstance(value, dict),
+        str_from_instance=lambda value: [json.dumps(value)],
+    ),
+]
+
+
+@dataclass
+class GenerationOptions:
+    """Prompts in, completions out: the prompts' length and chat template; besides the temperature, how completions are
+    sampled and where they stop (HF's GenerationConfig; rloo_vllm.py: vLLM's SamplingParams)"""
+
+    max_prompt_length: int = 256
+    """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
+    chat_template_kwargs: JsonObject = None
+    """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    min_p: Optional[float] = None
+    """min-p sampling: only tokens at least min_p times as likely as the likeliest one (None: off)"""
+    repetition_penalty: float = 1.0
+    """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
+    generation_kwargs: JsonObject = None
+    """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
+    stop_token_id: Optional[int] = None
+    """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
+    ignore_eos: bool = False
+    """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
 
 
 @dataclass
@@ -46,6 +118,8 @@ class OldTrlOptions:
 class FeatureOptions(
     ModelOptions,
     DataOptions,
+    RewardSourceOptions,
+    GenerationOptions,
     LoraOptions,
     ToolUseOptions,
     EvaluationOptions,
@@ -164,53 +238,6 @@ PATH_OPTIONS = [
 
 # Float options that may be infinite: --max_grad_norm inf is no clipping, --reward_clip_range -inf 5 clips one side
 MAY_BE_INFINITE = {"max_grad_norm", "reward_clip_range"}
-
-
-def finite_json_number(text: str) -> float:
-    """A JSON number as a float, refused past float64 (1e400 would parse as inf); NaN and Infinity, which Python's json
-    accepts but JSON does not, are refused by json_object."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is past the range of a float: give a finite number")
-    return value
-
-
-def finite_json_int(text: str) -> int:
-    """A JSON integer, refused past the range of a float (every option takes it as one)."""
-    if abs(value := int(text)) > sys.float_info.max:
-        raise ValueError(f"{text[:20]}... ({len(text)} digits) is past the range of a float: give a finite number")
-    return value
-
-
-def not_a_json_number(word: str):
-    raise ValueError(f"{word} is not a JSON number: give a finite number")
-
-
-def json_object(text: str) -> dict:
-    try:
-        value = json.loads(
-            text, parse_float=finite_json_number, parse_int=finite_json_int, parse_constant=not_a_json_number
-        )
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{text!r} is not JSON ({e.msg}); give an object such as '{{\"key\": 1}}'") from None
-    except ValueError as e:
-        raise ValueError(f"{text if len(text) <= 80 else text[:60] + '...'!r}: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{text!r} is not a JSON object; give one such as '{{\"key\": 1}}'")
-    return value
-
-
-# An option that takes keyword arguments as a JSON object (TRL's dict options, e.g. --chat_template_kwargs)
-JsonObject = Annotated[
-    Optional[dict],
-    tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1,
-        metavar="JSON",
-        instance_from_str=lambda words: json_object(words[0]),
-        is_instance=lambda value: value is None or isinstance(value, dict),
-        str_from_instance=lambda value: [json.dumps(value)],
-    ),
-]
 
 
 def expand_user_paths(args):

@@ -12,7 +12,7 @@ import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -23,6 +23,22 @@ from rloo_utils.errors import RunError, UsageError, describe
 from rloo_utils.packing import last_true_index, pack_sequences, packing_layout, position_ids_from, varlen_kwargs
 from rloo_utils.processes import get_rank
 from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
+
+
+@dataclass
+class RewardSourceOptions:
+    """Where the score comes from: a reward model, reward functions in TRL's signature, or both, weighted"""
+
+    RESUMABLE: ClassVar = {"reward_timeout"}  # a slow reward function changes no score (options.resumable_options)
+
+    reward_model_path: Optional[str] = None
+    """a sequence classification model (num_labels=1), read at the last real token"""
+    reward_funcs: Optional[list[str]] = None
+    """built-in names, `module:function` or `file.py:function`; None: vader_sentiment without a reward model"""
+    reward_weights: Optional[list[float]] = None
+    """one weight per reward source, the reward model first; None: all 1.0"""
+    reward_timeout: Optional[float] = None
+    """seconds a reward function's call may take; past it the run stops with a checkpoint; None: no limit"""
 
 
 def reward_model_inputs(

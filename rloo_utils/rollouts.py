@@ -1,4 +1,7 @@
-"""Asynchronous rollouts (--max_staleness N): a vLLM server generates the rollouts of the next updates while the
+"""Rollouts: a Rollout (the value an update trains on), the part of sampling the scripts share (a script's Sampler
+says only how it generates), and the queue of asynchronous rollouts.
+
+Asynchronous rollouts (--max_staleness N): a vLLM server generates the rollouts of the next updates while the
 trainer trains on this one. The schedule is fixed, so that a run and its resumed copy sample the same rollouts: the
 rollout of update j is sampled from the weights after update v(j) = max(0, j - 1 - N), at most N versions older than
 the policy that trains on it (the weights after update j - 1). N = 0 is the synchronous loop: each rollout is generated
@@ -10,15 +13,138 @@ weights are pushed; pushed(k) asks for the rollout of update k + 1 + N, from the
 rollouts of older weights, which a resumed run cannot sample again; one of the checkpoint's own weights is sampled
 again, from the same seeds. The scripts say what a request is and how a rollout is generated."""
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from rloo_utils.models import tokenize_prompts
 from rloo_utils.processes import get_rank, get_world_size
+from rloo_utils.tools import MultiTurn
+
+
+# ---- A rollout, and how prompts become one -------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """The completions of some prompts, sampled by the policy (a Sampler's sample): the B rows of an update (each
+    prompt's G completions adjacent, so group g is rows [g*G, (g+1)*G)), a sample table's, or a chunk of an
+    evaluation's."""
+
+    prompts: list  # (B,) as the dataset holds them: strings, or chat messages
+    columns: dict  # the dataset's other columns, B values each: what reward functions get besides the completions
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (B, C) padded with the pad token to --max_completion_length
+    completion_mask: torch.Tensor  # (B, C) 1 up to and including the stop token
+    tool_mask: torch.Tensor  # (B, C) 1 on the tools' results between the model's turns (multi-turn rollouts)
+    ended: torch.Tensor  # (B,) whether each completion ended: a stop token came
+    num_truncated: int = 0  # how many prompts were cut to --max_prompt_length
+    images: Optional[list] = None  # a VLM's prompts: each row's image tensors (images_batch)
+    turns: Optional[MultiTurn] = None  # --tools, --environment: the conversations, environments, tool calls
+    sampling_logprobs: Optional[torch.Tensor] = None  # (B, C) the sampler's own log-probs (vLLM's); HF generate: None
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """(B, C) the tokens the policy chose (not the tools' results): only they enter the loss and the KL."""
+        return (self.completion_mask * (1 - self.tool_mask)).float()
+
+
+class BaseSampler:
+    """Prompts in, a Rollout out: tokenized (a VLM's images beside them), completed in one go or (--tools,
+    --environment) turn by turn with the tools' results in between (rloo_utils/tools.py), masked after the first stop
+    token. A script's Sampler derives from this one and says how it generates: generate(prompt_ids, prompt_mask,
+    config, images, seeds, copies) -> (B, C) completion ids and (B, C) the sampler's log-probs of them (or None), and
+    generate_turn(contexts, budgets, config, seeds) -> a multi-turn rollout's next turn (next_turn); one that takes an
+    engine's completions made ahead (the rollout queue's `outputs`) also completions(outputs) -> the same two."""
+
+    reads_images_itself = False  # generate takes the dataset's images (vLLM's processor reads them), not the tensors
+
+    def __init__(self, args, models, plan, stop_ids: list[int], eos_ids: list[int], device):
+        self.args, self.tokenizer, self.processor, self.device = args, models.tokenizer, models.processor, device
+        self.tool_use, self.image_col, self.stop_ids, self.eos_ids = plan.tool_use, plan.image_column, stop_ids, eos_ids
+
+    def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
+        """The prompts tokenized and completed. seeds: one per row (a sampler's random streams); copies: each prompt's
+        rows are that many in a row, whose prompt forward is then made once; outputs: an engine's completions made
+        already (per completion: ids and log-probs; the rollout queue's)."""
+        tokenizer, args = self.tokenizer, self.args
+        turns = self.tool_use.start(prompts, columns) if self.tool_use else None  # environments reset; each row's tools
+        prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
+            tokenizer,
+            turns.prompts if turns else prompts,
+            args.max_prompt_length,
+            self.device,
+            self.processor,
+            columns.get(self.image_col),
+            args.chat_template_kwargs,
+            turns and turns.schemas,
+        )  # (B, P)
+        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
+            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
+            turns.generate(
+                functools.partial(self.next_turn, config=config, seeds=seeds), rows, tokenizer, self.stop_ids, args
+            )
+            completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
+                tokenizer.pad_token_id, self.device
+            )
+        else:
+            if outputs is None:
+                generation_images = columns.get(self.image_col) if self.reads_images_itself else images
+                completion_ids, sampling_logprobs = self.generate(
+                    prompt_ids, prompt_mask, config, generation_images, seeds, copies
+                )  # (B, C), (B, C) or None
+            else:
+                completion_ids, sampling_logprobs = self.completions(outputs)
+            completion_mask, ended = completion_mask_from(completion_ids, self.stop_ids, self.eos_ids)  # (B, C), (B,)
+            tool_mask = torch.zeros_like(completion_mask)
+        return Rollout(
+            prompts=prompts,
+            columns=columns,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            tool_mask=tool_mask,
+            ended=ended,
+            num_truncated=num_truncated,
+            images=images,
+            turns=turns,
+            sampling_logprobs=sampling_logprobs,
+        )
+
+    def next_turn(self, contexts: list[list[int]], budgets: list[int], rows: list[int], round_: int, config, seeds):
+        """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
+        far), for MultiTurn.generate: the script's generate_turn gives the ids up to and including the first stop token,
+        at most the row's budget of them, with the sampler's log-probs (or None). seeds: each row's, for its first turn;
+        a later turn's is drawn from it (turn_seed)."""
+        turn_seeds = None if seeds is None else [turn_seed(seeds[row], round_) for row in rows]
+        return self.generate_turn(contexts, budgets, config, turn_seeds)
+
+
+def turn_seed(seed: int, round_: int) -> int:
+    """The seed of a multi-turn rollout's turn after `round_` rounds of tool calls, from its row's seed: the first
+    turn's is the row's own (a rollout without calls samples what a single-turn one does), a later one's a function of
+    both (a resumed run draws what the uninterrupted run drew)."""
+    return seed if round_ == 0 else int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
+
+
+def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_ids: list[int]):
+    """(B, C) mask that keeps tokens up to and including the first stop token; (B,) whether the completion ended:
+    a stop token came, or (when EOS does not stop it, --ignore_eos) it holds an EOS."""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, dtype=torch.long, device=completion_ids.device))
+    stopped = is_stop.any(1)
+    first_stop = torch.where(stopped, is_stop.int().argmax(1), completion_ids.shape[1])
+    mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
+    holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
+    return mask.long(), stopped | holds_eos
+
+
+# ---- Asynchronous rollouts -------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -50,6 +50,20 @@ class RunPlan:
     image_column: Optional[str]  # vision-language prompts' images; None: text
 
 
+def first_line(args, plan: RunPlan, run_dir: str, device, world_size: int = 1) -> str:
+    """The run's first line: its size, where it computes and in what precision, where it logs."""
+    G, processes = args.num_generations, ""
+    num_optimizer_steps = plan.num_updates * args.num_ppo_epochs * args.num_mini_batches
+    if world_size > 1:
+        processes = f" on {world_size} processes ({plan.batch_size // world_size} each)"
+    return (
+        f"run {os.path.basename(run_dir)}: {plan.num_updates} updates of {plan.batch_size} completions "
+        f"({plan.batch_size // G} prompts x {G}){processes}, {num_optimizer_steps} optimizer steps, device "
+        f"{device.type} ({'bf16' if args.bf16 else 'fp32'} compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
+        + (f"; resumed from {plan.checkpoint}" if plan.checkpoint else "")
+    )
+
+
 def plan_run(args, world_size=1, sharded=False) -> RunPlan:
     """The checks that need no model, in the order a user meets them: the batch arithmetic, the checkpoint a resumed
     run continues (and what it may change: resumable_options), the tools, the reward sources and evaluation metrics,

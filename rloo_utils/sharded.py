@@ -1,17 +1,21 @@
 """Sharded models (rloo_multigpu.py): built empty, each process reading and writing only its own rows of the safetensors
-files; sharded checkpoints of the policy and its optimizer."""
+files; a run's models sharded; sharded checkpoints of the policy and its optimizer."""
 
 import contextlib
 import json
 import os
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rloo_utils.checkpoints import check_checkpoint_finite, is_saved_model, save_model
 from rloo_utils.errors import RunError, describe
 from rloo_utils.lora import (
     adapter_layers,
+    add_adapter,
     is_peft_model,
     merged_weight,
     merged_weights,
@@ -26,9 +30,76 @@ from rloo_utils.models import (
     checked_reward_model,
     checkpoint_dtype,
     checkpoint_weights,
+    disable_dropout,
     from_pretrained,
+    frozen_linear_weights_to,
+    load_tokenizers,
+    model_dtype,
+    policy_class,
 )
 from rloo_utils.processes import agreed, get_rank, whole
+from rloo_utils.runs import Models, RunPlan
+from rloo_utils.tools import check_tool_template
+
+
+@dataclass
+class ShardingOptions:
+    """FSDP2: the processes, and where the shards are while they generate and between uses (docs/multigpu.md)"""
+
+    # the timeout changes nothing computed; gathered generation samples what sharded generation does (tested)
+    RESUMABLE: ClassVar = {"ddp_timeout", "gather_for_generation"}
+
+    gather_for_generation: bool = True
+    """gather the whole policy on every process while it generates (old TRL's ds3_gather_...)"""
+    fsdp_cpu_offload: bool = False
+    """keep the shards, gradients and optimizer state in CPU memory between uses (slower, less GPU memory)"""
+    ddp_timeout: int = 1800
+    """seconds a process waits for the others at a collective before the run fails (a process that died or hangs)"""
+
+
+def load_sharded_models(args, plan: RunPlan, device, world_size: int) -> Models:
+    """runs.load_models for a process group: the tokenizers, and the policy, its reference and the reward model sharded
+    over the processes by FSDP2 (shard). Every process builds the models on the meta device (no memory) and shards them;
+    each then reads only its shards of the weights (load_shards), so that no process holds a whole model. The reference
+    is the initial policy, frozen, needed only for the KL penalty, sharded as the policy is (with --bf16 both compute
+    in bf16, its frozen linear layers held so), so that the KL is exactly 0 before training; with --use_peft the
+    policy, adapter disabled. A resumed policy's weights (with --use_peft its adapter's) come from its checkpoint
+    (load_sharded_checkpoint, with the optimizer's state)."""
+    with agreed():
+        first_prompt = plan.train_dataset[0]["prompt"]
+        tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
+        if plan.tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
+            check_tool_template(args, tokenizer, first_prompt, plan.image_column)
+        policy_path = args.sft_model_path or args.model_name_or_path
+        policy = empty_model(
+            policy_class(policy_path),
+            policy_path,
+            model_dtype(args.dtype, policy_path),
+            weights=plan.checkpoint is None or args.use_peft,  # (a LoRA checkpoint holds the adapter only)
+            attn_implementation=args.attn_implementation,
+        )
+        ref_policy = None
+        if args.beta > 0 and not args.use_peft:  # only the policy learns
+            ref_policy = empty_model(
+                policy_class(policy_path),
+                policy_path,
+                model_dtype(args.dtype, policy_path),
+                attn_implementation=args.attn_implementation,
+            ).requires_grad_(False)
+        reward_model = load_sharded_reward_model(args.reward_model_path) if args.reward_model_path else None
+    disable_dropout(policy)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    if args.use_peft:
+        policy = add_adapter(policy, args)
+        ref_policy = policy if args.beta > 0 else None
+    for model in (policy, ref_policy, reward_model):  # frozen linear layers in bf16 under --bf16, as FSDP gathers them
+        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
+    mesh = init_device_mesh(device.type, (world_size,))
+    for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
+        shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
+    return Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)
 
 
 def empty_model(auto_class, path: str, dtype, weights: bool = True, **config_kwargs):

@@ -223,6 +223,7 @@ class MultiTurn:
     calls: int = 0
     failures: int = 0
     width: int = 0
+    sampler_gave_logprobs: bool = True  # False: HF generate's turns, which come without log-probs
 
     def generate(self, generate_turn: Callable, prompt_ids: list[list[int]], tokenizer, stop_ids: list[int], args):
         """The model generates; each tool call it makes is run and its result appended as the template renders it;
@@ -235,7 +236,7 @@ class MultiTurn:
         rows, limit, rounds = len(prompt_ids), args.max_completion_length, args.max_tool_calling_iterations
         template_kwargs = args.chat_template_kwargs or {}
         self.ids, self.tool_mask = [[] for _ in range(rows)], [[] for _ in range(rows)]
-        self.sampler_logprobs = [[] for _ in range(rows)]
+        self.sampler_logprobs, self.sampler_gave_logprobs = [[] for _ in range(rows)], True
         self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
         active, round_ = list(range(rows)), 0
         while any_process(bool(active)):  # every process makes every turn: a sharded model's forward is a collective
@@ -250,6 +251,7 @@ class MultiTurn:
                 self.ids[i] += ids
                 self.tool_mask[i] += [0] * len(ids)
                 self.sampler_logprobs[i] += logprobs if logprobs is not None else [0.0] * len(ids)
+                self.sampler_gave_logprobs &= logprobs is not None
                 self.ended[i] = bool(ids) and ids[-1] in stop_ids
                 message = parse_turn(tokenizer, context, ids, self.schemas[i])
                 self.messages[i].append(message)
@@ -269,7 +271,7 @@ class MultiTurn:
 
     def tensors(self, pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
         """(B, C) ids padded with pad_token_id to --max_completion_length, completion mask, tool mask; (B,) ended;
-        (B, C) the sampler's log-probs (0 past the end and on the tools' tokens)."""
+        (B, C) the sampler's log-probs (0 past the end and on the tools' tokens; None where it gave none)."""
         ids = torch.full((len(self.ids), self.width), pad_token_id, dtype=torch.long)
         completion_mask, tool_mask = torch.zeros_like(ids), torch.zeros_like(ids)
         sampler_logprobs = torch.zeros(ids.shape)
@@ -279,15 +281,8 @@ class MultiTurn:
             tool_mask[i, : len(row)] = torch.tensor(tools, dtype=torch.long)
             sampler_logprobs[i, : len(row)] = torch.tensor(logprobs)
         ended = torch.tensor(self.ended)
-        return tuple(t.to(device) for t in (ids, completion_mask, tool_mask, ended, sampler_logprobs))
-
-
-def tool_metrics(calls: int, failures: int, completions: int) -> dict:
-    """TRL's tools/ metrics: tool calls per completion, and the share of them that failed."""
-    return {
-        "tools/call_frequency": calls / max(completions, 1),
-        "tools/failure_frequency": failures / calls if calls else 0.0,
-    }
+        sampler_logprobs = sampler_logprobs.to(device) if self.sampler_gave_logprobs else None
+        return *(t.to(device) for t in (ids, completion_mask, tool_mask, ended)), sampler_logprobs
 
 
 @dataclass

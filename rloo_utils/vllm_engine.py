@@ -82,6 +82,33 @@ class VLLMOptions:
 
 
 @dataclass
+class ServerOptions:
+    """A vLLM server to generate with, in rloo_multigpu.py: rloo_vllm.py's server mode (docs/vllm.md: its command)"""
+
+    # where the server is changes no sample (options.resumable_options)
+    RESUMABLE: ClassVar = {
+        "vllm_server_base_url",
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_timeout",
+        "vllm_server_weight_transfer",
+    }
+
+    vllm_server_host: Optional[str] = None
+    """generate with the vLLM server at this host instead of HF generate; None: no server"""
+    vllm_server_port: int = 8000
+    """(server) port of the vLLM server"""
+    vllm_server_base_url: Optional[str] = None
+    """(server) e.g. http://10.0.0.2:8000, instead of --vllm_server_host and --vllm_server_port"""
+    vllm_server_timeout: float = 240.0
+    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
+    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
+    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
+    max_staleness: int = 0
+    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
+
+
+@dataclass
 class ImportanceSamplingOptions:
     """The off-policy correction of vLLM's samples: truncated or masked importance sampling (TRL's GRPO)"""
 
@@ -323,13 +350,6 @@ def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
     that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ."""
     base = int(np.random.SeedSequence([seed, update]).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
     return [base + row for row in range(n)]
-
-
-def turn_seed(seed: int, round_: int) -> int:
-    """The seed of a multi-turn rollout's turn after `round_` rounds of tool calls, from its row's seed: the first
-    turn's is the row's own (a rollout without calls samples what a single-turn one does), a later one's a function of
-    both (a resumed run draws what the uninterrupted run drew)."""
-    return seed if round_ == 0 else int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
 
 
 def engine_options(args, config_folder: str, device, multimodal: bool = False) -> dict:

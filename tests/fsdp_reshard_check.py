@@ -1,4 +1,4 @@
-"""Run by torchrun from test_fsdp_reshard.py: a frozen model sharded by rloo_multigpu.shard that only runs no_grad
+"""Run by torchrun from test_fsdp_reshard.py: a frozen model sharded by rloo_utils.sharded.shard that only runs no_grad
 forwards (the reference policy; the reward model, whose backbone and score head reward_model_scores calls one by one)
 keeps its root units' weights gathered after the forward (plain tensors, not DTensor shards) until
 rloo_multigpu.reshard puts them back in shards; the next forward gathers them again and gives the same outputs.
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rloo_multigpu  # noqa: E402
 from rloo_utils.models import from_pretrained, policy_class  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
-from rloo_utils.sharded import empty_model, load_sharded_reward_model  # noqa: E402
+from rloo_utils.sharded import empty_model, load_sharded_reward_model, shard  # noqa: E402
 from rloo_utils.rewards import reward_model_scores  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def main(out: str, policy_path: str, reward_path: str) -> None:
     # The reference policy: one root (embeddings, norm, tied LM head) over the decoder layers' units
     auto_class = policy_class(policy_path)
     reference = empty_model(auto_class, policy_path, torch.float32).requires_grad_(False)
-    reference = rloo_multigpu.shard(reference, mesh, False, False)
+    reference = shard(reference, mesh, False, False)
     ids, mask = inputs(reference.config.vocab_size, reference.config.pad_token_id, rank)
     whole = from_pretrained(auto_class, policy_path, dtype=torch.float32).eval()
     logits = lambda m: m(input_ids=ids, attention_mask=mask, use_cache=False).logits  # noqa: E731
@@ -89,7 +89,7 @@ def main(out: str, policy_path: str, reward_path: str) -> None:
 
     # The reward model: its backbone and score head, units of their own, called one by one (each becomes a root)
     reward_model = load_sharded_reward_model(reward_path)
-    reward_model = rloo_multigpu.shard(reward_model, mesh, False, False)
+    reward_model = shard(reward_model, mesh, False, False)
     whole = from_pretrained(AutoModelForSequenceClassification, reward_path, num_labels=1, dtype=torch.float32).eval()
     expected = reward_model_scores(whole, ids, mask)
     reports["reward_model"] = run_case(

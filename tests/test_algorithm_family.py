@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rloo
+from rloo_utils import logs
 from rloo_utils.logs import update_metrics
 from rloo_utils.options import check_args
 from conftest import read_metrics, run_rloo
@@ -256,7 +257,7 @@ def test_token_ppo_clip_by_hand(advantage):
     torch.testing.assert_close(loss.detach(), torch.tensor([expected]))
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([grad]))  # d(-A r)/d log p = -A r
-    low, high = rloo.clipped_units(torch.exp(logprobs.detach() - OLD), torch.tensor([[advantage]]), 0.2, 0.3)
+    low, high = logs.clipped_units(torch.exp(logprobs.detach() - OLD), torch.tensor([[advantage]]), 0.2, 0.3)
     assert ((logprobs.grad == 0) == (low | high)).all()  # the clip fraction counts exactly the cut tokens
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rloo
+from rloo_utils import logs
 from rloo_utils.data import load_prompt_dataset
 from rloo_utils.errors import UsageError
 from rloo_utils.options import batch_sizes, lr_scheduler
@@ -22,6 +23,7 @@ from rloo_utils.rewards import (
 from rloo_utils.models import end_token_ids, tokenize_prompts
 import rloo_utils.packing as packing_module
 from rloo_utils.packing import logprobs_through_output_layer
+from rloo_utils.rollouts import completion_mask_from
 
 pytestmark = pytest.mark.usefixtures("each_script")  # every test runs against every script that has the function
 
@@ -197,7 +199,7 @@ def test_sequence_loss_is_the_clipped_surrogate_by_hand_with_its_gradient():
     torch.testing.assert_close(log_ratio, ratios.log())  # the ratio the clip metrics see
     # A > 0, rho 1.5 > 1 + 0.3: clipped at 1.3; A < 0, rho 0.5 < 0.8: clipped at 0.8; inside: -A rho.
     torch.testing.assert_close(loss.detach(), torch.tensor([-1.3, 0.8, -0.9, 1.1, -1.25]))
-    low, high = rloo.clipped_units(ratios, advantages, 0.2, 0.3)
+    low, high = logs.clipped_units(ratios, advantages, 0.2, 0.3)
     assert low.tolist() == [False, True, False, False, False] and high.tolist() == [True, False, False, False, False]
     loss.sum().backward()
     # d(-A rho)/d(log rho) = -A rho where unclipped; zero where the clipped branch is active.
@@ -293,14 +295,14 @@ def test_log_probs_keep_no_vocabulary_sized_tensor_for_the_backward_pass(monkeyp
 def test_completion_mask_keeps_the_first_stop_token_and_nothing_after():
     eos, stop, pad = 2, 9, 0
     ids = torch.tensor([[5, 6, eos, pad, pad], [5, stop, 7, eos, pad], [5, 6, 7, 8, 4]])
-    mask, ended = rloo.completion_mask_from(ids, [eos, stop], [eos])
+    mask, ended = completion_mask_from(ids, [eos, stop], [eos])
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert ended.tolist() == [True, True, False]
     # --ignore_eos: EOS does not stop a completion, but one that holds an EOS has ended (old TRL's missing-EOS test)
-    mask, ended = rloo.completion_mask_from(ids, [stop], [eos])
+    mask, ended = completion_mask_from(ids, [stop], [eos])
     assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert ended.tolist() == [True, True, False]
-    mask, ended = rloo.completion_mask_from(ids, [], [eos])
+    mask, ended = completion_mask_from(ids, [], [eos])
     assert mask.all() and ended.tolist() == [True, True, False]
 
 

@@ -205,10 +205,11 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
     from transformers import AutoModelForCausalLM
 
     import rloo_multigpu as rloo
+    from rloo_utils.sharded import shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90))
-    policy = rloo.shard(AutoModelForCausalLM.from_pretrained(policy_path), init_device_mesh("cpu", (2,)), False, False)
+    policy = shard(AutoModelForCausalLM.from_pretrained(policy_path), init_device_mesh("cpu", (2,)), False, False)
     start = time.time()
     try:
         if scenario == "push":

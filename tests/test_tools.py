@@ -19,9 +19,9 @@ from rloo_utils.tools import (
     load_environments,
     load_tools,
     parse_turn,
-    tool_metrics,
     tool_suffix_ids,
 )
+from rloo_utils.logs import tool_metrics
 from rloo_utils.models import tokenize_prompts
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
