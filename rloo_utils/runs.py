@@ -115,6 +115,17 @@ class Models:
     reward_model: Optional[torch.nn.Module]
 
 
+def load_checked_tokenizers(args, plan: RunPlan) -> tuple:
+    """load_tokenizers (the policy's tokenizer, checked on the first prompt; the reward model's where it reads text
+    otherwise; a VLM's processor), and with tools, the chat template checked: it shows them, writes calls and results,
+    and its calls can be read back."""
+    first_prompt = plan.train_dataset[0]["prompt"]
+    tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
+    if plan.tool_use:
+        check_tool_template(args, tokenizer, first_prompt, plan.image_column)
+    return tokenizer, reward_tokenizer, processor
+
+
 def load_models(args, plan: RunPlan, device) -> Models:
     """The tokenizers, the policy and the reward model, on `device`. The reference is the initial policy, frozen, needed
     only for the KL penalty: a copy that runs under the policy's autocast, so that the KL is exactly 0 before
@@ -122,10 +133,7 @@ def load_models(args, plan: RunPlan, device) -> Models:
     copy. Frozen linear layers (the reference's, the reward model's, a LoRA policy's base) are held in bf16 under
     --bf16, as autocast would cast them at every forward: half the memory. A resumed run's policy is its
     checkpoint's. Dropout is off: it would make the update's log-probs differ from the sampler's."""
-    first_prompt = plan.train_dataset[0]["prompt"]
-    tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
-    if plan.tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
-        check_tool_template(args, tokenizer, first_prompt, plan.image_column)
+    tokenizer, reward_tokenizer, processor = load_checked_tokenizers(args, plan)
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = from_pretrained(
         policy_class(policy_path),

@@ -33,13 +33,11 @@ from rloo_utils.models import (
     disable_dropout,
     from_pretrained,
     frozen_linear_weights_to,
-    load_tokenizers,
     model_dtype,
     policy_class,
 )
 from rloo_utils.processes import agreed, get_rank, whole
-from rloo_utils.runs import Models, RunPlan
-from rloo_utils.tools import check_tool_template
+from rloo_utils.runs import Models, RunPlan, load_checked_tokenizers
 
 
 @dataclass
@@ -66,10 +64,7 @@ def load_sharded_models(args, plan: RunPlan, device, world_size: int) -> Models:
     policy, adapter disabled. A resumed policy's weights (with --use_peft its adapter's) come from its checkpoint
     (load_sharded_checkpoint, with the optimizer's state)."""
     with agreed():
-        first_prompt = plan.train_dataset[0]["prompt"]
-        tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
-        if plan.tool_use:  # the chat template shows tools, writes calls and results, and its calls can be read back
-            check_tool_template(args, tokenizer, first_prompt, plan.image_column)
+        tokenizer, reward_tokenizer, processor = load_checked_tokenizers(args, plan)
         policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(
             policy_class(policy_path),

@@ -36,17 +36,22 @@ VLLM_INSTALL = (
 )
 
 
+# The options that say where a vLLM server is and how to reach it
+WHERE_THE_SERVER_IS = {
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_server_timeout",
+    "vllm_server_weight_transfer",
+}
+
+
 @dataclass
 class VLLMOptions:
     """vLLM: an engine in this process, or a server started apart (docs/vllm.md)"""
 
     # where the server is and how much memory the engine takes change no sample (options.resumable_options)
-    RESUMABLE: ClassVar = {
-        "vllm_server_base_url",
-        "vllm_server_host",
-        "vllm_server_port",
-        "vllm_server_timeout",
-        "vllm_server_weight_transfer",
+    RESUMABLE: ClassVar = WHERE_THE_SERVER_IS | {
         "vllm_gpu_memory_utilization",
         "vllm_cpu_kv_cache_gib",
         "vllm_enforce_eager",
@@ -85,14 +90,7 @@ class VLLMOptions:
 class ServerOptions:
     """A vLLM server to generate with, in rloo_multigpu.py: rloo_vllm.py's server mode (docs/vllm.md: its command)"""
 
-    # where the server is changes no sample (options.resumable_options)
-    RESUMABLE: ClassVar = {
-        "vllm_server_base_url",
-        "vllm_server_host",
-        "vllm_server_port",
-        "vllm_server_timeout",
-        "vllm_server_weight_transfer",
-    }
+    RESUMABLE: ClassVar = WHERE_THE_SERVER_IS  # changes no sample (options.resumable_options)
 
     vllm_server_host: Optional[str] = None
     """generate with the vLLM server at this host instead of HF generate; None: no server"""
