@@ -220,9 +220,10 @@ def test_a_two_turn_rollout_masks_the_tool_result_and_nothing_else(tool_tokenize
         "tools/call_frequency": 0.5,
         "tools/failure_frequency": 0.0,
     }
-    ids, completion_mask, tool_mask, ended, _ = turns.tensors(tool_tokenizer.pad_token_id, "cpu")
+    ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(tool_tokenizer.pad_token_id, "cpu")
     assert ids.shape == (2, 256) and completion_mask[0].sum() == len(turns.ids[0])
     assert tool_mask[0].sum() == len(suffix) and tool_mask[1].sum() == 0 and ended.all()
+    assert sampling_logprobs is None  # HF generate's turns give none (no vLLM correction, no sampler metrics)
     # the tools' schemas reached the prompt: the model was shown the tool it called
     assert '"name": "secret"' in tool_tokenizer.decode(prompt_ids[0])
 
@@ -366,6 +367,36 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
     for row in range(2):
         torch.testing.assert_close(one[row][loss_mask[row]], sampler[row], rtol=0, atol=1e-5)
     assert completion_ids[0][loss_mask[0]].tolist() == turn1 + turn2  # the loss sees the model's tokens, no tool's
+
+
+def test_a_model_turn_samples_from_its_rows_seeds(tiny):
+    """rloo.py's turns of a multi-turn rollout, given each row's seed (the evaluation's random streams), sample from it
+    (turn_seed: the row's and the round's), not from wherever the global generator stands; another seed, another
+    turn. The vLLM samplers take the same seeds to the engine."""
+    import contextlib
+    import types
+
+    import rloo
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    eos = tokenizer.eos_token_id
+    args = types.SimpleNamespace(local_rollout_forward_batch_size=1, max_completion_length=8)
+    models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
+    plan = types.SimpleNamespace(tool_use=None, image_column=None)
+    sampler = rloo.Sampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
+    config = GenerationConfig(do_sample=True, max_new_tokens=8, eos_token_id=[eos], pad_token_id=tokenizer.pad_token_id)
+    contexts, budgets, rows = [ids_of(tokenizer, "good movie"), ids_of(tokenizer, "bad")], [8, 8], [0, 2]
+
+    def turns(global_seed: int, seeds) -> list:
+        torch.manual_seed(global_seed)
+        return sampler.next_turn(contexts, budgets, rows, 1, config, seeds)
+
+    seeds = [11, 12, 13]  # one per row of the rollout; these contexts are rows 0 and 2
+    assert turns(0, seeds) == turns(1, seeds)
+    assert turns(0, [21, 22, 23]) != turns(0, seeds)
+    assert turns(0, None) != turns(1, None)  # without seeds: the global generator's draws
 
 
 OPEN_CALL = '<tool_call>{"name": "open_vault", "arguments": {}}</tool_call>'
