@@ -17,10 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rloo_multigpu import shard  # noqa: E402
 from rloo_utils.models import from_pretrained  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
-from rloo_utils.sharded import empty_model, save_sharded_model  # noqa: E402
+from rloo_utils.sharded import empty_model, save_sharded_model, shard  # noqa: E402
 
 
 def local(tensor):

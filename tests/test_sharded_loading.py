@@ -159,9 +159,8 @@ import sys, torch, torch.distributed as dist
 sys.path.insert(0, {ROOT!r})
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from rloo_multigpu import shard
 from rloo_utils.processes import end_processes
-from rloo_utils.sharded import empty_model, save_sharded_model
+from rloo_utils.sharded import empty_model, save_sharded_model, shard
 dist.init_process_group("gloo")
 model = shard(empty_model(AutoModelForCausalLM, {tiny["policy"]!r}, torch.float32), init_device_mesh("cpu", (2,)), False, False)
 save_sharded_model({str(tmp_path / "out")!r}, model, AutoTokenizer.from_pretrained({tiny["policy"]!r}), max_shard_size="200KB")
