@@ -667,9 +667,8 @@ def main(args: Args) -> None:
             for mb_start in range(0, local_batch_size, local_mini_batch_size):
                 on_policy = epoch == 0 and mb_start == 0  # no optimizer step yet since the rollout
                 mb = order[mb_start : mb_start + local_mini_batch_size]
-                mini_batch_tokens = all_reduce((mask[mb] * in_loss[mb, None]).sum()).clamp(
-                    min=1
-                )  # of the global minibatch
+                # the tokens of the global minibatch, which a token-mean divides by
+                mini_batch_tokens = all_reduce((mask[mb] * in_loss[mb, None]).sum()).clamp(min=1)
                 step_loss = torch.zeros((), device=device)
                 for mu_start in range(mb_start, mb_start + local_mini_batch_size, args.per_device_train_batch_size):
                     idx = order[mu_start : mu_start + args.per_device_train_batch_size]
