@@ -325,6 +325,7 @@ def check_args(args, world_size: int = 1) -> None:
             f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}"
         )
     check_estimator_and_loss(args)
+    check_overlong_punishment(args)
     check_adapter_args(args)
     check_trl_options(args)
     if args.num_generations < 2:
@@ -634,6 +635,33 @@ def check_estimator_and_loss(args) -> None:
         raise UsageError(
             f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
             f"not of --loss_type {args.loss_type}"
+        )
+
+
+def check_overlong_punishment(args) -> None:
+    """The soft overlong punishment's options shape its reward function only, and its buffer fits the completion."""
+    used = "soft_overlong_punishment" in (args.reward_funcs or [])
+    given = [
+        f"--{name} {getattr(args, name)}"
+        for name, default in [("overlong_buffer_length", None), ("overlong_penalty_factor", 1.0)]
+        if getattr(args, name) != default
+    ]
+    if given and not used:
+        raise UsageError(
+            f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for the reward function "
+            "soft_overlong_punishment, which --reward_funcs does not name: add it (--reward_funcs "
+            "soft_overlong_punishment ...), or leave the option out"
+        )
+    buffer = args.overlong_buffer_length
+    if buffer is not None and not 0 < buffer <= args.max_completion_length:
+        raise UsageError(
+            f"--overlong_buffer_length must be in [1, --max_completion_length {args.max_completion_length}] (the "
+            f"last tokens before the limit, over which the penalty grows), got {buffer}"
+        )
+    if args.overlong_penalty_factor < 0:
+        raise UsageError(
+            f"--overlong_penalty_factor must be >= 0 (the penalty subtracted at the limit), got "
+            f"{args.overlong_penalty_factor}"
         )
 
 

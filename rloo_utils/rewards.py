@@ -12,11 +12,12 @@ import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional
+from typing import Annotated, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import tyro
 
 from rloo_utils.data import REWARD_FUNC_ARGUMENTS, content_text, left_pad, message_text
 from rloo_utils.errors import RunError, UsageError, describe
@@ -39,6 +40,10 @@ class RewardSourceOptions:
     """one weight per reward source, the reward model first; None: all 1.0"""
     reward_timeout: Optional[float] = None
     """seconds a reward function's call may take; past it the run stops with a checkpoint; None: no limit"""
+    overlong_buffer_length: Annotated[Optional[int], tyro.conf.arg(aliases=("--soft_punish_cache",))] = None
+    """(soft_overlong_punishment) tokens before --max_completion_length over which its penalty grows; None: a fifth"""
+    overlong_penalty_factor: float = 1.0
+    """(soft_overlong_punishment) its penalty at --max_completion_length, which a truncated completion gets whole"""
 
 
 def reward_model_inputs(
@@ -410,12 +415,36 @@ def completion_length(completion_ids, **kwargs) -> list[float]:
     return [float(len(ids)) for ids in completion_ids]
 
 
+def soft_overlong_punishment(
+    completion_ids, max_completion_length: int, buffer_length: int, penalty_factor: float = 1.0, **kwargs
+) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_completion_length - buffer_length tokens,
+    then falling linearly to -penalty_factor at max_completion_length, the length of a truncated completion. Where
+    --mask_truncated_completions takes the truncated completions out of the loss, this also shapes the ones that end
+    close to the limit (docs/verifiable.md)."""
+    start = max_completion_length - buffer_length
+    return [-penalty_factor * min(max(len(ids) - start, 0) / buffer_length, 1.0) for ids in completion_ids]
+
+
 # with the verifiable rewards of tasks with a right answer: answer_accuracy, gsm8k_accuracy, number_only
 BUILTIN_REWARD_FUNCS = {
     "vader_sentiment": vader_sentiment,
     "completion_length": completion_length,
+    "soft_overlong_punishment": soft_overlong_punishment,  # its lengths from the options: builtin_reward_funcs
     **VERIFIABLE_REWARD_FUNCS,
 }
+
+
+def builtin_reward_funcs(args) -> dict[str, Callable]:
+    """The built-in reward functions by name, those with parameters given theirs from the options."""
+    buffer_length = args.overlong_buffer_length or max(1, args.max_completion_length // 5)
+    overlong = functools.partial(
+        soft_overlong_punishment,
+        max_completion_length=args.max_completion_length,
+        buffer_length=buffer_length,
+        penalty_factor=args.overlong_penalty_factor,
+    )
+    return {**BUILTIN_REWARD_FUNCS, "soft_overlong_punishment": overlong}
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from rloo_utils.models import (
     policy_class,
 )
 from rloo_utils.options import batch_sizes, resumable_options
-from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, check_reward_columns, reward_sources
+from rloo_utils.rewards import builtin_reward_funcs, check_reward_columns, reward_sources
 from rloo_utils.tools import ToolUse, check_tool_template, load_tool_use
 
 
@@ -74,9 +74,9 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
     )  # (None, None): a new run
     tool_use = load_tool_use(args)
     reward_funcs, reward_names, reward_weights = reward_sources(
-        args, BUILTIN_REWARD_FUNCS, tool_use.reward_funcs() if tool_use else []
+        args, builtin_reward_funcs(args), tool_use.reward_funcs() if tool_use else []
     )
-    eval_metric_funcs, eval_metric_names = metric_funcs(args, BUILTIN_REWARD_FUNCS)
+    eval_metric_funcs, eval_metric_names = metric_funcs(args, builtin_reward_funcs(args))
     train_dataset, eval_dataset = load_datasets(args)
     check_reward_columns(
         args, reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset

@@ -166,6 +166,7 @@ def two_processes_step(rank: int, port: int, results: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes start: the fast tier starts none
 def test_two_processes_give_the_gradient_of_one(tmp_path):
     import torch.multiprocessing as mp
 

@@ -3,6 +3,7 @@ benchmark/gsm8k_data.py on local files in GSM8K's schema, and the GSM8K recipe's
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -277,3 +278,71 @@ def test_check_reward_columns():
         check_reward_columns(run, [], [], [answer_accuracy], ["answer_accuracy"], train, test)
     with pytest.raises(UsageError, match="needs the argument 'environments'"):  # single-turn: none given
         check_reward_columns(run, [needs_environments], ["e"], [], [], train, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DAPO's soft overlong punishment (issue 57): a built-in reward function whose lengths come from the options
+# ---------------------------------------------------------------------------------------------------------------------
+def test_the_soft_overlong_punishment_by_hand():
+    from types import SimpleNamespace
+
+    from rloo_utils.rewards import builtin_reward_funcs, soft_overlong_punishment
+
+    ids = [[1] * n for n in (0, 3, 6, 7, 8, 10)]  # the buffer is the last 4 of 10 tokens: it starts after 6
+    assert soft_overlong_punishment(ids, max_completion_length=10, buffer_length=4) == [0, 0, 0, -0.25, -0.5, -1.0]
+    assert soft_overlong_punishment(ids[-1:], max_completion_length=10, buffer_length=4, penalty_factor=2.0) == [-2.0]
+    # as --reward_funcs soft_overlong_punishment gets it: --max_completion_length, the buffer (a fifth of it unless
+    # given), the factor; in TRL's signature, completion_ids among its arguments
+    options_ = SimpleNamespace(max_completion_length=10, overlong_buffer_length=None, overlong_penalty_factor=1.0)
+    overlong = load_reward_func("soft_overlong_punishment", builtin_reward_funcs(options_))
+    assert overlong(prompts=["p"] * 6, completions=["c"] * 6, completion_ids=ids) == [0, 0, 0, 0, 0, -1.0]
+    options_.overlong_buffer_length, options_.overlong_penalty_factor = 4, 0.5
+    overlong = load_reward_func("soft_overlong_punishment", builtin_reward_funcs(options_))
+    assert overlong(completion_ids=ids) == [0, 0, 0, -0.125, -0.25, -0.5]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--overlong_buffer_length", "4"], "is for the reward function soft_overlong_punishment"),
+        (["--overlong_penalty_factor", "2"], "is for the reward function soft_overlong_punishment"),
+        (["--reward_funcs", "soft_overlong_punishment", "--soft_punish_cache", "40"], "must be in [1, "),
+        (["--reward_funcs", "soft_overlong_punishment", "--overlong_buffer_length", "0"], "must be in [1, "),
+        (["--reward_funcs", "soft_overlong_punishment", "--overlong_penalty_factor", "-1"], "must be >= 0"),
+    ],
+)
+def test_bad_overlong_options_are_refused_by_the_checks(argv, message):
+    import tyro
+
+    import rloo
+    from rloo_utils.errors import UsageError
+
+    args = tyro.cli(rloo.Args, args=[*argv, "--max_completion_length", "32"], use_underscores=True)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        options.check_args(args)
+
+
+@pytest.mark.slow
+def test_an_overlong_option_without_its_function_is_one_line_before_anything_starts(tmp_path):
+    proc = run_rloo("--overlong_buffer_length", 4, cwd=tmp_path)
+    check_one_line_error(proc, "--overlong_buffer_length 4 is for the reward function soft_overlong_punishment")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_run_punishes_its_truncated_completions_whole(tiny, tmp_path):
+    """Every completion of a run that samples past EOS has --max_completion_length tokens: the punishment is the whole
+    factor on each one, logged under its own name beside the other source's."""
+    data = tmp_path / "data.jsonl"
+    write_jsonl(str(data), [{"prompt": f"say {w}"} for w in ("a", "b", "c", "d")])
+    proc = run_rloo(
+        *("--model_name_or_path", tiny["policy"], "--dataset_name", data, "--total_episodes", 16),
+        *("--reward_funcs", "completion_length", "soft_overlong_punishment", "--overlong_penalty_factor", 0.5),
+        *("--ignore_eos", "--max_completion_length", 6, "--run_name", "run"),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from conftest import read_metrics
+
+    (row,) = read_metrics(tmp_path)
+    assert row["rewards/soft_overlong_punishment/mean"] == -0.5 and row["rewards/completion_length/mean"] == 6
