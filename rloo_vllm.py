@@ -549,9 +549,11 @@ def main(args: Args) -> None:
 
         # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
-        loss_advantages, is_weights, is_ratios = advantages, None, None
+        loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
         if args.vllm_importance_sampling_correction:
             bounds = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+            if args.vllm_importance_sampling_mode == "sequence_geometric_mask":
+                bounds = tuple(args.vllm_geometric_mask_bounds)
             # the ratios before the bounds (what the bounds cut is logged), and the (B, 1) or (B, C) weights
             is_ratios, is_weights = (
                 importance_sampling_weights(
@@ -560,6 +562,15 @@ def main(args: Args) -> None:
                 for b in [(None, None), bounds]
             )
             loss_advantages = advantages * is_weights
+            if args.vllm_off_policy_mask_threshold is not None:  # and completions the sampler drifted from, if A < 0
+                off_policy_kept = off_policy_sequence_mask(
+                    trainer_sampling_logprobs,
+                    rollout.sampling_logprobs,
+                    mask,
+                    advantages[:, 0],
+                    args.vllm_off_policy_mask_threshold,
+                )  # (B, 1)
+                loss_advantages = loss_advantages * off_policy_kept
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches; each micro-batch adds its share of the minibatch loss (policy_loss) to the gradient.
@@ -642,7 +653,9 @@ def main(args: Args) -> None:
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
             **(logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
-            **sampling_metrics(trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios),
+            **sampling_metrics(
+                trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
+            ),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -794,9 +807,13 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
     """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
     RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_vllm of the sampled tokens, per
-    completion (B, 1) for sequence_* modes or per token (B, C). Detached: it weights the loss, it is not trained."""
+    completion (B, 1) for sequence_* modes or per token (B, C); sequence_geometric_mask: the geometric mean of a
+    completion's token ratios, whose bounds are tight ([0.99, 1.01]) because it does not grow with the length. Detached:
+    it weights the loss, it is not trained."""
     log_rho = (old_logprobs - sampling_logprobs) * mask  # (B, C)
-    if mode.startswith("sequence"):
+    if mode == "sequence_geometric_mask":  # the geometric mean of the token ratios (SkyRL; OpenRLHF, NeMo-RL)
+        log_rho = log_rho.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
+    elif mode.startswith("sequence"):
         log_rho = log_rho.sum(1, keepdim=True)  # (B, 1)
     rho = log_rho.exp()
     low = clip_min if clip_min is not None else 0.0
@@ -804,6 +821,15 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
     if mode.endswith("truncate"):
         return rho.clamp(low, high)
     return rho.masked_fill((rho < low) | (rho > high), 0.0)
+
+
+def off_policy_sequence_mask(old_logprobs, sampling_logprobs, mask, advantages, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, section 3.1): (B, 1) 0 for a completion with a
+    negative advantage whose mean log pi_vllm - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
+    completion is one the sampler made likelier than the policy would (a stale or mismatched sampler): learning from its
+    failure pushes the policy away from what it would not have done anyway, and destabilises it."""
+    drift = ((sampling_logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
+    return (~((advantages < 0) & (drift > threshold))).float()[:, None]
 
 
 # ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------

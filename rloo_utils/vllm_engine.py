@@ -112,14 +112,20 @@ class ImportanceSamplingOptions:
 
     vllm_importance_sampling_correction: bool = True
     """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
-    vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = (
-        "sequence_mask"
-    )
-    """sequence_* (a ratio per completion) or token_*; *_truncate clips it, *_mask zeroes it"""
+    vllm_importance_sampling_mode: Literal[
+        "sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "sequence_geometric_mask"
+    ] = "sequence_mask"
+    """sequence_* (a ratio per completion) or token_*; *_truncate clips it, *_mask zeroes it; geometric: its mean"""
     vllm_importance_sampling_clip_max: Optional[float] = 3.0
     """upper bound C_max of the importance ratio (None: none)"""
     vllm_importance_sampling_clip_min: Optional[float] = None
     """lower bound C_min of the importance ratio (None: none)"""
+    vllm_geometric_mask_bounds: tuple[float, float] = (0.99, 1.01)
+    """(sequence_geometric_mask) a completion whose mean token ratio leaves these bounds is masked (SkyRL's)"""
+    vllm_off_policy_mask_threshold: Annotated[
+        Optional[float], tyro.conf.arg(aliases=("--off_policy_mask_threshold",))
+    ] = None
+    """mask a completion with A < 0 whose mean log pi_vllm - log pi_trainer exceeds this (DeepSeek-V3.2); None: off"""
 
 
 SERVER_COMMAND = (
@@ -229,6 +235,25 @@ def check_vllm_args(args, server: bool) -> None:
     if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
         raise UsageError(
             f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max {high}"
+        )
+    mode, geometric_bounds = args.vllm_importance_sampling_mode, tuple(args.vllm_geometric_mask_bounds)
+    if not 0 < geometric_bounds[0] < 1 < geometric_bounds[1]:
+        raise UsageError(
+            f"--vllm_geometric_mask_bounds must hold 1 between them, low > 0 (a completion's mean token ratio is "
+            f"masked outside them; SkyRL starts at 0.99 1.01), got {geometric_bounds[0]:g} {geometric_bounds[1]:g}"
+        )
+    if geometric_bounds != (0.99, 1.01) and mode != "sequence_geometric_mask":
+        raise UsageError(
+            "--vllm_geometric_mask_bounds are the bounds of --vllm_importance_sampling_mode sequence_geometric_mask, "
+            f"and the mode is {mode}: give that mode, or leave the bounds out"
+        )
+    threshold = args.vllm_off_policy_mask_threshold
+    if threshold is not None and threshold < 0:
+        raise UsageError(f"--vllm_off_policy_mask_threshold must be >= 0 (a mean log-ratio), got {threshold}")
+    if threshold is not None and not args.vllm_importance_sampling_correction:
+        raise UsageError(
+            "--vllm_off_policy_mask_threshold masks with vLLM's log-probs, which "
+            "--no_vllm_importance_sampling_correction leaves out of the loss: give one of them"
         )
     token_mode = args.vllm_importance_sampling_mode.startswith("token")
     if args.vllm_importance_sampling_correction and token_mode and args.loss_type == "sequence":
@@ -902,12 +927,17 @@ def check_engine(
 
 
 def sampling_metrics(
-    old_logprobs, sampling_logprobs, mask, weights: Optional[torch.Tensor], ratios: Optional[torch.Tensor]
+    old_logprobs,
+    sampling_logprobs,
+    mask,
+    weights: Optional[torch.Tensor],
+    ratios: Optional[torch.Tensor],
+    off_policy_kept: Optional[torch.Tensor] = None,
 ) -> dict:
     """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range; the
     sampler-trainer KL(pi_vllm || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer /
     pi_vllm) on vLLM's samples; the share of the importance ratios (`ratios`, before the bounds) that the bounds
-    truncated or masked."""
+    truncated or masked; with the off-policy sequence mask, the share of completions it masked."""
     real = mask.bool()
     log_ratio = (old_logprobs - sampling_logprobs)[real]
     gap = log_ratio.abs()
@@ -927,4 +957,6 @@ def sampling_metrics(
         )
         clipped = (flat != unbounded).float()
         metrics["sampling/importance_sampling_ratio/clipped_fraction"] = float(clipped.mean()) if len(flat) else 0.0
+    if off_policy_kept is not None:
+        metrics["sampling/off_policy_masked_fraction"] = float(1 - off_policy_kept.mean())
     return metrics

@@ -39,7 +39,7 @@ ESTIMATORS = [
     {"advantage_estimator": "reinforce_pp"},
     {"advantage_estimator": "reinforce_pp", "token_level_kl": True},  # advantages that differ token by token
 ]
-IMPORTANCE_SAMPLING = ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"]
+IMPORTANCE_SAMPLING = ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "sequence_geometric_mask"]
 
 
 def options_id(options: dict) -> str:
@@ -127,13 +127,17 @@ def test_the_gradient_of_a_step_does_not_depend_on_its_micro_batches(loss):
             assert whole[1].abs().sum() > 0, "a loss with no gradient would pass vacuously"
             for size, micro_batches in splits(order).items():
                 assert_same_step(step(rloo, batch, micro_batches), whole, f"{estimator}, micro-batches of {size}")
-            if (
-                hasattr(rloo, "importance_sampling_weights") and not on_policy
-            ):  # vLLM's samples, weighted per row or token
+            if hasattr(rloo, "importance_sampling_weights") and not on_policy:  # vLLM's samples: weighted, masked
                 sampling_logprobs = batch["old"] + 0.2 * torch.randn(B, C, generator=torch.Generator().manual_seed(5))
                 for mode in IMPORTANCE_SAMPLING:
-                    weights = rloo.importance_sampling_weights(batch["old"], sampling_logprobs, batch["mask"], mode,
-                                                               0.5, 2.0)  # fmt: skip
+                    bounds = (0.9, 1.1) if mode == "sequence_geometric_mask" else (0.5, 2.0)
+                    weights = rloo.importance_sampling_weights(
+                        batch["old"], sampling_logprobs, batch["mask"], mode, *bounds
+                    )
+                    # and the off-policy sequence mask on top, as the loop applies it
+                    weights = weights * rloo.off_policy_sequence_mask(
+                        batch["old"], sampling_logprobs, batch["mask"], batch["advantages"][:, 0], 0.05
+                    )
                     weighted = {**batch, "advantages": batch["advantages"] * weights}
                     whole = step(rloo, weighted, [torch.arange(B)])
                     for size, micro_batches in splits(order).items():

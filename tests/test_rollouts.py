@@ -3,6 +3,7 @@ metrics of a rollout sampled from older weights, the refusals, and end to end on
 an exact resume after a SIGKILL, and rloo_multigpu.py on two processes."""
 
 import dataclasses
+import re
 import os
 import threading
 import time
@@ -175,6 +176,52 @@ def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand(scrip
     sequence = script.importance_sampling_weights(old, sampled, mask, "sequence_mask", 0.5, 3.0)
     metrics = script.sampling_metrics(old, sampled, mask, sequence, sequence_ratios)
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 2)  # exp(-3.5) masked
+
+
+@pytest.mark.parametrize("script", [rloo_vllm, rloo_multigpu])
+def test_the_two_sequence_masks_by_hand(script):
+    """The geometric mask (SkyRL; OpenRLHF's and NeMo-RL's seq-mask-tis) keeps a completion whose mean token log-ratio
+    log pi_trainer - log pi_vllm is inside log [0.99, 1.01], whatever its length; the off-policy sequence mask
+    (DeepSeek-V3.2) drops a completion with A < 0 whose mean log pi_vllm - log pi_trainer exceeds the threshold. Each
+    logs the share of completions it masked."""
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, 0.0, 0.0], [-2.0, -2.0, -2.0, 0.0]])  # the trainer's
+    drift = torch.tensor([[0.005, 0.005, 0.005, 0.005], [0.04, 0.0, 0.0, 0.0], [-0.3, -0.3, -0.3, 0.0]])
+    sampled = old + drift  # vLLM's: row 0 a little likelier throughout, row 1 on its first token, row 2 less likely
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    ratios = script.importance_sampling_weights(old, sampled, mask, "sequence_geometric_mask", None, None)
+    # geometric means exp(-0.005), exp(-0.02), exp(0.3): one per completion, however long
+    torch.testing.assert_close(ratios, torch.tensor([[-0.005], [-0.02], [0.3]]).exp())
+    kept = script.importance_sampling_weights(old, sampled, mask, "sequence_geometric_mask", 0.99, 1.01)
+    assert kept.flatten().tolist() == [pytest.approx(ratios[0, 0].item()), 0.0, 0.0]  # exp(-0.02) < 0.99 masked
+    # the product ratio of row 0 is exp(-0.02): a sequence_mask with the same bounds would keep it, and its length
+    # decides that (30 such tokens would be masked by a product, never by the mean)
+    metrics = script.sampling_metrics(old, sampled, mask, kept, ratios)
+    assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(2 / 3)
+
+    advantages = torch.tensor([-1.0, -1.0, 1.0])
+    # mean drift log pi_vllm - log pi_trainer: 0.005, 0.02, -0.3
+    kept = script.off_policy_sequence_mask(old, sampled, mask, advantages, threshold=0.008)
+    assert kept.flatten().tolist() == [1.0, 0.0, 1.0]  # row 1 drifted past it with A < 0; row 2 has A > 0
+    assert script.off_policy_sequence_mask(old, sampled, mask, -advantages, 0.008).flatten().tolist() == [1.0] * 3
+    assert script.off_policy_sequence_mask(old, sampled, mask, advantages, 0.0).flatten().tolist() == [0.0, 0.0, 1.0]
+    metrics = script.sampling_metrics(old, sampled, mask, None, None, kept)
+    assert metrics["sampling/off_policy_masked_fraction"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ({"vllm_geometric_mask_bounds": (1.0, 1.01)}, "must hold 1 between them"),
+        ({"vllm_geometric_mask_bounds": (0.9, 1.1)}, "are the bounds of --vllm_importance_sampling_mode"),
+        ({"vllm_off_policy_mask_threshold": -0.1}, "must be >= 0"),
+        ({"vllm_off_policy_mask_threshold": 0.1, "vllm_importance_sampling_correction": False}, "give one of them"),
+    ],
+)
+def test_bad_sequence_mask_options_are_refused(options, needle, tiny):
+    for script in (rloo_vllm, rloo_multigpu):
+        args = dataclasses.replace(script.Args(model_name_or_path=tiny["policy"]), **options)
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            check_vllm_args(args, server=True)
 
 
 def test_max_staleness_is_refused_where_it_cannot_be_overlapped_or_corrected(tiny):

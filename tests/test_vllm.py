@@ -397,6 +397,39 @@ def test_with_top_p_the_importance_ratio_is_one_before_any_update(script, mode, 
     assert row["sampling/sampling_logp_difference/mean"] < 1e-3, row
 
 
+@pytest.mark.parametrize("script, mode", [("rloo_vllm.py", "colocate"), ("rloo_multigpu.py", "server")])
+@pytest.mark.slow
+def test_the_sequence_masks_run_and_keep_what_the_policy_itself_sampled(
+    script, mode, tiny, server, prompts_file, tmp_path
+):
+    """The geometric mask and the off-policy sequence mask in a run: where the sampler is the policy (its weights pushed
+    after every update, its numerics the trainer's to ~1e-6) no completion is masked by either, and both shares are
+    logged; the masks themselves are tested by hand in tests/test_rollouts.py."""
+    where = ["--vllm_server_base_url", server["url"]] if mode == "server" else ["--vllm_mode", mode]
+    proc = run_rloo(
+        *("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", 64),
+        *(
+            "--reward_funcs",
+            f"{REWARDS}:text_length",
+            "--per_device_train_batch_size",
+            32,
+            "--max_completion_length",
+            8,
+        ),
+        *("--learning_rate", "3e-3", "--beta", 0, "--num_sample_generations", 0, "--seed", 3, *where),
+        *("--vllm_importance_sampling_mode", "sequence_geometric_mask", "--off_policy_mask_threshold", "0.001"),
+        cwd=tmp_path,
+        script=script,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2 and all(row["optim/grad_norm"] > 0 for row in rows)  # masked rows would give 0
+    for row in rows:
+        assert row["sampling/importance_sampling_ratio/clipped_fraction"] == 0, row
+        assert row["sampling/off_policy_masked_fraction"] == 0, row
+        assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, row
+
+
 def resume_args(tiny, data, *extra):
     """6 updates of 2 epochs x 2 minibatches with a KL and sample tables, a checkpoint every 3 (as test_resume.py's)."""
     return [
