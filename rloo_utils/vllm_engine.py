@@ -166,6 +166,14 @@ def check_vllm_args(args, server: bool) -> None:
                 f"--generation_kwargs {json.dumps(args.generation_kwargs)}: vLLM's SamplingParams cannot "
                 f"use it ({describe(e)})"
             ) from None
+    sequence_masks = (
+        args.vllm_off_policy_mask_threshold is not None or "geometric" in args.vllm_importance_sampling_mode
+    )
+    if not server and not hasattr(args, "vllm_mode") and sequence_masks:
+        raise UsageError(
+            "the sequence masks (--vllm_off_policy_mask_threshold, sequence_geometric_mask) weigh a vLLM server's "
+            "samples, and this run generates with HF generate: give --vllm_server_host, or leave them out"
+        )
     if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
         if not server and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")
@@ -181,17 +189,7 @@ def check_vllm_args(args, server: bool) -> None:
                 "want and unset the variable"
             )
         defaults = {f.name: f.default for f in fields(args)}
-        server_only = [
-            f
-            for f in (
-                "vllm_server_base_url",
-                "vllm_server_host",
-                "vllm_server_port",
-                "vllm_server_timeout",
-                "vllm_server_weight_transfer",
-            )
-            if getattr(args, f) != defaults[f]
-        ]
+        server_only = [f for f in sorted(WHERE_THE_SERVER_IS) if getattr(args, f) != defaults[f]]
         if not server and server_only:
             raise UsageError(
                 f"--{server_only[0]} is for a vLLM server and --vllm_mode is colocate: add --vllm_mode "

@@ -224,6 +224,18 @@ def test_bad_sequence_mask_options_are_refused(options, needle, tiny):
             check_vllm_args(args, server=True)
 
 
+def test_the_sequence_masks_need_vllm_samples(tiny):
+    """rloo_multigpu.py without a server generates with HF generate: no sampler log-probs to mask with."""
+    for options in (
+        {"vllm_off_policy_mask_threshold": 0.1},
+        {"vllm_importance_sampling_mode": "sequence_geometric_mask"},
+    ):
+        args = dataclasses.replace(rloo_multigpu.Args(model_name_or_path=tiny["policy"]), **options)
+        with pytest.raises(UsageError, match="this run generates with HF generate"):
+            check_vllm_args(args, server=False)
+        check_vllm_args(args, server=True)  # with a server: taken
+
+
 def test_max_staleness_is_refused_where_it_cannot_be_overlapped_or_corrected(tiny):
     def refused(script, server, *needles, **options):
         args = dataclasses.replace(script.Args(model_name_or_path=tiny["policy"]), **options)
