@@ -166,9 +166,8 @@ def check_vllm_args(args, server: bool) -> None:
                 f"--generation_kwargs {json.dumps(args.generation_kwargs)}: vLLM's SamplingParams cannot "
                 f"use it ({describe(e)})"
             ) from None
-    sequence_masks = (
-        args.vllm_off_policy_mask_threshold is not None or "geometric" in args.vllm_importance_sampling_mode
-    )
+    geometric = args.vllm_importance_sampling_mode == "sequence_geometric_mask"
+    sequence_masks = args.vllm_off_policy_mask_threshold is not None or geometric
     if not server and not hasattr(args, "vllm_mode") and sequence_masks:
         raise UsageError(
             "the sequence masks (--vllm_off_policy_mask_threshold, sequence_geometric_mask) weigh a vLLM server's "
