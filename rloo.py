@@ -43,7 +43,7 @@ from rloo_utils.models import (
     shared_prompt_cache,
     weights_finite,
 )
-from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
+from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, task_scores
 
 
 @dataclass
@@ -73,6 +73,10 @@ class Args(options.FeatureOptions):
     """sampling temperature; log-probs are computed on logits / temperature"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose G scores are all equal (no gradient) is dropped, new prompts sampled"""
+    max_sampling_rounds: int = 10
+    """(dynamic_sampling) rounds of sampling per update, the first included; then dropped groups fill what is missing"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
@@ -430,11 +434,13 @@ def main(args: Args) -> None:
         logprobs_of = packing.padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
+    # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
+    # sample tables and held-out evaluation
     sampler = Sampler(args, policy, models, plan, stop_ids, eos_ids, device, autocast)
     scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
     logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
+    resampler = rollouts.DynamicSampling(args, sampler, scorer, plan.train_dataset, generation_config)
     console.print(runs.first_line(args, plan, run_dir, device))
     console.print(evaluator.plan())
 
@@ -461,8 +467,26 @@ def main(args: Args) -> None:
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in plan.extra_columns}
         with timer("generation"):
             rollout = sampler.sample(prompts, columns, generation_config)  # (B, P) prompts, (B, C) completions
-        mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
+
+        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
+        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
+        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
+        with timer("reward"):
+            rewards_per_func, completions = scorer.score(rollout)  # (B, F)
+        sampled = {}  # --dynamic_sampling: groups with equal scores give no gradient; new prompts' take their place
+        if args.dynamic_sampling:
+            rollout, rewards_per_func, completions, sampled = resampler.refill(
+                rollout, rewards_per_func, completions, update, timer
+            )
+        scores = task_scores(rewards_per_func, scorer.weights, rollout.ended, args.missing_eos_penalty)  # (B,)
+        check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
+        if args.normalize_reward:
+            scores = whiten_nan(scores, eps=1e-8)
+        if args.reward_clip_range is not None:
+            scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
+
         # log pi_old: a forward of its own only for the KL or a later minibatch; else the update's forward fills it
+        mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         if not ratio_is_one or ref_policy is not None:
             with timer("old_logprobs"):
@@ -470,20 +494,6 @@ def main(args: Args) -> None:
         if ref_policy is not None:
             with timer("reference_forward"), lora.adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (B, C)
-
-        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
-        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
-        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
-        with timer("reward"):
-            rewards_per_func, completions = scorer.score(rollout)  # (B, F)
-        scores = weighted_reward(rewards_per_func, scorer.weights)  # (B,)
-        if args.missing_eos_penalty is not None:
-            scores = torch.where(rollout.ended, scores, scores - args.missing_eos_penalty)
-        check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
-        if args.normalize_reward:
-            scores = whiten_nan(scores, eps=1e-8)
-        if args.reward_clip_range is not None:
-            scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:
@@ -563,7 +573,8 @@ def main(args: Args) -> None:
         micro = dict(zip(stats, torch.stack([torch.stack(v).float() for v in stats.values()]).tolist()))  # one sync
         losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
-        logged_columns, logged_metrics = scorer.logs.take(len(prompts))  # what reward functions logged
+        generated_tokens = sampled.get("sampling/generated_tokens", float(mask.sum()))  # every round's
+        logged_columns, logged_metrics = scorer.logs.take(len(rollout.prompts))  # what reward functions logged
         metrics = {
             "episode": progress.episode,
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
@@ -572,7 +583,12 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
+            **(
+                logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, rollout.turns.completions)
+                if rollout.turns
+                else {}
+            ),
+            **sampled,
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -585,7 +601,7 @@ def main(args: Args) -> None:
             "prompts/truncated": rollout.num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": num_tokens / update_seconds,
-            "perf/generated_tokens_per_second": float(mask.sum()) / max(timer.seconds["generation"], 1e-9),
+            "perf/generated_tokens_per_second": generated_tokens / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **logged_metrics,
@@ -596,7 +612,7 @@ def main(args: Args) -> None:
         logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
             rows = logs.completion_rows(
-                [data.message_text(p) for p in logs.gather_objects(prompts)],
+                [data.message_text(p) for p in logs.gather_objects(rollout.prompts)],
                 logs.gather_objects(completions),
                 rewards_per_func,
                 scorer.names,

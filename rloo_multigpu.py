@@ -78,7 +78,7 @@ from rloo_utils.processes import (
     reduce_micro_stats,
     whole,
 )
-from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
+from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, task_scores
 from rloo_utils.sharded import (
     ShardingOptions,
     gathered,
@@ -131,6 +131,10 @@ class Args(options.FeatureOptions, ShardingOptions, ServerOptions, ImportanceSam
     """sampling temperature; log-probs are computed on logits / temperature"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose G scores are all equal (no gradient) is dropped, new prompts sampled"""
+    max_sampling_rounds: int = 10
+    """(dynamic_sampling) rounds of sampling per update, the first included; then dropped groups fill what is missing"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
@@ -508,13 +512,15 @@ def main(args: Args) -> None:
     local_mini_batch_size = mini_batch_size // world_size
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
+    # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
+    # sample tables and held-out evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
     sampler = Sampler(args, policy, server, models, plan, stop_ids, eos_ids, device)
     scorer = ShardedScorer(args, models, plan, trainer_state, device, autocast, console)
     with agreed():
         logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
+    resampler = rollouts.DynamicSampling(args, sampler, scorer, plan.train_dataset, generation_config)
     console.print(runs.first_line(args, plan, run_dir, device, world_size))
     console.print(evaluator.plan())
 
@@ -567,13 +573,25 @@ def main(args: Args) -> None:
             rollout = sampler.sample(
                 prompts, columns, generation_config, queued.request["seeds"], outputs=queued.outputs
             )
+
+        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping (over the batch, below)
+        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
+        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
+        with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
+            rewards_per_func, completions = scorer.score(rollout)  # (b, F)
+        sampled = {}  # --dynamic_sampling: groups with equal scores give no gradient; new prompts' take their place
+        if args.dynamic_sampling:  # each process its own groups, every process in every round
+            rollout, rewards_per_func, completions, sampled = resampler.refill(
+                rollout, rewards_per_func, completions, update, timer
+            )
+
+        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
+        # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
+        # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
         if server is not None:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
                 check_engine(server, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         mask = rollout.policy_mask  # (b, C) the tokens the policy chose: only they enter loss and KL
-        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
-        # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
-        # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
         is_correction = server is not None and args.vllm_importance_sampling_correction
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (b, C)
         trainer_sampling_logprobs = old_logprobs
@@ -586,12 +604,6 @@ def main(args: Args) -> None:
                 ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (b, C)
             if ref_policy is not policy:
                 reshard(ref_policy)
-
-        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
-        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
-        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
-        with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
-            rewards_per_func, completions = scorer.score(rollout)  # (b, F)
 
         # The whole batch on every process, in rank order: the rewards, baselines, normalisations and metrics below are
         # those of one process holding every row; each process then updates on its own rows, from own_rows on.
@@ -612,12 +624,12 @@ def main(args: Args) -> None:
         ref_logprobs = gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
         trainer_sampling_logprobs = gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
         tool_calls = (
-            all_reduce(torch.tensor([rollout.turns.calls, rollout.turns.failures])).tolist() if rollout.turns else None
+            all_reduce(torch.tensor([rollout.turns.calls, rollout.turns.failures, rollout.turns.completions])).tolist()
+            if rollout.turns
+            else None
         )
         mask = rollout.policy_mask  # (B, C)
-        scores = weighted_reward(rewards_per_func, scorer.weights)  # (B,)
-        if args.missing_eos_penalty is not None:
-            scores = torch.where(rollout.ended, scores, scores - args.missing_eos_penalty)
+        scores = task_scores(rewards_per_func, scorer.weights, rollout.ended, args.missing_eos_penalty)  # (B,)
         with agreed():  # every process holds the whole batch: they stop together
             check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
         if args.normalize_reward:
@@ -739,9 +751,13 @@ def main(args: Args) -> None:
         micro = reduce_micro_stats(stats)  # of the global micro-batches
         losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
-        logged_columns, logged_metrics = scorer.logs.take(len(prompts))  # what reward functions logged
-        # the rollout's generation: with --max_staleness the server's own seconds, in the queue's thread
-        generation_seconds = queued.seconds if args.max_staleness else timer.seconds["generation"]
+        logged_columns, logged_metrics = scorer.logs.take(len(rollout.prompts))  # what reward functions logged
+        # the rollout's generation: with --max_staleness the server's own seconds, in the queue's thread (and those of
+        # --dynamic_sampling's rounds, made when the update asked for them)
+        generation_seconds = timer.seconds["generation"]
+        if args.max_staleness:
+            generation_seconds = queued.seconds + timer.seconds["resampling"]
+        generated_tokens = sampled.get("sampling/generated_tokens", float(mask.sum()))  # every round's
         metrics = {
             "episode": progress.episode,
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
@@ -750,7 +766,8 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(logs.tool_metrics(*tool_calls, batch_size) if rollout.turns else {}),
+            **(logs.tool_metrics(*tool_calls) if rollout.turns else {}),
+            **sampled,
             **(
                 sampling_metrics(
                     trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
@@ -770,7 +787,7 @@ def main(args: Args) -> None:
             "prompts/truncated": rollout.num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": num_tokens / update_seconds,
-            "perf/generated_tokens_per_second": float(mask.sum()) / max(generation_seconds, 1e-9),
+            "perf/generated_tokens_per_second": generated_tokens / max(generation_seconds, 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **(
@@ -786,7 +803,7 @@ def main(args: Args) -> None:
         logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
             rows = logs.completion_rows(
-                [data.message_text(p) for p in logs.gather_objects(prompts)],
+                [data.message_text(p) for p in logs.gather_objects(rollout.prompts)],
                 logs.gather_objects(completions),
                 rewards_per_func,
                 scorer.names,
@@ -888,6 +905,12 @@ class Sampler(rollouts.BaseSampler):
             for i, (ids, n) in enumerate(zip(turn_ids, lengths))
         ]
 
+    def seeds_for(self, update: int, round_: int, num_rows: int) -> list[int]:
+        """This process's rows' seeds: of the global batch's, a function of (--seed, update, round, row), so a resumed
+        run draws what the uninterrupted one drew."""
+        first, batch_size = dist.get_rank() * num_rows, num_rows * dist.get_world_size()  # this process's rows
+        return sampling_seeds(self.args.seed, update, batch_size, round_)[first : first + num_rows]
+
     def request(self, batches, config, update: int) -> dict:
         """What the rollout of an update samples: this process's prompts of the next batch, each repeated G times (its
         completions adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters
@@ -896,8 +919,7 @@ class Sampler(rollouts.BaseSampler):
         batch, G = next(batches), self.args.num_generations
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
-        first, batch_size = dist.get_rank() * len(prompts), len(prompts) * dist.get_world_size()  # this process's rows
-        seeds = sampling_seeds(self.args.seed, update, batch_size)[first : first + len(prompts)]
+        seeds = self.seeds_for(update, 0, len(prompts))
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
         if self.args.max_staleness:
             prompt_ids, prompt_mask = tokenize_prompts(

@@ -42,7 +42,7 @@ from rich.console import Console
 
 from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, rollouts, runs, vision
 from rloo_utils.models import end_token_ids, set_up_cuda, tokenize_prompts, weights_finite
-from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, weighted_reward
+from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, task_scores
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
     ColocatedVLLM,
@@ -87,6 +87,10 @@ class Args(options.FeatureOptions, VLLMOptions, ImportanceSamplingOptions):
     """sampling temperature; log-probs are computed on logits / temperature"""
     mask_truncated_completions: bool = False
     """completions that did not end get no gradient; their reward, KL penalty included, still counts in the baseline"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose G scores are all equal (no gradient) is dropped, new prompts sampled"""
+    max_sampling_rounds: int = 10
+    """(dynamic_sampling) rounds of sampling per update, the first included; then dropped groups fill what is missing"""
 
     # RL objective
     beta: Annotated[float, tyro.conf.arg(aliases=("--kl_coef",))] = 0.05
@@ -450,11 +454,13 @@ def main(args: Args) -> None:
         logprobs_of = packing.padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # The loop's seams: prompts to a rollout, a rollout to rewards, the sample tables and held-out evaluation
+    # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
+    # sample tables and held-out evaluation
     sampler = Sampler(args, engine, models, plan, stop_ids, eos_ids, device)
     scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
     logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
+    resampler = rollouts.DynamicSampling(args, sampler, scorer, plan.train_dataset, generation_config)
     console.print(runs.first_line(args, plan, run_dir, device))
     console.print(evaluator.plan())
 
@@ -498,15 +504,33 @@ def main(args: Args) -> None:
             rollout = sampler.sample(
                 prompts, columns, generation_config, queued.request["seeds"], outputs=queued.outputs
             )
-        if args.vllm_mode == "colocate":
+
+        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
+        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
+        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
+        with timer("reward"):
+            rewards_per_func, completions = scorer.score(rollout)  # (B, F)
+        sampled = {}  # --dynamic_sampling: groups with equal scores give no gradient; new prompts' take their place
+        if args.dynamic_sampling:
+            rollout, rewards_per_func, completions, sampled = resampler.refill(
+                rollout, rewards_per_func, completions, update, timer
+            )
+        scores = task_scores(rewards_per_func, scorer.weights, rollout.ended, args.missing_eos_penalty)  # (B,)
+        check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
+        if args.normalize_reward:
+            scores = whiten_nan(scores, eps=1e-8)
+        if args.reward_clip_range is not None:
+            scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
+
+        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
+        # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
+        # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
+        if args.vllm_mode == "colocate":  # sampling is over (a reward model's forward shared the device with it)
             engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
         else:  # the server still holds this run's weights: no other run pushed its own
             with timer("engine_check"):
                 check_engine(engine, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
-        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
-        # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
-        # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or args.vllm_importance_sampling_correction or support:
@@ -516,20 +540,6 @@ def main(args: Args) -> None:
         if ref_policy is not None:
             with timer("reference_forward"), lora.adapter_disabled(ref_policy):
                 ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (B, C)
-
-        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
-        trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
-        trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
-        with timer("reward"):
-            rewards_per_func, completions = scorer.score(rollout)  # (B, F)
-        scores = weighted_reward(rewards_per_func, scorer.weights)  # (B,)
-        if args.missing_eos_penalty is not None:
-            scores = torch.where(rollout.ended, scores, scores - args.missing_eos_penalty)
-        check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
-        if args.normalize_reward:
-            scores = whiten_nan(scores, eps=1e-8)
-        if args.reward_clip_range is not None:
-            scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:
@@ -641,9 +651,13 @@ def main(args: Args) -> None:
         micro = dict(zip(stats, torch.stack([torch.stack(v).float() for v in stats.values()]).tolist()))  # one sync
         losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
-        logged_columns, logged_metrics = scorer.logs.take(len(prompts))  # what reward functions logged
-        # the rollout's generation: with --max_staleness the server's own seconds, in the queue's thread
-        generation_seconds = queued.seconds if args.max_staleness else timer.seconds["generation"]
+        logged_columns, logged_metrics = scorer.logs.take(len(rollout.prompts))  # what reward functions logged
+        # the rollout's generation: with --max_staleness the server's own seconds, in the queue's thread (and those of
+        # --dynamic_sampling's rounds, made when the update asked for them)
+        generation_seconds = timer.seconds["generation"]
+        if args.max_staleness:
+            generation_seconds = queued.seconds + timer.seconds["resampling"]
+        generated_tokens = sampled.get("sampling/generated_tokens", float(mask.sum()))  # every round's
         metrics = {
             "episode": progress.episode,
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
@@ -652,7 +666,12 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, len(prompts)) if rollout.turns else {}),
+            **(
+                logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, rollout.turns.completions)
+                if rollout.turns
+                else {}
+            ),
+            **sampled,
             **sampling_metrics(
                 trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
             ),
@@ -668,7 +687,7 @@ def main(args: Args) -> None:
             "prompts/truncated": rollout.num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": num_tokens / update_seconds,
-            "perf/generated_tokens_per_second": float(mask.sum()) / max(generation_seconds, 1e-9),
+            "perf/generated_tokens_per_second": generated_tokens / max(generation_seconds, 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **(
@@ -684,7 +703,7 @@ def main(args: Args) -> None:
         logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
             rows = logs.completion_rows(
-                [data.message_text(p) for p in logs.gather_objects(prompts)],
+                [data.message_text(p) for p in logs.gather_objects(rollout.prompts)],
                 logs.gather_objects(completions),
                 rewards_per_func,
                 scorer.names,
@@ -739,6 +758,11 @@ class Sampler(rollouts.BaseSampler):
         pad_completions(outputs, max(budgets), self.tokenizer.pad_token_id, self.stop_ids, self.device)  # each ended
         return [(ids[:budget], logprobs[:budget]) for (ids, logprobs), budget in zip(outputs, budgets)]
 
+    def seeds_for(self, update: int, round_: int, num_rows: int) -> list[int]:
+        """Each row's seed: a function of (--seed, update, round, row), so a resumed run draws what the uninterrupted
+        one drew."""
+        return sampling_seeds(self.args.seed, update, num_rows, round_)
+
     def request(self, batches, config, update: int) -> dict:
         """What the rollout of an update samples: the next batch's prompts, each repeated G times (its completions
         adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
@@ -747,7 +771,7 @@ class Sampler(rollouts.BaseSampler):
         batch, G = next(batches), self.args.num_generations
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
-        seeds = sampling_seeds(self.args.seed, update, len(prompts))
+        seeds = self.seeds_for(update, 0, len(prompts))
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
         if self.args.max_staleness:
             prompt_ids, prompt_mask = tokenize_prompts(

@@ -8,6 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from rloo_utils.errors import UsageError, describe
@@ -58,6 +59,21 @@ def prompt_batches(dataset, prompts_per_rollout: int, seed: int, skip: int, rank
 
     for rows in itertools.islice(index_batches(), skip, None):
         yield dataset[rows[rank * prompts_per_rollout // world_size : (rank + 1) * prompts_per_rollout // world_size]]
+
+
+def resampled_prompts(
+    dataset, num_prompts: int, seed: int, update: int, round_: int, rank: int = 0, world_size: int = 1
+):
+    """--dynamic_sampling's prompts for one more round of an update: num_prompts per process, drawn without replacement
+    (with it from a dataset too small), a function of (--seed, update, round) only, so that a resumed run draws what the
+    uninterrupted one drew without a stream to checkpoint; of them, this process's share."""
+    generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, update, round_]).generate_state(1)[0]))
+    total = num_prompts * world_size
+    if total <= len(dataset):
+        rows = torch.randperm(len(dataset), generator=generator)[:total].tolist()
+    else:
+        rows = torch.randint(len(dataset), (total,), generator=generator).tolist()
+    return dataset[rows[rank * num_prompts : (rank + 1) * num_prompts]]
 
 
 def load_prompt_dataset(name: str, split: str):

@@ -289,6 +289,7 @@ def check_args(args, world_size: int = 1) -> None:
         "local_rollout_forward_batch_size",
         "max_grad_norm",
         "max_skipped_steps",
+        "max_sampling_rounds",
     ]  # (--ddp_timeout: init_processes)
     for name in positive:
         if not getattr(args, name) > 0:
@@ -326,6 +327,12 @@ def check_args(args, world_size: int = 1) -> None:
         )
     check_estimator_and_loss(args)
     check_overlong_punishment(args)
+    rounds_default = type(args).__dataclass_fields__["max_sampling_rounds"].default
+    if args.max_sampling_rounds != rounds_default and not args.dynamic_sampling:
+        raise UsageError(
+            f"--max_sampling_rounds {args.max_sampling_rounds} bounds --dynamic_sampling's rounds, and the run does "
+            "not sample dynamically: add --dynamic_sampling, or leave the option out"
+        )
     check_adapter_args(args)
     check_trl_options(args)
     if args.num_generations < 2:

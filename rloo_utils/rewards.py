@@ -222,6 +222,13 @@ class RewardLogs:
     def log_metric(self, name: str, value: float) -> None:
         self.metrics[name].append(float(value))
 
+    def keep_rows(self, rows: list[int], num_scored: int) -> None:
+        """Only these rows of the columns logged since the last take, of num_scored rows scored (--dynamic_sampling:
+        the rows an update keeps of every round's); a column of another length is left for take() to report."""
+        for name, values in self.columns.items():
+            if len(values) == num_scored:
+                self.columns[name] = [values[i] for i in rows]
+
     def take(self, num_rows: int) -> tuple[dict[str, list], dict[str, float]]:
         """The columns and the metrics logged since the last take, over every process (rank order, as the batch is
         gathered; None in the rows of a process that gave no such column); then empty."""
@@ -473,6 +480,15 @@ def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     """(B, F) -> (B,): NaN-aware weighted sum; a row where every source returned None stays NaN."""
     total = torch.nansum(rewards_per_func * weights, dim=1)
     return torch.where(rewards_per_func.isnan().all(1), torch.nan, total)
+
+
+def task_scores(rewards_per_func, weights, ended, missing_eos_penalty: Optional[float]) -> torch.Tensor:
+    """(B,) each completion's score: the sources' weighted sum (NaN-aware), less --missing_eos_penalty where the
+    completion did not end (old TRL's EOS trick); before the batch's normalisation and the KL penalty."""
+    scores = weighted_reward(rewards_per_func, weights)
+    if missing_eos_penalty is not None:
+        scores = torch.where(ended, scores, scores - missing_eos_penalty)
+    return scores
 
 
 def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:

@@ -22,9 +22,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from rloo_utils.data import resampled_prompts
 from rloo_utils.models import tokenize_prompts
-from rloo_utils.processes import get_rank, get_world_size
+from rloo_utils.processes import agreed, all_reduce, get_rank, get_world_size, max_over_processes
+from rloo_utils.rewards import task_scores
 from rloo_utils.tools import MultiTurn
 
 
@@ -117,6 +120,11 @@ class BaseSampler:
             sampling_logprobs=sampling_logprobs,
         )
 
+    def seeds_for(self, update: int, round_: int, num_rows: int) -> Optional[list[int]]:
+        """One seed per row of an update's rollout (its round_-th under --dynamic_sampling), for a sampler that seeds
+        each completion (vLLM's); None: HF generate draws from torch's generator, which a checkpoint keeps."""
+        return None
+
     def next_turn(self, contexts: list[list[int]], budgets: list[int], rows: list[int], round_: int, config, seeds):
         """A multi-turn rollout's next model turn after each context (its prompt, and its turns and tool results so
         far), for MultiTurn.generate: the script's generate_turn gives the ids up to and including the first stop token,
@@ -142,6 +150,124 @@ def completion_mask_from(completion_ids: torch.Tensor, stop_ids: list[int], eos_
     mask = torch.arange(completion_ids.shape[1], device=completion_ids.device)[None] <= first_stop[:, None]
     holds_eos = (torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)) & mask).any(1)
     return mask.long(), stopped | holds_eos
+
+
+def rows_of_rollouts(pieces: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Rollout:
+    """The chosen rows of several rollouts as one (--dynamic_sampling's rounds), in order: prompts left-padded to the
+    longest, completions right-padded; the truncated prompts and the tools' counts of every row sampled."""
+    index = [torch.tensor(rows, dtype=torch.long) for _, rows in pieces]
+
+    def rows_of(name: str, left: bool = False, value: float = 0) -> torch.Tensor:
+        parts = [getattr(rollout, name)[i.to(getattr(rollout, name).device)] for (rollout, _), i in zip(pieces, index)]
+        width = max(t.shape[1] for t in parts)
+        return torch.cat(
+            [F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value) for t in parts]
+        )
+
+    first = pieces[0][0]
+    return Rollout(
+        prompts=[rollout.prompts[i] for rollout, rows in pieces for i in rows],
+        columns={c: [rollout.columns[c][i] for rollout, rows in pieces for i in rows] for c in first.columns},
+        prompt_ids=rows_of("prompt_ids", left=True, value=pad_token_id),
+        prompt_mask=rows_of("prompt_mask", left=True),
+        completion_ids=rows_of("completion_ids", value=pad_token_id),
+        completion_mask=rows_of("completion_mask"),
+        tool_mask=rows_of("tool_mask"),
+        ended=torch.cat([rollout.ended[i.to(rollout.ended.device)] for (rollout, _), i in zip(pieces, index)]),
+        num_truncated=sum(rollout.num_truncated for rollout, _ in pieces),
+        images=None if first.images is None else [rollout.images[i] for rollout, rows in pieces for i in rows],
+        turns=None if first.turns is None else MultiTurn.gather([(rollout.turns, rows) for rollout, rows in pieces]),
+        sampling_logprobs=None if first.sampling_logprobs is None else rows_of("sampling_logprobs"),
+    )
+
+
+def varied_groups(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(num_groups,) whether each group of G adjacent scores holds two scored ones (not NaN) that differ: a group
+    without has advantage 0 under every group baseline (DAPO's filter, Yu et al. 2025, Eq. 11: 0 < #correct < G)."""
+    s = scores.view(-1, num_generations)
+    scored = ~s.isnan()
+    highest, lowest = s.nan_to_num(-torch.inf).amax(1), s.nan_to_num(torch.inf).amin(1)
+    return (scored.sum(1) > 1) & (highest > lowest)
+
+
+class DynamicSampling:
+    """--dynamic_sampling (DAPO, Yu et al. 2025, section 3.2): an update's groups whose scores are all equal are dropped
+    and prompts drawn anew (data.resampled_prompts) are sampled and scored in their place, a round at a time, each round
+    as many prompts as groups are still missing (so no completion is generated to be thrown away for want of room; with
+    processes, as many as the process that misses most), until the update holds its number of groups or
+    --max_sampling_rounds rounds have run; then the places still missing take the last dropped groups, trained on as
+    without dynamic sampling. Decided on the score (rewards.task_scores: the reward sources and the EOS penalty), not
+    the reward with its KL penalty, under which almost no group is uniform."""
+
+    def __init__(self, args, sampler: BaseSampler, scorer, dataset, config):
+        self.args, self.sampler, self.scorer, self.dataset, self.config = args, sampler, scorer, dataset, config
+
+    def refill(self, rollout: Rollout, rewards_per_func: torch.Tensor, completions: list[str], update: int, timer):
+        """The update's first round (sampled and scored) -> the rollout of the kept groups, their (B, F) rewards and
+        decoded completions, and the metrics of what was sampled (sampling/*, over every process). Every round's
+        generation counts to the update's time/generation (and time/resampling), its scoring to time/reward."""
+        args, G = self.args, self.args.num_generations
+        num_groups = len(rollout.prompts) // G
+        rounds = [(rollout, rewards_per_func, completions)]  # per round: its rollout, (b, F) rewards, completions
+        kept, dropped = [], []  # (round, group) in the order sampled: the groups with varied scores the update takes
+        counts = torch.zeros(
+            5, dtype=torch.float64
+        )  # groups sampled, of them uniform; sum and number of scores; tokens
+        while True:
+            piece, piece_rewards, _ = rounds[-1]
+            scores = task_scores(piece_rewards, self.scorer.weights, piece.ended, args.missing_eos_penalty)  # (b,)
+            varied = varied_groups(scores, G).tolist()
+            counts += torch.tensor(
+                [len(varied), varied.count(False), scores.nansum(), (~scores.isnan()).sum(), piece.policy_mask.sum()],
+                dtype=torch.float64,
+            )
+            for group, is_varied in enumerate(varied):
+                (kept if is_varied and len(kept) < num_groups else dropped).append((len(rounds) - 1, group))
+            missing = max_over_processes(num_groups - len(kept))  # every process samples every round: a collective
+            if missing == 0 or len(rounds) >= args.max_sampling_rounds:
+                break
+            batch = resampled_prompts(
+                self.dataset, missing, args.seed, update, len(rounds), get_rank(), get_world_size()
+            )
+            prompts = [p for p in batch["prompt"] for _ in range(G)]
+            columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
+            seeds = self.sampler.seeds_for(update, len(rounds), len(prompts))
+            with timer("generation"), timer("resampling"):
+                piece = self.sampler.sample(prompts, columns, self.config, seeds)
+            with timer("reward"), agreed():  # a reward function that raises on one process stops all of them
+                rounds.append((piece, *self.scorer.score(piece)))
+
+        # the kept groups, and where rounds ran out the last dropped ones, in the order of their rounds
+        short = num_groups - len(kept)
+        rows = [[] for _ in rounds]  # per round: the rows the update takes
+        for round_, group in kept + (dropped[len(dropped) - short :] if short else []):
+            rows[round_] += range(group * G, (group + 1) * G)
+        offsets = np.cumsum([0] + [len(piece.prompts) for piece, _, _ in rounds]).tolist()
+        self.scorer.logs.keep_rows([offsets[r] + i for r, taken in enumerate(rows) for i in taken], offsets[-1])
+        result = rows_of_rollouts(
+            [(piece, taken) for (piece, _, _), taken in zip(rounds, rows)], self.sampler.tokenizer.pad_token_id
+        )
+        result_rewards = torch.cat([r[taken] for (_, r, _), taken in zip(rounds, rows)])  # (B, F)
+        result_completions = [texts[i] for (_, _, texts), taken in zip(rounds, rows) for i in taken]
+
+        # what was sampled, over every process
+        counts = torch.cat(
+            [counts, torch.tensor([len(kept), short, float(result.policy_mask.sum())], dtype=torch.float64)]
+        )
+        if dist.is_initialized():
+            counts = all_reduce(counts.to(rollout.completion_ids.device)).cpu()
+        sampled, uniform, score_sum, num_scores, tokens, num_kept, num_short, tokens_taken = counts.tolist()
+        metrics = {
+            "sampling/rounds": len(rounds),
+            "sampling/groups_sampled": sampled,
+            "sampling/groups_zero_std": uniform,  # dropped: all their scores equal
+            "sampling/groups_kept": num_kept,
+            "sampling/groups_short": num_short,  # places the rounds left unfilled: taken by dropped groups
+            "sampling/score_mean": score_sum / max(num_scores, 1),  # every sampled completion's: the policy's own
+            "sampling/generated_tokens": tokens,  # the policy's tokens of every round
+            "sampling/discarded_tokens": tokens - tokens_taken,  # of them, those not trained on
+        }
+        return result, result_rewards, result_completions, metrics
 
 
 # ---- Asynchronous rollouts -------------------------------------------------------------------------------------------

@@ -222,6 +222,7 @@ class MultiTurn:
     ended: list[bool] = field(default_factory=list)
     calls: int = 0
     failures: int = 0
+    completions: int = 0  # the rows the two counts are over: this batch's, or every round's (gather)
     width: int = 0
     sampler_gave_logprobs: bool = True  # False: HF generate's turns, which come without log-probs
 
@@ -238,6 +239,7 @@ class MultiTurn:
         self.ids, self.tool_mask = [[] for _ in range(rows)], [[] for _ in range(rows)]
         self.sampler_logprobs, self.sampler_gave_logprobs = [[] for _ in range(rows)], True
         self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
+        self.completions = rows
         active, round_ = list(range(rows)), 0
         while any_process(bool(active)):  # every process makes every turn: a sharded model's forward is a collective
             if not active:  # this process's rollouts have ended: it makes the turn on a row of its own, and drops it
@@ -268,6 +270,22 @@ class MultiTurn:
                 self.messages[i] += results
                 going_on.append(i)
             active, round_ = going_on, round_ + 1
+
+    @staticmethod
+    def gather(pieces: list[tuple["MultiTurn", list[int]]]) -> "MultiTurn":
+        """The chosen rows of several batches as one (--dynamic_sampling's rounds); the tools' counts stay those of
+        every row sampled. An environment is read when its rollout is scored, before another round resets it."""
+        per_row = ("prompts", "environments", "schemas", "tools", "ids", "tool_mask", "sampler_logprobs", "messages")
+        return MultiTurn(
+            **{
+                name: [getattr(turns, name)[i] for turns, rows in pieces for i in rows] for name in per_row + ("ended",)
+            },
+            calls=sum(turns.calls for turns, _ in pieces),
+            failures=sum(turns.failures for turns, _ in pieces),
+            completions=sum(turns.completions for turns, _ in pieces),
+            width=max(turns.width for turns, _ in pieces),
+            sampler_gave_logprobs=all(turns.sampler_gave_logprobs for turns, _ in pieces),
+        )
 
     def tensors(self, pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
         """(B, C) ids padded with pad_token_id to --max_completion_length, completion mask, tool mask; (B,) ended;

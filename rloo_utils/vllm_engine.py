@@ -362,13 +362,15 @@ def sampler_support(top_k: int, top_p: float, min_p: Optional[float]) -> Optiona
     return support
 
 
-def sampling_seeds(seed: int, update: int, n: int) -> list[int]:
+def sampling_seeds(seed: int, update: int, n: int, round_: int = 0) -> list[int]:
     """One seed per completion, a function of (--seed, update, row) only: the samples do not depend on what the engine
     did before, so a resumed run draws what the uninterrupted run drew. The seeds are consecutive, base + row: the G
     completions of prompt g (rows g*G ... g*G+G-1) are then what one request for G completions (n=G) seeded base + g*G
     draws, since vLLM seeds the i-th completion of such a request with seed + i (vllm/v1/engine/parallel_sampling.py);
-    that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ."""
-    base = int(np.random.SeedSequence([seed, update]).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
+    that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ.
+    round_: --dynamic_sampling's rounds after the first, each a stream of its own."""
+    entropy = [seed, update] + ([round_] if round_ else [])
+    base = int(np.random.SeedSequence(entropy).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
     return [base + row for row in range(n)]
 
 

@@ -190,3 +190,9 @@ async def async_hangs_from_the_second_update(completions, trainer_state, **kwarg
         open("hanging", "w").close()
         await asyncio.sleep(3600)
     return [len(_text(c)) / 10 for c in completions]
+
+
+def first_token_is_a_multiple_of_4(completion_ids, **kwargs):
+    """1 where the completion's first token id is a multiple of 4: a 0/1 reward the tiny random model earns on about a
+    quarter of its completions, so that about a third of its groups of 4 score all 0 (--dynamic_sampling drops them)."""
+    return [float(bool(ids) and ids[0] % 4 == 0) for ids in completion_ids]

@@ -26,7 +26,8 @@ INTENDED_DIFFERENCES = {
     "Sampler.completions": "rloo_multigpu.py: a server's completions that one process cannot read stop every process",
     "Sampler.generate": "HF generate; vLLM's engine; HF generate on a sharded model, or a server",
     "Sampler.generate_turn": "a multi-turn rollout's turn: HF's generation config, or vLLM's sampling parameters",
-    "Sampler.request": "rloo_multigpu.py: this process's share of the batch, and of its seeds",
+    "Sampler.request": "rloo_multigpu.py: this process's share of the batch",
+    "Sampler.seeds_for": "rloo_multigpu.py: this process's share of the global batch's seeds",
     "Sampler.background_outputs": "rloo_vllm.py: vLLM's engine or a server; rloo_multigpu.py: a server",
 }
 
@@ -156,6 +157,7 @@ def test_a_script_imports_only_the_plumbing_it_uses(script):
 ADDED = {
     "rloo_vllm.py": {
         "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples",
+        "Sampler.seeds_for": "vLLM seeds each completion: a function of (--seed, update, round, row)",
         "Sampler.background_outputs": "the rollout queue: an update's completions made ahead, in its thread",
         "Sampler.completions": "vLLM's completions (the engine's, or the queue's made ahead) as tensors",
         "weights_for_vllm": "weight sync: the policy's weights as vLLM loads them",
@@ -164,6 +166,7 @@ ADDED = {
     },
     "rloo_multigpu.py": {
         "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples, this process's share",
+        "Sampler.seeds_for": "a server or HF generate seeds each completion: this process's share of the seeds",
         "Sampler.background_outputs": "the rollout queue: an update's completions made ahead by the server",
         "Sampler.completions": "the server's completions (its answers, or the queue's made ahead) as tensors",
         "ShardedScorer": "the reward model's FSDP units resharded after its forward",

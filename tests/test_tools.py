@@ -596,6 +596,37 @@ def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_r
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_on_multi_turn_rollouts_trains_and_logs_the_rows_it_keeps(
+    tool_policy, vault_data, tools_file, tmp_path
+):
+    """--dynamic_sampling with the vault's environments: the extra rounds reset environments of the pool after the
+    first round's were scored, and the update keeps whole groups of every round: the completions table holds the kept
+    rows with the rewards (and the environments' get_reward) they were given, the update's means are theirs, and the
+    tools' counts are over every completion sampled."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    (tmp_path / "run").mkdir()
+    extra = ["--dynamic_sampling", "--max_sampling_rounds", 3, "--seed", 4]
+    metrics, completions, _ = vault_run(
+        "rloo.py", tool_policy, vault_data, tools_file, rewards, tmp_path / "run", *extra
+    )
+    assert any(row["sampling/rounds"] > 1 for row in metrics)
+    for row in metrics:
+        assert row["sampling/groups_kept"] + row["sampling/groups_short"] == 4
+        assert 0 < row["tools/call_frequency"] <= 1
+        update = [r for r in completions if r["step"] == row["step"]]
+        assert len(update) == 16
+        assert row["rewards/said_the_secret/mean"] == pytest.approx(
+            statistics.mean(r["said_the_secret"] for r in update)
+        )
+        assert row["rewards/Vault/mean"] == pytest.approx(statistics.mean(r["Vault"] for r in update))
+        scores = [r["said_the_secret"] + r["Vault"] for r in update]
+        groups = [scores[i : i + 4] for i in range(0, 16, 4)]
+        kept = sum(max(g) > min(g) for g in groups)  # the groups with varied scores: those kept
+        assert kept == row["sampling/groups_kept"], (groups, row)
+
+
+@pytest.mark.slow
 def test_vllm_and_hf_generation_lay_out_a_multi_turn_completion_alike(vault_runs):
     """The greedy sample table before any update, with rloo.py's HF generation and rloo_vllm.py's vLLM server: the
     same completions, tool results and second turns included."""
