@@ -8,8 +8,9 @@ A run is a folder under --runs holding metrics.jsonl (and args.json, the options
 option of args.json (--group, exp_name by default: rloo, rloo_vllm...; a run without it is a group of its own) or by a regular expression on the run folder's
 name (--regex: its first group, or the whole match; runs it does not match are left out). Each group is one line
 per metric: the mean over its runs at each x, shaded between mean - std and mean + std (the sample std over runs;
-none for a single run). x is the episode (completions so far), or the training time in minutes (--x wall: episode / eps,
-the seconds the run has trained, a resumed run's earlier part included). The held-out evaluation's metrics (eval/...)
+none for a single run). x is the episode (completions so far), the training time in minutes (--x wall: episode / eps,
+the seconds the run has trained, a resumed run's earlier part included), or the completion tokens generated so far
+(--x generated: the honest x of --dynamic_sampling, which generates more per update). The held-out evaluation's metrics (eval/...)
 are rows of their own, at the episode of the update they follow (--x wall: the training time at that update). Runs of
 a group whose x values differ (wall time) are interpolated onto the x values of the group's shortest run. The table printed after it gives each group's
 mean of the first and last --last points of each metric.
@@ -83,15 +84,21 @@ def group_runs(runs: list[dict], key: str, regex) -> dict[str, list[dict]]:
 
 
 def series(rows: list[dict], metric: str, x: str) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of one run's metric, rows without a finite value left out. x: episode, or training minutes. An update's
-    row holds its episode and eps; an evaluation's, its step (the episode it follows), and the minutes trained so far
-    are those of the update before it."""
-    points, minutes = [], 0.0
+    """(x, y) of one run's metric, rows without a finite value left out. x: episode, training minutes, or the
+    completion tokens generated so far (every round of --dynamic_sampling: sampling/generated_tokens; a run without it,
+    completions/mean_length times the update's completions). An update's row holds its episode and eps; an
+    evaluation's, its step (the episode it follows), and the minutes trained (tokens generated) so far are those of the
+    update before it."""
+    points, minutes, generated, episode = [], 0.0, 0.0, 0
     for r in rows:
         if "episode" in r:
             minutes = r["episode"] / r["eps"] / 60 if x == "wall" else minutes
+            if x == "generated":
+                generated += r.get("sampling/generated_tokens", r["completions/mean_length"] * (r["episode"] - episode))
+            episode = r["episode"]
         if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric]):
-            points.append((r.get("episode", r.get("step")) if x == "episode" else minutes, r[metric]))
+            at = {"episode": r.get("episode", r.get("step")), "wall": minutes, "generated": generated}[x]
+            points.append((at, r[metric]))
     return np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points], dtype=float)
 
 
@@ -125,7 +132,7 @@ def draw(groups: dict[str, list[dict]], metrics: list[str], x: str, title: str =
             (line,) = ax.plot(xs, mean, label=f"{name} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
             ax.fill_between(xs, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_title(metric)
-        ax.set_xlabel("episode" if x == "episode" else "training time (minutes)")
+        ax.set_xlabel({"episode": "episode", "wall": "training time (minutes)", "generated": "tokens generated"}[x])
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
     if title:
@@ -160,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--group", default="exp_name", help="the option of args.json that groups runs")
     parser.add_argument("--regex", default=None, help="group by this regular expression on the run folder name instead")
     parser.add_argument("--metrics", nargs="+", default=["reward", "kl", "completions/mean_length"])
-    parser.add_argument("--x", choices=["episode", "wall"], default="episode")
+    parser.add_argument("--x", choices=["episode", "wall", "generated"], default="episode")
     parser.add_argument("--last", type=int, default=4, help="points averaged for the first and last values printed")
     parser.add_argument("--title", default="")
     parser.add_argument("--output", required=True, help="the PNG to write")
@@ -204,6 +211,22 @@ def main(argv=None) -> int:
             raise ValueError(
                 f"run {bad} has a row without a positive eps (episodes per second), which --x wall needs: "
                 "use --x episode, or leave that run out with --regex"
+            )
+        if cli.x == "generated" and (
+            bad := next(
+                (
+                    run["name"]
+                    for runs in groups.values()
+                    for run in runs
+                    for r in run["rows"]
+                    if "episode" in r and "sampling/generated_tokens" not in r and "completions/mean_length" not in r
+                ),
+                None,
+            )
+        ):
+            raise ValueError(
+                f"run {bad} has an update without sampling/generated_tokens or completions/mean_length, which --x "
+                "generated counts: use --x episode, or leave that run out with --regex"
             )
     except ValueError as e:
         parser.error(str(e))

@@ -314,6 +314,24 @@ def test_the_plot_draws_the_mean_and_spread_of_the_runs_metrics(two_runs, tmp_pa
     np.testing.assert_allclose(mean, expected)
 
 
+def test_the_plot_counts_the_tokens_generated_over_every_round():
+    """--x generated: a run of --dynamic_sampling counts every round's tokens (sampling/generated_tokens), another run
+    its completions' mean length times the update's completions; an evaluation sits at the tokens of the update before."""
+    dynamic = [
+        {"episode": 32, "eps": 1.0, "reward": 0.5, "sampling/generated_tokens": 500.0, "completions/mean_length": 10.0},
+        {"step": 32, "eval/pass@1": 0.25},
+        {"episode": 64, "eps": 1.0, "reward": 0.75, "sampling/generated_tokens": 700.0, "completions/mean_length": 9.0},
+    ]
+    plain = [
+        {"episode": 32, "eps": 1.0, "reward": 0.5, "completions/mean_length": 10.0},
+        {"episode": 64, "eps": 1.0, "reward": 0.5, "completions/mean_length": 8.0},
+    ]
+    xs, ys = plot.series(dynamic, "reward", "generated")
+    assert xs.tolist() == [500.0, 1200.0] and ys.tolist() == [0.5, 0.75]
+    assert plot.series(dynamic, "eval/pass@1", "generated")[0].tolist() == [500.0]
+    assert plot.series(plain, "reward", "generated")[0].tolist() == [320.0, 576.0]
+
+
 @pytest.mark.slow
 def test_the_plot_refuses_bad_input_in_one_line(two_runs, tmp_path):
     cwd, _ = two_runs
@@ -571,6 +589,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
         "vllm_sampling_seeds.py",
         "vllm_timing.py",
         "async_timing.py",
+        "off_policy_masks.py",
         "launch.py",
         "plot.py",
         "judge.py",
@@ -699,6 +718,7 @@ def test_the_lora_benchmark_runs_both_and_draws_their_curves(tiny, prompts_file,
     [
         ("embedded_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
         ("arithmetic_cpu.sh", ["rloo.py"] * 3 + ["rloo_vllm.py"] * 3),
+        ("arithmetic_dynamic_cpu.sh", ["rloo.py"] * 6),
         ("tldr.sh", ["rloo_vllm.py"] * 3 + ["rloo_multigpu.py"] * 3),
     ],
 )
@@ -1270,3 +1290,22 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
     )
     assert unbalanced.returncode == 2 and "--regex '(rloo' is not a regular expression" in unbalanced.stderr
     assert "Traceback" not in unbalanced.stderr
+
+
+@pytest.mark.slow
+def test_off_policy_masks_prints_the_kl_and_each_masks_share_for_both_runs(tmp_path):
+    """benchmark/off_policy_masks.py on the test model (its own server, 3 updates a run): the table's rows, the masks'
+    shares only where the run has the mask, each a fraction."""
+    proc = run_script(
+        os.path.join(ROOT, "benchmark", "off_policy_masks.py"), "--preset", "tiny", "--updates", 3, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = {line[:40].strip(): line[40:].split() for line in proc.stdout.splitlines()[2:]}
+    assert (
+        table["sampler-policy KL per token, mean"][0] != "-"
+        and float(table["sampler-policy KL per token, mean"][1]) >= 0
+    )
+    assert table["share left out by the geometric mask"][0] == "-"
+    assert table["share of weights truncated"][1] == "-"
+    for label in ("share left out by the geometric mask", "share left out by the off-policy mask"):
+        assert 0 <= float(table[label][1]) <= 1

@@ -20,6 +20,7 @@ from rloo_utils.options import check_args
 from rloo_utils.rewards import RewardLogs, task_scores
 from rloo_utils.rollouts import DynamicSampling, Rollout, rows_of_rollouts, varied_groups
 from rloo_utils.tools import MultiTurn
+from rloo_utils.vllm_engine import sampling_seeds
 from tests.conftest import ROOT, read_metrics, run_env, run_outcome, run_rloo, wait_for_updates
 from tests.test_multigpu import run_torchrun
 from tests.test_vllm import REWARDS
@@ -204,6 +205,17 @@ def test_resampled_prompts_depend_on_seed_update_and_round_only_and_split_betwee
     both = draw(1, 2, 1, rank=0, world_size=2) + draw(1, 2, 1, rank=1, world_size=2)
     assert len(set(both)) == 6  # without replacement over both processes
     assert len(data.resampled_prompts(dataset_of(2), 3, 1, 1, 1)["answer"]) == 3  # a tiny dataset: with replacement
+
+
+def test_each_round_of_an_update_has_seeds_of_its_own_and_the_first_keeps_todays():
+    """vLLM's samplers seed each completion by (--seed, update, round, row): the first round's seeds are those of a run
+    without dynamic sampling, a later round's differ from every other round's and update's."""
+    import numpy as np
+
+    base = int(np.random.SeedSequence([7, 3]).generate_state(1)[0])
+    assert sampling_seeds(7, 3, 4) == sampling_seeds(7, 3, 4, 0) == [base + row for row in range(4)]
+    streams = [tuple(sampling_seeds(7, update, 4, round_)) for update in (3, 4) for round_ in (0, 1, 2)]
+    assert len(set(streams)) == 6
 
 
 def test_max_sampling_rounds_below_one_or_without_dynamic_sampling_is_refused(tiny):
