@@ -47,6 +47,17 @@ def pinned(core: int, command: list[str]) -> list[str]:
     return ["taskset", "--cpu-list", str(core), *command]
 
 
+def server_and_trainer_cores(parser, updates: int) -> tuple[int, int]:
+    """Two of this process's cores, the server's and the trainer's; one line for fewer, or for fewer than 3 updates a
+    run (the first two are dropped)."""
+    if updates < 3:
+        parser.error(f"--updates must be >= 3 (the first two are dropped), got {updates}")
+    if len(os.sched_getaffinity(0)) < 2:
+        parser.error("the server and the trainer each need a core of their own: this process may use fewer than 2")
+    server_core, trainer_core = sorted(os.sched_getaffinity(0))[:2]
+    return server_core, trainer_core
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = lambda message: sys.exit(f"async_timing.py: error: {message}")  # one line, no usage block
@@ -56,11 +67,7 @@ def main():
     parser.add_argument("--completions", type=int, default=8, help="completions per update (prompts x 2)")
     parser.add_argument("--max_completion_length", type=int, default=64)
     cli = parser.parse_args()
-    if cli.updates < 3:
-        parser.error(f"--updates must be >= 3 (the first two are dropped), got {cli.updates}")
-    if len(os.sched_getaffinity(0)) < 2:
-        parser.error("the server and the trainer each need a core of their own: this process may use fewer than 2")
-    server_core, trainer_core = sorted(os.sched_getaffinity(0))[:2]
+    server_core, trainer_core = server_and_trainer_cores(parser, cli.updates)
 
     with tempfile.TemporaryDirectory() as workdir:
         model = hf_folder(cli.preset, workdir)

@@ -23,7 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
-from async_timing import ONE_CORE, pinned  # noqa: E402
+from async_timing import ONE_CORE, pinned, server_and_trainer_cores  # noqa: E402
 from vllm_timing import hf_folder, run, start_server  # noqa: E402
 
 ARITHMETIC = [
@@ -54,11 +54,7 @@ def main():
     parser.add_argument("--max_staleness", type=int, default=2)
     parser.add_argument("--threshold", type=float, default=0.03, help="--vllm_off_policy_mask_threshold of the masks")
     cli = parser.parse_args()
-    if cli.updates < 3:
-        parser.error(f"--updates must be >= 3 (the first two are dropped), got {cli.updates}")
-    if len(os.sched_getaffinity(0)) < 2:
-        parser.error("the server and the trainer each need a core of their own: this process may use fewer than 2")
-    server_core, trainer_core = sorted(os.sched_getaffinity(0))[:2]
+    server_core, trainer_core = server_and_trainer_cores(parser, cli.updates)
 
     with tempfile.TemporaryDirectory() as workdir:
         model = hf_folder(cli.preset, workdir)

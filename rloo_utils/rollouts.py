@@ -261,6 +261,7 @@ class DynamicSampling:
             "sampling/rounds": len(rounds),
             "sampling/groups_sampled": sampled,
             "sampling/groups_zero_std": uniform,  # dropped: all their scores equal
+            "sampling/frac_groups_zero_std": uniform / sampled,  # of every group sampled
             "sampling/groups_kept": num_kept,
             "sampling/groups_short": num_short,  # places the rounds left unfilled: taken by dropped groups
             "sampling/score_mean": score_sum / max(num_scores, 1),  # every sampled completion's: the policy's own

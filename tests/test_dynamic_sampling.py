@@ -168,6 +168,7 @@ def test_dropped_groups_are_replaced_by_as_many_new_prompts_a_round_until_the_ba
     assert metrics["sampling/rounds"] == 1 + len(sampler.asked)
     assert metrics["sampling/groups_sampled"] == sampled
     assert metrics["sampling/groups_zero_std"] == 2 + sum(not varied[a] for answers in drawn for a in answers)
+    assert metrics["sampling/frac_groups_zero_std"] == metrics["sampling/groups_zero_std"] / sampled
     assert (metrics["sampling/groups_kept"], metrics["sampling/groups_short"]) == (4, 0)
     assert metrics["sampling/generated_tokens"] == 2 * G * sampled  # 2 tokens per completion, every round's
     assert metrics["sampling/discarded_tokens"] == 2 * G * (sampled - 4)

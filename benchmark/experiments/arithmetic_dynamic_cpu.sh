@@ -21,14 +21,14 @@ python benchmark/launch.py --num_seeds 3 --workers 1 \
 cat <<PLOT
 Held-out accuracy and the share of groups dropped, against the tokens generated (runs/*/metrics.jsonl):
 python benchmark/plot.py --runs runs --regex '^(arith_plain|arith_dynamic)__' --x generated \\
-    --metrics eval/pass@1 reward sampling/groups_zero_std --output benchmark/results/arithmetic_dynamic_cpu.png
+    --metrics eval/pass@1 reward sampling/frac_groups_zero_std --output benchmark/results/arithmetic_dynamic_cpu.png
 
 The held-out accuracy at the first and last evaluation of each run:
 python benchmark/accuracy_table.py --runs runs --regex '^(arith_plain|arith_dynamic)__'
 
 From W&B (with --track; openrlbenchmark 0.3.1 in an environment of its own, benchmark/requirements-openrlbenchmark.txt):
 .venv-openrlbenchmark/bin/python -m openrlbenchmark.rlops_multi_metrics \\
-    --filters '?we=\${WANDB_ENTITY:-your-entity}&wpn=rloo&xaxis=train/episode&ceik=dataset_name&cen=exp_name&metrics=train/reward&metrics=train/sampling/groups_zero_std' \\
+    --filters '?we=\${WANDB_ENTITY:-your-entity}&wpn=rloo&xaxis=train/episode&ceik=dataset_name&cen=exp_name&metrics=train/reward&metrics=train/sampling/frac_groups_zero_std' \\
         "arith_plain?tag=\$(git describe --tags --always --dirty)" "arith_dynamic?tag=\$(git describe --tags --always --dirty)" \\
     --env-ids data/arithmetic --pc.ncols 2 --output-filename benchmark/results/arithmetic_dynamic_openrlbenchmark --scan-history
 PLOT
