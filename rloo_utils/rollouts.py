@@ -210,9 +210,8 @@ class DynamicSampling:
         num_groups = len(rollout.prompts) // G
         rounds = [(rollout, rewards_per_func, completions)]  # per round: its rollout, (b, F) rewards, completions
         kept, dropped = [], []  # (round, group) in the order sampled: the groups with varied scores the update takes
-        counts = torch.zeros(
-            5, dtype=torch.float64
-        )  # groups sampled, of them uniform; sum and number of scores; tokens
+        # groups sampled, of them uniform; the scores' sum and number; the policy's tokens
+        counts = torch.zeros(5, dtype=torch.float64)
         while True:
             piece, piece_rewards, _ = rounds[-1]
             scores = task_scores(piece_rewards, self.scorer.weights, piece.ended, args.missing_eos_penalty)  # (b,)
