@@ -1290,22 +1290,3 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
     )
     assert unbalanced.returncode == 2 and "--regex '(rloo' is not a regular expression" in unbalanced.stderr
     assert "Traceback" not in unbalanced.stderr
-
-
-@pytest.mark.slow
-def test_off_policy_masks_prints_the_kl_and_each_masks_share_for_both_runs(tmp_path):
-    """benchmark/off_policy_masks.py on the test model (its own server, 3 updates a run): the table's rows, the masks'
-    shares only where the run has the mask, each a fraction."""
-    proc = run_script(
-        os.path.join(ROOT, "benchmark", "off_policy_masks.py"), "--preset", "tiny", "--updates", 3, cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    table = {line[:40].strip(): line[40:].split() for line in proc.stdout.splitlines()[2:]}
-    assert (
-        table["sampler-policy KL per token, mean"][0] != "-"
-        and float(table["sampler-policy KL per token, mean"][1]) >= 0
-    )
-    assert table["share left out by the geometric mask"][0] == "-"
-    assert table["share of weights truncated"][1] == "-"
-    for label in ("share left out by the geometric mask", "share left out by the off-policy mask"):
-        assert 0 <= float(table[label][1]) <= 1
