@@ -1,8 +1,10 @@
 """Held-out accuracy of runs on a task with a right answer, at their first and last evaluation: the evaluation's
 pass@k (metrics.jsonl: eval/pass@1, eval/pass@<n>, with --eval_success_threshold) and greedy pass@1 (samples.jsonl:
 the mean reward of the greedy sample table over the test prompts, which is the accuracy when the reward is 1 for a right
-answer and 0 otherwise, as benchmark/experiments/arithmetic_cpu.sh trains). One row per run, then each group's mean
-and standard deviation over its runs, as a markdown table:
+answer and 0 otherwise, as benchmark/experiments/arithmetic_cpu.sh trains), and the completion tokens the run generated
+to its last update (every round of --dynamic_sampling: sampling/generated_tokens; else completions/mean_length times
+each update's completions), the x of an equal-compute comparison. One row per run, then each group's mean and standard
+deviation over its runs, as a markdown table:
 
     python benchmark/accuracy_table.py --runs runs --regex '^(rloo|rloo_vllm)__'
 """
@@ -38,6 +40,16 @@ def run_accuracy(run: str) -> dict[str, tuple[float, float]]:
     return found
 
 
+def generated_tokens(run: str) -> float:
+    """The completion tokens the run generated, over its updates."""
+    total, episode = 0.0, 0
+    for row in read_jsonl(os.path.join(run, "metrics.jsonl")):
+        if "episode" in row:
+            total += row.get("sampling/generated_tokens", row["completions/mean_length"] * (row["episode"] - episode))
+            episode = row["episode"]
+    return total
+
+
 def mean_and_std(values):
     """'0.739 ± 0.042': the sample standard deviation, 0 for a single run."""
     spread = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -67,17 +79,20 @@ def main(argv=None) -> int:
         )
     names = sorted({name for runs in groups.values() for accuracy in runs.values() for name in accuracy})
     names = ["greedy pass@1", *[n for n in names if n != "greedy pass@1"]] if "greedy pass@1" in names else names
-    print(f"| group | run | {' | '.join(f'{n}: first -> last' for n in names)} |")
-    print(f"|---|---|{'---|' * len(names)}")
+    print(f"| group | run | tokens generated | {' | '.join(f'{n}: first -> last' for n in names)} |")
+    print(f"|---|---|---|{'---|' * len(names)}")
     for group, runs in groups.items():
+        tokens = {run: generated_tokens(run) for run in runs}
         for run, accuracy in runs.items():
             cells = [f"{accuracy[n][0]:.3f} -> {accuracy[n][1]:.3f}" if n in accuracy else "" for n in names]
-            print(f"| {group} | {os.path.basename(run)} | {' | '.join(cells)} |")
+            print(f"| {group} | {os.path.basename(run)} | {tokens[run]:.0f} | {' | '.join(cells)} |")
         cells = []
         for name in names:
             pairs = [accuracy[name] for accuracy in runs.values() if name in accuracy]
             cells.append(" -> ".join(mean_and_std(values) for values in zip(*pairs)))
-        print(f"| **{group}** | **mean ± std of {len(runs)}** | {' | '.join(cells)} |")
+        spread = statistics.stdev(tokens.values()) if len(tokens) > 1 else 0.0
+        mean_tokens = f"{statistics.mean(tokens.values()):.0f} ± {spread:.0f}"
+        print(f"| **{group}** | **mean ± std of {len(runs)}** | {mean_tokens} | {' | '.join(cells)} |")
     return 0
 
 

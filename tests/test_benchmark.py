@@ -1247,15 +1247,18 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
 @pytest.mark.slow
 def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(tmp_path):
     """benchmark/accuracy_table.py: each run's pass@k at its first and last evaluation, greedy pass@1 as the mean reward
-    of its first and last sample tables, each group's mean ± std; one line when no run has two evaluations or the
-    regular expression is not one."""
+    of its first and last sample tables, the completion tokens generated (a run of --dynamic_sampling: every round's),
+    each group's mean ± std; one line when no run has two evaluations or the regular expression is not one."""
     for name, (first, last) in {"rloo__1__1": (0.2, 0.6), "rloo__2__1": (0.4, 0.8), "other__1__1": (0.0, 0.0)}.items():
         run = tmp_path / "runs" / name
+        update = {"step": 32, "episode": 32, "reward": 0.5, "completions/mean_length": 5.0}
+        if name == "rloo__2__1":
+            update["sampling/generated_tokens"] = 300.0
         write_jsonl(
             str(run / "metrics.jsonl"),
             [
                 {"step": 0, "eval/pass@1": first, "eval/pass@8": first + 0.1},
-                {"step": 32, "episode": 32, "reward": 0.5},
+                update,
                 {"step": 64, "eval/pass@1": last, "eval/pass@8": last + 0.1},
             ],
         )
@@ -1269,10 +1272,14 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
     )
     assert table.returncode == 0, table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0] == "| group | run | greedy pass@1: first -> last | pass@1: first -> last | pass@8: first -> last |"
-    assert rows[1] == "| rloo | rloo__1__1 | 0.000 -> 0.500 | 0.200 -> 0.600 | 0.300 -> 0.700 |"
+    assert rows[0] == (
+        "| group | run | tokens generated | greedy pass@1: first -> last | pass@1: first -> last | "
+        "pass@8: first -> last |"
+    )
+    assert rows[1] == "| rloo | rloo__1__1 | 160 | 0.000 -> 0.500 | 0.200 -> 0.600 | 0.300 -> 0.700 |"
+    assert rows[2] == "| rloo | rloo__2__1 | 300 | 0.000 -> 0.500 | 0.400 -> 0.800 | 0.500 -> 0.900 |"
     assert rows[-1] == (
-        "| **rloo** | **mean ± std of 2** | 0.000 ± 0.000 -> 0.500 ± 0.000 | 0.300 ± 0.141 -> 0.700 ± 0.141 | "
+        "| **rloo** | **mean ± std of 2** | 230 ± 99 | 0.000 ± 0.000 -> 0.500 ± 0.000 | 0.300 ± 0.141 -> 0.700 ± 0.141 | "
         "0.400 ± 0.141 -> 0.800 ± 0.141 |"
     )
     none = subprocess.run(
