@@ -7,6 +7,7 @@ each update's completions), the x of an equal-compute comparison. One row per ru
 deviation over its runs, as a markdown table:
 
     python benchmark/accuracy_table.py --runs runs --regex '^(rloo|rloo_vllm)__'
+    python benchmark/accuracy_table.py --runs runs --regex '^(arith_plain|arith_dynamic)__' --at_tokens 11000
 """
 
 import argparse
@@ -17,37 +18,57 @@ import re
 import statistics
 import sys
 
+import numpy as np
+
 
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_accuracy(run: str) -> dict[str, tuple[float, float]]:
-    """Each accuracy of a run: (at its first evaluation, at its last)."""
+def run_evaluations(run: str) -> dict[str, list[tuple[int, float]]]:
+    """Each accuracy of a run at each of its evaluations: [(the episode it follows, value)]."""
     evaluations = [row for row in read_jsonl(os.path.join(run, "metrics.jsonl")) if "eval/pass@1" in row]
     found = {}
-    if len(evaluations) >= 2:
-        for name in sorted({k for k in evaluations[0] if re.fullmatch(r"eval/pass@\d+", k)}, key=lambda k: int(k[10:])):
-            found[name[5:]] = (evaluations[0][name], evaluations[-1][name])
+    for name in sorted({k for k in evaluations[0] if re.fullmatch(r"eval/pass@\d+", k)} if evaluations else []):
+        found[name[5:]] = [(row["step"], row[name]) for row in evaluations if name in row]
     samples = os.path.join(run, "samples.jsonl")
     tables = {}
     for row in read_jsonl(samples) if os.path.exists(samples) else []:
         tables.setdefault(row["step"], []).append(row["reward"])
-    if len(tables) >= 2:
-        first, last = tables[min(tables)], tables[max(tables)]
-        found["greedy pass@1"] = (sum(first) / len(first), sum(last) / len(last))
+    found["greedy pass@1"] = [(step, sum(rewards) / len(rewards)) for step, rewards in sorted(tables.items())]
+    return {name: points for name, points in found.items() if len(points) >= 2}
+
+
+def run_accuracy(run: str, at_tokens=None) -> dict[str, tuple]:
+    """Each accuracy of a run: (at its first evaluation, at its last); with at_tokens, (its value where the run had
+    generated that many tokens, between the evaluations around it; None past its last)."""
+    evaluations = run_evaluations(run)
+    if at_tokens is None:
+        return {name: (points[0][1], points[-1][1]) for name, points in evaluations.items()}
+    tokens = tokens_by_episode(run)
+    found = {}
+    for name, points in evaluations.items():
+        xs = [max(t for e, t in tokens.items() if e <= episode) for episode, _ in points]  # the updates before it
+        ys = [value for _, value in points]
+        found[name] = (float(np.interp(at_tokens, xs, ys)) if at_tokens <= xs[-1] else None,)
     return found
 
 
-def generated_tokens(run: str) -> float:
-    """The completion tokens the run generated, over its updates."""
-    total, episode = 0.0, 0
+def tokens_by_episode(run: str) -> dict[int, float]:
+    """The completion tokens the run generated up to each episode its updates end at (0 before the first): every round
+    of --dynamic_sampling (sampling/generated_tokens), else completions/mean_length times the update's completions."""
+    total, episode, tokens = 0.0, 0, {0: 0.0}
     for row in read_jsonl(os.path.join(run, "metrics.jsonl")):
         if "episode" in row:
             total += row.get("sampling/generated_tokens", row["completions/mean_length"] * (row["episode"] - episode))
             episode = row["episode"]
-    return total
+            tokens[episode] = total
+    return tokens
+
+
+def value_text(value) -> str:
+    return "not reached" if value is None else f"{value:.3f}"
 
 
 def mean_and_std(values):
@@ -60,6 +81,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", default=["runs"], help="folders holding run folders")
     parser.add_argument("--regex", required=True, help="groups runs by this regular expression on the folder name")
+    parser.add_argument(
+        "--at_tokens",
+        type=float,
+        default=None,
+        help="each accuracy where the run had generated this many completion tokens (between its evaluations)",
+    )
     args = parser.parse_args(argv)
     try:
         regex = re.compile(args.regex)
@@ -70,7 +97,7 @@ def main(argv=None) -> int:
         for run in sorted(glob.glob(os.path.join(folder, "*", "metrics.jsonl"))):
             run = os.path.dirname(run)
             match = regex.search(os.path.basename(run))
-            accuracy = run_accuracy(run) if match else {}
+            accuracy = run_accuracy(run, args.at_tokens) if match else {}
             if accuracy:
                 groups.setdefault(match.group(1) if match.groups() else match.group(0), {})[run] = accuracy
     if not groups:
@@ -79,17 +106,20 @@ def main(argv=None) -> int:
         )
     names = sorted({name for runs in groups.values() for accuracy in runs.values() for name in accuracy})
     names = ["greedy pass@1", *[n for n in names if n != "greedy pass@1"]] if "greedy pass@1" in names else names
-    print(f"| group | run | tokens generated | {' | '.join(f'{n}: first -> last' for n in names)} |")
+    heading = "first -> last" if args.at_tokens is None else f"at {args.at_tokens:.0f} tokens"
+    print(f"| group | run | tokens generated | {' | '.join(f'{n}: {heading}' for n in names)} |")
     print(f"|---|---|---|{'---|' * len(names)}")
     for group, runs in groups.items():
-        tokens = {run: generated_tokens(run) for run in runs}
+        tokens = {run: max(tokens_by_episode(run).values()) for run in runs}
         for run, accuracy in runs.items():
-            cells = [f"{accuracy[n][0]:.3f} -> {accuracy[n][1]:.3f}" if n in accuracy else "" for n in names]
+            cells = [" -> ".join(value_text(v) for v in accuracy[n]) if n in accuracy else "" for n in names]
             print(f"| {group} | {os.path.basename(run)} | {tokens[run]:.0f} | {' | '.join(cells)} |")
         cells = []
         for name in names:
-            pairs = [accuracy[name] for accuracy in runs.values() if name in accuracy]
+            pairs = [accuracy[name] for accuracy in runs.values() if name in accuracy and None not in accuracy[name]]
             cells.append(" -> ".join(mean_and_std(values) for values in zip(*pairs)))
+            if len(pairs) < len(runs):  # --at_tokens past the last evaluation of some
+                cells[-1] = f"{cells[-1]} ({len(pairs)} of {len(runs)} reached it)" if pairs else "not reached"
         spread = statistics.stdev(tokens.values()) if len(tokens) > 1 else 0.0
         mean_tokens = f"{statistics.mean(tokens.values()):.0f} ± {spread:.0f}"
         print(f"| **{group}** | **mean ± std of {len(runs)}** | {mean_tokens} | {' | '.join(cells)} |")

@@ -1282,6 +1282,22 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
         "| **rloo** | **mean ± std of 2** | 230 ± 99 | 0.000 ± 0.000 -> 0.500 ± 0.000 | 0.300 ± 0.141 -> 0.700 ± 0.141 | "
         "0.400 ± 0.141 -> 0.800 ± 0.141 |"
     )
+    # where each run had generated 80 tokens: halfway from its first evaluation (0 tokens) to its last (160; 300)
+    at = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmark", "accuracy_table.py"), "--runs", tmp_path / "runs"]
+        + ["--regex", "^(rloo)__", "--at_tokens", "200"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rows = [line for line in at.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].endswith("| pass@1: at 200 tokens | pass@8: at 200 tokens |")
+    assert rows[1] == "| rloo | rloo__1__1 | 160 | not reached | not reached | not reached |"
+    assert rows[2] == "| rloo | rloo__2__1 | 300 | 0.333 | 0.667 | 0.767 |"  # 2/3 of the way from 0.4 to 0.8
+    assert rows[3] == (
+        "| **rloo** | **mean ± std of 2** | 230 ± 99 | 0.333 ± 0.000 (1 of 2 reached it) | "
+        "0.667 ± 0.000 (1 of 2 reached it) | 0.767 ± 0.000 (1 of 2 reached it) |"
+    )
     none = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmark", "accuracy_table.py"), "--runs", tmp_path, "--regex", "^x"],
         capture_output=True,
