@@ -2,10 +2,11 @@
 # (v) DAPO's dynamic sampling on the arithmetic task of arithmetic_cpu.sh (SmolLM2-135M-Instruct, data/arithmetic,
 # answer_accuracy, groups of 8, the same learning rate, KL and held-out evaluation), rloo.py over 3 seeds, with and
 # without --dynamic_sampling, compared at equal generated tokens, not equal updates: dynamic sampling generates more
-# per update (the groups it drops, and the prompts sampled in their place), so its runs train on 896 completions (28
-# updates of 32) where the plain runs train on 1280 (40 updates), which on this task generate about as many tokens
-# (docs/verifiable.md has the measured totals). Evaluation every 10 updates (plain) and every 7 (dynamic): 5 points
-# each. One run at a time, on every core (docs/verifiable.md: about 16 and 14 minutes a run on 2 cores).
+# per update (the groups it drops, and the prompts sampled in their place). Its runs train on 896 completions (28
+# updates of 32) where the plain runs train on 1280 (40 updates); measured, they generated about twice the tokens
+# (docs/verifiable.md), so accuracy_table.py --at_tokens reads every run at the same number of tokens. Evaluation every
+# 10 updates (plain) and every 7 (dynamic): 5 points each. One run at a time, on every core (about 13.5 and 14 minutes
+# a run on 2 cores).
 #
 #   bash benchmark/experiments/arithmetic_dynamic_cpu.sh      # extra arguments go to benchmark/launch.py (--dry_run)
 set -euo pipefail
@@ -23,8 +24,9 @@ Held-out accuracy and the share of groups dropped, against the tokens generated 
 python benchmark/plot.py --runs runs --regex '^(arith_plain|arith_dynamic)__' --x generated \\
     --metrics eval/pass@1 reward sampling/frac_groups_zero_std --output benchmark/results/arithmetic_dynamic_cpu.png
 
-The held-out accuracy at the first and last evaluation of each run:
+The held-out accuracy at the first and last evaluation of each run, and where every run had generated 11,300 tokens:
 python benchmark/accuracy_table.py --runs runs --regex '^(arith_plain|arith_dynamic)__'
+python benchmark/accuracy_table.py --runs runs --regex '^(arith_plain|arith_dynamic)__' --at_tokens 11300
 
 From W&B (with --track; openrlbenchmark 0.3.1 in an environment of its own, benchmark/requirements-openrlbenchmark.txt):
 .venv-openrlbenchmark/bin/python -m openrlbenchmark.rlops_multi_metrics \\
