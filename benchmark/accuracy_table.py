@@ -19,6 +19,7 @@ import statistics
 import sys
 
 import numpy as np
+from plot import update_tokens  # (benchmark/, this script's folder)
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -56,12 +57,11 @@ def run_accuracy(run: str, at_tokens=None) -> dict[str, tuple]:
 
 
 def tokens_by_episode(run: str) -> dict[int, float]:
-    """The completion tokens the run generated up to each episode its updates end at (0 before the first): every round
-    of --dynamic_sampling (sampling/generated_tokens), else completions/mean_length times the update's completions."""
+    """The completion tokens the run generated up to each episode its updates end at (0 before the first)."""
     total, episode, tokens = 0.0, 0, {0: 0.0}
     for row in read_jsonl(os.path.join(run, "metrics.jsonl")):
         if "episode" in row:
-            total += row.get("sampling/generated_tokens", row["completions/mean_length"] * (row["episode"] - episode))
+            total += update_tokens(row, episode)
             episode = row["episode"]
             tokens[episode] = total
     return tokens

@@ -83,6 +83,12 @@ def group_runs(runs: list[dict], key: str, regex) -> dict[str, list[dict]]:
     return groups
 
 
+def update_tokens(row: dict, previous_episode: int) -> float:
+    """The completion tokens an update generated: every round of --dynamic_sampling (sampling/generated_tokens), else
+    completions/mean_length times its completions."""
+    return row.get("sampling/generated_tokens", row["completions/mean_length"] * (row["episode"] - previous_episode))
+
+
 def series(rows: list[dict], metric: str, x: str) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) of one run's metric, rows without a finite value left out. x: episode, training minutes, or the
     completion tokens generated so far (every round of --dynamic_sampling: sampling/generated_tokens; a run without it,
@@ -94,7 +100,7 @@ def series(rows: list[dict], metric: str, x: str) -> tuple[np.ndarray, np.ndarra
         if "episode" in r:
             minutes = r["episode"] / r["eps"] / 60 if x == "wall" else minutes
             if x == "generated":
-                generated += r.get("sampling/generated_tokens", r["completions/mean_length"] * (r["episode"] - episode))
+                generated += update_tokens(r, episode)
             episode = r["episode"]
         if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric]):
             at = {"episode": r.get("episode", r.get("step")), "wall": minutes, "generated": generated}[x]

@@ -184,10 +184,8 @@ def rows_of_rollouts(pieces: list[tuple[Rollout, list[int]]], pad_token_id: int)
 def varied_groups(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
     """(num_groups,) whether each group of G adjacent scores holds two scored ones (not NaN) that differ: a group
     without has advantage 0 under every group baseline (DAPO's filter, Yu et al. 2025, Eq. 11: 0 < #correct < G)."""
-    s = scores.view(-1, num_generations)
-    scored = ~s.isnan()
-    highest, lowest = s.nan_to_num(-torch.inf).amax(1), s.nan_to_num(torch.inf).amin(1)
-    return (scored.sum(1) > 1) & (highest > lowest)
+    s = scores.view(-1, num_generations)  # (num_groups, G); NaN (unscored) is neither the highest nor the lowest
+    return s.nan_to_num(-torch.inf).amax(1) > s.nan_to_num(torch.inf).amin(1)
 
 
 class DynamicSampling:
