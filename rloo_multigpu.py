@@ -75,6 +75,7 @@ from rloo_utils.processes import (
     gather_rows,
     init_processes,
     launch_world_size,
+    max_over_processes,
     reduce_micro_stats,
     whole,
 )
@@ -173,6 +174,8 @@ class Args(options.FeatureOptions, ShardingOptions, ServerOptions, ImportanceSam
     """completions per forward/backward micro-batch, on each process"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """micro-batches packed to at most this many tokens (prompt + completion) instead of fixed rows; same gradient"""
     num_mini_batches: int = 1
     """optimizer steps per epoch over one rollout batch"""
     num_ppo_epochs: int = 1
@@ -679,12 +682,14 @@ def main(args: Args) -> None:
                 loss_advantages = loss_advantages * off_policy_kept
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
-        # micro-batches; each micro-batch adds its share of the global minibatch loss (policy_loss) to the gradient,
-        # which FSDP sums over the processes. Each process takes its minibatches from its own rows.
+        # micro-batches (or those --max_tokens_per_micro_batch packs); each micro-batch adds its share of the global
+        # minibatch loss (policy_loss) to the gradient, which FSDP sums over the processes. Each process takes its
+        # minibatches from its own rows.
         policy.train()
         stats = defaultdict(list)  # per micro-batch: sums over the units of the loss (tokens, or completions), extremes
         losses, grad_norms, learning_rates = [], [], []  # per optimizer step
         epoch_generator = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
+        row_tokens = packing.row_tokens(rollout.prompt_mask, rollout.completion_mask, args.padding_free)  # (B,)
         for epoch in range(args.num_ppo_epochs):
             order = own_rows + torch.randperm(local_batch_size, generator=epoch_generator).to(device)
             for mb_start in range(0, local_batch_size, local_mini_batch_size):
@@ -693,8 +698,13 @@ def main(args: Args) -> None:
                 # the tokens of the global minibatch, which a token-mean divides by
                 mini_batch_tokens = all_reduce((mask[mb] * in_loss[mb, None]).sum()).clamp(min=1)
                 step_loss = torch.zeros((), device=device)
-                for mu_start in range(mb_start, mb_start + local_mini_batch_size, args.per_device_train_batch_size):
-                    idx = order[mu_start : mu_start + args.per_device_train_batch_size]
+                for idx in packing.micro_batches(
+                    mb,
+                    row_tokens,
+                    args.per_device_train_batch_size,
+                    args.max_tokens_per_micro_batch,
+                    max_over_processes,
+                ):
                     with timer("policy_forward_backward"):
                         with autocast():
                             logprobs, entropy = logprobs_of(
@@ -722,7 +732,11 @@ def main(args: Args) -> None:
                         )
                         loss.backward()
                     step_loss += loss.detach()
-                    loss_stats.update(entropy=(entropy * mask[idx]).sum(), tokens=mask[idx].sum())
+                    loss_stats.update(
+                        entropy=(entropy * mask[idx]).sum(),
+                        tokens=mask[idx].sum(),
+                        forward_tokens=row_tokens[idx].sum(),
+                    )
                     for name, value in loss_stats.items():
                         stats[name].append(value)
                 step_loss = all_reduce(step_loss)  # the global minibatch's loss

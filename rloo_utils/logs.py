@@ -303,6 +303,9 @@ def update_metrics(
         "val/ratio": statistics.fmean(ratios),
         "val/ratio_var": statistics.variance(ratios) if len(ratios) > 1 else math.nan,
         "optim/grad_norm": statistics.fmean(grad_norms),
+        # what the micro-batches held (--max_tokens_per_micro_batch bounds the largest): prompt and completion tokens
+        "perf/micro_batches_per_step": len(micro["tokens"]) / len(losses),
+        "perf/micro_batch_tokens_max": max(micro["forward_tokens"]),
     }
     if "dual_clipped" in micro:
         metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units

@@ -327,6 +327,13 @@ def check_args(args, world_size: int = 1) -> None:
         )
     check_estimator_and_loss(args)
     check_overlong_punishment(args)
+    longest_row = args.max_prompt_length + args.max_completion_length
+    if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < longest_row:
+        raise UsageError(
+            f"--max_tokens_per_micro_batch {args.max_tokens_per_micro_batch} cannot hold the longest row "
+            f"(--max_prompt_length {args.max_prompt_length} + --max_completion_length {args.max_completion_length} = "
+            f"{longest_row} tokens): give at least {longest_row}, or lower those"
+        )
     rounds_default = type(args).__dataclass_fields__["max_sampling_rounds"].default
     if args.max_sampling_rounds != rounds_default and not args.dynamic_sampling:
         raise UsageError(

@@ -120,6 +120,40 @@ def varlen_kwargs(mask: torch.Tensor, layout: str) -> dict:
     return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": lengths[0], "max_length_k": lengths[0]}
 
 
+def row_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, padding_free: bool) -> torch.Tensor:
+    """(B,) what each row of a rollout costs a training forward, in tokens: its real ones where the forward is
+    padding-free, else the padded width (P + C) that every row takes."""
+    if padding_free:
+        return (prompt_mask.sum(1) + completion_mask.sum(1)).long()
+    return torch.full((len(prompt_mask),), prompt_mask.shape[1] + completion_mask.shape[1], device=prompt_mask.device)
+
+
+def micro_batches(rows: torch.Tensor, tokens: torch.Tensor, size: int, max_tokens: Optional[int], agree=None) -> list:
+    """A minibatch's rows (indices into the rollout) as micro-batches: `size` rows each, in order; or with max_tokens
+    (--max_tokens_per_micro_batch) packed first-fit decreasing into as few as hold at most that many tokens each
+    (tokens: row_tokens, by rollout row), so that a step's memory follows the budget, not its longest rows. agree:
+    with several processes, the count every process must make (FSDP's forwards are collectives): fewer are split."""
+    if max_tokens is None:
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+    lengths = tokens[rows].tolist()
+    bins, room = [], []  # positions in `rows` per micro-batch, and the tokens each has left
+    for i in sorted(range(len(rows)), key=lambda i: -lengths[i]):  # longest first; ties keep the minibatch's order
+        b = next((b for b, left in enumerate(room) if left >= lengths[i]), len(bins))
+        if b == len(bins):  # (a row longer than the budget, which check_args refuses, would get one of its own)
+            bins.append([])
+            room.append(max_tokens)
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    count = agree(len(bins)) if agree else len(bins)
+    while len(bins) < count:  # split the fullest micro-batch that has two rows: the count is at most the rows
+        b = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: -room[b])
+        bins[b], half = bins[b][::2], bins[b][1::2]
+        room[b] = max_tokens - sum(lengths[i] for i in bins[b])
+        bins.append(half)
+        room.append(max_tokens - sum(lengths[i] for i in half))
+    return [rows[sorted(b)] for b in bins]
+
+
 @contextlib.contextmanager
 def output_layer_inputs(model, index: torch.Tensor):
     """Catch the hidden states at `index` of the flattened (R, L) rows as they reach the output layer: (K, H), one per

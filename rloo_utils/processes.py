@@ -160,8 +160,9 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def reduce_micro_stats(stats: dict[str, list[torch.Tensor]]) -> dict[str, list[float]]:
     """Per-micro-batch statistics of this process -> those of the global micro-batches (the same micro-batch of every
-    process): sums are summed, low_min (all units clipped) is a minimum, high_max (any unit clipped) a maximum."""
+    process): sums are summed, low_min (all units clipped) is a minimum, high_max (any unit clipped) and forward_tokens
+    (what one process's forward held) maxima."""
     values = torch.stack([torch.stack(v).float() for v in stats.values()])  # (statistics, micro-batches)
     reduced = {op: all_reduce(values, op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)}
-    op_of = {"low_min": dist.ReduceOp.MIN, "high_max": dist.ReduceOp.MAX}
+    op_of = {"low_min": dist.ReduceOp.MIN, "high_max": dist.ReduceOp.MAX, "forward_tokens": dist.ReduceOp.MAX}
     return {name: reduced[op_of.get(name, dist.ReduceOp.SUM)][i].tolist() for i, name in enumerate(stats)}

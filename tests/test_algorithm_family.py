@@ -207,7 +207,9 @@ def test_a_new_loss_is_a_function_and_an_entry(script, tmp_path, monkeypatch):
     torch.testing.assert_close(loss, torch.tensor(-(2.0 * -3.0 + -1.0 * -1.5) / 2))  # the mean of -A log pi(y)
     torch.testing.assert_close(stats["units"], torch.tensor(2.0))  # one unit per completion
     torch.testing.assert_close(stats["fork/ratio_mean"], torch.tensor(math.exp(0.5) + math.exp(0.5)))
-    micro = {name: [float(value)] for name, value in {**stats, "entropy": 0.0, "tokens": 5.0}.items()}
+    micro = {
+        name: [float(value)] for name, value in {**stats, "entropy": 0.0, "tokens": 5.0, "forward_tokens": 8.0}.items()
+    }
     metrics = update_metrics(micro, [loss.item()], [1.0], [1e-5])
     assert metrics["fork/ratio_mean"] == pytest.approx(math.exp(0.5))  # its mean over the units, logged
     with pytest.raises(SystemExit):  # and a name that is not in the registry is refused by the parser

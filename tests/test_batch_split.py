@@ -18,10 +18,12 @@ import torch
 
 import rloo
 from conftest import free_port, read_metrics, run_outcome, run_rloo
+from rloo_utils import packing
 
 per_script = pytest.mark.usefixtures("each_script")  # each test runs against every script's functions
 
 B, G, C = 8, 4, 6  # completions in the minibatch, per prompt, tokens per completion
+LENGTHS = [6, 1, 3, 6, 2, 5, 4, 6]  # each completion's tokens
 TOKEN_LEVEL = [
     {"loss_type": "token"},
     {"loss_type": "token", "ppo_clip": True},
@@ -62,7 +64,7 @@ def minibatch(script, options: dict, on_policy: bool = False) -> dict:
     one masked as truncated do not)."""
     args = args_for(script, **options, beta=0.1, num_generations=G)
     generator = torch.Generator().manual_seed(7)
-    lengths = torch.tensor([6, 1, 3, 6, 2, 5, 4, 6])
+    lengths = torch.tensor(LENGTHS)
     mask = (torch.arange(C)[None] < lengths[:, None]).float()  # (B, C)
     logprobs = -2 * torch.rand(B, C, generator=generator)  # (B, C)
     old_logprobs = logprobs.clone() if on_policy else logprobs + 0.4 * torch.randn(B, C, generator=generator)
@@ -106,9 +108,16 @@ def step(script, batch: dict, micro_batches: list[torch.Tensor], mini_batch_toke
     return loss, gradient
 
 
-def splits(order: torch.Tensor) -> dict[int, list[torch.Tensor]]:
-    """The minibatch in 2 micro-batches of 4 rows, and in 8 of 1, in the loop's shuffled order."""
-    return {size: list(order.split(size)) for size in (4, 1)}
+ROW_TOKENS = torch.tensor(LENGTHS) + 4  # a prompt of 4 tokens and the completion, each row (packing.row_tokens)
+
+
+def splits(order: torch.Tensor) -> dict:
+    """The minibatch in 2 micro-batches of 4 rows, and in 8 of 1, in the loop's shuffled order; and as
+    --max_tokens_per_micro_batch packs it at 16 and 20 tokens (5 and 4 micro-batches of 1 to 3 rows)."""
+    fixed = {f"{size} rows": list(order.split(size)) for size in (4, 1)}
+    budgets = {f"{n} tokens": packing.micro_batches(order, ROW_TOKENS, 4, n) for n in (16, 20)}
+    assert [sorted(len(m) for m in micro) for micro in budgets.values()] == [[1, 1, 2, 2, 2], [1, 2, 2, 3]]
+    return {**fixed, **budgets}
 
 
 def assert_same_step(a, b, what: str):
@@ -145,6 +154,24 @@ def test_the_gradient_of_a_step_does_not_depend_on_its_micro_batches(loss):
                         assert_same_step(step(rloo, weighted, micro_batches), whole, what)
 
 
+def test_a_token_budget_packs_first_fit_decreasing_and_splits_to_the_count_the_processes_agree():
+    rows = torch.tensor([5, 0, 3, 1, 4, 2])  # a minibatch's rows of the rollout, shuffled
+    tokens = torch.tensor([3, 5, 2, 7, 3, 4])  # each rollout row's
+    fixed = packing.micro_batches(rows, tokens, 4, None)
+    assert [m.tolist() for m in fixed] == [[5, 0, 3, 1], [4, 2]]  # 4 rows each, in order
+    # longest first: row 3 (7), 1 (5), 5 (4), 0 (3), 4 (3), 2 (2), each into the first micro-batch with room in 10
+    packed = packing.micro_batches(rows, tokens, 4, 10)
+    assert [m.tolist() for m in packed] == [[0, 3], [5, 1], [4, 2]]  # 10, 9 and 5 tokens, rows in minibatch order
+    # another process packed into 5: the fullest with two rows is split, then the next
+    agreed = packing.micro_batches(rows, tokens, 4, 10, agree=lambda count: 5)
+    assert [m.tolist() for m in agreed] == [[3], [1], [4, 2], [0], [5]]
+    assert len(packing.micro_batches(rows, tokens, 4, 10, agree=lambda count: 6)) == 6  # one row each at most
+    padded = packing.row_tokens(torch.ones(3, 5), torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]]), padding_free=False)
+    assert padded.tolist() == [8, 8, 8]  # a padded forward holds every row at the batch's width
+    real = packing.row_tokens(torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.tensor([[1, 0], [1, 1]]), padding_free=True)
+    assert real.tolist() == [3, 5]
+
+
 def two_processes_step(rank: int, port: int, results: str) -> None:
     """One of two processes of rloo_multigpu.py's update: its own half of the minibatch's rows (the loop's: each
     process takes its minibatches from its own rows), the token count all-reduced, its shares of the global loss in
@@ -152,7 +179,7 @@ def two_processes_step(rank: int, port: int, results: str) -> None:
     import torch.distributed as dist
 
     import rloo_multigpu
-    from rloo_utils.processes import all_reduce
+    from rloo_utils.processes import all_reduce, max_over_processes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
@@ -165,6 +192,15 @@ def two_processes_step(rank: int, port: int, results: str) -> None:
             order = own[torch.randperm(len(own), generator=torch.Generator().manual_seed(rank))]
             local_loss, local_gradient = step(rloo_multigpu, batch, list(order.split(2)), tokens)
             outcomes[options_id({**estimator, **loss})] = (all_reduce(local_loss), all_reduce(local_gradient))
+            # at 12 tokens rank 0's rows pack into 3 micro-batches, rank 1's into 4: rank 0 splits one, as FSDP needs
+            micro = packing.micro_batches(order, ROW_TOKENS, 2, 12, max_over_processes)
+            counts = torch.tensor([len(micro), -len(micro)])
+            assert all_reduce(counts, dist.ReduceOp.MAX).tolist() == [4, -4], counts
+            local_loss, local_gradient = step(rloo_multigpu, batch, micro, tokens)
+            outcomes[options_id({**estimator, **loss}) + " 12 tokens"] = (
+                all_reduce(local_loss),
+                all_reduce(local_gradient),
+            )
     if rank == 0:
         torch.save(outcomes, results)
     dist.destroy_process_group()
@@ -179,20 +215,23 @@ def test_two_processes_give_the_gradient_of_one(tmp_path):
     results = str(tmp_path / "two.pt")
     mp.start_processes(two_processes_step, args=(free_port(), results), nprocs=2, start_method="spawn")
     two = torch.load(results)
-    assert len(two) == len(LOSSES) * len(ESTIMATORS)
+    assert len(two) == 2 * len(LOSSES) * len(ESTIMATORS)
     for loss in LOSSES:
         for estimator in ESTIMATORS:
             batch = minibatch(rloo_multigpu, {**estimator, **loss})
             name = options_id({**estimator, **loss})
-            assert_same_step(two[name], step(rloo_multigpu, batch, [torch.arange(B)]), name)
+            for split in (name, name + " 12 tokens"):
+                assert_same_step(two[split], step(rloo_multigpu, batch, [torch.arange(B)]), split)
 
 
 # A run: 2 updates of 16 completions, 2 epochs of 2 minibatches (the later ones off-policy), each minibatch of 8 one
-# micro-batch of 8, or 4 of 2; its logged update metrics and its weights the same
+# micro-batch of 8, or 4 of 2, or those a budget of 40 tokens packs (rows of up to 32 + 8); its logged update metrics
+# and its weights the same
 def per_device_run(tiny, data, cwd, per_device: int, *loss) -> tuple:
     proc = run_rloo(
         *("--model_name_or_path", tiny["policy"], "--dataset_name", data, "--reward_model_path", tiny["reward"]),
         *("--total_episodes", 32, "--num_generations", 4, "--max_completion_length", 8, "--learning_rate", "3e-3"),
+        *("--max_prompt_length", 32),
         *("--num_ppo_epochs", 2, "--num_mini_batches", 2, "--per_device_train_batch_size", per_device),
         *("--gradient_accumulation_steps", 8 // per_device, "--beta", 0.1, "--run_name", "run", "--seed", 4),
         *loss,
@@ -203,6 +242,7 @@ def per_device_run(tiny, data, cwd, per_device: int, *loss) -> tuple:
 
 
 PER_MICRO_BATCH = {"val/ratio", "val/ratio_var", "clip_ratio/low_min", "clip_ratio/high_max"}  # docs/metrics.md
+SPLIT = {"perf/micro_batches_per_step", "perf/micro_batch_tokens_max"}  # what the split is
 
 
 @pytest.mark.slow
@@ -212,14 +252,33 @@ PER_MICRO_BATCH = {"val/ratio", "val/ratio_var", "clip_ratio/low_min", "clip_rat
     ids=" ".join,
 )
 def test_a_run_updates_alike_whatever_its_micro_batch_size(loss, tiny, prompts_file, tmp_path):
-    (tmp_path / "8").mkdir(), (tmp_path / "2").mkdir()
+    for folder in ("8", "2", "budget"):
+        (tmp_path / folder).mkdir()
     metrics, weights = per_device_run(tiny, prompts_file, tmp_path / "8", 8, *loss)  # one micro-batch per minibatch
-    small_metrics, small_weights = per_device_run(tiny, prompts_file, tmp_path / "2", 2, *loss)  # four
-    assert metrics[-1]["loss/policy_avg"] != 0 and len(metrics) == len(small_metrics) == 2
-    for a, b in zip(metrics, small_metrics):
-        for k in a.keys() - PER_MICRO_BATCH:
-            if not k.startswith("time/") and k not in {"eps", "step_time"} and "per_second" not in k:
-                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-    for k in weights:  # Adam magnifies rounding where a gradient is ~0: a few weights in a thousand may differ
-        off = ~torch.isclose(small_weights[k], weights[k], rtol=1e-3, atol=1e-4)
-        assert off.float().mean() <= 1e-3, (k, int(off.sum()))
+    for folder, split in [("2", [2]), ("budget", [8, "--max_tokens_per_micro_batch", 40])]:
+        other_metrics, other_weights = per_device_run(tiny, prompts_file, tmp_path / folder, *split, *loss)
+        assert metrics[-1]["loss/policy_avg"] != 0 and len(metrics) == len(other_metrics) == 2
+        assert all(m["perf/micro_batches_per_step"] == 1 for m in metrics)
+        assert all(m["perf/micro_batches_per_step"] > 1 for m in other_metrics)
+        if folder == "budget":  # each held at most the budget (one micro-batch of 8 held more), and several rows
+            assert all(
+                m["perf/micro_batch_tokens_max"] <= 40 < n["perf/micro_batch_tokens_max"]
+                for m, n in zip(other_metrics, metrics)
+            )
+            assert all(m["perf/micro_batches_per_step"] < 8 for m in other_metrics)
+        for a, b in zip(metrics, other_metrics):
+            for k in a.keys() - PER_MICRO_BATCH - SPLIT:
+                if not k.startswith("time/") and k not in {"eps", "step_time"} and "per_second" not in k:
+                    assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (folder, k)
+        for k in weights:  # Adam magnifies rounding where a gradient is ~0: a few weights in a thousand may differ
+            off = ~torch.isclose(other_weights[k], weights[k], rtol=1e-3, atol=1e-4)
+            assert off.float().mean() <= 1e-3, (folder, k, int(off.sum()))
+
+
+@per_script
+def test_a_budget_that_cannot_hold_the_longest_row_is_refused():
+    from rloo_utils.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--max_tokens_per_micro_batch 100 cannot hold the longest row \(.* = 288"):
+        args_for(rloo, max_prompt_length=256, max_completion_length=32, max_tokens_per_micro_batch=100)
+    args_for(rloo, max_prompt_length=256, max_completion_length=32, max_tokens_per_micro_batch=288)

@@ -125,6 +125,8 @@ def same_batch_args(tiny, data, per_device: int, *extra):
         16,
         "--max_completion_length",
         8,
+        "--max_prompt_length",
+        32,
         "--learning_rate",
         "3e-3",
         "--beta",
@@ -141,6 +143,7 @@ def same_batch_args(tiny, data, per_device: int, *extra):
 
 # Defined per micro-batch: one process's micro-batch of 16 rows is not the two processes' micro-batches of 8 + 8
 PER_MICRO_BATCH = {"val/ratio", "val/ratio_var", "clip_ratio/low_min", "clip_ratio/high_max"}
+SPLIT = {"perf/micro_batches_per_step", "perf/micro_batch_tokens_max"}  # what the split is
 
 
 def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batch(tiny, prompts_file, tmp_path):
@@ -166,20 +169,31 @@ def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batc
     (m_off, s_off, w_off), (m_two, s_two, w_two) = (run_outcome(str(d / "runs" / "run")) for d in (offload, two))
     assert (m_off, s_off) == (m_two, s_two) and all(torch.equal(w_off[k], w_two[k]) for k in w_two)
 
+    # micro-batches of at most 40 tokens (rows of up to 32 + 8): each process packs its own, as many as the other
+    budget = tmp_path / "budget"
+    budget.mkdir()
+    proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8, "--max_tokens_per_micro_batch", 40), cwd=budget)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
     (m1, s1, w1), (m2, s2, w2) = run_outcome(str(one / "runs" / "run")), run_outcome(str(two / "runs" / "run"))
+    m_budget, _, w_budget = run_outcome(str(budget / "runs" / "run"))
     assert s1 == s2  # the same greedy sample tables
-    assert len(m1) == len(m2) == 2
-    for a, b in zip(m1, m2):
-        assert a.keys() == b.keys()
-        for k in a.keys() - PER_MICRO_BATCH:
+    assert len(m1) == len(m2) == len(m_budget) == 2
+    split = [(m["perf/micro_batch_tokens_max"], m["perf/micro_batches_per_step"]) for m in read_metrics(budget)]
+    assert all(tokens <= 40 and count > 2 for tokens, count in split), split
+    for a, b, c in zip(m1, m2, m_budget):
+        assert a.keys() == b.keys() == c.keys()
+        for k in a.keys() - PER_MICRO_BATCH - SPLIT:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+            assert c[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), ("budget", k)
     assert m1[-1]["kl"] != 0 and m1[0]["loss/policy_avg"] != 0  # it trained (k1: a KL of either sign)
     # Adam magnifies rounding where a gradient is ~0 (m / sqrt(v) of two tiny numbers): such a weight may move by up to
     # the learning rate a step either way, and packing 16 rows or 8 + 8 (padding-free) rounds differently. A few in a
     # thousand may do so; a wrong update would move most.
     for k in w1:
-        off = ~torch.isclose(w2[k], w1[k], rtol=1e-3, atol=1e-4)
-        assert off.float().mean() <= 1e-3 and (w2[k] - w1[k]).abs().max() <= 4 * 3e-3, (k, int(off.sum()))
+        for w in (w2, w_budget):
+            off = ~torch.isclose(w[k], w1[k], rtol=1e-3, atol=1e-4)
+            assert off.float().mean() <= 1e-3 and (w[k] - w1[k]).abs().max() <= 4 * 3e-3, (k, int(off.sum()))
 
 
 def test_bf16_mixed_precision_with_gradient_checkpointing_and_a_reward_model(tiny, prompts_file, tmp_path):
