@@ -41,6 +41,8 @@ from rloo_utils.models import (
     generation_configs,
     set_up_cuda,
     shared_prompt_cache,
+    static_cache,
+    static_cache_inputs,
     weights_finite,
 )
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, task_scores
@@ -412,8 +414,9 @@ def main(args: Args) -> None:
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
     never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+    static = static_cache(args, device, console, "image prompts" if plan.image_column else None)
     generation_config, greedy_config, eval_config = generation_configs(
-        args, stop_ids, tokenizer.pad_token_id, never_sampled
+        args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
@@ -671,14 +674,13 @@ class Sampler(rollouts.BaseSampler):
                 if images is None:
                     shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
                 out = model.generate(
-                    input_ids=prompt_ids[rows],
-                    attention_mask=prompt_mask[rows],
+                    **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
                     past_key_values=shared,
                     generation_config=config,
                     **vision.vision_inputs(
                         model, prompt_ids[rows], vision.images_batch(images, rows, self.device, model.dtype)
                     ),
-                )
+                )[: len(prompt_ids[rows])]
             padding = self.args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
             chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=self.tokenizer.pad_token_id))
         return torch.cat(chunks), None

@@ -64,6 +64,8 @@ from rloo_utils.models import (
     generation_configs,
     set_up_cuda,
     shared_prompt_cache,
+    static_cache,
+    static_cache_inputs,
     tokenize_prompts,
     weights_finite,
 )
@@ -483,8 +485,12 @@ def main(args: Args) -> None:
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
     never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+    unsupported = "image prompts" if plan.image_column else None  # HF generate's static cache: not with these
+    if world_size > 1 and not args.gather_for_generation:
+        unsupported = "the sharded policy generates (--no_gather_for_generation)"
+    static = server is None and static_cache(args, device, console, unsupported)
     generation_config, greedy_config, eval_config = generation_configs(
-        args, stop_ids, tokenizer.pad_token_id, never_sampled
+        args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's
     if server is not None:  # vLLM's sampling parameters for the same semantics
         generation_config, greedy_config, eval_config = sampling_configs(args, stop_ids, never_sampled)
@@ -882,15 +888,14 @@ class Sampler(rollouts.BaseSampler):
                     if images is None and (args.gather_for_generation or world_size == 1):
                         shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
                     out = model.generate(
-                        input_ids=prompt_ids[rows],
-                        attention_mask=prompt_mask[rows],
+                        **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
                         past_key_values=shared,
                         generation_config=config,
                         synced_gpus=world_size > 1,
                         **vision.vision_inputs(
                             model, prompt_ids[rows], vision.images_batch(images, rows, device, model.dtype)
                         ),
-                    )
+                    )[: len(prompt_ids[rows])]
                 padding = args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
                 chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=pad_token_id))
         return torch.cat(chunks), None

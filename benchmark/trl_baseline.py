@@ -18,10 +18,17 @@ tokens each, stopping at EOS as rloo.py does (--min_new_tokens 64 forces full-le
 VADER compound sentiment (or --reward count_good: the test model's "say good"). benchmark/step_timing.py --preset
 smollm2 runs rloo.py on the same work. Each optimizer step is timed with a callback; the first step is dropped as
 warm-up. --log_file writes one JSON line per step: its seconds, the completions the reward scored in it and in all
-(episode), TRL's mean reward and its completions' mean and longest length.
+(episode), TRL's mean reward and its completions' mean and longest length, the prompt and completion tokens it trained
+on (TRL's num_tokens, less the last step's), and what this script times itself, CUDA synchronised (TRL's own timings
+go only to wandb, mlflow or trackio): its generate calls' seconds and decoding steps (each call's new tokens), and the
+seconds of its policy forward and backward (compute_loss and the backward). --cache_implementation passes TRL's
+RLOOConfig field of that name (TRL builds its GenerationConfig with disable_compile=True: "static" is a static KV
+cache, not a compiled decoding step).
 """
 
 import argparse
+import collections
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -80,29 +87,51 @@ def completion_length(completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
 
 
-SCORED = []  # how many completions each call of the reward scored: what TRL generated, as it ran
+TIMED = ("generation/seconds", "generation/steps", "forward_backward/seconds")
+COUNTS = collections.Counter()  # so far: completions scored (what TRL generated), generate calls, their seconds, ...
 
 
 def counted(reward):
     @functools.wraps(reward)
     def scoring(*args, **kwargs):
         values = reward(*args, **kwargs)
-        SCORED.append(len(values))
+        COUNTS["completions"] += len(values)
         return values
 
     return scoring
 
 
+def timed(function, key: str, steps: bool = False):
+    """function, its seconds added to COUNTS[key], CUDA synchronised so that its GPU work is charged to it; steps: a
+    generate, its decoding steps (its output's new tokens: the longest completion's) to COUNTS["generation/steps"]."""
+
+    @functools.wraps(function)
+    def timing(*args, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = function(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        COUNTS[key] += time.perf_counter() - start
+        if steps:
+            prompt = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            COUNTS["generation/steps"] += getattr(out, "sequences", out).shape[1] - prompt.shape[1]
+        return out
+
+    return timing
+
+
 class StepTimer(TrainerCallback):
     def __init__(self):
-        self.durations, self.logs, self.scored, self._t0, self._before = [], [], [], None, 0
+        self.durations, self.logs, self.counts, self._t0, self._before = [], [], [], None, COUNTS.copy()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._t0, self._before = time.perf_counter(), sum(SCORED)
+        self._t0, self._before = time.perf_counter(), COUNTS.copy()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.durations.append(time.perf_counter() - self._t0)
-        self.scored.append(sum(SCORED) - self._before)
+        self.counts.append({k: COUNTS[k] - self._before[k] for k in COUNTS})  # what ran in this step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "completions/mean_length" in logs:
@@ -141,8 +170,15 @@ def main():
     p.add_argument("--learning_rate", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log_file", default=None, help="write each step's seconds, completions, reward and lengths here")
+    p.add_argument(
+        "--cache_implementation",
+        default=None,
+        help="TRL's RLOOConfig.cache_implementation (e.g. static; default: TRL's, the dynamic cache)",
+    )
     args = p.parse_args()
     min_new = args.min_new_tokens
+    if args.cache_implementation and "cache_implementation" not in {f.name for f in dataclasses.fields(RLOOConfig)}:
+        p.error("--cache_implementation: this TRL's RLOOConfig has no such field")
 
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
         convert_gguf(args.model_dir)
@@ -168,6 +204,7 @@ def main():
         logging_steps=1,
         report_to="none",
         save_strategy="no",
+        **({"cache_implementation": args.cache_implementation} if args.cache_implementation else {}),
     )
     timer = StepTimer()
     rewards = {"vader": vader_reward, "count_good": count_good_reward, "completion_length": completion_length}
@@ -175,22 +212,29 @@ def main():
     trainer = RLOOTrainer(
         model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[timer]
     )
+    # TRL calls generate on this model (unwrapped, one process), then compute_loss and the accelerator's backward
+    trainer.model.generate = timed(trainer.model.generate, "generation/seconds", steps=True)
+    trainer.compute_loss = timed(trainer.compute_loss, "forward_backward/seconds")
+    trainer.accelerator.backward = timed(trainer.accelerator.backward, "forward_backward/seconds")
     print(f"loadavg at start (1,5,15 min): {os.getloadavg()}, cpus: {os.cpu_count()}")
     trainer.train()
 
     if args.log_file:
         with open(args.log_file, "w") as f:
-            for i, (seconds, scored, logs) in enumerate(zip(timer.durations, timer.scored, timer.logs)):
+            seen = [0] + [logs["num_tokens"] for logs in timer.logs]  # TRL's: prompt and completion tokens so far
+            for i, (seconds, counts, logs) in enumerate(zip(timer.durations, timer.counts, timer.logs)):
                 f.write(
                     json.dumps(
                         {
                             "step": i + 1,
-                            "completions": scored,
-                            "episode": sum(timer.scored[: i + 1]),
+                            "completions": counts.get("completions", 0),
+                            "episode": sum(c.get("completions", 0) for c in timer.counts[: i + 1]),
                             "seconds": seconds,
                             "reward": logs["reward"],
                             "completions/mean_length": logs["completions/mean_length"],
                             "completions/max_length": logs["completions/max_length"],
+                            "trained_tokens": seen[i + 1] - seen[i],
+                            **{k: counts.get(k, 0) for k in TIMED},
                         }
                     )
                     + "\n"

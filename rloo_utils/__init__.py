@@ -7,6 +7,7 @@ which a forker copies rather than edits), and nothing here knows which script ca
     options      the groups of options, parse_args and check_args: every option checked before anything expensive
     data         prompt datasets, text and images
     models       policy, reward model, tokenizers, sampling configs; precision
+    gguf_cache   a .gguf policy's de-quantised copy, kept between runs (start-up in a few seconds, not ~20)
     rewards      reward functions: loaded, called, checked; the Scorer of a rollout
     verifiable   reward functions of tasks with a right answer: the final answer parsed and checked
     tools        multi-turn rollouts: tools and environments, the chat template's tool calls

@@ -15,6 +15,7 @@ import tyro
 
 from rloo_utils.data import is_chat, left_pad
 from rloo_utils.errors import UsageError, describe
+from rloo_utils.gguf_cache import load_gguf_copy
 from rloo_utils.vision import builds_own_positions, image_prompt_rows
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -51,9 +52,13 @@ def set_model_options(args) -> None:
 
 
 def from_pretrained(auto_class, path: str, **kwargs):
-    """Load a hub id, a folder or a .gguf file (de-quantised) with a one-line error when it cannot be loaded."""
+    """Load a hub id, a folder or a .gguf file (de-quantised: from its cached copy, rloo_utils/gguf_cache.py) with a
+    one-line error when it cannot be loaded."""
     kwargs = {**MODEL_OPTIONS.get(path, {}), **kwargs}
     if path.endswith(".gguf"):
+        loaded = load_gguf_copy(auto_class, path, kwargs)  # None: no copy (RLOO_CACHE=off, not writable): the file
+        if loaded is not None:
+            return loaded
         kwargs["gguf_file"] = os.path.basename(path)
         path = os.path.dirname(os.path.abspath(path))
     try:
@@ -233,11 +238,52 @@ def load_tokenizers(args, first_prompt, images: Optional[str] = None):
     return tokenizer, reward_tokenizer, processor
 
 
-def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampled: Optional[list[int]] = None):
+def static_cache(args, device: torch.device, console, unsupported: Optional[str] = None) -> bool:
+    """Whether HF generate keeps a static KV cache and compiles its decoding step (--cache_implementation; auto: on
+    CUDA, where a step of a small model is otherwise bound by Python and kernel launches, not by reading the weights).
+    unsupported: why this run cannot (image prompts; a sharded policy's forward), said in one line if it was meant."""
+    wanted = args.cache_implementation == "static" or (args.cache_implementation == "auto" and device.type == "cuda")
+    if wanted and unsupported:
+        console.print(f"HF generate keeps a dynamic KV cache, uncompiled: {unsupported}")
+    return wanted and not unsupported
+
+
+# Tokens: a static cache holds the prompts' width rounded up to a multiple of this, and the completion's
+CACHE_BUCKET = 64
+
+
+def static_cache_inputs(ids: torch.Tensor, mask: torch.Tensor, config, largest: int) -> dict:
+    """HF generate's inputs for a chunk of (b, P) prompts. With a static cache: b' rows, the b and copies of the last up
+    to the next power of two (at most `largest`), whose completions the caller drops; and the cache's length, P rounded
+    up to a multiple of CACHE_BUCKET plus the completion's. The compiled decoding step is traced again for each new
+    batch size and each new cache length (transformers keeps a cache as long as the longest before it): at most
+    (log2(largest) + 2) x (--max_prompt_length / 64 + 1) times in a run, usually a few, whatever the number of rows of a
+    round or a tool turn and the prompts' lengths. Without: the rows as they are."""
+    if config.cache_implementation != "static":
+        return {"input_ids": ids, "attention_mask": mask}
+    rows = min(1 << (len(ids) - 1).bit_length(), max(largest, len(ids)))
+    copies = rows - len(ids)
+    return {
+        "input_ids": torch.cat([ids, ids[-1:].expand(copies, -1)]),
+        "attention_mask": torch.cat([mask, mask[-1:].expand(copies, -1)]),
+        "max_cache_len": -(-ids.shape[1] // CACHE_BUCKET) * CACHE_BUCKET + config.max_new_tokens,
+    }
+
+
+def generation_configs(
+    args, stop_ids: list[int], pad_token_id: int, never_sampled: Optional[list[int]] = None, static: bool = False
+):
     """HF generate's configs: sampling (--temperature, --top_p, --top_k, --min_p, --repetition_penalty,
     --generation_kwargs), greedy (the sample tables), and the evaluation's (sampling at --eval_temperature; 0: greedy);
-    a completion ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens)."""
+    a completion ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens). static (static_cache):
+    a static KV cache (static_cache_inputs sizes it) and the decoding step compiled (transformers' CompileConfig: CUDA
+    graphs on a GPU), the dynamic cache's completions (tests/test_static_cache.py)."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # --cache_implementation static on a CPU compiles too
+    cache = {"cache_implementation": "static", "compile_config": compile_config} if static else {}
 
     greedy = GenerationConfig(
         max_new_tokens=args.max_completion_length,
@@ -245,6 +291,7 @@ def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampl
         eos_token_id=stop_ids,
         pad_token_id=pad_token_id,
         suppress_tokens=never_sampled or None,
+        **cache,
     )
     eval_temperature = args.temperature if args.eval_temperature is None else args.eval_temperature
     sampling, evaluation = (
@@ -260,6 +307,7 @@ def generation_configs(args, stop_ids: list[int], pad_token_id: int, never_sampl
             eos_token_id=stop_ids,
             pad_token_id=pad_token_id,
             suppress_tokens=never_sampled or None,
+            **cache,
             **(args.generation_kwargs or {}),
         )
         if temperature != 0
@@ -340,6 +388,8 @@ class SpeedOptions:
     """forwards on real tokens only, sequences packed into rows (docs/speed.md); off: completion_logprobs' padded one"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk during the rollout (rloo_multigpu.py: on each process)"""
+    cache_implementation: Literal["auto", "static", "dynamic"] = "auto"
+    """HF generate's KV cache: static, with a compiled decoding step (CUDA graphs), or dynamic; auto: static on CUDA"""
 
 
 def expandable_segments_by_default() -> None:

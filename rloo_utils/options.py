@@ -327,6 +327,13 @@ def check_args(args, world_size: int = 1) -> None:
         )
     check_estimator_and_loss(args)
     check_overlong_punishment(args)
+    if args.cache_implementation != "auto" and (
+        getattr(args, "vllm_mode", None) or getattr(args, "vllm_server_host", None)
+    ):
+        raise UsageError(
+            f"--cache_implementation {args.cache_implementation} is HF generate's, and this run generates with vLLM: "
+            "leave it out"
+        )
     longest_row = args.max_prompt_length + args.max_completion_length
     if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < longest_row:
         raise UsageError(

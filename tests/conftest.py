@@ -12,10 +12,12 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -31,6 +33,7 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 ORIGINAL_ENVIRONMENT = dict(os.environ)
+SESSION_CACHE = None  # pytest_configure's
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -85,6 +88,20 @@ def pytest_configure(config):
         "markers", "slow: starts a training process, torchrun or vLLM (`-m 'not slow'` is the fast tier)"
     )
     config.addinivalue_line("markers", "learning: a run whose reward must rise (docs/tests.md, 5 seeds of each)")
+    # The de-quantised copies of .gguf files (rloo_utils/gguf_cache.py: the embedded default's) in one folder for the
+    # session, never the user's ~/.cache: made by the controlling process before it starts the xdist workers, which
+    # inherit it, as does every run they start (the first run that loads SmolLM2 makes its copy, the others start from
+    # it); removed at the end by the process that made it. A RLOO_CACHE given (a folder, or off) is kept. (Here, not
+    # at import: the benchmark scripts import this file.)
+    global SESSION_CACHE
+    if "RLOO_CACHE" not in os.environ:
+        SESSION_CACHE = tempfile.mkdtemp(prefix="rloo-test-cache-")
+        os.environ["RLOO_CACHE"] = ORIGINAL_ENVIRONMENT["RLOO_CACHE"] = SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    if SESSION_CACHE is not None:
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_addoption(parser):
@@ -284,6 +301,75 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def other_reward(tmp_path_factory):
     return build_reward_model_with_its_own_tokenizer(str(tmp_path_factory.mktemp("other_reward")))
+
+
+def write_tiny_gguf(path: str, tokenizer, layers: int = 2, hidden: int = 64, ffn: int = 128) -> str:
+    """A ~50k-parameter Llama as llama.cpp writes one (SmolLM2's layout: the tiny tokenizer as a "gpt2" BPE, the
+    embeddings in Q8_0, the other matrices in Q4_1, the norms in F32, random weights), which transformers reads and
+    de-quantises in a fraction of a second: the GGUF path of SmolLM2 at the cost of the tiny model."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
+    special = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    heads, kv_heads, head_dim = 2, 1, hidden // 2
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control (special) tokens
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_unk_token_id(tokenizer.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    rng = np.random.default_rng(0)
+
+    def add(name, shape, kind):
+        weights = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        writer.add_tensor(name, quantize(weights, kind), raw_dtype=kind)
+
+    Q8_0, Q4_1 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
+    add("token_embd.weight", (len(tokens), hidden), Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", (1 + rng.standard_normal(hidden) * 0.1).astype(np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, shape in [
+            ("attn_q", (hidden, hidden)),
+            ("attn_k", (kv_heads * head_dim, hidden)),
+            ("attn_v", (kv_heads * head_dim, hidden)),
+            ("attn_output", (hidden, hidden)),
+            ("ffn_gate", (ffn, hidden)),
+            ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)),
+        ]:
+            add(f"blk.{i}.{name}.weight", shape, Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny, tmp_path_factory):
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("tiny_gguf") / "tiny.Q4_1.gguf"), tiny["tokenizer"])
 
 
 def write_prompts(path: str) -> str:

@@ -584,6 +584,8 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
         "lora.py",
         "padding_free.py",
         "step_timing.py",
+        "startup.py",
+        "token_budget.py",
         "trl_baseline.py",
         "trl_side_by_side.py",
         "vllm_sampling_seeds.py",
@@ -1313,3 +1315,92 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
     )
     assert unbalanced.returncode == 2 and "--regex '(rloo' is not a regular expression" in unbalanced.stderr
     assert "Traceback" not in unbalanced.stderr
+
+
+def test_the_startup_benchmark_knows_the_first_line_runs_py_prints_and_tables_the_seconds():
+    """benchmark/startup.py stops a run at the line rloo_utils/runs.py's first_line makes (here made by it, so that a
+    change to that line shows), at no other, and tables each kind's median, min and max seconds and its CPU seconds."""
+    import types
+
+    import startup
+
+    from rloo_utils.runs import first_line
+
+    args = types.SimpleNamespace(num_generations=4, num_ppo_epochs=1, num_mini_batches=1, bf16=False)
+    for world_size, checkpoint in [(1, None), (2, "runs/x/checkpoints/2")]:
+        plan = types.SimpleNamespace(num_updates=3, batch_size=16, checkpoint=checkpoint)
+        assert startup.is_first_line(
+            first_line(args, plan, "runs/r__1__7", types.SimpleNamespace(type="cpu"), world_size)
+        )
+    assert not startup.is_first_line("cached a de-quantised copy of a.gguf in b: later runs start from it")
+    assert not startup.is_first_line("held-out evaluation on 16 prompts of split test x 4 completions")
+    assert startup.table(
+        {"cold": [3.0, 1.0, 2.0], "warm": [0.52]}, {"cold": [2, 1, 9], "warm": [0.4]}
+    ).splitlines() == [
+        "| start-up | runs | median s | min s | max s | median CPU s |",
+        "|---|---|---|---|---|---|",
+        "| cold (an empty cache: the file, and its copy made) | 3 | 2.0 | 1.0 | 3.0 | 2.0 |",
+        "| warm (the copy) | 1 | 0.5 | 0.5 | 0.5 | 0.4 |",
+    ]
+    assert 0 < startup.cpu_seconds(os.getpid()) < time.process_time() + 1
+
+
+@pytest.mark.slow
+def test_the_startup_benchmark_times_the_file_the_copy_made_and_the_copy(tiny, tiny_gguf, prompts_file, tmp_path):
+    """benchmark/startup.py on the tiny GGUF: a row for each kind of run, one run of each, stopped at its first line;
+    a policy that is no .gguf file is refused (no copy made: nothing to time), and nothing is left behind."""
+    script = os.path.join(ROOT, "benchmark", "startup.py")
+    proc = run_script(
+        script, "--rounds", 1, "--", "--model_name_or_path", tiny_gguf, "--dataset_name", prompts_file, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()[:3]] == [
+        "round 1, off",
+        "round 1, cold",
+        "round 1, warm",
+    ]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "runs" not in line]
+    assert [row[0].split()[1] for row in rows] == ["off", "cold", "warm"]
+    assert all(row[1] == "1" and 0 < float(row[2]) == float(row[3]) == float(row[4]) for row in rows)
+    assert all(0 < float(row[5].strip(" |")) for row in rows)
+    no_gguf = ["--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file]
+    check_one_line_error(
+        run_script(script, "--rounds", 1, "--no_off", "--", *no_gguf, cwd=tmp_path),
+        "startup.py: error: the cold run made no copy of its policy: is it a .gguf file",
+    )
+    check_one_line_error(
+        run_script(
+            script, "--rounds", 1, "--no_off", "--", "--model_name_or_path", os.path.join(ROOT, "nothing"), cwd=tmp_path
+        ),
+        "printed no first line",
+    )
+    check_one_line_error(run_script(script, "--rounds", 0, cwd=tmp_path), "--rounds must be 1 or more, got 0")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("task", ["embedded", "arithmetic"])
+def test_the_token_budget_benchmark_compares_settings_rloo_accepts(task):
+    """benchmark/token_budget.py's settings: fixed rows and budgets of the same guarantee (rows x the longest row the
+    options allow), and one of a quarter of an update's tokens; each a command rloo.py's checks accept."""
+    import importlib.util
+
+    import tyro
+
+    import rloo
+    from rloo_utils.options import check_args
+
+    spec = importlib.util.spec_from_file_location("token_budget", os.path.join(ROOT, "benchmark", "token_budget.py"))
+    token_budget = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(token_budget)
+    rows, longest, options = token_budget.TASKS[task]
+    settings = token_budget.settings(rows, longest, mean_quarter=50)
+    assert len(settings) == 5
+    budgets = []
+    for name, extra in settings.items():
+        args = tyro.cli(rloo.Args, args=[*options, *extra, "--total_episodes", str(rows)], use_underscores=True)
+        check_args(args)
+        assert args.max_prompt_length + args.max_completion_length == longest
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        assert per_step == rows, name  # every setting trains the same rows an optimizer step
+        budgets.append(args.max_tokens_per_micro_batch)
+    assert budgets == [None, rows * longest, None, rows // 4 * longest, longest]  # the quarter: at least the longest

@@ -29,9 +29,19 @@ own under its own time limit, so that one failing or hanging never stops the oth
     multigpu_every_process           the same on every GPU of the machine (2 processes on a CPU), with
                                      --fsdp_cpu_offload
     timing_rloo                      rloo.py on the 0.5B model, bf16, HF generation: seconds per update and per stage
+                                     (its default --cache_implementation auto: a static KV cache and a compiled
+                                     decoding step on CUDA)
+    timing_rloo_no_compile           ... with --cache_implementation dynamic: the dynamic cache, nothing compiled
     timing_trl                       TRL's RLOOTrainer on the same work (benchmark/trl_baseline.py), when TRL imports
+    timing_trl_static                ... with TRL's cache_implementation="static" (a static cache; TRL does not
+                                     compile it), when TRL's RLOOConfig has that field
 
-The checks run --jobs at a time (their seconds are not timings); the two timings run afterwards, one at a time, with
+Each timing is also reported against the device (docs/gpu.md, "What the kit reports against the hardware"): its
+generation tokens and decoding steps per second, a decoding step against the floor of reading the weights once at the
+memory bandwidth, and the training's model FLOP utilisation, from a table of devices by name (or --peak_tflops and
+--bandwidth_tbps); "peak unknown" on a CPU or a device not in it.
+
+The checks run --jobs at a time (their seconds are not timings); the four timings run afterwards, one at a time, with
 nothing else running. The report (report.md and report.json in --out) holds the device as torch names it, the versions,
 every command as a user would type it, each part's numbers, and each failure with the end of its output and its
 traceback; it is rewritten as each part ends, so a command killed at its limit still leaves what had finished.
@@ -734,7 +744,38 @@ def ran(completions: list[int], longest: list[float]) -> dict:
     return {"updates": len(completions), "completions": sorted(set(completions)), "longest": max(longest)}
 
 
-def timing_rloo(p: Part) -> dict:
+def count_parameters(model_dir: str) -> int:
+    """The parameters of a saved model, from its safetensors headers (nothing loaded): a tied LM head counted once."""
+    import struct
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    shapes = {}
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    if tied and len(shapes) > 1:  # save_pretrained drops the tied copy; an older writer may not have
+        shapes.pop("lm_head.weight", None)
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+def work_done(p: Part, w: dict, rows: list[dict]) -> dict:
+    """What the hardware numbers are made of (against_hardware), per timed update: the parameters, all trained (no
+    adapter), and the bytes per parameter that generation reads (bf16 on a GPU, else fp32)."""
+    parameters = count_parameters(p.models["timing"])
+    return {
+        "parameters": parameters,
+        "trainable_parameters": parameters,
+        "generation_bytes_per_parameter": 2 if w["bf16"] else 4,
+        "generated_tokens": round(statistics.mean(r["completions/mean_length"] * r["completions"] for r in rows), 1),
+        "trained_tokens": round(statistics.mean(r["trained_tokens"] for r in rows), 1),  # prompt and completion
+    }
+
+
+def timing_rloo(p: Part, cache_implementation: str | None = None) -> dict:
+    """rloo.py on the timing workload; cache_implementation None: rloo.py's default (auto: a static KV cache and a
+    compiled decoding step on CUDA, the dynamic cache on a CPU)."""
     w = timing_args(p, updates=updates(p, 5))
     options = {
         "model_name_or_path": p.models["timing"],
@@ -749,14 +790,19 @@ def timing_rloo(p: Part) -> dict:
         "num_sample_generations": 0,
         "dtype": "float32",
         "run_name": "run",
+        **({"cache_implementation": cache_implementation} if cache_implementation else {}),
     }
     output = p.run(
         os.path.join(ROOT, "rloo.py"), *as_args(options), "--bf16" if w["bf16"] else "--no_bf16", cwd=p.folder
     )
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
         logged_rows = [row for row in map(json.loads, f) if "episode" in row]
-    rows = logged_rows[1:]  # the first update warms up
-    episodes = [0] + [row["episode"] for row in logged_rows]
+    before = {"episode": 0, "num_tokens": 0}
+    for row in logged_rows:  # each update's own completions and tokens (prompt and completion) from the running sums
+        row["completions"] = row["episode"] - before["episode"]
+        row["trained_tokens"] = row["num_tokens"] - before["num_tokens"]
+        before = row
+    rows = logged_rows[1:]  # the first update warms up (and compiles)
 
     def mean(key):
         return statistics.mean(r.get(key, 0.0) for r in rows)
@@ -764,28 +810,47 @@ def timing_rloo(p: Part) -> dict:
     stages = {stage: round(mean("time/" + stage), 4) for stage in STAGES}
     return {
         "workload": w,
+        "cache_implementation": cache_implementation or "auto (static and compiled on CUDA, dynamic on a CPU)",
         "seconds_per_update": round(mean("time/update"), 4),
         "seconds_per_update_min": round(min(r["time/update"] for r in rows), 4),
         "stages": stages,
         "other": round(mean("time/update") - sum(stages.values()), 4),
         "tokens_per_completion": round(mean("completions/mean_length"), 1),
         "tokens_per_second": round(mean("perf/tokens_per_second"), 1),
-        "ran": ran([b - a for a, b in zip(episodes, episodes[1:])], [r["completions/max_length"] for r in logged_rows]),
+        "generated_tokens_per_second_logged": round(mean("perf/generated_tokens_per_second"), 1),
+        # one generate call per update (32 rows, --local_rollout_forward_batch_size 64): as many steps as its longest
+        "decoding_steps": round(mean("completions/max_length"), 1),
+        "decoding_steps_from": "completions/max_length: the longest completion of the update's one generate call",
+        "generation_seconds": stages["generation"],
+        "forward_backward_seconds": stages["policy_forward_backward"],
+        **work_done(p, w, rows),
+        "ran": ran([r["completions"] for r in logged_rows], [r["completions/max_length"] for r in logged_rows]),
         **peaks(p.folder),
         "said": [line for line in output.splitlines() if "optimizer steps" in line][:1],
     }
 
 
-def timing_trl(p: Part) -> dict:
-    w = timing_args(p, updates=updates(p, 5))
+def trl_version(p: Part) -> tuple[str, set]:
+    """TRL's version in --trl_python and the fields of its RLOOConfig; Skip where it does not import."""
+    fields = "[f.name for f in dataclasses.fields(trl.RLOOConfig)]"
+    probe = f"import dataclasses, json, trl; print(json.dumps([trl.__version__, {fields}]))"
     try:
-        found = subprocess.run(
-            [p.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
-        )
+        found = subprocess.run([p.trl_python, "-c", probe], capture_output=True, text=True, check=False)
     except OSError as e:
         raise Skip(f"--trl_python {p.trl_python} does not run: {e}")
     if found.returncode:
         raise Skip(f"TRL does not import with {p.trl_python}: {found.stderr.strip().splitlines()[-1:]}")
+    version, fields = json.loads(found.stdout.strip().splitlines()[-1])
+    return version, set(fields)
+
+
+def timing_trl(p: Part, cache_implementation: str | None = None) -> dict:
+    """TRL's RLOOTrainer on the timing workload (benchmark/trl_baseline.py); cache_implementation None: TRL's default
+    (the dynamic cache). TRL builds its GenerationConfig with disable_compile=True: its static cache is not compiled."""
+    w = timing_args(p, updates=updates(p, 5))
+    version, fields = trl_version(p)
+    if cache_implementation and "cache_implementation" not in fields:
+        raise Skip(f"TRL {version}'s RLOOConfig has no cache_implementation")
     steps = os.path.join(p.folder, "steps.jsonl")
     options = {
         "model_dir": p.models["timing"],
@@ -801,6 +866,7 @@ def timing_trl(p: Part) -> dict:
         "gradient_checkpointing": "false",
         "output_dir": os.path.join(p.folder, "trl"),
         "log_file": steps,
+        **({"cache_implementation": cache_implementation} if cache_implementation else {}),
     }
     p.run(os.path.join(ROOT, "benchmark", "trl_baseline.py"), *as_args(options), cwd=p.folder, python=p.trl_python)
     with open(steps) as f:
@@ -809,10 +875,17 @@ def timing_trl(p: Part) -> dict:
     seconds = [r["seconds"] for r in rows]
     return {
         "workload": w,
-        "trl": found.stdout.strip(),
+        "trl": version,
+        "cache_implementation": cache_implementation or "TRL's default (dynamic)",
         "seconds_per_update": round(statistics.mean(seconds), 4),
         "seconds_per_update_min": round(min(seconds), 4),
         "tokens_per_completion": round(statistics.mean(r["completions/mean_length"] for r in rows), 1),
+        # trl_baseline.py times TRL's generate calls and its compute_loss + backward, CUDA synchronised
+        "decoding_steps": round(statistics.mean(r["generation/steps"] for r in rows), 1),
+        "decoding_steps_from": "the new tokens of each generate call (its output's length less the prompt's)",
+        "generation_seconds": round(statistics.mean(r["generation/seconds"] for r in rows), 4),
+        "forward_backward_seconds": round(statistics.mean(r["forward_backward/seconds"] for r in rows), 4),
+        **work_done(p, w, rows),
         "ran": ran([r["completions"] for r in logged_rows], [r["completions/max_length"] for r in logged_rows]),
         **peaks(p.folder),
     }
@@ -836,8 +909,13 @@ PARTS = {  # name: (function, is a timing)
     "multigpu_1_process": (multigpu(lambda p: 1), False),
     "multigpu_every_process": (multigpu(lambda p: p.nproc, "--fsdp_cpu_offload"), False),
     "timing_rloo": (timing_rloo, True),
+    "timing_rloo_no_compile": (lambda p: timing_rloo(p, "dynamic"), True),
     "timing_trl": (timing_trl, True),
+    "timing_trl_static": (lambda p: timing_trl(p, "static"), True),
 }
+
+
+TIMINGS = [name for name, (_, timing) in PARTS.items() if timing]
 
 
 def run_part(name: str, work: str, device: str, size: str, nproc: int, trl_python: str) -> None:
@@ -851,6 +929,133 @@ def run_part(name: str, work: str, device: str, size: str, nproc: int, trl_pytho
         json.dump(result, f, default=str)
     if result["status"] == "skipped":
         sys.exit(SKIPPED)
+
+
+# ---- The numbers against the hardware --------------------------------------------------------------------------------
+
+# Dense bf16 tensor-core TFLOP/s and memory bandwidth (TB/s) by the name torch.cuda.get_device_name gives, matched
+# exactly (a MIG slice or another variant is not the whole card; --peak_tflops / --bandwidth_tbps give those). NVIDIA's
+# datasheets print bf16 "with sparsity", twice the dense figure: H100 SXM 1,979 and H100 PCIe 1,513 TFLOP/s, 3.35 and
+# 2 TB/s (nvidia.com/en-us/data-center/h100); H200 SXM 1,979, 4.8 TB/s (nvidia.com/en-us/data-center/h200); A100
+# 624 sparse, 312 dense, 80GB SXM 2,039 GB/s, 80GB PCIe 1,935, 40GB 1,555 (nvidia-a100-datasheet-us-nvidia-1758950-r4);
+# L40S 362.05 dense, 733 sparse, 864 GB/s (nvidia.com/en-us/data-center/l40s). docs/gpu.md has the table.
+DEVICES = {
+    "NVIDIA H200": (989.0, 4.8),
+    "NVIDIA H100 80GB HBM3": (989.0, 3.35),  # the SXM5 card
+    "NVIDIA H100 PCIe": (756.0, 2.0),
+    "NVIDIA A100-SXM4-80GB": (312.0, 2.039),
+    "NVIDIA A100-SXM4-40GB": (312.0, 1.555),
+    "NVIDIA A100 80GB PCIe": (312.0, 1.935),
+    "NVIDIA A100-PCIE-40GB": (312.0, 1.555),
+    "NVIDIA L40S": (362.0, 0.864),
+}
+UNKNOWN_PEAK = "peak unknown (give --peak_tflops / --bandwidth_tbps)"
+
+
+def hardware(device: str | None, peak_tflops: float | None = None, bandwidth_tbps: float | None = None) -> dict:
+    """The device's dense bf16 peak (TFLOP/s) and memory bandwidth (TB/s): each option given, else DEVICES' by the
+    device's name, else None (a CPU, a device not in the table: no number is made up)."""
+    peak, bandwidth = DEVICES.get(device or "", (None, None))
+    return {
+        "device": device or "no CUDA device",
+        "peak_tflops": peak_tflops or peak,
+        "peak_from": "--peak_tflops" if peak_tflops else "the kit's table" if peak else None,
+        "bandwidth_tbps": bandwidth_tbps or bandwidth,
+        "bandwidth_from": "--bandwidth_tbps" if bandwidth_tbps else "the kit's table" if bandwidth else None,
+    }
+
+
+def divided(a, b):
+    """a / b, or None when either is unknown or b is 0."""
+    return None if a is None or not b else a / b
+
+
+def against_hardware(t: dict, device: dict) -> dict:
+    """A timing's numbers against the device, per update (docs/gpu.md, "What the kit reports against the hardware"):
+    - generation: completion tokens and decoding steps per second, and a step's milliseconds against the floor of
+      reading every weight once from memory (parameters x bytes per parameter / bandwidth; the KV cache's reads left
+      out), and how many times that floor the step took;
+    - training: 6 FLOPs per trainable parameter per trained token (forward 2, backward 4; attention's quadratic term
+      left out), over the policy's forward and backward (MFU), and over the whole update (generation and all)."""
+    seconds, steps = t.get("generation_seconds"), t.get("decoding_steps")
+    weight_bytes = t["parameters"] * t["generation_bytes_per_parameter"]
+    step_ms = divided(1000 * seconds, steps) if seconds is not None else None
+    bound_ms = divided(1000 * weight_bytes, device["bandwidth_tbps"] and device["bandwidth_tbps"] * 1e12)
+    training_tflop = 6 * t["trainable_parameters"] * t["trained_tokens"] / 1e12
+    achieved = divided(training_tflop, t.get("forward_backward_seconds"))
+    numbers = {
+        "generation_tokens_per_second": divided(t["generated_tokens"], seconds),
+        "decoding_steps_per_second": divided(steps, seconds),
+        "decode_step_ms": step_ms,
+        "bandwidth_bound_step_ms": bound_ms,
+        "x_from_bandwidth_bound": divided(step_ms, bound_ms),
+        "training_tflop_per_update": training_tflop,
+        "training_tflops": achieved,  # achieved in the forward and backward, whatever the device
+        "mfu": divided(achieved, device["peak_tflops"]),
+        "mfu_update": divided(divided(training_tflop, t["seconds_per_update"]), device["peak_tflops"]),
+        "peak_tflops": device["peak_tflops"],
+        "bandwidth_tbps": device["bandwidth_tbps"],
+    }
+    return {k: v if v is None else round(v, 6) for k, v in numbers.items()}
+
+
+def hardware_table(timings: dict, device: dict) -> list[str]:
+    """report.md's lines: each timing against the device, the peak assumed, rloo.py / TRL with compile on and off."""
+    peak, bandwidth = device["peak_tflops"], device["bandwidth_tbps"]
+    assumed = f"{device['device']}: " + (
+        f"{peak or 'unknown'} TFLOP/s dense bf16 ({device['peak_from'] or 'give --peak_tflops'}), "
+        f"{bandwidth or 'unknown'} TB/s memory bandwidth ({device['bandwidth_from'] or 'give --bandwidth_tbps'})"
+        if peak or bandwidth
+        else UNKNOWN_PEAK
+    )
+
+    def shown(value, form, needs=None):
+        """The value, or why not: the device's number missing (needs), else the timing's ("-")."""
+        if value is not None:
+            return f"{value:{form}}"
+        return UNKNOWN_PEAK if needs and device[needs] is None else "-"
+
+    lines = [
+        "",
+        "## Against the hardware",
+        "",
+        (
+            f"Peak assumed: {assumed}. Per update, mean of the timed updates; decoding steps: rloo.py's longest "
+            "completion (one generate call per update), TRL's generate output length. Step floor: parameters x bytes "
+            "per parameter / bandwidth (the weights read once); MFU: 6 x trainable parameters x trained tokens (prompt "
+            "and completion) / seconds / peak (docs/gpu.md). TRL compiles no static cache (it sets disable_compile); "
+            "on a CPU rloo.py's auto is the dynamic cache."
+        ),
+        "",
+        (
+            "| part | cache | generation tok/s | decoding steps/s | step ms | bound ms | x from bound | training "
+            "TFLOP/s | MFU forward-backward | MFU whole update |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, t in timings.items():
+        h = t.get("against_hardware")
+        if not h:
+            continue
+        cells = [
+            name,
+            t.get("cache_implementation", ""),
+            shown(h["generation_tokens_per_second"], ".0f"),
+            shown(h["decoding_steps_per_second"], ".1f"),
+            shown(h["decode_step_ms"], ".2f"),
+            shown(h["bandwidth_bound_step_ms"], ".3f", "bandwidth_tbps"),
+            shown(h["x_from_bandwidth_bound"], ".0f", "bandwidth_tbps"),
+            shown(h["training_tflops"], ".4g"),
+            shown(h["mfu"], ".1%", "peak_tflops"),
+            shown(h["mfu_update"], ".1%", "peak_tflops"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    compile_on_off = {"on": ("timing_rloo", "timing_trl_static"), "off": ("timing_rloo_no_compile", "timing_trl")}
+    for label, (rloo, trl) in compile_on_off.items():
+        if rloo in timings and trl in timings:
+            a, b = timings[rloo]["seconds_per_update"], timings[trl]["seconds_per_update"]
+            lines += ["", f"rloo.py / TRL, compile {label} ({rloo} / {trl}): {a} / {b} s per update = {a / b:.2f}"]
+    return lines
 
 
 # ---- The orchestration and the report --------------------------------------------------------------------------------
@@ -964,8 +1169,13 @@ def install_wheels(wheels: str, work: str, env: dict) -> dict:
 
 
 def write_report(out: str, report: dict) -> None:
-    """report.json (everything), and report.md: the parts in a table, the timings side by side, the memory table,
-    each failure's output, and the commands."""
+    """report.json (everything), and report.md: the parts in a table, the timings side by side and against the
+    hardware, the memory table, each failure's output, and the commands."""
+    device = report.get("hardware") or hardware(None)
+    for name in TIMINGS:
+        results = report["parts"].get(name, {}).get("results", {})
+        if "parameters" in results:
+            results["against_hardware"] = against_hardware(results, device)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     e, parts = report["environment"], report["parts"]
@@ -987,9 +1197,7 @@ def write_report(out: str, report: dict) -> None:
     for name, part in parts.items():
         numbers = part.get("reason") or brief(part.get("results", {}))
         lines.append(f"| {name} | {part['status']} | {part.get('seconds', '')} | {numbers} |")
-    timings = {
-        name: parts[name]["results"] for name in ("timing_rloo", "timing_trl") if "results" in parts.get(name, {})
-    }
+    timings = {name: parts[name]["results"] for name in TIMINGS if "results" in parts.get(name, {})}
     if timings:
         workload = next(iter(timings.values()))["workload"]
         lines += [
@@ -1005,6 +1213,7 @@ def write_report(out: str, report: dict) -> None:
             "|---|" + "---|" * len(timings),
         ]
         rows = [
+            ("cache", "cache_implementation"),
             ("seconds per update", "seconds_per_update"),
             ("fastest update", "seconds_per_update_min"),
             ("tokens per completion", "tokens_per_completion"),
@@ -1012,10 +1221,19 @@ def write_report(out: str, report: dict) -> None:
             ("peak resident memory (GiB)", "peak_max_rss_gib"),
         ]
         rows += [(f"{stage} (s)", stage) for stage in STAGES]
+        rows += [
+            ("generate calls, timed (s)", "generation_seconds"),
+            ("policy forward and backward, timed (s)", "forward_backward_seconds"),
+            ("decoding steps", "decoding_steps"),
+            ("completion tokens generated", "generated_tokens"),
+            ("tokens trained (prompt and completion)", "trained_tokens"),
+            ("parameters (all trained)", "parameters"),
+        ]
         for label, key in rows:
             values = [t.get(key, t.get("stages", {}).get(key)) for t in timings.values()]
             if any(v is not None for v in values):
                 lines.append(f"| {label} | " + " | ".join("" if v is None else str(v) for v in values) + " |")
+        lines += hardware_table(timings, device)
     if "results" in parts.get("memory_per_parameter", {}):
         memory = parts["memory_per_parameter"]["results"]
         lines += [
@@ -1043,6 +1261,7 @@ def write_report(out: str, report: dict) -> None:
 def brief(results: dict) -> str:
     """The numbers of a part that fit a table cell (all of them are in report.json)."""
     keep = (
+        "cache_implementation",
         "seconds_per_update",
         "tokens_per_completion",
         "reward_first_3",
@@ -1082,6 +1301,9 @@ def check_folders(parser, cli) -> None:
     ):
         if value is not None and not value >= 1:
             parser.error(f"{option} is {value}: give at least 1")
+    for option, value in (("--peak_tflops", cli.peak_tflops), ("--bandwidth_tbps", cli.bandwidth_tbps)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            parser.error(f"{option} is {value}: give a positive number")
     if os.path.exists(cli.out) and not os.path.isdir(cli.out):
         parser.error(f"--out {cli.out} is a file: give a folder for report.md and report.json")
     if any(os.path.exists(os.path.join(cli.out, name)) for name in ("report.md", "report.json")):
@@ -1124,6 +1346,18 @@ def main():
     parser.add_argument("--gsm8k_model", default=None, help="rloo_gsm8k's model (default: see the part)")
     parser.add_argument("--gsm8k_source", default=None, help="rloo_gsm8k's GSM8K: openai/gsm8k, or local files")
     parser.add_argument("--trl_python", default=sys.executable, help="the Python that runs TRL (timing_trl)")
+    parser.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=None,
+        help="the device's dense bf16 TFLOP/s for the MFU (default: the kit's table by the device's name)",
+    )
+    parser.add_argument(
+        "--bandwidth_tbps",
+        type=float,
+        default=None,
+        help="the device's memory bandwidth in TB/s for a decoding step's floor (default: the kit's table)",
+    )
     parser.add_argument("--work", default=None, help="scratch folder (models are reused from it when present)")
     parser.add_argument("--part", nargs=6, help=argparse.SUPPRESS)  # NAME WORK DEVICE SIZE NPROC TRL_PYTHON
     parser.add_argument("--models", nargs=3, help=argparse.SUPPRESS)  # WORK SIZE DEVICE
@@ -1182,6 +1416,9 @@ def main():
         "device": cli.device,
         "size": size,
         "environment": found,
+        "hardware": hardware(
+            (found.get("devices") or [None])[0] if cli.device == "cuda" else None, cli.peak_tflops, cli.bandwidth_tbps
+        ),
         "wheels": wheels["wheels"],
         "work": work,
         "parts": {},
