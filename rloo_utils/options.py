@@ -434,6 +434,9 @@ OWN_SAMPLING_OPTIONS = {
     "seed": "--seed",
     "n": "--num_generations",
     "num_return_sequences": "--num_generations",
+    "cache_implementation": "--cache_implementation",
+    "compile_config": "--cache_implementation",
+    "max_cache_len": "--cache_implementation",
 }
 
 

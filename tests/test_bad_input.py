@@ -168,8 +168,8 @@ OPTIONS = [
     # --generation_kwargs values HF generate cannot use, tried before the policy loads
     ({"generation_kwargs": {"typical_p": "abc"}}, "HF generate cannot use it (TypeError: '<' not supported"),
     (
-        {"generation_kwargs": {"cache_implementation": "nope"}},
-        "HF generate cannot use it (ValueError: Invalid `cache_implementation`",
+        {"generation_kwargs": {"cache_implementation": "static"}},
+        "--generation_kwargs sets cache_implementation, which --cache_implementation sets: use that option",
     ),
     ({"generation_kwargs": {"sequence_bias": 5}}, "HF generate cannot use it (ValueError: `sequence_bias` has to be"),
     (
