@@ -479,7 +479,7 @@ def test_generation_kwargs_go_to_the_generator_that_samples():
     SamplingParams' (vLLM installed or not)."""
     import rloo_multigpu
 
-    hf = rloo_multigpu.Args(generation_kwargs={"no_repeat_ngram_size": 3, "cache_implementation": "static"})
+    hf = rloo_multigpu.Args(generation_kwargs={"no_repeat_ngram_size": 3, "epsilon_cutoff": 3e-4})
     check_args(hf)
     check_vllm_args(hf, server=False)
     served = dataclasses.replace(hf, vllm_server_host="127.0.0.1")
