@@ -257,8 +257,9 @@ def static_cache_inputs(ids: torch.Tensor, mask: torch.Tensor, config, largest: 
     to the next power of two (at most `largest`), whose completions the caller drops; and the cache's length, P rounded
     up to a multiple of CACHE_BUCKET plus the completion's. The compiled decoding step is traced again for each new
     batch size and each new cache length (transformers keeps a cache as long as the longest before it): at most
-    (log2(largest) + 2) x (--max_prompt_length / 64 + 1) times in a run, usually a few, whatever the number of rows of a
-    round or a tool turn and the prompts' lengths. Without: the rows as they are."""
+    (log2(largest) + 2) x ((--max_prompt_length + --max_completion_length) / 64 + 1) times in a run (a tool turn's
+    context holds earlier turns), usually a few, whatever the number of rows of a round or a turn and the prompts'
+    lengths. Without: the rows as they are."""
     if config.cache_implementation != "static":
         return {"input_ids": ids, "attention_mask": mask}
     rows = min(1 << (len(ids) - 1).bit_length(), max(largest, len(ids)))
@@ -281,9 +282,11 @@ def generation_configs(
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
-    compile_config = CompileConfig()
-    compile_config._compile_all_devices = True  # --cache_implementation static on a CPU compiles too
-    cache = {"cache_implementation": "static", "compile_config": compile_config} if static else {}
+    cache = {}
+    if static:
+        compile_config = CompileConfig()
+        compile_config._compile_all_devices = True  # --cache_implementation static on a CPU compiles too
+        cache = {"cache_implementation": "static", "compile_config": compile_config}
 
     greedy = GenerationConfig(
         max_new_tokens=args.max_completion_length,

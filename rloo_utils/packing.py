@@ -146,7 +146,7 @@ def micro_batches(rows: torch.Tensor, tokens: torch.Tensor, size: int, max_token
         room[b] -= lengths[i]
     count = agree(len(bins)) if agree else len(bins)
     while len(bins) < count:  # split the fullest micro-batch that has two rows: the count is at most the rows
-        b = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: -room[b])
+        b = min((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: room[b])
         bins[b], half = bins[b][::2], bins[b][1::2]
         room[b] = max_tokens - sum(lengths[i] for i in bins[b])
         bins.append(half)
