@@ -808,10 +808,15 @@ def main(args: Args) -> None:
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": num_tokens / update_seconds,
             "perf/generated_tokens_per_second": generated_tokens / max(generation_seconds, 1e-9),
+            **({"perf/weight_sync_bytes": server.last_push_bytes} if server is not None else {}),  # rank 0 sends
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **(
-                {"async/staleness": update - 1 - queued.version, "time/background_generation": queued.seconds}
+                {
+                    "async/staleness": update - 1 - queued.version,
+                    "async/resampled": float(queued.resampled),  # too old when taken: sampled again (its mean: share)
+                    "time/background_generation": queued.seconds,
+                }
                 if args.max_staleness
                 else {}
             ),
@@ -854,14 +859,15 @@ def main(args: Args) -> None:
 class Sampler(rollouts.BaseSampler):
     """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): this process's rows,
     completed by the policy with HF generate (every process in each sharded forward) or by a vLLM server, in one go or,
-    with --tools or --environment, turn by turn (every process makes every turn: a sharded forward is a collective).
-    With --max_staleness the rollout queue asks the server for an update's completions ahead (request, then
-    background_outputs in its thread); sample() takes them."""
+    with --tools or --environment, turn by turn (with HF generate every process makes every turn: a sharded forward is
+    a collective). With --max_staleness the rollout queue asks the server for an update's completions (or multi-turn
+    rollouts) ahead (request, then background_outputs in its thread); sample() takes them."""
 
     def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device):
         super().__init__(args, models, plan, stop_ids, eos_ids, device)
         self.policy, self.server = policy, server
         self.reads_images_itself = server is not None  # a server takes the dataset's images; HF generate the tensors
+        self.turns_in_step = server is None  # a multi-turn rollout's turns: every process in each sharded forward
 
     def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
         """(b, C) completion ids, padded to --max_completion_length, and (b, C) the sampler's log-probs of them (the
@@ -934,13 +940,14 @@ class Sampler(rollouts.BaseSampler):
         """What the rollout of an update samples: this process's prompts of the next batch, each repeated G times (its
         completions adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters
         (config); with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of
-        its own, and a tokenizer is not thread-safe."""
+        its own, and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its
+        own)."""
         batch, G = next(batches), self.args.num_generations
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
         seeds = self.seeds_for(update, 0, len(prompts))
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
-        if self.args.max_staleness:
+        if self.args.max_staleness and not self.tool_use:
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
                 prompts,
@@ -954,10 +961,13 @@ class Sampler(rollouts.BaseSampler):
         return request
 
     def background_outputs(self, request: dict):
-        """With --max_staleness, the server's completions of a rollout (made in the queue's thread); else None:
-        sample() generates them when the update takes its rollout."""
-        if "token_ids" not in request:
+        """With --max_staleness, the server's completions of a rollout, or (--tools, --environment) the whole
+        multi-turn rollout, made in the queue's thread; else None: sample() generates them when the update takes its
+        rollout."""
+        if not self.args.max_staleness:
             return None
+        if self.tool_use:
+            return self.background_rollout(request)
         token_ids, images = request["token_ids"], request["columns"].get(self.image_col)
         return self.server.generate(token_ids, request["config"], request["seeds"], images)
 
@@ -1001,8 +1011,14 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     adapter merged into its weights (the trained copy unchanged). Its items() gathers the shards one tensor at a time,
     a collective every process goes through while rank 0 sends them: no device holds the whole model. With
     --fsdp_cpu_offload each shard goes from CPU memory to the GPU to be gathered there (NCCL, as torch's own does). In
-    the server's dtype (bf16 on a GPU), cast before the gather: half the bytes of fp32 gathered and sent."""
-    return types.SimpleNamespace(items=lambda: lora.merged_weights(policy, gather=whole, dtype=dtype))
+    the server's dtype (bf16 on a GPU), cast before the gather: half the bytes of fp32 gathered and sent. A server that
+    serves the adapter alone (--vllm_lora_push) takes base() once, the weights without it, then adapter(), its tensors
+    only: gathered alike, every process going through them."""
+    return types.SimpleNamespace(
+        items=lambda: lora.merged_weights(policy, gather=whole, dtype=dtype),
+        base=lambda: lora.base_weights(policy, gather=whole, dtype=dtype),
+        adapter=lambda: lora.adapter_weights(policy, gather=whole, dtype=dtype),
+    )
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:

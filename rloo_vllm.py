@@ -697,10 +697,15 @@ def main(args: Args) -> None:
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": num_tokens / update_seconds,
             "perf/generated_tokens_per_second": generated_tokens / max(generation_seconds, 1e-9),
+            "perf/weight_sync_bytes": engine.last_push_bytes,  # --use_peft: the adapter alone where vLLM serves it
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **(
-                {"async/staleness": update - 1 - queued.version, "time/background_generation": queued.seconds}
+                {
+                    "async/staleness": update - 1 - queued.version,
+                    "async/resampled": float(queued.resampled),  # too old when taken: sampled again (its mean: share)
+                    "time/background_generation": queued.seconds,
+                }
                 if args.max_staleness
                 else {}
             ),
@@ -742,7 +747,8 @@ class Sampler(rollouts.BaseSampler):
     """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): vLLM completes them
     (an engine in this process, or a server), in one go or, with --tools or --environment, turn by turn; a VLM's images
     go as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout queue asks for an
-    update's completions ahead (request, then background_outputs in its thread), and sample() takes them."""
+    update's completions (or multi-turn rollouts) ahead (request, then background_outputs in its thread), and sample()
+    takes them."""
 
     reads_images_itself = True
 
@@ -776,13 +782,13 @@ class Sampler(rollouts.BaseSampler):
         """What the rollout of an update samples: the next batch's prompts, each repeated G times (its completions
         adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
         with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
-        and a tokenizer is not thread-safe."""
+        and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its own)."""
         batch, G = next(batches), self.args.num_generations
         prompts = [p for p in batch["prompt"] for _ in range(G)]
         columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
         seeds = self.seeds_for(update, 0, len(prompts))
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
-        if self.args.max_staleness:
+        if self.args.max_staleness and not self.tool_use:
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
                 prompts,
@@ -796,10 +802,12 @@ class Sampler(rollouts.BaseSampler):
         return request
 
     def background_outputs(self, request: dict):
-        """With --max_staleness, vLLM's completions of a rollout (made in the queue's thread); else None: sample()
-        generates them when the update takes its rollout."""
-        if "token_ids" not in request:
+        """With --max_staleness, vLLM's completions of a rollout, or (--tools, --environment) the whole multi-turn
+        rollout, made in the queue's thread; else None: sample() generates them when the update takes its rollout."""
+        if not self.args.max_staleness:
             return None
+        if self.tool_use:
+            return self.background_rollout(request)
         return self.engine.generate(
             request["token_ids"], request["config"], request["seeds"], request["columns"].get(self.image_col)
         )
@@ -833,8 +841,13 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
     adapter merged into its weights (the trained copy unchanged), in the engine's dtype (bf16 on a GPU: half the
-    bytes of fp32). Its items() yields them one tensor at a time."""
-    return types.SimpleNamespace(items=lambda: lora.merged_weights(policy, dtype=dtype))
+    bytes of fp32). Its items() yields them one tensor at a time; an engine that serves the adapter alone
+    (--vllm_lora_push) takes base() once, the weights without it, and then adapter(), its tensors only."""
+    return types.SimpleNamespace(
+        items=lambda: lora.merged_weights(policy, dtype=dtype),
+        base=lambda: lora.base_weights(policy, dtype=dtype),
+        adapter=lambda: lora.adapter_weights(policy, dtype=dtype),
+    )
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:

@@ -121,11 +121,20 @@ def run(name: str, command: list[str], workdir: str, drop: int = 1, env: Optiona
     )
     (run_dir,) = os.listdir(os.path.join(cwd, "runs"))
     with open(os.path.join(cwd, "runs", run_dir, "metrics.jsonl")) as f:
-        rows = [row for row in map(json.loads, f) if "episode" in row]  # the updates' (not the evaluations')
+        logged = list(map(json.loads, f))
+    rows = [row for row in logged if "episode" in row]  # the updates' (not the evaluations')
     since_start = [row["episode"] / row["eps"] for row in rows]  # each update's logged end, seconds into the run
     periods = [b - a for a, b in zip(since_start, since_start[1:])][drop - 1 :]  # those of the kept updates
     period = statistics.mean(periods) if periods else float("nan")  # (a run of one update has none)
-    return {"name": name, "rows": rows[drop:], "period": period, "wall": time.perf_counter() - start}
+    evaluations = [row for row in logged if "eval/reward" in row]  # held-out, where the run evaluates
+    return {
+        "name": name,
+        "rows": rows[drop:],
+        "all_rows": rows,
+        "evaluations": evaluations,
+        "period": period,
+        "wall": time.perf_counter() - start,
+    }
 
 
 def main():

@@ -1,4 +1,5 @@
-"""LoRA adapters (peft): added to the policy, disabled for the reference, merged for vLLM and for saving."""
+"""LoRA adapters (peft): added to the policy, disabled for the reference, merged for vLLM and for saving, or sent to
+vLLM alone (its LoRA serves them on the base weights)."""
 
 import contextlib
 import math
@@ -183,21 +184,39 @@ def merged_weight(layer, weight: torch.Tensor, gather: Callable = lambda t: t) -
     return merged.to(weight.dtype)
 
 
+def to_dtype(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A floating-point tensor in dtype (None: as it is); integer buffers stay as they are."""
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
 def merged_weights(model, gather: Callable = lambda t: t, dtype: Optional[torch.dtype] = None):
     """(name, tensor) of every weight of the model as a plain transformers model, its adapters merged in, one tensor at
     a time (of sharded weights, each gathered: a collective every process goes through in the same order). dtype: the
     floating-point tensors in it (a push to vLLM in the engine's dtype), cast before they are gathered; a merged weight
     is merged from its whole base weight, then cast."""
     layers = adapter_layers(model)
-
-    def cast(tensor):
-        return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-
     for name, tensor in plain_state_dict(model).items():
         if name in layers:
-            yield name, cast(merged_weight(layers[name], gather(tensor.detach()), gather))
+            yield name, to_dtype(merged_weight(layers[name], gather(tensor.detach()), gather), dtype)
         else:
-            yield name, gather(cast(tensor.detach()))
+            yield name, gather(to_dtype(tensor.detach(), dtype))
+
+
+def base_weights(model, gather: Callable = lambda t: t, dtype: Optional[torch.dtype] = None):
+    """(name, tensor) of every weight of the model as a plain transformers model, without its adapters: the base that
+    vLLM serves an adapter on (pushed once, as merged_weights pushes them: gathered one at a time, cast first)."""
+    for name, tensor in plain_state_dict(model).items():
+        yield name, gather(to_dtype(tensor.detach(), dtype))
+
+
+def adapter_weights(model, gather: Callable = lambda t: t, dtype: Optional[torch.dtype] = None):
+    """(name, tensor) of the LoRA adapters alone, named as peft's adapter_model.safetensors names them (the adapter's
+    name left out: base_model.model.<layer>.lora_A.weight), which vLLM's LoRA loads; gathered one at a time, cast
+    first. The magnitudes of DoRA and the --lora_modules_to_save layers are not in it: vLLM serves neither."""
+    for name, tensor in model.state_dict().items():
+        if ".lora_A.default." in name or ".lora_B.default." in name:
+            name = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            yield name, gather(to_dtype(tensor.detach(), dtype))
 
 
 def trained_names(model) -> Optional[set]:

@@ -412,6 +412,8 @@ def check_tool_args(args) -> None:
             raise UsageError(f"--max_tool_calling_iterations must be >= 0, got {args.max_tool_calling_iterations}")
         if not args.tools and not args.environment:
             raise UsageError("--max_tool_calling_iterations needs tools to call: give --tools or --environment")
+    if args.tool_timeout is not None and not args.tool_timeout > 0:
+        raise UsageError(f"--tool_timeout must be > 0 (or left out: no limit), got {args.tool_timeout}")
     if (args.tools or args.environment) and "tools" in (args.chat_template_kwargs or {}):
         raise UsageError(
             "--chat_template_kwargs sets tools and --tools/--environment gives them too: give them once, as --tools"

@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,10 @@ def agreed():
     """`with agreed():` around work that holds no collective: if it raises on any process, the first failing process's
     error is raised on every process, so that all of them stop together, and rank 0 reports it once (with the rank
     that failed). Without this, one process's bad input or failing reward function would leave the others waiting.
-    Ctrl-C, SIGTERM before training and sys.exit stop this process only (torchrun stops the others)."""
-    if get_world_size() == 1:
+    Ctrl-C, SIGTERM before training and sys.exit stop this process only (torchrun stops the others). Off the training
+    thread (the rollout queue's) it holds no collective: a failure there is raised where the training thread takes the
+    rollout, under agreed()."""
+    if get_world_size() == 1 or threading.current_thread() is not threading.main_thread():
         yield
         return
     error = None

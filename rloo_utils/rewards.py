@@ -165,16 +165,16 @@ def check_reward_columns(
 ) -> None:
     """Every argument a reward function (or evaluation metric function) needs, one without a default, is one it is
     given: TRL's arguments, a column of the dataset (answer_accuracy reads `answer`), or a multi-turn rollout's
-    `environments` (--tools, --environment). Else one line now, before the models load, rather than a TypeError at the
-    first update. Reward functions score the training split, and the held-out one where the sample tables or the
-    evaluation read it; metric functions the held-out split where the run evaluates."""
+    `environments` and `environment_rewards` (--tools, --environment). Else one line now, before the models load,
+    rather than a TypeError at the first update. Reward functions score the training split, and the held-out one where
+    the sample tables or the evaluation read it; metric functions the held-out split where the run evaluates."""
     reward_names = reward_names[len(reward_names) - len(reward_funcs) :]  # without the reward model's
     checks = [(f, n, "reward function", train_dataset) for f, n in zip(reward_funcs, reward_names)]
     if eval_dataset is not None and (args.num_sample_generations or args.eval_steps):
         checks += [(f, n, "reward function", eval_dataset) for f, n in zip(reward_funcs, reward_names)]
     if eval_dataset is not None and args.eval_steps:
         checks += [(f, n, "evaluation metric function", eval_dataset) for f, n in zip(metric_funcs, metric_names)]
-    multi_turn = {"environments"} if args.tools or args.environment else set()
+    multi_turn = {"environments", "environment_rewards"} if args.tools or args.environment else set()
     for func, name, what, dataset in checks:
         try:
             parameters = inspect.signature(func).parameters.values()
@@ -262,9 +262,12 @@ class RewardLogs:
 
 @functools.cache
 def reward_event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop for every call of the async reward functions: a client they keep (an HTTP session) stays bound to
-    the loop it was made on, so a fresh loop per update would break it."""
+    """One event loop for every call of the async reward functions and tools: a client they keep (an HTTP session)
+    stays bound to the loop it was made on, so a fresh loop per update (or per thread) would break it."""
     return asyncio.new_event_loop()
+
+
+EVENT_LOOP_LOCK = threading.Lock()  # the loop runs in one thread at a time: the training thread's, or the queue's
 
 
 def await_all(awaitables: list) -> list:
@@ -279,7 +282,8 @@ def await_all(awaitables: list) -> list:
     async def gather():
         return await asyncio.gather(*(settle(a) for a in awaitables))
 
-    return reward_event_loop().run_until_complete(gather())
+    with EVENT_LOOP_LOCK:
+        return reward_event_loop().run_until_complete(gather())
 
 
 def call_reward_funcs(
@@ -514,6 +518,7 @@ class Scorer:
         backbone = self.reward_model and getattr(self.reward_model, self.reward_model.base_model_prefix)
         self.packing = packing_layout(backbone, args.padding_free, False, console, "reward model", autocast)
         self.logs = RewardLogs()  # what the functions log (log_extra, log_metric)
+        self.tool_use = plan.tool_use  # a rollout made ahead gives its environments back once scored
 
     def score(self, rollout) -> tuple[torch.Tensor, list[str]]:
         """(B, F) rewards of every source, and the decoded completions."""
@@ -524,6 +529,8 @@ class Scorer:
         )
         per_source = [] if self.reward_model is None else [self.model_scores(rollout, texts)]
         per_source += self.call(self.funcs, self.names[len(per_source) :], rollout, texts)
+        if rollout.turns is not None:
+            self.tool_use.release(rollout.turns)
         return torch.stack(per_source, 1).to(self.device), texts
 
     def model_scores(self, rollout, texts: list[str]) -> torch.Tensor:
@@ -569,7 +576,7 @@ class Scorer:
             **reward_func_arguments(
                 rollout.prompts, texts, rollout.completion_ids, rollout.completion_mask, turns and turns.messages
             ),
-            **({"environments": turns.environments} if turns else {}),
+            **({"environments": turns.environments, "environment_rewards": turns.rewards} if turns else {}),
             trainer_state=self.trainer_state,
             log_extra=self.logs.log_extra,
             log_metric=self.logs.log_metric,

@@ -13,7 +13,11 @@ weights are pushed; pushed(k) asks for the rollout of update k + 1 + N, from the
 rollouts of older weights, which a resumed run cannot sample again; one of the checkpoint's own weights is sampled
 again, from the same seeds. The scripts say what a request is and how a rollout is generated."""
 
+import copy
+import dataclasses
 import functools
+import json
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -56,6 +60,42 @@ class Rollout:
         """(B, C) the tokens the policy chose (not the tools' results): only they enter the loss and the KL."""
         return (self.completion_mask * (1 - self.tool_mask)).float()
 
+    def to(self, device) -> "Rollout":
+        """The rollout with its tensors on `device` (one made in the queue's thread is made on the CPU)."""
+        moved = {name: getattr(self, name).to(device) for name in ROLLOUT_TENSORS if getattr(self, name) is not None}
+        return dataclasses.replace(self, **moved)
+
+    def state_dict(self) -> Optional[dict]:
+        """A multi-turn rollout made ahead, as a checkpoint holds it: its tensors, and its prompts, columns and turns as
+        JSON (torch.load takes both with weights_only). None where it cannot be kept whole: rows with environments (the
+        user's objects), or values JSON cannot hold."""
+        if self.turns is not None and any(e is not None for e in self.turns.environments):
+            return None
+        plain = {"prompts": self.prompts, "columns": self.columns, "num_truncated": self.num_truncated}
+        try:
+            text = json.dumps({**plain, "turns": self.turns and self.turns.state_dict()})
+        except (TypeError, ValueError):
+            return None
+        return {"json": text, **{n: getattr(self, n).cpu() for n in ROLLOUT_TENSORS if getattr(self, n) is not None}}
+
+    @staticmethod
+    def from_state_dict(state: dict) -> "Rollout":
+        plain = json.loads(state["json"])
+        turns = plain.pop("turns")
+        tensors = {n: state.get(n) for n in ROLLOUT_TENSORS}
+        return Rollout(**plain, **tensors, turns=turns and MultiTurn.from_state_dict(turns))
+
+
+ROLLOUT_TENSORS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "tool_mask",
+    "ended",
+    "sampling_logprobs",
+)
+
 
 class BaseSampler:
     """Prompts in, a Rollout out: tokenized (a VLM's images beside them), completed in one go or (--tools,
@@ -66,45 +106,94 @@ class BaseSampler:
     engine's completions made ahead (the rollout queue's `outputs`) also completions(outputs) -> the same two."""
 
     reads_images_itself = False  # generate takes the dataset's images (vLLM's processor reads them), not the tensors
+    turns_in_step = False  # every process makes every turn of a multi-turn rollout (a sharded model's forward)
+    owns_environments = False  # a multi-turn rollout's environments are its own until scored (the queue's thread's)
 
     def __init__(self, args, models, plan, stop_ids: list[int], eos_ids: list[int], device):
         self.args, self.tokenizer, self.processor, self.device = args, models.tokenizer, models.processor, device
         self.tool_use, self.image_col, self.stop_ids, self.eos_ids = plan.tool_use, plan.image_column, stop_ids, eos_ids
+        # One multi-turn rollout at a time, in the training thread or the queue's: a tool is never called from two
+        # threads at once (docs/tools.md)
+        self.turns_lock = threading.Lock()
+        self.background_sampler = None  # the queue's thread's copy (background_rollout)
 
     def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
         """The prompts tokenized and completed. seeds: one per row (a sampler's random streams); copies: each prompt's
         rows are that many in a row, whose prompt forward is then made once; outputs: an engine's completions made
-        already (per completion: ids and log-probs; the rollout queue's)."""
+        already (per completion: ids and log-probs), or a multi-turn rollout made whole (the rollout queue's)."""
+        if isinstance(outputs, Rollout):
+            return outputs.to(self.device)
+        if self.tool_use:
+            with self.turns_lock:
+                return self.sample_turns(prompts, columns, config, seeds)
+        return self.sample_once(prompts, columns, config, seeds, copies, outputs)
+
+    def background_rollout(self, request: dict) -> Rollout:
+        """With --max_staleness and --tools or --environment: the whole multi-turn rollout of a request (environments
+        reset, the model's turns, the tools' calls), made in the rollout queue's thread, on the CPU, with a tokenizer
+        of its own (a tokenizer is not thread-safe), and without collectives (every process makes its own turns)."""
+        if self.background_sampler is None:
+            self.background_sampler = copy.copy(self)
+            self.background_sampler.tokenizer = copy.deepcopy(self.tokenizer)
+            self.background_sampler.device, self.background_sampler.turns_in_step = torch.device("cpu"), False
+            self.background_sampler.owns_environments = True
+        return self.background_sampler.sample(
+            request["prompts"], request["columns"], request["config"], request["seeds"]
+        )
+
+    def sample_once(self, prompts: list, columns: dict, config, seeds, copies, outputs) -> Rollout:
+        """Completions in one go (sample without tools)."""
         tokenizer, args = self.tokenizer, self.args
-        turns = self.tool_use.start(prompts, columns) if self.tool_use else None  # environments reset; each row's tools
         prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
             tokenizer,
-            turns.prompts if turns else prompts,
+            prompts,
             args.max_prompt_length,
             self.device,
             self.processor,
             columns.get(self.image_col),
             args.chat_template_kwargs,
-            turns and turns.schemas,
         )  # (B, P)
-        if turns:  # the model's turns, and the tools' results between them (rloo_utils/tools.py)
-            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
-            turns.generate(
-                functools.partial(self.next_turn, config=config, seeds=seeds), rows, tokenizer, self.stop_ids, args
-            )
-            completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
-                tokenizer.pad_token_id, self.device
-            )
+        if outputs is None:
+            generation_images = columns.get(self.image_col) if self.reads_images_itself else images
+            completion_ids, sampling_logprobs = self.generate(
+                prompt_ids, prompt_mask, config, generation_images, seeds, copies
+            )  # (B, C), (B, C) or None
         else:
-            if outputs is None:
-                generation_images = columns.get(self.image_col) if self.reads_images_itself else images
-                completion_ids, sampling_logprobs = self.generate(
-                    prompt_ids, prompt_mask, config, generation_images, seeds, copies
-                )  # (B, C), (B, C) or None
-            else:
-                completion_ids, sampling_logprobs = self.completions(outputs)
-            completion_mask, ended = completion_mask_from(completion_ids, self.stop_ids, self.eos_ids)  # (B, C), (B,)
-            tool_mask = torch.zeros_like(completion_mask)
+            completion_ids, sampling_logprobs = self.completions(outputs)
+        completion_mask, ended = completion_mask_from(completion_ids, self.stop_ids, self.eos_ids)  # (B, C), (B,)
+        return Rollout(
+            prompts=prompts,
+            columns=columns,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            tool_mask=torch.zeros_like(completion_mask),
+            ended=ended,
+            num_truncated=num_truncated,
+            images=images,
+            sampling_logprobs=sampling_logprobs,
+        )
+
+    def sample_turns(self, prompts: list, columns: dict, config, seeds) -> Rollout:
+        """The model's turns, and the tools' results between them (rloo_utils/tools.py)."""
+        tokenizer, args = self.tokenizer, self.args
+        turns = self.tool_use.start(prompts, columns, self.owns_environments)  # environments reset; each row's tools
+        prompt_ids, prompt_mask, num_truncated, _ = tokenize_prompts(
+            tokenizer,
+            turns.prompts,
+            args.max_prompt_length,
+            self.device,
+            chat_template_kwargs=args.chat_template_kwargs,
+            tools=turns.schemas,
+        )  # (B, P)
+        rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
+        generate_turn = functools.partial(self.next_turn, config=config, seeds=seeds)
+        turns.generate(generate_turn, rows, tokenizer, self.stop_ids, args, in_step=self.turns_in_step)
+        self.tool_use.read_rewards(turns, args.reward_timeout)  # the environments' get_reward, as the rollout ends
+        completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
+            tokenizer.pad_token_id, self.device
+        )  # (B, C) each, (B,)
         return Rollout(
             prompts=prompts,
             columns=columns,
@@ -115,7 +204,6 @@ class BaseSampler:
             tool_mask=tool_mask,
             ended=ended,
             num_truncated=num_truncated,
-            images=images,
             turns=turns,
             sampling_logprobs=sampling_logprobs,
         )
@@ -274,27 +362,48 @@ class DynamicSampling:
 @dataclass
 class QueuedRollout:
     """What an update trains on: its request (prompts, columns, seeds...), the engine's outputs (per completion: token
-    ids and their sampling log-probs; None where the script generates at take time), the weight version that sampled
-    it, and the seconds its generation took."""
+    ids and their sampling log-probs; a multi-turn rollout made whole; None where the script generates at take time),
+    the weight version that sampled it, the seconds its generation took, and whether it was sampled again at take
+    time because the one made ahead was older than --max_staleness allows."""
 
     request: dict
     outputs: Any
     version: int
     seconds: float
+    resampled: bool = False
+
+
+class Worker:
+    """The queue's thread: one daemon thread that runs generations in the order they are asked for. One thread, kept
+    for the whole run, so that a tool's or an environment's thread-bound state (an event loop, a connection) lives as
+    long as the run, and no two background rollouts call the same tool at once."""
+
+    def __init__(self):
+        self.jobs = queue.SimpleQueue()
+        threading.Thread(target=self.loop, name="rollouts", daemon=True).start()
+
+    def loop(self) -> None:
+        while True:
+            self.jobs.get().run()
 
 
 class Generation:
-    """One rollout's generation: in a daemon thread (background, so the update runs meanwhile), or when its result is
-    asked for. A failure is raised where the result is asked for, in the training loop."""
+    """One rollout's generation: in the queue's thread (background, so the update runs meanwhile), or when its result
+    is asked for. A failure is raised where the result is asked for, in the training loop."""
 
-    def __init__(self, generate: Callable, request: dict, version: int, background: bool, kept: Optional[dict] = None):
+    def __init__(self, generate: Callable, request: dict, version: int, worker: Optional[Worker], kept=None):
         """kept: a checkpoint's finished generation (its outputs and seconds), which is not run again."""
-        self.generate, self.request, self.version = generate, request, version
+        self.generate, self.request, self.version, self.background = generate, request, version, worker is not None
         self.outputs, self.seconds = (kept["outputs"], kept["seconds"]) if kept else (None, 0.0)
-        self.error, self.finished = None, kept is not None
-        self.thread = threading.Thread(target=self.run, daemon=True) if background and not self.finished else None
-        if self.thread:
-            self.thread.start()
+        self.error, self.done = None, threading.Event()
+        if kept:
+            self.done.set()
+        elif worker is not None:
+            worker.jobs.put(self)
+
+    @property
+    def finished(self) -> bool:
+        return self.done.is_set()
 
     def run(self) -> None:
         start = time.perf_counter()
@@ -303,13 +412,12 @@ class Generation:
         except Exception as e:  # raised again by result(), in the training loop
             self.error = e
         self.seconds = time.perf_counter() - start
-        self.finished = True
+        self.done.set()
 
     def result(self) -> QueuedRollout:
-        if self.thread is not None:
-            self.thread.join()
-        elif not self.finished:
+        if not self.background and not self.done.is_set():
             self.run()
+        self.done.wait()
         if self.error is not None:
             raise self.error
         return QueuedRollout(self.request, self.outputs, self.version, self.seconds)
@@ -317,13 +425,14 @@ class Generation:
 
 class RolloutQueue:
     """The rollouts of the coming updates (max_staleness + 1 of them at most), each sampled from its scheduled weights.
-    generate(request): the engine's outputs for a rollout's request, run in a thread when max_staleness > 0 (it must not
-    use the tokenizer or a collective); request(update), given to start(): what the rollout samples (called once per
-    update, in order). Its state_dict() is what a checkpoint holds: the finished rollouts of weights older than the
-    newest."""
+    generate(request): the engine's outputs for a rollout's request, run in the queue's thread when max_staleness > 0
+    (it must not use a collective, nor the training thread's tokenizer); request(update), given to start(): what the
+    rollout samples (called once per update, in order). Its state_dict() is what a checkpoint holds: the finished
+    rollouts of weights older than the newest."""
 
     def __init__(self, max_staleness: int, num_updates: int, generate: Callable):
         self.max_staleness, self.num_updates, self.generate = max_staleness, num_updates, generate
+        self.worker = Worker() if max_staleness > 0 else None
         self.request: Callable = None  # update -> its rollout's request (start)
         self.pending: dict[int, Generation] = {}  # update -> its rollout's generation
         self.saved: dict[int, dict] = {}  # update -> {"version", "outputs", "seconds"}, from a checkpoint
@@ -335,54 +444,62 @@ class RolloutQueue:
 
     def start(self, version: int, request: Callable) -> None:
         """The weights after update `version` are on the engine (0: a new run): ask for every rollout they or older
-        weights sample, request(update) saying what each samples. A checkpoint's rollouts are used where they are at
-        most max_staleness versions old."""
+        weights sample, request(update) saying what each samples. A checkpoint's rollouts are taken as they are (take()
+        samples again one that is too old)."""
         self.version, self.request = version, request
         for update in range(version + 1, min(version + 1 + self.max_staleness, self.num_updates) + 1):
             request = self.request(update)
             kept = self.saved.pop(update, None)
-            if kept is not None and update - 1 - kept["version"] <= self.max_staleness:
-                self.pending[update] = Generation(self.generate, request, kept["version"], False, kept)
-            else:  # a new run's, the checkpoint's own weights', or one now too stale: sampled from these weights
-                self.pending[update] = Generation(self.generate, request, version, self.max_staleness > 0)
+            if kept is not None:
+                self.pending[update] = Generation(self.generate, request, kept["version"], None, kept)
+            else:  # a new run's, or the checkpoint's own weights': sampled from these weights
+                self.pending[update] = Generation(self.generate, request, version, self.worker)
         self.saved.clear()
 
     def take(self, update: int) -> QueuedRollout:
-        """The rollout of this update, waited for (a failure of its generation is raised here)."""
-        return self.pending.pop(update).result()
+        """The rollout of this update, waited for (a failure of its generation is raised here); it stays in the queue
+        until the update is done (pushed), so that the checkpoint of a failure inside the update keeps it. One sampled
+        from weights more than max_staleness updates older than the policy that trains on it (after update - 1) is not
+        trained on: it is sampled again now, from the engine's weights (a checkpoint's, resumed with a lower bound)."""
+        taken = self.pending[update].result()
+        if update - 1 - taken.version <= self.max_staleness:
+            return taken
+        self.pending[update] = Generation(self.generate, taken.request, self.version, None)
+        return dataclasses.replace(self.pending[update].result(), resampled=True)
 
     def before_push(self) -> None:
-        """Wait for the rollouts still being generated: new weights must not reach the engine under them."""
+        """Wait for the rollouts still being generated: new weights must not reach the engine under them (a failure of
+        one is raised here, before the push)."""
         for generation in self.pending.values():
             generation.result()
 
     def pushed(self, update: int) -> None:
         """The weights after `update` are on the engine: ask for the rollout they are scheduled to sample."""
+        self.pending.pop(update, None)  # its rollout is trained on
         self.version = update
         asked = update + 1 + self.max_staleness
         if asked <= self.num_updates:
-            self.pending[asked] = Generation(self.generate, self.request(asked), update, self.max_staleness > 0)
+            self.pending[asked] = Generation(self.generate, self.request(asked), update, self.worker)
 
     def state_dict(self) -> dict:
         """The finished rollouts of weights older than the engine's (a resumed run samples the others again), per
-        process, as tensors: completion ids (int64) and their log-probs (float64, as the engine's JSON gave them).
-        With a process group, a collective: every process's rollouts, in rank order."""
-        own = {
-            update: {
-                "version": generation.version,
-                "rows": [pack(ids, logprobs) for ids, logprobs in generation.outputs],
-                "seconds": generation.seconds,
-            }
-            for update, generation in self.pending.items()
-            if generation.version < self.version
-            and generation.finished
-            and generation.error is None
-            and generation.outputs is not None
-        }
-        per_process = [own]
+        process, as tensors (pack_outputs); one a checkpoint cannot hold (a multi-turn rollout's environments) is left
+        out, and the resumed run samples it again from the checkpoint's weights (said then). With a process group, a
+        collective: every process's rollouts, in rank order."""
+        own, left_out = {}, []
+        for update, generation in self.pending.items():
+            if not (generation.version < self.version and generation.finished and generation.error is None):
+                continue
+            packed = pack_outputs(generation.outputs)
+            if packed is None:
+                left_out.append(update)
+                continue
+            own[update] = {"version": generation.version, **packed, "seconds": generation.seconds}
+        mine = {"kept": own, "left_out": left_out}
+        per_process = [mine]
         if dist.is_initialized():
             per_process = [None] * get_world_size()
-            dist.all_gather_object(per_process, own)
+            dist.all_gather_object(per_process, mine)
         return {"per_process": per_process}
 
     def load_state_dict(self, state: dict) -> None:
@@ -391,19 +508,34 @@ class RolloutQueue:
         per_process = state["per_process"]
         if len(per_process) != get_world_size():
             return
+        own = per_process[get_rank()]
+        own = own if "kept" in own else {"kept": own, "left_out": []}  # a checkpoint of single-turn rollouts only
         self.saved = {
-            update: {
-                "version": kept["version"],
-                "outputs": [unpack(row) for row in kept["rows"]],
-                "seconds": kept["seconds"],
-            }
-            for update, kept in per_process[get_rank()].items()
+            update: {"version": kept["version"], "outputs": unpack_outputs(kept), "seconds": kept["seconds"]}
+            for update, kept in own["kept"].items()
         }
+        if own["left_out"] and get_rank() == 0:
+            print(
+                f"the checkpoint could not keep the multi-turn rollouts of updates {own['left_out']} (their "
+                "environments are the user's objects): they are sampled again, from its weights and the same seeds"
+            )
 
 
-def pack(ids: list[int], logprobs: list[float]) -> dict:
-    return {"ids": torch.tensor(ids, dtype=torch.long), "logprobs": torch.tensor(logprobs, dtype=torch.float64)}
+def pack_outputs(outputs) -> Optional[dict]:
+    """A finished generation as a checkpoint holds it (tensors, and plain values torch.load takes with weights_only):
+    per completion its ids (int64) and log-probs (float64, as the engine's JSON gave them); a multi-turn rollout made
+    whole, Rollout.state_dict (None where its rows hold environments, which a checkpoint cannot)."""
+    if isinstance(outputs, Rollout):
+        state = outputs.state_dict()
+        return None if state is None else {"rollout": state}
+    rows = [
+        {"ids": torch.tensor(ids, dtype=torch.long), "logprobs": torch.tensor(logprobs, dtype=torch.float64)}
+        for ids, logprobs in outputs
+    ]
+    return {"rows": rows}
 
 
-def unpack(row: dict) -> tuple[list[int], list[float]]:
-    return row["ids"].tolist(), row["logprobs"].tolist()
+def unpack_outputs(kept: dict):
+    if "rollout" in kept:
+        return Rollout.from_state_dict(kept["rollout"])
+    return [(row["ids"].tolist(), row["logprobs"].tolist()) for row in kept["rows"]]

@@ -4,22 +4,26 @@ environment is a class, one instance per rollout, reset with its dataset row, wh
 whose optional get_reward() is a reward source. The model's turns and the tools' results alternate, concatenated as
 token ids: the model's as it sampled them, the results' as the chat template renders them, never re-tokenised."""
 
+import asyncio
 import inspect
 import json
+import threading
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
 from rloo_utils.errors import RunError, UsageError, describe
 from rloo_utils.processes import any_process
-from rloo_utils.rewards import await_all, load_reward_func
+from rloo_utils.rewards import RewardTimeout, await_all, load_reward_func, within
 
 
 @dataclass
 class ToolUseOptions:
     """Tools and environments: multi-turn rollouts (docs/tools.md)"""
+
+    RESUMABLE: ClassVar = {"tool_timeout"}  # a bound on a hung tool: calls within it answer as before
 
     tools: Optional[list[str]] = None
     """functions the model may call, `file.py:function` or `module:function`: typed, with a Google-style docstring"""
@@ -27,6 +31,8 @@ class ToolUseOptions:
     """classes `file.py:Class`, one per rollout: reset(**row), its methods are tools, get_reward() a reward source"""
     max_tool_calling_iterations: Optional[int] = None
     """rounds of tool calls a rollout may make; None: until the model answers without one or runs out of tokens"""
+    tool_timeout: Optional[float] = None
+    """seconds a tool call may take, after which it is answered with an error (one line); None: no limit"""
 
 
 # The tool-call format of Hermes-style chat templates (Qwen2.5, Qwen3, SmolLM3, NousResearch's Hermes):
@@ -179,9 +185,10 @@ def check_tool_format(tokenizer, stop_ids: list[int], chat_template_kwargs: dict
 
 
 # ---- One rollout's tools ---------------------------------------------------------------------------------------------
-def call_tools(calls: list[dict], tools: dict[str, Callable]) -> tuple[list[dict], int]:
+def call_tools(calls: list[dict], tools: dict[str, Callable], timeout: Optional[float] = None) -> tuple[list, int]:
     """The tool messages that answer one turn's calls, in order, and how many calls failed. A failing call (an unknown
-    tool, bad arguments, an exception) answers with its error and the rollout goes on, as in TRL."""
+    tool, bad arguments, an exception) answers with its error and the rollout goes on, as in TRL; so does one past
+    --tool_timeout (said in one line; Python cannot stop it: a plain tool's thread is left to finish)."""
     messages, failures = [], 0
     for call in calls:
         function = call.get("function", call)
@@ -191,16 +198,29 @@ def call_tools(calls: list[dict], tools: dict[str, Callable]) -> tuple[list[dict
                 raise ValueError(f"Unsupported tool call type: {call['type']}")
             if name not in tools:
                 raise ValueError(f"Tool {name} not found.")
-            result = tools[name](**(function.get("arguments") or {}))
-            if inspect.isawaitable(result):  # an async tool
-                result = await_all([result])[0]
-                if isinstance(result, BaseException):
-                    raise result
+            result = run_tool(tools[name], function.get("arguments") or {}, timeout)
         except Exception as e:
             failures += 1
             result = {"error": str(e)}
+            if isinstance(e, (RewardTimeout, TimeoutError)):
+                result = {"error": f"the tool did not return within {timeout:g} s"}
+                print(f"tool {name} did not return within --tool_timeout {timeout:g} s: answered with an error")
         messages.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
     return messages, failures
+
+
+def run_tool(tool: Callable, arguments: dict, timeout: Optional[float]):
+    """A tool's result: an async tool's awaited on the reward functions' event loop (asyncio's timeout), a plain one
+    in a thread given `timeout` seconds (rewards.within); None: no limit."""
+    if inspect.iscoroutinefunction(tool):
+        result = await_all([asyncio.wait_for(tool(**arguments), timeout)])[0]
+    else:
+        result = within(timeout, "tool", lambda: tool(**arguments))
+        if inspect.isawaitable(result):  # a plain function that returns an awaitable
+            result = await_all([asyncio.wait_for(result, timeout)])[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 @dataclass
@@ -225,15 +245,20 @@ class MultiTurn:
     completions: int = 0  # the rows the two counts are over: this batch's, or every round's (gather)
     width: int = 0
     sampler_gave_logprobs: bool = True  # False: HF generate's turns, which come without log-probs
+    owned: bool = False  # its environments are its own until it is scored (ToolUse.release)
+    rewards: dict = field(default_factory=dict)  # per environment class: get_reward of each row (ToolUse.read_rewards)
 
-    def generate(self, generate_turn: Callable, prompt_ids: list[list[int]], tokenizer, stop_ids: list[int], args):
+    def generate(
+        self, generate_turn: Callable, prompt_ids: list[list[int]], tokenizer, stop_ids: list[int], args, in_step=False
+    ):
         """The model generates; each tool call it makes is run and its result appended as the template renders it;
         the model goes on after the results, until it answers without a call, --max_tool_calling_iterations rounds
         of calls have run, or the completion reaches --max_completion_length (counted over every turn and result;
         results that would leave no room for a model token are rolled back, and the rollout ends with the turn that
         called them). generate_turn(contexts, budgets, rows, round): the model's next turn after each context (a
         prompt and its completion so far; rows: whose; round: how many rounds of calls came before), as its ids up to
-        and including its first stop token, at most budget of them, and their sampling log-probs (or None)."""
+        and including its first stop token, at most budget of them, and their sampling log-probs (or None). in_step:
+        every process makes every turn (a sharded model's forward is a collective); else each its own."""
         rows, limit, rounds = len(prompt_ids), args.max_completion_length, args.max_tool_calling_iterations
         template_kwargs = args.chat_template_kwargs or {}
         self.ids, self.tool_mask = [[] for _ in range(rows)], [[] for _ in range(rows)]
@@ -241,7 +266,7 @@ class MultiTurn:
         self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
         self.completions = rows
         active, round_ = list(range(rows)), 0
-        while any_process(bool(active)):  # every process makes every turn: a sharded model's forward is a collective
+        while any_process(bool(active)) if in_step else active:
             if not active:  # this process's rollouts have ended: it makes the turn on a row of its own, and drops it
                 generate_turn([prompt_ids[0]], [1], [0], round_)
                 round_ += 1
@@ -259,7 +284,7 @@ class MultiTurn:
                 self.messages[i].append(message)
                 if not message.get("tool_calls") or not self.ended[i] or rounds is not None and round_ >= rounds:
                     continue
-                results, failures = call_tools(message["tool_calls"], self.tools[i])
+                results, failures = call_tools(message["tool_calls"], self.tools[i], args.tool_timeout)
                 self.calls, self.failures = self.calls + len(results), self.failures + failures
                 suffix = tool_suffix_ids(tokenizer, results, stop_ids, template_kwargs)
                 if len(self.ids[i]) + len(suffix) >= limit:
@@ -274,7 +299,7 @@ class MultiTurn:
     @staticmethod
     def gather(pieces: list[tuple["MultiTurn", list[int]]]) -> "MultiTurn":
         """The chosen rows of several batches as one (--dynamic_sampling's rounds); the tools' counts stay those of
-        every row sampled. An environment is read when its rollout is scored, before another round resets it."""
+        every row sampled; each row's environment reward as read when its round ended."""
         per_row = ("prompts", "environments", "schemas", "tools", "ids", "tool_mask", "sampler_logprobs", "messages")
         return MultiTurn(
             **{
@@ -285,7 +310,20 @@ class MultiTurn:
             completions=sum(turns.completions for turns, _ in pieces),
             width=max(turns.width for turns, _ in pieces),
             sampler_gave_logprobs=all(turns.sampler_gave_logprobs for turns, _ in pieces),
+            rewards={name: [t.rewards[name][i] for t, rows in pieces for i in rows] for name in pieces[0][0].rewards},
         )
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of a finished rollout without environments (Rollout.state_dict, as JSON): its
+        conversations and counts; the tools are the run's, and not needed again."""
+        per_row = ("prompts", "ids", "tool_mask", "sampler_logprobs", "messages", "ended")
+        counts = ("calls", "failures", "completions", "width", "sampler_gave_logprobs", "rewards")
+        return {name: getattr(self, name) for name in per_row + counts}
+
+    @staticmethod
+    def from_state_dict(state: dict) -> "MultiTurn":
+        rows = len(state["prompts"])
+        return MultiTurn(environments=[None] * rows, schemas=[[] for _ in range(rows)], tools=[{}] * rows, **state)
 
     def tensors(self, pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
         """(B, C) ids padded with pad_token_id to --max_completion_length, completion mask, tool mask; (B,) ended;
@@ -306,11 +344,17 @@ class MultiTurn:
 @dataclass
 class ToolUse:
     """The tools a run offers: the standalone ones (--tools) and the environments' (--environment), with one
-    environment instance per rollout row, kept in a pool and reset for each rollout (TRL: built once, reset often)."""
+    environment instance per rollout row, reset for each rollout (TRL: built once, reset often). The training thread's
+    rollouts take the pool's instances by row (each is scored before the next starts). A rollout made ahead in the
+    rollout queue's thread (--max_staleness) owns its instances until it is scored (release): they come from a pool of
+    their own, which grows to what the rollouts in flight hold, so that no instance is reset under a rollout not yet
+    scored."""
 
     tools: list[Callable]
     environments: dict[str, type]
-    pool: dict[str, list]
+    pool: dict[str, list]  # per class: the training thread's instances, row i's at index i
+    free: dict[str, list] = field(default_factory=dict)  # per class: the queue's thread's instances, not owned now
+    lock: threading.Lock = field(default_factory=threading.Lock)  # free is taken from and given back in two threads
 
     def environment_of(self, columns: dict, row: int) -> Optional[str]:
         if not self.environments:
@@ -324,20 +368,27 @@ class ToolUse:
             )
         return name
 
-    def start(self, prompts: list, columns: dict) -> MultiTurn:
+    def start(self, prompts: list, columns: dict, owned: bool = False) -> MultiTurn:
         """One environment per row, reset with its dataset row (the prompt and the other columns; a text that reset
-        returns is added to the last message, as in TRL), and the tools each row is shown."""
+        returns is added to the last message, as in TRL), and the tools each row is shown. owned: the rollout owns its
+        instances until release (one made in the queue's thread)."""
         prompts, taken = list(prompts), {}
         environments, schemas, row_tools = [], [], []
         for i, prompt in enumerate(prompts):
             name = self.environment_of(columns, i)
             environment = None
-            if name is not None:
+            if name is not None and owned:
+                with self.lock:  # the first free one (row i's of the rollout released last), else a new one
+                    free = self.free.setdefault(name, [])
+                    environment = free.pop(0) if free else None
+                environment = self.environments[name]() if environment is None else environment
+            elif name is not None:
                 pool = self.pool[name]
                 taken[name] = taken.get(name, 0) + 1
                 if len(pool) < taken[name]:
                     pool.append(self.environments[name]())
                 environment = pool[taken[name] - 1]
+            if environment is not None:
                 row = {c: v[i] for c, v in columns.items() if c != ENVIRONMENT_COLUMN or len(self.environments) == 1}
                 observation = environment.reset(prompt=prompt, **row)
                 if observation is not None:
@@ -347,27 +398,55 @@ class ToolUse:
             environments.append(environment)
             schemas.append([tool_schema(t, t.__name__) for t in tools])
             row_tools.append({t.__name__: t for t in tools})
-        return MultiTurn(prompts, environments, schemas, row_tools)
+        return MultiTurn(prompts, environments, schemas, row_tools, owned=owned)
+
+    def release(self, turns: MultiTurn) -> None:
+        """A scored rollout's own environments (start(owned=True)) free again, in row order."""
+        if not turns.owned:
+            return
+        with self.lock:
+            for environment in turns.environments:
+                if environment is not None:
+                    self.free.setdefault(type(environment).__name__, []).append(environment)
+        turns.owned = False
+
+    def read_rewards(self, turns: MultiTurn, timeout: Optional[float]) -> None:
+        """Each environment class's get_reward on its own rows (None on the others), read as the rollout ends (in the
+        queue's thread for a rollout made ahead) into turns.rewards, within --reward_timeout. A failure (or a call past
+        the timeout) is kept in its place and raised when the rollout is scored, as a reward function's is."""
+        for name, cls in self.environments.items():
+            if not hasattr(cls, "get_reward"):
+                continue
+
+            def read(cls=cls) -> list:
+                values = [e.get_reward() if type(e) is cls else None for e in turns.environments]
+                pending = [i for i, value in enumerate(values) if inspect.isawaitable(value)]  # an async get_reward
+                for i, value in zip(pending, await_all([values[i] for i in pending])):
+                    if isinstance(value, BaseException):
+                        raise value
+                    values[i] = value
+                return values
+
+            try:
+                turns.rewards[name] = within(timeout, f"reward function {name}", read)
+            except Exception as e:
+                turns.rewards[name] = e
 
     def reward_funcs(self) -> list[tuple[str, Callable]]:
         """The environments' get_reward as reward sources, named after their classes (weight 1, as in TRL): each
-        scores the rollouts of its own class, None elsewhere."""
+        scores the rollouts of its own class, None elsewhere, with the values read_rewards kept."""
 
-        def environment_reward(cls):
-            if inspect.iscoroutinefunction(cls.get_reward):
-
-                async def reward(environments, **kwargs):
-                    return [await e.get_reward() if type(e) is cls else None for e in environments]
-
-                return reward
-
-            def reward(environments, **kwargs):
-                return [e.get_reward() if type(e) is cls else None for e in environments]
+        def environment_reward(name: str):
+            def reward(environment_rewards, **kwargs):
+                values = environment_rewards[name]
+                if isinstance(values, BaseException):
+                    raise values
+                return values
 
             return reward
 
         return [
-            (name, environment_reward(cls)) for name, cls in self.environments.items() if hasattr(cls, "get_reward")
+            (name, environment_reward(name)) for name, cls in self.environments.items() if hasattr(cls, "get_reward")
         ]
 
 

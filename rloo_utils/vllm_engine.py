@@ -26,7 +26,7 @@ import tyro
 
 from rloo_utils.data import row_images
 from rloo_utils.errors import RunError, UsageError, describe
-from rloo_utils.lora import plain_state_dict
+from rloo_utils.lora import adapter_layers, plain_state_dict, transformers_model
 from rloo_utils.models import MODEL_OPTIONS
 from rloo_utils.processes import agreed, get_rank
 
@@ -84,6 +84,8 @@ class VLLMOptions:
     """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
     max_staleness: int = 0
     """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
+    vllm_lora_push: Literal["auto", "adapter", "merged"] = "auto"
+    """(--use_peft) vLLM gets the adapter alone, or the merged weights, after an update; auto: the adapter if served"""
 
 
 @dataclass
@@ -104,6 +106,8 @@ class ServerOptions:
     """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
     max_staleness: int = 0
     """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
+    vllm_lora_push: Literal["auto", "adapter", "merged"] = "auto"
+    """(--use_peft, server) the adapter alone, or the merged weights, after an update; auto: the adapter if served"""
 
 
 @dataclass
@@ -137,10 +141,100 @@ SERVER_COMMAND = (
 NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 
 
+# The ranks vLLM's LoRA can be started with (vllm/config/lora.py, MaxLoRARanks): an engine takes the least >= --lora_r
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> Optional[int]:
+    """The max_lora_rank an engine serving adapters of this rank is started with; None: above vLLM's largest."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+
+
+def lora_server_options(rank: int) -> str:
+    """What a server's command needs for adapters of this rank to be loaded into it at run time."""
+    return f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora --max-lora-rank {vllm_lora_rank(rank) or rank}"
+
+
+def adapter_problem(args, policy=None) -> Optional[tuple[str, str]]:
+    """Why vLLM's LoRA cannot serve the --use_peft adapter as an adapter, and the fix (None: it can), from the options
+    and, where given, the policy: vLLM refuses DoRA and modules_to_save (vllm/lora/peft_helper.py), holds ranks up to
+    512, and puts adapters on the linear layers of a language model only (vllm/lora/utils.py), not on the embeddings
+    or the output layer (lm_head is its ParallelLMHead)."""
+    if args.use_dora:
+        return "vLLM's LoRA does not serve DoRA (--use_dora)", "leave out --use_dora"
+    if args.lora_modules_to_save:
+        saved = " ".join(args.lora_modules_to_save)
+        return f"vLLM's LoRA does not serve layers trained in full (--lora_modules_to_save {saved})", "leave it out"
+    if vllm_lora_rank(args.lora_r) is None:
+        return f"--lora_r {args.lora_r} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}", "lower it"
+    if policy is None:
+        return None
+    if getattr(policy.config, "vision_config", None) is not None:
+        return (
+            f"{args.model_name_or_path} is a vision-language model, whose adapters (its vision tower's too) vLLM's "
+            "LoRA is not checked to serve here",
+            "use a language model",
+        )
+    base = transformers_model(policy)
+    embeddings = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+    uncovered = [
+        name.removesuffix(".weight")
+        for name, layer in adapter_layers(policy).items()
+        if any(layer is m or layer.get_base_layer() is m for m in embeddings)
+    ]
+    if uncovered:
+        return (
+            f"vLLM's LoRA covers linear layers, not the embeddings or the output layer, and --lora_target_modules "
+            f"gives an adapter to {uncovered[0]}",
+            "leave it out of --lora_target_modules",
+        )
+    return None
+
+
+def lora_architecture_problem(policy) -> Optional[tuple[str, str]]:
+    """Why a colocated engine of the policy's architecture cannot take adapters (vLLM's class of it has no LoRA support:
+    it would refuse to start with enable_lora), and the fix; None where it can or where vLLM's registry does not say."""
+    from vllm.model_executor.models import ModelRegistry, supports_lora
+
+    for architecture in policy.config.architectures or []:
+        try:  # a private look-up of vLLM's registry: the class vllm.LLM resolves the architecture to
+            model_class = ModelRegistry._try_load_model_cls(architecture)
+        except Exception:
+            model_class = None
+        if model_class is not None and not supports_lora(model_class):
+            return f"vLLM's {architecture} has no LoRA support", "use a model vLLM serves adapters of"
+    return None
+
+
+def choose_lora_push(option: str, problem: Optional[tuple[str, str]]) -> bool:
+    """--vllm_lora_push: whether vLLM gets the adapter alone after each update (else the merged weights). problem: why
+    the adapter cannot be served, and the fix (adapter_problem's). adapter is then refused in one line; auto pushes the
+    merged weights and says why in one line."""
+    if option == "merged":
+        return False
+    if problem is None:
+        return True
+    what, fix = problem
+    if option == "adapter":
+        raise UsageError(
+            f"--vllm_lora_push adapter: {what}: {fix}, or push the merged weights (--vllm_lora_push merged)"
+        )
+    if get_rank() == 0:
+        print(f"vLLM gets the weights with the adapter merged in after every update, not the adapter alone: {what}")
+    return False
+
+
 def check_vllm_args(args, server: bool) -> None:
     """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
     generates (else a colocated engine, for a script with --vllm_mode, or HF generate)."""
     check_max_staleness(args, server)
+    if args.vllm_lora_push != "auto" and not args.use_peft:
+        raise UsageError(
+            f"--vllm_lora_push {args.vllm_lora_push} says how a LoRA policy reaches vLLM, and there is no --use_peft: "
+            "add --use_peft, or leave --vllm_lora_push out"
+        )
+    if args.use_peft and args.vllm_lora_push == "adapter" and (problem := adapter_problem(args)):
+        choose_lora_push("adapter", problem)  # refused before anything loads
     if (
         args.generation_kwargs
         and (server or hasattr(args, "vllm_mode"))
@@ -206,6 +300,11 @@ def check_vllm_args(args, server: bool) -> None:
                 "colocate and a GPU (vLLM's CPU build has no sleep mode)"
             )
     elif not server:
+        if args.vllm_lora_push != "auto":
+            raise UsageError(
+                f"--vllm_lora_push {args.vllm_lora_push} says what a vLLM server gets, and this run has none (HF "
+                "generate): give --vllm_server_host, or leave --vllm_lora_push out"
+            )
         return  # HF generate: no vLLM option applies
     if server and args.vllm_server_weight_transfer == "nccl" and not torch.cuda.is_available():
         raise UsageError(
@@ -277,11 +376,6 @@ def check_max_staleness(args, server: bool) -> None:
         raise UsageError(
             f"--max_staleness {staleness} trains on rollouts of older weights, which only the importance-sampling "
             "correction weighs for their age: leave out --no-vllm_importance_sampling_correction, or --max_staleness"
-        )
-    if args.tools or args.environment:
-        raise UsageError(
-            f"--max_staleness {staleness}: a multi-turn rollout runs its tools and environments in the training "
-            "process, turn by turn, and is not generated ahead: leave out --max_staleness, or --tools/--environment"
         )
 
 
@@ -374,9 +468,10 @@ def sampling_seeds(seed: int, update: int, n: int, round_: int = 0) -> list[int]
     return [base + row for row in range(n)]
 
 
-def engine_options(args, config_folder: str, device, multimodal: bool = False) -> dict:
+def engine_options(args, config_folder: str, device, multimodal: bool = False, lora_rank: Optional[int] = None) -> dict:
     """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
-    are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature."""
+    are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature. lora_rank: adapters up to
+    this rank are served (one at a time: the policy's latest), else none."""
     return dict(
         model=config_folder,
         load_format="dummy",
@@ -391,6 +486,7 @@ def engine_options(args, config_folder: str, device, multimodal: bool = False) -
         enforce_eager=args.vllm_enforce_eager or device.type == "cpu",
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         **(cpu_scheduling(args) if device.type == "cpu" else {}),
+        **(dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1) if lora_rank is not None else {}),
     )
 
 
@@ -406,10 +502,11 @@ def cpu_scheduling(args) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, engine_max_model_len(args))}
 
 
-def start_colocated_engine(args, policy, device, processor=None):
+def start_colocated_engine(args, policy, device, processor=None, lora_rank: Optional[int] = None):
     """A vllm.LLM in this process (TRL's vllm_mode="colocate"), on the training device, built from the policy's config
     with placeholder weights (the policy's are pushed). Returns the engine and the folder of its config.json. A VLM's
-    processor goes in the folder too: vLLM turns each image into the model's inputs with it."""
+    processor goes in the folder too: vLLM turns each image into the model's inputs with it. lora_rank: as
+    engine_options takes it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors pass as is
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_cpu_kv_cache_gib)  # check_vllm_args refused a clash
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave torch's threads to training
@@ -443,7 +540,8 @@ def start_colocated_engine(args, policy, device, processor=None):
     if processor is not None:
         processor.save_pretrained(folder.name)
     try:
-        return LLM(**engine_options(args, folder.name, device, multimodal=processor is not None)), folder
+        options = engine_options(args, folder.name, device, multimodal=processor is not None, lora_rank=lora_rank)
+        return LLM(**options), folder
     except Exception as e:
         detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
         raise UsageError(
@@ -646,14 +744,51 @@ def weight_push():
             torch.cuda.empty_cache()
 
 
+class CountedWeights:
+    """(name, tensor) pairs passed on one at a time, the bytes of the tensors added up as they go (what a push sent)."""
+
+    def __init__(self, pairs):
+        self.pairs, self.bytes = iter(pairs), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        name, tensor = next(self.pairs)
+        self.bytes += tensor.numel() * tensor.element_size()
+        return name, tensor
+
+
+def write_adapter(policy, pairs, folder: str) -> int:
+    """The policy's LoRA adapter as peft saves it, which vLLM's LoRA loads: adapter_config.json (the policy's LoRA
+    config) and adapter_model.safetensors (pairs: lora.adapter_weights') in a new folder. Returns the tensors' bytes."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder)
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in pairs}
+    policy.peft_config["default"].save_pretrained(folder)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    return sum(v.numel() * v.element_size() for v in tensors.values())
+
+
 class ColocatedVLLM:
     """A vLLM engine in this process (TRL's vllm_mode="colocate"), on the training device; push_weights copies the
-    policy's tensors into it through vLLM's reload_weights."""
+    policy's tensors into it through vLLM's reload_weights. Of a LoRA policy whose adapter vLLM's LoRA serves
+    (--vllm_lora_push), the base weights go once, at the first push, and then the adapter alone after every update, as
+    files that vLLM loads (a LoRARequest, which every generate names); last_push_bytes: what the last push sent."""
+
+    # The merged push until __init__ says otherwise (an engine built without it, as tests build one, pushes as before)
+    adapter, lora_request, adapter_folder, last_push_bytes = False, None, None, 0
 
     def __init__(self, args, policy, device, processor=None):
-        self.llm, self.folder = start_colocated_engine(args, policy, device, processor)
+        problem = (adapter_problem(args, policy) or lora_architecture_problem(policy)) if args.use_peft else None
+        self.adapter = args.use_peft and choose_lora_push(args.vllm_lora_push, problem)
+        lora_rank = vllm_lora_rank(args.lora_r) if self.adapter else None
+        self.llm, self.folder = start_colocated_engine(args, policy, device, processor, lora_rank)
         self.dtype = getattr(torch, vllm_dtype(args))  # what the engine holds its weights in
         self.sleep_mode = args.vllm_enable_sleep_mode
+        self.adapter_folder = shared_memory_folder() if self.adapter else None  # the adapters' files, one per push
+        self.lora_request = None  # the adapter every generate names (the latest pushed); None: the weights alone
 
     def generate(self, prompts: list[list[int]], options: dict, seeds: Optional[list[int]], images=None):
         """Per prompt: (completion token ids, their sampling log-probs). images: each prompt's, as vLLM's multi-modal
@@ -664,35 +799,71 @@ class ColocatedVLLM:
         inputs = [{"prompt_token_ids": p} for p in prompts]
         for row, value in zip(inputs, images or []):
             row["multi_modal_data"] = {"image": [image.convert("RGB") for image in row_images(value)]}
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        adapter = {} if self.lora_request is None else {"lora_request": self.lora_request}  # the latest pushed
+        outputs = self.llm.generate(inputs, params, use_tqdm=False, **adapter)
         return [
             (list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
             for o in (out.outputs[0] for out in outputs)
         ]
 
     def sleep(self) -> None:
-        if self.sleep_mode:  # level 2: weights and KV cache are freed (the weights are pushed again anyway)
-            self.llm.sleep(level=2)
+        # level 2: weights and KV cache are freed (the weights are pushed again anyway); with the adapter push the base
+        # weights are pushed once only, so level 1: they wait in CPU memory
+        if self.sleep_mode:
+            self.llm.sleep(level=1 if self.adapter else 2)
 
     def push_weights(self, policy, weights) -> None:
-        """weights: weights_for_vllm(policy, self.dtype)."""
+        """weights: weights_for_vllm(policy, self.dtype): its items() (merged), or base() once and adapter() (the
+        adapter push)."""
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
         with weight_push():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+            sent = 0
+            if not self.adapter or self.lora_request is None:  # the merged weights; or the adapter's base, once
+                pairs = CountedWeights(weights.base() if self.adapter else weights.items())
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+                sent = pairs.bytes
+            if self.adapter:
+                sent += self.load_adapter(policy, weights.adapter())
+            self.last_push_bytes = sent
         if self.sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
+    def load_adapter(self, policy, pairs) -> int:
+        """The adapter written to a new folder and loaded under a new id (vLLM keeps the adapters it loaded by id, and
+        would serve a cached old one under a used id), the one before removed; returns the bytes written."""
+        from vllm.lora.request import LoRARequest
+
+        old = self.lora_request
+        number = 1 if old is None else old.lora_int_id + 1
+        folder = os.path.join(self.adapter_folder.name, f"adapter_{number}")
+        sent = write_adapter(policy, pairs, folder)
+        request = LoRARequest(f"policy_{number}", number, folder)
+        self.llm.llm_engine.add_lora(request)  # loaded now: a bad adapter stops the push, not the next rollout
+        self.lora_request = request  # what generate names from now on
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        return sent
+
     def close(self) -> None:
         self.folder.cleanup()
+        if self.adapter_folder is not None:
+            self.adapter_folder.cleanup()
 
 
 class VLLMServer:
     """A vLLM OpenAI-compatible server started apart (SERVER_COMMAND): prompts go to /v1/completions as token ids.
     New weights go by vLLM's NCCL weight transfer (this process is rank 0 of an NCCL group with the server's workers,
     on GPUs), or as a safetensors file in shared memory that the server reloads through its /collective_rpc route (on
-    one machine: its /dev/shm). Both use the server's dev routes (VLLM_SERVER_DEV_MODE=1)."""
+    one machine: its /dev/shm). Both use the server's dev routes (VLLM_SERVER_DEV_MODE=1). Of a LoRA policy whose
+    adapter the server can load at run time (--vllm_lora_push), the base weights go once, at the first push, and then
+    the adapter alone after every update, as files in shared memory that its /v1/load_lora_adapter route loads under a
+    new name each time, which every completion request names as its model; last_push_bytes: what the last push sent."""
+
+    # The merged push until __init__ says otherwise (a client built without it, as tests build one, pushes as before)
+    adapter, adapter_name, adapter_pushes, last_push_bytes = False, None, 0, 0
 
     def __init__(self, args):
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
@@ -723,20 +894,52 @@ class VLLMServer:
         served_dtype = getattr(torch, str(model_config.get("dtype")).removeprefix("torch."), None)
         self.dtype = served_dtype if isinstance(served_dtype, torch.dtype) else None  # pushes in it (None: as trained)
         self.nccl = nccl_transfer(args)
+        self.lora_push, self.lora_args = args.vllm_lora_push, args  # (the first push checks the policy's layers too)
+        problem = (adapter_problem(args) or self.lora_problem(server_info, args.lora_r)) if args.use_peft else None
+        self.adapter = args.use_peft and choose_lora_push(self.lora_push, problem)
+        self.adapter_name = None  # the adapter the completions name (the latest pushed); None: the weights alone
         if self.nccl:
             self.workers = nccl_workers(server_info, self.url)
             check_gpus_apart(server_info, self.url, self.workers)
             self.sender = self.source = None  # vLLM's transfer engine and its weight source, from the first push
-        else:
+        if not self.nccl or self.adapter:  # the weights' file, or the adapters' files
             self.folder = shared_memory_folder()
 
+    def lora_problem(self, server_info: dict, rank: int) -> Optional[tuple[str, str]]:
+        """Why this server cannot load an adapter of this rank at run time, and the fix (as adapter_problem), from its
+        /server_info: started without --enable-lora (its lora_config), without VLLM_ALLOW_RUNTIME_LORA_UPDATING (its
+        environment as vLLM reads it), with a lower --max-lora-rank; or on another machine (NCCL), which cannot read
+        the adapter's files in this machine's shared memory."""
+        lora_config = (server_info.get("vllm_config") or {}).get("lora_config")
+        restart = f"restart it with {lora_server_options(rank)}"
+        if not lora_config:
+            return f"the vLLM server at {self.url} was started without --enable-lora", restart
+        if not (server_info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+            return f"the vLLM server at {self.url} cannot load adapters while it runs", restart
+        if lora_config.get("max_lora_rank", 0) < rank:
+            served = lora_config.get("max_lora_rank")
+            return f"--lora_r {rank} is above the --max-lora-rank {served} of the vLLM server at {self.url}", restart
+        host = socket.gethostbyname(urllib.parse.urlparse(self.url).hostname)
+        if self.nccl and not (host.startswith("127.") or host == rendezvous_address(self.url)[0]):
+            return (
+                f"the vLLM server at {self.url} is on another machine, and an adapter reaches it as files in this "
+                "machine's shared memory",
+                "start the server on this machine",
+            )
+        return None
+
     def request(self, route: str, body: Optional[dict] = None):
-        """GET (body None) or POST JSON; the answer's JSON. A server that cannot be reached or fails: RunError."""
+        """GET (body None) or POST JSON; the answer's JSON (or text). A server that cannot be reached or fails:
+        RunError."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read() or b"null")
+                answer = response.read()
+            try:
+                return json.loads(answer or b"null")
+            except ValueError:  # a plain-text answer: the LoRA routes' "Success: ..."
+                return answer.decode(errors="replace")
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
             if e.code == 404 and route == GENERATE_ROUTE:
@@ -763,10 +966,10 @@ class VLLMServer:
         what the colocated engine draws for the same seeds. With images (each row's), through vLLM's tokens-in route,
         which takes them beside the token ids (/v1/completions takes none): one request per group, seeded or not."""
 
+        model = self.adapter_name or self.model  # the policy: its latest adapter on the base, or the weights alone
+
         def complete(prompt, seed=None, n=1) -> list:
-            choices = self.request("/v1/completions", completion_request(self.model, prompt, options, seed, n))[
-                "choices"
-            ]
+            choices = self.request("/v1/completions", completion_request(model, prompt, options, seed, n))["choices"]
             return [
                 (c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(choices, key=lambda c: c["index"])
             ]
@@ -794,20 +997,51 @@ class VLLMServer:
             return [completion for group in groups for completion in group]
 
     def push_weights(self, policy, weights) -> None:
-        """weights: the script's weights_for_vllm(policy, self.dtype), whose items() are (name, tensor) pairs. Of
-        sharded weights each item is a gather, a collective: every process goes through them and rank 0 sends them; a
-        failure on any process stops all of them together (a push that failed half-way still goes through every
-        gather)."""
-        weights = iter(weights.items())
+        """weights: the script's weights_for_vllm(policy, self.dtype), whose items() are (name, tensor) pairs (merged),
+        or base() once and adapter() (the adapter push). Of sharded weights each item is a gather, a collective: every
+        process goes through them and rank 0 sends them; a failure on any process stops all of them together (a push
+        that failed half-way still goes through every gather)."""
         with agreed(), weight_push():
+            if self.adapter and self.adapter_name is None:  # the first push: what the policy's layers allow
+                self.adapter = choose_lora_push(self.lora_push, adapter_problem(self.lora_args, policy))
+            if not self.adapter:
+                parts = [(self.send_weights, iter(weights.items()))]
+            else:  # the base weights once, then the adapter alone, every process naming it alike
+                self.adapter_pushes += 1
+                base = [(self.send_weights, iter(weights.base()))] if self.adapter_name is None else []
+                parts = base + [(self.send_adapter, iter(weights.adapter()))]
             try:
                 if get_rank() == 0:
-                    self.send_weights(policy, weights)
+                    self.last_push_bytes = 0
+                    for send, pairs in parts:
+                        send(policy, pairs)
+                    self.request("/reset_prefix_cache", {})
             finally:  # a push that failed half-way still goes through every gather: all processes then stop together
-                for _ in weights:
-                    pass
+                for _, pairs in parts:
+                    for _ in pairs:
+                        pass
+            if self.adapter:
+                self.adapter_name = self.adapter_id(self.adapter_pushes)
+
+    def adapter_id(self, number: int) -> str:
+        """The name the number-th adapter is loaded under: the same in every process (each names it in its requests)."""
+        return f"rloo_policy_{number}"
+
+    def send_adapter(self, policy, pairs) -> None:
+        """The adapter written to a new folder in shared memory and loaded by the server under a new name (a new id:
+        an in-place reload, load_inplace, would make it read the files again at every step), the one before unloaded."""
+        name, old = self.adapter_id(self.adapter_pushes), self.adapter_name
+        folder = os.path.join(self.folder.name, name)
+        self.last_push_bytes += write_adapter(policy, pairs, folder)
+        with contextlib.suppress(RunError):  # one a killed run left under this name (a fresh server has none)
+            self.request("/v1/unload_lora_adapter", {"lora_name": name})
+        self.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+        if old is not None:
+            self.request("/v1/unload_lora_adapter", {"lora_name": old})
+            shutil.rmtree(os.path.join(self.folder.name, old), ignore_errors=True)
 
     def send_weights(self, policy, weights) -> None:
+        weights = CountedWeights(weights)
         if self.nccl:
             self.push_over_nccl(policy, weights)
         else:
@@ -827,7 +1061,7 @@ class VLLMServer:
             save_file(tensors, partial)
             os.replace(partial, os.path.join(self.folder.name, "model.safetensors"))
             self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder.name}})
-        self.request("/reset_prefix_cache", {})
+        self.last_push_bytes += weights.bytes
 
     def push_over_nccl(self, policy, weights) -> None:
         """vLLM's NCCL weight transfer: the first push opens the group (the server's workers join it through its
@@ -848,9 +1082,12 @@ class VLLMServer:
             ) from None
 
     def close(self) -> None:
-        if not self.nccl:
+        if self.adapter_name is not None:
+            with contextlib.suppress(RunError):  # the server serves on without it
+                self.request("/v1/unload_lora_adapter", {"lora_name": self.adapter_name})
+        if not self.nccl or self.adapter:
             self.folder.cleanup()
-        elif self.sender is not None:
+        if self.nccl and self.sender is not None:
             try:  # the server can then take another trainer's group
                 self.sender.client.shutdown_weight_transfer_engine()
             except Exception:

@@ -55,11 +55,12 @@ LONGEST_FIRST = [
     "test_gpu_check.py",
     "test_end_to_end.py",
     "test_evaluation.py",
+    "test_tools.py",
     "test_images.py",
+    "test_vllm_lora.py",
     "test_precision.py",
     "test_trl_switch.py",
     "test_bad_input.py",
-    "test_tools.py",
     "test_padding_free.py",
     "test_rollouts.py",
     "test_real_use.py",
@@ -70,7 +71,8 @@ LONGEST_FIRST = [
 ]
 
 
-SERVERS = {"server", "dying_server"}  # fixtures of the vLLM server a pytest worker's tests share, started at first use
+# The fixtures of a vLLM server (a worker's tests share one, test_tools.py's tests the vault's), started at first use
+SERVERS = {"server", "dying_server", "lora_server", "vault_server"}
 
 
 def pytest_collection_modifyitems(items):
@@ -727,3 +729,56 @@ def build_tiny_vlm(path: str) -> dict:
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory):
     return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")))
+
+
+# ---- A vLLM server that loads LoRA adapters at run time (tests/test_vllm_lora.py: --vllm_lora_push) ------------------
+LORA_SERVER_RANK = 16  # --max-lora-rank: the default --lora_r's
+
+
+def start_lora_vllm_server(tiny, tmp_path_factory, max_lora_rank: int = LORA_SERVER_RANK):
+    """start_vllm_server's server on the tiny model, as docs/lora.md starts it for the adapter push: --enable-lora
+    --max-lora-rank R, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (its /v1/load_lora_adapter route); stopped at the end."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("lora_server") / "server.log"
+    command = [
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port)),
+        *("--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--max-model-len", "512"),
+        *("--generation-config", "vllm", "--logprobs-mode", "processed_logprobs"),
+        *("--enable-lora", "--max-lora-rank", str(max_lora_rank)),
+    ]
+    env = {
+        **run_env(),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # as start_vllm_server's: no worker process spinning after each step
+    }
+    proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, open(log).read()[-3000:]
+            assert time.time() < deadline, "the vLLM server did not start in 300 s"
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(1)
+        yield {"url": url, "process": proc, "log": log}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def lora_server(tiny, tmp_path_factory):
+    """The tiny model's vLLM server with runtime LoRA loading, one for all the tests of a pytest worker that need it:
+    every run pushes its base weights first, and its adapters under names of its own."""
+    yield from start_lora_vllm_server(tiny, tmp_path_factory)

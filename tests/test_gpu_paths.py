@@ -265,7 +265,7 @@ def test_the_pushes_go_through_weight_push(fake_cuda):
         assert all(t.dtype in (torch.bfloat16, torch.int64) for _, t in kwargs["weights_iterator"])
 
     llm = types.SimpleNamespace(collective_rpc=reload, reset_prefix_cache=lambda: fake_cuda.append("reset"))
-    colocated = types.SimpleNamespace(sleep_mode=False, llm=llm)
+    colocated = types.SimpleNamespace(sleep_mode=False, llm=llm, adapter=False)
     rloo_vllm.ColocatedVLLM.push_weights(colocated, policy, rloo_vllm.weights_for_vllm(policy, torch.bfloat16))
     assert fake_cuda == ["synchronize", "reload_weights", "empty_cache", "reset"]
 
@@ -276,7 +276,7 @@ def test_the_pushes_go_through_weight_push(fake_cuda):
         next(weights)
         raise RuntimeError("the server went away")
 
-    server = types.SimpleNamespace(send_weights=send_weights)
+    server = types.SimpleNamespace(send_weights=send_weights, adapter=False)
     with pytest.raises(RuntimeError, match="went away"):
         VLLMServer.push_weights(server, policy, rloo_vllm.weights_for_vllm(policy, torch.bfloat16))
     assert fake_cuda == ["synchronize", "send", "empty_cache"]

@@ -317,7 +317,7 @@ class RecordingEngine:
     (and the forwards it is told of), in order. Each completion is the same three tokens, ended by a stop token."""
 
     def __init__(self, events: list, policy):
-        self.events, self.policy, self.dtype = events, policy, None
+        self.events, self.policy, self.dtype, self.last_push_bytes = events, policy, None, 0
 
     def generate(self, prompts, options, seeds, images=None):
         self.events.append("generate")

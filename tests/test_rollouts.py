@@ -127,11 +127,12 @@ def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_go
     state = queue.state_dict()
     # after update 3: the rollouts of updates 4 and 5 (from the weights after updates 1 and 2) are kept; that of
     # update 6, from the weights after update 3 (the checkpoint's own), is sampled again
-    assert sorted(state["per_process"][0]) == [4, 5]
-    saved = {u: (kept["version"], kept["rows"][0]["ids"].tolist()) for u, kept in state["per_process"][0].items()}
+    kept = state["per_process"][0]["kept"]
+    assert sorted(kept) == [4, 5]
+    saved = {u: (rollout["version"], rollout["rows"][0]["ids"].tolist()) for u, rollout in kept.items()}
     assert saved == {4: (1, [4, 1]), 5: (2, [5, 2])}
-    assert state["per_process"][0][4]["rows"][0]["logprobs"].dtype == torch.float64
-    assert state["per_process"][0][4]["seconds"] >= engine.delay  # its generation's, logged by the resumed run
+    assert kept[4]["rows"][0]["logprobs"].dtype == torch.float64
+    assert kept[4]["seconds"] >= engine.delay  # its generation's, logged by the resumed run
 
     resumed_engine = RecordingEngine()
     resumed_engine.push(3)  # the checkpoint's weights
@@ -139,8 +140,24 @@ def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_go
     resumed.load_state_dict(state)
     resumed.start(3, resumed_engine.request)
     assert [u for kind, u in resumed_engine.events if kind == "asked"] == [4, 5, 6]  # every request made again
-    assert resumed.pending[4].seconds == state["per_process"][0][4]["seconds"]
+    assert resumed.pending[4].seconds == kept[4]["seconds"]
     assert expected[3:] == train(resumed, resumed_engine, 4, 8)
+
+
+def test_the_checkpoint_of_a_failure_inside_an_update_keeps_the_rollout_it_took():
+    """An update took its rollout and failed (a reward function raised) before its weights were pushed: the checkpoint
+    of the last complete update keeps that rollout (from older weights, which a resumed run cannot sample again)."""
+    engine = RecordingEngine()
+    queue = RolloutQueue(1, 6, engine.generate)
+    queue.start(0, engine.request)
+    train(queue, engine, 1, 2)
+    taken = queue.take(3)  # ... and update 3 fails here
+    state = queue.state_dict()
+    assert sorted(state["per_process"][0]["kept"]) == [3] and taken.version == 1
+    resumed = RolloutQueue(1, 6, RecordingEngine().generate)
+    resumed.load_state_dict(state)
+    resumed.start(2, engine.request)
+    assert resumed.take(3).outputs == taken.outputs
 
 
 def test_a_kept_rollout_staler_than_max_staleness_is_sampled_again():
@@ -154,9 +171,17 @@ def test_a_kept_rollout_staler_than_max_staleness_is_sampled_again():
     resumed = RolloutQueue(1, 8, engine.generate)
     resumed.load_state_dict(state)
     resumed.start(3, engine.request)
-    # kept: the rollouts of updates 4 and 5, from the weights after updates 1 and 2: 2 versions old, too stale for
-    # N = 1, sampled again from the checkpoint's weights
-    assert (resumed.take(4).version, resumed.take(5).version) == (3, 3)
+    # kept: the rollouts of updates 4 and 5, from the weights after updates 1 and 2. Update 4's is 2 versions older
+    # than the policy that trains on it (after update 3): too stale for N = 1, sampled again when taken, from the
+    # engine's weights (the checkpoint's), and said so; update 5's, 2 older than the policy after update 4, is too
+    four = resumed.take(4)
+    assert (four.version, four.resampled, four.outputs[0][0]) == (3, True, [4, 3])
+    resumed.before_push(), engine.push(4), resumed.pushed(4)
+    five = resumed.take(5)
+    assert (five.version, five.resampled) == (4, True)
+    resumed.before_push(), engine.push(5), resumed.pushed(5)
+    six = resumed.take(6)  # asked after update 4's push, from its weights: one version old, within the bound
+    assert (six.version, six.resampled) == (4, False)
 
 
 @pytest.mark.parametrize("script", [rloo_vllm, rloo_multigpu])
@@ -256,8 +281,9 @@ def test_max_staleness_is_refused_where_it_cannot_be_overlapped_or_corrected(tin
         max_staleness=2,
         vllm_importance_sampling_correction=False,
     )
-    refused(rloo_multigpu, True, "--tools/--environment", max_staleness=1, tools=["tools.py:f"])
     check_vllm_args(dataclasses.replace(rloo_vllm.Args(), max_staleness=1, vllm_mode="server"), server=True)
+    for script in (rloo_vllm, rloo_multigpu):  # multi-turn rollouts too: made whole in the queue's thread
+        check_vllm_args(dataclasses.replace(script.Args(), max_staleness=1, tools=["tools.py:f"]), server=True)
 
 
 def server_args(tiny, prompts_file, server, *extra):
@@ -286,7 +312,7 @@ def test_a_run_with_max_staleness_logs_it_and_a_sigkilled_one_resumes_as_the_sam
     checkpoint = interrupted / "runs" / "run" / "checkpoints" / "checkpoint-3"
     assert sorted(os.listdir(checkpoint.parent)) == ["checkpoint-3"]
     state = torch.load(checkpoint / "training_state.pt", weights_only=True)
-    assert list(state["rollouts"]["per_process"][0]) == [4]  # sampled from the weights after update 2
+    assert list(state["rollouts"]["per_process"][0]["kept"]) == [4]  # sampled from the weights after update 2
     resumed = run_rloo(*args, "--resume_from_checkpoint", "latest", cwd=interrupted, script="rloo_vllm.py")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = run_outcome(str(interrupted / "runs" / "run"))

@@ -66,6 +66,11 @@ def undocumented(x):
     return x
 
 
+def open_vault() -> str:
+    """Opens the vault and reads its word (a plain tool: the same word for every row)."""
+    return "good"
+
+
 class Vault:
     """An environment: reset with the row, a tool that reads the row's secret, a reward for saying it."""
 
@@ -168,7 +173,9 @@ def scripted(tokenizer, turns_by_row: dict[int, list[str]]):
     return generate_turn
 
 
-def rollout(tokenizer, tools, turns_by_row, prompts, max_completion_length=256, max_tool_calling_iterations=None):
+def rollout(
+    tokenizer, tools, turns_by_row, prompts, max_completion_length=256, max_tool_calling_iterations=None, in_step=False
+):
     from types import SimpleNamespace
 
     use = ToolUse(tools, {}, {})
@@ -183,8 +190,10 @@ def rollout(tokenizer, tools, turns_by_row, prompts, max_completion_length=256, 
         max_completion_length=max_completion_length,
         max_tool_calling_iterations=max_tool_calling_iterations,
         chat_template_kwargs=None,
+        tool_timeout=None,
+        reward_timeout=None,
     )
-    turns.generate(generate_turn, prompt_ids, tokenizer, [tokenizer.eos_token_id], args)
+    turns.generate(generate_turn, prompt_ids, tokenizer, [tokenizer.eos_token_id], args, in_step)
     return turns, prompt_ids, generate_turn
 
 
@@ -289,6 +298,7 @@ def test_a_process_whose_rollouts_ended_makes_the_turns_of_the_others(tool_token
         tools,
         {0: ["bad<|im_end|>", "extra<|im_end|>", "extra<|im_end|>"]},
         [[{"role": "user", "content": "hi"}]],
+        in_step=True,
     )
     assert len(generate_turn.calls) == 3  # its own turn, then two it makes for the other process
     assert [budgets for _, budgets in generate_turn.calls] == [[256], [1], [1]]
@@ -305,10 +315,18 @@ def test_an_environment_is_reset_with_its_row_and_owns_a_reward(tool_tokenizer, 
     assert [s["function"]["name"] for s in turns.schemas[0]] == ["open_vault"]
     assert turns.environments[0] is pool["Vault"][0] and len(pool["Vault"]) == 2  # one instance per row, pooled
     assert turns.tools[1]["open_vault"]() == "bad"
+    use.read_rewards(turns, timeout=None)  # as the rollout ends
     ((name, reward),) = use.reward_funcs()
-    assert name == "Vault" and reward(environments=turns.environments) == [0.0, 1.0]
+    assert name == "Vault" and reward(environment_rewards=turns.rewards) == [0.0, 1.0]
     use.start(prompts, {"secret_word": ["x", "y"]})
     assert len(pool["Vault"]) == 2 and pool["Vault"][1].opened == 0  # reused and reset, not built again
+    assert reward(environment_rewards=turns.rewards) == [0.0, 1.0]  # the first rollout's, read when it ended
+    # a get_reward that fails is kept and raised where the rollout is scored (as a reward function's failure)
+    pool["Vault"][0].get_reward = lambda: 1 / 0
+    again = use.start(prompts, {"secret_word": ["x", "y"]})
+    use.read_rewards(again, timeout=None)
+    with pytest.raises(ZeroDivisionError):
+        reward(environment_rewards=again.rewards)
 
 
 def test_bad_tools_are_refused_in_one_line(tools_file):
@@ -532,37 +550,42 @@ def vault_run(script, tool_policy, vault_data, tools_file, rewards, cwd, *extra)
 
 
 @pytest.fixture(scope="module")
-def vault_runs(tool_policy, vault_data, tools_file, tmp_path_factory):
-    """The tool policy's runs on the vault: rloo.py's (HF generate), and rloo_vllm.py's on a vLLM server, each turn
-    one request of token ids (a later turn seeded from its row's seed): (metrics, completions, sample tables). A
-    colocated engine takes the same turns through the same generate_turn (its engine.generate is every colocated
-    test's); CI runs the server, the path that differs more."""
+def vault_server(tool_policy, tmp_path_factory):
+    """A vLLM server of the tool policy, for this module's runs: its url."""
     from conftest import start_vllm_server
 
+    server = start_vllm_server({"policy": tool_policy}, tmp_path_factory)
+    yield next(server)["url"]
+    server.close()  # the server stops
+
+
+@pytest.fixture(scope="module")
+def vault_runs(tool_policy, vault_data, tools_file, vault_server, tmp_path_factory):
+    """The tool policy's runs on the vault: rloo.py's (HF generate), and rloo_vllm.py's on a vLLM server, each turn
+    one request of token ids (a later turn seeded from its row's seed), synchronous and with --max_staleness 1 (each
+    multi-turn rollout made whole in the queue's thread): (metrics, completions, sample tables). A colocated engine
+    takes the same turns through the same generate_turn (its engine.generate is every colocated test's); CI runs the
+    server, the path that differs more."""
     rewards = tmp_path_factory.mktemp("rewards") / "rewards.py"
     rewards.write_text(REWARDS_PY)
     runs = {
         "rloo.py": vault_run("rloo.py", tool_policy, vault_data, tools_file, rewards, tmp_path_factory.mktemp("run"))
     }
-    server = start_vllm_server({"policy": tool_policy}, tmp_path_factory)
-    try:
-        server_mode = ["--vllm_mode", "server", "--vllm_server_base_url", next(server)["url"]]
+    server_mode = ["--vllm_mode", "server", "--vllm_server_base_url", vault_server]
+    for name, extra in [("rloo_vllm.py", []), ("rloo_vllm.py async", ["--max_staleness", 1])]:
         cwd = tmp_path_factory.mktemp("server_run")
-        runs["rloo_vllm.py"] = vault_run(
-            "rloo_vllm.py", tool_policy, vault_data, tools_file, rewards, cwd, *server_mode
-        )
-    finally:
-        server.close()  # the server stops
+        runs[name] = vault_run("rloo_vllm.py", tool_policy, vault_data, tools_file, rewards, cwd, *server_mode, *extra)
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py"])
+@pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_vllm.py async"])
 def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_runs):
     """End to end: the environment reset per rollout, the policy calls its tool, the result goes into the completion,
     the reward functions get the messages and the environments, get_reward is a source of its own, and the rewards
     logged are what said_the_secret gives for what each completion said. With vLLM, its log-probs are kept per model
-    token and are the trainer's (the tools' tokens masked out)."""
+    token and are the trainer's (the tools' tokens masked out). Made ahead (async), each rollout's environments are its
+    own while the next rollout is made: get_reward and said_the_secret still read each completion's."""
     metrics, completions, _ = vault_runs[script]
     assert len(metrics) == 2
     assert any(row["tools/call_frequency"] > 0 for row in metrics)
@@ -591,8 +614,32 @@ def test_a_run_trains_on_multi_turn_rollouts_with_an_environment(script, vault_r
             statistics.mean(r["said_the_secret"] for r in update)
         )
         assert row["reward"] == pytest.approx(statistics.mean(r["said_the_secret"] + r["Vault"] for r in update))
-    if script == "rloo_vllm.py":  # the server's log-probs of the model's tokens are the trainer's, update after update
-        assert all(row["sampling/sampling_logp_difference/max"] < 1e-3 for row in metrics)
+    if script != "rloo.py":  # the server's log-probs of the model's tokens are the trainer's, from the same weights
+        assert all(
+            row["sampling/sampling_logp_difference/max"] < 1e-3 for row in metrics if not row.get("async/staleness")
+        )
+
+
+@pytest.mark.slow
+def test_a_multi_turn_rollout_made_ahead_is_the_one_made_in_step_from_the_same_weights(vault_runs):
+    """With --max_staleness 1 the rollout of update 1 is made in the queue's thread from the initial weights, as the
+    synchronous run makes it in the training thread: the same completions (tool results and later turns included) and
+    rewards; update 2's comes from the initial weights too (one version old), where the synchronous run's does not."""
+    (sync, sync_completions, _), (made_ahead, completions, _) = (
+        vault_runs["rloo_vllm.py"],
+        vault_runs["rloo_vllm.py async"],
+    )
+    assert [row["async/staleness"] for row in made_ahead] == [0, 1]
+    assert [row["async/resampled"] for row in made_ahead] == [0, 0]
+    assert "async/staleness" not in sync[0]
+    first = [
+        [(r["prompt"], r["completion"], r["said_the_secret"], r["Vault"]) for r in c if r["step"] == sync[0]["step"]]
+        for c in (sync_completions, completions)
+    ]
+    assert len(first[0]) == 16
+    assert first[0] == first[1] and any("<tool_response>" in c for _, c, _, _ in first[0])
+    assert made_ahead[0]["reward"] == sync[0]["reward"]
+    assert made_ahead[1]["sampling/sampling_logp_difference/max"] > 1e-3  # sampled from the weights before update 1
 
 
 @pytest.mark.slow
@@ -684,6 +731,110 @@ def test_a_multi_turn_run_that_fails_resumes_as_the_same_run(
     assert [r["step"] for r in metrics_again] == [r["step"] for r in metrics] and metrics_again == metrics
     assert samples_again == samples and any(r.get("tools/call_frequency", 0) > 0 for r in metrics)
     assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_with_tools_made_ahead_resumes_as_the_same_run(
+    tool_policy, vault_data, tools_file, vault_server, tmp_path
+):
+    """--tools with --max_staleness 1 on a server: the checkpoint after update 3 keeps the multi-turn rollout of update
+    4 (made whole from the weights after update 2, gone by then), and the resumed run trains on it: it ends as the
+    uninterrupted run, metrics, sample tables and weights."""
+    from conftest import run_outcome
+    from test_vllm import REWARDS, sigkill_after_updates
+
+    args = [
+        *("--model_name_or_path", tool_policy, "--dataset_name", vault_data, "--tools", f"{tools_file}:open_vault"),
+        *("--reward_funcs", f"{REWARDS}:slow_text_length", "--total_episodes", 48, "--per_device_train_batch_size", 8),
+        *("--max_completion_length", 64, "--max_tool_calling_iterations", 1, "--num_sample_generations", 2),
+        *("--save_steps", 3, "--run_name", "run", "--vllm_mode", "server", "--vllm_server_base_url", vault_server),
+        *("--max_staleness", 1),
+    ]
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    reference.mkdir(), interrupted.mkdir()
+    proc = run_rloo(*args, cwd=reference, script="rloo_vllm.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = run_outcome(str(reference / "runs" / "run"))
+    assert [r["async/staleness"] for r in expected[0]] == [0, 1, 1, 1, 1, 1]
+    assert any(r["tools/call_frequency"] > 0 for r in expected[0])
+
+    sigkill_after_updates(args, interrupted, 4)
+    checkpoint = interrupted / "runs" / "run" / "checkpoints" / "checkpoint-3"
+    state = torch.load(checkpoint / "training_state.pt", weights_only=True)
+    kept = state["rollouts"]["per_process"][0]["kept"]
+    assert list(kept) == [4] and kept[4]["version"] == 2 and "rollout" in kept[4]  # made whole, kept whole
+    resumed = run_rloo(*args, "--resume_from_checkpoint", "latest", cwd=interrupted, script="rloo_vllm.py")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = run_outcome(str(interrupted / "runs" / "run"))
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
+
+
+@pytest.mark.slow
+def test_a_run_with_environments_made_ahead_resumes_and_samples_the_rollout_in_flight_again(
+    tool_policy, vault_data, tools_file, vault_server, tmp_path, monkeypatch
+):
+    """A reward function fails in update 3 of a run with --environment and --max_staleness 1: its checkpoint (update 2)
+    cannot keep the rollout of update 3 made ahead (its environments are the user's objects), says so in one line,
+    and the resumed run samples it again from the checkpoint's weights (staleness 0) and trains to the end."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    extra = ["--run_name", "run", "--total_episodes", 64, "--save_steps", 0, "--max_staleness", 1]
+    extra += ["--vllm_mode", "server", "--vllm_server_base_url", vault_server]
+    monkeypatch.setenv("FAIL_AT_STEP", "2")
+    failed = vault_run_proc("rloo_vllm.py", tool_policy, vault_data, tools_file, rewards, tmp_path, *extra)
+    assert failed.returncode != 0 and "failing on purpose" in failed.stderr
+    monkeypatch.delenv("FAIL_AT_STEP")
+    resumed = vault_run_proc(
+        "rloo_vllm.py",
+        tool_policy,
+        vault_data,
+        tools_file,
+        rewards,
+        tmp_path,
+        *extra,
+        "--resume_from_checkpoint",
+        "latest",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "could not keep the multi-turn rollouts of updates [3]" in resumed.stdout
+    metrics = read_metrics(tmp_path)
+    assert [r["async/staleness"] for r in metrics] == [0, 1, 0, 1]  # update 3's sampled again from update 2's weights
+    for row in metrics:
+        assert row["rewards/Vault/mean"] == pytest.approx(row["tools/call_frequency"])
+
+
+@pytest.mark.slow
+def test_two_processes_make_their_multi_turn_rollouts_ahead_on_a_server(
+    tool_policy, vault_data, tools_file, vault_server, vault_runs, tmp_path
+):
+    """rloo_multigpu.py on 2 processes with a server and --max_staleness 1: each process makes its own rows' turns in
+    its queue's thread (no collective there), and the rollouts are the single-process run's: update 1's completions,
+    from the same weights and seeds, are rloo_vllm.py's."""
+    from test_multigpu import run_torchrun
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS_PY)
+    proc = run_torchrun(
+        2,
+        *vault_args(tool_policy, vault_data, tools_file, rewards, batch_size=8),
+        *("--vllm_server_base_url", vault_server, "--max_staleness", 1, "--log_completions"),
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [row["async/staleness"] for row in metrics] == [0, 1]
+    for row in metrics:  # get_reward counts each rollout's calls: over the whole batch, as the call frequency
+        assert row["rewards/Vault/mean"] == pytest.approx(row["tools/call_frequency"])
+    (run,) = os.listdir(tmp_path / "runs")
+    with open(tmp_path / "runs" / run / "completions.jsonl") as f:
+        completions = [json.loads(line) for line in f]
+    _, single, _ = vault_runs["rloo_vllm.py async"]
+    step = metrics[0]["step"]
+    assert sorted((r["prompt"], r["completion"]) for r in completions if r["step"] == step) == sorted(
+        (r["prompt"], r["completion"]) for r in single if r["step"] == step
+    )
 
 
 @pytest.mark.slow
