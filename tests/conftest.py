@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Optional
 
 import pytest
 
@@ -513,9 +514,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_logprobs"):
+def start_vllm_server(
+    tiny, tmp_path_factory, logprobs_mode: str = "processed_logprobs", max_lora_rank: Optional[int] = None
+):
     """vLLM's OpenAI-compatible server on the tiny model, as docs/vllm.md starts it, for a fixture; stopped at the end.
-    logprobs_mode: what a server started otherwise than docs/vllm.md says returns."""
+    logprobs_mode: what a server started otherwise than docs/vllm.md says returns; max_lora_rank: a server that loads
+    adapters of up to this rank at run time, as docs/lora.md starts it for the adapter push (--vllm_lora_push)."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = [
@@ -537,10 +541,12 @@ def start_vllm_server(tiny, tmp_path_factory, logprobs_mode: str = "processed_lo
         "--logprobs-mode",
         logprobs_mode,
         "--enable-scale-out",
+        *(("--enable-lora", "--max-lora-rank", str(max_lora_rank)) if max_lora_rank else ()),
     ]
     env = {
         **run_env(),
         "VLLM_SERVER_DEV_MODE": "1",
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if max_lora_rank else {}),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         # The model runs in the engine's process: with its own worker process (vLLM's default on CPU), the worker spins
@@ -731,54 +737,8 @@ def tiny_vlm(tmp_path_factory):
     return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")))
 
 
-# ---- A vLLM server that loads LoRA adapters at run time (tests/test_vllm_lora.py: --vllm_lora_push) ------------------
-LORA_SERVER_RANK = 16  # --max-lora-rank: the default --lora_r's
-
-
-def start_lora_vllm_server(tiny, tmp_path_factory, max_lora_rank: int = LORA_SERVER_RANK):
-    """start_vllm_server's server on the tiny model, as docs/lora.md starts it for the adapter push: --enable-lora
-    --max-lora-rank R, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (its /v1/load_lora_adapter route); stopped at the end."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("lora_server") / "server.log"
-    command = [
-        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny["policy"], "--port", str(port)),
-        *("--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--max-model-len", "512"),
-        *("--generation-config", "vllm", "--logprobs-mode", "processed_logprobs"),
-        *("--enable-lora", "--max-lora-rank", str(max_lora_rank)),
-    ]
-    env = {
-        **run_env(),
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # as start_vllm_server's: no worker process spinning after each step
-    }
-    proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, open(log).read()[-3000:]
-            assert time.time() < deadline, "the vLLM server did not start in 300 s"
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=5)
-                break
-            except OSError:
-                time.sleep(1)
-        yield {"url": url, "process": proc, "log": log}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=60)
-
-
 @pytest.fixture(scope="session")
 def lora_server(tiny, tmp_path_factory):
     """The tiny model's vLLM server with runtime LoRA loading, one for all the tests of a pytest worker that need it:
     every run pushes its base weights first, and its adapters under names of its own."""
-    yield from start_lora_vllm_server(tiny, tmp_path_factory)
+    yield from start_vllm_server(tiny, tmp_path_factory, max_lora_rank=16)  # the default --lora_r's
