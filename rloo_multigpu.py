@@ -867,7 +867,6 @@ class Sampler(rollouts.BaseSampler):
         super().__init__(args, models, plan, stop_ids, eos_ids, device)
         self.policy, self.server = policy, server
         self.reads_images_itself = server is not None  # a server takes the dataset's images; HF generate the tensors
-        self.turns_in_step = server is None  # a multi-turn rollout's turns: every process in each sharded forward
 
     def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
         """(b, C) completion ids, padded to --max_completion_length, and (b, C) the sampler's log-probs of them (the

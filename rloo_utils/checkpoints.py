@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, ClassVar, Optional
@@ -101,6 +102,12 @@ def report_one_line_error(exc_type, exc, tb):
     if issubclass(exc_type, Terminated):  # else Python ends the process as on Ctrl-C, whatever the signal was
         sys.stderr.flush()
         os._exit(128 + exc.signum)
+    if any(getattr(thread, "working", False) for thread in threading.enumerate()):
+        # A background thread still works (a rollout made ahead, in torch's or a tokenizer's C++ code): the
+        # interpreter's teardown could abort under it (SIGABRT, "terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
 
 def stop_after_update_on_signals(console) -> list[int]:

@@ -262,12 +262,12 @@ class RewardLogs:
 
 @functools.cache
 def reward_event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop for every call of the async reward functions and tools: a client they keep (an HTTP session)
-    stays bound to the loop it was made on, so a fresh loop per update (or per thread) would break it."""
-    return asyncio.new_event_loop()
-
-
-EVENT_LOOP_LOCK = threading.Lock()  # the loop runs in one thread at a time: the training thread's, or the queue's
+    """One event loop for every call of the async reward functions and tools, run in a thread of its own: a client they
+    keep (an HTTP session) stays bound to the loop it was made on, so a fresh loop per update (or per thread) would
+    break it; the training thread and the rollout queue's submit to it alike, and neither waits for the other's."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="reward event loop", daemon=True).start()
+    return loop
 
 
 def await_all(awaitables: list) -> list:
@@ -282,8 +282,7 @@ def await_all(awaitables: list) -> list:
     async def gather():
         return await asyncio.gather(*(settle(a) for a in awaitables))
 
-    with EVENT_LOOP_LOCK:
-        return reward_event_loop().run_until_complete(gather())
+    return asyncio.run_coroutine_threadsafe(gather(), reward_event_loop()).result()
 
 
 def call_reward_funcs(

@@ -106,7 +106,9 @@ class BaseSampler:
     engine's completions made ahead (the rollout queue's `outputs`) also completions(outputs) -> the same two."""
 
     reads_images_itself = False  # generate takes the dataset's images (vLLM's processor reads them), not the tensors
-    turns_in_step = False  # every process makes every turn of a multi-turn rollout (a sharded model's forward)
+    # every process makes every turn of a multi-turn rollout, in the training thread: a sharded model's forward, and
+    # each turn's agreed() (a failure on one process stops all), are collectives; the queue's thread holds none
+    turns_in_step = True
     owns_environments = False  # a multi-turn rollout's environments are its own until scored (the queue's thread's)
 
     def __init__(self, args, models, plan, stop_ids: list[int], eos_ids: list[int], device):
@@ -115,7 +117,10 @@ class BaseSampler:
         # One multi-turn rollout at a time, in the training thread or the queue's: a tool is never called from two
         # threads at once (docs/tools.md)
         self.turns_lock = threading.Lock()
-        self.background_sampler = None  # the queue's thread's copy (background_rollout)
+        self.background_sampler = None  # the queue's thread's copy of this sampler (background_rollout)
+        # its tokenizer, copied before that thread runs (a copy reads the tokenizer, which must not change meanwhile)
+        made_ahead = self.tool_use and getattr(args, "max_staleness", 0)
+        self.background_tokenizer = copy.deepcopy(self.tokenizer) if made_ahead else None
 
     def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
         """The prompts tokenized and completed. seeds: one per row (a sampler's random streams); copies: each prompt's
@@ -132,11 +137,11 @@ class BaseSampler:
         """With --max_staleness and --tools or --environment: the whole multi-turn rollout of a request (environments
         reset, the model's turns, the tools' calls), made in the rollout queue's thread, on the CPU, with a tokenizer
         of its own (a tokenizer is not thread-safe), and without collectives (every process makes its own turns)."""
-        if self.background_sampler is None:
+        if self.background_sampler is None:  # (only the queue's thread makes it)
             self.background_sampler = copy.copy(self)
-            self.background_sampler.tokenizer = copy.deepcopy(self.tokenizer)
-            self.background_sampler.device, self.background_sampler.turns_in_step = torch.device("cpu"), False
-            self.background_sampler.owns_environments = True
+            self.background_sampler.tokenizer = self.background_tokenizer
+            self.background_sampler.device = torch.device("cpu")
+            self.background_sampler.turns_in_step, self.background_sampler.owns_environments = False, True
         return self.background_sampler.sample(
             request["prompts"], request["columns"], request["config"], request["seeds"]
         )
@@ -380,11 +385,16 @@ class Worker:
 
     def __init__(self):
         self.jobs = queue.SimpleQueue()
-        threading.Thread(target=self.loop, name="rollouts", daemon=True).start()
+        self.thread = threading.Thread(target=self.loop, name="rollouts", daemon=True)
+        self.thread.working = False  # a run that fails meanwhile exits at once (checkpoints.report_one_line_error)
+        self.thread.start()
 
     def loop(self) -> None:
         while True:
-            self.jobs.get().run()
+            job = self.jobs.get()
+            self.thread.working = True
+            job.run()
+            self.thread.working = self.jobs.qsize() > 0
 
 
 class Generation:
@@ -409,10 +419,11 @@ class Generation:
         start = time.perf_counter()
         try:
             self.outputs = self.generate(self.request)
-        except Exception as e:  # raised again by result(), in the training loop
+        except BaseException as e:  # (a tool's sys.exit too) raised again by result(), in the training loop
             self.error = e
-        self.seconds = time.perf_counter() - start
-        self.done.set()
+        finally:
+            self.seconds = time.perf_counter() - start
+            self.done.set()
 
     def result(self) -> QueuedRollout:
         if not self.background and not self.done.is_set():
@@ -464,7 +475,7 @@ class RolloutQueue:
         taken = self.pending[update].result()
         if update - 1 - taken.version <= self.max_staleness:
             return taken
-        self.pending[update] = Generation(self.generate, taken.request, self.version, None)
+        self.pending[update] = Generation(self.generate, taken.request, self.version, self.worker)  # where all are made
         return dataclasses.replace(self.pending[update].result(), resampled=True)
 
     def before_push(self) -> None:
@@ -516,8 +527,9 @@ class RolloutQueue:
         }
         if own["left_out"] and get_rank() == 0:
             print(
-                f"the checkpoint could not keep the multi-turn rollouts of updates {own['left_out']} (their "
-                "environments are the user's objects): they are sampled again, from its weights and the same seeds"
+                f"the checkpoint could not keep the multi-turn rollouts of updates {own['left_out']} (environments, "
+                "the user's objects, or values JSON cannot hold): they are sampled again, from its weights and the "
+                "same seeds"
             )
 
 

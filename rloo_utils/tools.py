@@ -185,11 +185,16 @@ def check_tool_format(tokenizer, stop_ids: list[int], chat_template_kwargs: dict
 
 
 # ---- One rollout's tools ---------------------------------------------------------------------------------------------
-def call_tools(calls: list[dict], tools: dict[str, Callable], timeout: Optional[float] = None) -> tuple[list, int]:
-    """The tool messages that answer one turn's calls, in order, and how many calls failed. A failing call (an unknown
-    tool, bad arguments, an exception) answers with its error and the rollout goes on, as in TRL; so does one past
-    --tool_timeout (said in one line; Python cannot stop it: a plain tool's thread is left to finish)."""
-    messages, failures = [], 0
+class ToolTimeout(Exception):
+    """A tool call past --tool_timeout."""
+
+
+def call_tools(calls: list[dict], tools: dict[str, Callable], timeout: Optional[float] = None) -> tuple:
+    """The tool messages that answer one turn's calls, in order, how many calls failed and how many of them ran past
+    --tool_timeout. A failing call (an unknown tool, bad arguments, an exception) answers with its error and the
+    rollout goes on, as in TRL; so does one past the timeout (said in one line; Python cannot stop a plain function:
+    its thread is left to finish)."""
+    messages, failures, timeouts = [], 0, 0
     for call in calls:
         function = call.get("function", call)
         name = function.get("name", "unknown")
@@ -202,25 +207,37 @@ def call_tools(calls: list[dict], tools: dict[str, Callable], timeout: Optional[
         except Exception as e:
             failures += 1
             result = {"error": str(e)}
-            if isinstance(e, (RewardTimeout, TimeoutError)):
-                result = {"error": f"the tool did not return within {timeout:g} s"}
+            if isinstance(e, ToolTimeout):
+                timeouts += 1
                 print(f"tool {name} did not return within --tool_timeout {timeout:g} s: answered with an error")
         messages.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
-    return messages, failures
+    return messages, failures, timeouts
 
 
 def run_tool(tool: Callable, arguments: dict, timeout: Optional[float]):
-    """A tool's result: an async tool's awaited on the reward functions' event loop (asyncio's timeout), a plain one
-    in a thread given `timeout` seconds (rewards.within); None: no limit."""
-    if inspect.iscoroutinefunction(tool):
-        result = await_all([asyncio.wait_for(tool(**arguments), timeout)])[0]
-    else:
+    """A tool's result: a plain one called in a thread given `timeout` seconds (rewards.within; in this thread without
+    one), an async one awaited on the reward functions' event loop as long. Past it: ToolTimeout (a TimeoutError the
+    tool raises itself is its own failure)."""
+    try:
         result = within(timeout, "tool", lambda: tool(**arguments))
-        if inspect.isawaitable(result):  # a plain function that returns an awaitable
-            result = await_all([asyncio.wait_for(result, timeout)])[0]
-    if isinstance(result, BaseException):
-        raise result
+    except RewardTimeout:
+        raise ToolTimeout(f"the tool did not return within {timeout:g} s") from None
+    if inspect.isawaitable(result):  # an async tool's coroutine
+        result = await_all([bounded(result, timeout)])[0]
+        if isinstance(result, BaseException):
+            raise result
     return result
+
+
+async def bounded(awaitable, timeout: Optional[float]):
+    """The awaitable's result, or ToolTimeout past `timeout` seconds (None: no limit)."""
+    try:
+        async with asyncio.timeout(timeout) as scope:
+            return await awaitable
+    except TimeoutError:
+        if scope.expired():
+            raise ToolTimeout(f"the tool did not return within {timeout:g} s") from None
+        raise
 
 
 @dataclass
@@ -240,12 +257,14 @@ class MultiTurn:
     sampler_logprobs: list[list[float]] = field(default_factory=list)
     messages: list[list[dict]] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)
+    abandoned: list[bool] = field(default_factory=list)  # a tool call of the row ran past --tool_timeout
     calls: int = 0
     failures: int = 0
     completions: int = 0  # the rows the two counts are over: this batch's, or every round's (gather)
     width: int = 0
     sampler_gave_logprobs: bool = True  # False: HF generate's turns, which come without log-probs
     owned: bool = False  # its environments are its own until it is scored (ToolUse.release)
+    released: bool = False  # scored: its own environments given back
     rewards: dict = field(default_factory=dict)  # per environment class: get_reward of each row (ToolUse.read_rewards)
 
     def generate(
@@ -264,6 +283,7 @@ class MultiTurn:
         self.ids, self.tool_mask = [[] for _ in range(rows)], [[] for _ in range(rows)]
         self.sampler_logprobs, self.sampler_gave_logprobs = [[] for _ in range(rows)], True
         self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
+        self.abandoned = [False] * rows
         self.completions = rows
         active, round_ = list(range(rows)), 0
         while any_process(bool(active)) if in_step else active:
@@ -284,7 +304,8 @@ class MultiTurn:
                 self.messages[i].append(message)
                 if not message.get("tool_calls") or not self.ended[i] or rounds is not None and round_ >= rounds:
                     continue
-                results, failures = call_tools(message["tool_calls"], self.tools[i], args.tool_timeout)
+                results, failures, timeouts = call_tools(message["tool_calls"], self.tools[i], args.tool_timeout)
+                self.abandoned[i] |= timeouts > 0  # a call left running may still change its environment
                 self.calls, self.failures = self.calls + len(results), self.failures + failures
                 suffix = tool_suffix_ids(tokenizer, results, stop_ids, template_kwargs)
                 if len(self.ids[i]) + len(suffix) >= limit:
@@ -311,6 +332,7 @@ class MultiTurn:
             width=max(turns.width for turns, _ in pieces),
             sampler_gave_logprobs=all(turns.sampler_gave_logprobs for turns, _ in pieces),
             rewards={name: [t.rewards[name][i] for t, rows in pieces for i in rows] for name in pieces[0][0].rewards},
+            abandoned=[bool(t.abandoned and t.abandoned[i]) for t, rows in pieces for i in rows],
         )
 
     def state_dict(self) -> dict:
@@ -401,14 +423,23 @@ class ToolUse:
         return MultiTurn(prompts, environments, schemas, row_tools, owned=owned)
 
     def release(self, turns: MultiTurn) -> None:
-        """A scored rollout's own environments (start(owned=True)) free again, in row order."""
-        if not turns.owned:
+        """A scored rollout's own environments (start(owned=True)) free again, in row order. One whose tool call ran
+        past --tool_timeout (and may still be running on it) is never used again: the pool gets a new one."""
+        if turns.released:
             return
+        abandoned = turns.abandoned or [False] * len(turns.environments)
         with self.lock:
-            for environment in turns.environments:
-                if environment is not None:
+            for environment, left_running in zip(turns.environments, abandoned):
+                if environment is None:
+                    continue
+                if turns.owned and not left_running:
                     self.free.setdefault(type(environment).__name__, []).append(environment)
-        turns.owned = False
+                elif not turns.owned and left_running:
+                    pool = self.pool[type(environment).__name__]
+                    for i, pooled in enumerate(pool):
+                        if pooled is environment:
+                            pool[i] = type(environment)()
+        turns.released = True
 
     def read_rewards(self, turns: MultiTurn, timeout: Optional[float]) -> None:
         """Each environment class's get_reward on its own rows (None on the others), read as the rollout ends (in the

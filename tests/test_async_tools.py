@@ -32,6 +32,7 @@ class ScriptedSampler(BaseSampler):
             chat_template_kwargs=None,
             tool_timeout=None,
             reward_timeout=None,
+            max_staleness=1,
         )
         models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
         plan = types.SimpleNamespace(tool_use=tool_use, image_column=None)
@@ -95,6 +96,7 @@ def test_a_multi_turn_rollout_made_in_the_queues_thread_is_the_one_the_training_
         # each row's environment was reset with its row and opened by its own calls only
         assert [e.secret_word for e in rollout.turns.environments] == request["columns"]["secret_word"]
         assert [e.opened for e in rollout.turns.environments] == [1, 0, 1, 0]
+        assert rollout.turns.rewards == {"Vault": [1.0, 0.0, 1.0, 0.0]}  # get_reward, read as the rollout ended
     assert set(in_step.threads) == {"MainThread"}
     # the two rollouts in flight own their environments: none shared, none the training thread's pool
     owned = [id(e) for r in (first, second) for e in r.turns.environments]
@@ -165,9 +167,11 @@ async def hang_async(seconds: float) -> str:
 def test_a_hung_tool_is_answered_with_an_error_after_the_timeout_and_said_in_one_line(tool, capsys):
     calls = [{"type": "function", "function": {"name": tool.__name__, "arguments": {"seconds": 30}}}]
     start = time.perf_counter()
-    messages, failures = call_tools(calls, {tool.__name__: tool}, timeout=0.2)
+    messages, failures, timeouts = call_tools(calls, {tool.__name__: tool}, timeout=0.2)
     assert time.perf_counter() - start < 5
-    assert failures == 1 and messages[0]["content"] == str({"error": "the tool did not return within 0.2 s"})
+    assert failures == timeouts == 1 and messages[0]["content"] == str(
+        {"error": "the tool did not return within 0.2 s"}
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [f"tool {tool.__name__} did not return within --tool_timeout 0.2 s: answered with an error"]
     # within the bound it answers as always
@@ -175,7 +179,62 @@ def test_a_hung_tool_is_answered_with_an_error_after_the_timeout_and_said_in_one
     assert call_tools(calls, {tool.__name__: tool}, timeout=5) == (
         [{"role": "tool", "name": tool.__name__, "content": "awake"}],
         0,
+        0,
     )
+
+
+def times_out_itself(url: str) -> str:
+    """Fetches, and times out on its own.
+
+    Args:
+        url: what
+    """
+    raise TimeoutError(f"{url} timed out")
+
+
+@pytest.mark.parametrize("timeout", [None, 5])
+def test_a_tools_own_timeout_error_is_its_failure_not_the_bound(timeout, capsys):
+    """A TimeoutError the tool raises itself (a socket's) is a failing call, with or without --tool_timeout."""
+    calls = [{"type": "function", "function": {"name": "times_out_itself", "arguments": {"url": "x"}}}]
+    messages, failures, timeouts = call_tools(calls, {"times_out_itself": times_out_itself}, timeout)
+    assert (failures, timeouts) == (1, 0) and messages[0]["content"] == str({"error": "x timed out"})
+    assert capsys.readouterr().out == ""
+
+
+class SlowVault:
+    """An environment whose tool hangs on its first call of the run."""
+
+    calls = 0
+
+    def reset(self, prompt, secret_word, **row):
+        self.secret_word = secret_word
+
+    def open_vault(self) -> str:
+        """Opens the vault."""
+        SlowVault.calls += 1
+        if SlowVault.calls == 1:
+            time.sleep(3)
+        return self.secret_word
+
+
+def test_an_environment_whose_call_ran_past_the_timeout_is_never_used_again(tool_tokenizer, capsys):  # noqa: F811
+    """The call left running may still change its environment: once its rollout is scored, neither the rollouts made
+    ahead (the free instances) nor the training thread's (the pool) get that instance again."""
+    tool_use = ToolUse([], {"SlowVault": SlowVault}, {"SlowVault": [SlowVault()]})
+    sampler = ScriptedSampler(tool_tokenizer, tool_use)
+    sampler.args.tool_timeout = 0.5  # (the queue's thread's copy shares the options)
+    made_ahead = sampler.background_rollout(vault_request(1))  # rows 0 and 2 call; row 0's call hangs
+    assert made_ahead.turns.abandoned == [True, False, False, False] and "--tool_timeout 0.5" in capsys.readouterr().out
+    left_running = made_ahead.turns.environments[0]
+    tool_use.release(made_ahead.turns)
+    assert left_running not in tool_use.free["SlowVault"] and len(tool_use.free["SlowVault"]) == 3
+    SlowVault.calls = 0
+    request = vault_request(2)
+    in_step = sampler.sample(request["prompts"], request["columns"], None, request["seeds"])
+    left_running = in_step.turns.environments[0]
+    tool_use.release(in_step.turns)
+    assert left_running not in tool_use.pool["SlowVault"] and len(tool_use.pool["SlowVault"]) == 4
+    assert tool_use.pool["SlowVault"][1] is in_step.turns.environments[1]  # the others stay
 
 
 def test_a_checkpoint_keeps_a_multi_turn_rollout_whole_and_leaves_out_one_with_environments(

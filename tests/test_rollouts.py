@@ -114,6 +114,25 @@ def test_a_failed_generation_is_raised_in_the_training_loop_before_its_update_tr
     assert engine.version == (2 if max_staleness == 0 else 1)
 
 
+def test_a_generation_that_exits_in_the_queues_thread_is_raised_where_it_is_taken_and_the_queue_goes_on():
+    """A tool or an environment calling sys.exit in the queue's thread: raised by take (never a wait for ever), and the
+    queue's thread still runs the next rollouts."""
+
+    def generate(request):
+        if request["update"] == 2:
+            raise SystemExit("a tool called sys.exit")
+        return [([request["update"]], [0.0])]
+
+    queue = RolloutQueue(1, 4, generate)
+    queue.start(0, lambda update: {"update": update})
+    queue.take(1)
+    with pytest.raises(SystemExit, match="sys.exit"):
+        queue.before_push()
+    queue.pending.pop(2)
+    queue.pushed(1)  # asks for update 3's, in the same thread
+    assert queue.take(3).outputs == [([3], [0.0])]
+
+
 def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_goes_on_as_the_first():
     engine = RecordingEngine()
     uninterrupted = RolloutQueue(2, 8, engine.generate)
