@@ -27,7 +27,7 @@ class ScriptedSampler(BaseSampler):
     def __init__(self, tokenizer, tool_use, call: str = CALL, delay: float = 0.0):
         args = types.SimpleNamespace(
             max_prompt_length=64,
-            max_completion_length=96,
+            max_completion_length=256,
             max_tool_calling_iterations=2,
             chat_template_kwargs=None,
             tool_timeout=None,
@@ -92,7 +92,8 @@ def test_a_multi_turn_rollout_made_in_the_queues_thread_is_the_one_the_training_
         request = vault_request(update)
         expected = in_step.sample(request["prompts"], request["columns"], None, request["seeds"])
         same_rollout(rollout, expected)
-        assert rollout.turns.calls == 2  # the even seeds' rows called the vault
+        assert rollout.turns.calls == 2  # the even seeds' rows called the vault, read its word and answered
+        assert [len(m) for m in rollout.turns.messages] == [3, 1, 3, 1] and rollout.tool_mask[[0, 2]].sum() > 0
         # each row's environment was reset with its row and opened by its own calls only
         assert [e.secret_word for e in rollout.turns.environments] == request["columns"]["secret_word"]
         assert [e.opened for e in rollout.turns.environments] == [1, 0, 1, 0]
@@ -276,3 +277,24 @@ def test_a_checkpoint_keeps_a_multi_turn_rollout_whole_and_leaves_out_one_with_e
     assert "could not keep the multi-turn rollouts of updates [2, 3]" in capsys.readouterr().out
     resumed.start(1, vault_request)
     assert resumed.take(2).version == 1  # the checkpoint's weights
+
+
+def test_the_training_threads_turns_keep_in_step_with_the_other_processes_and_the_queues_thread_does_not(
+    tool_tokenizer,  # noqa: F811
+    tools_file,  # noqa: F811
+    monkeypatch,
+):
+    """rloo_multigpu.py: in the training thread every process makes every turn (each turn's agreed() is a collective,
+    and with HF generate its forward), so this process makes two more turns for another still going; in the queue's
+    thread, which holds no collective, a process makes its own turns only."""
+    import rloo_utils.tools
+
+    others = iter([True, True, False] * 2)  # another process: two turns more than this one
+    monkeypatch.setattr(rloo_utils.tools, "any_process", lambda going_on: going_on or next(others))
+    sampler = ScriptedSampler(tool_tokenizer, vault_tool_use(tools_file))
+    request = vault_request(1)
+    sampler.sample(request["prompts"], request["columns"], None, request["seeds"])
+    assert len(sampler.threads) == 2 + 2  # its own two (a call, the answer), and two for the other process
+    sampler.threads.clear()
+    sampler.background_rollout(request)
+    assert len(sampler.threads) == 2
