@@ -746,7 +746,7 @@ def test_a_sigkilled_run_with_tools_made_ahead_resumes_as_the_same_run(
     args = [
         *("--model_name_or_path", tool_policy, "--dataset_name", vault_data, "--tools", f"{tools_file}:open_vault"),
         *("--reward_funcs", f"{REWARDS}:slow_text_length", "--total_episodes", 48, "--per_device_train_batch_size", 8),
-        *("--max_completion_length", 64, "--max_tool_calling_iterations", 1, "--num_sample_generations", 2),
+        *("--max_completion_length", 96, "--max_tool_calling_iterations", 1, "--num_sample_generations", 2),
         *("--save_steps", 3, "--run_name", "run", "--vllm_mode", "server", "--vllm_server_base_url", vault_server),
         *("--max_staleness", 1),
     ]
@@ -757,6 +757,7 @@ def test_a_sigkilled_run_with_tools_made_ahead_resumes_as_the_same_run(
     expected = run_outcome(str(reference / "runs" / "run"))
     assert [r["async/staleness"] for r in expected[0]] == [0, 1, 1, 1, 1, 1]
     assert any(r["tools/call_frequency"] > 0 for r in expected[0])
+    assert "<tool_response>" in expected[1]  # the tool's results in the sample tables' completions (not rolled back)
 
     sigkill_after_updates(args, interrupted, 4)
     checkpoint = interrupted / "runs" / "run" / "checkpoints" / "checkpoint-3"
