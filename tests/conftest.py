@@ -46,28 +46,32 @@ SCRIPTS = [
 
 # The longest files first: under the README's `-n 2 --dist loadfile --no-loadscope-reorder` each worker takes the next
 # file when it is done, so that the two end together instead of one running the last long file alone. The order is that
-# of the per-file seconds of docs/tests.md ("Where the time goes"; `python tests/durations.py` makes the table).
+# of the per-file seconds of docs/tests.md ("Where the time goes", issue 59's run; `python tests/durations.py` prints them).
 LONGEST_FIRST = [
     "test_benchmark.py",
     "test_multigpu.py",
     "test_vllm.py",
-    "test_lora.py",
     "test_resume.py",
     "test_gpu_check.py",
+    "test_lora.py",
+    "test_tools.py",
     "test_end_to_end.py",
     "test_evaluation.py",
-    "test_tools.py",
-    "test_images.py",
-    "test_vllm_lora.py",
-    "test_precision.py",
-    "test_trl_switch.py",
     "test_bad_input.py",
+    "test_trl_switch.py",
+    "test_images.py",
+    "test_precision.py",
+    "test_vllm_lora.py",
+    "test_gguf_cache.py",
     "test_padding_free.py",
     "test_rollouts.py",
+    "test_static_cache.py",
+    "test_batch_split.py",
+    "test_dynamic_sampling.py",
     "test_real_use.py",
+    "test_verifiable.py",
     "test_algorithm_family.py",
     "test_openrlbenchmark.py",
-    "test_verifiable.py",
     "test_sharded_loading.py",
 ]
 
