@@ -13,7 +13,6 @@ import shlex
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, ClassVar, Optional
@@ -28,6 +27,7 @@ from rloo_utils.lora import is_peft_model, merged_weights, trained_names, transf
 from rloo_utils.models import from_pretrained, weights_finite
 from rloo_utils.processes import (
     agreed,
+    background_working,
     end_processes,
     from_rank_0,
     get_rank,
@@ -102,9 +102,7 @@ def report_one_line_error(exc_type, exc, tb):
     if issubclass(exc_type, Terminated):  # else Python ends the process as on Ctrl-C, whatever the signal was
         sys.stderr.flush()
         os._exit(128 + exc.signum)
-    if any(getattr(thread, "working", False) for thread in threading.enumerate()):
-        # A background thread still works (a rollout made ahead, in torch's or a tokenizer's C++ code): the
-        # interpreter's teardown could abort under it (SIGABRT, "terminate called without an active exception")
+    if background_working():  # the interpreter's teardown could abort under it: exit at once (no collective here)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
@@ -622,7 +620,7 @@ class RunGuard:
             if get_rank() == 0:
                 print(stopped_message(stop, progress.update, self.num_updates, saved), flush=True)
             RunGuard.active = None  # stopped as asked: nothing to rescue
-            if dist.is_initialized():
+            if dist.is_initialized() or background_working():
                 end_processes(128 + stop)
             sys.exit(128 + stop)
 

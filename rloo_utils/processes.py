@@ -73,6 +73,13 @@ def end_processes(exit_code: int) -> None:
     os._exit(exit_code)
 
 
+def background_working() -> bool:
+    """Whether a background thread is still working (the rollout queue's, making a rollout ahead: torch's or a
+    tokenizer's C++ code), under which the interpreter's teardown can abort the process (SIGABRT, "terminate called
+    without an active exception"): a process that stops then exits at once (end_processes)."""
+    return any(getattr(thread, "working", False) for thread in threading.enumerate())
+
+
 def from_rank_0(value):
     """Rank 0's value, on every process."""
     if get_world_size() == 1:
