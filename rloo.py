@@ -414,7 +414,7 @@ def main(args: Args) -> None:
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
     never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-    static = static_cache(args, device, console, "image prompts" if plan.image_column else None)
+    static = static_cache(args, device, console, policy.dtype, "image prompts" if plan.image_column else None)
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's

@@ -488,7 +488,7 @@ def main(args: Args) -> None:
     unsupported = "image prompts" if plan.image_column else None  # HF generate's static cache: not with these
     if world_size > 1 and not args.gather_for_generation:
         unsupported = "the sharded policy generates (--no_gather_for_generation)"
-    static = server is None and static_cache(args, device, console, unsupported)
+    static = server is None and static_cache(args, device, console, policy.dtype, unsupported)
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's

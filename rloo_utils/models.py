@@ -238,11 +238,20 @@ def load_tokenizers(args, first_prompt, images: Optional[str] = None):
     return tokenizer, reward_tokenizer, processor
 
 
-def static_cache(args, device: torch.device, console, unsupported: Optional[str] = None) -> bool:
+def static_cache(
+    args, device: torch.device, console, weights_dtype: torch.dtype, unsupported: Optional[str] = None
+) -> bool:
     """Whether HF generate keeps a static KV cache and compiles its decoding step (--cache_implementation; auto: on
     CUDA, where a step of a small model is otherwise bound by Python and kernel launches, not by reading the weights).
-    unsupported: why this run cannot (image prompts; a sharded policy's forward), said in one line if it was meant."""
+    unsupported: why this run cannot (image prompts; a sharded policy's forward), said in one line if it was meant.
+    Nor can --bf16 over weights of another dtype: transformers' static cache is made in the dtype of the first keys it
+    holds, and under autocast RoPE gives float32 keys and the projection bfloat16 values (an H200 run failed so)."""
     wanted = args.cache_implementation == "static" or (args.cache_implementation == "auto" and device.type == "cuda")
+    if unsupported is None and args.bf16 and weights_dtype != torch.bfloat16:
+        unsupported = (
+            f"--bf16 computes in bfloat16 over {str(weights_dtype).removeprefix('torch.')} weights, and transformers' "
+            "static cache holds one dtype (--dtype bfloat16 keeps one)"
+        )
     if wanted and unsupported:
         console.print(f"HF generate keeps a dynamic KV cache, uncompiled: {unsupported}")
     return wanted and not unsupported

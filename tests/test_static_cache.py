@@ -149,23 +149,32 @@ def test_rows_are_padded_to_a_power_of_two_up_to_the_chunk_and_the_cache_to_a_bu
 
 
 @pytest.mark.parametrize(
-    "option, device, unsupported, expected",
+    "option, device, unsupported, bf16, dtype, expected",
     [
-        ("auto", "cpu", None, False),
-        ("auto", "cuda", None, True),
-        ("static", "cpu", None, True),
-        ("dynamic", "cuda", None, False),
-        ("auto", "cuda", "image prompts", False),
+        ("auto", "cpu", None, False, torch.float32, False),
+        ("auto", "cuda", None, False, torch.float32, True),
+        ("auto", "cuda", None, True, torch.bfloat16, True),
+        ("static", "cpu", None, False, torch.float32, True),
+        ("dynamic", "cuda", None, False, torch.float32, False),
+        ("auto", "cuda", "image prompts", False, torch.float32, False),
+        # autocast over float32 weights: RoPE's float32 keys and bfloat16 values in one cache (failed on an H200)
+        ("auto", "cuda", None, True, torch.float32, False),
+        ("static", "cpu", None, True, torch.float32, False),
     ],
 )
-def test_which_runs_keep_a_static_cache(option, device, unsupported, expected):
+def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype, expected):
     from rich.console import Console
 
-    console = Console(record=True)
-    args = types.SimpleNamespace(cache_implementation=option)
-    assert static_cache(args, torch.device(device), console, unsupported) is expected
+    console = Console(record=True, width=200)
+    args = types.SimpleNamespace(cache_implementation=option, bf16=bf16)
+    assert static_cache(args, torch.device(device), console, dtype, unsupported) is expected
     said = console.export_text()
-    assert said == ("HF generate keeps a dynamic KV cache, uncompiled: image prompts\n" if unsupported else "")
+    if option == "dynamic" or (option == "auto" and device == "cpu") or expected:
+        assert said == ""
+    elif unsupported:
+        assert said == "HF generate keeps a dynamic KV cache, uncompiled: image prompts\n"
+    else:
+        assert said.startswith("HF generate keeps a dynamic KV cache, uncompiled: --bf16 computes in bfloat16 over ")
 
 
 def test_a_vllm_run_refuses_the_option_in_one_line():

@@ -773,9 +773,10 @@ def work_done(p: Part, w: dict, rows: list[dict]) -> dict:
     }
 
 
-def timing_rloo(p: Part, cache_implementation: str | None = None) -> dict:
+def timing_rloo(p: Part, cache_implementation: str | None = None, dtype: str = "float32") -> dict:
     """rloo.py on the timing workload; cache_implementation None: rloo.py's default (auto: a static KV cache and a
-    compiled decoding step on CUDA, the dynamic cache on a CPU)."""
+    compiled decoding step on CUDA, the dynamic cache on a CPU and under --bf16 over float32 weights, whose keys and
+    values autocast gives two dtypes). dtype: the weights' (bfloat16: the static cache's, with --bf16)."""
     w = timing_args(p, updates=updates(p, 5))
     options = {
         "model_name_or_path": p.models["timing"],
@@ -788,7 +789,7 @@ def timing_rloo(p: Part, cache_implementation: str | None = None) -> dict:
         "beta": 0.05,
         "learning_rate": 1e-6,
         "num_sample_generations": 0,
-        "dtype": "float32",
+        "dtype": dtype,
         "run_name": "run",
         **({"cache_implementation": cache_implementation} if cache_implementation else {}),
     }
@@ -811,6 +812,7 @@ def timing_rloo(p: Part, cache_implementation: str | None = None) -> dict:
     return {
         "workload": w,
         "cache_implementation": cache_implementation or "auto (static and compiled on CUDA, dynamic on a CPU)",
+        "weights_dtype": dtype,
         "seconds_per_update": round(mean("time/update"), 4),
         "seconds_per_update_min": round(min(r["time/update"] for r in rows), 4),
         "stages": stages,
@@ -910,6 +912,8 @@ PARTS = {  # name: (function, is a timing)
     "multigpu_every_process": (multigpu(lambda p: p.nproc, "--fsdp_cpu_offload"), False),
     "timing_rloo": (timing_rloo, True),
     "timing_rloo_no_compile": (lambda p: timing_rloo(p, "dynamic"), True),
+    "timing_rloo_bf16_weights": (lambda p: timing_rloo(p, "dynamic", "bfloat16"), True),
+    "timing_rloo_bf16_weights_static": (lambda p: timing_rloo(p, "static", "bfloat16"), True),
     "timing_trl": (timing_trl, True),
     "timing_trl_static": (lambda p: timing_trl(p, "static"), True),
 }
