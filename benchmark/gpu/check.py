@@ -760,14 +760,14 @@ def count_parameters(model_dir: str) -> int:
     return sum(math.prod(shape) for shape in shapes.values())
 
 
-def work_done(p: Part, w: dict, rows: list[dict]) -> dict:
+def work_done(p: Part, w: dict, rows: list[dict], dtype: str = "float32") -> dict:
     """What the hardware numbers are made of (against_hardware), per timed update: the parameters, all trained (no
-    adapter), and the bytes per parameter that generation reads (bf16 on a GPU, else fp32)."""
+    adapter), and the bytes per parameter that generation reads (bf16 on a GPU or with bfloat16 weights, else fp32)."""
     parameters = count_parameters(p.models["timing"])
     return {
         "parameters": parameters,
         "trainable_parameters": parameters,
-        "generation_bytes_per_parameter": 2 if w["bf16"] else 4,
+        "generation_bytes_per_parameter": 2 if w["bf16"] or dtype == "bfloat16" else 4,
         "generated_tokens": round(statistics.mean(r["completions/mean_length"] * r["completions"] for r in rows), 1),
         "trained_tokens": round(statistics.mean(r["trained_tokens"] for r in rows), 1),  # prompt and completion
     }
@@ -825,7 +825,7 @@ def timing_rloo(p: Part, cache_implementation: str | None = None, dtype: str = "
         "decoding_steps_from": "completions/max_length: the longest completion of the update's one generate call",
         "generation_seconds": stages["generation"],
         "forward_backward_seconds": stages["policy_forward_backward"],
-        **work_done(p, w, rows),
+        **work_done(p, w, rows, dtype),
         "ran": ran([r["completions"] for r in logged_rows], [r["completions/max_length"] for r in logged_rows]),
         **peaks(p.folder),
         "said": [line for line in output.splitlines() if "optimizer steps" in line][:1],
