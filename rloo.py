@@ -17,6 +17,7 @@ logs.update_metrics(...).
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU
 """
 
+import contextlib
 import copy
 import functools
 import math
@@ -35,7 +36,20 @@ import torch.nn.functional as F
 import tyro
 from rich.console import Console
 
-from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, rollouts, runs, vision
+from rloo_utils import (
+    checkpoints,
+    data,
+    errors,
+    evaluation,
+    logs,
+    lora,
+    off_policy,
+    options,
+    packing,
+    rollouts,
+    runs,
+    vision,
+)
 from rloo_utils.models import (
     end_token_ids,
     generation_configs,
@@ -414,7 +428,13 @@ def main(args: Args) -> None:
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
     never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-    static = static_cache(args, device, console, policy.dtype, "image prompts" if plan.image_column else None)
+    # HF generate samples from the policy, or from a copy of it in bfloat16 refreshed after each update
+    # (--sampler_weights; auto: under --bf16 over float32 weights on CUDA), as inference engines do: the compiled
+    # decoding step needs one dtype
+    copy_dtype = off_policy.sampler_dtype(args.sampler_weights, policy.dtype, args.bf16, device)
+    sampling_policy = policy if copy_dtype is None else off_policy.sampling_copy(policy, copy_dtype)
+    console.print(off_policy.sampler_line(policy.dtype, copy_dtype))
+    static = static_cache(args, device, console, sampling_policy.dtype, "image prompts" if plan.image_column else None)
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's
@@ -441,7 +461,8 @@ def main(args: Args) -> None:
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
     # sample tables and held-out evaluation
-    sampler = Sampler(args, policy, models, plan, stop_ids, eos_ids, device, autocast)
+    sampler_autocast = autocast if sampling_policy is policy else contextlib.nullcontext  # a copy computes in its dtype
+    sampler = Sampler(args, sampling_policy, models, plan, stop_ids, eos_ids, device, sampler_autocast)
     scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
     logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
@@ -490,10 +511,20 @@ def main(args: Args) -> None:
         if args.reward_clip_range is not None:
             scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
 
-        # log pi_old: a forward of its own only for the KL or a later minibatch; else the update's forward fills it
+        # The sampler's log-probs where a copy of the policy in other numerics sampled (--sampler_weights): the gap
+        # between sampler and trainer, logged and weighed by the off-policy correction as vLLM's is
+        if sampling_policy is not policy:
+            with timer("sampler_logprobs"):
+                rollout.sampling_logprobs = rollout_logprobs(
+                    sampling_policy, rollout, args, contextlib.nullcontext, logprobs_of
+                )  # (B, C)
+
+        # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
+        # the update's forward fills it
         mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
-        if not ratio_is_one or ref_policy is not None:
+        correct = args.importance_sampling_correction and rollout.sampling_logprobs is not None
+        if not ratio_is_one or ref_policy is not None or correct:
             with timer("old_logprobs"):
                 old_logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of)
         if ref_policy is not None:
@@ -515,6 +546,27 @@ def main(args: Args) -> None:
         advantages = compute_advantages(
             rlhf_reward, kl_before, in_loss, G, args.advantage_estimator, args.advantage_normalization
         )  # (B, C)
+
+        # Off-policy correction: a copy of the policy in other numerics sampled; the loss of each completion (or token)
+        # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
+        loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
+        if correct:
+            bounds = (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+            if args.importance_sampling_mode == "sequence_geometric_mask":
+                bounds = tuple(args.geometric_mask_bounds)
+            # the ratios before the bounds (what the bounds cut is logged), and the (B, 1) or (B, C) weights
+            is_ratios, is_weights = (
+                importance_sampling_weights(
+                    old_logprobs, rollout.sampling_logprobs, mask, args.importance_sampling_mode, *b
+                )
+                for b in [(None, None), bounds]
+            )
+            loss_advantages = advantages * is_weights
+            if args.off_policy_mask_threshold is not None:  # and completions the sampler drifted from, if A < 0
+                off_policy_kept = off_policy_sequence_mask(
+                    old_logprobs, rollout.sampling_logprobs, mask, advantages[:, 0], args.off_policy_mask_threshold
+                )  # (B, 1)
+                loss_advantages = loss_advantages * off_policy_kept
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches (or those --max_tokens_per_micro_batch packs); each micro-batch adds its share of the minibatch
@@ -553,7 +605,7 @@ def main(args: Args) -> None:
                             args,
                             logprobs,
                             old_logprobs[idx],
-                            advantages[idx],
+                            loss_advantages[idx],
                             mask[idx],
                             in_loss[idx],
                             mini_batch_size,
@@ -576,6 +628,10 @@ def main(args: Args) -> None:
                 grad_norms.append(grad_norm.detach().float())
                 progress.skipped_steps += not stepped
                 progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
+        # Weight sync: the copy that samples (--sampler_weights) holds the updated policy, in place
+        if sampling_policy is not policy:
+            with timer("weight_sync"):
+                off_policy.refresh_copy(sampling_policy, policy)
         progress.update = update
         progress.episode += batch_size
         num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
@@ -601,6 +657,13 @@ def main(args: Args) -> None:
                 else {}
             ),
             **sampled,
+            **(
+                off_policy.sampling_metrics(
+                    old_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
+                )
+                if rollout.sampling_logprobs is not None
+                else {}
+            ),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -717,6 +780,34 @@ def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_
             for i in range(0, len(rollout.prompt_ids), chunk)
         ]
     return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
+
+
+def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
+    """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_sampler of the sampled tokens, per
+    completion (B, 1) for sequence_* modes or per token (B, C); sequence_geometric_mask: the geometric mean of a
+    completion's token ratios, whose bounds are tight ([0.99, 1.01]) because it does not grow with the length. Detached:
+    it weights the loss, it is not trained."""
+    log_rho = (old_logprobs - sampling_logprobs) * mask  # (B, C)
+    if mode == "sequence_geometric_mask":  # the geometric mean of the token ratios (SkyRL; OpenRLHF, NeMo-RL)
+        log_rho = log_rho.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
+    elif mode.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True)  # (B, 1)
+    rho = log_rho.exp()
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else math.inf
+    if mode.endswith("truncate"):
+        return rho.clamp(low, high)
+    return rho.masked_fill((rho < low) | (rho > high), 0.0)
+
+
+def off_policy_sequence_mask(old_logprobs, sampling_logprobs, mask, advantages, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, section 3.1): (B, 1) 0 for a completion with a
+    negative advantage whose mean log pi_sampler - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
+    completion is one the sampler made likelier than the policy would (a stale or mismatched sampler): learning from its
+    failure pushes the policy away from what it would not have done anyway, and destabilises it."""
+    drift = ((sampling_logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
+    return (~((advantages < 0) & (drift > threshold))).float()[:, None]
 
 
 # ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from rloo_utils import (
     evaluation,
     logs,
     lora,
+    off_policy,
     options,
     packing,
     rollouts,
@@ -93,7 +94,6 @@ from rloo_utils.sharded import (
 )
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
-    ImportanceSamplingOptions,
     ServerOptions,
     VLLMServer,
     check_engine,
@@ -101,14 +101,13 @@ from rloo_utils.vllm_engine import (
     pad_completions,
     sampler_support,
     sampling_configs,
-    sampling_metrics,
     sampling_seeds,
     unpadded,
 )
 
 
 @dataclass
-class Args(options.FeatureOptions, ShardingOptions, ServerOptions, ImportanceSamplingOptions):
+class Args(options.FeatureOptions, ShardingOptions, ServerOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
 
     # Experiment
@@ -488,7 +487,10 @@ def main(args: Args) -> None:
     unsupported = "image prompts" if plan.image_column else None  # HF generate's static cache: not with these
     if world_size > 1 and not args.gather_for_generation:
         unsupported = "the sharded policy generates (--no_gather_for_generation)"
-    static = server is None and static_cache(args, device, console, policy.dtype, unsupported)
+    # Under --bf16 FSDP's mixed precision gathers the weights in bfloat16, and generation computes in that one dtype:
+    # what rloo.py's bfloat16 copy of the policy gives (--sampler_weights), without a copy
+    sampling_dtype = torch.bfloat16 if args.bf16 else policy.dtype
+    static = server is None and static_cache(args, device, console, sampling_dtype, unsupported)
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's
@@ -601,7 +603,7 @@ def main(args: Args) -> None:
             with timer("engine_check"):
                 check_engine(server, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         mask = rollout.policy_mask  # (b, C) the tokens the policy chose: only they enter loss and KL
-        is_correction = server is not None and args.vllm_importance_sampling_correction
+        is_correction = server is not None and args.importance_sampling_correction
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (b, C)
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or is_correction or support is not None:
@@ -666,24 +668,24 @@ def main(args: Args) -> None:
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
         loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
         if is_correction:
-            bounds = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-            if args.vllm_importance_sampling_mode == "sequence_geometric_mask":
-                bounds = tuple(args.vllm_geometric_mask_bounds)
+            bounds = (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+            if args.importance_sampling_mode == "sequence_geometric_mask":
+                bounds = tuple(args.geometric_mask_bounds)
             # the ratios before the bounds (what the bounds cut is logged), and the (B, 1) or (B, C) weights
             is_ratios, is_weights = (
                 importance_sampling_weights(
-                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, args.vllm_importance_sampling_mode, *b
+                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, args.importance_sampling_mode, *b
                 )
                 for b in [(None, None), bounds]
             )
             loss_advantages = advantages * is_weights
-            if args.vllm_off_policy_mask_threshold is not None:  # and completions the sampler drifted from, if A < 0
+            if args.off_policy_mask_threshold is not None:  # and completions the sampler drifted from, if A < 0
                 off_policy_kept = off_policy_sequence_mask(
                     trainer_sampling_logprobs,
                     rollout.sampling_logprobs,
                     mask,
                     advantages[:, 0],
-                    args.vllm_off_policy_mask_threshold,
+                    args.off_policy_mask_threshold,
                 )  # (B, 1)
                 loss_advantages = loss_advantages * off_policy_kept
 
@@ -789,7 +791,7 @@ def main(args: Args) -> None:
             **(logs.tool_metrics(*tool_calls) if rollout.turns else {}),
             **sampled,
             **(
-                sampling_metrics(
+                off_policy.sampling_metrics(
                     trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
                 )
                 if server is not None
@@ -920,7 +922,7 @@ class Sampler(rollouts.BaseSampler):
             config = {**config, "max_tokens": max(budgets)}
         else:
             config = copy.deepcopy(config)
-            config.max_new_tokens = max(budgets)
+            config.max_new_tokens = self.turn_length(budgets)  # every process's turn as long: synced_gpus
         turn_ids, turn_logprobs = self.generate(context_ids, context_mask, config, None, seeds)  # (b, C)
         turn_mask, _ = rollouts.completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
         lengths = [min(int(m.sum()), budget) for m, budget in zip(turn_mask, budgets)]
@@ -1022,7 +1024,7 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
     """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
-    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_vllm of the sampled tokens, per
+    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_sampler of the sampled tokens, per
     completion (B, 1) for sequence_* modes or per token (B, C); sequence_geometric_mask: the geometric mean of a
     completion's token ratios, whose bounds are tight ([0.99, 1.01]) because it does not grow with the length. Detached:
     it weights the loss, it is not trained."""
@@ -1041,7 +1043,7 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
 
 def off_policy_sequence_mask(old_logprobs, sampling_logprobs, mask, advantages, threshold: float) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, section 3.1): (B, 1) 0 for a completion with a
-    negative advantage whose mean log pi_vllm - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
+    negative advantage whose mean log pi_sampler - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
     completion is one the sampler made likelier than the policy would (a stale or mismatched sampler): learning from its
     failure pushes the policy away from what it would not have done anyway, and destabilises it."""
     drift = ((sampling_logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)

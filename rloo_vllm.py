@@ -40,13 +40,25 @@ import torch
 import tyro
 from rich.console import Console
 
-from rloo_utils import checkpoints, data, errors, evaluation, logs, lora, options, packing, rollouts, runs, vision
+from rloo_utils import (
+    checkpoints,
+    data,
+    errors,
+    evaluation,
+    logs,
+    lora,
+    off_policy,
+    options,
+    packing,
+    rollouts,
+    runs,
+    vision,
+)
 from rloo_utils.models import end_token_ids, set_up_cuda, tokenize_prompts, weights_finite
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, task_scores
 from rloo_utils.vllm_engine import (
     SHARED_SERVER,
     ColocatedVLLM,
-    ImportanceSamplingOptions,
     VLLMOptions,
     VLLMServer,
     check_engine,
@@ -54,14 +66,13 @@ from rloo_utils.vllm_engine import (
     pad_completions,
     sampler_support,
     sampling_configs,
-    sampling_metrics,
     sampling_seeds,
     unpadded,
 )
 
 
 @dataclass
-class Args(options.FeatureOptions, VLLMOptions, ImportanceSamplingOptions):
+class Args(options.FeatureOptions, VLLMOptions):
     """Every option: the algorithm's here; a feature's in its module (FeatureOptions), a section of --help each."""
 
     # Experiment
@@ -535,7 +546,7 @@ def main(args: Args) -> None:
         mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         trainer_sampling_logprobs = old_logprobs
-        if not ratio_is_one or ref_policy is not None or args.vllm_importance_sampling_correction or support:
+        if not ratio_is_one or ref_policy is not None or args.importance_sampling_correction or support:
             with timer("old_logprobs"):
                 logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of, support)
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
@@ -562,25 +573,25 @@ def main(args: Args) -> None:
         # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
         loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
-        if args.vllm_importance_sampling_correction:
-            bounds = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-            if args.vllm_importance_sampling_mode == "sequence_geometric_mask":
-                bounds = tuple(args.vllm_geometric_mask_bounds)
+        if args.importance_sampling_correction:
+            bounds = (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+            if args.importance_sampling_mode == "sequence_geometric_mask":
+                bounds = tuple(args.geometric_mask_bounds)
             # the ratios before the bounds (what the bounds cut is logged), and the (B, 1) or (B, C) weights
             is_ratios, is_weights = (
                 importance_sampling_weights(
-                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, args.vllm_importance_sampling_mode, *b
+                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, args.importance_sampling_mode, *b
                 )
                 for b in [(None, None), bounds]
             )
             loss_advantages = advantages * is_weights
-            if args.vllm_off_policy_mask_threshold is not None:  # and completions the sampler drifted from, if A < 0
+            if args.off_policy_mask_threshold is not None:  # and completions the sampler drifted from, if A < 0
                 off_policy_kept = off_policy_sequence_mask(
                     trainer_sampling_logprobs,
                     rollout.sampling_logprobs,
                     mask,
                     advantages[:, 0],
-                    args.vllm_off_policy_mask_threshold,
+                    args.off_policy_mask_threshold,
                 )  # (B, 1)
                 loss_advantages = loss_advantages * off_policy_kept
 
@@ -681,7 +692,7 @@ def main(args: Args) -> None:
                 else {}
             ),
             **sampled,
-            **sampling_metrics(
+            **off_policy.sampling_metrics(
                 trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
             ),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
@@ -852,7 +863,7 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
     """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
-    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_vllm of the sampled tokens, per
+    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_sampler of the sampled tokens, per
     completion (B, 1) for sequence_* modes or per token (B, C); sequence_geometric_mask: the geometric mean of a
     completion's token ratios, whose bounds are tight ([0.99, 1.01]) because it does not grow with the length. Detached:
     it weights the loss, it is not trained."""
@@ -871,7 +882,7 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str
 
 def off_policy_sequence_mask(old_logprobs, sampling_logprobs, mask, advantages, threshold: float) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, section 3.1): (B, 1) 0 for a completion with a
-    negative advantage whose mean log pi_vllm - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
+    negative advantage whose mean log pi_sampler - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
     completion is one the sampler made likelier than the policy would (a stale or mismatched sampler): learning from its
     failure pushes the policy away from what it would not have done anyway, and destabilises it."""
     drift = ((sampling_logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)

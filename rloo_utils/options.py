@@ -26,6 +26,7 @@ from rloo_utils.evaluation import EvaluationOptions
 from rloo_utils.logs import LoggingOptions
 from rloo_utils.lora import LoraOptions
 from rloo_utils.models import ModelOptions, SpeedOptions, set_model_options
+from rloo_utils.off_policy import ImportanceSamplingOptions, check_importance_sampling
 from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY, RewardSourceOptions
 from rloo_utils.tools import ToolUseOptions
 
@@ -126,6 +127,7 @@ class FeatureOptions(
     LoggingOptions,
     CheckpointOptions,
     SpeedOptions,
+    ImportanceSamplingOptions,
     OldTrlOptions,
 ):
     """The options of the features, a group from each one's module: a script's Args adds the algorithm's own."""
@@ -327,12 +329,17 @@ def check_args(args, world_size: int = 1) -> None:
         )
     check_estimator_and_loss(args)
     check_overlong_punishment(args)
-    if args.cache_implementation != "auto" and (
-        getattr(args, "vllm_mode", None) or getattr(args, "vllm_server_host", None)
-    ):
+    for name in ["cache_implementation", "sampler_weights", "decoding_loop"]:  # HF generate's
+        if getattr(args, name) != "auto" and (
+            getattr(args, "vllm_mode", None) or getattr(args, "vllm_server_host", None)
+        ):
+            raise UsageError(
+                f"--{name} {getattr(args, name)} is HF generate's, and this run generates with vLLM: leave it out"
+            )
+    if args.sampler_weights != "auto" and hasattr(args, "gather_for_generation"):
         raise UsageError(
-            f"--cache_implementation {args.cache_implementation} is HF generate's, and this run generates with vLLM: "
-            "leave it out"
+            f"--sampler_weights {args.sampler_weights}: rloo_multigpu.py samples from the weights FSDP gathers "
+            "(bfloat16 under --bf16, its mixed precision), never a copy: leave it out"
         )
     longest_row = args.max_prompt_length + args.max_completion_length
     if args.max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch < longest_row:
@@ -382,6 +389,7 @@ def check_args(args, world_size: int = 1) -> None:
         path = getattr(args, name)
         if path is not None and looks_local(path) and not os.path.exists(path):
             raise UsageError(f"--{name} {path} does not exist")
+    check_importance_sampling(args)
     set_model_options(args)
 
 

@@ -226,6 +226,13 @@ class BaseSampler:
         turn_seeds = None if seeds is None else [turn_seed(seeds[row], round_) for row in rows]
         return self.generate_turn(contexts, budgets, config, turn_seeds)
 
+    def turn_length(self, budgets: list[int]) -> int:
+        """The most tokens a turn may generate: its rows' largest budget, the same on every process whose turns are in
+        step. Under synced_gpus a process whose rows have ended goes on stepping with the others, and a static KV
+        cache sized for its own shorter turn would overflow (a process whose rollouts have all ended makes a 1-token
+        turn)."""
+        return max_over_processes(max(budgets)) if self.turns_in_step else max(budgets)
+
 
 def turn_seed(seed: int, round_: int) -> int:
     """The seed of a multi-turn rollout's turn after `round_` rounds of tool calls, from its row's seed: the first

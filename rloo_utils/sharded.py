@@ -44,8 +44,9 @@ from rloo_utils.runs import Models, RunPlan, load_checked_tokenizers
 class ShardingOptions:
     """FSDP2: the processes, and where the shards are while they generate and between uses (docs/multigpu.md)"""
 
-    # the timeout changes nothing computed; gathered generation samples what sharded generation does (tested)
-    RESUMABLE: ClassVar = {"ddp_timeout", "gather_for_generation"}
+    # the timeout changes nothing computed (gathered generation keeps a static KV cache, and sharded generation cannot:
+    # their samples differ)
+    RESUMABLE: ClassVar = {"ddp_timeout"}
 
     gather_for_generation: bool = True
     """gather the whole policy on every process while it generates (old TRL's ds3_gather_...)"""

@@ -110,28 +110,6 @@ class ServerOptions:
     """(--use_peft, server) the adapter alone, or the merged weights, after an update; auto: the adapter if served"""
 
 
-@dataclass
-class ImportanceSamplingOptions:
-    """The off-policy correction of vLLM's samples: truncated or masked importance sampling (TRL's GRPO)"""
-
-    vllm_importance_sampling_correction: bool = True
-    """weight the loss by pi_trainer / pi_vllm, truncated or masked (TRL's GRPO)"""
-    vllm_importance_sampling_mode: Literal[
-        "sequence_mask", "sequence_truncate", "token_mask", "token_truncate", "sequence_geometric_mask"
-    ] = "sequence_mask"
-    """sequence_* (a ratio per completion) or token_*; *_truncate clips it, *_mask zeroes it; geometric: its mean"""
-    vllm_importance_sampling_clip_max: Optional[float] = 3.0
-    """upper bound C_max of the importance ratio (None: none)"""
-    vllm_importance_sampling_clip_min: Optional[float] = None
-    """lower bound C_min of the importance ratio (None: none)"""
-    vllm_geometric_mask_bounds: tuple[float, float] = (0.99, 1.01)
-    """(sequence_geometric_mask) a completion whose mean token ratio leaves these bounds is masked (SkyRL's)"""
-    vllm_off_policy_mask_threshold: Annotated[
-        Optional[float], tyro.conf.arg(aliases=("--off_policy_mask_threshold",))
-    ] = None
-    """mask a completion with A < 0 whose mean log pi_vllm - log pi_trainer exceeds this (DeepSeek-V3.2); None: off"""
-
-
 SERVER_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL "
     "--generation-config vllm --logprobs-mode processed_logprobs"
@@ -260,11 +238,11 @@ def check_vllm_args(args, server: bool) -> None:
                 f"--generation_kwargs {json.dumps(args.generation_kwargs)}: vLLM's SamplingParams cannot "
                 f"use it ({describe(e)})"
             ) from None
-    geometric = args.vllm_importance_sampling_mode == "sequence_geometric_mask"
-    sequence_masks = args.vllm_off_policy_mask_threshold is not None or geometric
+    geometric = args.importance_sampling_mode == "sequence_geometric_mask"
+    sequence_masks = args.off_policy_mask_threshold is not None or geometric
     if not server and not hasattr(args, "vllm_mode") and sequence_masks:
         raise UsageError(
-            "the sequence masks (--vllm_off_policy_mask_threshold, sequence_geometric_mask) weigh a vLLM server's "
+            "the sequence masks (--off_policy_mask_threshold, sequence_geometric_mask) weigh a vLLM server's "
             "samples, and this run generates with HF generate: give --vllm_server_host, or leave them out"
         )
     if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
@@ -327,36 +305,6 @@ def check_vllm_args(args, server: bool) -> None:
             )
     if not 0 < args.vllm_server_timeout:
         raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
-    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
-        raise UsageError(
-            f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max {high}"
-        )
-    mode, geometric_bounds = args.vllm_importance_sampling_mode, tuple(args.vllm_geometric_mask_bounds)
-    if not 0 < geometric_bounds[0] < 1 < geometric_bounds[1]:
-        raise UsageError(
-            f"--vllm_geometric_mask_bounds must hold 1 between them, low > 0 (a completion's mean token ratio is "
-            f"masked outside them; SkyRL starts at 0.99 1.01), got {geometric_bounds[0]:g} {geometric_bounds[1]:g}"
-        )
-    if geometric_bounds != (0.99, 1.01) and mode != "sequence_geometric_mask":
-        raise UsageError(
-            "--vllm_geometric_mask_bounds are the bounds of --vllm_importance_sampling_mode sequence_geometric_mask, "
-            f"and the mode is {mode}: give that mode, or leave the bounds out"
-        )
-    threshold = args.vllm_off_policy_mask_threshold
-    if threshold is not None and threshold < 0:
-        raise UsageError(f"--vllm_off_policy_mask_threshold must be >= 0 (a mean log-ratio), got {threshold}")
-    if threshold is not None and not args.vllm_importance_sampling_correction:
-        raise UsageError(
-            "--vllm_off_policy_mask_threshold masks with vLLM's log-probs, which "
-            "--no_vllm_importance_sampling_correction leaves out of the loss: give one of them"
-        )
-    token_mode = args.vllm_importance_sampling_mode.startswith("token")
-    if args.vllm_importance_sampling_correction and token_mode and args.loss_type == "sequence":
-        raise UsageError(
-            f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights tokens, and "
-            "--loss_type sequence has one term per completion: use sequence_mask or sequence_truncate"
-        )
 
 
 def check_max_staleness(args, server: bool) -> None:
@@ -372,10 +320,10 @@ def check_max_staleness(args, server: bool) -> None:
             "no server (a colocated engine or HF generate shares the trainer's device): start one and point the run "
             "at it (docs/vllm.md: --vllm_mode server in rloo_vllm.py), or leave --max_staleness out"
         )
-    if not args.vllm_importance_sampling_correction:
+    if not args.importance_sampling_correction:
         raise UsageError(
             f"--max_staleness {staleness} trains on rollouts of older weights, which only the importance-sampling "
-            "correction weighs for their age: leave out --no-vllm_importance_sampling_correction, or --max_staleness"
+            "correction weighs for their age: leave out --no_importance_sampling_correction, or --max_staleness"
         )
 
 
@@ -1160,39 +1108,3 @@ def check_engine(
                 f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's "
                 f"by {float(gap):.3g} per token (at most {tolerance} expected); {cause}"
             )
-
-
-def sampling_metrics(
-    old_logprobs,
-    sampling_logprobs,
-    mask,
-    weights: Optional[torch.Tensor],
-    ratios: Optional[torch.Tensor],
-    off_policy_kept: Optional[torch.Tensor] = None,
-) -> dict:
-    """TRL's names: per-token |log pi_trainer - log pi_vllm| over real tokens, and the importance weights' range; the
-    sampler-trainer KL(pi_vllm || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer /
-    pi_vllm) on vLLM's samples; the share of the importance ratios (`ratios`, before the bounds) that the bounds
-    truncated or masked; with the off-policy sequence mask, the share of completions it masked."""
-    real = mask.bool()
-    log_ratio = (old_logprobs - sampling_logprobs)[real]
-    gap = log_ratio.abs()
-    metrics = {
-        "sampling/sampling_logp_difference/mean": float(gap.mean()) if real.any() else 0.0,
-        "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0,
-        "sampling/kl": float((log_ratio.exp() - 1 - log_ratio).mean()) if real.any() else 0.0,
-    }
-    if weights is not None:
-        per_unit = (lambda x: x.flatten()) if weights.shape[1] == 1 else (lambda x: x[real])  # completions or tokens
-        flat, unbounded = per_unit(weights), per_unit(ratios)
-        metrics.update(
-            {
-                f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
-                for name in ("min", "mean", "max")
-            }
-        )
-        clipped = (flat != unbounded).float()
-        metrics["sampling/importance_sampling_ratio/clipped_fraction"] = float(clipped.mean()) if len(flat) else 0.0
-    if off_policy_kept is not None:
-        metrics["sampling/off_policy_masked_fraction"] = float(1 - off_policy_kept.mean())
-    return metrics

@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
+import rloo
 import rloo_multigpu
 import rloo_vllm
 from rloo_utils.errors import RunError, UsageError
+from rloo_utils.off_policy import check_importance_sampling, sampling_metrics
 from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.vllm_engine import check_vllm_args
 from tests.conftest import (
@@ -203,14 +205,14 @@ def test_a_kept_rollout_staler_than_max_staleness_is_sampled_again():
     assert (six.version, six.resampled) == (4, False)
 
 
-@pytest.mark.parametrize("script", [rloo_vllm, rloo_multigpu])
+@pytest.mark.parametrize("script", [rloo, rloo_vllm, rloo_multigpu])
 def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand(script):
     old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])  # the trainer's log-probs of the sampled tokens
     sampled = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, -0.5, 3.0]])  # vLLM's
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     ratios = script.importance_sampling_weights(old, sampled, mask, "token_truncate", None, None)
     weights = script.importance_sampling_weights(old, sampled, mask, "token_truncate", None, 1.2)
-    metrics = script.sampling_metrics(old, sampled, mask, weights, ratios)
+    metrics = sampling_metrics(old, sampled, mask, weights, ratios)
     log_r = torch.tensor([0.5, -1.0, 0.0, 0.0, -3.5])  # over the 5 real tokens
     k3 = float((log_r.exp() - 1 - log_r).mean())
     assert metrics["sampling/kl"] == pytest.approx(k3, rel=1e-6)
@@ -218,11 +220,11 @@ def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand(scrip
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 5)  # exp(0.5) > 1.2
     sequence_ratios = script.importance_sampling_weights(old, sampled, mask, "sequence_mask", None, None)
     sequence = script.importance_sampling_weights(old, sampled, mask, "sequence_mask", 0.5, 3.0)
-    metrics = script.sampling_metrics(old, sampled, mask, sequence, sequence_ratios)
+    metrics = sampling_metrics(old, sampled, mask, sequence, sequence_ratios)
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 2)  # exp(-3.5) masked
 
 
-@pytest.mark.parametrize("script", [rloo_vllm, rloo_multigpu])
+@pytest.mark.parametrize("script", [rloo, rloo_vllm, rloo_multigpu])
 def test_the_two_sequence_masks_by_hand(script):
     """The geometric mask (SkyRL; OpenRLHF's and NeMo-RL's seq-mask-tis) keeps a completion whose mean token log-ratio
     log pi_trainer - log pi_vllm is inside log [0.99, 1.01], whatever its length; the off-policy sequence mask
@@ -239,7 +241,7 @@ def test_the_two_sequence_masks_by_hand(script):
     assert kept.flatten().tolist() == [pytest.approx(ratios[0, 0].item()), 0.0, 0.0]  # exp(-0.02) < 0.99 masked
     # the product ratio of row 0 is exp(-0.02): a sequence_mask with the same bounds would keep it, and its length
     # decides that (30 such tokens would be masked by a product, never by the mean)
-    metrics = script.sampling_metrics(old, sampled, mask, kept, ratios)
+    metrics = sampling_metrics(old, sampled, mask, kept, ratios)
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(2 / 3)
 
     advantages = torch.tensor([-1.0, -1.0, 1.0])
@@ -248,31 +250,31 @@ def test_the_two_sequence_masks_by_hand(script):
     assert kept.flatten().tolist() == [1.0, 0.0, 1.0]  # row 1 drifted past it with A < 0; row 2 has A > 0
     assert script.off_policy_sequence_mask(old, sampled, mask, -advantages, 0.008).flatten().tolist() == [1.0] * 3
     assert script.off_policy_sequence_mask(old, sampled, mask, advantages, 0.0).flatten().tolist() == [0.0, 0.0, 1.0]
-    metrics = script.sampling_metrics(old, sampled, mask, None, None, kept)
+    metrics = sampling_metrics(old, sampled, mask, None, None, kept)
     assert metrics["sampling/off_policy_masked_fraction"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize(
     "options, needle",
     [
-        ({"vllm_geometric_mask_bounds": (1.0, 1.01)}, "must hold 1 between them"),
-        ({"vllm_geometric_mask_bounds": (0.9, 1.1)}, "are the bounds of --vllm_importance_sampling_mode"),
-        ({"vllm_off_policy_mask_threshold": -0.1}, "must be >= 0"),
-        ({"vllm_off_policy_mask_threshold": 0.1, "vllm_importance_sampling_correction": False}, "give one of them"),
+        ({"geometric_mask_bounds": (1.0, 1.01)}, "must hold 1 between them"),
+        ({"geometric_mask_bounds": (0.9, 1.1)}, "are the bounds of --importance_sampling_mode"),
+        ({"off_policy_mask_threshold": -0.1}, "must be >= 0"),
+        ({"off_policy_mask_threshold": 0.1, "importance_sampling_correction": False}, "give one of them"),
     ],
 )
 def test_bad_sequence_mask_options_are_refused(options, needle, tiny):
-    for script in (rloo_vllm, rloo_multigpu):
+    for script in (rloo, rloo_vllm, rloo_multigpu):
         args = dataclasses.replace(script.Args(model_name_or_path=tiny["policy"]), **options)
         with pytest.raises(UsageError, match=re.escape(needle)):
-            check_vllm_args(args, server=True)
+            check_importance_sampling(args)
 
 
 def test_the_sequence_masks_need_vllm_samples(tiny):
     """rloo_multigpu.py without a server generates with HF generate: no sampler log-probs to mask with."""
     for options in (
-        {"vllm_off_policy_mask_threshold": 0.1},
-        {"vllm_importance_sampling_mode": "sequence_geometric_mask"},
+        {"off_policy_mask_threshold": 0.1},
+        {"importance_sampling_mode": "sequence_geometric_mask"},
     ):
         args = dataclasses.replace(rloo_multigpu.Args(model_name_or_path=tiny["policy"]), **options)
         with pytest.raises(UsageError, match="this run generates with HF generate"):
@@ -296,9 +298,9 @@ def test_max_staleness_is_refused_where_it_cannot_be_overlapped_or_corrected(tin
     refused(
         rloo_vllm,
         True,
-        "--no-vllm_importance_sampling_correction",
+        "--no_importance_sampling_correction",
         max_staleness=2,
-        vllm_importance_sampling_correction=False,
+        importance_sampling_correction=False,
     )
     check_vllm_args(dataclasses.replace(rloo_vllm.Args(), max_staleness=1, vllm_mode="server"), server=True)
     for script in (rloo_vllm, rloo_multigpu):  # multi-turn rollouts too: made whole in the queue's thread

@@ -161,8 +161,6 @@ ADDED = {
         "Sampler.background_outputs": "the rollout queue: an update's completions made ahead, in its thread",
         "Sampler.completions": "vLLM's completions (the engine's, or the queue's made ahead) as tensors",
         "weights_for_vllm": "weight sync: the policy's weights as vLLM loads them",
-        "importance_sampling_weights": "the off-policy correction of vLLM's samples (truncated importance sampling)",
-        "off_policy_sequence_mask": "DeepSeek-V3.2's mask of completions vLLM's sampler drifted from",
     },
     "rloo_multigpu.py": {
         "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples, this process's share",
@@ -171,8 +169,6 @@ ADDED = {
         "Sampler.completions": "the server's completions (its answers, or the queue's made ahead) as tensors",
         "ShardedScorer": "the reward model's FSDP units resharded after its forward",
         "weights_for_vllm": "weight sync with a vLLM server: the shards gathered one tensor at a time",
-        "importance_sampling_weights": "the off-policy correction of a vLLM server's samples",
-        "off_policy_sequence_mask": "DeepSeek-V3.2's mask of completions a vLLM server's sampler drifted from",
     },
 }
 

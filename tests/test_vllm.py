@@ -125,6 +125,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     assert engine_greedy(engine, tokenizer, args) == hf_greedy(policy, tokenizer, args.max_completion_length)
 
 
+@pytest.mark.slow  # the engine's first start inspects the model in a vLLM subprocess (none in the fast tier)
 def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -514,10 +515,8 @@ def test_bad_vllm_settings_are_one_line_before_anything_loads(tiny, prompts_file
     refused(("vllm_cpu_kv_cache_gib", 0), needles=["--vllm_cpu_kv_cache_gib must be > 0"])
     refused(("vllm_max_model_length", 100), needles=["cannot hold a prompt and its completion (256 + 32)"])
     refused(("vllm_enable_sleep_mode", True), needles=["needs --vllm_mode colocate and a GPU"])
-    refused(("vllm_importance_sampling_mode", "token_mask"), needles=["weights tokens", "sequence_mask"])
-    refused(
-        ("vllm_importance_sampling_clip_min", 4.0), needles=["0 <= clip_min < clip_max", "clip_min 4.0, clip_max 3.0"]
-    )
+    refused(("importance_sampling_mode", "token_mask"), needles=["weights tokens", "sequence_mask"])
+    refused(("importance_sampling_clip_min", 4.0), needles=["0 <= clip_min < clip_max", "clip_min 4.0, clip_max 3.0"])
     refused(
         ("vllm_mode", "server"), ("vllm_server_base_url", "localhost:8000"), needles=["must look like http://host:port"]
     )

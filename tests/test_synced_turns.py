@@ -1,0 +1,65 @@
+"""rloo_multigpu.py's multi-turn rollouts with HF generate on 2 processes and a static KV cache (the default on CUDA):
+under synced_gpus a process whose rows have ended steps on with the others, so every process's turn is as long as the
+longest (BaseSampler.turn_length); a cache sized for its own shorter turn overflowed (an index error on the process
+with a 1-token turn, its context at the end of a 64-token bucket)."""
+
+import datetime
+import os
+import types
+
+import pytest
+import torch
+
+from conftest import free_port
+
+
+def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> None:
+    """Rank 0: a turn of 1 token after a 63-token context (its static cache: 64 + 1 positions), as a process whose
+    rollouts have all ended makes; rank 1: a turn of up to 8 tokens after a short one. Greedy, so that the turns can
+    be compared with the dynamic cache's."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rloo_multigpu
+    from rloo_utils.models import generation_configs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    eos = tokenizer.eos_token_id
+    args = types.SimpleNamespace(
+        local_rollout_forward_batch_size=4,
+        gather_for_generation=False,  # (a plain model: nothing to gather)
+        max_completion_length=8,
+        temperature=1.0,
+        eval_temperature=None,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        generation_kwargs=None,
+    )
+    models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
+    plan = types.SimpleNamespace(tool_use=None, image_column=None)
+    sampler = rloo_multigpu.Sampler(args, policy, None, models, plan, [eos], [eos], torch.device("cpu"))
+    context = [10 + (i * 7) % 50 for i in range(63 if rank == 0 else 5)]
+    budgets = [1] if rank == 0 else [8]
+    outcomes = {}
+    for static in (True, False):
+        _, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static)
+        outcomes[static] = sampler.next_turn([context], budgets, [0], 0, greedy, None)[0][0]
+    torch.save(outcomes, f"{results}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes start, each compiling the decoding step
+def test_two_processes_turns_of_different_lengths_on_a_static_cache(tiny, tmp_path):
+    import torch.multiprocessing as mp
+
+    results = str(tmp_path / "turn")
+    mp.start_processes(a_turn_on_each_process, args=(free_port(), tiny, results), nprocs=2, start_method="spawn")
+    turns = [torch.load(f"{results}.{rank}") for rank in (0, 1)]
+    assert len(turns[0][True]) == 1 and 1 <= len(turns[1][True]) <= 8
+    for rank in (0, 1):
+        assert turns[rank][True] == turns[rank][False]  # the static cache's greedy turn is the dynamic cache's
