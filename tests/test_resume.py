@@ -487,6 +487,20 @@ def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
         )
 
 
+def test_generating_from_the_shards_is_not_resumable(tmp_path):
+    """rloo_multigpu.py: a gathered policy generates on a static KV cache (auto on CUDA), a sharded one cannot, and the
+    two sample other completions: --no_gather_for_generation may not change at resume (the timeout may)."""
+    import rloo_multigpu
+
+    args = rloo_multigpu.resolve_defaults(rloo_multigpu.Args())
+    with open(tmp_path / "args.json", "w") as f:
+        json.dump(dataclasses.asdict(args), f)
+    resumable = resumable_options(rloo_multigpu.Args)
+    check_resumable(rloo_multigpu.replace(args, ddp_timeout=60), str(tmp_path), resumable)
+    with pytest.raises(UsageError, match="--gather_for_generation is False here but True in"):
+        check_resumable(rloo_multigpu.replace(args, gather_for_generation=False), str(tmp_path), resumable)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Non-finite values, end to end
 # ------------------------------------------------------------------------------------------------------------------
