@@ -464,7 +464,10 @@ def main(args: Args) -> None:
     # padding or the (B, L, V) logits held at once (rloo_utils/packing.py, tested equal)
     logprobs_of = completion_logprobs
     if args.padding_free:
-        logprobs_of = packing.padding_free_logprobs(policy, plan.image_column is not None, console, autocast)
+        logprobs_of = packing.padding_free_logprobs(
+            policy, plan.image_column is not None, console, autocast, args.fused_output_layer
+        )
+    packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the

@@ -113,6 +113,9 @@ def sampling_copy(policy, dtype: torch.dtype):
     with torch.device(next(policy.parameters()).device), no_init_weights():  # its weights come from the policy
         copy = type(model)._from_config(model.config, dtype=dtype)
     copy.generation_config = model.generation_config
+    output = model.get_output_embeddings()
+    if output is not None and output.weight is model.get_input_embeddings().weight:
+        copy.tie_weights()  # one tensor for the LM head and the embeddings, as in the policy (built from a config: two)
     refresh_copy(copy, policy)
     return copy.eval().requires_grad_(False)
 

@@ -336,6 +336,11 @@ def check_args(args, world_size: int = 1) -> None:
             raise UsageError(
                 f"--{name} {getattr(args, name)} is HF generate's, and this run generates with vLLM: leave it out"
             )
+    if args.fused_output_layer == "on" and not args.padding_free:
+        raise UsageError(
+            "--fused_output_layer on makes the gradient of the padding-free log-probs' output layer, and "
+            "--no_padding_free computes padded log-probs through the whole model: leave one of them out"
+        )
     if args.sampler_weights != "auto" and hasattr(args, "gather_for_generation"):
         raise UsageError(
             f"--sampler_weights {args.sampler_weights}: rloo_multigpu.py samples from the weights FSDP gathers "

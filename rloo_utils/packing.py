@@ -1,11 +1,13 @@
 """Padding-free forwards: the real tokens of a micro-batch packed into rows, positions restarting per sequence; where an
 attention kernel cannot keep packed sequences apart, padded forwards (probed once at start). The output layer's inputs,
-from which the log-probs are made a chunk at a time."""
+from which the log-probs are made a chunk at a time, their gradient by checkpointed chunks or by our fused output layer
+(--fused_output_layer); the training forward's decoder layers compiled one by one (--compile_decoder_layers)."""
 
 import contextlib
 import functools
 import itertools
 import math
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -232,6 +234,136 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 # Positions whose logits are made at a time: a chunk's fp32 logits stay at 64 MB whatever the vocabulary
 LOGIT_CHUNK_ELEMENTS = 2**24
+# On a GPU a chunk is sized by its free memory instead (logit_chunk_positions): an eighth of it at BYTES_PER_LOGIT a
+# logit (a chunk's logits in the compute dtype and in fp32, their log-softmax, and in the backward their gradient),
+# between LOGIT_CHUNK_ELEMENTS and MAX_GPU_LOGIT_CHUNK_ELEMENTS (2 GiB of such work): 8k tokens of a 151,936-word
+# vocabulary are then 10 products of 883 positions rather than 75 of 110, each large enough to keep a GPU busy.
+MAX_GPU_LOGIT_CHUNK_ELEMENTS = 2**27
+BYTES_PER_LOGIT = 16
+
+
+def logit_chunk_positions(vocab_size: int, device: torch.device) -> int:
+    """How many positions' logits logprobs_through_output_layer makes at a time: LOGIT_CHUNK_ELEMENTS logits on a CPU;
+    on a GPU as many as an eighth of its free memory holds (the driver's free memory and what the caching allocator
+    holds unused), bounded by MAX_GPU_LOGIT_CHUNK_ELEMENTS."""
+    elements = LOGIT_CHUNK_ELEMENTS
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        elements = min(max(elements, free // (8 * BYTES_PER_LOGIT)), MAX_GPU_LOGIT_CHUNK_ELEMENTS)
+    return max(1, elements // vocab_size)
+
+
+def chunk_logprobs(layer, transform, temperature: float, with_entropy: bool, support, chunk, chunk_ids) -> tuple:
+    """One chunk of logprobs_through_output_layer: the (k,) fp32 log softmax(transform(layer(chunk)) / T)[chunk_ids]
+    of the (k, H) hidden states, then, without gradients, the entropies if with_entropy and the log-probs on a
+    sampler's support if given."""
+    logits = transform(layer(chunk)).float() / temperature  # (k, V)
+    logprobs = logits.log_softmax(-1)
+    out = [logprobs.gather(-1, chunk_ids[:, None]).squeeze(-1)]
+    with torch.no_grad():
+        if with_entropy:
+            out.append(-(logprobs.exp() * logprobs).sum(-1))
+        if support is not None:
+            kept = support(logits).scatter(-1, chunk_ids[:, None], True)
+            renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
+            out.append(renormalised.gather(-1, chunk_ids[:, None]).squeeze(-1))
+    return tuple(out)
+
+
+def add_product_in_float32(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b into the float32 `total`, each product and its sum in float32 whatever a's and b's dtype
+    (bfloat16 under autocast): on a GPU cuBLAS's float32 output of bfloat16 inputs (mm's out_dtype), elsewhere float32
+    copies of them (a product of two bfloat16 numbers is exact in float32, so the two agree)."""
+    if a.dtype == torch.float32:
+        total.addmm_(a, b)
+        return
+    if total.is_cuda:
+        try:
+            total.add_(torch.mm(a, b, out_dtype=torch.float32))
+            return
+        except (NotImplementedError, RuntimeError, TypeError):  # a GPU or build without it: the copies below
+            pass
+    total.addmm_(a.float(), b.float())
+
+
+class FusedOutputLayerLogprobs(torch.autograd.Function):
+    """logprobs_through_output_layer with gradients, for a linear output layer without bias (--fused_output_layer).
+    Checkpointed chunks (torch.utils.checkpoint) make each chunk's logits again in the backward pass and give autograd
+    a whole (V, H) gradient of the weight per chunk, which it adds up, in bfloat16 under autocast (75 of them for 8k
+    tokens of a 151,936-word vocabulary). Here the forward makes each chunk's log-probs as that path does (the same
+    function, the same chunks: the same numbers) and keeps only the hidden states and the ids (and the weight, a
+    parameter held anyway), never logits; the backward makes each chunk's logits again, takes their gradient
+    d log p_y / d logits = g (onehot(y) - softmax) as log_softmax's backward does, chains it through the transform and
+    the temperature by autograd on that chunk alone, and from it the chunk's hidden-state gradient and its share of
+    the weight's, summed over every chunk in one float32 buffer and returned once in the weight's dtype. A weight tied
+    to the input embeddings gets it added to the embeddings' own by autograd, as any gradient of a shared tensor.
+    Inputs: hidden (K, H), weight (V, H), ids (K,), then layer (the module whose weight it is), transform,
+    temperature, the chunk's positions, with_entropy, support (logprobs_through_output_layer). Outputs: the (K,)
+    log-probs, then the entropies and the log-probs on the support if asked, those two without gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, layer, transform, temperature, step, with_entropy, support):
+        device_type = hidden.device.type
+        # The backward's product must be the forward's: under autocast, in its dtype (autocast's state is not the
+        # backward's, which may run on another thread)
+        ctx.autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        ctx.transform, ctx.temperature, ctx.step = transform, temperature, step
+        ctx.save_for_backward(hidden, weight, ids)
+        chunks = [
+            chunk_logprobs(layer, transform, temperature, with_entropy, support, chunk, chunk_ids)
+            for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))
+        ]
+        outputs = tuple(torch.cat(values) for values in zip(*chunks))  # K = 0: one empty chunk
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, logprobs_grad, *no_grad):
+        hidden, weight, ids = ctx.saved_tensors
+        wants_hidden, wants_weight = ctx.needs_input_grad[:2]
+        dtype = ctx.autocast or weight.dtype
+        device_type = hidden.device.type
+        matrix = weight.to(dtype)  # autocast's cast of the weight, once for every chunk
+        weight_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
+        hidden_grads = []
+        for chunk, chunk_ids, g in zip(hidden.split(ctx.step), ids.split(ctx.step), logprobs_grad.split(ctx.step)):
+            chunk = chunk.to(dtype)
+            with torch.autocast(device_type, dtype=ctx.autocast, enabled=ctx.autocast is not None):
+                raw = torch.nn.functional.linear(chunk, matrix).requires_grad_()  # (k, V): the forward's product
+                with torch.enable_grad():
+                    logits = ctx.transform(raw).float() / ctx.temperature
+            # log_softmax's backward of a one-hot gradient g at y: g onehot(y) - exp(log p) g
+            logits_grad = logits.detach().log_softmax(-1).exp_().mul_(-g[:, None])
+            logits_grad.scatter_add_(-1, chunk_ids[:, None], g[:, None])
+            (raw_grad,) = torch.autograd.grad(logits, raw, logits_grad)  # through the transform and temperature
+            del logits, logits_grad
+            if wants_hidden:
+                hidden_grads.append((raw_grad @ matrix).to(hidden.dtype))
+            if wants_weight:
+                add_product_in_float32(weight_grad, raw_grad.T, chunk)
+        hidden_grad = torch.cat(hidden_grads) if wants_hidden else None
+        weight_grad = weight_grad.to(weight.dtype) if wants_weight else None
+        return hidden_grad, weight_grad, None, None, None, None, None, None, None
+
+
+def fused_output_layer_refusal(layer) -> Optional[str]:
+    """Why FusedOutputLayerLogprobs cannot take `layer`'s gradient, or None: it takes a torch.nn.Linear without bias.
+    A LoRA adapter on the output layer (peft's layer) or a bias keep checkpointed chunks."""
+    if type(layer) is not torch.nn.Linear:
+        return f"its output layer is a {type(layer).__module__}.{type(layer).__name__}, not a torch.nn.Linear"
+    if layer.bias is not None:
+        return "its output layer has a bias"
+    return None
+
+
+def is_sharded(layer) -> bool:
+    """Whether `layer`'s weight is at this moment an FSDP2 shard (a DTensor), whose product only the layer's own
+    forward can take (rloo_multigpu.py gathers its LM head for the root's forward, before the log-probs are made).
+    Without torch.distributed.tensor imported there is no DTensor, and rloo.py never imports it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(layer.weight, dtensor.DTensor)
 
 
 def logprobs_through_output_layer(
@@ -242,35 +374,30 @@ def logprobs_through_output_layer(
     temperature: float,
     with_entropy: bool = False,
     support: Optional[Callable] = None,
+    fused: bool = False,
 ):
     """(K,) fp32 log softmax(transform(output_layer(hidden)) / temperature)[ids], from the (K, H) hidden states that
-    predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time, and with gradients each chunk's
-    logits are made again in the backward pass (activation checkpointing) rather than kept, so the step's peak memory
-    stops growing with K x V (TRL 1.16 does the same). Detached, after it: with_entropy, the (K,) entropies
+    predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time (logit_chunk_positions), and with
+    gradients each chunk's logits are made again in the backward pass rather than kept, so the step's peak memory
+    stops growing with K x V (TRL 1.16 does the same): by activation checkpointing of each chunk, or with `fused`
+    (--fused_output_layer) and a linear output layer without bias by FusedOutputLayerLogprobs, which sums the weight's
+    gradient over the chunks once, in float32. Detached, after it: with_entropy, the (K,) entropies
     H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the
     tokens the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
-
-    def chunk_logprobs(chunk, chunk_ids):  # (k, H), (k,) -> tuple of (k,)
-        logits = transform(output_layer(chunk)).float() / temperature  # (k, V)
-        logprobs = logits.log_softmax(-1)
-        out = [logprobs.gather(-1, chunk_ids[:, None]).squeeze(-1)]
-        with torch.no_grad():
-            if with_entropy:
-                out.append(-(logprobs.exp() * logprobs).sum(-1))
-            if support is not None:
-                kept = support(logits).scatter(-1, chunk_ids[:, None], True)
-                renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
-                out.append(renormalised.gather(-1, chunk_ids[:, None]).squeeze(-1))
-        return tuple(out)
-
     trained = hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters())
     keep_graph = torch.is_grad_enabled() and trained
-    step = max(1, LOGIT_CHUNK_ELEMENTS // output_layer.weight.shape[0])
+    step = logit_chunk_positions(output_layer.weight.shape[0], hidden.device)
+    chunk = functools.partial(chunk_logprobs, output_layer, transform, temperature, with_entropy, support)
+    if keep_graph and fused and fused_output_layer_refusal(output_layer) is None and not is_sharded(output_layer):
+        outputs = FusedOutputLayerLogprobs.apply(
+            hidden, output_layer.weight, ids, output_layer, transform, temperature, step, with_entropy, support
+        )
+        return outputs[0] if len(outputs) == 1 else outputs
     chunks = [
-        torch.utils.checkpoint.checkpoint(chunk_logprobs, chunk, chunk_ids, use_reentrant=False)
+        torch.utils.checkpoint.checkpoint(chunk, hidden_chunk, chunk_ids, use_reentrant=False)
         if keep_graph
-        else chunk_logprobs(chunk, chunk_ids)
-        for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))
+        else chunk(hidden_chunk, chunk_ids)
+        for hidden_chunk, chunk_ids in zip(hidden.split(step), ids.split(step))
     ]
     outputs = [torch.cat(values) for values in zip(*chunks)]  # K = 0: one empty chunk
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -287,9 +414,11 @@ def chunked_completion_logprobs(
     images: Optional[dict] = None,
     packing: Optional[str] = None,
     support: Optional[Callable] = None,
+    fused: bool = False,
 ):
     """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; with_entropy, also the
-    entropies, and with a sampler's `support`, the log-probs on its distribution (logprobs_through_output_layer).
+    entropies, and with a sampler's `support`, the log-probs on its distribution (logprobs_through_output_layer, whose
+    gradient through the output layer is FusedOutputLayerLogprobs' with `fused`).
     The forward stops at the output layer's inputs where a real completion token is predicted, (K, H). images: the
     rows' image tensors (images_batch), for a VLM. packing: pack_sequences' layout (padding-free), or None: padded
     rows, cut of the columns that are padding in every row (left of the longest prompt, right of the longest
@@ -319,18 +448,65 @@ def chunked_completion_logprobs(
             )
     layer, transform = output_layer(model)
     out = logprobs_through_output_layer(
-        layer, transform, hidden[0], completion_ids[real], temperature, with_entropy, support
+        layer, transform, hidden[0], completion_ids[real], temperature, with_entropy, support, fused
     )
     if isinstance(out, torch.Tensor):
         return out.new_zeros(real.shape).masked_scatter(real, out)  # (K,) -> (B, C)
     return tuple(values.new_zeros(real.shape).masked_scatter(real, values) for values in out)
 
 
-def padding_free_logprobs(model, images: bool, console, autocast) -> Callable:
+def padding_free_logprobs(model, images: bool, console, autocast, fused_output_layer: str = "auto") -> Callable:
     """What --padding_free computes the log-probs of `model`'s completions with: chunked_completion_logprobs on the
     layout packing_layout probes (packed rows; padded ones where the model cannot be packed, or holds images), once
-    check_output_layer has made sure that the output layer's inputs give the model's logits."""
+    check_output_layer has made sure that the output layer's inputs give the model's logits. fused_output_layer
+    (--fused_output_layer): the gradient through the output layer by FusedOutputLayerLogprobs ("on"; "auto": on a
+    GPU), or by checkpointed chunks ("off"; "auto" on a CPU, so that its numbers stay those of before; and an output
+    layer that is not a linear one without bias, said in one line)."""
     check_output_layer(model, autocast, "policy")
+    assert fused_output_layer in ("auto", "on", "off"), fused_output_layer
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    fused = fused_output_layer == "on" or (fused_output_layer == "auto" and on_gpu)
+    if fused and (refusal := fused_output_layer_refusal(model.get_output_embeddings())):
+        console.print(f"policy: the output layer's gradient by checkpointed chunks, not fused: {refusal}")
+        fused = False
     return functools.partial(
-        chunked_completion_logprobs, packing=packing_layout(model, True, images, console, "policy", autocast)
+        chunked_completion_logprobs,
+        packing=packing_layout(model, True, images, console, "policy", autocast),
+        fused=fused,
     )
+
+
+class CompiledWhereTrained:
+    """A decoder layer's forward, compiled (torch.compile) where autograd records it, the training forward and its
+    recomputation under gradient checkpointing, and run as it is under no_grad: HF generate's forwards, whose KV cache
+    grows a position a step (a graph for each length, and its own compiled step with a static cache), and the rollout's
+    log-prob forwards."""
+
+    def __init__(self, forward, backend: str):
+        self.eager, self.compiled = forward, torch.compile(forward, backend=backend)
+
+    def __call__(self, *args, **kwargs):
+        return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
+
+
+def compile_decoder_layers(model, wanted: bool, backend: str = "inductor") -> int:
+    """--compile_decoder_layers: each decoder layer of `model` (a causal LM, peft-wrapped or not) compiled on its own
+    where it is trained (CompiledWhereTrained), so that its small operations (norms, rotary embeddings, activations)
+    become fewer kernels; a layer, not the whole model, so that the traced graph is one layer's whatever the depth, and
+    the output layer's hook (output_layer_inputs), the chunked log-probs and FSDP's hooks around each layer stay as they
+    are. The layers: the modules of the model's decoder (get_decoder) of the classes transformers lists in
+    _no_split_modules, each layer's own class (FSDP2 prefixes it with FSDP). Returns how many were compiled; none
+    found is an error in one line. Nothing without `wanted`."""
+    if not wanted:
+        return 0
+    inner = transformers_model(model)
+    layer_classes = set(getattr(inner, "_no_split_modules", None) or [])
+    layers = [m for m in inner.get_decoder().modules() if type(m).__name__.removeprefix("FSDP") in layer_classes]
+    if not layers:
+        raise UsageError(
+            f"--compile_decoder_layers: {type(inner).__name__} names no decoder layer class (_no_split_modules)"
+        )
+    for layer in layers:
+        if not isinstance(layer.forward, CompiledWhereTrained):  # called twice: compiled once
+            layer.forward = CompiledWhereTrained(layer.forward, backend)
+    return len(layers)

@@ -578,6 +578,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
     [
         "compare_algorithms.py",
         "logprob_memory.py",
+        "output_layer_grad.py",
         "multigpu_memory.py",
         "multigpu_timing.py",
         "resume_check.py",

@@ -78,6 +78,8 @@ def test_every_part_passes_on_the_cpu_and_the_report_says_what_ran(kit):
     assert " python rloo.py --model_name_or_path " in report["parts"]["rloo_fp32"]["commands"][0]
     assert "## Seconds per update, rloo.py and TRL's RLOOTrainer" in markdown and "| seconds per update | " in markdown
     assert "| setup | before B/param | after B/param |" in markdown
+    assert "## The sampler-trainer gap" in markdown and "| sampler_gap float16 | a float16 copy of" in markdown
+    assert "## Profile: one HF generate call, one training forward-backward" in markdown
 
 
 @pytest.mark.slow
@@ -94,6 +96,7 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
     assert [e["step"] for e in evaluates["evaluations"]] == [0, 8, 16] and evaluates["not_evaluating"]["updates"] == 2
     gsm8k = parts["rloo_gsm8k"]  # the recipe itself ran, short: its data made, 2 updates, evaluated 3 times
     assert gsm8k["updates"] == 2 and len(gsm8k["flexible_accuracy"]) == 3 and 0 <= gsm8k["accuracy_after"] <= 1
+    assert gsm8k["sampler_weights"] == "the policy's own float32 weights"  # the default's, on a CPU
     assert "bash benchmark/experiments/gsm8k.sh" in kit[1]["parts"]["rloo_gsm8k"]["commands"][0].replace(ROOT + "/", "")
     assert parts["rloo_bf16_saved_model"]["saved_dtype"] == "torch.float32"
     assert parts["rloo_bf16_saved_model"]["fraction_of_weights_changed"] > 0.2
@@ -102,10 +105,14 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
         assert result["processes"] == processes and result["resume_differences"] == "none: the same run", name
         assert result["killed_after_update"] == 2 and result["resumed"]["updates"] == 3, name  # killed in update 3
         assert len(result["uninterrupted"]["peak_max_rss_gib"]) == processes, name
+    assert parts["rloo_learns"]["sampler_weights"] == "the policy's own float32 weights"  # the default's, on a CPU
     memory = parts["memory_per_parameter"]
     assert memory["table"][0] == "| setup | before B/param | after B/param |"
     assert memory["model"].startswith("Llama, hidden 256")
-    assert any(line.startswith("| **full + KL: total** | **20.000** |") for line in memory["table"])
+    copy = next(line for line in memory["table"] if line.startswith("| full + KL: sampler's copy"))
+    copy_bytes = float(copy.split("|")[2])  # 2 a parameter in bfloat16 (a tied LM head held apart: 2 more per row)
+    assert "--sampler_weights bfloat16" in copy and 2 <= copy_bytes <= 2 * (1 + 8000 * 256 / 9_390_336) + 1e-3
+    assert any(line.startswith(f"| **full + KL: total** | **{20 + copy_bytes:.3f}** |") for line in memory["table"])
     rloo, trl = parts["timing_rloo"], parts["timing_trl"]
     assert set(rloo["stages"]) == set(check.STAGES) and rloo["seconds_per_update"] > sum(rloo["stages"].values())
     assert rloo["workload"] == trl["workload"] and rloo["workload"]["bf16"] is False
@@ -114,16 +121,50 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
     assert rloo["ran"]["completions"] == trl["ran"]["completions"] == [rloo["workload"]["completions"]]
     assert 1 < rloo["ran"]["longest"] <= rloo["workload"]["max_tokens"] and 1 < trl["ran"]["longest"] <= 32
     assert rloo["tokens_per_completion"] > 1 and trl["tokens_per_completion"] > 1 and trl["trl"] == "1.16.0"
+    # rloo.py's default as a user runs it: on a CPU its own float32 weights sample, so no gap is logged
+    assert rloo["options"] == "rloo.py's defaults" and rloo["cache_implementation"] == "auto: dynamic"
+    assert rloo["sampler"]["weights"] == "policy" and rloo["sampler_gap"] == {}
+    gap = parts["sampler_gap"]  # a copy of other numerics samples: the gap logged, the correction's ratios beside it
+    assert set(gap["runs"]) == {"bfloat16", "float16"}
+    for dtype, run in gap["runs"].items():
+        assert run["sampler_weights"].startswith(f"a {dtype} copy of the policy's float32 weights"), run
+        assert run["updates"] == run["updates_with_gap"] == 2, run
+        means, extremes = run["mean_over_updates"], run["extremes_over_updates"]
+        assert set(means) == set(check.GAP_METRICS), run
+        assert 0 < means["sampling/sampling_logp_difference/mean"] <= means["sampling/sampling_logp_difference/max"]
+        assert means["sampling/kl"] >= 0 and 0 <= means["sampling/importance_sampling_ratio/clipped_fraction"] <= 1
+        assert extremes["sampling/importance_sampling_ratio/min"] <= means["sampling/importance_sampling_ratio/mean"]
+    profile = parts["profile"]  # one generate call and one forward-backward of update 2, CPU activities only
+    assert set(profile["stages"]) == {"generation", "policy_forward_backward"}
+    for stage, numbers in profile["stages"].items():
+        assert 0 < numbers["host_ms"] and 0 < numbers["wall_ms"] and numbers["device_ms"] is None, stage
+        assert 1 <= len(profile["top"][stage]) <= 15 and profile["top"][stage][0]["calls"] >= 1, stage
+    assert profile["sampler_weights"] == "the policy's own float32 weights"
+    assert any(line.startswith("### one HF generate call") for line in profile["table"])
+    assert "benchmark/gpu/profile_step.py --out" in kit[1]["parts"]["profile"]["commands"][0]
 
 
 @pytest.mark.slow
 def test_each_timing_with_compile_on_and_off_has_its_numbers_against_the_hardware(kit):
-    """The four timings ran what they say (their commands), and each has, from its own run's log, what the hardware
-    numbers are made of; on a CPU no peak is assumed: those cells say so, and no number is made up."""
+    """The timings ran what they say (their commands: rloo.py's defaults, or one lever), and each has, from its own
+    run's log, what the hardware numbers are made of; on a CPU no peak is assumed: those cells say so, and no number is
+    made up."""
     _, report, markdown = kit
     parts = report["parts"]
     commands = {name: " ".join(parts[name]["commands"]) for name in check.TIMINGS}
     assert "--cache_implementation" not in commands["timing_rloo"] + commands["timing_trl"]  # each side's default
+    for option in ("--bf16", "--no_bf16", "--dtype", "--sampler_weights", "--decoding_loop", "--fused_output_layer"):
+        assert option not in commands["timing_rloo"], option  # rloo.py as a user runs it
+    for name, lever in [
+        ("timing_rloo_policy_weights", "--sampler_weights policy"),
+        ("timing_rloo_float16_sampler", "--sampler_weights float16"),
+        ("timing_rloo_own_decoding", "--decoding_loop own --cache_implementation static"),  # static: auto's on CUDA
+        ("timing_rloo_no_fused_head", "--fused_output_layer off"),
+        ("timing_rloo_compiled_layers", "--compile_decoder_layers"),
+        ("timing_rloo_bf16_weights_static", "--cache_implementation static --dtype bfloat16"),
+    ]:
+        assert commands[name].endswith(f"--run_name run {lever}"), name  # the one lever, after the workload's options
+        assert parts[name]["results"]["options"] == lever, name
     assert "--cache_implementation dynamic" in commands["timing_rloo_no_compile"]
     assert "benchmark/trl_baseline.py" in commands["timing_trl_static"]
     assert "--cache_implementation static" in commands["timing_trl_static"]
@@ -133,8 +174,14 @@ def test_each_timing_with_compile_on_and_off_has_its_numbers_against_the_hardwar
         w = t["workload"]
         assert t["ran"]["updates"] == 2 and t["ran"]["completions"] == [w["completions"]], name
         assert t["parameters"] == t["trainable_parameters"] == tiny_parameters, name
-        bf16_weights = t.get("weights_dtype") == "bfloat16"  # timing_rloo_bf16_weights*: bf16 weights even on a CPU
-        assert t["generation_bytes_per_parameter"] == (2 if bf16_weights else 4), name  # else fp32 on a CPU
+        # the bytes of the weights that sample: a 16-bit copy's or 16-bit weights' 2, even on a CPU; else fp32's 4
+        sampler = t.get("sampler") or {"weights": "policy", "dtype": "float32"}  # TRL's: its fp32 policy
+        assert (sampler["weights"], sampler["dtype"]) == {
+            "timing_rloo_float16_sampler": ("float16 copy", "float16"),
+            "timing_rloo_bf16_weights": ("policy", "bfloat16"),
+            "timing_rloo_bf16_weights_static": ("policy", "bfloat16"),
+        }.get(name, ("policy", "float32")), name
+        assert t["generation_bytes_per_parameter"] == (4 if sampler["dtype"] == "float32" else 2), name
         assert 1 < t["decoding_steps"] <= w["max_tokens"], name
         assert 0 < t["generation_seconds"] < t["seconds_per_update"], name
         assert 0 < t["forward_backward_seconds"] < t["seconds_per_update"], name
@@ -149,7 +196,7 @@ def test_each_timing_with_compile_on_and_off_has_its_numbers_against_the_hardwar
         assert t["against_hardware"]["generation_tokens_per_second"] == pytest.approx(
             t["generated_tokens_per_second_logged"], rel=0.01
         )
-    assert "| part | cache | generation tok/s | decoding steps/s | step ms | bound ms | x from bound |" in markdown
+    assert "| part | cache | sampler weights | generation tok/s | decoding steps/s | step ms | bound ms |" in markdown
     assert f"Peak assumed: no CUDA device: {check.UNKNOWN_PEAK}" in markdown
     assert markdown.count(check.UNKNOWN_PEAK) == 1 + 4 * len(check.TIMINGS)  # the peak; each timing's bound, x, MFUs
     assert "rloo.py / TRL, compile on (timing_rloo / timing_trl_static)" in markdown
@@ -331,6 +378,7 @@ def timing(**numbers) -> dict:
     return {
         "workload": {"completions": 32, "generations": 4, "max_tokens": 256, "updates": 5, "bf16": True},
         "cache_implementation": "auto",
+        "sampler_weights": "a bfloat16 copy",
         "seconds_per_update": 6.0,
         "seconds_per_update_min": 5.5,
         "tokens_per_completion": 256.0,
@@ -431,8 +479,12 @@ def test_the_report_shows_each_timing_against_the_hardware_and_rloo_over_trl(tmp
     assert "Peak assumed: NVIDIA H200: 989.0 TFLOP/s dense bf16 (the kit's table), 4.8 TB/s" in markdown
     # 8192 tokens and 256 steps in 2.56 s; 10 ms a step against 1.2e9 x 2 B / 4.8 TB/s = 0.5 ms; 6 x 1.2e9 x 10,000 =
     # 72 TFLOP in 0.5 s: 144 TFLOP/s, 14.6% of 989; over the 4 s update 18 TFLOP/s, 1.8%
-    assert "| timing_rloo | auto | 3200 | 100.0 | 10.00 | 0.500 | 20 | 144 | 14.6% | 1.8% |" in markdown
-    assert "| timing_trl | auto | 3200 | 100.0 | 10.00 | 0.500 | 20 | 144 | 14.6% | 0.7% |" in markdown  # 7.2/989
+    assert (
+        "| timing_rloo | auto | a bfloat16 copy | 3200 | 100.0 | 10.00 | 0.500 | 20 | 144 | 14.6% | 1.8% |" in markdown
+    )
+    assert (
+        "| timing_trl | auto | a bfloat16 copy | 3200 | 100.0 | 10.00 | 0.500 | 20 | 144 | 14.6% | 0.7% |" in markdown
+    )
     assert "rloo.py / TRL, compile on (timing_rloo / timing_trl_static): 4.0 / 5.0 s per update = 0.80" in markdown
     assert (
         "rloo.py / TRL, compile off (timing_rloo_no_compile / timing_trl): 8.0 / 10.0 s per update = 0.80" in markdown
@@ -449,9 +501,10 @@ def test_the_report_says_the_peak_is_unknown_rather_than_make_one_up(tmp_path):
     markdown = (tmp_path / "report.md").read_text()
     unknown = check.UNKNOWN_PEAK
     assert f"Peak assumed: NVIDIA GeForce RTX 4090: {unknown}" in markdown
-    assert f"| timing_rloo | auto | 3200 | 100.0 | 10.00 | {unknown} | {unknown} | 144 | {unknown} | {unknown} |" in (
-        markdown
-    )
+    assert (
+        f"| timing_rloo | auto | a bfloat16 copy | 3200 | 100.0 | 10.00 | {unknown} | {unknown} | 144 | {unknown} | "
+        f"{unknown} |"
+    ) in markdown
     assert "rloo.py / TRL, compile" not in markdown  # neither pair ran whole
     report["hardware"] = check.hardware("NVIDIA GeForce RTX 4090", peak_tflops=165.2)  # given: its MFU, no floor
     check.write_report(str(tmp_path), report)
@@ -492,3 +545,236 @@ def test_trl_static_is_skipped_with_its_reason_where_trl_s_config_lacks_the_fiel
         types.SimpleNamespace(trl_python=os.path.join(ROOT, ".venv-trl", "bin", "python"))
     )
     assert version == "1.16.0" and "cache_implementation" in fields  # the TRL the kit carries: timing_trl_static runs
+
+
+# ---- The sampler's weights, the sampler-trainer gap, the profile -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        (
+            "HF generate samples from a bfloat16 copy of the policy's float32 weights, refreshed after each update\n",
+            ("bfloat16 copy", "bfloat16", "float32", "a bfloat16 copy of the policy's float32 weights"),
+        ),
+        (  # rich wraps a long line where the console is narrow
+            "loading\nHF generate samples from a float16 copy of the\npolicy's float32 weights, refreshed after each "
+            "optimizer step\nrun run: 5 updates",
+            ("float16 copy", "float16", "float32", "a float16 copy of the policy's float32 weights"),
+        ),
+        (
+            "HF generate samples from the policy's own float32 weights\n",
+            ("policy", "float32", "float32", "the policy's own float32 weights"),
+        ),
+        (
+            "HF generate samples from the policy's own bfloat16 weights\n",
+            ("policy", "bfloat16", "bfloat16", "the policy's own bfloat16 weights"),
+        ),
+    ],
+)
+def test_which_weights_sampled_is_read_from_the_line_rloo_prints(output, expected):
+    said = check.sampler_said(output)
+    assert (said["weights"], said["dtype"], said["policy_dtype"], said["said"]) == expected
+
+
+def test_a_run_that_says_nothing_of_its_sampler_reads_as_none():
+    assert check.sampler_said("run run: 5 updates of 32 completions, device cuda\nsaved the trained model") is None
+    assert check.sampler_said("HF generate keeps a dynamic KV cache, uncompiled: image prompts") is None
+
+
+@pytest.mark.parametrize(
+    "sampler, bf16, options, expected",
+    [
+        ({"weights": "bfloat16 copy", "dtype": "bfloat16"}, True, {}, 2),
+        ({"weights": "float16 copy", "dtype": "float16"}, False, {}, 2),  # a copy's 2, on a CPU too
+        ({"weights": "policy", "dtype": "float32"}, True, {}, 2),  # bf16 autocast's cast weights
+        ({"weights": "policy", "dtype": "float32"}, False, {}, 4),
+        ({"weights": "policy", "dtype": "bfloat16"}, False, {"dtype": "bfloat16"}, 2),
+        (None, False, {}, 4),  # no line: as rloo.py's auto takes the options, on a CPU the fp32 policy
+        (None, False, {"sampler_weights": "float16"}, 2),
+        (None, False, {"dtype": "bfloat16"}, 2),
+        (None, True, {"sampler_weights": "policy"}, 2),
+    ],
+)
+def test_a_decoding_step_reads_the_bytes_of_the_weights_that_sample(sampler, bf16, options, expected):
+    assert check.sampling_bytes(sampler, bf16, options) == expected
+
+
+def test_the_cache_said_is_the_option_and_what_auto_came_to():
+    assert check.cache_used(None, "cuda", "run run: ...") == "auto: static, compiled"
+    assert check.cache_used(None, "cpu", "") == "auto: dynamic"
+    said = "HF generate keeps a dynamic KV cache, uncompiled: --bf16 computes in\nbfloat16 over float32 weights"
+    assert check.cache_used(None, "cuda", said) == "auto: dynamic (rloo.py said why)"
+    assert check.cache_used("static", "cpu", "") == "static, compiled"
+    assert check.cache_used("dynamic", "cuda", "") == "dynamic"
+
+
+def gap_row(difference: float, largest: float, kl: float, ratios=None) -> dict:
+    """An update's metrics as rloo.py logs them with a copy of other numerics sampling."""
+    row = {
+        "episode": 32,
+        "reward": 1.0,
+        "sampling/sampling_logp_difference/mean": difference,
+        "sampling/sampling_logp_difference/max": largest,
+        "sampling/kl": kl,
+    }
+    if ratios is not None:
+        low, mean, high, clipped = ratios
+        row.update(
+            {
+                "sampling/importance_sampling_ratio/min": low,
+                "sampling/importance_sampling_ratio/mean": mean,
+                "sampling/importance_sampling_ratio/max": high,
+                "sampling/importance_sampling_ratio/clipped_fraction": clipped,
+            }
+        )
+    return row
+
+
+def test_the_gap_is_each_metric_s_mean_over_the_updates_and_its_extremes():
+    rows = [
+        gap_row(0.01, 0.2, 1e-4, (0.5, 1.0, 2.0, 0.0)),
+        gap_row(0.03, 0.6, 3e-4, (0.25, 1.1, 5.0, 0.125)),
+        {"episode": 96, "reward": 2.0},  # an update that logged none: left out of the means
+    ]
+    gap = check.gap_summary(rows)
+    assert gap["updates_with_gap"] == 2
+    means = gap["mean_over_updates"]
+    assert means["sampling/sampling_logp_difference/mean"] == pytest.approx(0.02)
+    assert means["sampling/sampling_logp_difference/max"] == pytest.approx(0.4)
+    assert means["sampling/kl"] == pytest.approx(2e-4)
+    assert means["sampling/importance_sampling_ratio/min"] == pytest.approx(0.375)
+    assert means["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.05)
+    assert means["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(0.0625)
+    assert gap["extremes_over_updates"] == {
+        "sampling/sampling_logp_difference/max": 0.6,
+        "sampling/importance_sampling_ratio/min": 0.25,
+        "sampling/importance_sampling_ratio/max": 5.0,
+    }
+    uncorrected = check.gap_summary([gap_row(0.01, 0.2, 1e-4)])  # --no_importance_sampling_correction: no ratios
+    assert set(uncorrected["mean_over_updates"]) == set(check.GAP_METRICS[:3])
+    assert set(uncorrected["extremes_over_updates"]) == {"sampling/sampling_logp_difference/max"}
+    assert check.gap_summary([{"episode": 32, "reward": 1.0}]) == {}  # the policy itself sampled
+
+
+def test_the_report_shows_the_sampler_and_the_gap_of_each_run_and_the_profile(tmp_path):
+    report = synthetic_report(check.hardware("NVIDIA H200"), names=("timing_rloo", "timing_rloo_no_compile"))
+    timings = report["parts"]
+    timings["timing_rloo_policy_weights"] = timings.pop("timing_rloo_no_compile")
+    timings["timing_rloo"]["results"]["sampler_gap"] = check.gap_summary(
+        [gap_row(0.01, 0.2, 1e-4, (0.5, 1.0, 2.0, 0.0)), gap_row(0.03, 0.6, 3e-4, (0.25, 1.1, 5.0, 0.125))]
+    )
+    timings["timing_rloo_policy_weights"]["results"].update(sampler_gap={}, sampler_weights="the policy's own")
+    float16 = {"sampler_weights": "a float16 copy", **check.gap_summary([gap_row(0.002, 0.05, 1e-5)])}
+    report["parts"]["sampler_gap"] = {"status": "passed", "seconds": 30.0, "results": {"runs": {"float16": float16}}}
+    table = ["Profiled: rloo.py's update 2", "", "### one HF generate call (...): `generation`", "", "| kernel |"]
+    report["parts"]["profile"] = {"status": "passed", "seconds": 40.0, "results": {"table": table}}
+    check.write_report(str(tmp_path), report)
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| timing_rloo_policy_weights | auto | the policy's own | 3200 |" in markdown  # the hardware table's
+    assert "| sampler weights | a bfloat16 copy | the policy's own |" in markdown  # the seconds table's
+    assert "| sampler_gap | passed | 30.0 | the sampler-trainer gap's table below |" in markdown
+    assert "| profile | passed | 40.0 | the table below |" in markdown
+    gap = markdown[markdown.index("## The sampler-trainer gap") : markdown.index("## Profile")]
+    assert (
+        "| timing_rloo | a bfloat16 copy | 2 | 0.02 | 0.4; 0.6 | 0.0002 | 0.375; 0.25 | 1.05 | 3.5; 5 | 0.0625 |" in gap
+    )
+    assert "| sampler_gap float16 | a float16 copy | 1 | 0.002 | 0.05; 0.05 | 1e-05 | - | - | - | - |" in gap
+    assert "timing_rloo_policy_weights" not in gap  # the policy sampled: no gap to show
+    profile = markdown[markdown.index("## Profile: one HF generate call, one training forward-backward") :]
+    assert profile.splitlines()[2:7] == table
+
+
+def test_a_profile_is_summed_up_from_torch_s_profiler():
+    """profile_step.py's tables from a real torch.profiler run on the CPU: host time only, operators ranked by self
+    CPU time; and a CUDA-like summary's table of kernels by their CUDA time."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmark", "gpu"))
+    import profile_step
+
+    x = torch.randn(256, 256)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            x = (x @ x).softmax(-1)
+    found = profile_step.summarise(prof, 0.5, top=2)
+    assert found["device_ms"] is found["device_busy"] is found["kernels"] is None and found["host_ms"] > 0
+    assert found["kernel_launches"] == found["graph_launches"] == found["synchronisations"] == 0
+    assert found["ranked_by"] == "self CPU time (operators)" and len(found["top"]) == 2
+    assert found["top"][0]["ms"] >= found["top"][1]["ms"] and {r["name"] for r in found["top"]} <= {
+        "aten::mm",
+        "aten::_softmax",
+        "aten::softmax",
+        "aten::matmul",
+    }
+    cuda_like = {
+        "wall_ms": 100.0,
+        "host_ms": 80.0,
+        "device_ms": 25.0,
+        "device_busy": 0.25,
+        "kernels": 5000,
+        "kernel_launches": 4000,
+        "graph_launches": 256,
+        "synchronisations": 3,
+        "ranked_by": "CUDA time (kernels and copies)",
+        "top": [{"name": "sm90_xmma_gemm|bf16", "calls": 48, "ms": 12.0, "share": 0.48}],
+    }
+    lines = profile_step.markdown(
+        {
+            "workload": {"completions": 32, "generations": 4, "max_tokens": 256},
+            "profiled_update": 2,
+            "options": "rloo.py's defaults",
+            "device": "NVIDIA H200",
+            "sampler_weights": "a bfloat16 copy of the policy's float32 weights",
+            "cache": "auto: static, compiled",
+            "stages": {"generation": cuda_like},
+        }
+    )
+    assert lines[0].startswith("Profiled: rloo.py's update 2 of the timing workload (32 completions, 8 prompts x 4")
+    assert (
+        "wall 100.0 ms; host (CPU) 80.0 ms; device 25.0 ms, busy 25% of the wall; 5,000 kernels; 4,000 kernel "
+        "launches, 256 CUDA graph launches, 3 synchronisations by the host" in lines
+    )
+    assert "| kernel | calls | CUDA ms | share | mean us |" in lines
+    assert "| `sm90_xmma_gemm/bf16` | 48 | 12.000 | 48.0% | 250.0 |" in lines
+
+
+@pytest.mark.slow
+def test_profile_step_profiles_rloo_s_update_on_the_cpu(tmp_path):
+    """benchmark/gpu/profile_step.py alone at --size smoke (the tiny timing model built in --work): its run's update 2
+    profiled, both stages' tables written, rloo.py's options after `--` passed on."""
+    out = tmp_path / "profile"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmark", "gpu", "profile_step.py"),
+            "--out",
+            out,
+            "--size",
+            "smoke",
+            "--work",
+            tmp_path / "work",
+            "--top",
+            "5",
+            "--",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    found = json.loads((out / "profile.json").read_text())
+    assert found["options"] == "--seed 3" and found["command"].endswith("--run_name run --seed 3")
+    assert found["device"] == "cpu" and found["profiled_update"] == 2 and found["cache"] == "auto: dynamic"
+    assert found["sampler_weights"] == "the policy's own float32 weights"
+    for stage in ("generation", "policy_forward_backward"):
+        numbers = found["stages"][stage]
+        assert numbers["device_ms"] is None and 0 < numbers["host_ms"] and len(numbers["top"]) == 5, stage
+    markdown = (out / "profile.md").read_text()
+    assert "### one HF generate call" in markdown and "### one training forward-backward" in markdown
+    assert markdown.count("| operator | calls | self CPU ms | share | mean us |") == 2
+    assert (out / "runs" / "run" / "metrics.jsonl").exists()  # the run's folder in --out

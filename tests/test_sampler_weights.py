@@ -52,6 +52,9 @@ def test_the_copy_is_the_policy_and_a_refresh_writes_in_place(tiny):
     assert [p.data_ptr() for p in copy.parameters()] == addresses  # a CUDA graph's addresses stay valid
 
     bf16 = sampling_copy(policy, torch.bfloat16)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight  # a tied model's copy is tied: 2 bytes a parameter
+    assert bf16.lm_head.weight is bf16.model.embed_tokens.weight
+    assert sum(p.numel() for p in bf16.parameters()) == sum(p.numel() for p in policy.parameters())
     expected = {name: tensor.to(torch.bfloat16) for name, tensor in policy.state_dict().items()}
     assert all(torch.equal(tensor, expected[name]) for name, tensor in bf16.state_dict().items())
 

@@ -28,23 +28,36 @@ own under its own time limit, so that one failing or hanging never stops the oth
                                      compared with the same run never interrupted (metrics, samples, final weights)
     multigpu_every_process           the same on every GPU of the machine (2 processes on a CPU), with
                                      --fsdp_cpu_offload
-    timing_rloo                      rloo.py on the 0.5B model, bf16, HF generation: seconds per update and per stage
-                                     (its default --cache_implementation auto: a static KV cache and a compiled
-                                     decoding step on CUDA)
-    timing_rloo_no_compile           ... with --cache_implementation dynamic: the dynamic cache, nothing compiled
+    sampler_gap                      rloo.py on the timing workload, 3 updates, with --sampler_weights bfloat16 and
+                                     with float16 (the two at once): the sampler-trainer gap each logs (per-token
+                                     |log-prob difference|, mean and max; the KL) and the importance ratios' range
+    timing_rloo                      rloo.py on the 0.5B model as a user runs it (no options: on CUDA --bf16, a
+                                     bfloat16 copy of the float32 weights samples with a static KV cache and a compiled
+                                     decoding step): seconds per update and per stage, which weights sampled (the line
+                                     rloo.py prints), the sampler-trainer gap it logged
+    timing_rloo_<lever>              ... with one speed option changed, each part one lever, kept or dropped by its
+                                     number: policy_weights (--sampler_weights policy: the float32 policy samples, a
+                                     dynamic cache), float16_sampler (--sampler_weights float16), own_decoding
+                                     (--decoding_loop own), no_fused_head (--fused_output_layer off), compiled_layers
+                                     (--compile_decoder_layers), no_compile (--cache_implementation dynamic),
+                                     bf16_weights and bf16_weights_static (--dtype bfloat16, a dynamic and a static
+                                     cache)
     timing_trl                       TRL's RLOOTrainer on the same work (benchmark/trl_baseline.py), when TRL imports
     timing_trl_static                ... with TRL's cache_implementation="static" (a static cache; TRL does not
                                      compile it), when TRL's RLOOConfig has that field
+    profile                          benchmark/gpu/profile_step.py: torch.profiler over one HF generate call and one
+                                     training forward-backward of timing_rloo's run (its update 2): the top kernels by
+                                     CUDA time (ops by CPU time on a CPU), host time against device time
 
 Each timing is also reported against the device (docs/gpu.md, "What the kit reports against the hardware"): its
 generation tokens and decoding steps per second, a decoding step against the floor of reading the weights once at the
 memory bandwidth, and the training's model FLOP utilisation, from a table of devices by name (or --peak_tflops and
 --bandwidth_tbps); "peak unknown" on a CPU or a device not in it.
 
-The checks run --jobs at a time (their seconds are not timings); the four timings run afterwards, one at a time, with
-nothing else running. The report (report.md and report.json in --out) holds the device as torch names it, the versions,
-every command as a user would type it, each part's numbers, and each failure with the end of its output and its
-traceback; it is rewritten as each part ends, so a command killed at its limit still leaves what had finished.
+The checks run --jobs at a time (their seconds are not timings); the timings and the profile run afterwards, one at a
+time, with nothing else running. The report (report.md and report.json in --out) holds the device as torch names it,
+the versions, every command as a user would type it, each part's numbers, and each failure with the end of its output
+and its traceback; it is rewritten as each part ends, so a command killed at its limit still leaves what had finished.
 
 Wheels in --wheels (benchmark/gpu/download_wheels.sh fetches them) are installed first into a temporary folder, put
 first on every part's PYTHONPATH: the GPU machine lacks tyro and datasets, and has an older transformers.
@@ -60,6 +73,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -73,7 +87,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THIS = os.path.abspath(__file__)
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
-STAGES = ["generation", "old_logprobs", "reference_forward", "reward", "policy_forward_backward", "optimizer"]
+STAGES = [
+    "generation",
+    "sampler_logprobs",  # a copy of the policy sampled (--sampler_weights): its log-probs, for the gap and correction
+    "old_logprobs",
+    "reference_forward",
+    "reward",
+    "policy_forward_backward",
+    "optimizer",
+    "weight_sync",  # the copy refreshed from the policy after the update
+]
 WALL_CLOCK = (
     "eps",
     "step_time",
@@ -267,7 +290,8 @@ class Part:
 
 def summary(run_dir: str, output: str) -> dict:
     """A finished run's numbers: every metric finite, the model saved; seconds per update (after the first), the first
-    and last rewards, peak memory of each process, and what the script said about its forwards."""
+    and last rewards, peak memory of each process, and what the script said about its forwards and its sampler's
+    weights."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [row for row in map(json.loads, f) if "episode" in row]  # the updates' (not the evaluations')
     bad = sorted(
@@ -292,6 +316,7 @@ def summary(run_dir: str, output: str) -> dict:
         "kl_last": rows[-1].get("kl"),
         **peaks(os.path.dirname(os.path.dirname(run_dir))),
         **({"forwards": said[:2]} if said else {}),
+        **({"sampler_weights": sampler["said"]} if (sampler := sampler_said(output)) else {}),
     }
 
 
@@ -310,6 +335,67 @@ def peaks(cwd: str) -> dict:
         return {}
     key = "cuda_max_allocated_gib" if any("cuda_max_allocated_gib" in p for p in found.values()) else "max_rss_gib"
     return {f"peak_{key}": [found[rank].get(key) for rank in sorted(found, key=int)]}
+
+
+# What rloo.py says at its start about the weights HF generate samples from (rloo_utils: --sampler_weights), in one of
+# "HF generate samples from a bfloat16 copy of the policy's float32 weights, refreshed after each update" and
+# "HF generate samples from the policy's own float32 weights" (the dtype words vary)
+SAMPLER_LINE = re.compile(
+    r"HF generate samples from (?:a (?P<copy>\w+) copy of the policy's (?P<policy>\w+) weights"
+    r"|the policy's own (?P<own>\w+) weights)"
+)
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The sampler-trainer gap, logged under the vLLM runs' names (docs/metrics.md) by any sampler whose numbers differ from
+# the trainer's; the importance ratios' only with the correction on
+GAP_METRICS = [
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/kl",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+    "sampling/importance_sampling_ratio/clipped_fraction",
+]
+
+
+def sampler_said(output: str) -> dict | None:
+    """Which weights HF generate sampled from, by the line rloo.py prints at its start (rich may wrap it): a copy
+    ("bfloat16 copy", its dtype and the policy's) or the policy's own; None where the run printed no such line."""
+    found = SAMPLER_LINE.search(" ".join(output.split()))
+    if found is None:
+        return None
+    copy, policy, own = found.group("copy", "policy", "own")
+    return {
+        "weights": f"{copy} copy" if copy else "policy",
+        "dtype": copy or own,
+        "policy_dtype": policy or own,
+        "said": found.group(0).removeprefix("HF generate samples from "),
+    }
+
+
+def significant(x: float) -> float:
+    """x to 4 significant digits (a gap of 1e-7 is not rounded to 0)."""
+    return float(f"{x:.4g}")
+
+
+def gap_summary(rows: list[dict]) -> dict:
+    """The sampler-trainer gap over a run's updates: each of GAP_METRICS logged, its mean over the updates that logged
+    it, and the extremes over them (the largest per-token difference, the lowest and highest importance ratio); {} where
+    no update logged one (the policy itself sampled)."""
+    logged = [r for r in rows if any(k in r for k in GAP_METRICS)]
+    if not logged:
+        return {}
+    means = {k: significant(statistics.mean(r[k] for r in logged if k in r)) for k in GAP_METRICS if k in logged[0]}
+    extremes = {
+        k: significant(pick(r[k] for r in logged if k in r))
+        for k, pick in (
+            ("sampling/sampling_logp_difference/max", max),
+            ("sampling/importance_sampling_ratio/min", min),
+            ("sampling/importance_sampling_ratio/max", max),
+        )
+        if k in logged[0]
+    }
+    return {"updates_with_gap": len(logged), "mean_over_updates": means, "extremes_over_updates": extremes}
 
 
 def measure(peak_file: str, script: str, args: list[str]) -> None:
@@ -669,11 +755,13 @@ def rloo_gsm8k(p: Part) -> dict:
         rows = list(map(json.loads, f))
     evaluations = [r for r in rows if "eval/pass@1" in r]
     updates_logged = [r for r in rows if "episode" in r]
+    said = [sampler_said(open(log).read()) for log in sorted(glob.glob(os.path.join(p.folder, "launch", "*")))]
     if len(evaluations) < 2 or not updates_logged:
         raise RuntimeError(f"{len(evaluations)} evaluations and {len(updates_logged)} updates logged")
     return {
         "model": model,
         "source": source,
+        "sampler_weights": next((x["said"] for x in said if x), "not said (rloo.py printed no sampler line)"),
         "updates": len(updates_logged),
         "accuracy_before": evaluations[0]["eval/pass@1"],
         "accuracy_after": evaluations[-1]["eval/pass@1"],
@@ -760,27 +848,52 @@ def count_parameters(model_dir: str) -> int:
     return sum(math.prod(shape) for shape in shapes.values())
 
 
-def work_done(p: Part, w: dict, rows: list[dict], dtype: str = "float32") -> dict:
+def work_done(p: Part, w: dict, rows: list[dict], bytes_per_parameter: int) -> dict:
     """What the hardware numbers are made of (against_hardware), per timed update: the parameters, all trained (no
-    adapter), and the bytes per parameter that generation reads (bf16 on a GPU or with bfloat16 weights, else fp32)."""
+    adapter), and the bytes per parameter of the weights that sample (sampling_bytes)."""
     parameters = count_parameters(p.models["timing"])
     return {
         "parameters": parameters,
         "trainable_parameters": parameters,
-        "generation_bytes_per_parameter": 2 if w["bf16"] or dtype == "bfloat16" else 4,
+        "generation_bytes_per_parameter": bytes_per_parameter,
         "generated_tokens": round(statistics.mean(r["completions/mean_length"] * r["completions"] for r in rows), 1),
         "trained_tokens": round(statistics.mean(r["trained_tokens"] for r in rows), 1),  # prompt and completion
     }
 
 
-def timing_rloo(p: Part, cache_implementation: str | None = None, dtype: str = "float32") -> dict:
-    """rloo.py on the timing workload; cache_implementation None: rloo.py's default (auto: a static KV cache and a
-    compiled decoding step on CUDA, the dynamic cache on a CPU and under --bf16 over float32 weights, whose keys and
-    values autocast gives two dtypes). dtype: the weights' (bfloat16: the static cache's, with --bf16)."""
-    w = timing_args(p, updates=updates(p, 5))
-    options = {
-        "model_name_or_path": p.models["timing"],
-        "dataset_name": p.models["timing_prompts"],
+def sampling_bytes(sampler: dict | None, bf16: bool, options: dict) -> int:
+    """Bytes per parameter that a decoding step reads: a bfloat16 or float16 copy's 2; the policy's own weights, 2 when
+    they are 16-bit or computed under bf16 autocast (whose cache casts each weight once per generate call: a step reads
+    the bf16 copy), else 4. From what rloo.py said (sampler_said), else from the options as its auto would take them:
+    a bfloat16 copy where float32 weights train under bf16 on CUDA."""
+    if sampler is None:  # from the options, as rloo.py's auto takes them
+        dtype, wanted = options.get("dtype", "float32"), options.get("sampler_weights", "auto")
+        if wanted == "auto":
+            wanted = "bfloat16" if bf16 and dtype == "float32" else "policy"
+        sampler = {"weights": "policy", "dtype": dtype} if wanted == "policy" else {"weights": "copy", "dtype": wanted}
+    if sampler["weights"] != "policy":
+        return BYTES.get(sampler["dtype"], 2)
+    return 2 if bf16 else BYTES.get(sampler["dtype"], 4)
+
+
+def cache_used(option: str | None, device: str, output: str) -> str:
+    """The KV cache rloo.py's generate kept: the option (auto where none was given) and, for auto, what it came to on
+    this device; a dynamic one wherever rloo.py said in a line that the static cache cannot be kept
+    (models.static_cache)."""
+    option = option or "auto"
+    if "HF generate keeps a dynamic KV cache" in " ".join(output.split()):
+        return f"{option}: dynamic (rloo.py said why)"
+    if option == "auto":
+        return "auto: static, compiled" if device == "cuda" else "auto: dynamic"
+    return "static, compiled" if option == "static" else option
+
+
+def timing_options(model: str, prompts: str, w: dict) -> dict:
+    """rloo.py's options for the timing workload w (timing_args) on the timing model: nothing of precision, cache or
+    sampler, which stay rloo.py's defaults (benchmark/gpu/profile_step.py runs the same)."""
+    return {
+        "model_name_or_path": model,
+        "dataset_name": prompts,
         "reward_funcs": "completion_length",
         "num_generations": w["generations"],
         "per_device_train_batch_size": w["completions"],
@@ -789,12 +902,23 @@ def timing_rloo(p: Part, cache_implementation: str | None = None, dtype: str = "
         "beta": 0.05,
         "learning_rate": 1e-6,
         "num_sample_generations": 0,
-        "dtype": dtype,
         "run_name": "run",
-        **({"cache_implementation": cache_implementation} if cache_implementation else {}),
     }
+
+
+def timing_rloo(p: Part, *flags: str, **options) -> dict:
+    """rloo.py on the timing workload as a user runs it: no option of precision, cache or sampler, its defaults (on
+    CUDA: --bf16, and a bfloat16 copy of the float32 weights samples, refreshed after each update, with a static KV
+    cache and a compiled decoding step; on a CPU: fp32, the policy samples, a dynamic cache). options and flags: the
+    one lever a part changes (--sampler_weights policy, --decoding_loop own, --dtype bfloat16...). Reported besides the
+    seconds: the weights that sampled, as rloo.py says at its start, and the sampler-trainer gap it logged."""
+    w = timing_args(p, updates=updates(p, 5))
+    changed = [*as_args(options), *flags]
     output = p.run(
-        os.path.join(ROOT, "rloo.py"), *as_args(options), "--bf16" if w["bf16"] else "--no_bf16", cwd=p.folder
+        os.path.join(ROOT, "rloo.py"),
+        *as_args(timing_options(p.models["timing"], p.models["timing_prompts"], w)),
+        *changed,
+        cwd=p.folder,
     )
     with open(os.path.join(p.folder, "runs", "run", "metrics.jsonl")) as f:
         logged_rows = [row for row in map(json.loads, f) if "episode" in row]
@@ -809,10 +933,15 @@ def timing_rloo(p: Part, cache_implementation: str | None = None, dtype: str = "
         return statistics.mean(r.get(key, 0.0) for r in rows)
 
     stages = {stage: round(mean("time/" + stage), 4) for stage in STAGES}
+    sampler = sampler_said(output)
     return {
         "workload": w,
-        "cache_implementation": cache_implementation or "auto (static and compiled on CUDA, dynamic on a CPU)",
-        "weights_dtype": dtype,
+        "options": " ".join(map(str, changed)) or "rloo.py's defaults",
+        "cache_implementation": cache_used(options.get("cache_implementation"), p.device, output),
+        "weights_dtype": options.get("dtype", "float32"),
+        "sampler": sampler,
+        "sampler_weights": sampler["said"] if sampler else "not said (rloo.py printed no sampler line)",
+        "sampler_gap": gap_summary(logged_rows),
         "seconds_per_update": round(mean("time/update"), 4),
         "seconds_per_update_min": round(min(r["time/update"] for r in rows), 4),
         "stages": stages,
@@ -825,11 +954,47 @@ def timing_rloo(p: Part, cache_implementation: str | None = None, dtype: str = "
         "decoding_steps_from": "completions/max_length: the longest completion of the update's one generate call",
         "generation_seconds": stages["generation"],
         "forward_backward_seconds": stages["policy_forward_backward"],
-        **work_done(p, w, rows, dtype),
+        **work_done(p, w, rows, sampling_bytes(sampler, w["bf16"], options)),
         "ran": ran([r["completions"] for r in logged_rows], [r["completions/max_length"] for r in logged_rows]),
         **peaks(p.folder),
         "said": [line for line in output.splitlines() if "optimizer steps" in line][:1],
     }
+
+
+def sampler_gap(p: Part) -> dict:
+    """How far the sampler's numbers are from the trainer's: rloo.py on the timing workload, short (3 updates, 2 at size
+    smoke), with --sampler_weights bfloat16 and with float16, otherwise its defaults (the importance-sampling correction
+    on); the two runs at once (their seconds are not timings). Each one's gap as it logs it (gap_summary: the per-token
+    |log pi_trainer - log pi_sampler|, mean and max, the sampler-trainer KL, the importance ratios' range and the share
+    clipped), and which weights it said sampled. The timing model's weights are random: its distributions are nearly
+    uniform over 151,936 tokens, not a trained model's."""
+    w = timing_args(p, updates=updates(p, 3))
+    options = as_args(timing_options(p.models["timing"], p.models["timing_prompts"], w))
+    started = {
+        dtype: p.start(
+            os.path.join(ROOT, "rloo.py"), [*options, "--sampler_weights", dtype], os.path.join(p.folder, dtype)
+        )
+        for dtype in ("bfloat16", "float16")
+    }
+    results = {}
+    for dtype, (proc, log) in started.items():
+        proc.wait()
+        with open(log) as f:
+            output = f.read()
+        if proc.returncode:
+            raise RuntimeError(f"rloo.py --sampler_weights {dtype} exited with {proc.returncode}:\n{output[-4000:]}")
+        run = summary(os.path.join(p.folder, dtype, "runs", "run"), output)
+        with open(os.path.join(p.folder, dtype, "runs", "run", "metrics.jsonl")) as f:
+            gap = gap_summary([row for row in map(json.loads, f) if "episode" in row])
+        if not gap:
+            raise RuntimeError(f"rloo.py --sampler_weights {dtype} logged no sampler-trainer gap ({GAP_METRICS[0]})")
+        results[dtype] = {
+            "sampler_weights": run.get("sampler_weights", "not said (rloo.py printed no sampler line)"),
+            **gap,
+            "updates": run["updates"],
+            "seconds_per_update": run["seconds_per_update"],
+        }
+    return {"workload": w, "runs": results}
 
 
 def trl_version(p: Part) -> tuple[str, set]:
@@ -887,13 +1052,49 @@ def timing_trl(p: Part, cache_implementation: str | None = None) -> dict:
         "decoding_steps_from": "the new tokens of each generate call (its output's length less the prompt's)",
         "generation_seconds": round(statistics.mean(r["generation/seconds"] for r in rows), 4),
         "forward_backward_seconds": round(statistics.mean(r["forward_backward/seconds"] for r in rows), 4),
-        **work_done(p, w, rows),
+        "sampler_weights": "the policy's own float32 weights" + (" (bf16 autocast)" if w["bf16"] else ""),
+        **work_done(p, w, rows, 2 if w["bf16"] else 4),
         "ran": ran([r["completions"] for r in logged_rows], [r["completions/max_length"] for r in logged_rows]),
         **peaks(p.folder),
     }
 
 
-PARTS = {  # name: (function, is a timing)
+def profile(p: Part) -> dict:
+    """benchmark/gpu/profile_step.py on timing_rloo's run (the timing workload, rloo.py's defaults), 2 updates: torch.
+    profiler over update 2's HF generate call and its training forward-backward; its tables go in the report."""
+    w = timing_args(p, updates=2)
+    out = os.path.join(p.folder, "profile")
+    output = p.run(
+        os.path.join(ROOT, "benchmark", "gpu", "profile_step.py"),
+        *("--out", out, "--model", p.models["timing"], "--prompts", p.models["timing_prompts"]),
+        *("--rows", w["completions"], "--max_tokens", w["max_tokens"]),
+        cwd=p.folder,
+    )
+    with open(os.path.join(out, "profile.json")) as f:
+        found = json.load(f)
+    with open(os.path.join(out, "profile.md")) as f:
+        table = f.read().splitlines()
+    numbers = (
+        "wall_ms",
+        "host_ms",
+        "device_ms",
+        "device_busy",
+        "kernel_launches",
+        "graph_launches",
+        "synchronisations",
+    )
+    return {
+        "workload": w,
+        "sampler_weights": found["sampler_weights"],
+        "cache_implementation": found["cache"],
+        "stages": {stage: {k: s[k] for k in numbers} for stage, s in found["stages"].items()},
+        "top": {stage: s["top"] for stage, s in found["stages"].items()},
+        "table": table,
+        "said": [line for line in output.splitlines() if "optimizer steps" in line][:1],
+    }
+
+
+PARTS = {  # name: (function, runs alone: a timing or the profile, after the checks, one at a time)
     "rloo_fp32": (rloo_variant("--no_bf16"), False),
     "rloo_bf16": (rloo_variant("--bf16"), False),
     "rloo_gradient_checkpointing": (rloo_variant("--bf16", "--gradient_checkpointing"), False),
@@ -910,16 +1111,32 @@ PARTS = {  # name: (function, is a timing)
     "memory_per_parameter": (memory_per_parameter, False),
     "multigpu_1_process": (multigpu(lambda p: 1), False),
     "multigpu_every_process": (multigpu(lambda p: p.nproc, "--fsdp_cpu_offload"), False),
+    "sampler_gap": (sampler_gap, False),
     "timing_rloo": (timing_rloo, True),
-    "timing_rloo_no_compile": (lambda p: timing_rloo(p, "dynamic"), True),
-    "timing_rloo_bf16_weights": (lambda p: timing_rloo(p, "dynamic", "bfloat16"), True),
-    "timing_rloo_bf16_weights_static": (lambda p: timing_rloo(p, "static", "bfloat16"), True),
+    "timing_rloo_policy_weights": (lambda p: timing_rloo(p, sampler_weights="policy"), True),
+    "timing_rloo_float16_sampler": (lambda p: timing_rloo(p, sampler_weights="float16"), True),
+    # our decoding loop needs the static cache, which auto keeps on CUDA alone: asked for on a CPU
+    "timing_rloo_own_decoding": (
+        lambda p: timing_rloo(
+            p, decoding_loop="own", **({"cache_implementation": "static"} if p.device != "cuda" else {})
+        ),
+        True,
+    ),
+    "timing_rloo_no_fused_head": (lambda p: timing_rloo(p, fused_output_layer="off"), True),
+    "timing_rloo_compiled_layers": (lambda p: timing_rloo(p, "--compile_decoder_layers"), True),
+    "timing_rloo_no_compile": (lambda p: timing_rloo(p, cache_implementation="dynamic"), True),
+    "timing_rloo_bf16_weights": (lambda p: timing_rloo(p, cache_implementation="dynamic", dtype="bfloat16"), True),
+    "timing_rloo_bf16_weights_static": (
+        lambda p: timing_rloo(p, cache_implementation="static", dtype="bfloat16"),
+        True,
+    ),
     "timing_trl": (timing_trl, True),
     "timing_trl_static": (lambda p: timing_trl(p, "static"), True),
+    "profile": (profile, True),
 }
 
 
-TIMINGS = [name for name, (_, timing) in PARTS.items() if timing]
+TIMINGS = [name for name in PARTS if name.startswith("timing_")]
 
 
 def run_part(name: str, work: str, device: str, size: str, nproc: int, trl_python: str) -> None:
@@ -1027,15 +1244,16 @@ def hardware_table(timings: dict, device: dict) -> list[str]:
             f"Peak assumed: {assumed}. Per update, mean of the timed updates; decoding steps: rloo.py's longest "
             "completion (one generate call per update), TRL's generate output length. Step floor: parameters x bytes "
             "per parameter / bandwidth (the weights read once); MFU: 6 x trainable parameters x trained tokens (prompt "
-            "and completion) / seconds / peak (docs/gpu.md). TRL compiles no static cache (it sets disable_compile); "
-            "on a CPU rloo.py's auto is the dynamic cache."
+            "and completion) / seconds / peak (docs/gpu.md); the bytes per parameter are those of the weights that "
+            "sample (a bfloat16 or float16 copy: 2). TRL compiles no static cache (it sets disable_compile); on a CPU "
+            "rloo.py's auto is the dynamic cache."
         ),
         "",
         (
-            "| part | cache | generation tok/s | decoding steps/s | step ms | bound ms | x from bound | training "
-            "TFLOP/s | MFU forward-backward | MFU whole update |"
+            "| part | cache | sampler weights | generation tok/s | decoding steps/s | step ms | bound ms | x from "
+            "bound | training TFLOP/s | MFU forward-backward | MFU whole update |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, t in timings.items():
         h = t.get("against_hardware")
@@ -1044,6 +1262,7 @@ def hardware_table(timings: dict, device: dict) -> list[str]:
         cells = [
             name,
             t.get("cache_implementation", ""),
+            t.get("sampler_weights", ""),
             shown(h["generation_tokens_per_second"], ".0f"),
             shown(h["decoding_steps_per_second"], ".1f"),
             shown(h["decode_step_ms"], ".2f"),
@@ -1217,7 +1436,9 @@ def write_report(out: str, report: dict) -> None:
             "|---|" + "---|" * len(timings),
         ]
         rows = [
+            ("options (beyond the workload's)", "options"),
             ("cache", "cache_implementation"),
+            ("sampler weights", "sampler_weights"),
             ("seconds per update", "seconds_per_update"),
             ("fastest update", "seconds_per_update_min"),
             ("tokens per completion", "tokens_per_completion"),
@@ -1238,6 +1459,14 @@ def write_report(out: str, report: dict) -> None:
             if any(v is not None for v in values):
                 lines.append(f"| {label} | " + " | ".join("" if v is None else str(v) for v in values) + " |")
         lines += hardware_table(timings, device)
+    lines += gap_table(parts)
+    if "results" in parts.get("profile", {}):
+        lines += [
+            "",
+            "## Profile: one HF generate call, one training forward-backward (benchmark/gpu/profile_step.py)",
+            "",
+            *parts["profile"]["results"]["table"],
+        ]
     if "results" in parts.get("memory_per_parameter", {}):
         memory = parts["memory_per_parameter"]["results"]
         lines += [
@@ -1262,10 +1491,53 @@ def write_report(out: str, report: dict) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def gap_table(parts: dict) -> list[str]:
+    """report.md's lines: the sampler-trainer gap of each run that logged one (the timings', sampler_gap's), means over
+    its updates (the worst update's after the semicolon), under the vLLM runs' metric names (docs/metrics.md)."""
+    runs = {name: part["results"] for name, part in parts.items() if part.get("results", {}).get("sampler_gap")}
+    runs.update(
+        {
+            f"sampler_gap {dtype}": run
+            for dtype, run in parts.get("sampler_gap", {}).get("results", {}).get("runs", {}).items()
+        }
+    )
+    if not runs:
+        return []
+    lines = [
+        "",
+        "## The sampler-trainer gap",
+        "",
+        (
+            "Per token, |log pi_trainer - log pi_sampler| on the sampled tokens "
+            "(`sampling/sampling_logp_difference/`), the sampler-trainer KL (`sampling/kl`), the importance ratios "
+            "(`sampling/importance_sampling_ratio/`, with the correction on): the mean over the run's updates; after "
+            "the semicolon, the worst update's. The timing model's weights are random (nearly uniform distributions "
+            "over its vocabulary), not a trained model's."
+        ),
+        "",
+        (
+            "| run | sampler weights | updates | logp difference mean | logp difference max | KL | IS ratio min | "
+            "IS ratio mean | IS ratio max | IS clipped fraction |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    metrics = ["sampling_logp_difference/mean", "sampling_logp_difference/max", "kl"]
+    metrics += [f"importance_sampling_ratio/{k}" for k in ("min", "mean", "max", "clipped_fraction")]
+    for name, run in runs.items():
+        gap = run.get("sampler_gap", run)
+        cells = [name, run.get("sampler_weights", ""), str(gap["updates_with_gap"])]
+        for metric in ("sampling/" + m for m in metrics):
+            value, worst = gap["mean_over_updates"].get(metric), gap["extremes_over_updates"].get(metric)
+            cells.append("-" if value is None else f"{value:.3g}" + ("" if worst is None else f"; {worst:.3g}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def brief(results: dict) -> str:
     """The numbers of a part that fit a table cell (all of them are in report.json)."""
     keep = (
         "cache_implementation",
+        "sampler_weights",
         "seconds_per_update",
         "tokens_per_completion",
         "reward_first_3",
@@ -1286,6 +1558,8 @@ def brief(results: dict) -> str:
     shown = {k: v for k, v in {**results.get("uninterrupted", {}), **results}.items() if k in keep}
     if "table" in results:
         return "the table below"
+    if "runs" in results:  # sampler_gap
+        return "the sampler-trainer gap's table below"
     return json.dumps(shown, default=str).replace("|", "/")[:1500]
 
 
