@@ -39,6 +39,7 @@ from rich.console import Console
 from rloo_utils import (
     checkpoints,
     data,
+    decoding,
     errors,
     evaluation,
     logs,
@@ -431,10 +432,11 @@ def main(args: Args) -> None:
     # HF generate samples from the policy, or from a copy of it in bfloat16 refreshed after each update
     # (--sampler_weights; auto: under --bf16 over float32 weights on CUDA), as inference engines do: the compiled
     # decoding step needs one dtype
-    copy_dtype = off_policy.sampler_dtype(args.sampler_weights, policy.dtype, args.bf16, device)
+    copy_dtype = off_policy.sampler_dtype(args.sampler_weights, policy.dtype, args.bf16, device, args.use_peft)
     sampling_policy = policy if copy_dtype is None else off_policy.sampling_copy(policy, copy_dtype)
     console.print(off_policy.sampler_line(policy.dtype, copy_dtype))
-    static = static_cache(args, device, console, sampling_policy.dtype, "image prompts" if plan.image_column else None)
+    unsupported = "image prompts" if plan.image_column else None  # HF generate's static cache: not with these
+    static = static_cache(args, device, console, sampling_policy.dtype, unsupported, args.bf16 and copy_dtype is None)
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's
@@ -465,7 +467,10 @@ def main(args: Args) -> None:
     # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
     # sample tables and held-out evaluation
     sampler_autocast = autocast if sampling_policy is policy else contextlib.nullcontext  # a copy computes in its dtype
-    sampler = Sampler(args, sampling_policy, models, plan, stop_ids, eos_ids, device, sampler_autocast)
+    own_loop = decoding.use_own_loop(
+        args.decoding_loop, static, sampling_policy, [generation_config, greedy_config, eval_config], console
+    )  # --decoding_loop own: rloo_utils/decoding.py's loop rather than HF generate's
+    sampler = Sampler(args, sampling_policy, models, plan, stop_ids, eos_ids, device, sampler_autocast, own_loop)
     scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
     logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
@@ -719,9 +724,9 @@ class Sampler(rollouts.BaseSampler):
     """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): the policy completes
     them with HF generate, in one go or, with --tools or --environment, turn by turn."""
 
-    def __init__(self, args, policy, models, plan, stop_ids, eos_ids, device, autocast):
+    def __init__(self, args, policy, models, plan, stop_ids, eos_ids, device, autocast, own_loop=False):
         super().__init__(args, models, plan, stop_ids, eos_ids, device)
-        self.policy, self.autocast = policy, autocast
+        self.policy, self.autocast, self.own_loop = policy, autocast, own_loop
 
     def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
         """(B, C) completion ids, padded with the pad token to --max_completion_length, in chunks of
@@ -739,14 +744,17 @@ class Sampler(rollouts.BaseSampler):
                 shared = None  # the prompt's forward made once for its copies
                 if images is None:
                     shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
-                out = model.generate(
+                inputs = dict(
                     **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
                     past_key_values=shared,
                     generation_config=config,
                     **vision.vision_inputs(
                         model, prompt_ids[rows], vision.images_batch(images, rows, self.device, model.dtype)
                     ),
-                )[: len(prompt_ids[rows])]
+                )
+                own = self.own_loop and decoding.covers(model, **inputs)  # rloo_utils/decoding.py's loop
+                generate = functools.partial(decoding.generate, model) if own else model.generate
+                out = generate(**inputs)[: len(prompt_ids[rows])]
             padding = self.args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
             chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=self.tokenizer.pad_token_id))
         return torch.cat(chunks), None

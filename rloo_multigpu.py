@@ -49,6 +49,7 @@ from rich.console import Console
 from rloo_utils import (
     checkpoints,
     data,
+    decoding,
     errors,
     evaluation,
     logs,
@@ -490,7 +491,7 @@ def main(args: Args) -> None:
     # Under --bf16 FSDP's mixed precision gathers the weights in bfloat16, and generation computes in that one dtype:
     # what rloo.py's bfloat16 copy of the policy gives (--sampler_weights), without a copy
     sampling_dtype = torch.bfloat16 if args.bf16 else policy.dtype
-    static = server is None and static_cache(args, device, console, sampling_dtype, unsupported)
+    static = server is None and static_cache(args, device, console, sampling_dtype, unsupported, autocast=False)
     generation_config, greedy_config, eval_config = generation_configs(
         args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's
@@ -529,7 +530,15 @@ def main(args: Args) -> None:
     # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
     # sample tables and held-out evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
-    sampler = Sampler(args, policy, server, models, plan, stop_ids, eos_ids, device)
+    own_loop = decoding.use_own_loop(
+        args.decoding_loop,
+        static,
+        policy,
+        [generation_config, greedy_config, eval_config],
+        console,
+        "the processes decode in step (synced_gpus)" if world_size > 1 else None,
+    )  # --decoding_loop own: rloo_utils/decoding.py's loop rather than HF generate's
+    sampler = Sampler(args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop)
     scorer = ShardedScorer(args, models, plan, trainer_state, device, autocast, console)
     with agreed():
         logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's go on
@@ -868,9 +877,9 @@ class Sampler(rollouts.BaseSampler):
     a collective). With --max_staleness the rollout queue asks the server for an update's completions (or multi-turn
     rollouts) ahead (request, then background_outputs in its thread); sample() takes them."""
 
-    def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device):
+    def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop=False):
         super().__init__(args, models, plan, stop_ids, eos_ids, device)
-        self.policy, self.server = policy, server
+        self.policy, self.server, self.own_loop = policy, server, own_loop
         self.reads_images_itself = server is not None  # a server takes the dataset's images; HF generate the tensors
 
     def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
@@ -897,7 +906,7 @@ class Sampler(rollouts.BaseSampler):
                     shared = None  # the prompt's forward made once for its copies (a gathered model's forward only)
                     if images is None and (args.gather_for_generation or world_size == 1):
                         shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
-                    out = model.generate(
+                    inputs = dict(
                         **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
                         past_key_values=shared,
                         generation_config=config,
@@ -905,7 +914,10 @@ class Sampler(rollouts.BaseSampler):
                         **vision.vision_inputs(
                             model, prompt_ids[rows], vision.images_batch(images, rows, device, model.dtype)
                         ),
-                    )[: len(prompt_ids[rows])]
+                    )
+                    own = self.own_loop and decoding.covers(model, **inputs)  # rloo_utils/decoding.py's loop
+                    generate = functools.partial(decoding.generate, model) if own else model.generate
+                    out = generate(**inputs)[: len(prompt_ids[rows])]
                 padding = args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
                 chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=pad_token_id))
         return torch.cat(chunks), None

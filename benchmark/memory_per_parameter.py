@@ -1,9 +1,11 @@
 """Bytes per parameter that a --bf16 run holds in weights, gradients and AdamW states, before and after frozen linear
-layers are held in bf16 (frozen_linear_weights_to): a full fine-tune with a KL penalty, and LoRA.
+layers are held in bf16 (frozen_linear_weights_to): a full fine-tune with a KL penalty, and LoRA; and the copy of the
+policy that HF generate samples from (--sampler_weights).
 
     python benchmark/memory_per_parameter.py            # a Llama of 109.5M random weights (~2 min on 2 CPU cores)
     python benchmark/memory_per_parameter.py --untied   # an LM head of its own, which is cast too
     python benchmark/memory_per_parameter.py --hidden_size 256 --heads 4 --num_layers 4 --vocab_size 8000  # quick
+    python benchmark/memory_per_parameter.py --sampler_weights policy  # no copy: the policy samples (a CPU's default)
 
 The model is a Llama built from its config with random weights (by default hidden 768, 12 layers of 12 heads,
 intermediate 2048, vocabulary 32000, the LM head tied to the embeddings), on the CPU, set up as rloo.py main() sets it
@@ -12,16 +14,19 @@ add_adapter(policy, ...) (by default adapters of rank 16 on every linear layer, 
 its reference is the same model with the adapters disabled, no copy; AdamW over the trainable parameters. "after"
 then applies frozen_linear_weights_to(model, torch.bfloat16) to the policy and the reference, as rloo.py does under
 --bf16; "before" skips it, which is what rloo.py did before. (rloo.py casts a reward model's linear layers too: no
-reward model is counted here.)
+reward model is counted here.) In both, the sampler's copy is made as rloo.py makes it (off_policy.sampling_copy: a
+plain model of the policy's architecture in --sampler_weights' dtype, a LoRA adapter merged in): by default bfloat16,
+what rloo.py's --sampler_weights auto makes on CUDA under --bf16 over float32 weights (2 bytes a parameter; a tied LM
+head stays tied in the copy); with --sampler_weights policy none is made (the policy samples: 0), as on a CPU.
 
 Measured by tensor accounting, not by the resident set: the bytes of the unique storages (shared tensors, e.g. the tied
 LM head, counted once: by storage data_ptr) of the parameters of the policy and the reference, of the gradients after
 one backward (of -mean completion log-prob by chunked_completion_logprobs, under torch.autocast("cpu", bfloat16), on a
 micro-batch of --batch random prompts and completions: 2 x (16 + 16) tokens by default, as their number changes no
-byte counted here), and of AdamW's state after optimizer.step(); each divided by the model's parameter count (without
-the adapters). Each measurement runs in a fresh process. Before the update, each
-also checks that the reference's log-probs under bf16 autocast are those of the policy to the last bit (KL 0).
-The activations of the backward are not counted there (benchmark/logprob_memory.py measures those of the log-probs).
+byte counted here), of AdamW's state after optimizer.step(), and of the sampler's copy; each divided by the model's
+parameter count (without the adapters). Each measurement runs in a fresh process. Before the update, each also checks
+that the reference's log-probs under bf16 autocast are those of the policy to the last bit (KL 0). The activations of
+the backward are not counted there (benchmark/logprob_memory.py measures those of the log-probs).
 "peak of an update" is the resident set's high-water mark (VmHWM, reset after the set-up) over the rollout's forwards,
 the update's forward and backward and the optimizer step, less the resident set before the model was built, with
 glibc told to map every block of 64 KiB or more on its own (MALLOC_MMAP_THRESHOLD_) so that freed tensors leave it:
@@ -43,9 +48,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from rloo_utils.models import disable_dropout, frozen_linear_weights_to  # noqa: E402
 from rloo_utils.lora import adapter_disabled, add_adapter  # noqa: E402
+from rloo_utils.off_policy import sampling_copy  # noqa: E402
 from rloo_utils.packing import chunked_completion_logprobs  # noqa: E402
 
-STAGES = ["policy", "frozen", "gradients", "adamw"]
+STAGES = ["policy", "frozen", "sampler", "gradients", "adamw"]
 
 
 def build_model(cli):
@@ -112,6 +118,8 @@ def measure(setup: str, variant: str, cli) -> dict:
     if variant == "after":
         for model in (policy, ref):
             frozen_linear_weights_to(model, torch.bfloat16)
+    # The copy HF generate samples from, made at the start as rloo.py makes it (None: the policy samples)
+    sampler = None if cli.sampler_weights == "policy" else sampling_copy(policy, getattr(torch, cli.sampler_weights))
 
     generator = torch.Generator().manual_seed(cli.seed)
     prompt_ids = torch.randint(cli.vocab_size, (cli.batch, cli.prompt_length), generator=generator)
@@ -145,6 +153,7 @@ def measure(setup: str, variant: str, cli) -> dict:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     add("policy", trainable)
     add("frozen", [p for model in (policy, ref) for p in model.parameters() if not p.requires_grad])
+    add("sampler", [] if sampler is None else sampler.parameters())
     dtypes = sorted(
         {
             str(p.dtype).removeprefix("torch.")
@@ -194,6 +203,12 @@ def main():
         default=16,
         help="(a bf16 backward on a CPU without bf16 matrix units is slow: 2 x 64 tokens take ~1 min)",
     )
+    parser.add_argument(
+        "--sampler_weights",
+        choices=["bfloat16", "float16", "policy"],
+        default="bfloat16",
+        help="the copy HF generate samples from (rloo.py's auto on CUDA under --bf16: bfloat16); policy: none",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # setup, variant
     cli = parser.parse_args()
@@ -235,12 +250,14 @@ def main():
         "full": {
             "policy": "policy weights (fp32, trained)",
             "frozen": "reference (frozen copy)",
+            "sampler": f"sampler's copy (--sampler_weights {cli.sampler_weights})",
             "gradients": "gradients (fp32)",
             "adamw": "AdamW states (2 x fp32)",
         },
         "lora": {
             "policy": "adapters (fp32, trained)",
             "frozen": "frozen base (= the reference)",
+            "sampler": f"sampler's copy (--sampler_weights {cli.sampler_weights}, adapters merged)",
             "gradients": "gradients (adapters)",
             "adamw": "AdamW states (adapters)",
         },
@@ -270,6 +287,18 @@ def main():
         f"{'' if cli.untied else ' (with the tied LM head)'} and norms ({share['embedding'] + share['other']:.1%}) "
         f"stay fp32 (expected 4 x {share['embedding'] + share['other']:.3f} + 2 x {share['linear']:.3f} = "
         f"{4 * (share['embedding'] + share['other']) + 2 * share['linear']:.3f})."
+    )
+    copy = {s: results[s, "after"]["held"]["sampler"] / n for s in ("full", "lora")}
+    untied = 2 * (1 + (0 if cli.untied else share["embedding"]))  # a tied LM head held twice in the copy
+    print(
+        f"The sampler's copy (--sampler_weights {cli.sampler_weights}): full + KL {copy['full']:.3f}, LoRA "
+        f"{copy['lora']:.3f} B/param"
+        + (
+            ": none is made, the policy samples (expected 0)"
+            if cli.sampler_weights == "policy"
+            else f": every weight in {cli.sampler_weights}, the LoRA adapters merged in (expected 2 x 1 = 2.000 with "
+            f"the LM head tied to the embeddings as in the policy; {untied:.3f} where the copy holds it apart)"
+        )
     )
     print(
         "Frozen weights' dtypes: "

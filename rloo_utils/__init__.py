@@ -12,7 +12,9 @@ which a forker copies rather than edits), and nothing here knows which script ca
     verifiable   reward functions of tasks with a right answer: the final answer parsed and checked
     tools        multi-turn rollouts: tools and environments, the chat template's tool calls
     vision       a vision-language policy's inputs
-    packing      padding-free forwards; the log-probs from the output layer's inputs, a chunk at a time
+    decoding     our own decoding loop on a static KV cache (--decoding_loop own): stop tokens read every few steps
+    off_policy   a sampler that is not the policy (vLLM, a bfloat16 copy): the copy, the correction's options, the gap
+    packing      padding-free forwards; the log-probs from the output layer's inputs, a chunk at a time (fused)
     lora         LoRA adapters (peft)
     logs         metrics.jsonl, tables, TensorBoard, W&B; the progress bar; an update's metrics
     evaluation   the held-out evaluation and sample tables (Evaluator): when, its own random streams, pass@k

@@ -2,6 +2,7 @@
 model and its tokenizer, the sampling configs; and precision: bf16 where the GPU computes it, frozen linear layers held
 in bf16, non-finite weights found."""
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -239,22 +240,61 @@ def load_tokenizers(args, first_prompt, images: Optional[str] = None):
 
 
 def static_cache(
-    args, device: torch.device, console, weights_dtype: torch.dtype, unsupported: Optional[str] = None
+    args,
+    device: torch.device,
+    console,
+    weights_dtype: torch.dtype,
+    unsupported: Optional[str] = None,
+    autocast: Optional[bool] = None,
 ) -> bool:
     """Whether HF generate keeps a static KV cache and compiles its decoding step (--cache_implementation; auto: on
     CUDA, where a step of a small model is otherwise bound by Python and kernel launches, not by reading the weights).
     unsupported: why this run cannot (image prompts; a sharded policy's forward), said in one line if it was meant.
-    Nor can --bf16 over weights of another dtype: transformers' static cache is made in the dtype of the first keys it
-    holds, and under autocast RoPE gives float32 keys and the projection bfloat16 values (an H200 run failed so)."""
+    Nor can --bf16's autocast over weights of another dtype (autocast: whether generation runs under it; a copy of the
+    policy that samples computes in its own dtype): transformers' static cache is made in the dtype of the first keys
+    it holds, and under autocast RoPE gives float32 keys and the projection bfloat16 values (an H200 run failed so). Nor
+    can a device that torch.compile cannot build for (no C++ compiler for inductor on a CPU, a GPU that Triton does not
+    support): compile_failure finds it now, rather than the first rollout with a traceback of a hundred lines."""
     wanted = args.cache_implementation == "static" or (args.cache_implementation == "auto" and device.type == "cuda")
-    if unsupported is None and args.bf16 and weights_dtype != torch.bfloat16:
+    autocast = args.bf16 if autocast is None else autocast  # whether generation runs under --bf16's autocast
+    if unsupported is None and autocast and weights_dtype != torch.bfloat16:
         unsupported = (
             f"--bf16 computes in bfloat16 over {str(weights_dtype).removeprefix('torch.')} weights, and transformers' "
             "static cache holds one dtype (--dtype bfloat16 keeps one)"
         )
+    if wanted and unsupported is None and (failure := compile_failure(str(device))) is not None:
+        unsupported = f"torch.compile cannot build the decoding step on {device} ({failure})"
     if wanted and unsupported:
         console.print(f"HF generate keeps a dynamic KV cache, uncompiled: {unsupported}")
     return wanted and not unsupported
+
+
+def probe_graph(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What compile_failure compiles: a product and a softmax's reductions, which inductor makes a kernel of (C++ on a
+    CPU, Triton on a GPU), as it does of a decoding step."""
+    return (x @ w).softmax(-1).sum(-1)
+
+
+@functools.cache
+def compile_failure(device: str) -> Optional[str]:
+    """None where torch.compile builds and runs a compiled graph on `device` as HF generate compiles its decoding step
+    (get_compiled_call: torch.compile with transformers' CompileConfig, inductor in mode reduce-overhead); else why not,
+    in one line (`InductorError: InvalidCxxCompiler: No working C++ compiler found ...`). The graph is tiny and run
+    three times (CUDA graphs: a warm-up, a recording, a replay), from fixed inputs (the run's random streams are left
+    alone). Once per process: it costs the compiler's start-up, which the step's own first compile pays otherwise,
+    and ~1 s more (0.06 s where inductor's cache holds it; 2-core CPU)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    x = torch.linspace(-1, 1, 32, device=device).view(4, 8)
+    compiled = torch.compile(probe_graph, **CompileConfig().to_dict())
+    try:
+        for _ in range(3):
+            out = compiled(x, x.T)
+        if not torch.allclose(out, probe_graph(x, x.T)):
+            return f"the compiled graph computes {out.tolist()}, not {probe_graph(x, x.T).tolist()}"
+    except Exception as e:  # InductorError, BackendCompilerFailed, Triton's or the C compiler's errors
+        return describe(e)
+    return None
 
 
 # Tokens: a static cache holds the prompts' width rounded up to a multiple of this, and the completion's
@@ -402,6 +442,14 @@ class SpeedOptions:
     """rows per generation / no-grad forward chunk during the rollout (rloo_multigpu.py: on each process)"""
     cache_implementation: Literal["auto", "static", "dynamic"] = "auto"
     """HF generate's KV cache: static, with a compiled decoding step (CUDA graphs), or dynamic; auto: static on CUDA"""
+    sampler_weights: Literal["auto", "policy", "bfloat16", "float16"] = "auto"
+    """HF generate samples from the policy or a bf16/fp16 copy; auto: a bf16 copy of fp32 weights, --bf16, CUDA"""
+    decoding_loop: Literal["auto", "generate", "own"] = "auto"
+    """(static cache) HF generate's loop, or our own, reading stop tokens every few steps; auto: generate"""
+    fused_output_layer: Literal["auto", "on", "off"] = "auto"
+    """the output layer's gradient made by hand, its weight's summed once in fp32 (on), or by autograd; auto: on CUDA"""
+    compile_decoder_layers: bool = False
+    """(GPU) compile each decoder layer of the training forward on its own (the whole model loses SDPA's fast path)"""
 
 
 def expandable_segments_by_default() -> None:

@@ -80,14 +80,19 @@ def check_importance_sampling(args) -> None:
 
 
 # ---- The weights HF generate samples from --------------------------------------------------------------------------
-def sampler_dtype(choice: str, policy_dtype: torch.dtype, bf16: bool, device: torch.device) -> Optional[torch.dtype]:
+def sampler_dtype(
+    choice: str, policy_dtype: torch.dtype, bf16: bool, device: torch.device, lora: bool = False
+) -> Optional[torch.dtype]:
     """The dtype of the copy of the policy that samples (--sampler_weights), or None: the policy samples itself. auto: a
     bfloat16 copy where float32 weights train under --bf16 on CUDA, so that the static cache and the compiled decoding
     step run (autocast makes RoPE's keys float32 and the values bfloat16, which one static cache cannot hold) and each
     step reads 2 bytes a parameter, not 4; on a CPU the policy's own weights, so that every CPU number stays the same.
-    A copy in the policy's own dtype would be the policy: none is made."""
+    Not for a LoRA policy (lora): its merged copy would hold 2 bytes a base parameter, 70% more than such a run holds
+    (benchmark/results/memory_per_parameter.md), and memory is what LoRA is chosen for; `bfloat16` asks for it. A copy
+    in the policy's own dtype would be the policy: none is made."""
     if choice == "auto":
-        wanted = torch.bfloat16 if device.type == "cuda" and bf16 and policy_dtype == torch.float32 else None
+        full = device.type == "cuda" and bf16 and policy_dtype == torch.float32 and not lora
+        wanted = torch.bfloat16 if full else None
     else:
         wanted = None if choice == "policy" else getattr(torch, choice)
     return None if wanted == policy_dtype else wanted

@@ -20,6 +20,8 @@ def test_which_weights_sample():
     assert sampler_dtype("auto", torch.float32, True, cpu) is None  # every CPU number stays what it was
     assert sampler_dtype("auto", torch.float32, False, cuda) is None  # fp32 compute: fp32 samples
     assert sampler_dtype("auto", torch.bfloat16, True, cuda) is None  # bf16 weights sample themselves
+    assert sampler_dtype("auto", torch.float32, True, cuda, lora=True) is None  # memory first: no 2 B/param copy
+    assert sampler_dtype("bfloat16", torch.float32, True, cuda, lora=True) == torch.bfloat16  # unless asked
     assert sampler_dtype("policy", torch.float32, True, cuda) is None
     assert sampler_dtype("float16", torch.float32, False, cpu) == torch.float16
     assert sampler_dtype("bfloat16", torch.bfloat16, True, cuda) is None  # a copy in its own dtype is the policy

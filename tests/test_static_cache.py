@@ -162,9 +162,12 @@ def test_rows_are_padded_to_a_power_of_two_up_to_the_chunk_and_the_cache_to_a_bu
         ("static", "cpu", None, True, torch.float32, False),
     ],
 )
-def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype, expected):
+def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype, expected, monkeypatch):
     from rich.console import Console
 
+    from rloo_utils import models
+
+    monkeypatch.setattr(models, "compile_failure", lambda device: None)  # torch.compile builds for every device here
     console = Console(record=True, width=200)
     args = types.SimpleNamespace(cache_implementation=option, bf16=bf16)
     assert static_cache(args, torch.device(device), console, dtype, unsupported) is expected
@@ -175,6 +178,55 @@ def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype
         assert said == "HF generate keeps a dynamic KV cache, uncompiled: image prompts\n"
     else:
         assert said.startswith("HF generate keeps a dynamic KV cache, uncompiled: --bf16 computes in bfloat16 over ")
+
+
+def test_a_device_torch_compile_cannot_build_for_keeps_the_dynamic_cache_in_one_line(monkeypatch):
+    from rich.console import Console
+
+    from rloo_utils import models
+
+    failure = "InductorError: InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx"
+    monkeypatch.setattr(models, "compile_failure", lambda device: failure)
+    console = Console(record=True, width=400)
+    args = types.SimpleNamespace(cache_implementation="static", bf16=False)
+    assert static_cache(args, torch.device("cpu"), console, torch.float32) is False
+    assert console.export_text() == (
+        f"HF generate keeps a dynamic KV cache, uncompiled: torch.compile cannot build the decoding step on cpu "
+        f"({failure})\n"
+    )
+    args.cache_implementation = "dynamic"  # not asked for: not probed, nothing said
+    assert static_cache(args, torch.device("cpu"), console, torch.float32) is False
+    assert console.export_text() == ""
+
+
+@pytest.mark.slow
+def test_a_static_cache_run_without_a_c_compiler_says_so_in_one_line_and_samples_with_the_dynamic_cache(
+    tiny, prompts_file, tmp_path, monkeypatch
+):
+    """Inductor builds a CPU step with the C++ compiler of $CXX: none there, the run's first rollout died in a traceback
+    of ~110 lines (issue 68). Now compile_failure finds it at start, and the run goes on with the dynamic cache. A fresh
+    inductor cache, so that no kernel built before hides the missing compiler."""
+    from conftest import run_rloo
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv("CC", "/nonexistent/gcc")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("COLUMNS", "400")  # rich's lines unwrapped
+    proc = run_rloo(
+        *("--model_name_or_path", tiny["policy"], "--reward_model_path", tiny["reward"]),
+        *("--dataset_name", prompts_file, "--total_episodes", 8, "--num_generations", 2, "--max_prompt_length", 16),
+        *("--max_completion_length", 8, "--per_device_train_batch_size", 8, "--cache_implementation", "static"),
+        *("--run_name", "run"),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "KV cache" in line]
+    assert said == [
+        "HF generate keeps a dynamic KV cache, uncompiled: torch.compile cannot build the decoding step on cpu "
+        "(InductorError: InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx: "
+        "(None, '/nonexistent/g++'))"
+    ], proc.stdout
 
 
 def test_a_vllm_run_refuses_the_option_in_one_line():
