@@ -122,7 +122,21 @@ def sampling_copy(policy, dtype: torch.dtype):
     if output is not None and output.weight is model.get_input_embeddings().weight:
         copy.tie_weights()  # one tensor for the LM head and the embeddings, as in the policy (built from a config: two)
     refresh_copy(copy, policy)
-    return copy.eval().requires_grad_(False)
+    check_copy(copy.eval().requires_grad_(False), dtype)
+    return copy
+
+
+@torch.no_grad()
+def check_copy(copy, dtype: torch.dtype) -> None:
+    """The copy's logits of a few tokens are finite, or one line: a float16 copy of a model whose activations pass
+    float16's range (65504) would sample from NaN probabilities (bfloat16 has float32's range)."""
+    ids = torch.arange(1, 17, device=next(copy.parameters()).device)[None] % copy.config.get_text_config().vocab_size
+    if not torch.isfinite(copy(input_ids=ids).logits).all():
+        name = str(dtype).removeprefix("torch.")
+        raise UsageError(
+            f"--sampler_weights {name}: the policy's activations pass {name}'s range (its logits are not finite): "
+            "use bfloat16 (the range of float32)"
+        )
 
 
 @torch.no_grad()

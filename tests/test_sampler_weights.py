@@ -123,3 +123,38 @@ def test_a_bfloat16_copy_samples_and_the_gap_is_logged_and_corrected(tiny, promp
     assert all(not any(name.startswith("sampling/sampling_logp") for name in row) for row in default)
     with open(tmp_path / "copy" / "runs" / "run" / "args.json") as f:
         assert json.load(f)["sampler_weights"] == "bfloat16"
+
+
+def test_the_other_scripts_refuse_a_copy_in_one_line(tiny):
+    """rloo_vllm.py samples with vLLM (its own bfloat16 weights), rloo_multigpu.py from the weights FSDP gathers
+    (bfloat16 under --bf16): neither makes a copy, and neither takes the option silently."""
+    import dataclasses
+
+    import rloo_multigpu
+    import rloo_vllm
+    from rloo_utils.errors import UsageError
+    from rloo_utils.options import check_args
+
+    for script, name, value, needle in [
+        (rloo_vllm, "sampler_weights", "bfloat16", "is HF generate's, and this run generates with vLLM"),
+        (rloo_vllm, "decoding_loop", "own", "is HF generate's, and this run generates with vLLM"),
+        (rloo_multigpu, "sampler_weights", "float16", "samples from the weights FSDP gathers"),
+    ]:
+        args = dataclasses.replace(script.Args(model_name_or_path=tiny["policy"]), **{name: value})
+        with pytest.raises(UsageError, match=needle):
+            check_args(args)
+
+
+def test_a_float16_copy_whose_activations_overflow_is_refused_in_one_line(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from rloo_utils.errors import UsageError
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    sampling_copy(policy, torch.float16)  # a model whose activations fit: taken
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.mul_(1e5)  # activations past 65504 (float32 holds them)
+    assert torch.isfinite(policy(input_ids=torch.arange(1, 17)[None]).logits).all()
+    with pytest.raises(UsageError, match="--sampler_weights float16: the policy's activations pass float16's range"):
+        sampling_copy(policy, torch.float16)
+    sampling_copy(policy, torch.bfloat16)  # bfloat16 has float32's range
