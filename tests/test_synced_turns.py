@@ -63,3 +63,23 @@ def test_two_processes_turns_of_different_lengths_on_a_static_cache(tiny, tmp_pa
     assert len(turns[0][True]) == 1 and 1 <= len(turns[1][True]) <= 8
     for rank in (0, 1):
         assert turns[rank][True] == turns[rank][False]  # the static cache's greedy turn is the dynamic cache's
+
+
+@pytest.mark.slow  # torchrun starts 2 processes
+def test_fsdp_mixed_precision_keeps_the_static_cache(tiny, prompts_file, tmp_path):
+    """Under --bf16 FSDP2 gathers the weights in bfloat16 and generation computes in that one dtype, so
+    rloo_multigpu.py keeps the static cache there (rloo.py needs a bfloat16 copy for it); it used to fall back, saying
+    that --bf16 computes over float32 weights."""
+    from test_multigpu import run_torchrun
+
+    rewards = os.path.join(os.path.dirname(__file__), "reward_fixtures.py")
+
+    proc = run_torchrun(
+        2,
+        *("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", 16),
+        *("--reward_funcs", f"{rewards}:text_length", "--per_device_train_batch_size", 4, "--bf16"),
+        *("--cache_implementation", "static", "--max_completion_length", 8),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dynamic KV cache" not in proc.stdout + proc.stderr
