@@ -680,26 +680,9 @@ def main(args: Args) -> None:
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
         loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
         if is_correction:
-            bounds = (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
-            if args.importance_sampling_mode == "sequence_geometric_mask":
-                bounds = tuple(args.geometric_mask_bounds)
-            # the ratios before the bounds (what the bounds cut is logged), and the (B, 1) or (B, C) weights
-            is_ratios, is_weights = (
-                importance_sampling_weights(
-                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, args.importance_sampling_mode, *b
-                )
-                for b in [(None, None), bounds]
+            loss_advantages, is_weights, is_ratios, off_policy_kept = off_policy_correction(
+                args, trainer_sampling_logprobs, rollout.sampling_logprobs, mask, advantages
             )
-            loss_advantages = advantages * is_weights
-            if args.off_policy_mask_threshold is not None:  # and completions the sampler drifted from, if A < 0
-                off_policy_kept = off_policy_sequence_mask(
-                    trainer_sampling_logprobs,
-                    rollout.sampling_logprobs,
-                    mask,
-                    advantages[:, 0],
-                    args.off_policy_mask_threshold,
-                )  # (B, 1)
-                loss_advantages = loss_advantages * off_policy_kept
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
         # micro-batches (or those --max_tokens_per_micro_batch packs); each micro-batch adds its share of the global
@@ -1035,6 +1018,25 @@ def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
         base=lambda: lora.base_weights(policy, gather=whole, dtype=dtype),
         adapter=lambda: lora.adapter_weights(policy, gather=whole, dtype=dtype),
     )
+
+
+def off_policy_correction(args, trainer_logprobs, sampling_logprobs, mask, advantages):
+    """The off-policy correction of a sampler whose numerics differ from the policy's (vLLM; a copy in bfloat16): the
+    (B, C) advantages weighted by the truncated or masked importance ratio of each completion (or token), a weight >= 0
+    on its advantage being one on its loss, and with --off_policy_mask_threshold the completions the sampler drifted
+    from (A < 0) left out; for the logs also the (B, 1) or (B, C) weights, the ratios before the bounds (what the bounds
+    cut) and the (B, 1) completions kept (or None)."""
+    mode, bounds = args.importance_sampling_mode, (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+    if mode == "sequence_geometric_mask":
+        bounds = tuple(args.geometric_mask_bounds)
+    ratios = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, None, None)
+    weights = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, *bounds)
+    loss_advantages, kept = advantages * weights, None
+    if args.off_policy_mask_threshold is not None:
+        threshold = args.off_policy_mask_threshold
+        kept = off_policy_sequence_mask(trainer_logprobs, sampling_logprobs, mask, advantages[:, 0], threshold)
+        loss_advantages = loss_advantages * kept
+    return loss_advantages, weights, ratios, kept
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:

@@ -14,13 +14,9 @@ from rloo_utils.data import left_pad
 from rloo_utils.models import generation_configs, static_cache, static_cache_inputs
 
 
-def sampler_and_configs(tiny, chunk: int, static: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
-    eos = tokenizer.eos_token_id
-    args = types.SimpleNamespace(
+def sampling_args(chunk: int, **more) -> types.SimpleNamespace:
+    """The options a Sampler and generation_configs read: rows of `chunk`, 8 tokens, plain sampling at temperature 1."""
+    return types.SimpleNamespace(
         local_rollout_forward_batch_size=chunk,
         max_prompt_length=16,
         max_completion_length=8,
@@ -31,7 +27,17 @@ def sampler_and_configs(tiny, chunk: int, static: bool):
         min_p=None,
         repetition_penalty=1.0,
         generation_kwargs=None,
+        **more,
     )
+
+
+def sampler_and_configs(tiny, chunk: int, static: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
+    eos = tokenizer.eos_token_id
+    args = sampling_args(chunk)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
     sampler = rloo.Sampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)

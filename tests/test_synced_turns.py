@@ -22,24 +22,14 @@ def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> No
 
     import rloo_multigpu
     from rloo_utils.models import generation_configs
+    from test_static_cache import sampling_args
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     eos = tokenizer.eos_token_id
-    args = types.SimpleNamespace(
-        local_rollout_forward_batch_size=4,
-        gather_for_generation=False,  # (a plain model: nothing to gather)
-        max_completion_length=8,
-        temperature=1.0,
-        eval_temperature=None,
-        top_p=1.0,
-        top_k=0,
-        min_p=None,
-        repetition_penalty=1.0,
-        generation_kwargs=None,
-    )
+    args = sampling_args(4, gather_for_generation=False)  # (a plain model: nothing to gather)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
     sampler = rloo_multigpu.Sampler(args, policy, None, models, plan, [eos], [eos], torch.device("cpu"))
