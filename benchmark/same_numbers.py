@@ -39,7 +39,7 @@ def configs(tiny: str, prompts: str, split: str) -> dict:
             base
             + ["--num_ppo_epochs", 2, "--num_mini_batches", 2, "--loss_type", "token", "--ppo_clip", "--dual_clip", 3]
             + ["--advantage_estimator", "grpo", "--token_level_kl", "--kl_estimator", "k3", "--beta", 0.1]
-            + ["--mask_truncated_completions", "--missing_eos_penalty", 1, "--normalize_reward"],
+            + ["--missing_eos_penalty", 1, "--normalize_reward"],
         ),
         "gspo_reinforce_pp": (
             "rloo.py",
@@ -51,7 +51,7 @@ def configs(tiny: str, prompts: str, split: str) -> dict:
             1,
             base
             + ["--loss_type", "sapo", "--advantage_estimator", "dr_grpo", "--num_ppo_epochs", 2, "--no-padding_free"]
-            + ["--loss_aggregation", "seq-mean-token-sum-norm", "--reward_clip_range", 0.5],
+            + ["--loss_aggregation", "seq-mean-token-sum-norm", "--reward_clip_range", 2.5],
         ),
         "cispo_dynamic_token_budget": (
             "rloo.py",
@@ -59,7 +59,7 @@ def configs(tiny: str, prompts: str, split: str) -> dict:
             base
             + binary
             + ["--loss_type", "cispo", "--dynamic_sampling", "--max_sampling_rounds", 3]
-            + ["--max_tokens_per_micro_batch", 40, "--num_mini_batches", 2],
+            + ["--max_tokens_per_micro_batch", 40, "--max_prompt_length", 24, "--num_mini_batches", 2],
         ),
         "bfloat16_sampler_masks": (
             "rloo.py",
@@ -88,9 +88,11 @@ def digest(run_dir: str) -> dict:
             {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK and not k.startswith(("perf/", "time/"))}
             for line in f
         ]
-    samples = open(os.path.join(run_dir, "samples.jsonl"), "rb").read() if os.path.exists(
-        os.path.join(run_dir, "samples.jsonl")
-    ) else b""
+    samples = (
+        open(os.path.join(run_dir, "samples.jsonl"), "rb").read()
+        if os.path.exists(os.path.join(run_dir, "samples.jsonl"))
+        else b""
+    )
     weights = hashlib.sha256()
     model = os.path.join(run_dir, "model")
     for name in sorted(n for n in os.listdir(model) if n.endswith(".safetensors")):
