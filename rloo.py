@@ -559,8 +559,14 @@ def main(args: Args) -> None:
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
         loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
         if is_correction:
-            loss_advantages, is_weights, is_ratios, off_policy_kept = off_policy_correction(
-                args, old_logprobs, rollout.sampling_logprobs, mask, advantages
+            loss_advantages, is_weights, is_ratios, off_policy_kept = off_policy.correction(
+                old_logprobs,
+                rollout.sampling_logprobs,
+                mask,
+                advantages,
+                args.importance_sampling_mode,
+                args.importance_sampling_bounds(),
+                args.off_policy_mask_threshold,
             )
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
@@ -778,53 +784,6 @@ def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_
             for i in range(0, len(rollout.prompt_ids), chunk)
         ]
     return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
-
-
-def off_policy_correction(args, trainer_logprobs, sampling_logprobs, mask, advantages):
-    """The off-policy correction of a sampler whose numerics differ from the policy's (vLLM; a copy in bfloat16): the
-    (B, C) advantages weighted by the truncated or masked importance ratio of each completion (or token), a weight >= 0
-    on its advantage being one on its loss, and with --off_policy_mask_threshold the completions the sampler drifted
-    from (A < 0) left out; for the logs also the (B, 1) or (B, C) weights, the ratios before the bounds (what the bounds
-    cut) and the (B, 1) completions kept (or None)."""
-    mode, bounds = args.importance_sampling_mode, (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
-    if mode == "sequence_geometric_mask":
-        bounds = tuple(args.geometric_mask_bounds)
-    ratios = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, None, None)
-    weights = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, *bounds)
-    loss_advantages, kept = advantages * weights, None
-    if args.off_policy_mask_threshold is not None:
-        threshold = args.off_policy_mask_threshold
-        kept = off_policy_sequence_mask(trainer_logprobs, sampling_logprobs, mask, advantages[:, 0], threshold)
-        loss_advantages = loss_advantages * kept
-    return loss_advantages, weights, ratios, kept
-
-
-def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
-    """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
-    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_sampler of the sampled tokens, per
-    completion (B, 1) for sequence_* modes or per token (B, C); sequence_geometric_mask: the geometric mean of a
-    completion's token ratios, whose bounds are tight ([0.99, 1.01]) because it does not grow with the length. Detached:
-    it weights the loss, it is not trained."""
-    log_rho = (old_logprobs - sampling_logprobs) * mask  # (B, C)
-    if mode == "sequence_geometric_mask":  # the geometric mean of the token ratios (SkyRL; OpenRLHF, NeMo-RL)
-        log_rho = log_rho.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
-    elif mode.startswith("sequence"):
-        log_rho = log_rho.sum(1, keepdim=True)  # (B, 1)
-    rho = log_rho.exp()
-    low = clip_min if clip_min is not None else 0.0
-    high = clip_max if clip_max is not None else math.inf
-    if mode.endswith("truncate"):
-        return rho.clamp(low, high)
-    return rho.masked_fill((rho < low) | (rho > high), 0.0)
-
-
-def off_policy_sequence_mask(old_logprobs, sampling_logprobs, mask, advantages, threshold: float) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, section 3.1): (B, 1) 0 for a completion with a
-    negative advantage whose mean log pi_sampler - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
-    completion is one the sampler made likelier than the policy would (a stale or mismatched sampler): learning from its
-    failure pushes the policy away from what it would not have done anyway, and destabilises it."""
-    drift = ((sampling_logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
-    return (~((advantages < 0) & (drift > threshold))).float()[:, None]
 
 
 # ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A sampler that is not the trained policy: vLLM (its own kernels, bfloat16 weights, rollouts of older weights with
 --max_staleness) or HF generate on a bfloat16 copy of the policy (--sampler_weights). The importance-sampling
-correction's options and checks, the copy of the policy's weights that samples, and the metrics of the sampler-trainer
-gap. The correction itself (importance_sampling_weights) is the scripts' own: it is the algorithm."""
+correction (its options and checks, and the correction itself: the weights and masks that enter the loss), the copy of
+the policy's weights that samples, and the metrics of the sampler-trainer gap."""
 
+import math
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
@@ -45,6 +46,12 @@ class ImportanceSamplingOptions:
     ] = None
     """mask a completion with A < 0 whose mean log pi_sampler - log pi_trainer exceeds this (DeepSeek-V3.2)"""
 
+    def importance_sampling_bounds(self) -> tuple[Optional[float], Optional[float]]:
+        """The bounds of the importance ratio in this mode: the geometric mean's own, or [clip_min, clip_max]."""
+        if self.importance_sampling_mode == "sequence_geometric_mask":
+            return tuple(self.geometric_mask_bounds)
+        return self.importance_sampling_clip_min, self.importance_sampling_clip_max
+
 
 def check_importance_sampling(args) -> None:
     """The correction's bounds, and its mode against the loss."""
@@ -77,6 +84,50 @@ def check_importance_sampling(args) -> None:
             f"--importance_sampling_mode {mode} weights tokens, and --loss_type sequence has one term per "
             "completion: use sequence_mask or sequence_truncate"
         )
+
+
+# ---- The correction --------------------------------------------------------------------------------------------------
+def correction(trainer_logprobs, sampling_logprobs, mask, advantages, mode: str, bounds: tuple, mask_threshold):
+    """The off-policy correction of a sampler whose numerics differ from the policy's (vLLM; a copy in bfloat16): the
+    (B, C) advantages weighted by the truncated or masked importance ratio of each completion (or token), a weight >= 0
+    on its advantage being one on its loss, and with a mask_threshold (--off_policy_mask_threshold) the completions the
+    sampler drifted from (A < 0) left out; for the logs also the (B, 1) or (B, C) weights, the ratios before the bounds
+    (what the bounds cut) and the (B, 1) completions kept (or None)."""
+    ratios = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, None, None)
+    weights = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, *bounds)
+    loss_advantages, kept = advantages * weights, None
+    if mask_threshold is not None:
+        kept = off_policy_sequence_mask(trainer_logprobs, sampling_logprobs, mask, advantages[:, 0], mask_threshold)
+        loss_advantages = loss_advantages * kept
+    return loss_advantages, weights, ratios, kept
+
+
+def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
+    """Truncated / masked importance sampling of the sampler-trainer gap (TRL's GRPO; Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"): rho = pi_trainer / pi_sampler of the sampled tokens, per
+    completion (B, 1) for sequence_* modes or per token (B, C); sequence_geometric_mask: the geometric mean of a
+    completion's token ratios, whose bounds are tight ([0.99, 1.01]) because it does not grow with the length. Detached:
+    it weights the loss, it is not trained."""
+    log_rho = (old_logprobs - sampling_logprobs) * mask  # (B, C)
+    if mode == "sequence_geometric_mask":  # the geometric mean of the token ratios (SkyRL; OpenRLHF, NeMo-RL)
+        log_rho = log_rho.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
+    elif mode.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True)  # (B, 1)
+    rho = log_rho.exp()
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else math.inf
+    if mode.endswith("truncate"):
+        return rho.clamp(low, high)
+    return rho.masked_fill((rho < low) | (rho > high), 0.0)
+
+
+def off_policy_sequence_mask(old_logprobs, sampling_logprobs, mask, advantages, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, section 3.1): (B, 1) 0 for a completion with a
+    negative advantage whose mean log pi_sampler - log pi_trainer over its tokens exceeds the threshold, else 1. Such a
+    completion is one the sampler made likelier than the policy would (a stale or mismatched sampler): learning from its
+    failure pushes the policy away from what it would not have done anyway, and destabilises it."""
+    drift = ((sampling_logprobs - old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
+    return (~((advantages < 0) & (drift > threshold))).float()[:, None]
 
 
 # ---- The weights HF generate samples from --------------------------------------------------------------------------

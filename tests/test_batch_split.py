@@ -18,7 +18,7 @@ import torch
 
 import rloo
 from conftest import free_port, read_metrics, run_outcome, run_rloo
-from rloo_utils import packing
+from rloo_utils import off_policy, packing
 
 per_script = pytest.mark.usefixtures("each_script")  # each test runs against every script's functions
 
@@ -136,15 +136,15 @@ def test_the_gradient_of_a_step_does_not_depend_on_its_micro_batches(loss):
             assert whole[1].abs().sum() > 0, "a loss with no gradient would pass vacuously"
             for size, micro_batches in splits(order).items():
                 assert_same_step(step(rloo, batch, micro_batches), whole, f"{estimator}, micro-batches of {size}")
-            if hasattr(rloo, "importance_sampling_weights") and not on_policy:  # vLLM's samples: weighted, masked
+            if not on_policy:  # vLLM's samples: weighted, masked
                 sampling_logprobs = batch["old"] + 0.2 * torch.randn(B, C, generator=torch.Generator().manual_seed(5))
                 for mode in IMPORTANCE_SAMPLING:
                     bounds = (0.9, 1.1) if mode == "sequence_geometric_mask" else (0.5, 2.0)
-                    weights = rloo.importance_sampling_weights(
+                    weights = off_policy.importance_sampling_weights(
                         batch["old"], sampling_logprobs, batch["mask"], mode, *bounds
                     )
                     # and the off-policy sequence mask on top, as the loop applies it
-                    weights = weights * rloo.off_policy_sequence_mask(
+                    weights = weights * off_policy.off_policy_sequence_mask(
                         batch["old"], sampling_logprobs, batch["mask"], batch["advantages"][:, 0], 0.05
                     )
                     weighted = {**batch, "advantages": batch["advantages"] * weights}

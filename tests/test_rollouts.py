@@ -15,6 +15,7 @@ import rloo
 import rloo_multigpu
 import rloo_vllm
 from rloo_utils.errors import RunError, UsageError
+from rloo_utils import off_policy
 from rloo_utils.off_policy import check_importance_sampling, sampling_metrics
 from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.vllm_engine import check_vllm_args
@@ -205,27 +206,25 @@ def test_a_kept_rollout_staler_than_max_staleness_is_sampled_again():
     assert (six.version, six.resampled) == (4, False)
 
 
-@pytest.mark.parametrize("script", [rloo, rloo_vllm, rloo_multigpu])
-def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand(script):
+def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand():
     old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])  # the trainer's log-probs of the sampled tokens
     sampled = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, -0.5, 3.0]])  # vLLM's
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    ratios = script.importance_sampling_weights(old, sampled, mask, "token_truncate", None, None)
-    weights = script.importance_sampling_weights(old, sampled, mask, "token_truncate", None, 1.2)
+    ratios = off_policy.importance_sampling_weights(old, sampled, mask, "token_truncate", None, None)
+    weights = off_policy.importance_sampling_weights(old, sampled, mask, "token_truncate", None, 1.2)
     metrics = sampling_metrics(old, sampled, mask, weights, ratios)
     log_r = torch.tensor([0.5, -1.0, 0.0, 0.0, -3.5])  # over the 5 real tokens
     k3 = float((log_r.exp() - 1 - log_r).mean())
     assert metrics["sampling/kl"] == pytest.approx(k3, rel=1e-6)
     assert metrics["sampling/kl"] > 0
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 5)  # exp(0.5) > 1.2
-    sequence_ratios = script.importance_sampling_weights(old, sampled, mask, "sequence_mask", None, None)
-    sequence = script.importance_sampling_weights(old, sampled, mask, "sequence_mask", 0.5, 3.0)
+    sequence_ratios = off_policy.importance_sampling_weights(old, sampled, mask, "sequence_mask", None, None)
+    sequence = off_policy.importance_sampling_weights(old, sampled, mask, "sequence_mask", 0.5, 3.0)
     metrics = sampling_metrics(old, sampled, mask, sequence, sequence_ratios)
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 2)  # exp(-3.5) masked
 
 
-@pytest.mark.parametrize("script", [rloo, rloo_vllm, rloo_multigpu])
-def test_the_two_sequence_masks_by_hand(script):
+def test_the_two_sequence_masks_by_hand():
     """The geometric mask (SkyRL; OpenRLHF's and NeMo-RL's seq-mask-tis) keeps a completion whose mean token log-ratio
     log pi_trainer - log pi_vllm is inside log [0.99, 1.01], whatever its length; the off-policy sequence mask
     (DeepSeek-V3.2) drops a completion with A < 0 whose mean log pi_vllm - log pi_trainer exceeds the threshold. Each
@@ -234,10 +233,10 @@ def test_the_two_sequence_masks_by_hand(script):
     drift = torch.tensor([[0.005, 0.005, 0.005, 0.005], [0.04, 0.0, 0.0, 0.0], [-0.3, -0.3, -0.3, 0.0]])
     sampled = old + drift  # vLLM's: row 0 a little likelier throughout, row 1 on its first token, row 2 less likely
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
-    ratios = script.importance_sampling_weights(old, sampled, mask, "sequence_geometric_mask", None, None)
+    ratios = off_policy.importance_sampling_weights(old, sampled, mask, "sequence_geometric_mask", None, None)
     # geometric means exp(-0.005), exp(-0.02), exp(0.3): one per completion, however long
     torch.testing.assert_close(ratios, torch.tensor([[-0.005], [-0.02], [0.3]]).exp())
-    kept = script.importance_sampling_weights(old, sampled, mask, "sequence_geometric_mask", 0.99, 1.01)
+    kept = off_policy.importance_sampling_weights(old, sampled, mask, "sequence_geometric_mask", 0.99, 1.01)
     assert kept.flatten().tolist() == [pytest.approx(ratios[0, 0].item()), 0.0, 0.0]  # exp(-0.02) < 0.99 masked
     # the product ratio of row 0 is exp(-0.02): a sequence_mask with the same bounds would keep it, and its length
     # decides that (30 such tokens would be masked by a product, never by the mean)
@@ -246,10 +245,14 @@ def test_the_two_sequence_masks_by_hand(script):
 
     advantages = torch.tensor([-1.0, -1.0, 1.0])
     # mean drift log pi_vllm - log pi_trainer: 0.005, 0.02, -0.3
-    kept = script.off_policy_sequence_mask(old, sampled, mask, advantages, threshold=0.008)
+    kept = off_policy.off_policy_sequence_mask(old, sampled, mask, advantages, threshold=0.008)
     assert kept.flatten().tolist() == [1.0, 0.0, 1.0]  # row 1 drifted past it with A < 0; row 2 has A > 0
-    assert script.off_policy_sequence_mask(old, sampled, mask, -advantages, 0.008).flatten().tolist() == [1.0] * 3
-    assert script.off_policy_sequence_mask(old, sampled, mask, advantages, 0.0).flatten().tolist() == [0.0, 0.0, 1.0]
+    assert off_policy.off_policy_sequence_mask(old, sampled, mask, -advantages, 0.008).flatten().tolist() == [1.0] * 3
+    assert off_policy.off_policy_sequence_mask(old, sampled, mask, advantages, 0.0).flatten().tolist() == [
+        0.0,
+        0.0,
+        1.0,
+    ]
     metrics = sampling_metrics(old, sampled, mask, None, None, kept)
     assert metrics["sampling/off_policy_masked_fraction"] == pytest.approx(1 / 3)
 
