@@ -32,7 +32,7 @@ import sys
 import time
 import types
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
@@ -160,32 +160,6 @@ class Args(options.FeatureOptions, VLLMOptions):
     """gradient clipping by global norm"""
 
 
-def resolve_defaults(args: Args) -> Args:
-    """Fill in the defaults that depend on other options (after the checks, which see what the user gave)."""
-    gspo = args.loss_type == "gspo"  # the GSPO paper's clip range, on its sequence ratio
-    epsilon = args.epsilon if args.epsilon is not None else (3e-4 if gspo else 0.2)
-    epsilon_high = args.epsilon_high
-    if epsilon_high is None:
-        epsilon_high = 4e-4 if gspo and args.epsilon is None else epsilon
-    normalization = args.advantage_normalization
-    if normalization == "estimator":
-        normalization = ESTIMATORS[args.advantage_estimator][1]
-        normalization = "batch" if args.normalize_advantages else normalization
-    aggregation = LOSSES[args.loss_type][1]  # None: one loss per completion
-    sapo = args.loss_type == "sapo"
-    return replace(
-        args,
-        epsilon=epsilon,
-        epsilon_high=epsilon_high,
-        advantage_normalization=normalization,
-        loss_aggregation=aggregation and (args.loss_aggregation or aggregation),
-        sapo_tau_pos=(args.sapo_tau_pos or 1.0) if sapo else None,
-        sapo_tau_neg=(args.sapo_tau_neg or 1.05) if sapo else None,
-        num_generations_eval=args.num_generations_eval or args.num_generations,
-        eval_temperature=args.temperature if args.eval_temperature is None else args.eval_temperature,
-    )
-
-
 # ---- KL, advantages, losses ------------------------------------------------------------------------------------------
 def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """KL(policy || reference) estimated per sampled token (http://joschu.net/blog/kl-approx.html)."""
@@ -238,13 +212,36 @@ def has_baseline(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return (scorable & (scorable.sum(1, keepdim=True) > 1)).view(-1)
 
 
-# The advantage estimators: each a baseline, (B,) rewards and G -> (B,) rewards centred within their groups, and the
-# scaling it comes with in its paper (--advantage_normalization estimator). A new estimator is a function and an entry.
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: its baseline, (B,) rewards and G -> (B,) rewards centred within their groups; the
+    scaling it comes with in its paper (--advantage_normalization estimator); the scalings it refuses, and why."""
+
+    baseline: Callable
+    normalization: str
+    refuses: dict = field(default_factory=dict)
+
+
+# --advantage_estimator: a new estimator is a function and an entry
 ESTIMATORS = {
-    "rloo": (rloo_advantages, "none"),  # r_i - mean_{j != i} r_j (Ahmadian et al. 2024)
-    "grpo": (group_mean_advantages, "group"),  # (r_i - mean) / (std + 1e-4) (Shao et al. 2024)
-    "dr_grpo": (group_mean_advantages, "none"),  # r_i - mean (Liu et al. 2025)
-    "reinforce_pp": (group_mean_advantages, "batch"),  # r_i - mean, whitened over the batch (Hu 2025)
+    "rloo": Estimator(rloo_advantages, "none"),  # r_i - mean_{j != i} r_j (Ahmadian et al. 2024)
+    "grpo": Estimator(group_mean_advantages, "group"),  # (r_i - mean) / (std + 1e-4) (Shao et al. 2024)
+    "dr_grpo": Estimator(  # r_i - mean (Liu et al. 2025)
+        group_mean_advantages,
+        "none",
+        refuses={
+            "batch": "does not take batch normalisation: Dr. GRPO drops the division by a std (--advantage_estimator "
+            "reinforce_pp whitens group-centred advantages over the batch)"
+        },
+    ),
+    "reinforce_pp": Estimator(  # r_i - mean, whitened over the batch (Hu 2025)
+        group_mean_advantages,
+        "batch",
+        refuses=dict.fromkeys(
+            ["none", "group"],
+            "needs batch normalisation (REINFORCE++ whitens the group-centred advantages over the whole batch)",
+        ),
+    ),
 }
 AdvantageEstimator = Literal[tuple(ESTIMATORS)]  # --advantage_estimator's choices
 
@@ -269,8 +266,7 @@ def compute_advantages(rewards, kl_before, in_loss, num_generations: int, estima
     dr_grpo       r_i - mean                              (Liu et al. 2025, Dr. GRPO)
     reinforce_pp  r_i - mean, then whitened over the batch (Hu 2025, REINFORCE++)
     """
-    baseline, _ = ESTIMATORS[estimator]
-    advantages = baseline(rewards, num_generations)  # (B,)
+    advantages = ESTIMATORS[estimator].baseline(rewards, num_generations)  # (B,)
     divisor = torch.ones_like(advantages)  # what the centred reward is divided by
     if normalization == "group":
         divisor = group_std(rewards, num_generations) + 1e-4
@@ -344,16 +340,95 @@ def sapo_loss(logprobs, old_logprobs, advantages, mask, args):
     return -gate * advantages, logprobs.detach() - old_logprobs, {"sapo/gate_mean": gate.detach()}
 
 
-# --loss_type: each loss and how its per-token losses make the minibatch's (--loss_aggregation's default; None: one
-# per completion).
+@dataclass(frozen=True)
+class Loss:
+    """A loss: its function; how its per-token losses make the minibatch's (--loss_aggregation's default; None: one
+    loss per completion); its clip range [1 - epsilon, 1 + epsilon_high] where --epsilon is not given; SAPO's gate
+    temperatures (tau_pos, tau_neg)."""
+
+    function: Callable
+    aggregation: Optional[str]
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    gate_temperatures: Optional[tuple[float, float]] = None
+
+
+# --loss_type: a new loss is a function and an entry
 LOSSES = {
-    "sequence": (sequence_loss, None),  # TRL's RLOO
-    "token": (token_loss, "token-mean"),  # REINFORCE, or PPO per token (--ppo_clip)
-    "cispo": (cispo_loss, "token-mean"),
-    "gspo": (gspo_loss, "seq-mean-token-mean"),  # every sequence weighs the same, as its ratio
-    "sapo": (sapo_loss, "token-mean"),
+    "sequence": Loss(sequence_loss, None),  # TRL's RLOO
+    "token": Loss(token_loss, "token-mean"),  # REINFORCE, or PPO per token (--ppo_clip)
+    "cispo": Loss(cispo_loss, "token-mean"),
+    "gspo": Loss(gspo_loss, "seq-mean-token-mean", 3e-4, 4e-4),  # each sequence weighs the same; the paper's clip range
+    "sapo": Loss(sapo_loss, "token-mean", gate_temperatures=(1.0, 1.05)),
 }
 LossType = Literal[tuple(LOSSES)]  # --loss_type's choices
+
+
+def check_algorithm(args: Args) -> None:
+    """The estimator's and the loss's options, alone and together: what does not make sense is refused with why."""
+    if args.normalize_advantages and args.advantage_normalization not in ("estimator", "batch"):
+        raise errors.UsageError(
+            f"--normalize_advantages means --advantage_normalization batch, which contradicts "
+            f"--advantage_normalization {args.advantage_normalization}; give one of them"
+        )
+    normalization = "batch" if args.normalize_advantages else args.advantage_normalization
+    refused = ESTIMATORS[args.advantage_estimator].refuses.get(normalization)
+    if refused:
+        raise errors.UsageError(
+            f"--advantage_estimator {args.advantage_estimator} {refused}, got --advantage_normalization {normalization}"
+        )
+    for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg"]:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise errors.UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.epsilon is not None and args.epsilon >= 1:
+        raise errors.UsageError(
+            f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}"
+        )
+    if args.ppo_clip and args.loss_type != "token":
+        reason = "clips its sequence ratio already" if args.loss_type == "sequence" else "has its own ratio handling"
+        raise errors.UsageError(
+            f"--ppo_clip layers PPO clipping on --loss_type token; --loss_type {args.loss_type} {reason}"
+        )
+    if args.dual_clip is not None and not args.ppo_clip:
+        raise errors.UsageError("--dual_clip is part of PPO clipping: add --ppo_clip (with --loss_type token)")
+    if args.dual_clip is not None and not args.dual_clip > 1:
+        raise errors.UsageError(
+            f"--dual_clip must be > 1 (it caps the loss of A < 0 tokens at c*|A|), got {args.dual_clip}"
+        )
+    if args.loss_aggregation is not None and LOSSES[args.loss_type].aggregation is None:
+        raise errors.UsageError(
+            f"--loss_aggregation applies to token-level losses; --loss_type {args.loss_type} has one term per "
+            "completion (its ratio sums the token log-probs)"
+        )
+    if (args.sapo_tau_pos, args.sapo_tau_neg) != (None, None) and LOSSES[args.loss_type].gate_temperatures is None:
+        raise errors.UsageError(
+            f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
+            f"not of --loss_type {args.loss_type}"
+        )
+
+
+def resolve_defaults(args: Args) -> Args:
+    """The defaults that follow from other options: the estimator's scaling and the loss's clip range, aggregation and
+    gate temperatures, from their entries above; each feature's, from its option group (options.derived_defaults).
+    After the checks, which see what the user gave."""
+    estimator, loss = ESTIMATORS[args.advantage_estimator], LOSSES[args.loss_type]
+    normalization = args.advantage_normalization
+    if normalization == "estimator":
+        normalization = "batch" if args.normalize_advantages else estimator.normalization
+    epsilon = loss.epsilon if args.epsilon is None else args.epsilon
+    epsilon_high = args.epsilon_high
+    if epsilon_high is None:
+        epsilon_high = loss.epsilon_high if args.epsilon is None else epsilon
+    tau_pos, tau_neg = loss.gate_temperatures or (None, None)
+    return replace(
+        options.derived_defaults(args),
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        advantage_normalization=normalization,
+        loss_aggregation=loss.aggregation and (args.loss_aggregation or loss.aggregation),
+        sapo_tau_pos=tau_pos and (args.sapo_tau_pos or tau_pos),
+        sapo_tau_neg=tau_neg and (args.sapo_tau_neg or tau_neg),
+    )
 
 
 def aggregate_loss(
@@ -373,7 +448,7 @@ def aggregate_loss(
 def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens):
     """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it; and its
     statistics: logs.clip_statistics over the units of its clip, the sum of the token ratios, the loss's own."""
-    losses, log_ratio, own_stats = LOSSES[args.loss_type][0](logprobs, old_logprobs, advantages, mask, args)
+    losses, log_ratio, own_stats = LOSSES[args.loss_type].function(logprobs, old_logprobs, advantages, mask, args)
     if losses.dim() == 1:  # one per completion
         loss = (losses * in_loss).sum() / mini_batch_size
     else:
@@ -416,6 +491,7 @@ def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     options.check_args(args)
     check_vllm_args(args, server=args.vllm_mode == "server")
+    check_algorithm(args)
     args = resolve_defaults(args)
     plan = runs.plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates

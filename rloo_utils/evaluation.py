@@ -50,6 +50,32 @@ class EvaluationOptions:
     eval_metric_funcs: Optional[list[str]] = None
     """metrics of the evaluation only, never trained on (the reward-function signature; booleans give pass@k)"""
 
+    def check(self) -> None:
+        """The held-out evaluation's options, alone and against the training's."""
+        if self.eval_steps < 0 or self.eval_steps >= 1 and self.eval_steps != int(self.eval_steps):
+            raise UsageError(
+                "--eval_steps must be a whole number of updates, a fraction of the run below 1, or 0 for no "
+                f"evaluation, got {self.eval_steps:g}"
+            )
+        for name in ["max_eval_prompts", "num_generations_eval"]:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UsageError(f"--{name} must be at least 1 (or left out), got {getattr(self, name)}")
+        if self.eval_temperature is not None and self.eval_temperature < 0:
+            raise UsageError(f"--eval_temperature must be >= 0 (0: greedy), got {self.eval_temperature}")
+        n = self.num_generations_eval or self.num_generations
+        if self.eval_temperature == 0 and n > 1:
+            raise UsageError(
+                f"--eval_temperature 0 samples greedily, so the {n} completions of a test prompt would all be the "
+                "same: add --num_generations_eval 1"
+            )
+
+    def derived_defaults(self) -> dict:
+        """The evaluation's sampling where it is not given: the training's."""
+        return {
+            "num_generations_eval": self.num_generations_eval or self.num_generations,
+            "eval_temperature": self.temperature if self.eval_temperature is None else self.eval_temperature,
+        }
+
 
 # The column that names each test prompt's data source (veRL's name): its metrics are also logged per source
 DATA_SOURCE_COLUMN = "data_source"

@@ -52,38 +52,41 @@ class ImportanceSamplingOptions:
             return tuple(self.geometric_mask_bounds)
         return self.importance_sampling_clip_min, self.importance_sampling_clip_max
 
-
-def check_importance_sampling(args) -> None:
-    """The correction's bounds, and its mode against the loss."""
-    low, high = args.importance_sampling_clip_min, args.importance_sampling_clip_max
-    if (low is not None and low < 0) or (high is not None and high <= 0) or (None not in (low, high) and low >= high):
-        raise UsageError(
-            f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max {high}"
-        )
-    mode, geometric_bounds = args.importance_sampling_mode, tuple(args.geometric_mask_bounds)
-    if not 0 < geometric_bounds[0] < 1 < geometric_bounds[1]:
-        raise UsageError(
-            f"--geometric_mask_bounds must hold 1 between them, low > 0 (a completion's mean token ratio is "
-            f"masked outside them; SkyRL starts at 0.99 1.01), got {geometric_bounds[0]:g} {geometric_bounds[1]:g}"
-        )
-    if geometric_bounds != (0.99, 1.01) and mode != "sequence_geometric_mask":
-        raise UsageError(
-            "--geometric_mask_bounds are the bounds of --importance_sampling_mode sequence_geometric_mask, "
-            f"and the mode is {mode}: give that mode, or leave the bounds out"
-        )
-    threshold = args.off_policy_mask_threshold
-    if threshold is not None and threshold < 0:
-        raise UsageError(f"--off_policy_mask_threshold must be >= 0 (a mean log-ratio), got {threshold}")
-    if threshold is not None and not args.importance_sampling_correction:
-        raise UsageError(
-            "--off_policy_mask_threshold masks with the sampler's log-probs, which "
-            "--no_importance_sampling_correction leaves out of the loss: give one of them"
-        )
-    if args.importance_sampling_correction and mode.startswith("token") and args.loss_type == "sequence":
-        raise UsageError(
-            f"--importance_sampling_mode {mode} weights tokens, and --loss_type sequence has one term per "
-            "completion: use sequence_mask or sequence_truncate"
-        )
+    def check(self) -> None:
+        """The correction's bounds, and its mode against the loss."""
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if (
+            (low is not None and low < 0)
+            or (high is not None and high <= 0)
+            or (None not in (low, high) and low >= high)
+        ):
+            raise UsageError(
+                f"the importance-sampling bounds need 0 <= clip_min < clip_max, got clip_min {low}, clip_max {high}"
+            )
+        mode, geometric_bounds = self.importance_sampling_mode, tuple(self.geometric_mask_bounds)
+        if not 0 < geometric_bounds[0] < 1 < geometric_bounds[1]:
+            raise UsageError(
+                f"--geometric_mask_bounds must hold 1 between them, low > 0 (a completion's mean token ratio is "
+                f"masked outside them; SkyRL starts at 0.99 1.01), got {geometric_bounds[0]:g} {geometric_bounds[1]:g}"
+            )
+        if geometric_bounds != (0.99, 1.01) and mode != "sequence_geometric_mask":
+            raise UsageError(
+                "--geometric_mask_bounds are the bounds of --importance_sampling_mode sequence_geometric_mask, "
+                f"and the mode is {mode}: give that mode, or leave the bounds out"
+            )
+        threshold = self.off_policy_mask_threshold
+        if threshold is not None and threshold < 0:
+            raise UsageError(f"--off_policy_mask_threshold must be >= 0 (a mean log-ratio), got {threshold}")
+        if threshold is not None and not self.importance_sampling_correction:
+            raise UsageError(
+                "--off_policy_mask_threshold masks with the sampler's log-probs, which "
+                "--no_importance_sampling_correction leaves out of the loss: give one of them"
+            )
+        if self.importance_sampling_correction and mode.startswith("token") and self.loss_type == "sequence":
+            raise UsageError(
+                f"--importance_sampling_mode {mode} weights tokens, and --loss_type sequence has one term per "
+                "completion: use sequence_mask or sequence_truncate"
+            )
 
 
 # ---- The correction --------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from rloo_utils.evaluation import EvaluationOptions
 from rloo_utils.logs import LoggingOptions
 from rloo_utils.lora import LoraOptions
 from rloo_utils.models import ModelOptions, SpeedOptions, set_model_options
-from rloo_utils.off_policy import ImportanceSamplingOptions, check_importance_sampling
+from rloo_utils.off_policy import ImportanceSamplingOptions
 from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY, RewardSourceOptions
 from rloo_utils.tools import ToolUseOptions
 
@@ -141,6 +141,15 @@ def option_groups(args_class) -> list[type]:
         for c in args_class.__mro__
         if is_dataclass(c) and c.__module__.startswith("rloo_utils.") and vars(c).get("__annotations__")
     ]
+
+
+def derived_defaults(args):
+    """args with each group's defaults that follow from other options (its derived_defaults) filled in."""
+    derived = {}
+    for group in option_groups(type(args)):
+        if "derived_defaults" in vars(group):
+            derived.update(group.derived_defaults(args))
+    return replace(args, **derived)
 
 
 def resumable_options(args_class) -> set[str]:
@@ -307,8 +316,6 @@ def check_args(args, world_size: int = 1) -> None:
     ]:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    check_evaluation_args(args)
-    check_tool_args(args)
     if args.num_sample_generations and not args.num_sample_prompts:
         raise UsageError(
             "--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
@@ -320,15 +327,6 @@ def check_args(args, world_size: int = 1) -> None:
         )
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
-    for name in ["epsilon", "epsilon_high", "sapo_tau_pos", "sapo_tau_neg", "reward_timeout"]:
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            raise UsageError(f"--{name} must be > 0, got {getattr(args, name)}")
-    if args.epsilon is not None and args.epsilon >= 1:
-        raise UsageError(
-            f"--epsilon must be < 1 (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got {args.epsilon}"
-        )
-    check_estimator_and_loss(args)
-    check_overlong_punishment(args)
     for name in ["cache_implementation", "sampler_weights", "decoding_loop"]:  # HF generate's
         if getattr(args, name) != "auto" and (
             getattr(args, "vllm_mode", None) or getattr(args, "vllm_server_host", None)
@@ -394,43 +392,10 @@ def check_args(args, world_size: int = 1) -> None:
         path = getattr(args, name)
         if path is not None and looks_local(path) and not os.path.exists(path):
             raise UsageError(f"--{name} {path} does not exist")
-    check_importance_sampling(args)
+    for group in option_groups(type(args)):  # each feature's own checks, beside its options
+        if "check" in vars(group):
+            group.check(args)
     set_model_options(args)
-
-
-def check_evaluation_args(args) -> None:
-    """The held-out evaluation's options (rloo_utils/evaluation.py)."""
-    if args.eval_steps < 0 or args.eval_steps >= 1 and args.eval_steps != int(args.eval_steps):
-        raise UsageError(
-            f"--eval_steps must be a whole number of updates, a fraction of the run below 1, or 0 for no evaluation, "
-            f"got {args.eval_steps:g}"
-        )
-    for name in ["max_eval_prompts", "num_generations_eval"]:
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be at least 1 (or left out), got {getattr(args, name)}")
-    if args.eval_temperature is not None and args.eval_temperature < 0:
-        raise UsageError(f"--eval_temperature must be >= 0 (0: greedy), got {args.eval_temperature}")
-    n = args.num_generations_eval or args.num_generations
-    if args.eval_temperature == 0 and n > 1:
-        raise UsageError(
-            f"--eval_temperature 0 samples greedily, so the {n} completions of a test prompt would all be the same: "
-            "add --num_generations_eval 1"
-        )
-
-
-def check_tool_args(args) -> None:
-    """The multi-turn options (rloo_utils/tools.py); the tools and environments themselves are loaded by load_tools."""
-    if args.max_tool_calling_iterations is not None:
-        if args.max_tool_calling_iterations < 0:
-            raise UsageError(f"--max_tool_calling_iterations must be >= 0, got {args.max_tool_calling_iterations}")
-        if not args.tools and not args.environment:
-            raise UsageError("--max_tool_calling_iterations needs tools to call: give --tools or --environment")
-    if args.tool_timeout is not None and not args.tool_timeout > 0:
-        raise UsageError(f"--tool_timeout must be > 0 (or left out: no limit), got {args.tool_timeout}")
-    if (args.tools or args.environment) and "tools" in (args.chat_template_kwargs or {}):
-        raise UsageError(
-            "--chat_template_kwargs sets tools and --tools/--environment gives them too: give them once, as --tools"
-        )
 
 
 # Sampling options the scripts set themselves, which --generation_kwargs must not override: the flag to use instead
@@ -637,71 +602,6 @@ SCHEDULE_ARGUMENTS = {
     "cosine": {"num_cycles"},
     "cosine_with_min_lr": {"num_cycles", "min_lr", "min_lr_rate"},
 }
-
-
-def check_estimator_and_loss(args) -> None:
-    """The combinations of estimator, normalisation and loss that do not make sense are refused, each with the
-    reason."""
-    if args.normalize_advantages and args.advantage_normalization not in ("estimator", "batch"):
-        raise UsageError(
-            f"--normalize_advantages means --advantage_normalization batch, which contradicts "
-            f"--advantage_normalization {args.advantage_normalization}; give one of them"
-        )
-    normalization = "batch" if args.normalize_advantages else args.advantage_normalization
-    if normalization == "batch" and args.advantage_estimator == "dr_grpo":
-        raise UsageError(
-            "--advantage_estimator dr_grpo does not take batch normalisation: Dr. GRPO drops the division by "
-            "a std; use --advantage_estimator reinforce_pp to whiten group-centred advantages over the batch"
-        )
-    if args.advantage_estimator == "reinforce_pp" and normalization in ("none", "group"):
-        raise UsageError(
-            f"--advantage_estimator reinforce_pp needs batch normalisation (REINFORCE++ whitens the "
-            f"group-centred advantages over the whole batch), got --advantage_normalization {normalization}"
-        )
-    if args.ppo_clip and args.loss_type != "token":
-        reason = "clips its sequence ratio already" if args.loss_type == "sequence" else "has its own ratio handling"
-        raise UsageError(f"--ppo_clip layers PPO clipping on --loss_type token; --loss_type {args.loss_type} {reason}")
-    if args.dual_clip is not None and not args.ppo_clip:
-        raise UsageError("--dual_clip is part of PPO clipping: add --ppo_clip (with --loss_type token)")
-    if args.dual_clip is not None and not args.dual_clip > 1:
-        raise UsageError(f"--dual_clip must be > 1 (it caps the loss of A < 0 tokens at c*|A|), got {args.dual_clip}")
-    if args.loss_aggregation is not None and args.loss_type == "sequence":
-        raise UsageError(
-            "--loss_aggregation applies to token-level losses; --loss_type sequence has one term per "
-            "completion (its ratio sums the token log-probs)"
-        )
-    if (args.sapo_tau_pos is not None or args.sapo_tau_neg is not None) and args.loss_type != "sapo":
-        raise UsageError(
-            f"--sapo_tau_pos/--sapo_tau_neg are the gate temperatures of --loss_type sapo, "
-            f"not of --loss_type {args.loss_type}"
-        )
-
-
-def check_overlong_punishment(args) -> None:
-    """The soft overlong punishment's options shape its reward function only, and its buffer fits the completion."""
-    used = "soft_overlong_punishment" in (args.reward_funcs or [])
-    given = [
-        f"--{name} {getattr(args, name)}"
-        for name, default in [("overlong_buffer_length", None), ("overlong_penalty_factor", 1.0)]
-        if getattr(args, name) != default
-    ]
-    if given and not used:
-        raise UsageError(
-            f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for the reward function "
-            "soft_overlong_punishment, which --reward_funcs does not name: add it (--reward_funcs "
-            "soft_overlong_punishment ...), or leave the option out"
-        )
-    buffer = args.overlong_buffer_length
-    if buffer is not None and not 0 < buffer <= args.max_completion_length:
-        raise UsageError(
-            f"--overlong_buffer_length must be in [1, --max_completion_length {args.max_completion_length}] (the "
-            f"last tokens before the limit, over which the penalty grows), got {buffer}"
-        )
-    if args.overlong_penalty_factor < 0:
-        raise UsageError(
-            f"--overlong_penalty_factor must be >= 0 (the penalty subtracted at the limit), got "
-            f"{args.overlong_penalty_factor}"
-        )
 
 
 def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:

@@ -45,6 +45,35 @@ class RewardSourceOptions:
     overlong_penalty_factor: float = 1.0
     """(soft_overlong_punishment) its penalty at --max_completion_length, which a truncated completion gets whole"""
 
+    def check(self) -> None:
+        """The reward timeout; the soft overlong punishment's options shape its reward function only, and its buffer
+        fits the completion (the sources themselves are loaded, and checked, by reward_sources)."""
+        if self.reward_timeout is not None and not self.reward_timeout > 0:
+            raise UsageError(f"--reward_timeout must be > 0, got {self.reward_timeout}")
+        used = "soft_overlong_punishment" in (self.reward_funcs or [])
+        given = [
+            f"--{name} {getattr(self, name)}"
+            for name, default in [("overlong_buffer_length", None), ("overlong_penalty_factor", 1.0)]
+            if getattr(self, name) != default
+        ]
+        if given and not used:
+            raise UsageError(
+                f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for the reward function "
+                "soft_overlong_punishment, which --reward_funcs does not name: add it (--reward_funcs "
+                "soft_overlong_punishment ...), or leave the option out"
+            )
+        buffer = self.overlong_buffer_length
+        if buffer is not None and not 0 < buffer <= self.max_completion_length:
+            raise UsageError(
+                f"--overlong_buffer_length must be in [1, --max_completion_length {self.max_completion_length}] (the "
+                f"last tokens before the limit, over which the penalty grows), got {buffer}"
+            )
+        if self.overlong_penalty_factor < 0:
+            raise UsageError(
+                f"--overlong_penalty_factor must be >= 0 (the penalty subtracted at the limit), got "
+                f"{self.overlong_penalty_factor}"
+            )
+
 
 def reward_model_inputs(
     reward_tokenizer,

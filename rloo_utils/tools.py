@@ -34,6 +34,20 @@ class ToolUseOptions:
     tool_timeout: Optional[float] = None
     """seconds a tool call may take, after which it is answered with an error (one line); None: no limit"""
 
+    def check(self) -> None:
+        """The multi-turn options; the tools and environments themselves are loaded, and checked, by load_tools."""
+        if self.max_tool_calling_iterations is not None:
+            if self.max_tool_calling_iterations < 0:
+                raise UsageError(f"--max_tool_calling_iterations must be >= 0, got {self.max_tool_calling_iterations}")
+            if not self.tools and not self.environment:
+                raise UsageError("--max_tool_calling_iterations needs tools to call: give --tools or --environment")
+        if self.tool_timeout is not None and not self.tool_timeout > 0:
+            raise UsageError(f"--tool_timeout must be > 0 (or left out: no limit), got {self.tool_timeout}")
+        if (self.tools or self.environment) and "tools" in (self.chat_template_kwargs or {}):
+            raise UsageError(
+                "--chat_template_kwargs sets tools and --tools/--environment gives them too: give them once, as --tools"
+            )
+
 
 # The tool-call format of Hermes-style chat templates (Qwen2.5, Qwen3, SmolLM3, NousResearch's Hermes):
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A tokenizer that carries its own response_template

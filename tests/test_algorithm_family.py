@@ -129,7 +129,7 @@ def best_of_group_advantages(rewards, num_generations):
 
 
 ESTIMATORS = {
-    "best_of_group": (best_of_group_advantages, "group"),"""
+    "best_of_group": Estimator(best_of_group_advantages, "group"),"""
 
 
 def fork_of(script: str, registry: str, addition: str, tmp_path, monkeypatch):
@@ -182,7 +182,7 @@ def sequence_reinforce_loss(logprobs, old_logprobs, advantages, mask, args):
 
 
 LOSSES = {
-    "sequence_reinforce": (sequence_reinforce_loss, None),"""
+    "sequence_reinforce": Loss(sequence_reinforce_loss, None),"""
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_vllm.py", "rloo_multigpu.py"])

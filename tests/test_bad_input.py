@@ -182,7 +182,9 @@ OPTIONS = [
 @pytest.mark.parametrize("options,needle", OPTIONS, ids=[next(iter(o)) + str(i) for i, (o, _) in enumerate(OPTIONS)])
 def test_options_that_make_no_sense(options, needle):
     with pytest.raises(UsageError, match=re.escape(needle)):
-        check_args(rloo.Args(**options))
+        args = rloo.Args(**options)
+        check_args(args)
+        rloo.check_algorithm(args)
 
 
 def test_generation_kwargs_values_that_generate_takes_are_accepted():
@@ -232,11 +234,13 @@ CHECKED_LATER = ("--reward_weights", "--reward_funcs", "--resume_from_checkpoint
 )
 def test_checked_before_models_load(extra, needles, prompts_file, tmp_path):
     argv = ["--model_name_or_path", str(tmp_path), "--dataset_name", prompts_file, *map(str, extra)]
-    # check_args is the first thing the script does with its options: a refusal it makes needs no process of its own
-    # (each costs ~2 s of importing torch), except for a few that show the whole path is one line.
+    # check_args and check_algorithm are the first things the script does with its options: a refusal they make needs
+    # no process of its own (each costs ~2 s of importing torch), except for a few that show the whole path is one line.
     if extra not in THROUGH_THE_SCRIPT:
         try:
-            check_args(tyro.cli(rloo.Args, args=argv, use_underscores=True))
+            args = tyro.cli(rloo.Args, args=argv, use_underscores=True)
+            check_args(args)  # the features' options
+            rloo.check_algorithm(args)  # the estimator's and the loss's, beside their registries
         except UsageError as e:
             assert all(needle in str(e) for needle in needles), str(e)
             return

@@ -746,6 +746,7 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
         monkeypatch.setattr(sys, "argv", [script, *command[command.index(script) + 1 :]])
         args = options.parse_args(module.Args)
         options.check_args(args)
+        module.check_algorithm(args)
         assert args.seed == int(command[-1])
 
 

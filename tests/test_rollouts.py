@@ -16,7 +16,7 @@ import rloo_multigpu
 import rloo_vllm
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils import off_policy
-from rloo_utils.off_policy import check_importance_sampling, sampling_metrics
+from rloo_utils.off_policy import ImportanceSamplingOptions, sampling_metrics
 from rloo_utils.rollouts import RolloutQueue
 from rloo_utils.vllm_engine import check_vllm_args
 from tests.conftest import (
@@ -270,7 +270,7 @@ def test_bad_sequence_mask_options_are_refused(options, needle, tiny):
     for script in (rloo, rloo_vllm, rloo_multigpu):
         args = dataclasses.replace(script.Args(model_name_or_path=tiny["policy"]), **options)
         with pytest.raises(UsageError, match=re.escape(needle)):
-            check_importance_sampling(args)
+            ImportanceSamplingOptions.check(args)
 
 
 def test_the_sequence_masks_need_vllm_samples(tiny):
