@@ -77,6 +77,9 @@ class VLLMOptions:
     """(--use_peft) vLLM gets the adapter alone, or the merged weights, after an update; auto: the adapter if served"""
 
 
+# Apart from VLLMOptions, four of whose options it repeats word for word: options.in_sections shows each group of
+# options as a section of --help, and cannot show a group that derives from another; its other three differ from their
+# namesakes there (vllm_server_host's default, None: no server; the help of vllm_server_base_url and vllm_lora_push)
 @dataclass
 class ServerOptions:
     """A vLLM server to generate with, in rloo_multigpu.py: rloo_vllm.py's server mode (docs/vllm.md: its command)"""
@@ -275,7 +278,7 @@ def check_vllm_args(args, server: bool) -> None:
 
 def check_max_staleness(args, server: bool) -> None:
     """--max_staleness N (asynchronous rollouts, rloo_utils/rollouts.py) where the run can overlap them."""
-    staleness = getattr(args, "max_staleness", 0)
+    staleness = args.max_staleness
     if staleness < 0:
         raise UsageError(f"--max_staleness must be >= 0 (0: synchronous rollouts), got {staleness}")
     if not staleness:
