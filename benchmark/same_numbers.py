@@ -88,9 +88,11 @@ def digest(run_dir: str) -> dict:
             {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK and not k.startswith(("perf/", "time/"))}
             for line in f
         ]
-    samples = open(os.path.join(run_dir, "samples.jsonl"), "rb").read() if os.path.exists(
-        os.path.join(run_dir, "samples.jsonl")
-    ) else b""
+    samples = (
+        open(os.path.join(run_dir, "samples.jsonl"), "rb").read()
+        if os.path.exists(os.path.join(run_dir, "samples.jsonl"))
+        else b""
+    )
     weights = hashlib.sha256()
     model = os.path.join(run_dir, "model")
     for name in sorted(n for n in os.listdir(model) if n.endswith(".safetensors")):
