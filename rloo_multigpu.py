@@ -93,18 +93,17 @@ from rloo_utils.sharded import (
     save_sharded_checkpoint,
     save_sharded_model,
 )
-from rloo_utils.vllm_engine import (
+from rloo_utils.vllm_options import ServerOptions, check_vllm_args
+from rloo_utils.vllm_sampling import (
     SHARED_SERVER,
-    ServerOptions,
-    VLLMServer,
     check_engine,
-    check_vllm_args,
     pad_completions,
     sampler_support,
     sampling_configs,
     sampling_seeds,
     unpadded,
 )
+from rloo_utils.vllm_server import VLLMServer
 
 
 @dataclass

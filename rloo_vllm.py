@@ -56,19 +56,18 @@ from rloo_utils import (
 )
 from rloo_utils.models import end_token_ids, set_up_cuda, tokenize_prompts, weights_finite
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, task_scores
-from rloo_utils.vllm_engine import (
+from rloo_utils.vllm_colocated import ColocatedVLLM
+from rloo_utils.vllm_options import VLLMOptions, check_vllm_args
+from rloo_utils.vllm_sampling import (
     SHARED_SERVER,
-    ColocatedVLLM,
-    VLLMOptions,
-    VLLMServer,
     check_engine,
-    check_vllm_args,
     pad_completions,
     sampler_support,
     sampling_configs,
     sampling_seeds,
     unpadded,
 )
+from rloo_utils.vllm_server import VLLMServer
 
 
 @dataclass
@@ -915,7 +914,7 @@ def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_
     return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
 
 
-# ---- vLLM: weight sync, and the off-policy correction of its samples (the engine: rloo_utils/vllm_engine.py) ---------
+# ---- vLLM: weight sync, and the off-policy correction of its samples (the engines: rloo_utils/vllm_*.py) -------------
 def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
     """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
     (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA

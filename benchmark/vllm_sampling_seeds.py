@@ -65,7 +65,7 @@ def main():
     from rloo_utils.models import tokenize_prompts
     from rloo_utils.data import load_datasets
     from rloo_utils.models import embedded_model, from_pretrained
-    from rloo_utils.vllm_engine import sampling_options, sampling_seeds
+    from rloo_utils.vllm_sampling import sampling_options, sampling_seeds
 
     workdir = tempfile.TemporaryDirectory(prefix="vllm_sampling_seeds_")
     if options.preset == "tiny":

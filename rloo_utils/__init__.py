@@ -22,8 +22,13 @@ which a forker copies rather than edits), and nothing here knows which script ca
     checkpoints  run folders, checkpoints, exact resume, signals, the rescue of a failed run
     runs         a run's set-up: its plan (batch sizes, resume point, data, rewards, evaluation) and its models
     sharded      FSDP2: sharding, sharded loading and saving (rloo_multigpu.py only)
-    vllm_engine  vLLM: an engine in this process, a server's client (rloo_vllm.py; rloo_multigpu.py with a server)
+    vLLM generation (rloo_vllm.py; rloo_multigpu.py with a server):
+      vllm_options     its options and their checks
+      vllm_sampling    what it samples, whichever engine: sampling parameters, seeds, outputs; the check of an engine
+      vllm_colocated   an engine in this process
+      vllm_server      a server's client: HTTP requests, its checks, the weight pushes
+      weight_transfer  the policy's weights on their way to an engine: NCCL, or files in shared memory
     rollouts     asynchronous rollouts: the queue of rollouts generated while the trainer updates
 
-rloo.py imports neither sharded nor vllm_engine (tests/test_scripts_in_step.py holds that).
+rloo.py imports neither sharded nor the vLLM modules (tests/test_scripts_in_step.py holds that).
 """

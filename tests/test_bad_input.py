@@ -23,7 +23,7 @@ from rloo_utils.errors import UsageError
 from rloo_utils.models import check_reward_model_config, load_reward_tokenizer, load_tokenizers
 from rloo_utils.options import check_args
 from rloo_utils.rewards import call_reward_funcs
-from rloo_utils.vllm_engine import check_vllm_args
+from rloo_utils.vllm_options import check_vllm_args
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import compare_algorithms  # noqa: E402
 import judge  # noqa: E402
 import plot  # noqa: E402
-from rloo_utils.vllm_engine import check_vllm_args  # noqa: E402
+from rloo_utils.vllm_options import check_vllm_args  # noqa: E402
 from rloo_utils.models import disable_dropout, tokenize_prompts  # noqa: E402
 from rloo_utils import options
 

@@ -20,7 +20,7 @@ from rloo_utils.options import check_args
 from rloo_utils.rewards import RewardLogs, task_scores
 from rloo_utils.rollouts import DynamicSampling, Rollout, rows_of_rollouts, varied_groups
 from rloo_utils.tools import MultiTurn
-from rloo_utils.vllm_engine import sampling_seeds
+from rloo_utils.vllm_sampling import sampling_seeds
 from tests.conftest import ROOT, read_metrics, run_env, run_outcome, run_rloo, wait_for_updates
 from tests.test_multigpu import run_torchrun
 from tests.test_vllm import REWARDS

@@ -21,7 +21,8 @@ from rloo_utils.packing import (  # noqa: E402
     packing_layout,
     varlen_kwargs,
 )
-from rloo_utils.vllm_engine import VLLMServer, nccl_sender_parts, weight_push  # noqa: E402
+from rloo_utils.vllm_server import VLLMServer  # noqa: E402
+from rloo_utils.weight_transfer import nccl_sender_parts, weight_push  # noqa: E402
 from rloo_utils.rewards import reward_model_scores  # noqa: E402
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

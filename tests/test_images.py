@@ -30,7 +30,9 @@ from rloo_utils.lora import add_adapter
 from rloo_utils.models import generation_configs, load_tokenizers, tokenize_prompts
 from rloo_utils.rewards import reward_model_inputs
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
-from rloo_utils.vllm_engine import engine_options, generate_request, prompt_runs, sampling_options
+from rloo_utils.vllm_colocated import engine_options
+from rloo_utils.vllm_sampling import sampling_options
+from rloo_utils.vllm_server import generate_request, prompt_runs
 
 VLM_ARGS = (
     "--num_generations",

@@ -11,16 +11,10 @@ from conftest import ROOT, read_metrics, run_rloo
 
 from rloo_utils.errors import RunError, UsageError  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
-from rloo_utils.vllm_engine import (
-    NCCL_SERVER_OPTION,
-    VLLMServer,
-    check_engine,
-    check_gpus_apart,
-    completion_request,
-    engine_options,
-    nccl_sender_parts,
-    sampling_options,
-)  # noqa: E402
+from rloo_utils.vllm_colocated import engine_options  # noqa: E402
+from rloo_utils.vllm_sampling import check_engine, sampling_options  # noqa: E402
+from rloo_utils.vllm_server import VLLMServer, completion_request  # noqa: E402
+from rloo_utils.weight_transfer import NCCL_SERVER_OPTION, check_gpus_apart, nccl_sender_parts  # noqa: E402
 from rloo_utils import options
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
@@ -286,7 +280,7 @@ def test_a_server_on_the_trainers_gpu_is_refused(monkeypatch):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
         check_gpus_apart(server_info("2,3"), "http://localhost:8000", workers=2)  # tensor parallel over 2 and 3
     monkeypatch.setattr(
-        "rloo_utils.vllm_engine.rendezvous_address", lambda url: ("10.0.0.1", 1)
+        "rloo_utils.weight_transfer.rendezvous_address", lambda url: ("10.0.0.1", 1)
     )  # (this machine's address)
     check_gpus_apart(server_info("3"), "http://10.0.0.2:8000", workers=1)  # another machine
     with pytest.raises(UsageError, match="runs on GPU 3"):
@@ -305,7 +299,7 @@ def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, 
     server.url, server.nccl, server.dtype = "http://x", False, None
     server.folder = types.SimpleNamespace(name=str(tmp_path / "weights"))
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr("rloo_utils.vllm_engine.shutil.disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
+    monkeypatch.setattr("rloo_utils.vllm_server.shutil.disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
     with pytest.raises(UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
         server.push_weights(policy, rloo_vllm.weights_for_vllm(policy, server.dtype))

@@ -18,7 +18,7 @@ from rloo_utils.errors import RunError, UsageError
 from rloo_utils import off_policy
 from rloo_utils.off_policy import ImportanceSamplingOptions, sampling_metrics
 from rloo_utils.rollouts import RolloutQueue
-from rloo_utils.vllm_engine import check_vllm_args
+from rloo_utils.vllm_options import check_vllm_args
 from tests.conftest import (
     run_outcome,
     run_rloo,

@@ -16,7 +16,7 @@ import torch
 from conftest import ORIGINAL_ENVIRONMENT, ROOT, what_it_starts
 
 from rloo_utils.errors import UsageError
-from rloo_utils.vllm_engine import start_colocated_engine
+from rloo_utils.vllm_colocated import start_colocated_engine
 
 ENGINE_WRITES = ["VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"]
 

@@ -21,7 +21,8 @@ from rloo_utils.logs import Logger
 from rloo_utils.models import generation_configs, tokenize_prompts
 from rloo_utils.options import check_args, resumable_options
 from rloo_utils.rewards import RewardLogs, call_reward_funcs, reward_model_inputs
-from rloo_utils.vllm_engine import check_vllm_args, sampling_options
+from rloo_utils.vllm_options import check_vllm_args
+from rloo_utils.vllm_sampling import sampling_options
 import rloo_vllm
 from conftest import ROOT, check_one_line_error, run_env, run_rloo
 from test_multigpu import run_torchrun

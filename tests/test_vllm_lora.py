@@ -19,17 +19,11 @@ import rloo_vllm
 from rloo_utils.errors import UsageError
 from rloo_utils.lora import add_adapter, adapter_weights, base_weights, merged_weights
 from rloo_utils.models import tokenize_prompts
-from rloo_utils.vllm_engine import (
-    ColocatedVLLM,
-    VLLMServer,
-    adapter_problem,
-    check_vllm_args,
-    choose_lora_push,
-    pad_completions,
-    sampling_options,
-    unpadded,
-    write_adapter,
-)
+from rloo_utils.vllm_colocated import ColocatedVLLM
+from rloo_utils.vllm_options import adapter_problem, check_vllm_args, choose_lora_push
+from rloo_utils.vllm_sampling import pad_completions, sampling_options, unpadded
+from rloo_utils.vllm_server import VLLMServer
+from rloo_utils.weight_transfer import write_adapter
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 PROMPTS = ["the movie was", "a very long film and", "it is"]

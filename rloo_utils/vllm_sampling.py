@@ -1,0 +1,161 @@
+"""What vLLM samples, whichever engine draws it (a colocated one, rloo_utils/vllm_colocated.py, or a server,
+rloo_utils/vllm_server.py): the sampling parameters of a run's options, the seeds of its completions, the tokens its
+sampler can draw; the prompts as an engine takes them and its completions as tensors; and the check that an engine
+samples from the policy (check_engine)."""
+
+import math
+from dataclasses import replace
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from rloo_utils.errors import RunError, UsageError
+from rloo_utils.processes import agreed
+from rloo_utils.vllm_options import SERVER_COMMAND
+
+
+def sampling_configs(args, stop_ids: list[int], never_sampled: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
+    """vLLM's sampling parameters of a run, as models.generation_configs makes HF's: sampling, greedy (the sample
+    tables), and the evaluation's (at --eval_temperature; 0: greedy)."""
+    return (
+        sampling_options(args, stop_ids, False, never_sampled),
+        sampling_options(args, stop_ids, True, never_sampled),
+        sampling_options(
+            replace(args, temperature=args.eval_temperature), stop_ids, args.eval_temperature == 0, never_sampled
+        ),
+    )
+
+
+def sampling_options(args, stop_ids: list[int], greedy: bool, never_sampled: Optional[list[int]] = None) -> dict:
+    """vLLM's sampling parameters for HF generate's semantics (rloo.py's): only stop_ids end a completion (vLLM's own
+    EOS handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, the sampled token's
+    log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs), and never_sampled (a
+    VLM's image tokens) get vLLM's lowest logit bias, -100."""
+    sampling = (
+        {"temperature": 0.0}
+        if greedy
+        else {
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p or 0.0,
+            "repetition_penalty": args.repetition_penalty,
+            **(args.generation_kwargs or {}),
+        }
+    )
+    return {
+        **sampling,
+        "max_tokens": args.max_completion_length,
+        "min_tokens": 0,
+        "stop_token_ids": stop_ids,
+        "ignore_eos": True,
+        "logprobs": 0,
+        **({"logit_bias": {i: -100.0 for i in never_sampled}} if never_sampled else {}),
+    }
+
+
+def sampler_support(top_k: int, top_p: float, min_p: Optional[float]) -> Optional[Callable]:
+    """The tokens vLLM's sampler can draw, as a function of (k, V) fp32 logits already divided by the temperature
+    giving a (k, V) bool mask; None where it can draw any token. As vllm/v1/sample: min-p after the temperature
+    (MinPLogitsProcessor), then top-k (ties kept), then top-p over what top-k kept (apply_top_k_top_p). vLLM's
+    log-probs (processed_logprobs) are renormalised over these tokens: the off-policy correction compares the
+    trainer's log-probs on the same distribution."""
+    if not top_k and top_p >= 1 and not min_p:
+        return None
+
+    def support(logits: torch.Tensor) -> torch.Tensor:
+        kept = torch.ones_like(logits, dtype=torch.bool)
+        if min_p:
+            probs = logits.softmax(-1)
+            kept &= probs >= min_p * probs.amax(-1, keepdim=True)
+        if top_k and top_k < logits.shape[-1]:
+            kth_largest = logits.masked_fill(~kept, -math.inf).topk(top_k, -1).values[:, -1:]
+            kept &= logits >= kth_largest
+        if top_p < 1:
+            ascending, order = logits.masked_fill(~kept, -math.inf).sort(-1)
+            tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p  # the least likely tokens that hold at most 1 - p
+            tail[:, -1] = False  # the likeliest token always stays
+            kept &= ~torch.zeros_like(kept).scatter(-1, order, tail)
+        return kept
+
+    return support
+
+
+def sampling_seeds(seed: int, update: int, n: int, round_: int = 0) -> list[int]:
+    """One seed per completion, a function of (--seed, update, row) only: the samples do not depend on what the engine
+    did before, so a resumed run draws what the uninterrupted run drew. The seeds are consecutive, base + row: the G
+    completions of prompt g (rows g*G ... g*G+G-1) are then what one request for G completions (n=G) seeded base + g*G
+    draws, since vLLM seeds the i-th completion of such a request with seed + i (vllm/v1/engine/parallel_sampling.py);
+    that request is how a server gets them (VLLMServer.generate). Distinct seeds, so a group's completions differ.
+    round_: --dynamic_sampling's rounds after the first, each a stream of its own."""
+    entropy = [seed, update] + ([round_] if round_ else [])
+    base = int(np.random.SeedSequence(entropy).generate_state(1)[0])  # < 2**32: what a CPU torch.Generator keeps
+    return [base + row for row in range(n)]
+
+
+def unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's token ids without its padding: what an engine is given."""
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+def pad_completions(
+    outputs: list[tuple[list[int], list[float]]], length: int, pad_token_id: int, stop_ids: list[int], device
+):
+    """(B, C) completion ids padded with pad_token_id, and (B, C) sampling log-probs padded with 0. A completion may
+    end early only at one of stop_ids (else the engine applied stop rules of its own, and the mask would be wrong)."""
+    ids = torch.full((len(outputs), length), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(len(outputs), length)
+    for i, (row_ids, row_logprobs) in enumerate(outputs):
+        if len(row_ids) < length and (not row_ids or row_ids[-1] not in stop_ids):
+            raise RunError(
+                f"vLLM ended a completion at token {row_ids[-1] if row_ids else None}, which is not an end "
+                f"token ({stop_ids}): a server must be started with --generation-config vllm ({SERVER_COMMAND})"
+            )
+        ids[i, : len(row_ids)] = torch.tensor(row_ids[:length], dtype=torch.long)
+        logprobs[i, : len(row_logprobs)] = torch.tensor(row_logprobs[:length])
+    return ids.to(device), logprobs.to(device)
+
+
+WRONG_MODEL = "a server must serve --model_name_or_path (or a model of the same architecture and vocabulary)"
+
+
+SHARED_SERVER = (
+    "its weights changed after this run's push: another run sends weights to the same server (a server "
+    "serves one run at a time: start one per run)"
+)
+
+
+def check_engine(
+    engine,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    options: dict,
+    logprobs_of,
+    cause: str = WRONG_MODEL,
+    tolerance: float = 0.5,
+) -> None:
+    """After the first push: the engine's greedy log-probs of a few prompts must be the policy's (up to the numerics of
+    two implementations), else it is not sampling from the policy: a server serving another model, or a push that did
+    not reach every weight (cause: what the error then says). After each rollout from a server: another run pushing its
+    weights to the same server. logprobs_of gives the policy's at temperature 1, as vLLM's sampler reports a greedy
+    request's (it divides by a temperature only where it samples: vllm/v1/sample/sampler.py), whatever --temperature."""
+    prompts = unpadded(prompt_ids, prompt_mask)
+    with agreed():  # several processes ask and find the same gap: they stop together (logprobs_of may be a collective)
+        with agreed():  # a request that fails on one process stops all of them before the policy's forward
+            outputs = engine.generate(prompts, options, None)
+        completion_ids, sampling_logprobs = pad_completions(
+            outputs, options["max_tokens"], 0, options["stop_token_ids"], prompt_ids.device
+        )  # (n, C)
+        lengths = torch.tensor([len(ids) for ids, _ in outputs], device=prompt_ids.device)
+        completion_mask = (torch.arange(completion_ids.shape[1], device=prompt_ids.device) < lengths[:, None]).long()
+        with torch.no_grad():
+            gap = (
+                (logprobs_of(prompt_ids, prompt_mask, completion_ids, completion_mask) - sampling_logprobs).abs()
+                * completion_mask
+            ).sum() / completion_mask.sum().clamp(min=1)
+        if gap > tolerance:
+            raise UsageError(
+                f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's "
+                f"by {float(gap):.3g} per token (at most {tolerance} expected); {cause}"
+            )
