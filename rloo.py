@@ -550,7 +550,16 @@ def main(args: Args) -> None:
     scorer = Scorer(args, models, plan, trainer_state, device, autocast, console)
     logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
-    resampler = rollouts.DynamicSampling(args, sampler, scorer, plan.train_dataset, generation_config)
+    resampler = rollouts.DynamicSampling(
+        sampler,
+        scorer,
+        plan.train_dataset,
+        generation_config,
+        num_generations=G,
+        max_rounds=args.max_sampling_rounds,
+        seed=args.seed,
+        penalty=args.missing_eos_penalty,
+    )
     console.print(runs.first_line(args, plan, run_dir, device))
     console.print(evaluator.plan())
 
@@ -583,12 +592,12 @@ def main(args: Args) -> None:
         trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
         with timer("reward"):
             rewards_per_func, completions = scorer.score(rollout)  # (B, F)
+        scores = task_scores(rewards_per_func, scorer.weights, rollout.ended, args.missing_eos_penalty)  # (B,)
         sampled = {}  # --dynamic_sampling: groups with equal scores give no gradient; new prompts' take their place
         if args.dynamic_sampling:
-            rollout, rewards_per_func, completions, sampled = resampler.refill(
-                rollout, rewards_per_func, completions, update, timer
+            rollout, rewards_per_func, scores, completions, sampled = resampler.refill(
+                rollout, rewards_per_func, scores, completions, update, timer
             )
-        scores = task_scores(rewards_per_func, scorer.weights, rollout.ended, args.missing_eos_penalty)  # (B,)
         check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
         if args.normalize_reward:
             scores = whiten_nan(scores, eps=1e-8)

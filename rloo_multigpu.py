@@ -618,7 +618,16 @@ def main(args: Args) -> None:
     with agreed():
         logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
-    resampler = rollouts.DynamicSampling(args, sampler, scorer, plan.train_dataset, generation_config)
+    resampler = rollouts.DynamicSampling(
+        sampler,
+        scorer,
+        plan.train_dataset,
+        generation_config,
+        num_generations=G,
+        max_rounds=args.max_sampling_rounds,
+        seed=args.seed,
+        penalty=args.missing_eos_penalty,
+    )
     console.print(runs.first_line(args, plan, run_dir, device, world_size))
     console.print(evaluator.plan())
 
@@ -677,10 +686,11 @@ def main(args: Args) -> None:
         trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
         with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together
             rewards_per_func, completions = scorer.score(rollout)  # (b, F)
+        scores = task_scores(rewards_per_func, scorer.weights, rollout.ended, args.missing_eos_penalty)  # (b,)
         sampled = {}  # --dynamic_sampling: groups with equal scores give no gradient; new prompts' take their place
         if args.dynamic_sampling:  # each process its own groups, every process in every round
-            rollout, rewards_per_func, completions, sampled = resampler.refill(
-                rollout, rewards_per_func, completions, update, timer
+            rollout, rewards_per_func, scores, completions, sampled = resampler.refill(
+                rollout, rewards_per_func, scores, completions, update, timer
             )
 
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
@@ -719,6 +729,7 @@ def main(args: Args) -> None:
             sampling_logprobs=gather_rows(rollout.sampling_logprobs) if server is not None else None,  # (B, C)
         )
         old_logprobs, rewards_per_func = gather_rows(old_logprobs), gather_rows(rewards_per_func)  # (B, C), (B, F)
+        scores = gather_rows(scores)  # (B,)
         ref_logprobs = gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
         trainer_sampling_logprobs = gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
         tool_calls = (
@@ -727,7 +738,6 @@ def main(args: Args) -> None:
             else None
         )
         mask = rollout.policy_mask  # (B, C)
-        scores = task_scores(rewards_per_func, scorer.weights, rollout.ended, args.missing_eos_penalty)  # (B,)
         with agreed():  # every process holds the whole batch: they stop together
             check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
         if args.normalize_reward:

@@ -76,6 +76,11 @@ def configs(tiny: str, prompts: str, split: str) -> dict:
         "evaluation": ("rloo.py", 1, base + ["--dataset_name", split, "--eval_steps", 1, "--num_generations_eval", 2]),
         "vllm_colocated": ("rloo_vllm.py", 1, base + ["--beta", 0.1, "--num_ppo_epochs", 2]),
         "fsdp_two_processes": ("rloo_multigpu.py", 2, base + ["--beta", 0.1, "--num_ppo_epochs", 2]),
+        "fsdp_dynamic_sampling": (
+            "rloo_multigpu.py",
+            2,
+            base + binary + ["--dynamic_sampling", "--max_sampling_rounds", 3, "--missing_eos_penalty", 0.5],
+        ),
     }
 
 

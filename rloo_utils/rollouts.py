@@ -297,22 +297,30 @@ class DynamicSampling:
     without dynamic sampling. Decided on the score (rewards.task_scores: the reward sources and the EOS penalty), not
     the reward with its KL penalty, under which almost no group is uniform."""
 
-    def __init__(self, args, sampler: BaseSampler, scorer, dataset, config):
-        self.args, self.sampler, self.scorer, self.dataset, self.config = args, sampler, scorer, dataset, config
+    def __init__(
+        self, sampler: BaseSampler, scorer, dataset, config, num_generations: int, max_rounds: int, seed: int, penalty
+    ):
+        self.sampler, self.scorer, self.dataset, self.config = sampler, scorer, dataset, config
+        self.num_generations, self.max_rounds, self.seed, self.missing_eos_penalty = (
+            num_generations,
+            max_rounds,
+            seed,
+            penalty,
+        )
 
-    def refill(self, rollout: Rollout, rewards_per_func: torch.Tensor, completions: list[str], update: int, timer):
-        """The update's first round (sampled and scored) -> the rollout of the kept groups, their (B, F) rewards and
-        decoded completions, and the metrics of what was sampled (sampling/*, over every process). Every round's
-        generation counts to the update's time/generation (and time/resampling), its scoring to time/reward."""
-        args, G = self.args, self.args.num_generations
+    def refill(self, rollout: Rollout, rewards_per_func, scores, completions: list[str], update: int, timer):
+        """The update's first round (sampled, scored: (B, F) rewards, (B,) scores) -> the rollout of the kept groups,
+        their (B, F) rewards, (B,) scores and decoded completions, and the metrics of what was sampled (sampling/*, over
+        every process). Every round's generation counts to the update's time/generation (and time/resampling), its
+        scoring to time/reward."""
+        G = self.num_generations
         num_groups = len(rollout.prompts) // G
-        rounds = [(rollout, rewards_per_func, completions)]  # per round: its rollout, (b, F) rewards, completions
+        rounds = [(rollout, rewards_per_func, scores, completions)]  # per round: rollout, (b, F), (b,), completions
         kept, dropped = [], []  # (round, group) in the order sampled: the groups with varied scores the update takes
         # groups sampled, of them uniform; the scores' sum and number; the policy's tokens
         counts = torch.zeros(5, dtype=torch.float64)
         while True:
-            piece, piece_rewards, _ = rounds[-1]
-            scores = task_scores(piece_rewards, self.scorer.weights, piece.ended, args.missing_eos_penalty)  # (b,)
+            piece, _, scores, _ = rounds[-1]
             varied = varied_groups(scores, G).tolist()
             counts += torch.tensor(
                 [len(varied), varied.count(False), scores.nansum(), (~scores.isnan()).sum(), piece.policy_mask.sum()],
@@ -321,10 +329,10 @@ class DynamicSampling:
             for group, is_varied in enumerate(varied):
                 (kept if is_varied and len(kept) < num_groups else dropped).append((len(rounds) - 1, group))
             missing = max_over_processes(num_groups - len(kept))  # every process samples every round: a collective
-            if missing == 0 or len(rounds) >= args.max_sampling_rounds:
+            if missing == 0 or len(rounds) >= self.max_rounds:
                 break
             batch = resampled_prompts(
-                self.dataset, missing, args.seed, update, len(rounds), get_rank(), get_world_size()
+                self.dataset, missing, self.seed, update, len(rounds), get_rank(), get_world_size()
             )
             prompts = [p for p in batch["prompt"] for _ in range(G)]
             columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
@@ -332,20 +340,23 @@ class DynamicSampling:
             with timer("generation"), timer("resampling"):
                 piece = self.sampler.sample(prompts, columns, self.config, seeds)
             with timer("reward"), agreed():  # a reward function that raises on one process stops all of them
-                rounds.append((piece, *self.scorer.score(piece)))
+                piece_rewards, piece_completions = self.scorer.score(piece)
+            piece_scores = task_scores(piece_rewards, self.scorer.weights, piece.ended, self.missing_eos_penalty)
+            rounds.append((piece, piece_rewards, piece_scores, piece_completions))
 
         # the kept groups, and where rounds ran out the last dropped ones, in the order of their rounds
         short = num_groups - len(kept)
         rows = [[] for _ in rounds]  # per round: the rows the update takes
         for round_, group in kept + (dropped[len(dropped) - short :] if short else []):
             rows[round_] += range(group * G, (group + 1) * G)
-        offsets = np.cumsum([0] + [len(piece.prompts) for piece, _, _ in rounds]).tolist()
+        offsets = np.cumsum([0] + [len(piece.prompts) for piece, *_ in rounds]).tolist()
         self.scorer.logs.keep_rows([offsets[r] + i for r, taken in enumerate(rows) for i in taken], offsets[-1])
         result = rows_of_rollouts(
-            [(piece, taken) for (piece, _, _), taken in zip(rounds, rows)], self.sampler.tokenizer.pad_token_id
+            [(piece, taken) for (piece, *_), taken in zip(rounds, rows)], self.sampler.tokenizer.pad_token_id
         )
-        result_rewards = torch.cat([r[taken] for (_, r, _), taken in zip(rounds, rows)])  # (B, F)
-        result_completions = [texts[i] for (_, _, texts), taken in zip(rounds, rows) for i in taken]
+        result_rewards = torch.cat([r[taken] for (_, r, _, _), taken in zip(rounds, rows)])  # (B, F)
+        result_scores = torch.cat([s[taken] for (_, _, s, _), taken in zip(rounds, rows)])  # (B,)
+        result_completions = [texts[i] for (*_, texts), taken in zip(rounds, rows) for i in taken]
 
         # what was sampled, over every process
         counts = torch.cat(
@@ -365,7 +376,7 @@ class DynamicSampling:
             "sampling/generated_tokens": tokens,  # the policy's tokens of every round
             "sampling/discarded_tokens": tokens - tokens_taken,  # of them, those not trained on
         }
-        return result, result_rewards, result_completions, metrics
+        return result, result_rewards, result_scores, result_completions, metrics
 
 
 # ---- Asynchronous rollouts -------------------------------------------------------------------------------------------

@@ -124,8 +124,10 @@ class ScriptedScorer:
         return torch.tensor(values)[:, None], [f"text {a}" for a in answers]
 
 
-def args_for(max_sampling_rounds: int):
-    return SimpleNamespace(num_generations=G, max_sampling_rounds=max_sampling_rounds, missing_eos_penalty=None, seed=5)
+def refill_of(sampler, scorer, dataset, max_rounds: int):
+    return DynamicSampling(
+        sampler, scorer, dataset, None, num_generations=G, max_rounds=max_rounds, seed=5, penalty=None
+    )
 
 
 def dataset_of(n: int):
@@ -138,7 +140,8 @@ def first_round(sampler, scorer, answers: list[int]):
     prompts = [f"first{a}" for a in answers for _ in range(G)]
     rollout = sampler.sample(prompts, {"answer": [a for a in answers for _ in range(G)]}, None, None)
     sampler.asked.clear()
-    return (rollout, *scorer.score(rollout))
+    rewards, texts = scorer.score(rollout)
+    return rollout, rewards, rewards[:, 0], texts  # one reward source of weight 1: the scores are its rewards
 
 
 def test_dropped_groups_are_replaced_by_as_many_new_prompts_a_round_until_the_batch_is_full():
@@ -146,10 +149,10 @@ def test_dropped_groups_are_replaced_by_as_many_new_prompts_a_round_until_the_ba
     # the first round: prompts 1 and 3 vary, 2 and 4 do not; every resampled prompt of the dataset varies but 100-103
     varied = {1: True, 2: False, 3: True, 4: False, **{100 + i: i >= 4 for i in range(12)}}
     sampler, scorer = ScriptedSampler(), ScriptedScorer(varied)
-    first, rewards, texts = first_round(sampler, scorer, [1, 2, 3, 4])
+    first, rewards, scores, texts = first_round(sampler, scorer, [1, 2, 3, 4])
     timer = rloo.logs.StageTimer()
-    refill = DynamicSampling(args_for(10), sampler, scorer, dataset, config=None)
-    rollout, rewards, texts, metrics = refill.refill(first, rewards, texts, update=3, timer=timer)
+    refill = refill_of(sampler, scorer, dataset, max_rounds=10)
+    rollout, rewards, scores, texts, metrics = refill.refill(first, rewards, scores, texts, update=3, timer=timer)
 
     # each round asks for as many prompts as groups are missing, drawn by (seed, update, round), seeded by round
     drawn = [
@@ -162,6 +165,7 @@ def test_dropped_groups_are_replaced_by_as_many_new_prompts_a_round_until_the_ba
     kept_answers = [1, 3] + [a for answers in drawn for a in answers if varied[a]][:2]
     assert rollout.completion_ids[::G, 0].tolist() == kept_answers and len(rollout.prompts) == 4 * G
     assert rewards[:, 0].view(-1, G).tolist() == [[0.0, 1.0, 0.0, 1.0]] * 4
+    assert scores.view(-1, G).tolist() == [[0.0, 1.0, 0.0, 1.0]] * 4  # the kept rows' scores, resampled ones included
     assert texts[::G] == [f"text {a}" for a in kept_answers]
     assert scorer.logs.take(len(rollout.prompts))[0]["prompt_seen"] == rollout.prompts  # the kept rows' columns
     sampled = 4 + sum(len(a) // G for a, _ in sampler.asked)
@@ -178,9 +182,9 @@ def test_dropped_groups_are_replaced_by_as_many_new_prompts_a_round_until_the_ba
 def test_when_the_rounds_run_out_the_last_dropped_groups_fill_the_batch():
     varied = {1: True, 2: False, 3: False, 4: False, **{100 + i: False for i in range(12)}}
     sampler, scorer = ScriptedSampler(), ScriptedScorer(varied)
-    first, rewards, texts = first_round(sampler, scorer, [1, 2, 3, 4])
-    refill = DynamicSampling(args_for(2), sampler, scorer, dataset_of(12), config=None)
-    rollout, rewards, _, metrics = refill.refill(first, rewards, texts, update=1, timer=rloo.logs.StageTimer())
+    first, rewards, scores, texts = first_round(sampler, scorer, [1, 2, 3, 4])
+    refill = refill_of(sampler, scorer, dataset_of(12), max_rounds=2)
+    rollout, _, scores, _, metrics = refill.refill(first, rewards, scores, texts, 1, rloo.logs.StageTimer())
     ((second_round, _),) = sampler.asked  # one more round: 3 prompts, none of them varied
     second = [int(p[1:]) + 100 for p in second_round[::G]]
     assert len(second) == 3
@@ -188,13 +192,14 @@ def test_when_the_rounds_run_out_the_last_dropped_groups_fill_the_batch():
     assert rollout.completion_ids[::G, 0].tolist() == [1] + second
     assert (metrics["sampling/groups_kept"], metrics["sampling/groups_short"], metrics["sampling/rounds"]) == (1, 3, 2)
     assert metrics["sampling/score_mean"] == pytest.approx((2 + 6 * 4) / 28)
+    assert scores.tolist() == [0.0, 1.0, 0.0, 1.0] + [1.0] * 12  # the varied group's, then three uniform ones
 
 
 def test_a_full_first_round_samples_nothing_more():
     sampler, scorer = ScriptedSampler(), ScriptedScorer({1: True, 2: True})
-    first, rewards, texts = first_round(sampler, scorer, [1, 2])
-    refill = DynamicSampling(args_for(10), sampler, scorer, dataset_of(4), config=None)
-    rollout, _, _, metrics = refill.refill(first, rewards, texts, update=1, timer=rloo.logs.StageTimer())
+    first, rewards, scores, texts = first_round(sampler, scorer, [1, 2])
+    refill = refill_of(sampler, scorer, dataset_of(4), max_rounds=10)
+    rollout, _, _, _, metrics = refill.refill(first, rewards, scores, texts, 1, rloo.logs.StageTimer())
     assert sampler.asked == [] and rollout.prompts == first.prompts and metrics["sampling/discarded_tokens"] == 0
 
 
