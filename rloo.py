@@ -42,13 +42,14 @@ from rloo_utils import (
     decoding,
     errors,
     evaluation,
+    lifecycle,
     logs,
     lora,
     off_policy,
     options,
     packing,
     rollouts,
-    runs,
+    set_up,
     vision,
 )
 from rloo_utils.models import (
@@ -408,11 +409,11 @@ def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
     options.check_args(args)
     args = resolve_defaults(args)
-    plan = runs.plan_run(args)  # batch sizes, resume point, data, rewards, eval
+    plan = set_up.plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_dir, output_dir, guard = checkpoints.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
+    run_dir, output_dir, guard = lifecycle.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -423,7 +424,7 @@ def main(args: Args) -> None:
     console = Console()
 
     # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
-    models = runs.load_models(args, plan, device)
+    models = set_up.load_models(args, plan, device)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
@@ -475,7 +476,7 @@ def main(args: Args) -> None:
     logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
     resampler = rollouts.DynamicSampling(args, sampler, scorer, plan.train_dataset, generation_config)
-    console.print(runs.first_line(args, plan, run_dir, device))
+    console.print(set_up.first_line(args, plan, run_dir, device))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -879,6 +880,6 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    sys.excepthook = checkpoints.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
+    sys.excepthook = lifecycle.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
     signal.signal(signal.SIGTERM, errors.Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
     main(options.parse_args(Args))
