@@ -42,13 +42,14 @@ from rloo_utils import (
     decoding,
     errors,
     evaluation,
+    lifecycle,
     logs,
     lora,
     off_policy,
     options,
     packing,
     rollouts,
-    runs,
+    set_up,
     vision,
 )
 from rloo_utils.models import (
@@ -484,11 +485,11 @@ def main(args: Args) -> None:
     options.check_args(args)
     check_algorithm(args)
     args = resolve_defaults(args)
-    plan = runs.plan_run(args)  # batch sizes, resume point, data, rewards, eval
+    plan = set_up.plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_dir, output_dir, guard = checkpoints.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
+    run_dir, output_dir, guard = lifecycle.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -499,7 +500,7 @@ def main(args: Args) -> None:
     console = Console()
 
     # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
-    models = runs.load_models(args, plan, device)
+    models = set_up.load_models(args, plan, device)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
@@ -560,7 +561,7 @@ def main(args: Args) -> None:
         seed=args.seed,
         penalty=args.missing_eos_penalty,
     )
-    console.print(runs.first_line(args, plan, run_dir, device))
+    console.print(set_up.first_line(args, plan, run_dir, device))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -923,6 +924,6 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    sys.excepthook = checkpoints.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
+    sys.excepthook = lifecycle.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
     signal.signal(signal.SIGTERM, errors.Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
     main(options.parse_args(Args))

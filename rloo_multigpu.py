@@ -47,18 +47,19 @@ import tyro
 from rich.console import Console
 
 from rloo_utils import (
-    checkpoints,
     data,
     decoding,
     errors,
     evaluation,
+    lifecycle,
     logs,
     lora,
     off_policy,
     options,
     packing,
+    rollout_queue,
     rollouts,
-    runs,
+    set_up,
     vision,
 )
 from rloo_utils.models import (
@@ -528,7 +529,7 @@ def main(args: Args) -> None:
     launch_world_size()  # the rendezvous variables, checked before anything waits for the other processes
     rank, world_size, device = init_processes(args.ddp_timeout)
     set_up_cuda(args.tf32)
-    sys.excepthook = checkpoints.report_one_line_error  # init_process_group wrapped it, to put [rank<N>]: before lines
+    sys.excepthook = lifecycle.report_one_line_error  # init_process_group wrapped it, to put [rank<N>]: before lines
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder).
     # Every process runs the checks; a failure on any stops all of them, reported once by rank 0 (`agreed`)
     use_server = args.vllm_server_host is not None or args.vllm_server_base_url is not None
@@ -537,13 +538,13 @@ def main(args: Args) -> None:
         check_vllm_args(args, server=use_server)
         check_algorithm(args)
         args = resolve_defaults(args)
-        plan = runs.plan_run(args, world_size, sharded=True)  # over all processes
+        plan = set_up.plan_run(args, world_size, sharded=True)  # over all processes
         server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     local_batch_size = batch_size // world_size  # the completions each process rolls out
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_dir, output_dir, guard = checkpoints.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
+    run_dir, output_dir, guard = lifecycle.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     seed = (args.seed + 1_000_003 * rank) % 2**32  # each process samples its own completions
     random.seed(seed)
@@ -628,7 +629,7 @@ def main(args: Args) -> None:
         seed=args.seed,
         penalty=args.missing_eos_penalty,
     )
-    console.print(runs.first_line(args, plan, run_dir, device, world_size))
+    console.print(set_up.first_line(args, plan, run_dir, device, world_size))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -650,8 +651,8 @@ def main(args: Args) -> None:
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
     # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
-    # (rloo_utils/rollouts.py: which weights sample which rollout, and what a checkpoint keeps of them)
-    queue = rollouts.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
+    # (rloo_utils/rollout_queue.py: which weights sample which rollout, and what a checkpoint keeps of them)
+    queue = rollout_queue.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
     stateful = {"scheduler": scheduler, "rollouts": queue}
     save_weights = functools.partial(save_sharded_checkpoint, policy=policy, optimizer=optimizer)  # each its shards
     progress = guard.start(
@@ -1163,6 +1164,6 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    sys.excepthook = checkpoints.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
+    sys.excepthook = lifecycle.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
     signal.signal(signal.SIGTERM, errors.Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
     main(options.parse_args(Args))

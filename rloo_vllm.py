@@ -45,13 +45,15 @@ from rloo_utils import (
     data,
     errors,
     evaluation,
+    lifecycle,
     logs,
     lora,
     off_policy,
     options,
     packing,
+    rollout_queue,
     rollouts,
-    runs,
+    set_up,
     vision,
 )
 from rloo_utils.models import end_token_ids, set_up_cuda, tokenize_prompts, weights_finite
@@ -492,12 +494,12 @@ def main(args: Args) -> None:
     check_vllm_args(args, server=args.vllm_mode == "server")
     check_algorithm(args)
     args = resolve_defaults(args)
-    plan = runs.plan_run(args)  # batch sizes, resume point, data, rewards, eval
+    plan = set_up.plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
     server = VLLMServer(args) if args.vllm_mode == "server" else None  # reachable, before the run claims anything
-    run_dir, output_dir, guard = checkpoints.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
+    run_dir, output_dir, guard = lifecycle.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -508,7 +510,7 @@ def main(args: Args) -> None:
     console = Console()
 
     # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
-    models = runs.load_models(args, plan, device)
+    models = set_up.load_models(args, plan, device)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
@@ -561,7 +563,7 @@ def main(args: Args) -> None:
         seed=args.seed,
         penalty=args.missing_eos_penalty,
     )
-    console.print(runs.first_line(args, plan, run_dir, device))
+    console.print(set_up.first_line(args, plan, run_dir, device))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -579,8 +581,8 @@ def main(args: Args) -> None:
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
     # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
-    # (rloo_utils/rollouts.py: which weights sample which rollout, and what a checkpoint keeps of them)
-    queue = rollouts.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
+    # (rloo_utils/rollout_queue.py: which weights sample which rollout, and what a checkpoint keeps of them)
+    queue = rollout_queue.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "rollouts": queue}
     save_weights = functools.partial(checkpoints.save_policy, policy=policy, tokenizer=models.processor or tokenizer)
     progress = guard.start(save_weights, stateful, logger, console, num_updates)
@@ -989,6 +991,6 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    sys.excepthook = checkpoints.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
+    sys.excepthook = lifecycle.report_one_line_error  # one line for bad input; a failed run's rescue (on_failure)
     signal.signal(signal.SIGTERM, errors.Terminated.handler)  # until training starts, SIGTERM stops like Ctrl-C
     main(options.parse_args(Args))

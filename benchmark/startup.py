@@ -22,7 +22,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIRST_LINE = re.compile(r"run \S+: \d+ updates of \d+ completions")  # rloo_utils/runs.py's first_line
+FIRST_LINE = re.compile(r"run \S+: \d+ updates of \d+ completions")  # rloo_utils/set_up.py's first_line
 MADE = "cached a de-quantised copy"  # rloo_utils/gguf_cache.py's line when it makes one
 KINDS = {
     "off": "off (RLOO_CACHE=off: the GGUF file, as before)",

@@ -3,32 +3,34 @@ never edits, one module per concern. Nothing here computes what enters the loss 
 which a forker copies rather than edits), and nothing here knows which script calls it: a script passes in what differs
 (its options, what a resume may change, how its model's weights are written).
 
-    errors       UsageError and RunError: one line each
-    options      the groups of options, parse_args and check_args: every option checked before anything expensive
-    data         prompt datasets, text and images
-    models       policy, reward model, tokenizers, sampling configs; precision
-    gguf_cache   a .gguf policy's de-quantised copy, kept between runs (start-up in a few seconds, not ~20)
-    rewards      reward functions: loaded, called, checked; the Scorer of a rollout
-    verifiable   reward functions of tasks with a right answer: the final answer parsed and checked
-    tools        multi-turn rollouts: tools and environments, the chat template's tool calls
-    vision       a vision-language policy's inputs
-    decoding     our own decoding loop on a static KV cache (--decoding_loop own): stop tokens read every few steps
-    off_policy   a sampler that is not the policy (vLLM, a bfloat16 copy): the copy, the correction's options, the gap
-    packing      padding-free forwards; the log-probs from the output layer's inputs, a chunk at a time (fused)
-    lora         LoRA adapters (peft)
-    logs         metrics.jsonl, tables, TensorBoard, W&B; the progress bar; an update's metrics
-    evaluation   the held-out evaluation and sample tables (Evaluator): when, its own random streams, pass@k
-    processes    torch.distributed's group and the collectives the scripts need; one process is a group of one
-    checkpoints  run folders, checkpoints, exact resume, signals, the rescue of a failed run
-    runs         a run's set-up: its plan (batch sizes, resume point, data, rewards, evaluation) and its models
-    sharded      FSDP2: sharding, sharded loading and saving (rloo_multigpu.py only)
+    errors         UsageError and RunError: one line each
+    options        the groups of options, parse_args and check_args: every option checked before anything expensive
+    data           prompt datasets, text and images
+    models         policy, reward model, tokenizers, sampling configs; precision
+    gguf_cache     a .gguf policy's de-quantised copy, kept between runs (start-up in a few seconds, not ~20)
+    rewards        reward functions: loaded, called, checked; the Scorer of a rollout
+    verifiable     reward functions of tasks with a right answer: the final answer parsed and checked
+    tools          multi-turn rollouts: tools and environments, the chat template's tool calls
+    vision         a vision-language policy's inputs
+    decoding       our own decoding loop on a static KV cache (--decoding_loop own): stop tokens read every few steps
+    off_policy     a sampler that is not the policy (vLLM, a bfloat16 copy): the copy, the correction's options, the gap
+    packing        padding-free forwards; the log-probs from the output layer's inputs, a chunk at a time (fused)
+    lora           LoRA adapters (peft)
+    logs           metrics.jsonl, tables, TensorBoard, W&B; the progress bar; an update's metrics
+    evaluation     the held-out evaluation and sample tables (Evaluator): when, its own random streams, pass@k
+    processes      torch.distributed's group and the collectives the scripts need; one process is a group of one
+    checkpoints    checkpoint files: written whole, found, checked and loaded (exact resume); the trained model saved
+    lifecycle      a run's life: folders claimed and locked, signals, one-line errors, a failed run's rescue (RunGuard)
+    set_up         a run's set-up: its plan (batch sizes, resume point, data, rewards, evaluation) and its models
+    sharded        FSDP2: sharding, sharded loading and saving (rloo_multigpu.py only)
     vLLM generation (rloo_vllm.py; rloo_multigpu.py with a server):
       vllm_options     its options and their checks
-      vllm_sampling    what it samples, whichever engine: sampling parameters, seeds, outputs; the check of an engine
+      vllm_sampling    what it samples on either engine: sampling parameters, seeds, outputs; the engine check
       vllm_colocated   an engine in this process
       vllm_server      a server's client: HTTP requests, its checks, the weight pushes
       weight_transfer  the policy's weights on their way to an engine: NCCL, or files in shared memory
-    rollouts     asynchronous rollouts: the queue of rollouts generated while the trainer updates
+    rollouts       a Rollout, the sampling the scripts share (BaseSampler), dynamic sampling (DAPO)
+    rollout_queue  asynchronous rollouts: the queue of rollouts generated while the trainer updates
 
 rloo.py imports neither sharded nor the vLLM modules (tests/test_scripts_in_step.py holds that).
 """

@@ -317,8 +317,8 @@ class Evaluator:
     evaluates its share of the test prompts, and the results are gathered."""
 
     def __init__(self, args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger):
-        """plan: the run's test prompts and metric functions (runs.RunPlan); greedy_config: the sampler's for the sample
-        tables, eval_config: the evaluation's."""
+        """plan: the run's test prompts and metric functions (set_up.RunPlan); greedy_config: the sampler's for the
+        sample tables, eval_config: the evaluation's."""
         self.args, self.sampler, self.scorer, self.eval_prompts = args, sampler, scorer, plan.eval_prompts
         self.evaluate_after = plan.evaluate_after
         table = (plan.eval_dataset or plan.train_dataset)[: args.num_sample_prompts]  # the test split's, or the train's

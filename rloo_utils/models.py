@@ -407,6 +407,7 @@ def policy_class(path: str):
 def bf16_by_default() -> bool:
     """--bf16 left out: on where the device computes bf16 natively (a CUDA GPU that supports it, as TRL's RLOOConfig
     defaults to bf16), off on the CPU, where the embedded default's numbers are fp32's."""
+    expandable_segments_by_default()  # is_bf16_supported starts CUDA, and the allocator reads its options then
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
@@ -455,8 +456,9 @@ class SpeedOptions:
 def expandable_segments_by_default() -> None:
     """On a GPU, the caching allocator's expandable segments: packed micro-batches change shape at every step and
     would fragment fixed blocks. Unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF says otherwise (vLLM turns them
-    off around its own pool). Called when this module is imported: the allocator reads the variable once, when CUDA
-    starts, and a script's Args start it to see whether the GPU computes bf16."""
+    off around its own pool). The allocator reads the variable once, when CUDA starts, and a script's Args start it to
+    see whether the GPU computes bf16, before main() runs: so bf16_by_default calls this first, and set_up_cuda again
+    for Args made without that default."""
     if (
         torch.cuda.is_available()
         and not os.environ.get("PYTORCH_ALLOC_CONF")
@@ -465,11 +467,10 @@ def expandable_segments_by_default() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
-expandable_segments_by_default()
-
-
 def set_up_cuda(tf32: bool) -> None:
-    """On a GPU: fp32 matrix products in TF32 unless --no_tf32 (an H100 multiplies fp32 at 67 TFLOP/s, TF32 at 495)."""
+    """On a GPU: the allocator's expandable segments (expandable_segments_by_default), and fp32 matrix products in TF32
+    unless --no_tf32 (an H100 multiplies fp32 at 67 TFLOP/s, TF32 at 495)."""
+    expandable_segments_by_default()
     if not torch.cuda.is_available():
         return
     torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"

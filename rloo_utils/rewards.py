@@ -537,7 +537,7 @@ class Scorer:
     trainer_state, log_extra and log_metric; in multi-turn rollouts the conversations and environments)."""
 
     def __init__(self, args, models, plan, trainer_state, device, autocast, console):
-        """models: the run's (runs.Models), plan: its reward sources and weights (runs.RunPlan); trainer_state: what
+        """models: the run's (set_up.Models), plan: its reward sources and weights (set_up.RunPlan); trainer_state: what
         the functions get as TRL's trainer_state. A reward model's forwards are padding-free where it allows."""
         self.args, self.tokenizer, self.reward_tokenizer = args, models.tokenizer, models.reward_tokenizer
         self.reward_model, self.funcs, self.names = models.reward_model, plan.reward_funcs, plan.reward_names

@@ -37,7 +37,7 @@ from rloo_utils.models import (
     policy_class,
 )
 from rloo_utils.processes import agreed, get_rank, whole
-from rloo_utils.runs import Models, RunPlan, load_checked_tokenizers
+from rloo_utils.set_up import Models, RunPlan, load_checked_tokenizers
 
 
 @dataclass
@@ -57,13 +57,13 @@ class ShardingOptions:
 
 
 def load_sharded_models(args, plan: RunPlan, device, world_size: int) -> Models:
-    """runs.load_models for a process group: the tokenizers, and the policy, its reference and the reward model sharded
-    over the processes by FSDP2 (shard). Every process builds the models on the meta device (no memory) and shards them;
-    each then reads only its shards of the weights (load_shards), so that no process holds a whole model. The reference
-    is the initial policy, frozen, needed only for the KL penalty, sharded as the policy is (with --bf16 both compute
-    in bf16, its frozen linear layers held so), so that the KL is exactly 0 before training; with --use_peft the
-    policy, adapter disabled. A resumed policy's weights (with --use_peft its adapter's) come from its checkpoint
-    (load_sharded_checkpoint, with the optimizer's state)."""
+    """set_up.load_models for a process group: the tokenizers, and the policy, its reference and the reward model
+    sharded over the processes by FSDP2 (shard). Every process builds the models on the meta device (no memory) and
+    shards them; each then reads only its shards of the weights (load_shards), so that no process holds a whole model.
+    The reference is the initial policy, frozen, needed only for the KL penalty, sharded as the policy is (with --bf16
+    both compute in bf16, its frozen linear layers held so), so that the KL is exactly 0 before training; with
+    --use_peft the policy, adapter disabled. A resumed policy's weights (with --use_peft its adapter's) come from its
+    checkpoint (load_sharded_checkpoint, with the optimizer's state)."""
     with agreed():
         tokenizer, reward_tokenizer, processor = load_checked_tokenizers(args, plan)
         policy_path = args.sft_model_path or args.model_name_or_path

@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from rloo_utils.rollouts import BaseSampler, Rollout, RolloutQueue
+from rloo_utils.rollout_queue import RolloutQueue
+from rloo_utils.rollouts import BaseSampler, Rollout
 from rloo_utils.tools import ToolUse, call_tools, load_environments, load_tools
 from tests.test_tools import ids_of, tool_tokenizer, tools_file  # noqa: F401 (fixtures)
 

@@ -1320,13 +1320,13 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
 
 
 def test_the_startup_benchmark_knows_the_first_line_runs_py_prints_and_tables_the_seconds():
-    """benchmark/startup.py stops a run at the line rloo_utils/runs.py's first_line makes (here made by it, so that a
+    """benchmark/startup.py stops a run at the line rloo_utils/set_up.py's first_line makes (here made by it, so that a
     change to that line shows), at no other, and tables each kind's median, min and max seconds and its CPU seconds."""
     import types
 
     import startup
 
-    from rloo_utils.runs import first_line
+    from rloo_utils.set_up import first_line
 
     args = types.SimpleNamespace(num_generations=4, num_ppo_epochs=1, num_mini_batches=1, bf16=False)
     for world_size, checkpoint in [(1, None), (2, "runs/x/checkpoints/2")]:

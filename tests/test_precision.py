@@ -25,6 +25,7 @@ from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo
 from test_multigpu import run_torchrun
 
 import rloo
+from rloo_utils import options
 from rloo_utils.errors import NonFiniteWeights
 from rloo_utils.models import (
     bf16_by_default,
@@ -472,10 +473,41 @@ def test_no_allocator_options_without_a_gpu(no_alloc_conf):
     assert all(n not in os.environ for n in ALLOC_VARS)
 
 
-def test_importing_rloo_utils_on_the_cpu_sets_nothing():
-    """rloo_utils.models, which every script imports, calls expandable_segments_by_default() when imported."""
-    code = "import os, rloo_utils.models; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+def test_importing_rloo_utils_sets_nothing_even_on_a_gpu():
+    """Nothing is done when a module is imported: rloo_utils.models, which every script imports, leaves the allocator's
+    variables alone on a GPU too (a script's set-up sets them, below)."""
+    code = (
+        "import os, torch; torch.cuda.is_available = lambda: True; import rloo_utils.models; "
+        "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    )
     env = {k: v for k, v in run_env().items() if k not in ALLOC_VARS}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "None"
+
+
+def test_a_script_sets_expandable_segments_before_its_args_start_cuda(each_script, no_alloc_conf):
+    """The allocator reads its variables once, when CUDA starts, and parse_args starts it before main() runs: --bf16's
+    default (bf16_by_default) asks whether the GPU computes bf16. The variable is set by then."""
+    seen = []
+
+    def is_bf16_supported(*args, **kwargs):
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        return True
+
+    no_alloc_conf.setattr(torch.cuda, "is_available", lambda: True)
+    no_alloc_conf.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    no_alloc_conf.setattr(sys, "argv", [f"{each_script.__name__}.py"])
+    assert options.parse_args(each_script.Args).bf16
+    assert seen and set(seen) == {"expandable_segments:True"}
+
+
+def test_set_up_cuda_sets_expandable_segments_for_args_made_without_the_bf16_default(no_alloc_conf):
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    try:
+        no_alloc_conf.setattr(torch.cuda, "is_available", lambda: True)
+        set_up_cuda(True)
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before

@@ -337,7 +337,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
 
     import rloo_utils.packing as packing
     import rloo_vllm
-    from rloo_utils.checkpoints import RunGuard
+    from rloo_utils.lifecycle import RunGuard
 
     events, engines = [], []
     forward = packing.chunked_completion_logprobs  # --padding_free's

@@ -23,17 +23,12 @@ from conftest import ROOT, check_one_line_error, run_env, run_outcome, run_rloo
 
 import rloo
 from rloo_utils.checkpoints import (
-    OUTPUT_CLAIM,
     TRAINING_STATE,
     check_resumable,
-    claim_output_dir,
-    claim_run,
-    claim_run_dir,
     find_checkpoint,
     is_saved_model,
     load_checkpoint_weights,
     load_training_state,
-    lock_run_dir,
     resume_command,
     rng_states,
     save_checkpoint,
@@ -41,6 +36,7 @@ from rloo_utils.checkpoints import (
     set_rng_states,
 )
 from rloo_utils.errors import RunError, UsageError
+from rloo_utils.lifecycle import OUTPUT_CLAIM, claim_output_dir, claim_run, claim_run_dir, lock_run_dir
 from rloo_utils.lora import add_adapter
 from rloo_utils.options import resumable_options
 

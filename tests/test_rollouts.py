@@ -1,6 +1,6 @@
-"""Asynchronous rollouts (--max_staleness): the queue's schedule, failures and checkpoint (rloo_utils/rollouts.py), the
-metrics of a rollout sampled from older weights, the refusals, and end to end on a vLLM server: the logged staleness,
-an exact resume after a SIGKILL, and rloo_multigpu.py on two processes."""
+"""Asynchronous rollouts (--max_staleness): the queue's schedule, failures and checkpoint
+(rloo_utils/rollout_queue.py), the metrics of a rollout sampled from older weights, the refusals, and end to end on a
+vLLM server: the logged staleness, an exact resume after a SIGKILL, and rloo_multigpu.py on two processes."""
 
 import dataclasses
 import re
@@ -17,7 +17,7 @@ import rloo_vllm
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils import off_policy
 from rloo_utils.off_policy import ImportanceSamplingOptions, sampling_metrics
-from rloo_utils.rollouts import RolloutQueue
+from rloo_utils.rollout_queue import RolloutQueue
 from rloo_utils.vllm_options import check_vllm_args
 from tests.conftest import (
     run_outcome,

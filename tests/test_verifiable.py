@@ -81,7 +81,7 @@ def test_number_only_is_the_format_right_or_wrong():
 
 
 def test_every_script_offers_them_by_name_and_as_a_file():
-    """The scripts' built-in reward functions (runs.plan_run loads --reward_funcs from them) hold these by name."""
+    """The scripts' built-in reward functions (set_up.plan_run loads --reward_funcs from them) hold these by name."""
     builtin = BUILTIN_REWARD_FUNCS
     for name, func in REWARD_FUNCS.items():
         assert load_reward_func(name, builtin) is func
