@@ -728,8 +728,8 @@ def main(args: Args) -> None:
         micro = dict(zip(stats, torch.stack([torch.stack(v).float() for v in stats.values()]).tolist()))  # one sync
         losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
-        generated_tokens = sampled.get("sampling/generated_tokens", float(mask.sum()))  # every round's
         logged_columns, logged_metrics = scorer.logs.take(len(rollout.prompts))  # what reward functions logged
+        generated_tokens = sampled.get("sampling/generated_tokens", float(mask.sum()))  # every round's
         metrics = {
             "episode": progress.episode,
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
@@ -738,18 +738,10 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(
-                logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, rollout.turns.completions)
-                if rollout.turns
-                else {}
-            ),
+            **logs.tool_metrics(*rollout.tool_counts()),
             **sampled,
-            **(
-                off_policy.sampling_metrics(
-                    old_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
-                )
-                if rollout.sampling_logprobs is not None
-                else {}
+            **off_policy.sampling_metrics(
+                old_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
             ),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
@@ -849,10 +841,9 @@ class Sampler(rollouts.BaseSampler):
         return [(ids[: min(int(m.sum()), b)].tolist(), None) for ids, m, b in zip(turn_ids, turn_mask, budgets)]
 
 
-def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_of, support=None):
+def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_of):
     """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
-    --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution. logprobs_of:
-    completion_logprobs, or its padding-free form."""
+    --local_rollout_forward_batch_size. logprobs_of: completion_logprobs, or its padding-free form."""
     model.eval()  # no adapter dropout: the sampling policy's log-probs
     chunk, device = args.local_rollout_forward_batch_size, rollout.prompt_ids.device
     with torch.no_grad(), autocast():
@@ -865,11 +856,10 @@ def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_
                 rollout.completion_mask[i : i + chunk],
                 args.temperature,
                 images=vision.images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
-                support=support,
             )
             for i in range(0, len(rollout.prompt_ids), chunk)
         ]
-    return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
+    return torch.cat(chunks).float()
 
 
 # ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------
@@ -882,12 +872,10 @@ def completion_logprobs(
     temperature: float,
     with_entropy: bool = False,
     images: Optional[dict] = None,
-    support: Optional[Callable] = None,
 ):
     """(B, C) log pi(y_t | x, y_<t) of each completion token under `model`, on logits / temperature; 0 on padding.
     The definition, in one padded forward: the logits at position t predict token t + 1. with_entropy: also the (B, C)
-    entropies -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (B, C) log-probs renormalised over
-    the tokens it could draw, the distribution vLLM's log-probs are on. images: a VLM's image tensors (images_batch).
+    entropies -sum_v p_v log p_v. images: a VLM's image tensors (images_batch).
     --padding_free (the default) gives the same numbers from chunked_completion_logprobs (rloo_utils/packing.py, tested
     equal): a forward of the real tokens only, whose (B, L, V) logits are never held at once."""
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P + C)
@@ -903,16 +891,12 @@ def completion_logprobs(
     )
     logits = output.logits[:, prompt_ids.shape[1] - 1 : -1].float() / temperature  # (B, C, V)
     logprobs = logits.log_softmax(-1)
-    out = [logprobs.gather(-1, completion_ids[..., None]).squeeze(-1)]  # (B, C)
+    selected = logprobs.gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask  # (B, C)
+    if not with_entropy:
+        return selected
     with torch.no_grad():
-        if with_entropy:
-            out.append(-(logprobs.exp() * logprobs).sum(-1))
-        if support is not None:
-            kept = support(logits).scatter(-1, completion_ids[..., None], True)  # the sampled token is always kept
-            renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
-            out.append(renormalised.gather(-1, completion_ids[..., None]).squeeze(-1))
-    out = [values * completion_mask for values in out]
-    return out[0] if len(out) == 1 else tuple(out)
+        entropy = -(logprobs.exp() * logprobs).sum(-1) * completion_mask  # (B, C)
+    return selected, entropy
 
 
 def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -701,8 +701,8 @@ def main(args: Args) -> None:
             with timer("engine_check"):
                 check_engine(server, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         mask = rollout.policy_mask  # (b, C) the tokens the policy chose: only they enter loss and KL
-        is_correction = server is not None and args.importance_sampling_correction
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (b, C)
+        is_correction = server is not None and args.importance_sampling_correction
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or is_correction or support is not None:
             with timer("old_logprobs"):
@@ -733,11 +733,7 @@ def main(args: Args) -> None:
         scores = gather_rows(scores)  # (B,)
         ref_logprobs = gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
         trainer_sampling_logprobs = gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
-        tool_calls = (
-            all_reduce(torch.tensor([rollout.turns.calls, rollout.turns.failures, rollout.turns.completions])).tolist()
-            if rollout.turns
-            else None
-        )
+        tool_counts = all_reduce(torch.tensor(rollout.tool_counts())).tolist() if rollout.turns else (0, 0, 0)
         mask = rollout.policy_mask  # (B, C)
         with agreed():  # every process holds the whole batch: they stop together
             check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
@@ -875,14 +871,10 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(logs.tool_metrics(*tool_calls) if rollout.turns else {}),
+            **logs.tool_metrics(*tool_counts),
             **sampled,
-            **(
-                off_policy.sampling_metrics(
-                    trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
-                )
-                if server is not None
-                else {}
+            **off_policy.sampling_metrics(
+                trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
             ),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty

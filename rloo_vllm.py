@@ -764,11 +764,7 @@ def main(args: Args) -> None:
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
-            **(
-                logs.tool_metrics(rollout.turns.calls, rollout.turns.failures, rollout.turns.completions)
-                if rollout.turns
-                else {}
-            ),
+            **logs.tool_metrics(*rollout.tool_counts()),
             **sampled,
             **off_policy.sampling_metrics(
                 trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept

@@ -42,6 +42,9 @@ class LoggingOptions:
     """rows of that table printed each update (all are logged); None: all"""
 
 
+# The names old TRL gives the numbers TRL 1.x names otherwise, written beside them wherever an update's metrics are
+# written: a run compares with either generation's runs in openrlbenchmark (docs/metrics.md)
+OLD_TRL_NAMES = {"entropy": "policy/entropy_avg", "clip_ratio/region_mean": "policy/clipfrac_avg"}
 TABLES = ("samples", "completions")  # the tables a run logs (Logger.log_table), each to <name>.jsonl
 
 
@@ -93,6 +96,8 @@ class Logger:
     def log(self, metrics: dict, step: int, section: str = "train") -> None:
         """A row of metrics: an update's (section train) under their own names in metrics.jsonl, an evaluation's
         (eval) as eval/<name>; in TensorBoard and W&B as <section>/<name>, where TRL's trainers log theirs."""
+        if section == "train":
+            metrics = {**metrics, **{old: metrics[new] for new, old in OLD_TRL_NAMES.items() if new in metrics}}
         named = {f"{section}/{k}": v for k, v in metrics.items()}
         for k, v in named.items():
             self.writer.add_scalar(k, v, step)
@@ -229,7 +234,10 @@ def completion_rows(
 
 
 def tool_metrics(calls: int, failures: int, completions: int) -> dict:
-    """TRL's tools/ metrics: tool calls per completion, and the share of them that failed."""
+    """TRL's tools/ metrics: tool calls per completion, and the share of them that failed; none without completions
+    that could call tools."""
+    if not completions:
+        return {}
     return {
         "tools/call_frequency": calls / max(completions, 1),
         "tools/failure_frequency": failures / calls if calls else 0.0,
@@ -291,9 +299,7 @@ def update_metrics(
     metrics = {
         "lr": statistics.fmean(learning_rates),  # the rates the update's optimizer steps used
         "entropy": entropy,
-        "policy/entropy_avg": entropy,
         "clip_ratio/region_mean": clip_fraction,
-        "policy/clipfrac_avg": clip_fraction,
         "clip_ratio/low_mean": sum(micro["clipped_low"]) / units,
         "clip_ratio/high_mean": sum(micro["clipped_high"]) / units,
         "clip_ratio/low_min": statistics.fmean(micro["low_min"]),

@@ -204,7 +204,7 @@ def refresh_copy(copy, policy) -> None:
 
 def sampling_metrics(
     old_logprobs,
-    sampling_logprobs,
+    sampling_logprobs: Optional[torch.Tensor],
     mask,
     weights: Optional[torch.Tensor],
     ratios: Optional[torch.Tensor],
@@ -213,7 +213,10 @@ def sampling_metrics(
     """TRL's names: per-token |log pi_trainer - log pi_sampler| over real tokens, and the importance weights' range;
     the sampler-trainer KL(pi_sampler || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer
     / pi_sampler) on the sampler's samples; the share of the importance ratios (`ratios`, before the bounds) that the
-    bounds truncated or masked; with the off-policy sequence mask, the share of completions it masked."""
+    bounds truncated or masked; with the off-policy sequence mask, the share of completions it masked. None where the
+    policy sampled (sampling_logprobs None)."""
+    if sampling_logprobs is None:
+        return {}
     real = mask.bool()
     log_ratio = (old_logprobs - sampling_logprobs)[real]
     gap = log_ratio.abs()

@@ -42,6 +42,10 @@ class Rollout:
     turns: Optional[MultiTurn] = None  # --tools, --environment: the conversations, environments, tool calls
     sampling_logprobs: Optional[torch.Tensor] = None  # (B, C) the sampler's own log-probs (vLLM's); HF generate: None
 
+    def tool_counts(self) -> tuple[int, int, int]:
+        """The tool calls, the failed ones, and the completions they are over (0, 0, 0 without tools)."""
+        return (self.turns.calls, self.turns.failures, self.turns.completions) if self.turns else (0, 0, 0)
+
     @property
     def policy_mask(self) -> torch.Tensor:
         """(B, C) the tokens the policy chose (not the tools' results): only they enter the loss and the KL."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from rich.console import Console
 
-import rloo
+import rloo_vllm
 import rloo_utils.packing as packing_module
 from rloo_utils.errors import UsageError
 from rloo_utils.models import SpeedOptions
@@ -197,8 +197,8 @@ def tied_llama():
 
 @pytest.mark.parametrize("family", ["tied llama", "llama", "gemma2"])
 def test_fused_in_a_model_gives_the_definitions_numbers_and_a_tied_embeddings_gradient(monkeypatch, family):
-    """chunked_completion_logprobs with the fused output layer, packed and padded, gives rloo.completion_logprobs'
-    log-probs, entropies, log-probs on a support and gradient of every parameter, the tied embeddings' (the sum of its
+    """chunked_completion_logprobs with the fused output layer, packed and padded, gives the definition's
+    (rloo_vllm.completion_logprobs, whose support is vLLM's) log-probs, entropies, log-probs on a support and gradient of every parameter, the tied embeddings' (the sum of its
     use as input embeddings and as output layer) among them; Gemma 2's soft cap is applied."""
     monkeypatch.setattr(packing_module, "LOGIT_CHUNK_ELEMENTS", 3 * 300)  # 3 positions a chunk: many chunks
     model = tied_llama() if family == "tied llama" else tiny_model(family, "sdpa")
@@ -214,7 +214,7 @@ def test_fused_in_a_model_gives_the_definitions_numbers_and_a_tied_embeddings_gr
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         return (logprobs, entropy, on_support), grads, grad_fn_names(logprobs)
 
-    definition, definition_grads, _ = forward(rloo.completion_logprobs)
+    definition, definition_grads, _ = forward(rloo_vllm.completion_logprobs)
     for packing in [None, "rows"]:
         values, grads, nodes = forward(functools.partial(chunked_completion_logprobs, packing=packing, fused=True))
         assert "FusedOutputLayerLogprobsBackward" in nodes

@@ -4,6 +4,7 @@ see each other the scripts fall back to padded forwards, and say so."""
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 
@@ -110,22 +111,26 @@ def test_pack_sequences_packs_real_tokens_with_positions_restarting():
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_padding_free_logprobs_entropies_and_gradients_are_the_definitions(each_script, family, attention):
     """In every script: chunked_completion_logprobs (--padding_free, the default), packed in both layouts or padded,
-    gives what the script's plain completion_logprobs defines: the log-probs, entropies and log-probs on a sampler's
-    support of the real completion tokens, and the gradient of a loss on them, to float rounding; padding is 0."""
+    gives what the script's plain completion_logprobs defines: the log-probs, entropies and (the vLLM scripts') log-probs
+    on a sampler's support of the real completion tokens, and the gradient of a loss on them, to float rounding; padding
+    is 0."""
     model = tiny_model(family, attention)
     assert packing_layout(model, True, False, Console(quiet=True), "policy") == "rows"
     batch = ragged_batch()
     real = batch[3].bool()
     top_5 = lambda logits: logits >= logits.topk(5).values[..., -1:]  # noqa: E731  (a sampler's support, as top-k)
+    with_support = "support" in inspect.signature(rloo.completion_logprobs).parameters  # the vLLM scripts'
 
     def forward(logprobs_of):
         model.zero_grad()
-        logprobs, entropy, on_support = logprobs_of(model, *batch, 0.7, with_entropy=True, support=top_5)
-        (logprobs * real).sum().backward()
-        return logprobs, entropy, on_support, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        values = logprobs_of(model, *batch, 0.7, with_entropy=True, **({"support": top_5} if with_support else {}))
+        (values[0] * real).sum().backward()
+        return *values, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     *definition, definition_grads = forward(rloo.completion_logprobs)
-    assert not torch.allclose(definition[0][real], definition[2][real])  # the support matters here
+    assert len(definition) == (3 if with_support else 2)
+    if with_support:
+        assert not torch.allclose(definition[0][real], definition[2][real])  # the support matters here
     for packing in [None, "rows", "one_row"]:
         *values, grads = forward(functools.partial(chunked_completion_logprobs, packing=packing))
         for value, expected in zip(values, definition):

@@ -19,8 +19,9 @@ INTENDED_DIFFERENCES = {
     "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload, --ddp_timeout and the server's",
     "optimizer_step": "rloo_multigpu.py: the gradient norm of the FSDP shards is a DTensor",
     "weights_for_vllm": "rloo_multigpu.py: the shards gathered one tensor at a time",
-    "main": "the driver: rloo_vllm.py generates with vLLM and syncs its weights; rloo_multigpu.py forms the process group, "
-    "shards the models and gathers the batch",
+    "main": "compared hunk by hunk below (INTENDED_IN_MAIN)",
+    "completion_logprobs": "the vLLM scripts: also the log-probs renormalised over the tokens vLLM could draw (support)",
+    "rollout_logprobs": "the vLLM scripts: also the log-probs renormalised over the tokens vLLM could draw (support)",
     "Sampler": "the generation: HF generate; vLLM's engine; a sharded HF generate, or a vLLM server",
     "Sampler.__init__": "what each generates with: the policy, vLLM's engine, the policy or a server",
     "Sampler.completions": "rloo_multigpu.py: a server's completions that one process cannot read stop every process",
@@ -30,6 +31,182 @@ INTENDED_DIFFERENCES = {
     "Sampler.seeds_for": "rloo_multigpu.py: this process's share of the global batch's seeds",
     "Sampler.background_outputs": "rloo_vllm.py: vLLM's engine or a server; rloo_multigpu.py: a server",
 }
+
+
+HF_GENERATE = "rloo.py's HF generate: a bfloat16 copy (--sampler_weights), the static cache, configs, our decoding loop"
+
+# main() is the driver, and differs by design; but only where a script's concern is: each line of its difference from
+# rloo.py's main(), compared after ast.unparse (comments and layout aside), must hold one of these fragments, each with
+# its reason, and each fragment must explain a line. Any other difference is an accident: mend it in every script.
+INTENDED_IN_MAIN = {
+    "rloo_vllm.py": {
+        "check_vllm_args(": "the vLLM options are checked with the others, before anything loads",
+        "VLLMServer(": "--vllm_mode server: the server's client, made before the models load (it checks the server)",
+        "copy_dtype": HF_GENERATE,
+        "sampling_policy": HF_GENERATE,
+        "'image prompts'": HF_GENERATE,
+        "static": HF_GENERATE,
+        "own_loop": HF_GENERATE,
+        "sampler_autocast": HF_GENERATE,
+        "generation_configs(": HF_GENERATE,
+        "sampling_configs(": "vLLM's sampling parameters",
+        "engine": "vLLM's engine: made, sent the policy's weights after each update, checked, put to sleep, closed",
+        "support": "the trainer's log-probs also on vLLM's distribution (renormalised over the tokens it could draw)",
+        "trainer_sampling_logprobs": "the correction compares vLLM's log-probs with the trainer's on that distribution",
+        "old_logprobs = rollout_logprobs(": "the trainer's log-probs also on vLLM's distribution",
+        "off_policy.correction(old_logprobs": "the correction compares vLLM's log-probs with the trainer's",
+        "sampling_metrics(old_logprobs": "the gap between vLLM's log-probs and the trainer's on its distribution",
+        "is_correction": "vLLM's samples are always corrected (--importance_sampling_correction)",
+        "importance_sampling_correction": "vLLM's samples are always corrected (--importance_sampling_correction)",
+        "probe": "the engine is checked against the policy's greedy log-probs, before training and after each rollout",
+        "greedy_logprobs": "the engine is checked against the policy's greedy log-probs",
+        "with torch.no_grad(), autocast():": "the policy's greedy log-probs, for the engine check",
+        "temperature=1.0": "the policy's greedy log-probs, for the engine check",
+        "recheck_config": "the engine check after each rollout: short",
+        "'max_tokens'": "the engine check after each rollout: short",
+        "SHARED_SERVER": "a server's numerics are checked again after each rollout",
+        "'colocate'": "a colocated engine frees its memory for the update",
+        "else:": "a colocated engine sleeps; a server is checked",
+        "queue": "the rollouts come from the queue (with --max_staleness sampled ahead), which a checkpoint keeps",
+        "{'optimizer': optimizer": "a checkpoint also keeps the queue's rollouts",
+        "'scheduler': scheduler": "a checkpoint also keeps the queue's rollouts",
+        "batch = next(batches)": "the queue draws each update's prompts (Sampler.request)",
+        "for p in batch['prompt']": "the queue draws each update's prompts (Sampler.request)",
+        "for v in batch[c]": "the queue draws each update's prompts (Sampler.request)",
+        "sampler.sample(prompts, columns, generation_config)": "the rollout of the queue's prompts, seeds and outputs",
+        "timer('weight_sync')": "the engine gets the updated weights every update",
+        "generation_seconds": "with --max_staleness the generation's seconds are the queue's",
+        "'perf/generated_tokens_per_second'": "with --max_staleness the generation's seconds are the queue's",
+        "'async/": "the queue's metrics",
+        "'perf/weight_sync_bytes'": "the size of the weight push",
+        "timer('sampler_logprobs')": HF_GENERATE,
+        "stateful": "a checkpoint also keeps the queue's rollouts",
+        "args.max_staleness": "the queue: the server finishes the rollouts of older weights before the weights change",
+        "timer('generation_wait')": "the queue: the server finishes the rollouts of older weights first",
+    },
+    "rloo_multigpu.py": {
+        "launch_world_size(": "the process group, formed first: every check is agreed by every process",
+        "init_processes(": "the process group, formed first: every check is agreed by every process",
+        "sys.excepthook": "every process reports its failure in one line",
+        "agreed()": "what fails on one process stops every process",
+        "world_size": "each process its share of the batch, its prompts, its shards",
+        "rank": "each process its own random streams, rows and console",
+        "seed": "each process its own random streams",
+        "options.check_args(args": "the checks run under agreed(): every process stops on bad input",
+        "check_algorithm(args)": "the checks run under agreed()",
+        "resolve_defaults(args)": "the checks run under agreed()",
+        "set_up.plan_run(args": "the plan, sharded",
+        "torch.device(": "each process its own GPU (init_processes)",
+        "set_up_cuda(": "set up before the process group's first CUDA call",
+        "autocast =": "FSDP's mixed precision computes in bfloat16, not autocast",
+        "Console(": "one console: rank 0 prints",
+        "load_models(": "the models loaded sharded",
+        "load_sharded_models(": "the models loaded sharded",
+        "load_sharded_checkpoint(": "a resumed run's sharded weights and optimizer",
+        "copy_dtype": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
+        "sampling_policy": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
+        "sampler_autocast": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
+        "timer('sampler_logprobs')": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
+        "unsupported": "the static cache, where the sharded policy or a server does not generate",
+        "static": "the static cache, where the sharded policy or a server does not generate",
+        "own_loop": "our decoding loop: not where the processes decode in step",
+        "server": "a vLLM server may generate (--vllm_server_host): its client, configs, checks and weight pushes",
+        "support": "the trainer's log-probs also on a server's distribution (renormalised over the tokens it could draw)",
+        "trainer_sampling_logprobs": "the correction compares a server's log-probs with the trainer's on its distribution",
+        "is_correction": "a server's samples are corrected; the trainer's log-probs on its distribution",
+        "old_logprobs = rollout_logprobs(": "the trainer's log-probs also on a server's distribution",
+        "off_policy.correction(old_logprobs": "the correction compares a server's log-probs with the trainer's",
+        "sampling_metrics(old_logprobs": "the gap between a server's log-probs and the trainer's on its distribution",
+        "probe": "a server is checked against the policy's greedy log-probs",
+        "greedy_logprobs": "a server is checked against the policy's greedy log-probs",
+        "with torch.no_grad(), autocast():": "the policy's greedy log-probs, for the server check",
+        "temperature=1.0": "the policy's greedy log-probs, for the server check",
+        "recheck_config": "the server check after each rollout: short",
+        "'max_tokens'": "the server check after each rollout: short",
+        "Sampler(args, sampling_policy": "the sampler generates with the sharded policy or a server",
+        "Sampler(args, policy, server": "the sampler generates with the sharded policy or a server",
+        "Scorer(": "a sharded reward model",
+        "open_logger(": "the logger opened by every process (rank 0 writes)",
+        "first_line(": "the first line names the processes",
+        "queue": "the rollouts come from the queue (a server's, with --max_staleness, sampled ahead)",
+        "stateful": "sharded checkpoints: the optimizer with the weights; the queue's rollouts",
+        "{'optimizer': optimizer": "sharded checkpoints: the optimizer with the weights",
+        "'scheduler': scheduler": "sharded checkpoints: the optimizer with the weights; the queue's rollouts",
+        "save_policy": "sharded checkpoints",
+        "save_sharded_checkpoint": "sharded checkpoints",
+        "prompt_batches(": "each process its own prompts",
+        "batch = next(batches)": "the queue draws each update's prompts (Sampler.request)",
+        "for p in batch['prompt']": "the queue draws each update's prompts (Sampler.request)",
+        "for v in batch[c]": "the queue draws each update's prompts (Sampler.request)",
+        "sampler.sample(prompts, columns, generation_config)": "the rollout of the queue's prompts, seeds and outputs",
+        "check_reward_range(": "over the whole batch, gathered",
+        "mask = rollout.policy_mask": "a process's rows, then the batch's",
+        "old_logprobs, ref_logprobs = ": "a process's rows, then gathered",
+        "ref_policy": "a sharded reference is resharded after its forward",
+        "reshard(": "a sharded reference is resharded after its forward",
+        "all_gather_prompts(": "every process's rows gathered: the baselines need every group",
+        "gather_rows(": "every process's rows gathered: the baselines need every group",
+        "all_reduce(": "over every process",
+        "own_rows": "each process trains on its own rows of each minibatch",
+        "local_": "each process's share of the batch and of a minibatch",
+        "mb_start + mini_batch_size": "each process's share of a minibatch",
+        "torch.randperm(batch_size": "each process's share of the batch",
+        "range(0, batch_size, mini_batch_size)": "each process's share of the batch",
+        "(mask[mb] * in_loss[mb, None]).sum().clamp": "the minibatch's tokens over every process",
+        "max_over_processes": "every process runs as many micro-batches (FSDP's collectives)",
+        "images_batch(rollout.images, idx,": "a process's images are its own rows'",
+        "refresh_copy(": "rloo.py's sampler copy",
+        "reduce_micro_stats(": "the statistics of every process's micro-batches",
+        "dict(zip(stats": "the statistics of every process's micro-batches",
+        "tool_counts": "tool calls over every process",
+        "args.max_staleness": "the queue: a server finishes the rollouts of older weights before the weights change",
+        "generation_seconds": "with --max_staleness the generation's seconds are the queue's",
+        "'perf/generated_tokens_per_second'": "with --max_staleness the generation's seconds are the queue's",
+        "'async/": "the queue's metrics",
+        "checkpoints.save_model(": "the trained model gathered from its shards",
+        "save_sharded_model(": "the trained model gathered from its shards",
+        "end_processes(": "the process group ends",
+        "timer('reward')": "a reward function that fails on one process stops every process",
+        "timer('old_logprobs')": "the trainer's log-probs, also on a server's distribution",
+        "packing.micro_batches(": "every process runs as many micro-batches (FSDP's collectives)",
+        "sampling_dtype": "the static cache's dtype: FSDP's mixed precision gathers bfloat16 weights",
+        "sampling_configs(": "a server's sampling parameters",
+        "plan.checkpoint": "a resumed run's sharded weights and optimizer",
+        "timer('engine_check')": "a server's numerics are checked again after each rollout",
+        "rollout = replace(rollout, prompt_ids=": "every process's rows gathered: the baselines need every group",
+    },
+}
+
+
+def unparsed_lines(script: str, name: str) -> list[str]:
+    """A definition after ast.unparse, a dict literal's entries a line each (the metrics of an update are one dict)."""
+    lines = ast.unparse(ast.parse(DEFINITIONS[script][name])).splitlines()
+    return [part for line in lines if line.strip() for part in re.split(r", (?='[\w/]+': |\*\*)", line)]
+
+
+def differing_lines(script: str, name: str) -> list[str]:
+    """The lines of a definition in `script` and in rloo.py that are not in both (rloo.py's marked -, the script's +)."""
+    import difflib
+
+    a, b = unparsed_lines("rloo.py", name), unparsed_lines(script, name)
+    opcodes = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return [f"- {line}" for tag, i1, i2, _, _ in opcodes if tag != "equal" for line in a[i1:i2]] + [
+        f"+ {line}" for tag, _, _, j1, j2 in opcodes if tag != "equal" for line in b[j1:j2]
+    ]
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != "rloo.py"])
+def test_main_differs_from_rloo_py_only_where_its_concern_is(script):
+    lines = differing_lines(script, "main")
+    assert lines, "main() is the same as rloo.py's: this guard would pass vacuously"
+    explains = {fragment: [line for line in lines if fragment in line] for fragment in INTENDED_IN_MAIN[script]}
+    unexplained = [line for line in lines if not any(fragment in line for fragment in explains)]
+    assert not unexplained, (
+        f"main() of {script} differs from rloo.py's where no intended difference says why (mend it in every script, "
+        "or name it in INTENDED_IN_MAIN with its reason):\n" + "\n".join(unexplained)
+    )
+    stale = [fragment for fragment, found in explains.items() if not found]
+    assert not stale, f"these intended differences of {script}'s main() explain no difference: take them off: {stale}"
 
 
 def top_level_definitions(script: str) -> dict[str, str]:
