@@ -51,6 +51,7 @@ from rloo_utils import (
     decoding,
     errors,
     evaluation,
+    json_options,
     lifecycle,
     logs,
     lora,
@@ -59,6 +60,7 @@ from rloo_utils import (
     packing,
     rollout_queue,
     rollouts,
+    schedules,
     set_up,
     vision,
 )
@@ -84,7 +86,7 @@ from rloo_utils.processes import (
     reduce_micro_stats,
     whole,
 )
-from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, group_std, task_scores
+from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, clip_bounds, group_std, task_scores
 from rloo_utils.sharded import (
     ShardingOptions,
     gathered,
@@ -186,7 +188,7 @@ class Args(options.FeatureOptions, ShardingOptions, ServerOptions):
     """AdamW learning rate"""
     lr_scheduler_type: Literal["linear", "constant", "cosine", "cosine_with_min_lr"] = "linear"
     """learning-rate schedule after warm-up: to 0 linearly or along a half cosine, constant, or cosine to a floor"""
-    lr_scheduler_kwargs: options.JsonObject = None
+    lr_scheduler_kwargs: json_options.JsonObject = None
     """the schedule's arguments as JSON (transformers'): '{"min_lr_rate": 0.1}' for cosine_with_min_lr, num_cycles"""
     warmup_steps: float = 0
     """optimizer steps of linear warm-up from 0; below 1, a fraction of all optimizer steps (TRL's warmup_ratio)"""
@@ -579,7 +581,7 @@ def main(args: Args) -> None:
     num_optimizer_steps = num_updates * steps_per_update
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = options.lr_scheduler(optimizer, args, num_optimizer_steps)
+    scheduler = schedules.lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
     trainer_state = TrainerState(
         max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(plan.train_dataset))
@@ -740,7 +742,7 @@ def main(args: Args) -> None:
         if args.normalize_reward:
             scores = whiten_nan(scores, eps=1e-8)
         if args.reward_clip_range is not None:
-            scores = scores.clamp(*options.clip_bounds(args.reward_clip_range))
+            scores = scores.clamp(*clip_bounds(args.reward_clip_range))
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:

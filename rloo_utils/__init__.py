@@ -4,9 +4,14 @@ which a forker copies rather than edits), and nothing here knows which script ca
 (its options, what a resume may change, how its model's weights are written).
 
     errors         UsageError and RunError: one line each
-    options        the groups of options, parse_args and check_args: every option checked before anything expensive
+    options        a script's groups of options in sections of --help (parse_args); check_args: what every option must
+                   be, the algorithm's options, then each group's own check(), before anything expensive
+    json_options   options given as a JSON object (TRL's dict options)
+    paths          a path option: a local path or a hub id
+    schedules      the learning-rate schedule: warm-up, then transformers' schedule; its options checked
     data           prompt datasets, text and images
-    models         policy, reward model, tokenizers, sampling configs; precision
+    models         policy, reward model, tokenizers, sampling configs; precision; the options of the policy, the
+                   sampling and speed
     gguf_cache     a .gguf policy's de-quantised copy, kept between runs (start-up in a few seconds, not ~20)
     rewards        reward functions: loaded, called, checked; the Scorer of a rollout
     verifiable     reward functions of tasks with a right answer: the final answer parsed and checked

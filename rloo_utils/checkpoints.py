@@ -51,6 +51,19 @@ class CheckpointOptions:
     max_skipped_steps: int = 10
     """stop the run when this many optimizer steps in a row were skipped for a non-finite loss or gradient"""
 
+    def check(self) -> None:
+        """The run's folder names (--exp_name's too: runs/<exp_name>__...) and what is kept of its checkpoints."""
+        for name in ["run_name", "exp_name"]:
+            value = getattr(self, name)
+            if value is not None and (value in ("", ".", "..") or "/" in value):
+                raise UsageError(f"--{name} names a folder in runs/ and must be a plain name (no '/'), got {value!r}")
+        if self.output_dir == "":
+            raise UsageError("--output_dir is empty: give a folder, or leave it out for runs/<run_name>/model")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise UsageError(
+                f"--save_total_limit must be >= 1 (or left out to keep every checkpoint), got {self.save_total_limit}"
+            )
+
 
 def load_checkpoint_weights(policy, folder: str) -> None:
     """The policy weights of a rloo.py / rloo_vllm.py checkpoint, saved by save_pretrained: a whole model, or a peft

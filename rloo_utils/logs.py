@@ -16,6 +16,7 @@ import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from rloo_utils.errors import UsageError
 from rloo_utils.processes import get_rank
 from rloo_utils.rewards import group_std, weighted_reward
 
@@ -40,6 +41,21 @@ class LoggingOptions:
     """each update, print and log (completions.jsonl, W&B) the sampled completions with their rewards and advantages"""
     num_completions_to_print: Optional[int] = None
     """rows of that table printed each update (all are logged); None: all"""
+
+    def check(self) -> None:
+        """The tables' sizes: a sample table with rows, a number of completions to print of a table that is logged."""
+        if self.num_sample_generations and not self.num_sample_prompts:
+            raise UsageError(
+                "--num_sample_prompts 0 leaves the sample tables (--num_sample_generations "
+                f"{self.num_sample_generations}) empty: give at least 1, or --num_sample_generations 0 for none"
+            )
+        if self.num_completions_to_print is not None and not self.log_completions:
+            raise UsageError("--num_completions_to_print limits the table of --log_completions: add --log_completions")
+        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
+            raise UsageError(
+                f"--num_completions_to_print must be >= 1 (or left out to print them all), got "
+                f"{self.num_completions_to_print}"
+            )
 
 
 # The names old TRL gives the numbers TRL 1.x names otherwise, written beside them wherever an update's metrics are

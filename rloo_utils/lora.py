@@ -5,12 +5,13 @@ import contextlib
 import math
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, ClassVar, Optional
 
 import torch
 
 from rloo_utils.errors import UsageError, describe
+from rloo_utils.paths import same_path
 
 
 @dataclass
@@ -35,6 +36,47 @@ class LoraOptions:
     """DoRA (Liu et al. 2024): a trained magnitude times the direction of W + (alpha / r) B A"""
     save_merged_model: bool = False
     """also save the policy with its adapter merged in (a plain model, e.g. for vLLM) to <output_dir>/merged"""
+
+    def check(self) -> None:
+        """The LoRA options: only with --use_peft, in range, and never a reward model that is the policy's own
+        weights."""
+        defaults = {field.name: field.default for field in fields(self)}  # the Args' own: a fork's may differ
+        given = [f"--{name}" for name in LORA_OPTIONS if getattr(self, name) != defaults[name]]
+        if given and not self.use_peft:
+            raise UsageError(
+                f"{' '.join(given)} set{'s' if len(given) == 1 else ''} up LoRA adapters, which --use_peft "
+                "turns on: add --use_peft, or leave them out"
+            )
+        if not self.use_peft:
+            return
+        if self.lora_r < 1 or not self.lora_alpha > 0:
+            raise UsageError(f"--lora_r must be >= 1 and --lora_alpha > 0, got {self.lora_r} and {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_target_modules == []:
+            raise UsageError(
+                "--lora_target_modules is empty: name the layers that get adapters (or all-linear), or leave "
+                "it out for peft's default of the architecture"
+            )
+        policy = self.sft_model_path or self.model_name_or_path
+        if self.reward_model_path is not None and same_path(self.reward_model_path, policy):
+            raise UsageError(
+                f"--reward_model_path {self.reward_model_path} is the policy's own model: with --use_peft the "
+                "policy's weights are the base its adapter trains on, not a reward model; give a sequence "
+                "classifier trained to score completions"
+            )
+
+
+# The options that shape the adapters (all but --use_peft, which adds them): refused without it
+LORA_OPTIONS = [
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_modules_to_save",
+    "use_dora",
+    "save_merged_model",
+]
 
 
 def is_peft_model(model) -> bool:

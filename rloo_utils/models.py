@@ -1,6 +1,8 @@
 """Models and tokenizers, loaded or refused with the reason: the policy (a hub id, a folder or a .gguf file), the reward
 model and its tokenizer, the sampling configs; and precision: bf16 where the GPU computes it, frozen linear layers held
-in bf16, non-finite weights found."""
+in bf16, non-finite weights found. Their options, each group with its checks: the policy's (ModelOptions), speed and
+memory (SpeedOptions), the prompts and the sampling (GenerationOptions, with what --generation_kwargs may not set),
+old TRL's names (OldTrlOptions); and what generates (Generator: HF generate, unless a vLLM group says otherwise)."""
 
 import functools
 import importlib
@@ -17,6 +19,7 @@ import tyro
 from rloo_utils.data import is_chat, left_pad
 from rloo_utils.errors import UsageError, describe
 from rloo_utils.gguf_cache import load_gguf_copy
+from rloo_utils.json_options import JsonObject
 from rloo_utils.vision import builds_own_positions, image_prompt_rows
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -426,6 +429,19 @@ class ModelOptions:
     attn_implementation: Optional[str] = None
     """the policy's attention kernel (eager, sdpa, flash_attention_2, ...); None: transformers' choice"""
 
+    def check(self) -> None:
+        """A hub version of a hub model only; weights trained in float32 or bfloat16."""
+        if self.model_revision is not None and os.path.exists(self.sft_model_path or self.model_name_or_path):
+            raise UsageError(
+                f"--model_revision {self.model_revision} picks a version of a hub model, but "
+                f"{self.sft_model_path or self.model_name_or_path} is a local path: leave it out"
+            )
+        if self.dtype == "float16":
+            raise UsageError(
+                "--dtype float16: AdamW's eps and (1 - beta2) g^2 underflow in float16 and the first step writes "
+                "inf/NaN into the weights; train float32 weights (--bf16 computes in bf16 on them)"
+            )
+
 
 @dataclass
 class SpeedOptions:
@@ -451,6 +467,212 @@ class SpeedOptions:
     """the output layer's gradient made by hand, its weight's summed once in fp32 (on), or by autograd; auto: on CUDA"""
     compile_decoder_layers: bool = False
     """(GPU) compile each decoder layer of the training forward on its own (the whole model loses SDPA's fast path)"""
+
+    def check(self) -> None:
+        """HF generate's options where vLLM generates; the fused output layer where the log-probs are padding-free."""
+        for name in ["cache_implementation", "sampler_weights", "decoding_loop"]:  # HF generate's
+            if getattr(self, name) != "auto" and self.samples_with_vllm():
+                raise UsageError(
+                    f"--{name} {getattr(self, name)} is HF generate's, and this run generates with vLLM: leave it out"
+                )
+        if self.fused_output_layer == "on" and not self.padding_free:
+            raise UsageError(
+                "--fused_output_layer on makes the gradient of the padding-free log-probs' output layer, and "
+                "--no_padding_free computes padded log-probs through the whole model: leave one of them out"
+            )
+
+
+class Generator:
+    """What generates a script's completions, which the groups' checks ask: HF generate, unless a group of vLLM
+    options (vllm_options.py), derived from this class, says that vLLM does. The last base of options.FeatureOptions,
+    so that those groups come before it in a script's Args and the groups keep their order."""
+
+    def samples_with_vllm(self) -> bool:
+        return False
+
+
+@dataclass
+class GenerationOptions:
+    """Prompts in, completions out: the prompts' length and chat template; besides the temperature, how completions are
+    sampled and where they stop (HF's GenerationConfig; rloo_vllm.py: vLLM's SamplingParams)"""
+
+    max_prompt_length: int = 256
+    """longer prompts keep their last tokens (and their BOS), counted in `prompts/truncated`"""
+    chat_template_kwargs: JsonObject = None
+    """arguments of the chat template of conversational prompts, as JSON: '{"enable_thinking": false}' for Qwen3"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    min_p: Optional[float] = None
+    """min-p sampling: only tokens at least min_p times as likely as the likeliest one (None: off)"""
+    repetition_penalty: float = 1.0
+    """> 1 makes tokens already in the prompt or completion less likely (Keskar et al. 2019; 1: off)"""
+    generation_kwargs: JsonObject = None
+    """more sampling options as JSON, for HF's GenerationConfig (rloo_vllm.py: vLLM's SamplingParams), as in TRL"""
+    stop_token_id: Optional[int] = None
+    """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
+    ignore_eos: bool = False
+    """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
+
+    def check(self) -> None:
+        """The sampler's filters and stop token; --generation_kwargs, which must not set what an option or the rollout
+        sets, tried on HF generate where it samples (vLLM's SamplingParams: vllm_options.check_vllm_args); and
+        --chat_template_kwargs, which must not set what the prompt's tokenization does."""
+        if self.stop_token_id is not None and self.stop_token_id < 0:
+            raise UsageError(f"--stop_token_id must be a token id (>= 0), got {self.stop_token_id}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise UsageError(f"--min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise UsageError(f"--repetition_penalty must be > 0 (1: none), got {self.repetition_penalty}")
+        for key in self.generation_kwargs or {}:
+            if key in OWN_SAMPLING_OPTIONS:
+                raise UsageError(
+                    f"--generation_kwargs sets {key}, which {OWN_SAMPLING_OPTIONS[key]} sets: use that option"
+                )
+            if key in RESERVED_SAMPLING_OPTIONS:
+                raise UsageError(
+                    f"--generation_kwargs sets {key}, which the rollout sets itself (one sampled completion per "
+                    "row, as token ids with their log-probs): leave it out"
+                )
+            if key in TEXT_SAMPLING_OPTIONS:
+                raise UsageError(
+                    f"--generation_kwargs sets {key}, which works on text, but the rollout samples token ids "
+                    "without decoding them: end completions with --stop_token_id, or score them in a reward function"
+                )
+        if self.generation_kwargs and not self.samples_with_vllm():
+            from transformers import GenerationConfig
+
+            known = GenerationConfig().to_dict()
+            unknown = sorted(set(self.generation_kwargs) - set(known))
+            if unknown:
+                raise UsageError(
+                    f"--generation_kwargs: {', '.join(unknown)} is not an option of transformers' GenerationConfig "
+                    "(rloo.py and rloo_multigpu.py generate with HF generate; vLLM's SamplingParams options go to "
+                    "rloo_vllm.py)"
+                )
+            try_generation_kwargs(self.generation_kwargs)
+        reserved = sorted(set(self.chat_template_kwargs or {}) & CHAT_TEMPLATE_CALL_ARGUMENTS)
+        if reserved:
+            raise UsageError(
+                f"--chat_template_kwargs sets {', '.join(reserved)}, an argument of apply_chat_template that "
+                "the prompt's tokenization sets itself: give only the template's own variables (e.g. "
+                "enable_thinking), tools, documents or chat_template"
+            )
+
+
+# Sampling options the scripts set themselves, which --generation_kwargs must not override: the flag to use instead
+OWN_SAMPLING_OPTIONS = {
+    "temperature": "--temperature",
+    "top_p": "--top_p",
+    "top_k": "--top_k",
+    "min_p": "--min_p",
+    "repetition_penalty": "--repetition_penalty",
+    "max_new_tokens": "--max_completion_length",
+    "max_tokens": "--max_completion_length",
+    "max_length": "--max_completion_length",
+    "eos_token_id": "--stop_token_id",
+    "stop_token_ids": "--stop_token_id",
+    "ignore_eos": "--ignore_eos",
+    "seed": "--seed",
+    "n": "--num_generations",
+    "num_return_sequences": "--num_generations",
+    "cache_implementation": "--cache_implementation",
+    "compile_config": "--cache_implementation",
+    "max_cache_len": "--cache_implementation",
+}
+
+
+# ...and those that would break the rollout: one sampled completion per row with its log-probs, as token ids
+# (min_length keeps EOS from being sampled; max_time cuts completions by the clock, as the machine's load decides)
+RESERVED_SAMPLING_OPTIONS = {
+    "do_sample",
+    "num_beams",
+    "num_beam_groups",
+    "pad_token_id",
+    "suppress_tokens",
+    "logprobs",
+    "logprob_token_ids",
+    "detokenize",
+    "min_tokens",
+    "min_new_tokens",
+    "min_length",
+    "max_time",
+    "output_kind",
+    "logit_bias",
+    "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
+    "output_attentions",
+    "output_hidden_states",
+}
+
+
+# ...and those that read text, which the rollout does not make (prompts and completions are token ids)
+TEXT_SAMPLING_OPTIONS = {"stop", "stop_strings", "bad_words", "structured_outputs", "guided_decoding"}
+
+
+# apply_chat_template's own arguments (transformers' tokenizers and processors), which a prompt's tokenization sets:
+# --chat_template_kwargs passes only what reaches the template (its variables, tools, documents, chat_template)
+CHAT_TEMPLATE_CALL_ARGUMENTS = {
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "processor_kwargs",
+    "load_audio_from_video",
+}
+
+
+def try_generation_kwargs(generation_kwargs: dict) -> None:
+    """--generation_kwargs as HF generate takes them, tried on a one-layer stand-in model (milliseconds) so that a
+    value it cannot use (a string where a number belongs, an unknown cache) is one line before the policy loads."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
+    try:
+        generation_config = GenerationConfig(do_sample=True, max_new_tokens=2, pad_token_id=0, **generation_kwargs)
+        generation_config.validate(strict=True)
+        with torch.random.fork_rng(devices=[]):  # the run's random streams stay as its seed set them
+            prompt = torch.ones(1, 2, dtype=torch.long)
+            LlamaForCausalLM(config).generate(prompt, attention_mask=prompt, generation_config=generation_config)
+    except Exception as e:
+        raise UsageError(
+            f"--generation_kwargs {json.dumps(generation_kwargs)}: HF generate cannot use it ({describe(e)})"
+        ) from None
+
+
+@dataclass
+class OldTrlOptions:
+    """Old TRL's names, accepted so that its commands run unchanged (docs/options.md)"""
+
+    sft_model_path: Optional[str] = None
+    """old-TRL name: if set, the policy weights come from here and the tokenizer from --model_name_or_path"""
+    stop_token: Optional[Literal["eos"]] = None
+    """old-TRL flag: end completions at EOS (done anyway unless --ignore_eos; accepted for the seed commands)"""
+    normalize_advantages: Annotated[bool, tyro.conf.arg(aliases=("--normalize_advantage",))] = False
+    """TRL's name for --advantage_normalization batch"""
+
+    def check(self) -> None:
+        """--stop_token eos, which --ignore_eos contradicts."""
+        if self.ignore_eos and self.stop_token == "eos":
+            raise UsageError("--ignore_eos samples past EOS and --stop_token eos stops at it: give one of them")
 
 
 def expandable_segments_by_default() -> None:

@@ -523,6 +523,13 @@ def task_scores(rewards_per_func, weights, ended, missing_eos_penalty: Optional[
     return scores
 
 
+def clip_bounds(reward_clip_range: list[float]) -> tuple[float, float]:
+    """--reward_clip_range as (lo, hi): one number c is [-c, c], two are [lo, hi]."""
+    if len(reward_clip_range) == 1:
+        return -abs(reward_clip_range[0]), abs(reward_clip_range[0])
+    return reward_clip_range[0], reward_clip_range[1]
+
+
 def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """(B,) unbiased std of the scorable rewards of each row's group."""
     r = rewards.view(-1, num_generations)  # (num_prompts, G)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rloo_utils.checkpoints import check_checkpoint_finite, is_saved_model, save_model
-from rloo_utils.errors import RunError, describe
+from rloo_utils.errors import RunError, UsageError, describe
 from rloo_utils.lora import (
     adapter_layers,
     add_adapter,
@@ -54,6 +54,14 @@ class ShardingOptions:
     """keep the shards, gradients and optimizer state in CPU memory between uses (slower, less GPU memory)"""
     ddp_timeout: int = 1800
     """seconds a process waits for the others at a collective before the run fails (a process that died or hangs)"""
+
+    def check(self) -> None:
+        """--sampler_weights: HF generate samples from the policy's own weights here (gathered, or sharded)."""
+        if self.sampler_weights != "auto":
+            raise UsageError(
+                f"--sampler_weights {self.sampler_weights}: rloo_multigpu.py samples from the weights FSDP gathers "
+                "(bfloat16 under --bf16, its mixed precision), never a copy: leave it out"
+            )
 
 
 def load_sharded_models(args, plan: RunPlan, device, world_size: int) -> Models:

@@ -1,7 +1,7 @@
-"""The options of vLLM generation, rloo_vllm.py's (VLLMOptions: an engine in this process or a server) and
-rloo_multigpu.py's (ServerOptions: a server), and their checks before anything loads (check_vllm_args), with what
-they refer to: the command a server is started with, vLLM's install line, the LoRA ranks an engine can serve, and
-whether vLLM's LoRA can serve a --use_peft adapter (adapter_problem; else the merged weights go: choose_lora_push)."""
+"""The options of vLLM generation: a server's (ServerOptions, rloo_multigpu.py's), and rloo_vllm.py's, which add an
+engine in this process (VLLMOptions); their checks before anything loads (check_vllm_args), with what they refer to:
+the command a server is started with, vLLM's install line, the LoRA ranks an engine can serve, and whether vLLM's LoRA
+can serve a --use_peft adapter (adapter_problem; else the merged weights go: choose_lora_push)."""
 
 import importlib
 import importlib.util
@@ -16,6 +16,7 @@ import tyro
 
 from rloo_utils.errors import UsageError, describe
 from rloo_utils.lora import adapter_layers, transformers_model
+from rloo_utils.models import Generator
 from rloo_utils.processes import get_rank
 from rloo_utils.weight_transfer import nccl_transfer
 
@@ -36,11 +37,38 @@ WHERE_THE_SERVER_IS = {
 
 
 @dataclass
-class VLLMOptions:
+class ServerOptions(Generator):
+    """A vLLM server to generate with, in rloo_vllm.py's server mode or rloo_multigpu.py (docs/vllm.md: its command)"""
+
+    RESUMABLE: ClassVar = WHERE_THE_SERVER_IS  # changes no sample (options.resumable_options)
+
+    vllm_server_host: Optional[str] = None
+    """the vLLM server's host; None: 127.0.0.1 in rloo_vllm.py, no server in rloo_multigpu.py (HF generate)"""
+    vllm_server_port: int = 8000
+    """(server) port of the vLLM server"""
+    vllm_server_base_url: Optional[str] = None
+    """(server) e.g. http://10.0.0.2:8000, instead of --vllm_server_host and --vllm_server_port"""
+    vllm_server_timeout: float = 240.0
+    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
+    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
+    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
+    max_staleness: int = 0
+    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
+    vllm_lora_push: Literal["auto", "adapter", "merged"] = "auto"
+    """(--use_peft) vLLM gets the adapter alone, or the merged weights, after an update; auto: the adapter if served"""
+
+    def samples_with_vllm(self) -> bool:
+        """A server is given (--vllm_server_host or --vllm_server_base_url); without one, rloo_multigpu.py generates
+        with HF generate."""
+        return self.vllm_server_host is not None or self.vllm_server_base_url is not None
+
+
+@dataclass
+class VLLMOptions(ServerOptions):
     """vLLM: an engine in this process, or a server started apart (docs/vllm.md)"""
 
-    # where the server is and how much memory the engine takes change no sample (options.resumable_options)
-    RESUMABLE: ClassVar = WHERE_THE_SERVER_IS | {
+    # how much memory the engine takes changes no sample (options.resumable_options)
+    RESUMABLE: ClassVar = {
         "vllm_gpu_memory_utilization",
         "vllm_cpu_kv_cache_gib",
         "vllm_enforce_eager",
@@ -61,45 +89,15 @@ class VLLMOptions:
     """(colocate) the engine's weights and compute; auto: bfloat16 on a GPU, float32 on the CPU"""
     vllm_enable_sleep_mode: bool = False
     """(colocate, GPU) free the engine's weights and KV cache during the update, restored for the next rollout"""
-    vllm_server_base_url: Optional[str] = None
-    """(server) e.g. http://10.0.0.2:8000; None: http://<vllm_server_host>:<vllm_server_port>"""
-    vllm_server_host: str = "127.0.0.1"
-    """(server) host of the vLLM server"""
-    vllm_server_port: int = 8000
-    """(server) port of the vLLM server"""
-    vllm_server_timeout: float = 240.0
-    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
-    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
-    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
-    max_staleness: int = 0
-    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
-    vllm_lora_push: Literal["auto", "adapter", "merged"] = "auto"
-    """(--use_peft) vLLM gets the adapter alone, or the merged weights, after an update; auto: the adapter if served"""
 
+    def samples_with_vllm(self) -> bool:
+        """Always: an engine in this process, or a server."""
+        return True
 
-# Apart from VLLMOptions, four of whose options it repeats word for word: options.in_sections shows each group of
-# options as a section of --help, and cannot show a group that derives from another; its other three differ from their
-# namesakes there (vllm_server_host's default, None: no server; the help of vllm_server_base_url and vllm_lora_push)
-@dataclass
-class ServerOptions:
-    """A vLLM server to generate with, in rloo_multigpu.py: rloo_vllm.py's server mode (docs/vllm.md: its command)"""
-
-    RESUMABLE: ClassVar = WHERE_THE_SERVER_IS  # changes no sample (options.resumable_options)
-
-    vllm_server_host: Optional[str] = None
-    """generate with the vLLM server at this host instead of HF generate; None: no server"""
-    vllm_server_port: int = 8000
-    """(server) port of the vLLM server"""
-    vllm_server_base_url: Optional[str] = None
-    """(server) e.g. http://10.0.0.2:8000, instead of --vllm_server_host and --vllm_server_port"""
-    vllm_server_timeout: float = 240.0
-    """(server) seconds to wait for an answer before the run stops with an error (and a checkpoint)"""
-    vllm_server_weight_transfer: Literal["auto", "nccl", "shared_memory"] = "auto"
-    """(server) nccl or shared_memory (/dev/shm, one machine); auto: nccl from a GPU"""
-    max_staleness: int = 0
-    """(server) sample the next rollouts during the update, from weights up to N updates old; 0: synchronous"""
-    vllm_lora_push: Literal["auto", "adapter", "merged"] = "auto"
-    """(--use_peft, server) the adapter alone, or the merged weights, after an update; auto: the adapter if served"""
+    def derived_defaults(self) -> dict:
+        """The server's host where none is given: this machine's (after the checks, which refuse a host given with
+        --vllm_mode colocate)."""
+        return {"vllm_server_host": "127.0.0.1"} if self.vllm_server_host is None else {}
 
 
 SERVER_COMMAND = (
@@ -173,7 +171,7 @@ def choose_lora_push(option: str, problem: Optional[tuple[str, str]]) -> bool:
 
 def check_vllm_args(args, server: bool) -> None:
     """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
-    generates (else a colocated engine, for a script with --vllm_mode, or HF generate)."""
+    generates (else a colocated engine, for a script with VLLMOptions, or HF generate)."""
     check_max_staleness(args, server)
     if args.vllm_lora_push != "auto" and not args.use_peft:
         raise UsageError(
@@ -184,7 +182,7 @@ def check_vllm_args(args, server: bool) -> None:
         choose_lora_push("adapter", problem)  # refused before anything loads
     if (
         args.generation_kwargs
-        and (server or hasattr(args, "vllm_mode"))
+        and (server or isinstance(args, VLLMOptions))
         and importlib.util.find_spec("vllm") is not None
     ):
         from vllm import SamplingParams
@@ -209,12 +207,12 @@ def check_vllm_args(args, server: bool) -> None:
             ) from None
     geometric = args.importance_sampling_mode == "sequence_geometric_mask"
     sequence_masks = args.off_policy_mask_threshold is not None or geometric
-    if not server and not hasattr(args, "vllm_mode") and sequence_masks:
+    if not server and not isinstance(args, VLLMOptions) and sequence_masks:
         raise UsageError(
             "the sequence masks (--off_policy_mask_threshold, sequence_geometric_mask) weigh a vLLM server's "
             "samples, and this run generates with HF generate: give --vllm_server_host, or leave them out"
         )
-    if hasattr(args, "vllm_mode"):  # a script that can run a colocated engine
+    if isinstance(args, VLLMOptions):  # a script that can run a colocated engine
         if not server and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--vllm_mode colocate needs vLLM, which is not installed: {VLLM_INSTALL}")
         if not 0 < args.vllm_gpu_memory_utilization <= 1:

@@ -10,7 +10,8 @@ import rloo
 from rloo_utils import logs
 from rloo_utils.data import load_prompt_dataset
 from rloo_utils.errors import UsageError
-from rloo_utils.options import batch_sizes, lr_scheduler
+from rloo_utils.options import batch_sizes
+from rloo_utils.schedules import lr_scheduler
 from rloo_utils.rewards import (
     BUILTIN_REWARD_FUNCS,
     call_reward_funcs,

@@ -474,12 +474,27 @@ def test_help_shows_each_group_of_options_in_its_section_and_every_flag_keeps_it
     sections = {  # title -> text, from its header to the next one
         lines[i].strip(" │╭─╮"): "\n".join(lines[i : j - 1]) for i, j in zip(headers, headers[1:] + [len(lines) + 1])
     }
-    for group in groups:
+
+    def section_of(group) -> str:
         default_title = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Options")).lower()
-        section = sections[f"{titles.get(group.__name__, default_title)} options"]
-        assert " ".join(group.__doc__.split()[:4]) in " ".join(section.split())  # its description
-        for option in dataclasses.fields(group):
-            assert f"--{option.name}" in section
+        return sections[f"{titles.get(group.__name__, default_title)} options"]
+
+    def flags(section: str) -> set[str]:  # the flags it lists: below its description's rule, not indented as help is
+        rows = section.splitlines()
+        last_rule = max(i for i, row in enumerate(rows) if re.fullmatch(r"[-─]{20,}", row.strip(" │")))
+        return {
+            name
+            for row in rows[last_rule + 1 :]
+            if re.match(r"[│ ]{1,3}\S", row)
+            for name in re.findall(r"--(\w+)", row)
+        }
+
+    for group in groups:
+        assert " ".join(group.__doc__.split()[:4]) in " ".join(section_of(group).split())  # its description
+        for option in dataclasses.fields(group):  # in the section of the group that declares it, and there only
+            declaring = next(c for c in group.__mro__ if option.name in vars(c).get("__annotations__", {}))
+            assert declaring in groups and option.name in flags(section_of(declaring))
+            assert (option.name in flags(section_of(group))) == (declaring is group), (option.name, group)
     argv = ["--use_peft", "--lora_r", "4", "--eval_steps", "3", "--run_name", "x", "--normalize_advantage", "--track"]
     argv += ["--tools", "a.py:f", "--dtype", "bfloat16", "--rloo_k", "3", "--kl_coef", "0.1", "--save_steps", "2"]
     monkeypatch.setattr(sys, "argv", [script, *argv])
