@@ -541,12 +541,44 @@ def main(args: Args) -> None:
         check_algorithm(args)
         args = resolve_defaults(args)
         plan = set_up.plan_run(args, world_size, sharded=True)  # over all processes
-        server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
+        server = (
+            VLLMServer(
+                vllm_server_base_url=args.vllm_server_base_url,
+                vllm_server_host=args.vllm_server_host,
+                vllm_server_port=args.vllm_server_port,
+                vllm_server_timeout=args.vllm_server_timeout,
+                vllm_server_weight_transfer=args.vllm_server_weight_transfer,
+                vllm_lora_push=args.vllm_lora_push,
+                max_prompt_length=args.max_prompt_length,
+                max_completion_length=args.max_completion_length,
+                model_name_or_path=args.model_name_or_path,
+                sft_model_path=args.sft_model_path,
+                use_peft=args.use_peft,
+                lora_r=args.lora_r,
+                use_dora=args.use_dora,
+                lora_modules_to_save=args.lora_modules_to_save,
+            )
+            if use_server
+            else None
+        )  # reachable, before the run claims anything
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     local_batch_size = batch_size // world_size  # the completions each process rolls out
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_dir, output_dir, guard = lifecycle.claim_run(args, plan.checkpoint, plan.training_state, batch_size)
+    run_dir, output_dir, guard = lifecycle.claim_run(
+        plan.checkpoint,
+        plan.training_state,
+        batch_size,
+        run_name=args.run_name,
+        exp_name=args.exp_name,
+        seed=args.seed,
+        output_dir=args.output_dir,
+        options=plan.options,
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        max_skipped_steps=args.max_skipped_steps,
+        steps_per_update=args.num_ppo_epochs * args.num_mini_batches,
+    )
 
     seed = (args.seed + 1_000_003 * rank) % 2**32  # each process samples its own completions
     random.seed(seed)
@@ -557,7 +589,30 @@ def main(args: Args) -> None:
 
     # The policy, its reference for the KL, the reward model: each process holds its shards of them (FSDP2), read from
     # the files without any process holding a whole model (rloo_utils/sharded.py)
-    models = load_sharded_models(args, plan, device, world_size)
+    models = load_sharded_models(
+        plan,
+        device,
+        world_size,
+        model_name_or_path=args.model_name_or_path,
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path,
+        stop_token_id=args.stop_token_id,
+        chat_template_kwargs=args.chat_template_kwargs,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+        gradient_checkpointing=args.gradient_checkpointing,
+        beta=args.beta,
+        bf16=args.bf16,
+        fsdp_cpu_offload=args.fsdp_cpu_offload,
+        use_peft=args.use_peft,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        lora_target_modules=args.lora_target_modules,
+        lora_modules_to_save=args.lora_modules_to_save,
+        use_dora=args.use_dora,
+        seed=args.seed,
+    )
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
@@ -569,12 +624,36 @@ def main(args: Args) -> None:
     # Under --bf16 FSDP's mixed precision gathers the weights in bfloat16, and generation computes in that one dtype:
     # what rloo.py's bfloat16 copy of the policy gives (--sampler_weights), without a copy
     sampling_dtype = torch.bfloat16 if args.bf16 else policy.dtype
-    static = server is None and static_cache(args, device, console, sampling_dtype, unsupported, autocast=False)
+    static = server is None and static_cache(
+        args.cache_implementation, device, console, sampling_dtype, unsupported, autocast=False
+    )
     generation_config, greedy_config, eval_config = generation_configs(
-        args, stop_ids, tokenizer.pad_token_id, never_sampled, static
+        stop_ids,
+        tokenizer.pad_token_id,
+        never_sampled,
+        static,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        eval_temperature=args.eval_temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        generation_kwargs=args.generation_kwargs,
     )  # sampling, greedy (the sample tables), the evaluation's
     if server is not None:  # vLLM's sampling parameters for the same semantics
-        generation_config, greedy_config, eval_config = sampling_configs(args, stop_ids, never_sampled)
+        generation_config, greedy_config, eval_config = sampling_configs(
+            stop_ids,
+            never_sampled,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            eval_temperature=args.eval_temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            generation_kwargs=args.generation_kwargs,
+        )
     support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
@@ -617,10 +696,59 @@ def main(args: Args) -> None:
         "the processes decode in step (synced_gpus)" if world_size > 1 else None,
     )  # --decoding_loop own: rloo_utils/decoding.py's loop rather than HF generate's
     sampler = Sampler(args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop)
-    scorer = ShardedScorer(args, models, plan, trainer_state, device, autocast, console)
+    scorer = ShardedScorer(
+        tokenizer=models.tokenizer,
+        reward_tokenizer=models.reward_tokenizer,
+        reward_model=models.reward_model,
+        reward_funcs=plan.reward_funcs,
+        reward_names=plan.reward_names,
+        reward_weights=plan.reward_weights,
+        tool_use=plan.tool_use,
+        trainer_state=trainer_state,
+        device=device,
+        autocast=autocast,
+        console=console,
+        padding_free=args.padding_free,
+        local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
+        chat_template_kwargs=args.chat_template_kwargs,
+        reward_timeout=args.reward_timeout,
+    )
     with agreed():
-        logger = logs.open_logger(args, run_dir, plan.training_state, console, num_updates)  # a resumed run's go on
-    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
+        logger = logs.open_logger(
+            run_dir,
+            plan.training_state,
+            console,
+            num_updates,
+            options=plan.options,
+            track=args.track,
+            wandb_project_name=args.wandb_project_name,
+            wandb_entity=args.wandb_entity,
+        )  # a resumed run's go on
+    evaluator = evaluation.Evaluator(
+        sampler=sampler,
+        scorer=scorer,
+        greedy_config=greedy_config,
+        eval_config=eval_config,
+        eos_ids=eos_ids,
+        console=console,
+        logger=logger,
+        eval_prompts=plan.eval_prompts,
+        evaluate_after=plan.evaluate_after,
+        metric_funcs=plan.metric_funcs,
+        metric_names=plan.metric_names,
+        train_dataset=plan.train_dataset,
+        eval_dataset=plan.eval_dataset,
+        extra_columns=plan.extra_columns,
+        num_sample_prompts=args.num_sample_prompts,
+        num_generations_eval=args.num_generations_eval,
+        eval_temperature=args.eval_temperature,
+        eval_success_threshold=args.eval_success_threshold,
+        local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
+        seed=args.seed,
+        dataset_name=args.dataset_name,
+        dataset_test_split=args.dataset_test_split,
+        eval_steps=args.eval_steps,
+    )
     resampler = rollouts.DynamicSampling(
         sampler,
         scorer,
@@ -631,7 +759,17 @@ def main(args: Args) -> None:
         seed=args.seed,
         penalty=args.missing_eos_penalty,
     )
-    console.print(set_up.first_line(args, plan, run_dir, device, world_size))
+    console.print(
+        set_up.first_line(
+            plan,
+            run_dir,
+            device,
+            world_size,
+            num_generations=G,
+            num_optimizer_steps=num_optimizer_steps,
+            bf16=args.bf16,
+        )
+    )
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------

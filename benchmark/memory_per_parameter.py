@@ -40,7 +40,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import torch
 
@@ -102,7 +101,8 @@ def measure(setup: str, variant: str, cli) -> dict:
     if setup == "full":
         ref = copy.deepcopy(policy).eval().requires_grad_(False)  # rloo.py's reference: a frozen copy
     else:
-        lora = types.SimpleNamespace(
+        policy = add_adapter(
+            policy,
             lora_r=cli.lora_r,
             lora_alpha=2 * cli.lora_r,
             lora_dropout=0.0,
@@ -110,10 +110,8 @@ def measure(setup: str, variant: str, cli) -> dict:
             lora_modules_to_save=None,
             use_dora=False,
             seed=cli.seed,
-            sft_model_path=None,
-            model_name_or_path="a random Llama",
+            model_path="a random Llama",
         )
-        policy = add_adapter(policy, lora)
         ref = policy
     if variant == "after":
         for model in (policy, ref):

@@ -99,20 +99,54 @@ def main():
     )
     tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path)
     policy = from_pretrained(AutoModelForCausalLM, args.model_name_or_path)
-    train, _ = load_datasets(args)
+    train, _ = load_datasets(
+        dataset_name=args.dataset_name,
+        dataset_train_split=args.dataset_train_split,
+        dataset_test_split=args.dataset_test_split,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
     texts = train[[i % len(train) for i in range(P)]]["prompt"]  # from the top again if the dataset has fewer
     prompt_ids, prompt_mask, _, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_length, torch.device("cpu"))
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
     started = time.perf_counter()
-    engine = rloo_vllm.ColocatedVLLM(args, policy, torch.device("cpu"))
+    engine = rloo_vllm.ColocatedVLLM(
+        policy,
+        torch.device("cpu"),
+        model_name_or_path=args.model_name_or_path,
+        seed=args.seed,
+        trust_remote_code=args.trust_remote_code,
+        max_prompt_length=args.max_prompt_length,
+        max_completion_length=args.max_completion_length,
+        vllm_dtype=args.vllm_dtype,
+        vllm_max_model_length=args.vllm_max_model_length,
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        vllm_enforce_eager=args.vllm_enforce_eager,
+        vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
+        vllm_cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib,
+        vllm_lora_push=args.vllm_lora_push,
+        use_peft=args.use_peft,
+        lora_r=args.lora_r,
+        use_dora=args.use_dora,
+        lora_modules_to_save=args.lora_modules_to_save,
+    )
     engine.push_weights(policy)
     print(
         f"{options.preset}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, engine up in "
         f"{time.perf_counter() - started:.0f} s; rollout {P} prompts x G={G} x {C} tokens = {P * G * C} tokens, "
         f"{options.repeats} repeats, {torch.get_num_threads()} threads"
     )
-    sampling = sampling_options(args, stop_ids=[], greedy=False)  # no end token: always C tokens
+    sampling = sampling_options(  # no end token: always C tokens
+        [],
+        greedy=False,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        generation_kwargs=args.generation_kwargs,
+    )
 
     def per_prompt(update):
         from vllm import SamplingParams

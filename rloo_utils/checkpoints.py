@@ -301,11 +301,11 @@ def fsync(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(checkpoint: str, save_weights: Callable[[str], None], args, training_state: dict) -> None:
-    """Write the weights (save_weights(folder), where every process takes part), the options and the training state
-    into a temporary folder, then rename it: whenever a process dies, a checkpoint is complete or absent. A failed
-    write is an error naming the path, and leaves the older checkpoints as they were. On several nodes the folder
-    must be on a file system they share."""
+def save_checkpoint(checkpoint: str, save_weights: Callable[[str], None], options: dict, training_state: dict) -> None:
+    """Write the weights (save_weights(folder), where every process takes part), the options (every option by name:
+    args.json, which check_resumable reads back) and the training state into a temporary folder, then rename it:
+    whenever a process dies, a checkpoint is complete or absent. A failed write is an error naming the path, and leaves
+    the older checkpoints as they were. On several nodes the folder must be on a file system they share."""
     tmp = os.path.join(os.path.dirname(checkpoint), "tmp-" + os.path.basename(checkpoint))
     try:
         with agreed():
@@ -316,7 +316,7 @@ def save_checkpoint(checkpoint: str, save_weights: Callable[[str], None], args, 
         with agreed():
             if get_rank() == 0:
                 with open(os.path.join(tmp, "args.json"), "w") as f:
-                    json.dump(asdict(args), f, indent=2)
+                    json.dump(options, f, indent=2)
                 torch.save(training_state, os.path.join(tmp, TRAINING_STATE))
                 for root, _, files in os.walk(tmp):
                     for name in files:
@@ -347,15 +347,6 @@ def resume_command(argv: list[str], checkpoint: str) -> str:
         + (["--nnodes", str(world_size // per_node)] if world_size > per_node else [])
     )
     return shlex.join([*launcher, argv[0], *kept, "--resume_from_checkpoint", checkpoint])
-
-
-def resume_point(args, resumable_changes: set[str], sharded: bool = False) -> tuple[Optional[str], Optional[dict]]:
-    """The checkpoint --resume_from_checkpoint names and its training state, checked (None, None: a new run)."""
-    if args.resume_from_checkpoint is None:
-        return None, None
-    checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)
-    check_resumable(args, checkpoint, resumable_changes)
-    return checkpoint, load_training_state(checkpoint, run_dir_of(checkpoint), sharded)
 
 
 def run_dir_of(checkpoint: str) -> str:

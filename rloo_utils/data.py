@@ -136,24 +136,26 @@ def load_prompt_dataset(name: str, split: str):
     return dataset
 
 
-def load_datasets(args):
+def load_datasets(
+    *, dataset_name: str, dataset_train_split: str, dataset_test_split: str, chat_template_kwargs: Optional[dict]
+):
     """The train split, and the held-out split (None where there is none: a single file is one split); both hold
-    prompts of one kind (strings, or chat messages)."""
-    path = dataset_path(args.dataset_name)
-    train = load_prompt_dataset(path, args.dataset_train_split)
+    prompts of one kind (strings, or chat messages). dataset_name: a hub id, a folder or a file (--dataset_name);
+    dataset_train_split, dataset_test_split: the splits' names; chat_template_kwargs (--chat_template_kwargs): refused
+    with plain-string prompts, which no chat template renders."""
+    path = dataset_path(dataset_name)
+    train = load_prompt_dataset(path, dataset_train_split)
     if train is None:
-        raise UsageError(
-            f"dataset {args.dataset_name} has no split {args.dataset_train_split!r} (--dataset_train_split)"
-        )
-    test = None if os.path.isfile(path) else load_prompt_dataset(path, args.dataset_test_split)
+        raise UsageError(f"dataset {dataset_name} has no split {dataset_train_split!r} (--dataset_train_split)")
+    test = None if os.path.isfile(path) else load_prompt_dataset(path, dataset_test_split)
     if test is not None and is_chat(test[0]["prompt"]) != is_chat(train[0]["prompt"]):
         raise UsageError(
-            f"dataset {args.dataset_name}: the prompts of split {args.dataset_test_split} and of split "
-            f"{args.dataset_train_split} are not of one kind (strings, or chat messages)"
+            f"dataset {dataset_name}: the prompts of split {dataset_test_split} and of split "
+            f"{dataset_train_split} are not of one kind (strings, or chat messages)"
         )
-    if args.chat_template_kwargs and not is_chat(train[0]["prompt"]):
+    if chat_template_kwargs and not is_chat(train[0]["prompt"]):
         raise UsageError(
-            f"--chat_template_kwargs goes to the chat template, but the prompts of {args.dataset_name} "
+            f"--chat_template_kwargs goes to the chat template, but the prompts of {dataset_name} "
             "are plain strings, which are tokenized without one: give chat prompts (lists of messages), "
             "or leave it out"
         )

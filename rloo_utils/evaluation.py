@@ -81,9 +81,10 @@ class EvaluationOptions:
 DATA_SOURCE_COLUMN = "data_source"
 
 
-def metric_funcs(args, builtin: dict) -> tuple[list, list[str]]:
-    """The --eval_metric_funcs and their names (what follows the last `:`), loaded now, before the run starts."""
-    specs = args.eval_metric_funcs or []
+def metric_funcs(eval_metric_funcs: Optional[list[str]], builtin: dict) -> tuple[list, list[str]]:
+    """The evaluation metric functions (--eval_metric_funcs: built-in names, a key of `builtin`, or module:function)
+    and their names (what follows the last `:`), loaded now, before the run starts."""
+    specs = eval_metric_funcs or []
     names = [reward_func_name(s) for s in specs]
     if len(set(names)) < len(names):
         raise UsageError(f"--eval_metric_funcs names a function twice ({', '.join(names)}): give each once")
@@ -91,21 +92,39 @@ def metric_funcs(args, builtin: dict) -> tuple[list, list[str]]:
     return [load_reward_func(s, builtin, *option) for s in specs], names
 
 
-def evaluation_prompts(args, test_dataset, metric_names: list[str]):
-    """The test prompts the run evaluates on: the first --max_eval_prompts of the held-out split; None where it does
-    not evaluate (--eval_steps 0, or no held-out split, which is an error where an evaluation option asks for one)."""
+def evaluation_prompts(
+    test_dataset,
+    metric_names: list[str],
+    *,
+    dataset_name: str,
+    dataset_test_split: str,
+    eval_steps: float,
+    max_eval_prompts: Optional[int],
+    eval_success_threshold: Optional[float],
+    eval_metric_funcs: Optional[list[str]],
+):
+    """The test prompts the run evaluates on: the first max_eval_prompts (--max_eval_prompts; None: all) of the
+    held-out split, test_dataset; None where it does not evaluate (eval_steps, --eval_steps, 0; or no held-out split,
+    which is an error where an option that means nothing without an evaluation asks for one: --max_eval_prompts,
+    --eval_success_threshold, --eval_metric_funcs). dataset_name, dataset_test_split: what that error names;
+    metric_names: the metric functions', checked against the data sources' (check_evaluation_names)."""
     if test_dataset is None:
-        asked = [f"--{name}" for name in EVALUATION_ONLY if getattr(args, name) is not None]
+        evaluation_only = [
+            ("max_eval_prompts", max_eval_prompts),
+            ("eval_success_threshold", eval_success_threshold),
+            ("eval_metric_funcs", eval_metric_funcs),
+        ]
+        asked = [f"--{name}" for name, value in evaluation_only if value is not None]
         if asked:
             raise UsageError(
-                f"{asked[0]} is for the held-out evaluation, but dataset {args.dataset_name} has no split "
-                f"{args.dataset_test_split!r} (--dataset_test_split; a single file is one split): give a folder with "
+                f"{asked[0]} is for the held-out evaluation, but dataset {dataset_name} has no split "
+                f"{dataset_test_split!r} (--dataset_test_split; a single file is one split): give a folder with "
                 "a train and a test file, or leave it out"
             )
         return None
-    if args.eval_steps == 0:
+    if eval_steps == 0:
         return None
-    prompts = test_dataset.select(range(min(len(test_dataset), args.max_eval_prompts or len(test_dataset))))
+    prompts = test_dataset.select(range(min(len(test_dataset), max_eval_prompts or len(test_dataset))))
     check_evaluation_names(metric_names, data_sources(prompts))
     return prompts
 
@@ -113,10 +132,6 @@ def evaluation_prompts(args, test_dataset, metric_names: list[str]):
 def data_sources(prompts) -> Optional[list[str]]:
     """Each prompt's data source, where the dataset has a column naming it; None where it has none."""
     return [str(s) for s in prompts[DATA_SOURCE_COLUMN]] if DATA_SOURCE_COLUMN in prompts.column_names else None
-
-
-# Options that mean nothing without an evaluation (their defaults are None)
-EVALUATION_ONLY = ("max_eval_prompts", "eval_success_threshold", "eval_metric_funcs")
 
 
 def evaluation_updates(eval_steps: float, eval_on_start: bool, num_updates: int) -> set[int]:
@@ -287,17 +302,28 @@ def check_evaluation_names(metric_names: list[str], sources: Optional[list]) -> 
         seen[name] = f"the {kind} {name!r}"
 
 
-def evaluation_plan(prompts, args, updates: set[int]) -> str:
-    """The start-up line that says when and on what the run evaluates."""
+def evaluation_plan(
+    prompts,
+    updates: set[int],
+    *,
+    dataset_name: str,
+    dataset_test_split: str,
+    eval_steps: float,
+    num_generations_eval: int,
+    eval_temperature: float,
+) -> str:
+    """The start-up line that says when and on what the run evaluates: the test prompts (None: no evaluation, for want
+    of a held-out split, dataset_test_split of dataset_name, or with eval_steps 0), the updates after which it
+    evaluates, and its num_generations_eval completions of each prompt at eval_temperature."""
     if prompts is None:
         return (
-            f"no held-out evaluation: dataset {args.dataset_name} has no split {args.dataset_test_split!r}"
-            if args.eval_steps
+            f"no held-out evaluation: dataset {dataset_name} has no split {dataset_test_split!r}"
+            if eval_steps
             else "no held-out evaluation (--eval_steps 0)"
         )
     return (
-        f"held-out evaluation on {len(prompts)} prompts of split {args.dataset_test_split} x "
-        f"{args.num_generations_eval} completions at temperature {args.eval_temperature:g}, after updates "
+        f"held-out evaluation on {len(prompts)} prompts of split {dataset_test_split} x "
+        f"{num_generations_eval} completions at temperature {eval_temperature:g}, after updates "
         f"{', '.join(map(str, sorted(updates)))}"
     )
 
@@ -316,20 +342,69 @@ class Evaluator:
     without it). One for the three scripts: their sampler and scorer do the work; in a run of several processes each
     evaluates its share of the test prompts, and the results are gathered."""
 
-    def __init__(self, args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger):
-        """plan: the run's test prompts and metric functions (set_up.RunPlan); greedy_config: the sampler's for the
-        sample tables, eval_config: the evaluation's."""
-        self.args, self.sampler, self.scorer, self.eval_prompts = args, sampler, scorer, plan.eval_prompts
-        self.evaluate_after = plan.evaluate_after
-        table = (plan.eval_dataset or plan.train_dataset)[: args.num_sample_prompts]  # the test split's, or the train's
-        self.table = (table["prompt"], {c: table[c] for c in plan.extra_columns if c in table})  # prompts, columns
+    def __init__(
+        self,
+        *,
+        sampler,
+        scorer,
+        greedy_config,
+        eval_config,
+        eos_ids: list[int],
+        console,
+        logger,
+        eval_prompts,
+        evaluate_after: set[int],
+        metric_funcs: list,
+        metric_names: list[str],
+        train_dataset,
+        eval_dataset,
+        extra_columns: list[str],
+        num_sample_prompts: int,
+        num_generations_eval: int,
+        eval_temperature: float,
+        eval_success_threshold: Optional[float],
+        local_rollout_forward_batch_size: int,
+        seed: int,
+        dataset_name: str,
+        dataset_test_split: str,
+        eval_steps: float,
+    ):
+        """sampler and scorer: the run's seams, which generate and score (its reward weights are the scorer's);
+        greedy_config: the sampler's config for the sample tables, eval_config: the evaluation's; eos_ids: the tokens
+        that end a completion (its length metrics); console and logger: where tables and metrics go.
+        The sample tables: the first num_sample_prompts (--num_sample_prompts) prompts of eval_dataset, or of
+        train_dataset where there is no held-out split, with those of their extra_columns they hold (the dataset's
+        columns besides the prompt, which reward functions get).
+        The evaluation (set_up.RunPlan's eval_prompts, evaluate_after, metric_funcs and metric_names): the test prompts
+        (None: none), the updates after which they are evaluated, the --eval_metric_funcs and their names;
+        num_generations_eval completions of each prompt at eval_temperature (--num_generations_eval,
+        --eval_temperature, their defaults resolved), a success where the reward reaches eval_success_threshold (None:
+        no success test), sampled local_rollout_forward_batch_size completions at a time from seeds of seed (--seed)
+        and the update. dataset_name, dataset_test_split and eval_steps (the options): what plan() says of a run that
+        does not evaluate."""
+        self.sampler, self.scorer = sampler, scorer
+        self.eval_prompts, self.evaluate_after = eval_prompts, evaluate_after
+        table = (eval_dataset or train_dataset)[:num_sample_prompts]  # the test split's, or the train's
+        self.table = (table["prompt"], {c: table[c] for c in extra_columns if c in table})  # prompts, columns
         self.greedy_config, self.eval_config = greedy_config, eval_config
-        self.metric_funcs, self.metric_names = plan.metric_funcs, plan.metric_names
+        self.metric_funcs, self.metric_names = metric_funcs, metric_names
         self.weights, self.eos_ids, self.console, self.logger = scorer.weights, eos_ids, console, logger
+        self.n, self.temperature = num_generations_eval, eval_temperature
+        self.success_threshold = eval_success_threshold
+        self.forward_batch_size, self.seed = local_rollout_forward_batch_size, seed
+        self.dataset_name, self.dataset_test_split, self.eval_steps = dataset_name, dataset_test_split, eval_steps
 
     def plan(self) -> str:
         """One line: what the run evaluates and when (evaluation_plan)."""
-        return evaluation_plan(self.eval_prompts, self.args, self.evaluate_after)
+        return evaluation_plan(
+            self.eval_prompts,
+            self.evaluate_after,
+            dataset_name=self.dataset_name,
+            dataset_test_split=self.dataset_test_split,
+            eval_steps=self.eval_steps,
+            num_generations_eval=self.n,
+            eval_temperature=self.temperature,
+        )
 
     def sample_table(self, step: int) -> None:
         """Greedy completions of the table's prompts (the test split's first --num_sample_prompts, or the train
@@ -351,19 +426,19 @@ class Evaluator:
         --eval_temperature, scored by the reward and the --eval_metric_funcs; their task metrics
         (rloo_utils/evaluation.py) logged under eval/. Each process evaluates its share of the prompts (as many as every
         other), and the results are gathered."""
-        args, eval_prompts, scorer = self.args, self.eval_prompts, self.scorer
-        start, n = time.perf_counter(), args.num_generations_eval
-        prompts_per_chunk = max(1, args.local_rollout_forward_batch_size // n)
+        eval_prompts, scorer = self.eval_prompts, self.scorer
+        start, n = time.perf_counter(), self.n
+        prompts_per_chunk = max(1, self.forward_batch_size // n)
         columns_of_test = [c for c in eval_prompts.column_names if c != "prompt"]
         own_prompts = eval_prompts.select(process_share(len(eval_prompts), get_rank(), get_world_size()))
         own_rows = get_rank() * len(own_prompts) * n  # this process's first row of the gathered completions
         parts = defaultdict(list)  # per chunk: (b, F) rewards, (b, C) completions and mask, (b,) ended, metric values
-        with own_random_streams(args.seed, update, self.sampler.device):
+        with own_random_streams(self.seed, update, self.sampler.device):
             for first in range(0, len(own_prompts), prompts_per_chunk):
                 batch = own_prompts[first : first + prompts_per_chunk]
                 prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
                 columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
-                seeds = evaluation_seeds(args.seed, update, own_rows + first * n, len(prompts))
+                seeds = evaluation_seeds(self.seed, update, own_rows + first * n, len(prompts))
                 rollout = self.sampler.sample(prompts, columns, self.eval_config, seeds, n)
                 with agreed():  # a reward function that raises on one process stops all of them together
                     rewards_per_func, completions = scorer.score(rollout)  # (b, F)
@@ -393,8 +468,8 @@ class Evaluator:
         metrics = {
             **reward_metrics(rewards_per_func, scorer.names, self.weights, rewards.view(-1), n),  # TRL's eval_ names
             **completion_metrics(completion_ids, completion_mask, ended, self.eos_ids),
-            **task_metrics(rewards, values, args.eval_success_threshold),
-            **(per_source_metrics(rewards, values, args.eval_success_threshold, sources) if sources else {}),
+            **task_metrics(rewards, values, self.success_threshold),
+            **(per_source_metrics(rewards, values, self.success_threshold, sources) if sources else {}),
             "prompts": len(eval_prompts),
             "seconds": time.perf_counter() - start,
         }

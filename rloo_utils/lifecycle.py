@@ -111,10 +111,11 @@ LOCK_FILE = ".lock"  # in the run folder, locked by the one process that writes 
 OUTPUT_CLAIM = "rloo_run.json"  # in the output folder: the run folder whose model goes there
 
 
-def claim_run_dir(args) -> str:
-    """Create runs/<run_name>. os.mkdir fails when the folder exists, so runs started at the same moment never share
-    one: an explicit --run_name that is taken is refused, a default one gets a suffix."""
-    name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+def claim_run_dir(*, run_name: Optional[str], exp_name: str, seed: int) -> str:
+    """Create runs/<run_name> (--run_name; None: <exp_name>__<seed>__<unix time>, of the script and --seed). os.mkdir
+    fails when the folder exists, so runs started at the same moment never share one: an explicit run_name that is
+    taken is refused, a default one gets a suffix."""
+    name = run_name or f"{exp_name}__{seed}__{int(time.time())}"
     try:
         os.makedirs("runs", exist_ok=True)
     except OSError as e:
@@ -123,14 +124,14 @@ def claim_run_dir(args) -> str:
             "folder you can write to"
         ) from None
     for attempt in itertools.count(1):
-        run_name = name if attempt == 1 else f"{name}_{attempt}"
-        run_dir = os.path.join("runs", run_name)
+        candidate = name if attempt == 1 else f"{name}_{attempt}"
+        run_dir = os.path.join("runs", candidate)
         try:
             os.mkdir(run_dir)
             return run_dir
         except FileExistsError:
-            if args.run_name is not None:
-                raise UsageError(run_dir_taken(run_dir, run_name)) from None
+            if run_name is not None:
+                raise UsageError(run_dir_taken(run_dir, candidate)) from None
         except OSError as e:
             raise UsageError(f"cannot create {run_dir} ({describe(e)})") from None
 
@@ -233,9 +234,28 @@ class RunGuard:
 
     active: Optional["RunGuard"] = None
 
-    def __init__(self, args, run_dir: str, created: list[str], batch_size: int, training_state: Optional[dict]):
-        self.args, self.run_dir, self.created, self.batch_size = args, run_dir, created, batch_size
+    def __init__(
+        self,
+        run_dir: str,
+        created: list[str],
+        batch_size: int,
+        training_state: Optional[dict],
+        *,
+        options: dict,
+        save_steps: int,
+        save_total_limit: Optional[int],
+        max_skipped_steps: int,
+        steps_per_update: int,
+    ):
+        """run_dir: the run's folder; created: the folders a failure before training removes; batch_size: the
+        completions of an update (what a cut-short update adds to the episodes); training_state: of the checkpoint the
+        run resumes from (None: a new run). options: every option by name, each checkpoint's args.json; a checkpoint
+        every save_steps updates (0: only when stopped), the newest save_total_limit kept (None: all); the run stops
+        after max_skipped_steps skipped optimizer steps in a row, of steps_per_update an update."""
+        self.run_dir, self.created, self.batch_size = run_dir, created, batch_size
         self.training_state = training_state  # of the checkpoint the run resumes from (None: a new run)
+        self.options, self.save_steps, self.save_total_limit = options, save_steps, save_total_limit
+        self.max_skipped_steps, self.steps_per_update = max_skipped_steps, steps_per_update
         self.watching, self.state = False, None
         RunGuard.active = self
 
@@ -295,15 +315,13 @@ class RunGuard:
         Every process takes the same decisions together."""
         self.record(progress)
         stop = max_over_processes(self.stop_signals[0] if self.stop_signals else 0)  # any process's signal
-        if (self.args.save_steps and progress.update % self.args.save_steps == 0) or stop:
+        if (self.save_steps and progress.update % self.save_steps == 0) or stop:
             save_start = time.perf_counter()
             saved = self.save()
             self.console.print(f"wrote {saved} in {time.perf_counter() - save_start:.2f} s")
         with agreed():  # every process has the same count: they stop together
-            num_optimizer_steps = self.num_updates * self.args.num_ppo_epochs * self.args.num_mini_batches
-            check_skipped_steps(
-                progress.skipped_in_a_row, self.args.max_skipped_steps, progress.update, num_optimizer_steps
-            )
+            num_optimizer_steps = self.num_updates * self.steps_per_update
+            check_skipped_steps(progress.skipped_in_a_row, self.max_skipped_steps, progress.update, num_optimizer_steps)
         if stop:
             for opened in (self.logger, *self.closing):
                 opened.close()
@@ -323,10 +341,10 @@ class RunGuard:
         state = state or self.state
         path = os.path.join(self.run_dir, "checkpoints", f"checkpoint-{state['update']}")
         save_checkpoint(
-            path, self.save_weights, self.args, {**state, **{k: v.state_dict() for k, v in self.stateful.items()}}
+            path, self.save_weights, self.options, {**state, **{k: v.state_dict() for k, v in self.stateful.items()}}
         )
-        if self.args.save_total_limit and get_rank() == 0:
-            for old in checkpoint_dirs(self.run_dir)[: -self.args.save_total_limit]:
+        if self.save_total_limit and get_rank() == 0:
+            for old in checkpoint_dirs(self.run_dir)[: -self.save_total_limit]:
                 shutil.rmtree(old)
         return path
 
@@ -383,23 +401,49 @@ class RunGuard:
 
 
 def claim_run(
-    args, checkpoint: Optional[str], training_state: Optional[dict], batch_size: int
+    checkpoint: Optional[str],
+    training_state: Optional[dict],
+    batch_size: int,
+    *,
+    run_name: Optional[str],
+    exp_name: str,
+    seed: int,
+    output_dir: Optional[str],
+    options: dict,
+    save_steps: int,
+    save_total_limit: Optional[int],
+    max_skipped_steps: int,
+    steps_per_update: int,
 ) -> tuple[str, str, RunGuard]:
-    """The run folder (a new runs/<run_name>, or the checkpoint's), locked for as long as this process lives against a
-    second run; the folder the trained model goes to, reserved; and the RunGuard that from here on removes what this
-    run created if it fails before training, or leaves a checkpoint once it has trained. Returns (run folder, output
-    folder, guard). Rank 0 claims the folders and tells the others."""
+    """The run folder (a new runs/<run_name>, claim_run_dir's, or the checkpoint's), locked for as long as this process
+    lives against a second run; the folder the trained model goes to (output_dir, --output_dir; None: the run folder's
+    model/), reserved; and the RunGuard that from here on removes what this run created if it fails before training,
+    or leaves a checkpoint once it has trained (its options, save_steps, save_total_limit, max_skipped_steps and
+    steps_per_update; batch_size, and training_state: the resumed checkpoint's, None for a new run). Returns (run
+    folder, output folder, guard). Rank 0 claims the folders and tells the others."""
     run_dir = lock = None
     with agreed():
         if get_rank() == 0:
-            run_dir = run_dir_of(checkpoint) if checkpoint else claim_run_dir(args)
+            run_dir = (
+                run_dir_of(checkpoint) if checkpoint else claim_run_dir(run_name=run_name, exp_name=exp_name, seed=seed)
+            )
             lock = lock_run_dir(run_dir)
             if checkpoint:  # the run may have gone on, and ended, between finding its newest checkpoint and the lock
                 find_checkpoint(checkpoint, None)
     run_dir = from_rank_0(run_dir)
-    guard = RunGuard(args, run_dir, [] if checkpoint else [run_dir], batch_size, training_state)
+    guard = RunGuard(
+        run_dir,
+        [] if checkpoint else [run_dir],
+        batch_size,
+        training_state,
+        options=options,
+        save_steps=save_steps,
+        save_total_limit=save_total_limit,
+        max_skipped_steps=max_skipped_steps,
+        steps_per_update=steps_per_update,
+    )
     guard.lock = lock  # held (open) until the process ends
-    output_dir = args.output_dir or os.path.join(run_dir, "model")
+    output_dir = output_dir or os.path.join(run_dir, "model")
     with agreed():
         if get_rank() == 0 and claim_output_dir(output_dir, run_dir):
             guard.created.append(output_dir)

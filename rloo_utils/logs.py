@@ -8,7 +8,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
@@ -67,10 +67,23 @@ TABLES = ("samples", "completions")  # the tables a run logs (Logger.log_table),
 class Logger:
     """Every row goes to runs/<run_name>/metrics.jsonl, TensorBoard and (with --track) W&B."""
 
-    def __init__(self, args, run_name: str, run_dir: str, resume: Optional[dict] = None, progress_bar=None):
+    def __init__(
+        self,
+        run_name: str,
+        run_dir: str,
+        resume: Optional[dict] = None,
+        progress_bar=None,
+        *,
+        options: dict,
+        track: bool,
+        wandb_project_name: str,
+        wandb_entity: Optional[str],
+    ):
         """resume: the Logger.state() a checkpoint holds. Rows logged after that checkpoint are dropped, since the
         resumed run logs those updates again: no step appears twice, none is missing. progress_bar: a ProgressBar that
-        each row of metrics moves on."""
+        each row of metrics moves on. options: every option by name, recorded as args.json, TensorBoard's
+        hyperparameters and W&B's config. track (--track): to W&B too, in project wandb_project_name of entity
+        wandb_entity (None: the default one)."""
         self.progress_bar = progress_bar
         from torch.utils.tensorboard import SummaryWriter
 
@@ -80,14 +93,14 @@ class Logger:
                 os.truncate(path, sizes.get(name, 0))  # (a table begun after the checkpoint is emptied)
         self.last_step = resume["step"] if resume else None
         self.wandb, self.wandb_id, self.wandb_first_step = None, None, 0
-        if args.track:
+        if track:
             import wandb
 
             tags = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
             self.wandb = wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                config=asdict(args),
+                project=wandb_project_name,
+                entity=wandb_entity,
+                config=options,
                 name=run_name,
                 tags=tags,
                 save_code=True,
@@ -101,13 +114,13 @@ class Logger:
         # purge_step: TensorBoard hides what earlier event files hold from that step on
         self.writer = SummaryWriter(run_dir, purge_step=None if self.last_step is None else self.last_step + 1)
         self.writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in options.items())
         )
         self.run_dir = run_dir
         self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.table_files = {}  # name -> its .jsonl, opened at its first rows
         with open(os.path.join(run_dir, "args.json"), "w") as f:  # the options, for tools that read runs offline
-            json.dump(asdict(args), f, indent=2)
+            json.dump(options, f, indent=2)
 
     def log(self, metrics: dict, step: int, section: str = "train") -> None:
         """A row of metrics: an update's (section train) under their own names in metrics.jsonl, an evaluation's
@@ -189,14 +202,34 @@ class QuietLogger:
         return {}
 
 
-def open_logger(args, run_dir: str, training_state: Optional[dict], console, num_updates: int):
-    """The run's Logger and its progress bar, continuing the logs of a resumed run (training_state: its checkpoint's);
-    on processes other than rank 0, one that writes nothing."""
+def open_logger(
+    run_dir: str,
+    training_state: Optional[dict],
+    console,
+    num_updates: int,
+    *,
+    options: dict,
+    track: bool,
+    wandb_project_name: str,
+    wandb_entity: Optional[str],
+):
+    """The run's Logger (what it records and where: options, track, wandb_project_name, wandb_entity) and its
+    progress bar over num_updates, continuing the logs of a resumed run (training_state: its checkpoint's); on
+    processes other than rank 0, one that writes nothing."""
     if get_rank() != 0:
         return QuietLogger()
     progress_bar = ProgressBar(console, num_updates, training_state["update"] if training_state else 0)
     resume = training_state["logger"] if training_state else None
-    return Logger(args, os.path.basename(run_dir), run_dir, resume, progress_bar)
+    return Logger(
+        os.path.basename(run_dir),
+        run_dir,
+        resume,
+        progress_bar,
+        options=options,
+        track=track,
+        wandb_project_name=wandb_project_name,
+        wandb_entity=wandb_entity,
+    )
 
 
 def show_samples(console, logger, rows: list[dict], step: int, name: str = "samples", num_printed=None) -> None:

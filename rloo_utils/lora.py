@@ -88,39 +88,52 @@ def transformers_model(model):
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def add_adapter(model, args):
-    """--use_peft: the model frozen, with LoRA adapters (Hu et al. 2021; DoRA, Liu et al. 2024, with --use_dora) on the
-    layers --lora_target_modules names (peft's get_peft_model). The adapters are drawn as peft draws them (A:
-    Kaiming-uniform, B = 0, so that the policy starts as the model) from a generator of --seed alone, on the CPU: the
-    same adapters in every script, process and device, and no other random state touched.
+def add_adapter(
+    model,
+    *,
+    lora_r: int,
+    lora_alpha: int,
+    lora_dropout: float,
+    lora_target_modules: Optional[list[str]],
+    lora_modules_to_save: Optional[list[str]],
+    use_dora: bool,
+    seed: int,
+    model_path: str,
+):
+    """--use_peft: the model frozen, with LoRA adapters (Hu et al. 2021; DoRA, Liu et al. 2024, with use_dora) of rank
+    lora_r, scaled by lora_alpha / lora_r, lora_dropout on their input, on the layers lora_target_modules names, beside
+    the lora_modules_to_save trained in full (peft's get_peft_model; the LoraOptions of those names). The adapters are
+    drawn as peft draws them (A: Kaiming-uniform, B = 0, so that the policy starts as the model) from a generator of
+    seed (--seed) alone, on the CPU: the same adapters in every script, process and device, and no other random state
+    touched. model_path: where the model was read from, which an error names.
     Of a model built empty (empty_model) they are drawn on the CPU and kept in `adapter_init` for load_shards, which
     also computes DoRA's magnitudes (the row norms of the weights) once the weights are read."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import Linear, LoraLayer
 
-    targets = args.lora_target_modules
+    targets = lora_target_modules
     config = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,  # (a list: names)
-        modules_to_save=args.lora_modules_to_save,
-        use_dora=args.use_dora,
+        modules_to_save=lora_modules_to_save,
+        use_dora=use_dora,
         task_type="CAUSAL_LM",
     )
-    where = args.sft_model_path or args.model_name_or_path
+    where = model_path
     names_of = defaultdict(list)  # a weight shared by several modules (tied embeddings and LM head) has several names
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of[id(p)].append(name.rpartition(".")[0])
     tied = {module for names in names_of.values() if len(names) > 1 for module in names}
     modules = [name for name, _ in model.named_modules()]  # peft trains in full each one whose name ends with one given
-    unmatched = [t for t in args.lora_modules_to_save or [] if not any(m.endswith(t) for m in modules)]
+    unmatched = [t for t in lora_modules_to_save or [] if not any(m.endswith(t) for m in modules)]
     if unmatched:
         raise UsageError(
             f"--lora_modules_to_save {' '.join(unmatched)} names no layer of {where}, so nothing of it "
             "would train: name layers it has (e.g. lm_head, score), or leave it out"
         )
-    untied = [t for t in args.lora_modules_to_save or [] if any(m == t or m.endswith(f".{t}") for m in tied)]
+    untied = [t for t in lora_modules_to_save or [] if any(m == t or m.endswith(f".{t}") for m in tied)]
     if untied:
         raise UsageError(
             f"--lora_modules_to_save {' '.join(untied)}: its weight is tied to another layer's in {where} "
@@ -130,7 +143,7 @@ def add_adapter(model, args):
     try:
         model = get_peft_model(model, config)
     except (ValueError, KeyError, TypeError) as e:  # no layer matched; an architecture peft has no default for
-        targets = " ".join(args.lora_target_modules or ["(peft's default)"])
+        targets = " ".join(lora_target_modules or ["(peft's default)"])
         raise UsageError(
             f"--lora_target_modules {targets} gives {where} no adapter ({describe(e)}): name its linear "
             "layers (e.g. q_proj v_proj), or all-linear"
@@ -147,7 +160,7 @@ def add_adapter(model, args):
             "only linear layers take them here (merged into the weights vLLM samples from): leave those out"
         )
     transposed = sorted(name for name, module in layers.items() if module.fan_in_fan_out)
-    if args.use_dora and transposed:
+    if use_dora and transposed:
         raise UsageError(
             f"--use_dora on {transposed[0].removeprefix('base_model.model.')}, a layer that stores its "
             "weight transposed (GPT-2's Conv1D): DoRA's row norms are not supported there; leave out --use_dora"
@@ -160,7 +173,7 @@ def add_adapter(model, args):
             "untie them, which vLLM and a saved model's config undo: leave it out"
         )
     built_empty = any(p.is_meta for p in model.parameters())
-    generator = torch.Generator().manual_seed(args.seed)  # on the CPU whatever the device: the same draws everywhere
+    generator = torch.Generator().manual_seed(seed)  # on the CPU whatever the device: the same draws everywhere
     with torch.no_grad():
         for module in layers.values():
             if built_empty:

@@ -189,17 +189,29 @@ def checked_reward_model(model, missing_keys: list[str], path: str):
     return model.eval().requires_grad_(False)
 
 
-def load_tokenizers(args, first_prompt, images: Optional[str] = None):
+def load_tokenizers(
+    first_prompt,
+    images: Optional[str] = None,
+    *,
+    model_name_or_path: str,
+    sft_model_path: Optional[str],
+    reward_model_path: Optional[str],
+    stop_token_id: Optional[int],
+    chat_template_kwargs: Optional[dict],
+):
     """The policy's tokenizer, checked (its pad token the EOS where it has none, its chat template rendering the first
     prompt); the reward model's own tokenizer where it reads text differently from the policy's (else None); and a
     vision-language policy's processor (else None), which turns a prompt and its images into the model's inputs.
-    `images`: the dataset's image column."""
+    `images`: the dataset's image column. model_name_or_path: where the tokenizer and processor are (the policy's
+    weights too, unless sft_model_path, --sft_model_path, has them); reward_model_path (--reward_model_path; None: no
+    reward model); stop_token_id (--stop_token_id), a further token that ends a completion, which the tokenizer must
+    know; chat_template_kwargs (--chat_template_kwargs), the template's own arguments it must take."""
     chat_prompts = is_chat(first_prompt)
     from transformers import AutoProcessor, AutoTokenizer
 
-    path = args.model_name_or_path
+    path = model_name_or_path
     processor = None
-    if is_vision_language(args.sft_model_path or path):
+    if is_vision_language(sft_model_path or path):
         try:
             processor = AutoProcessor.from_pretrained(path, **MODEL_OPTIONS.get(path, {}))
         except Exception as e:  # no preprocessor_config.json: fine for text prompts, the tokenizer reads them
@@ -213,53 +225,53 @@ def load_tokenizers(args, first_prompt, images: Optional[str] = None):
             )
     elif images:
         raise UsageError(
-            f"the dataset has an {images!r} column, but {args.sft_model_path or path} is a text-only model "
+            f"the dataset has an {images!r} column, but {sft_model_path or path} is a text-only model "
             "(its config has no vision_config): give a vision-language model (LLaVA, Qwen2-VL, ...) or "
             "drop the column"
         )
     tokenizer = getattr(processor, "tokenizer", None) or from_pretrained(AutoTokenizer, path)
     if processor is not None and not tokenizer.chat_template:
         tokenizer.chat_template = getattr(processor, "chat_template", None)  # a VLM keeps it in the processor
-    check_tokenizer(tokenizer, path, chat_prompts, args.stop_token_id)
+    check_tokenizer(tokenizer, path, chat_prompts, stop_token_id)
     if chat_prompts and processor is None:  # a template, or --chat_template_kwargs, it cannot render: one line now
         try:
             tokenizer.apply_chat_template(
-                first_prompt, tokenize=False, add_generation_prompt=True, **(args.chat_template_kwargs or {})
+                first_prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
             )
         except Exception as e:
             raise UsageError(
                 f"the chat template of {path} cannot render the first prompt"
-                f"{' with --chat_template_kwargs' if args.chat_template_kwargs else ''} ({describe(e)})"
+                f"{' with --chat_template_kwargs' if chat_template_kwargs else ''} ({describe(e)})"
             ) from None
     reward_tokenizer = None
-    if args.reward_model_path:
-        reward_tokenizer = load_reward_tokenizer(args.reward_model_path, tokenizer, chat_prompts)
+    if reward_model_path:
+        reward_tokenizer = load_reward_tokenizer(reward_model_path, tokenizer, chat_prompts)
         if images and reward_tokenizer is None:  # a reward model reads text: the prompt again, without image tokens
             reward_tokenizer = tokenizer
-        check_reward_model_config(args.reward_model_path, reward_tokenizer or tokenizer, reward_tokenizer is not None)
+        check_reward_model_config(reward_model_path, reward_tokenizer or tokenizer, reward_tokenizer is not None)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, reward_tokenizer, processor
 
 
 def static_cache(
-    args,
+    cache_implementation: str,
     device: torch.device,
     console,
     weights_dtype: torch.dtype,
-    unsupported: Optional[str] = None,
-    autocast: Optional[bool] = None,
+    unsupported: Optional[str],
+    autocast: bool,
 ) -> bool:
-    """Whether HF generate keeps a static KV cache and compiles its decoding step (--cache_implementation; auto: on
-    CUDA, where a step of a small model is otherwise bound by Python and kernel launches, not by reading the weights).
-    unsupported: why this run cannot (image prompts; a sharded policy's forward), said in one line if it was meant.
-    Nor can --bf16's autocast over weights of another dtype (autocast: whether generation runs under it; a copy of the
+    """Whether HF generate keeps a static KV cache and compiles its decoding step (cache_implementation,
+    --cache_implementation: static, dynamic, or auto: on CUDA, where a step of a small model is otherwise bound by
+    Python and kernel launches, not by reading the weights). unsupported: why this run cannot (image prompts; a sharded
+    policy's forward; None: nothing known), said in one line if it was meant. Nor can --bf16's autocast over weights of
+    another dtype (autocast: whether generation runs under it, weights_dtype the sampling weights'; a copy of the
     policy that samples computes in its own dtype): transformers' static cache is made in the dtype of the first keys
     it holds, and under autocast RoPE gives float32 keys and the projection bfloat16 values (an H200 run failed so). Nor
     can a device that torch.compile cannot build for (no C++ compiler for inductor on a CPU, a GPU that Triton does not
     support): compile_failure finds it now, rather than the first rollout with a traceback of a hundred lines."""
-    wanted = args.cache_implementation == "static" or (args.cache_implementation == "auto" and device.type == "cuda")
-    autocast = args.bf16 if autocast is None else autocast  # whether generation runs under --bf16's autocast
+    wanted = cache_implementation == "static" or (cache_implementation == "auto" and device.type == "cuda")
     if unsupported is None and autocast and weights_dtype != torch.bfloat16:
         unsupported = (
             f"--bf16 computes in bfloat16 over {str(weights_dtype).removeprefix('torch.')} weights, and transformers' "
@@ -324,13 +336,26 @@ def static_cache_inputs(ids: torch.Tensor, mask: torch.Tensor, config, largest: 
 
 
 def generation_configs(
-    args, stop_ids: list[int], pad_token_id: int, never_sampled: Optional[list[int]] = None, static: bool = False
+    stop_ids: list[int],
+    pad_token_id: int,
+    never_sampled: Optional[list[int]] = None,
+    static: bool = False,
+    *,
+    max_completion_length: int,
+    temperature: float,
+    eval_temperature: Optional[float],
+    top_p: float,
+    top_k: int,
+    min_p: Optional[float],
+    repetition_penalty: float,
+    generation_kwargs: Optional[dict],
 ):
-    """HF generate's configs: sampling (--temperature, --top_p, --top_k, --min_p, --repetition_penalty,
-    --generation_kwargs), greedy (the sample tables), and the evaluation's (sampling at --eval_temperature; 0: greedy);
-    a completion ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens). static (static_cache):
-    a static KV cache (static_cache_inputs sizes it) and the decoding step compiled (transformers' CompileConfig: CUDA
-    graphs on a GPU), the dynamic cache's completions (tests/test_static_cache.py)."""
+    """HF generate's configs: sampling (at temperature, with the filters top_p, top_k and min_p, repetition_penalty
+    and generation_kwargs: the options of those names), greedy (the sample tables), and the evaluation's (sampling at
+    eval_temperature, --eval_temperature; None: temperature; 0: greedy); each of at most max_completion_length new
+    tokens. A completion ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens). static
+    (static_cache): a static KV cache (static_cache_inputs sizes it) and the decoding step compiled (transformers'
+    CompileConfig: CUDA graphs on a GPU), the dynamic cache's completions (tests/test_static_cache.py)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -341,33 +366,32 @@ def generation_configs(
         cache = {"cache_implementation": "static", "compile_config": compile_config}
 
     greedy = GenerationConfig(
-        max_new_tokens=args.max_completion_length,
+        max_new_tokens=max_completion_length,
         do_sample=False,
         eos_token_id=stop_ids,
         pad_token_id=pad_token_id,
         suppress_tokens=never_sampled or None,
         **cache,
     )
-    eval_temperature = args.temperature if args.eval_temperature is None else args.eval_temperature
     sampling, evaluation = (
         GenerationConfig(
-            max_new_tokens=args.max_completion_length,
+            max_new_tokens=max_completion_length,
             min_new_tokens=0,
             do_sample=True,
-            temperature=temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
+            temperature=t,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
             eos_token_id=stop_ids,
             pad_token_id=pad_token_id,
             suppress_tokens=never_sampled or None,
             **cache,
-            **(args.generation_kwargs or {}),
+            **(generation_kwargs or {}),
         )
-        if temperature != 0
+        if t != 0
         else greedy  # the evaluation's, at --eval_temperature 0
-        for temperature in (args.temperature, eval_temperature)
+        for t in (temperature, temperature if eval_temperature is None else eval_temperature)
     )
     return sampling, greedy, evaluation
 

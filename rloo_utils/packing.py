@@ -163,10 +163,11 @@ def output_layer_inputs(model, index: torch.Tensor):
     logits: the caller makes them a chunk of positions at a time (logprobs_through_output_layer)."""
     caught = []
 
-    def catch(module, args):
-        hidden = args[0].flatten(0, 1)[index]  # (K, H)
+    def catch(module, inputs: tuple):
+        """A forward pre-hook: `inputs`, the output layer's positional inputs, the hidden states first."""
+        hidden = inputs[0].flatten(0, 1)[index]  # (K, H)
         caught.append(hidden)
-        return (hidden[None, :0], *args[1:])  # (1, 0, H): logits of no position
+        return (hidden[None, :0], *inputs[1:])  # (1, 0, H): logits of no position
 
     handle = model.get_output_embeddings().register_forward_pre_hook(catch)
     try:

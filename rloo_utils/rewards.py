@@ -156,14 +156,22 @@ def reward_func_arguments(
 
 
 def reward_sources(
-    args, builtin: dict[str, Callable], environment_rewards: list = ()
+    builtin: dict[str, Callable],
+    environment_rewards: list = (),
+    *,
+    reward_model_path: Optional[str],
+    reward_funcs: Optional[list[str]],
+    reward_weights: Optional[list[float]],
 ) -> tuple[list[Callable], list[str], torch.Tensor]:
     """The reward functions, the names of every source (the reward model first, the environments' get_reward last)
     and their (F,) weights; `builtin`: the functions a script offers by name; environment_rewards: (name, function)
-    of each environment class with a get_reward, weight 1 (as in TRL), which --reward_weights does not cover."""
-    owned = args.reward_model_path or environment_rewards
-    specs = args.reward_funcs if args.reward_funcs is not None else ([] if owned else ["vader_sentiment"])
-    names = ([os.path.basename(args.reward_model_path.rstrip("/"))] if args.reward_model_path else []) + [
+    of each environment class with a get_reward, weight 1 (as in TRL), which --reward_weights does not cover.
+    reward_model_path: the reward model (--reward_model_path; None: none); reward_funcs: the functions' specs
+    (--reward_funcs; None: vader_sentiment where no other source scores); reward_weights: one per source but the
+    environments', the reward model first (--reward_weights; None: all 1.0)."""
+    owned = reward_model_path or environment_rewards
+    specs = reward_funcs if reward_funcs is not None else ([] if owned else ["vader_sentiment"])
+    names = ([os.path.basename(reward_model_path.rstrip("/"))] if reward_model_path else []) + [
         reward_func_name(s) for s in specs
     ]
     given = len(names)  # the sources --reward_weights weighs
@@ -175,7 +183,7 @@ def reward_sources(
             f"two reward sources have the same name ({', '.join(names)}), so their metrics would mix: "
             "give each function once, under its own name"
         )
-    weights = torch.tensor(args.reward_weights or [1.0] * given)
+    weights = torch.tensor(reward_weights or [1.0] * given)
     if len(weights) != given:
         raise UsageError(
             f"--reward_weights has {len(weights)} values for {given} reward sources ({', '.join(names[:given])})"
@@ -190,20 +198,30 @@ def reward_sources(
 
 
 def check_reward_columns(
-    args, reward_funcs, reward_names, metric_funcs, metric_names, train_dataset, eval_dataset
+    reward_funcs,
+    reward_names,
+    metric_funcs,
+    metric_names,
+    train_dataset,
+    eval_dataset,
+    *,
+    num_sample_generations: int,
+    eval_steps: float,
+    multi_turn: bool,
 ) -> None:
     """Every argument a reward function (or evaluation metric function) needs, one without a default, is one it is
     given: TRL's arguments, a column of the dataset (answer_accuracy reads `answer`), or a multi-turn rollout's
-    `environments` and `environment_rewards` (--tools, --environment). Else one line now, before the models load,
-    rather than a TypeError at the first update. Reward functions score the training split, and the held-out one where
-    the sample tables or the evaluation read it; metric functions the held-out split where the run evaluates."""
+    `environments` and `environment_rewards` (multi_turn: --tools or --environment given). Else one line now, before
+    the models load, rather than a TypeError at the first update. Reward functions score the training split, and the
+    held-out one where the sample tables (num_sample_generations: --num_sample_generations) or the evaluation
+    (eval_steps: --eval_steps) read it; metric functions the held-out split where the run evaluates."""
     reward_names = reward_names[len(reward_names) - len(reward_funcs) :]  # without the reward model's
     checks = [(f, n, "reward function", train_dataset) for f, n in zip(reward_funcs, reward_names)]
-    if eval_dataset is not None and (args.num_sample_generations or args.eval_steps):
+    if eval_dataset is not None and (num_sample_generations or eval_steps):
         checks += [(f, n, "reward function", eval_dataset) for f, n in zip(reward_funcs, reward_names)]
-    if eval_dataset is not None and args.eval_steps:
+    if eval_dataset is not None and eval_steps:
         checks += [(f, n, "evaluation metric function", eval_dataset) for f, n in zip(metric_funcs, metric_names)]
-    multi_turn = {"environments", "environment_rewards"} if args.tools or args.environment else set()
+    multi_turn = {"environments", "environment_rewards"} if multi_turn else set()
     for func, name, what, dataset in checks:
         try:
             parameters = inspect.signature(func).parameters.values()
@@ -474,14 +492,18 @@ BUILTIN_REWARD_FUNCS = {
 }
 
 
-def builtin_reward_funcs(args) -> dict[str, Callable]:
-    """The built-in reward functions by name, those with parameters given theirs from the options."""
-    buffer_length = args.overlong_buffer_length or max(1, args.max_completion_length // 5)
+def builtin_reward_funcs(
+    *, max_completion_length: int, overlong_buffer_length: Optional[int], overlong_penalty_factor: float
+) -> dict[str, Callable]:
+    """The built-in reward functions by name, those with parameters given theirs: soft_overlong_punishment's limit
+    (--max_completion_length), the tokens before it over which its penalty grows (--overlong_buffer_length; None: a
+    fifth of the limit) and its penalty at the limit (--overlong_penalty_factor)."""
+    buffer_length = overlong_buffer_length or max(1, max_completion_length // 5)
     overlong = functools.partial(
         soft_overlong_punishment,
-        max_completion_length=args.max_completion_length,
+        max_completion_length=max_completion_length,
         buffer_length=buffer_length,
-        penalty_factor=args.overlong_penalty_factor,
+        penalty_factor=overlong_penalty_factor,
     )
     return {**BUILTIN_REWARD_FUNCS, "soft_overlong_punishment": overlong}
 
@@ -543,17 +565,45 @@ class Scorer:
     returned None). The functions get what TRL gives them (prompts, completions, completion_ids, the dataset's columns,
     trainer_state, log_extra and log_metric; in multi-turn rollouts the conversations and environments)."""
 
-    def __init__(self, args, models, plan, trainer_state, device, autocast, console):
-        """models: the run's (set_up.Models), plan: its reward sources and weights (set_up.RunPlan); trainer_state: what
-        the functions get as TRL's trainer_state. A reward model's forwards are padding-free where it allows."""
-        self.args, self.tokenizer, self.reward_tokenizer = args, models.tokenizer, models.reward_tokenizer
-        self.reward_model, self.funcs, self.names = models.reward_model, plan.reward_funcs, plan.reward_names
-        self.weights = plan.reward_weights.to(device)  # (F,) --reward_weights
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        reward_tokenizer,
+        reward_model: Optional[torch.nn.Module],
+        reward_funcs: list[Callable],
+        reward_names: list[str],
+        reward_weights: torch.Tensor,
+        tool_use,
+        trainer_state: TrainerState,
+        device: torch.device,
+        autocast: Callable,
+        console,
+        padding_free: bool,
+        local_rollout_forward_batch_size: int,
+        chat_template_kwargs: Optional[dict],
+        reward_timeout: Optional[float],
+    ):
+        """tokenizer: the policy's, which decodes the completions; reward_tokenizer: a reward model's own (None: it
+        reads the policy's token ids); reward_model: None where none scores; reward_funcs: the reward functions (after
+        the reward model); reward_names: (F,) every source's name, the reward model first; reward_weights: (F,) theirs
+        (--reward_weights); tool_use: a multi-turn rollout's tools and environments (set_up.RunPlan's; None: single
+        turn), to which a scored rollout gives its environments back; trainer_state: what the functions get as TRL's
+        trainer_state; autocast(): the reward model's forwards under --bf16; console: where a fallback is said;
+        padding_free (--padding_free): a reward model's forwards without padding where it allows;
+        local_rollout_forward_batch_size: the rows of one of its forwards; chat_template_kwargs: the reward tokenizer's
+        chat template's own arguments (--chat_template_kwargs); reward_timeout: the seconds a function may take
+        (--reward_timeout; None: no limit)."""
+        self.tokenizer, self.reward_tokenizer, self.reward_model = tokenizer, reward_tokenizer, reward_model
+        self.funcs, self.names = reward_funcs, reward_names
+        self.weights = reward_weights.to(device)  # (F,) --reward_weights
         self.trainer_state, self.device, self.autocast = trainer_state, device, autocast
+        self.forward_batch_size, self.chat_template_kwargs = local_rollout_forward_batch_size, chat_template_kwargs
+        self.timeout = reward_timeout
         backbone = self.reward_model and getattr(self.reward_model, self.reward_model.base_model_prefix)
-        self.packing = packing_layout(backbone, args.padding_free, False, console, "reward model", autocast)
+        self.packing = packing_layout(backbone, padding_free, False, console, "reward model", autocast)
         self.logs = RewardLogs()  # what the functions log (log_extra, log_metric)
-        self.tool_use = plan.tool_use  # a rollout made ahead gives its environments back once scored
+        self.tool_use = tool_use  # a rollout made ahead gives its environments back once scored
 
     def score(self, rollout) -> tuple[torch.Tensor, list[str]]:
         """(B, F) rewards of every source, and the decoded completions."""
@@ -571,7 +621,7 @@ class Scorer:
     def model_scores(self, rollout, texts: list[str]) -> torch.Tensor:
         """(B,) the reward model's scores, in chunks: of the policy's token ids, or (a reward model with a tokenizer of
         its own) of the prompts and completions as text again."""
-        chunk = self.args.local_rollout_forward_batch_size
+        chunk = self.forward_batch_size
         if self.reward_tokenizer is None:  # it reads the policy's own token ids
             input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
             attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
@@ -579,7 +629,7 @@ class Scorer:
             input_ids, attention_mask = (
                 t.to(self.device)
                 for t in reward_model_inputs(
-                    self.reward_tokenizer, rollout.prompts, texts, rollout.ended, self.args.chat_template_kwargs
+                    self.reward_tokenizer, rollout.prompts, texts, rollout.ended, self.chat_template_kwargs
                 )
             )
         with self.autocast():
@@ -606,7 +656,7 @@ class Scorer:
             funcs,
             names,
             len(texts),
-            self.args.reward_timeout,
+            self.timeout,
             check,
             **reward_func_arguments(
                 rollout.prompts, texts, rollout.completion_ids, rollout.completion_mask, turns and turns.messages

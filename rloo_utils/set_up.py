@@ -4,12 +4,18 @@ that holds them whole (rloo_multigpu.py shards its own)."""
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
 
-from rloo_utils.checkpoints import load_checkpoint_weights, resume_point
+from rloo_utils.checkpoints import (
+    check_resumable,
+    find_checkpoint,
+    load_checkpoint_weights,
+    load_training_state,
+    run_dir_of,
+)
 from rloo_utils.data import image_column, load_datasets
 from rloo_utils.evaluation import evaluation_prompts, evaluation_updates, metric_funcs
 from rloo_utils.lora import add_adapter
@@ -48,40 +54,85 @@ class RunPlan:
     evaluate_after: set[int]  # the updates after which the policy is evaluated (0: before training)
     extra_columns: list[str]  # the dataset's columns besides the prompt: what reward functions get
     image_column: Optional[str]  # vision-language prompts' images; None: text
+    options: dict  # every option by name (asdict of the Args): what the logs and each checkpoint's args.json record
 
 
-def first_line(args, plan: RunPlan, run_dir: str, device, world_size: int = 1) -> str:
-    """The run's first line: its size, where it computes and in what precision, where it logs."""
-    G, processes = args.num_generations, ""
-    num_optimizer_steps = plan.num_updates * args.num_ppo_epochs * args.num_mini_batches
+def first_line(
+    plan: RunPlan,
+    run_dir: str,
+    device,
+    world_size: int = 1,
+    *,
+    num_generations: int,
+    num_optimizer_steps: int,
+    bf16: bool,
+) -> str:
+    """The run's first line: its size (plan's updates and batch of num_generations completions per prompt, over
+    world_size processes, in num_optimizer_steps optimizer steps in all), where it computes and in what precision
+    (bf16: --bf16's autocast), where it logs (run_dir) and the checkpoint it resumes."""
+    G, processes = num_generations, ""
     if world_size > 1:
         processes = f" on {world_size} processes ({plan.batch_size // world_size} each)"
     return (
         f"run {os.path.basename(run_dir)}: {plan.num_updates} updates of {plan.batch_size} completions "
         f"({plan.batch_size // G} prompts x {G}){processes}, {num_optimizer_steps} optimizer steps, device "
-        f"{device.type} ({'bf16' if args.bf16 else 'fp32'} compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
+        f"{device.type} ({'bf16' if bf16 else 'fp32'} compute; --no_bf16 / --bf16 to change), logs in {run_dir}"
         + (f"; resumed from {plan.checkpoint}" if plan.checkpoint else "")
     )
 
 
 def plan_run(args, world_size=1, sharded=False) -> RunPlan:
     """The checks that need no model, in the order a user meets them: the batch arithmetic, the checkpoint a resumed
-    run continues (and what it may change: resumable_options), the tools, the reward sources and evaluation metrics,
-    the data and the columns the functions read, the held-out prompts."""
+    run continues (--resume_from_checkpoint, found and checked, and what it may change: resumable_options; sharded:
+    rloo_multigpu.py's, whose weights are torch.distributed.checkpoint shards), the tools, the reward sources and
+    evaluation metrics, the data and the columns the functions read, the held-out prompts."""
     batch_size, mini_batch_size, num_updates = batch_sizes(args, world_size)
-    checkpoint, training_state = resume_point(
-        args, resumable_options(type(args)), sharded=sharded
-    )  # (None, None): a new run
-    tool_use = load_tool_use(args)
+    checkpoint = training_state = None  # a new run
+    if args.resume_from_checkpoint is not None:
+        checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)
+        check_resumable(args, checkpoint, resumable_options(type(args)))
+        training_state = load_training_state(checkpoint, run_dir_of(checkpoint), sharded)
+    tool_use = load_tool_use(tools=args.tools, environment=args.environment)
+    builtin = builtin_reward_funcs(
+        max_completion_length=args.max_completion_length,
+        overlong_buffer_length=args.overlong_buffer_length,
+        overlong_penalty_factor=args.overlong_penalty_factor,
+    )
     reward_funcs, reward_names, reward_weights = reward_sources(
-        args, builtin_reward_funcs(args), tool_use.reward_funcs() if tool_use else []
+        builtin,
+        tool_use.reward_funcs() if tool_use else [],
+        reward_model_path=args.reward_model_path,
+        reward_funcs=args.reward_funcs,
+        reward_weights=args.reward_weights,
     )
-    eval_metric_funcs, eval_metric_names = metric_funcs(args, builtin_reward_funcs(args))
-    train_dataset, eval_dataset = load_datasets(args)
+    eval_metric_funcs, eval_metric_names = metric_funcs(args.eval_metric_funcs, builtin)
+    train_dataset, eval_dataset = load_datasets(
+        dataset_name=args.dataset_name,
+        dataset_train_split=args.dataset_train_split,
+        dataset_test_split=args.dataset_test_split,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
     check_reward_columns(
-        args, reward_funcs, reward_names, eval_metric_funcs, eval_metric_names, train_dataset, eval_dataset
+        reward_funcs,
+        reward_names,
+        eval_metric_funcs,
+        eval_metric_names,
+        train_dataset,
+        eval_dataset,
+        num_sample_generations=args.num_sample_generations,
+        eval_steps=args.eval_steps,
+        multi_turn=tool_use is not None,
     )
-    eval_prompts = evaluation_prompts(args, eval_dataset, eval_metric_names)
+    eval_prompts = evaluation_prompts(
+        eval_dataset,
+        eval_metric_names,
+        dataset_name=args.dataset_name,
+        dataset_test_split=args.dataset_test_split,
+        eval_steps=args.eval_steps,
+        max_eval_prompts=args.max_eval_prompts,
+        eval_success_threshold=args.eval_success_threshold,
+        eval_metric_funcs=args.eval_metric_funcs,
+    )
     return RunPlan(
         batch_size=batch_size,
         mini_batch_size=mini_batch_size,
@@ -100,6 +151,7 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
         evaluate_after=evaluation_updates(args.eval_steps, args.eval_on_start, num_updates) if eval_prompts else set(),
         extra_columns=[c for c in train_dataset.column_names if c != "prompt"],
         image_column=image_column(train_dataset.column_names, args.dataset_name),
+        options=asdict(args),
     )
 
 
@@ -115,45 +167,111 @@ class Models:
     reward_model: Optional[torch.nn.Module]
 
 
-def load_checked_tokenizers(args, plan: RunPlan) -> tuple:
-    """load_tokenizers (the policy's tokenizer, checked on the first prompt; the reward model's where it reads text
-    otherwise; a VLM's processor), and with tools, the chat template checked: it shows them, writes calls and results,
-    and its calls can be read back."""
+def load_checked_tokenizers(
+    plan: RunPlan,
+    *,
+    model_name_or_path: str,
+    sft_model_path: Optional[str],
+    reward_model_path: Optional[str],
+    stop_token_id: Optional[int],
+    chat_template_kwargs: Optional[dict],
+) -> tuple:
+    """load_tokenizers (the policy's tokenizer, checked on the plan's first prompt; the reward model's where it reads
+    text otherwise; a VLM's processor), and with the plan's tools, the chat template checked: it shows them, writes
+    calls and results, and its calls can be read back. The options of the keywords' names say where the models are
+    and what the tokenizer must know (load_tokenizers)."""
     first_prompt = plan.train_dataset[0]["prompt"]
-    tokenizer, reward_tokenizer, processor = load_tokenizers(args, first_prompt, plan.image_column)
+    tokenizer, reward_tokenizer, processor = load_tokenizers(
+        first_prompt,
+        plan.image_column,
+        model_name_or_path=model_name_or_path,
+        sft_model_path=sft_model_path,
+        reward_model_path=reward_model_path,
+        stop_token_id=stop_token_id,
+        chat_template_kwargs=chat_template_kwargs,
+    )
     if plan.tool_use:
-        check_tool_template(args, tokenizer, first_prompt, plan.image_column)
+        check_tool_template(
+            tokenizer,
+            first_prompt,
+            plan.image_column,
+            stop_token_id=stop_token_id,
+            chat_template_kwargs=chat_template_kwargs,
+            model_name_or_path=model_name_or_path,
+        )
     return tokenizer, reward_tokenizer, processor
 
 
-def load_models(args, plan: RunPlan, device) -> Models:
-    """The tokenizers, the policy and the reward model, on `device`. The reference is the initial policy, frozen, needed
-    only for the KL penalty: a copy that runs under the policy's autocast, so that the KL is exactly 0 before
-    training; with --use_peft it is the policy itself with its adapter disabled: the frozen weights, which need no
-    copy. Frozen linear layers (the reference's, the reward model's, a LoRA policy's base) are held in bf16 under
-    --bf16, as autocast would cast them at every forward: half the memory. A resumed run's policy is its
-    checkpoint's. Dropout is off: it would make the update's log-probs differ from the sampler's."""
-    tokenizer, reward_tokenizer, processor = load_checked_tokenizers(args, plan)
-    policy_path = args.sft_model_path or args.model_name_or_path
+def load_models(
+    plan: RunPlan,
+    device,
+    *,
+    model_name_or_path: str,
+    sft_model_path: Optional[str],
+    reward_model_path: Optional[str],
+    stop_token_id: Optional[int],
+    chat_template_kwargs: Optional[dict],
+    dtype: str,
+    attn_implementation: Optional[str],
+    gradient_checkpointing: bool,
+    beta: float,
+    bf16: bool,
+    use_peft: bool,
+    lora_r: int,
+    lora_alpha: int,
+    lora_dropout: float,
+    lora_target_modules: Optional[list[str]],
+    lora_modules_to_save: Optional[list[str]],
+    use_dora: bool,
+    seed: int,
+) -> Models:
+    """The tokenizers (load_checked_tokenizers), the policy (from sft_model_path, else model_name_or_path, in dtype,
+    with attn_implementation) and the reward model (reward_model_path; None: none), on `device`. The reference is the
+    initial policy, frozen, needed only for the KL penalty (beta > 0): a copy that runs under the policy's autocast, so
+    that the KL is exactly 0 before training; with use_peft it is the policy itself with its adapter (add_adapter: the
+    lora_* options, use_dora, seed) disabled: the frozen weights, which need no copy. Frozen linear layers (the
+    reference's, the reward model's, a LoRA policy's base) are held in bf16 under bf16 (--bf16), as autocast would cast
+    them at every forward: half the memory. A resumed run's policy is its checkpoint's (the plan's). Dropout is off: it
+    would make the update's log-probs differ from the sampler's; gradient_checkpointing: activations recomputed in the
+    backward."""
+    tokenizer, reward_tokenizer, processor = load_checked_tokenizers(
+        plan,
+        model_name_or_path=model_name_or_path,
+        sft_model_path=sft_model_path,
+        reward_model_path=reward_model_path,
+        stop_token_id=stop_token_id,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    policy_path = sft_model_path or model_name_or_path
     policy = from_pretrained(
         policy_class(policy_path),
         policy_path,
-        dtype=model_dtype(args.dtype, policy_path),
-        attn_implementation=args.attn_implementation,
+        dtype=model_dtype(dtype, policy_path),
+        attn_implementation=attn_implementation,
     ).to(device)
     reward_model = None
-    if args.reward_model_path:
-        reward_model = load_reward_model(args.reward_model_path).to(device, torch.float32)
+    if reward_model_path:
+        reward_model = load_reward_model(reward_model_path).to(device, torch.float32)
     disable_dropout(policy)
-    if args.gradient_checkpointing:
+    if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not args.use_peft else None
-    if args.use_peft:
-        policy = add_adapter(policy, args)
-        ref_policy = policy if args.beta > 0 else None
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if beta > 0 and not use_peft else None
+    if use_peft:
+        policy = add_adapter(
+            policy,
+            lora_r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            lora_target_modules=lora_target_modules,
+            lora_modules_to_save=lora_modules_to_save,
+            use_dora=use_dora,
+            seed=seed,
+            model_path=policy_path,
+        )
+        ref_policy = policy if beta > 0 else None
     for model in (policy, ref_policy, reward_model):
-        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
+        frozen_linear_weights_to(model, torch.bfloat16 if bf16 else None)
     if plan.checkpoint is not None:
         load_checkpoint_weights(policy, os.path.join(plan.checkpoint, "policy"))
     return Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)

@@ -495,17 +495,28 @@ class ToolUse:
         ]
 
 
-def load_tool_use(args) -> Optional[ToolUse]:
-    """--tools and --environment loaded and checked (before any model loads); None without them."""
-    if not args.tools and not args.environment:
+def load_tool_use(*, tools: Optional[list[str]], environment: Optional[list[str]]) -> Optional[ToolUse]:
+    """The tools (--tools: functions' specs) and environment classes (--environment) loaded and checked (before any
+    model loads); None without either."""
+    if not tools and not environment:
         return None
-    pool = load_environments(args.environment or [])
-    return ToolUse(load_tools(args.tools or []), {name: type(p[0]) for name, p in pool.items()}, pool)
+    pool = load_environments(environment or [])
+    return ToolUse(load_tools(tools or []), {name: type(p[0]) for name, p in pool.items()}, pool)
 
 
-def check_tool_template(args, tokenizer, first_prompt, image_column: Optional[str]) -> None:
+def check_tool_template(
+    tokenizer,
+    first_prompt,
+    image_column: Optional[str],
+    *,
+    stop_token_id: Optional[int],
+    chat_template_kwargs: Optional[dict],
+    model_name_or_path: str,
+) -> None:
     """What multi-turn rollouts need of the prompts and the chat template (check_tool_format), before the policy
-    loads."""
+    loads: the policy's tokenizer, the dataset's first prompt and its image column (None: text); stop_token_id
+    (--stop_token_id), a further token that ends a turn; chat_template_kwargs, the template's own arguments
+    (--chat_template_kwargs); model_name_or_path, the model whose template an error names."""
     if isinstance(first_prompt, str):
         raise UsageError(
             "--tools and --environment need chat prompts (a list of messages), which the chat template renders with "
@@ -513,5 +524,5 @@ def check_tool_template(args, tokenizer, first_prompt, image_column: Optional[st
         )
     if image_column is not None:
         raise UsageError("--tools and --environment take text prompts only; these prompts have images")
-    stop_ids = [tokenizer.eos_token_id] + ([args.stop_token_id] if args.stop_token_id is not None else [])
-    check_tool_format(tokenizer, stop_ids, args.chat_template_kwargs or {}, args.model_name_or_path)
+    stop_ids = [tokenizer.eos_token_id] + ([stop_token_id] if stop_token_id is not None else [])
+    check_tool_format(tokenizer, stop_ids, chat_template_kwargs or {}, model_name_or_path)

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
+import types
 from typing import Optional
 
 import torch
@@ -32,51 +33,92 @@ def lora_architecture_problem(policy) -> Optional[tuple[str, str]]:
     return None
 
 
-def vllm_dtype(args) -> str:
-    return args.vllm_dtype if args.vllm_dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+def engine_dtype(requested: str) -> str:
+    """The dtype vLLM holds the weights in: requested (--vllm_dtype), where auto is bfloat16 on a GPU, else float32."""
+    return requested if requested != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def engine_options(args, config_folder: str, device, multimodal: bool = False, lora_rank: Optional[int] = None) -> dict:
+def engine_options(
+    config_folder: str,
+    device,
+    multimodal: bool = False,
+    lora_rank: Optional[int] = None,
+    *,
+    seed: int,
+    dtype: str,
+    trust_remote_code: bool,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    enforce_eager: bool,
+    enable_sleep_mode: bool,
+) -> dict:
     """vllm.LLM's arguments for the colocated engine: the policy's architecture with placeholder weights (the policy's
     are pushed), vLLM's tokenizer and generation defaults off, log-probs after temperature. lora_rank: adapters up to
-    this rank are served (one at a time: the policy's latest), else none."""
+    this rank are served (one at a time: the policy's latest), else none. The others are LLM's own: seed (--seed),
+    dtype (engine_dtype's), trust_remote_code (--trust_remote_code), max_model_len (engine_max_model_len's),
+    gpu_memory_utilization, enforce_eager (always on a CPU) and enable_sleep_mode (the --vllm_* options of those
+    names)."""
     return dict(
         model=config_folder,
         load_format="dummy",
         skip_tokenizer_init=not multimodal,  # a VLM's images: its processor
-        seed=args.seed,
-        dtype=vllm_dtype(args),
-        trust_remote_code=args.trust_remote_code,
+        seed=seed,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
         generation_config="vllm",
         logprobs_mode="processed_logprobs",
-        max_model_len=engine_max_model_len(args),
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager or device.type == "cpu",
-        enable_sleep_mode=args.vllm_enable_sleep_mode,
-        **(cpu_scheduling(args) if device.type == "cpu" else {}),
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager or device.type == "cpu",
+        enable_sleep_mode=enable_sleep_mode,
+        **(cpu_scheduling(max_model_len) if device.type == "cpu" else {}),
         **(dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1) if lora_rank is not None else {}),
     )
 
 
-def engine_max_model_len(args) -> int:
-    """The colocated engine's context: --vllm_max_model_length, else a prompt and its completion."""
-    return args.vllm_max_model_length or args.max_prompt_length + args.max_completion_length
+def engine_max_model_len(
+    *, vllm_max_model_length: Optional[int], max_prompt_length: int, max_completion_length: int
+) -> int:
+    """The colocated engine's context: vllm_max_model_length (--vllm_max_model_length), else a prompt and its
+    completion."""
+    return vllm_max_model_length or max_prompt_length + max_completion_length
 
 
-def cpu_scheduling(args) -> dict:
+def cpu_scheduling(max_model_len: int) -> dict:
     """No chunked prefill on CPU: vLLM 0.32's CPU runner fails a seeded request whose prompt is prefilled over two
     steps (it rewinds the request's torch.Generator with set_offset, which a CPU generator does not have); a prompt
-    then waits for a step with room for all of it, and a step must hold the longest sequence."""
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, engine_max_model_len(args))}
+    then waits for a step with room for all of it, and a step must hold the longest sequence (max_model_len tokens:
+    the engine's context)."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
-def start_colocated_engine(args, policy, device, processor=None, lora_rank: Optional[int] = None):
+def start_colocated_engine(
+    policy,
+    device,
+    processor=None,
+    lora_rank: Optional[int] = None,
+    *,
+    model_name_or_path: str,
+    seed: int,
+    dtype: str,
+    trust_remote_code: bool,
+    vllm_max_model_length: Optional[int],
+    max_prompt_length: int,
+    max_completion_length: int,
+    gpu_memory_utilization: float,
+    enforce_eager: bool,
+    enable_sleep_mode: bool,
+    cpu_kv_cache_gib: float,
+):
     """A vllm.LLM in this process (TRL's vllm_mode="colocate"), on the training device, built from the policy's config
     with placeholder weights (the policy's are pushed). Returns the engine and the folder of its config.json. A VLM's
     processor goes in the folder too: vLLM turns each image into the model's inputs with it. lora_rank: as
-    engine_options takes it."""
+    engine_options takes it, with seed, dtype, trust_remote_code, gpu_memory_utilization, enforce_eager and
+    enable_sleep_mode; its context: engine_max_model_len of vllm_max_model_length, max_prompt_length and
+    max_completion_length (the options), at most the policy's positions; cpu_kv_cache_gib (--vllm_cpu_kv_cache_gib):
+    the KV cache's GiB on a CPU; model_name_or_path: the model an error names."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors pass as is
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_cpu_kv_cache_gib)  # check_vllm_args refused a clash
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)  # check_vllm_args refused a clash
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave torch's threads to training
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts torch to 1 thread
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the run's own lines stay readable
@@ -88,17 +130,19 @@ def start_colocated_engine(args, policy, device, processor=None, lora_rank: Opti
         lambda record: record.getMessage() != "Chat template warmup failed"
     )
     positions = getattr(policy.config, "max_position_embeddings", None)
-    max_model_len = engine_max_model_len(args)
+    max_model_len = engine_max_model_len(
+        vllm_max_model_length=vllm_max_model_length,
+        max_prompt_length=max_prompt_length,
+        max_completion_length=max_completion_length,
+    )
     if positions is not None and max_model_len > positions:
         given = (
             f"--vllm_max_model_length {max_model_len}"
-            if args.vllm_max_model_length
-            else "--max_prompt_length + --max_completion_length "
-            f"({args.max_prompt_length} + {args.max_completion_length})"
+            if vllm_max_model_length
+            else f"--max_prompt_length + --max_completion_length ({max_prompt_length} + {max_completion_length})"
         )
         raise UsageError(
-            f"{given} exceeds the {positions} positions of {args.model_name_or_path} "
-            "(max_position_embeddings): lower it"
+            f"{given} exceeds the {positions} positions of {model_name_or_path} (max_position_embeddings): lower it"
         )
     folder = tempfile.TemporaryDirectory(prefix="rloo_vllm_config_")  # config.json only, no weights
     config = policy.config.to_dict()
@@ -108,12 +152,24 @@ def start_colocated_engine(args, policy, device, processor=None, lora_rank: Opti
     if processor is not None:
         processor.save_pretrained(folder.name)
     try:
-        options = engine_options(args, folder.name, device, multimodal=processor is not None, lora_rank=lora_rank)
+        options = engine_options(
+            folder.name,
+            device,
+            multimodal=processor is not None,
+            lora_rank=lora_rank,
+            seed=seed,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
+        )
         return LLM(**options), folder
     except Exception as e:
         detail = " ".join(str(e).split())[:400]  # vLLM's configuration errors span several lines
         raise UsageError(
-            f"vLLM could not start an engine for {args.model_name_or_path} ({type(e).__name__}: {detail}): "
+            f"vLLM could not start an engine for {model_name_or_path} ({type(e).__name__}: {detail}): "
             "check the --vllm_* options (`--help`)"
         ) from None
 
@@ -127,13 +183,63 @@ class ColocatedVLLM:
     # The merged push until __init__ says otherwise (an engine built without it, as tests build one, pushes as before)
     adapter, lora_request, adapter_folder, last_push_bytes = False, None, None, 0
 
-    def __init__(self, args, policy, device, processor=None):
-        problem = (adapter_problem(args, policy) or lora_architecture_problem(policy)) if args.use_peft else None
-        self.adapter = args.use_peft and choose_lora_push(args.vllm_lora_push, problem)
-        lora_rank = vllm_lora_rank(args.lora_r) if self.adapter else None
-        self.llm, self.folder = start_colocated_engine(args, policy, device, processor, lora_rank)
-        self.dtype = getattr(torch, vllm_dtype(args))  # what the engine holds its weights in
-        self.sleep_mode = args.vllm_enable_sleep_mode
+    def __init__(
+        self,
+        policy,
+        device,
+        processor=None,
+        *,
+        model_name_or_path: str,
+        seed: int,
+        trust_remote_code: bool,
+        max_prompt_length: int,
+        max_completion_length: int,
+        vllm_dtype: str,
+        vllm_max_model_length: Optional[int],
+        vllm_gpu_memory_utilization: float,
+        vllm_enforce_eager: bool,
+        vllm_enable_sleep_mode: bool,
+        vllm_cpu_kv_cache_gib: float,
+        vllm_lora_push: str,
+        use_peft: bool,
+        lora_r: int,
+        use_dora: bool,
+        lora_modules_to_save: Optional[list[str]],
+    ):
+        """An engine of the policy's architecture (a VLM's processor with it) on `device`, started with the options of
+        these names (start_colocated_engine). With --use_peft its adapter is served alone where vLLM's LoRA can
+        serve one of rank lora_r, use_dora and lora_modules_to_save (vllm_options.adapter_problem) and
+        vllm_lora_push allows; else the merged weights are pushed."""
+        # the options of the adapter that vllm_options.adapter_problem reads (and the model it names)
+        adapter_options = types.SimpleNamespace(
+            use_dora=use_dora,
+            lora_modules_to_save=lora_modules_to_save,
+            lora_r=lora_r,
+            model_name_or_path=model_name_or_path,
+        )
+        problem = (adapter_problem(adapter_options, policy) or lora_architecture_problem(policy)) if use_peft else None
+        self.adapter = use_peft and choose_lora_push(vllm_lora_push, problem)
+        lora_rank = vllm_lora_rank(lora_r) if self.adapter else None
+        dtype = engine_dtype(vllm_dtype)  # what the engine holds its weights in
+        self.llm, self.folder = start_colocated_engine(
+            policy,
+            device,
+            processor,
+            lora_rank,
+            model_name_or_path=model_name_or_path,
+            seed=seed,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            vllm_max_model_length=vllm_max_model_length,
+            max_prompt_length=max_prompt_length,
+            max_completion_length=max_completion_length,
+            gpu_memory_utilization=vllm_gpu_memory_utilization,
+            enforce_eager=vllm_enforce_eager,
+            enable_sleep_mode=vllm_enable_sleep_mode,
+            cpu_kv_cache_gib=vllm_cpu_kv_cache_gib,
+        )
+        self.dtype = getattr(torch, dtype)
+        self.sleep_mode = vllm_enable_sleep_mode
         self.adapter_folder = shared_memory_folder() if self.adapter else None  # the adapters' files, one per push
         self.lora_request = None  # the adapter every generate names (the latest pushed); None: the weights alone
 

@@ -4,7 +4,6 @@ sampler can draw; the prompts as an engine takes them and its completions as ten
 samples from the policy (check_engine)."""
 
 import math
-from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -15,38 +14,71 @@ from rloo_utils.processes import agreed
 from rloo_utils.vllm_options import SERVER_COMMAND
 
 
-def sampling_configs(args, stop_ids: list[int], never_sampled: Optional[list[int]] = None) -> tuple[dict, dict, dict]:
-    """vLLM's sampling parameters of a run, as models.generation_configs makes HF's: sampling, greedy (the sample
-    tables), and the evaluation's (at --eval_temperature; 0: greedy)."""
+def sampling_configs(
+    stop_ids: list[int],
+    never_sampled: Optional[list[int]] = None,
+    *,
+    max_completion_length: int,
+    temperature: float,
+    eval_temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: Optional[float],
+    repetition_penalty: float,
+    generation_kwargs: Optional[dict],
+) -> tuple[dict, dict, dict]:
+    """vLLM's sampling parameters of a run, as models.generation_configs makes HF's: sampling (at temperature, with
+    the options of the other names: sampling_options), greedy (the sample tables), and the evaluation's (at
+    eval_temperature, --eval_temperature with its default resolved; 0: greedy)."""
+    sampling = dict(
+        max_completion_length=max_completion_length,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        generation_kwargs=generation_kwargs,
+    )
     return (
-        sampling_options(args, stop_ids, False, never_sampled),
-        sampling_options(args, stop_ids, True, never_sampled),
-        sampling_options(
-            replace(args, temperature=args.eval_temperature), stop_ids, args.eval_temperature == 0, never_sampled
-        ),
+        sampling_options(stop_ids, False, never_sampled, temperature=temperature, **sampling),
+        sampling_options(stop_ids, True, never_sampled, temperature=temperature, **sampling),
+        sampling_options(stop_ids, eval_temperature == 0, never_sampled, temperature=eval_temperature, **sampling),
     )
 
 
-def sampling_options(args, stop_ids: list[int], greedy: bool, never_sampled: Optional[list[int]] = None) -> dict:
-    """vLLM's sampling parameters for HF generate's semantics (rloo.py's): only stop_ids end a completion (vLLM's own
-    EOS handling is off, the EOS ids being in stop_ids unless --ignore_eos), the stop token is kept, the sampled token's
-    log-prob is returned, after temperature (the engine's logprobs_mode is processed_logprobs), and never_sampled (a
-    VLM's image tokens) get vLLM's lowest logit bias, -100."""
+def sampling_options(
+    stop_ids: list[int],
+    greedy: bool,
+    never_sampled: Optional[list[int]] = None,
+    *,
+    max_completion_length: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: Optional[float],
+    repetition_penalty: float,
+    generation_kwargs: Optional[dict],
+) -> dict:
+    """vLLM's sampling parameters for HF generate's semantics (rloo.py's): at most max_completion_length tokens, only
+    stop_ids end a completion (vLLM's own EOS handling is off, the EOS ids being in stop_ids unless --ignore_eos), the
+    stop token is kept, the sampled token's log-prob is returned, after temperature (the engine's logprobs_mode is
+    processed_logprobs), and never_sampled (a VLM's image tokens) get vLLM's lowest logit bias, -100. Sampled at
+    temperature with the filters top_p, top_k, min_p (None: off), repetition_penalty and generation_kwargs (the
+    options of those names); greedy: none of these."""
     sampling = (
         {"temperature": 0.0}
         if greedy
         else {
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "min_p": args.min_p or 0.0,
-            "repetition_penalty": args.repetition_penalty,
-            **(args.generation_kwargs or {}),
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p or 0.0,
+            "repetition_penalty": repetition_penalty,
+            **(generation_kwargs or {}),
         }
     )
     return {
         **sampling,
-        "max_tokens": args.max_completion_length,
+        "max_tokens": max_completion_length,
         "min_tokens": 0,
         "stop_token_ids": stop_ids,
         "ignore_eos": True,

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import socket
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -26,10 +27,10 @@ from rloo_utils.weight_transfer import (
     CountedWeights,
     check_gpus_apart,
     nccl_sender_parts,
-    nccl_transfer,
     nccl_workers,
     rendezvous_address,
     shared_memory_folder,
+    uses_nccl,
     weight_push,
     write_adapter,
 )
@@ -134,9 +135,33 @@ class VLLMServer:
     # The merged push until __init__ says otherwise (a client built without it, as tests build one, pushes as before)
     adapter, adapter_name, adapter_pushes, last_push_bytes = False, None, 0, 0
 
-    def __init__(self, args):
-        self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
-        self.timeout = args.vllm_server_timeout
+    def __init__(
+        self,
+        *,
+        vllm_server_base_url: Optional[str],
+        vllm_server_host: Optional[str],
+        vllm_server_port: int,
+        vllm_server_timeout: float,
+        vllm_server_weight_transfer: str,
+        vllm_lora_push: str,
+        max_prompt_length: int,
+        max_completion_length: int,
+        model_name_or_path: str,
+        sft_model_path: Optional[str],
+        use_peft: bool,
+        lora_r: int,
+        use_dora: bool,
+        lora_modules_to_save: Optional[list[str]],
+    ):
+        """The server at vllm_server_base_url, else at vllm_server_host:vllm_server_port, answering within
+        vllm_server_timeout seconds, checked: it holds a prompt of max_prompt_length tokens and its completion of
+        max_completion_length, returns log-probs after temperature, and serves the architecture of the policy
+        (sft_model_path, else model_name_or_path). Weights go as vllm_server_weight_transfer says (auto: NCCL from a
+        GPU); with --use_peft the adapter alone where vllm_lora_push allows and the server can load one of rank
+        lora_r, use_dora and lora_modules_to_save (vllm_options.adapter_problem)."""
+        base_url, host, port = vllm_server_base_url, vllm_server_host, vllm_server_port
+        self.url = (base_url or f"http://{host}:{port}").rstrip("/")
+        self.timeout = vllm_server_timeout
         try:
             served = self.request("/v1/models")["data"][0]
         except RunError as e:
@@ -145,11 +170,11 @@ class VLLMServer:
                 "--vllm_server_host / --vllm_server_port"
             ) from None
         self.model = served["id"]
-        needed = args.max_prompt_length + args.max_completion_length
+        needed = max_prompt_length + max_completion_length
         if served.get("max_model_len") is not None and served["max_model_len"] < needed:
             raise UsageError(
                 f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
-                f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
+                f"its completion ({max_prompt_length} + {max_completion_length}): restart it with "
                 f"--max-model-len {needed}"
             )
         server_info = self.request("/server_info?config_format=json")  # a dev route: the server's reloads need them
@@ -159,13 +184,23 @@ class VLLMServer:
                 f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
                 f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})"
             )
-        check_same_architecture(self.url, model_config.get("model"), args.sft_model_path or args.model_name_or_path)
+        check_same_architecture(self.url, model_config.get("model"), sft_model_path or model_name_or_path)
         served_dtype = getattr(torch, str(model_config.get("dtype")).removeprefix("torch."), None)
         self.dtype = served_dtype if isinstance(served_dtype, torch.dtype) else None  # pushes in it (None: as trained)
-        self.nccl = nccl_transfer(args)
-        self.lora_push, self.lora_args = args.vllm_lora_push, args  # (the first push checks the policy's layers too)
-        problem = (adapter_problem(args) or self.lora_problem(server_info, args.lora_r)) if args.use_peft else None
-        self.adapter = args.use_peft and choose_lora_push(self.lora_push, problem)
+        self.nccl = uses_nccl(vllm_server_weight_transfer)
+        # the options of the adapter that vllm_options.adapter_problem reads (and the model it names), which the first
+        # push checks again with the policy's layers
+        self.adapter_options = types.SimpleNamespace(
+            use_dora=use_dora,
+            lora_modules_to_save=lora_modules_to_save,
+            lora_r=lora_r,
+            model_name_or_path=model_name_or_path,
+        )
+        self.lora_push = vllm_lora_push
+        problem = None
+        if use_peft:
+            problem = adapter_problem(self.adapter_options) or self.lora_problem(server_info, lora_r)
+        self.adapter = use_peft and choose_lora_push(self.lora_push, problem)
         self.adapter_name = None  # the adapter the completions name (the latest pushed); None: the weights alone
         if self.nccl:
             self.workers = nccl_workers(server_info, self.url)
@@ -272,7 +307,7 @@ class VLLMServer:
         that failed half-way still goes through every gather)."""
         with agreed(), weight_push():
             if self.adapter and self.adapter_name is None:  # the first push: what the policy's layers allow
-                self.adapter = choose_lora_push(self.lora_push, adapter_problem(self.lora_args, policy))
+                self.adapter = choose_lora_push(self.lora_push, adapter_problem(self.adapter_options, policy))
             if not self.adapter:
                 parts = [(self.send_weights, iter(weights.items()))]
             else:  # the base weights once, then the adapter alone, every process naming it alike

@@ -19,10 +19,15 @@ from rloo_utils.lora import plain_state_dict
 NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 
 
+def uses_nccl(weight_transfer: str) -> bool:
+    """Whether a server gets its weights by vLLM's NCCL weight transfer (else from shared memory): weight_transfer
+    (--vllm_server_weight_transfer) nccl, or auto from a GPU."""
+    return weight_transfer == "nccl" or (weight_transfer == "auto" and torch.cuda.is_available())
+
+
 def nccl_transfer(args) -> bool:
-    """Whether a server gets its weights by vLLM's NCCL weight transfer (else from shared memory)."""
-    transfer = args.vllm_server_weight_transfer
-    return transfer == "nccl" or (transfer == "auto" and torch.cuda.is_available())
+    """uses_nccl of the options whole, as vllm_options.check_vllm_args asks it."""
+    return uses_nccl(args.vllm_server_weight_transfer)
 
 
 def nccl_workers(server_info: dict, url: str) -> int:

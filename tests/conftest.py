@@ -7,6 +7,7 @@ fast tier, docs/tests.md)."""
 
 import glob
 import importlib
+import inspect
 import itertools
 import json
 import os
@@ -290,6 +291,33 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return path
+
+
+def keywords_of(function, args, /, **given) -> dict:
+    """The keyword-only parameters of `function` (rloo_utils' functions take the options they read by name, a class
+    its __init__'s), each the option of its name in `args` (a script's Args, or a namespace of the fields read), but
+    those `given`."""
+    parameters = inspect.signature(function).parameters.values()
+    names = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return {name: given[name] if name in given else getattr(args, name) for name in names}
+
+
+def engine_options_of(args, config_folder: str, device, **kwargs) -> dict:
+    """vllm_colocated.engine_options as ColocatedVLLM starts the engine of a script's options (Args)."""
+    from rloo_utils.vllm_colocated import engine_dtype, engine_max_model_len, engine_options
+
+    return engine_options(
+        config_folder,
+        device,
+        **kwargs,
+        seed=args.seed,
+        dtype=engine_dtype(args.vllm_dtype),
+        trust_remote_code=args.trust_remote_code,
+        max_model_len=engine_max_model_len(**keywords_of(engine_max_model_len, args)),
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+    )
 
 
 @pytest.fixture(params=[script[: -len(".py")] for script in SCRIPTS])

@@ -15,7 +15,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import ROOT, check_one_line_error, read_metrics, run_env, run_rloo, write_jsonl
+from conftest import ROOT, check_one_line_error, keywords_of, read_metrics, run_env, run_rloo, write_jsonl
 
 import rloo
 from rloo_utils.data import load_datasets, load_prompt_dataset
@@ -210,7 +210,8 @@ def test_generation_kwargs_values_vllm_cannot_use_are_refused_before_loading(kwa
 
 def test_chat_template_kwargs_with_plain_string_prompts_are_refused(prompts_file):
     with pytest.raises(UsageError, match="--chat_template_kwargs goes to the chat template, but the"):
-        load_datasets(rloo.Args(dataset_name=prompts_file, chat_template_kwargs={"enable_thinking": False}))
+        args = rloo.Args(dataset_name=prompts_file, chat_template_kwargs={"enable_thinking": False})
+        load_datasets(**keywords_of(load_datasets, args))
 
 
 def test_infinite_values_that_mean_something_are_accepted():
@@ -270,8 +271,8 @@ def refused_on_loading(*argv, needles: tuple[str, ...]) -> None:
     says every needle: what the script prints as one line (test_folder_that_is_not_a_model holds that path)."""
     args = tyro.cli(rloo.Args, args=list(map(str, argv)), use_underscores=True)
     with pytest.raises(UsageError) as refusal:
-        train, _ = load_datasets(args)
-        load_tokenizers(args, train[0]["prompt"])
+        train, _ = load_datasets(**keywords_of(load_datasets, args))
+        load_tokenizers(train[0]["prompt"], **keywords_of(load_tokenizers, args))
     assert all(needle in str(refusal.value) for needle in needles), str(refusal.value)
 
 
@@ -419,7 +420,7 @@ def test_bad_data_files(files, needle, tmp_path):
     for name, content in files.items():
         (folder / name).write_bytes(content)
     with pytest.raises(UsageError, match=re.escape(needle.format(d=folder))):
-        load_datasets(rloo.Args(dataset_name=str(folder)))
+        load_datasets(**keywords_of(load_datasets, rloo.Args(dataset_name=str(folder))))
 
 
 @pytest.mark.slow

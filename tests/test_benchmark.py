@@ -1328,12 +1328,18 @@ def test_the_startup_benchmark_knows_the_first_line_runs_py_prints_and_tables_th
 
     from rloo_utils.set_up import first_line
 
-    args = types.SimpleNamespace(num_generations=4, num_ppo_epochs=1, num_mini_batches=1, bf16=False)
     for world_size, checkpoint in [(1, None), (2, "runs/x/checkpoints/2")]:
         plan = types.SimpleNamespace(num_updates=3, batch_size=16, checkpoint=checkpoint)
-        assert startup.is_first_line(
-            first_line(args, plan, "runs/r__1__7", types.SimpleNamespace(type="cpu"), world_size)
+        line = first_line(
+            plan,
+            "runs/r__1__7",
+            types.SimpleNamespace(type="cpu"),
+            world_size,
+            num_generations=4,
+            num_optimizer_steps=3,
+            bf16=False,
         )
+        assert startup.is_first_line(line)
     assert not startup.is_first_line("cached a de-quantised copy of a.gguf in b: later runs start from it")
     assert not startup.is_first_line("held-out evaluation on 16 prompts of split test x 4 completions")
     assert startup.table(

@@ -10,6 +10,8 @@ import types
 import pytest
 import torch
 
+from conftest import keywords_of
+
 from rloo_utils import decoding
 from rloo_utils.data import left_pad
 from rloo_utils.models import generation_configs, static_cache_inputs
@@ -31,7 +33,9 @@ def policy_and_configs(tiny, max_completion_length: int = 12, **sampling):
         generation_kwargs=None,
     )
     eos = tokenizer.eos_token_id
-    sampling_config, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static=True)
+    sampling_config, greedy, _ = generation_configs(
+        [eos], tokenizer.pad_token_id, None, static=True, **keywords_of(generation_configs, args)
+    )
     return policy, tokenizer, sampling_config, greedy
 
 

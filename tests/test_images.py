@@ -17,6 +17,8 @@ from conftest import (
     VLM_CHAT_TEMPLATE,
     check_learned,
     check_one_line_error,
+    engine_options_of,
+    keywords_of,
     read_metrics,
     run_env,
     run_rloo,
@@ -30,7 +32,6 @@ from rloo_utils.lora import add_adapter
 from rloo_utils.models import generation_configs, load_tokenizers, tokenize_prompts
 from rloo_utils.rewards import reward_model_inputs
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
-from rloo_utils.vllm_colocated import engine_options
 from rloo_utils.vllm_sampling import sampling_options
 from rloo_utils.vllm_server import generate_request, prompt_runs
 
@@ -350,11 +351,11 @@ def test_image_tokens_are_never_sampled(tiny_vlm, tmp_path):
     pixels = images_batch(image_rows, slice(0, None), "cpu", model.dtype)
     args = rloo.Args(max_completion_length=6, temperature=1.0)
     for never_sampled, expect_image in (([], True), (image_token_ids(model.config), False)):
-        sampling, greedy, _ = generation_configs(args, [2], 0, never_sampled)
+        sampling, greedy, _ = generation_configs([2], 0, never_sampled, **keywords_of(generation_configs, args))
         for config in (sampling, greedy):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **pixels)
             assert bool((out[:, prompt_ids.shape[1] :] == image_id).any()) == expect_image
-    options = sampling_options(args, [2], False, [image_id])
+    options = sampling_options([2], False, [image_id], **keywords_of(sampling_options, args))
     assert options["logit_bias"] == {image_id: -100.0}
     from vllm import SamplingParams
 
@@ -477,9 +478,8 @@ def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path)
     together, alone = logprobs_alone_and_together(model, prompt_ids, prompt_mask, image_rows, completion_ids)
     torch.testing.assert_close(together, alone, rtol=0, atol=0.02)  # bf16 weights, fp32 log-softmax
     # with LoRA adapters (--use_peft; B = 0: the same model) it still builds its own positions
-    from types import SimpleNamespace
-
-    lora = SimpleNamespace(
+    adapted = add_adapter(
+        model,
         lora_r=4,
         lora_alpha=8,
         lora_dropout=0.0,
@@ -487,10 +487,8 @@ def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path)
         lora_modules_to_save=None,
         use_dora=False,
         seed=1,
-        model_name_or_path=path,
-        sft_model_path=None,
+        model_path=path,
     )
-    adapted = add_adapter(model, lora)
     assert builds_own_positions(adapted)
     torch.testing.assert_close(
         logprobs_alone_and_together(adapted, prompt_ids, prompt_mask, image_rows, completion_ids)[0],
@@ -499,7 +497,7 @@ def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path)
         atol=0,
     )
     args = rloo.Args(max_completion_length=4, temperature=1.0)
-    sampling, _, _ = generation_configs(args, [2], 0, image_token_ids(model.config))
+    sampling, _, _ = generation_configs([2], 0, image_token_ids(model.config), **keywords_of(generation_configs, args))
     pixels = images_batch(image_rows, slice(0, None), "cpu", model.dtype)
     with torch.no_grad():
         model.get_output_embeddings().weight[model.config.image_token_id] *= 100
@@ -535,7 +533,7 @@ def test_vllm_gets_the_images_in_its_own_input_format(tiny_vlm, monkeypatch):
     assert parsed.get_count("image") == 1
     # A real folder (config and processor, as the engine's): with HF_HUB_OFFLINE=1 EngineArgs resolves the model as a
     # local path or a cached hub id, and a made-up path is neither
-    options = engine_options(rloo_vllm.Args(), tiny_vlm["policy"], torch.device("cpu"), multimodal=True)
+    options = engine_options_of(rloo_vllm.Args(), tiny_vlm["policy"], torch.device("cpu"), multimodal=True)
     assert options["skip_tokenizer_init"] is False and EngineArgs(**options).skip_tokenizer_init is False
 
 
@@ -549,7 +547,9 @@ def test_a_vllm_server_gets_the_images_beside_the_token_ids(tiny_vlm):
     from vllm.multimodal.media import MediaConnector
 
     image = colour_images(2, sizes=((20, 16),))[1]
-    options = sampling_options(rloo_vllm.Args(max_completion_length=3), [2], False, [3])
+    options = sampling_options(
+        [2], False, [3], **keywords_of(sampling_options, rloo_vllm.Args(max_completion_length=3))
+    )
     body = generate_request([1, 3, 3, 3, 3, 5], image, options, 7, 4)
     request = GenerateRequest.model_validate(json.loads(json.dumps(body)))
     params = request.sampling_params
@@ -654,7 +654,7 @@ def test_a_text_reward_model_scores_the_text_of_image_prompts(tiny_vlm, tiny, tm
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(f"rewards/{name}/mean" in rows[0] for name in ("reward", "colour_named"))
     args = rloo.Args(model_name_or_path=tiny_vlm["policy"], reward_model_path=tiny["reward"])
-    tokenizer = load_tokenizers(args, [{"role": "user", "content": "hi"}], "image")[1]
+    tokenizer = load_tokenizers([{"role": "user", "content": "hi"}], "image", **keywords_of(load_tokenizers, args))[1]
     ids, _ = reward_model_inputs(
         tokenizer,
         [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour"}]}]],

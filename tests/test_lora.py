@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,8 +29,8 @@ def wall_clock(metric: str) -> bool:
     return metric in ("eps", "step_time") or metric.startswith(("perf/", "time/"))
 
 
-def lora_options(**kwargs) -> SimpleNamespace:
-    """The LoRA fields of Args, as add_adapter reads them."""
+def lora_options(**kwargs) -> dict:
+    """The values add_adapter takes: the LoRA fields of Args, --seed and the model's path."""
     options = dict(
         lora_r=4,
         lora_alpha=8,
@@ -40,10 +39,9 @@ def lora_options(**kwargs) -> SimpleNamespace:
         lora_modules_to_save=None,
         use_dora=False,
         seed=1,
-        model_name_or_path="tiny",
-        sft_model_path=None,
+        model_path="tiny",
     )
-    return SimpleNamespace(**{**options, **kwargs})
+    return {**options, **kwargs}
 
 
 def trained_a_little(model, seed: int = 0) -> None:
@@ -60,7 +58,7 @@ def test_merged_weights_are_peft_merge_and_leave_the_trained_copy_unchanged(tiny
     from transformers import AutoModelForCausalLM
 
     options = lora_options(use_dora=dora, lora_modules_to_save=["norm"] if dora else None)  # every norm trained in full
-    model = add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), options)
+    model = add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), **options)
     trained_a_little(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     merged = dict(merged_weights(model))
@@ -87,9 +85,9 @@ def test_an_adapter_drawn_on_a_model_built_empty_is_the_one_drawn_on_the_loaded_
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(123)
-    loaded = add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), lora_options(seed=7))
+    loaded = add_adapter(AutoModelForCausalLM.from_pretrained(tiny["policy"]), **lora_options(seed=7))
     torch.manual_seed(456)
-    empty = add_adapter(empty_model(AutoModelForCausalLM, tiny["policy"], torch.float32), lora_options(seed=7))
+    empty = add_adapter(empty_model(AutoModelForCausalLM, tiny["policy"], torch.float32), **lora_options(seed=7))
     adapter = {name: p for name, p in loaded.named_parameters() if ".lora_" in name}
     assert (
         empty.adapter_init.keys() == adapter.keys() and len(adapter) == 2 * 7 * 2
@@ -104,8 +102,8 @@ def test_dora_on_a_transposed_layer_is_one_line():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
     with pytest.raises(UsageError, match="--use_dora on transformer.h.0.attn.c_attn, a layer that stores"):
-        add_adapter(model, lora_options(lora_target_modules=["c_attn"], use_dora=True))
-    adapted = add_adapter(GPT2LMHeadModel(model.config), lora_options(lora_target_modules=["c_attn"]))
+        add_adapter(model, **lora_options(lora_target_modules=["c_attn"], use_dora=True))
+    adapted = add_adapter(GPT2LMHeadModel(model.config), **lora_options(lora_target_modules=["c_attn"]))
     trained_a_little(adapted)  # plain LoRA on it merges as peft does
     expected = copy.deepcopy(adapted).merge_and_unload().state_dict()
     assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in merged_weights(adapted))

@@ -7,11 +7,10 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, run_rloo
+from conftest import ROOT, engine_options_of, keywords_of, read_metrics, run_rloo
 
 from rloo_utils.errors import RunError, UsageError  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
-from rloo_utils.vllm_colocated import engine_options  # noqa: E402
 from rloo_utils.vllm_sampling import check_engine, sampling_options  # noqa: E402
 from rloo_utils.vllm_server import VLLMServer, completion_request  # noqa: E402
 from rloo_utils.weight_transfer import NCCL_SERVER_OPTION, check_gpus_apart, nccl_sender_parts  # noqa: E402
@@ -106,7 +105,7 @@ def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     pretend_gpu(monkeypatch)
-    options = engine_options(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
+    options = engine_options_of(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
     assert options["dtype"] == "bfloat16" and options["enable_sleep_mode"] and not options["enforce_eager"]
     inspect.signature(LLM).bind(**options)
     engine_args = EngineArgs(**options)
@@ -116,7 +115,7 @@ def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
         "vllm",
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and float32 on the CPU, as the training forward
-    assert engine_options(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
+    assert engine_options_of(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
@@ -129,7 +128,7 @@ def test_sampling_parameters_and_server_requests_are_vllms(tiny, script):
     rloo = importlib.import_module(script)
     args = rloo.Args(model_name_or_path=tiny["policy"], temperature=0.7, top_p=0.9, top_k=20)
     for greedy in (False, True):
-        options = sampling_options(args, stop_ids=[2, 3], greedy=greedy)
+        options = sampling_options([2, 3], greedy, **keywords_of(sampling_options, args))
         params = SamplingParams(**options, seed=7, detokenize=False)
         assert params.stop_token_ids == [2, 3] and params.logprobs == 0 and params.ignore_eos
         request = CompletionRequest(**completion_request("model", [5, 6, 7], options, seed=7))
@@ -349,7 +348,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
             events.append("policy forward" if model is engines[0].policy else "reference forward")
         return forward(model, *args, **kwargs)
 
-    def colocated(args, policy, device, processor=None):  # ColocatedVLLM's arguments
+    def colocated(policy, device, processor=None, **options):  # ColocatedVLLM's arguments
         engines.append(RecordingEngine(events, policy))
         return engines[0]
 

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, check_one_line_error, run_env, run_outcome, run_rloo
+from conftest import ROOT, check_one_line_error, keywords_of, run_env, run_outcome, run_rloo
 
 import rloo
 from rloo_utils.checkpoints import (
@@ -392,7 +392,8 @@ def test_a_failed_save_keeps_the_earlier_checkpoint_byte_for_byte(tiny, tmp_path
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     state = {"update": 1, "rng": rng_states()}
     first = str(tmp_path / "checkpoint-1")
-    save_checkpoint(first, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state)
+    options = dataclasses.asdict(rloo.Args())
+    save_checkpoint(first, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), options, state)
     before = {p: open(p, "rb").read() for p in glob.glob(first + "/**", recursive=True) if os.path.isfile(p)}
 
     def full_disk(*args, **kwargs):
@@ -401,9 +402,7 @@ def test_a_failed_save_keeps_the_earlier_checkpoint_byte_for_byte(tiny, tmp_path
     monkeypatch.setattr(torch, "save", full_disk)
     second = str(tmp_path / "checkpoint-2")
     with pytest.raises(RunError, match=f"could not write checkpoint {second} .*No space left on device"):
-        save_checkpoint(
-            second, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), rloo.Args(), state
-        )
+        save_checkpoint(second, lambda folder: policy.save_pretrained(os.path.join(folder, "policy")), options, state)
     after = {p: open(p, "rb").read() for p in glob.glob(first + "/**", recursive=True) if os.path.isfile(p)}
     assert after == before and sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
 
@@ -767,7 +766,7 @@ def test_a_run_that_went_on_after_its_newest_checkpoint_was_found_is_not_resumed
     make_checkpoint(os.path.join(folder, "checkpoint-5"))  # the other run, meanwhile
     args = rloo.Args(run_name="run", resume_from_checkpoint="latest")
     with pytest.raises(UsageError, match="has a newer checkpoint, .*checkpoint-5, which resuming from"):
-        claim_run(args, found, None, batch_size=8)
+        claim_run(found, None, 8, **keywords_of(claim_run, args, options=dataclasses.asdict(args), steps_per_update=1))
     assert sorted(os.listdir(folder)) == ["checkpoint-4", "checkpoint-5"]  # nothing of the run touched
 
 
@@ -787,19 +786,19 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "time", lambda: 1700000000.5)
     args = rloo.Args()
-    assert claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000")
-    assert claim_run_dir(args) == os.path.join("runs", "rloo__1__1700000000_2")
+    assert claim_run_dir(**keywords_of(claim_run_dir, args)) == os.path.join("runs", "rloo__1__1700000000")
+    assert claim_run_dir(**keywords_of(claim_run_dir, args)) == os.path.join("runs", "rloo__1__1700000000_2")
     named = rloo.replace(args, run_name="mine")
-    assert claim_run_dir(named) == os.path.join("runs", "mine")
+    assert claim_run_dir(**keywords_of(claim_run_dir, named)) == os.path.join("runs", "mine")
     with pytest.raises(
         UsageError,
         match="runs/mine exists already and holds no checkpoint to continue from: "
         "choose another --run_name, or delete runs/mine",
     ):
-        claim_run_dir(named)
+        claim_run_dir(**keywords_of(claim_run_dir, named))
     make_checkpoint(os.path.join("runs", "mine", "checkpoints", "checkpoint-2"))
     with pytest.raises(UsageError, match="continue that run with --resume_from_checkpoint latest --run_name mine"):
-        claim_run_dir(named)
+        claim_run_dir(**keywords_of(claim_run_dir, named))
 
 
 def test_a_run_folder_is_locked_by_one_process(tmp_path):
@@ -875,7 +874,7 @@ def saved_run(tiny, tmp_path, monkeypatch):
     save_checkpoint(
         checkpoint,
         save_weights,
-        args,
+        dataclasses.asdict(args),
         {
             "update": 2,
             "episode": 16,
@@ -908,7 +907,7 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(saved_run, tiny, use_pe
     folder = os.path.join(checkpoint, "policy")
     if use_peft:
         args = dataclasses.replace(args, use_peft=True, lora_target_modules=["q_proj"])
-        policy = add_adapter(policy, args)
+        policy = add_adapter(policy, **keywords_of(add_adapter, args, model_path=args.model_name_or_path))
         policy.save_pretrained(folder)
     path = os.path.join(folder, "adapter_model.safetensors" if use_peft else "model.safetensors")
     weights = load_file(path)

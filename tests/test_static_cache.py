@@ -9,6 +9,8 @@ import types
 import pytest
 import torch
 
+from conftest import keywords_of
+
 import rloo
 from rloo_utils.data import left_pad
 from rloo_utils.models import generation_configs, static_cache, static_cache_inputs
@@ -41,7 +43,9 @@ def sampler_and_configs(tiny, chunk: int, static: bool):
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
     sampler = rloo.Sampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
-    sampling, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static)
+    sampling, greedy, _ = generation_configs(
+        [eos], tokenizer.pad_token_id, None, static, **keywords_of(generation_configs, args)
+    )
     return sampler, sampling, greedy
 
 
@@ -175,8 +179,7 @@ def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype
 
     monkeypatch.setattr(models, "compile_failure", lambda device: None)  # torch.compile builds for every device here
     console = Console(record=True, width=200)
-    args = types.SimpleNamespace(cache_implementation=option, bf16=bf16)
-    assert static_cache(args, torch.device(device), console, dtype, unsupported) is expected
+    assert static_cache(option, torch.device(device), console, dtype, unsupported, autocast=bf16) is expected
     said = console.export_text()
     if option == "dynamic" or (option == "auto" and device == "cpu") or expected:
         assert said == ""
@@ -194,14 +197,13 @@ def test_a_device_torch_compile_cannot_build_for_keeps_the_dynamic_cache_in_one_
     failure = "InductorError: InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx"
     monkeypatch.setattr(models, "compile_failure", lambda device: failure)
     console = Console(record=True, width=400)
-    args = types.SimpleNamespace(cache_implementation="static", bf16=False)
-    assert static_cache(args, torch.device("cpu"), console, torch.float32) is False
+    assert static_cache("static", torch.device("cpu"), console, torch.float32, None, autocast=False) is False
     assert console.export_text() == (
         f"HF generate keeps a dynamic KV cache, uncompiled: torch.compile cannot build the decoding step on cpu "
         f"({failure})\n"
     )
-    args.cache_implementation = "dynamic"  # not asked for: not probed, nothing said
-    assert static_cache(args, torch.device("cpu"), console, torch.float32) is False
+    # not asked for: not probed, nothing said
+    assert static_cache("dynamic", torch.device("cpu"), console, torch.float32, None, autocast=False) is False
     assert console.export_text() == ""
 
 

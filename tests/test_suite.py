@@ -24,16 +24,23 @@ ENGINE_WRITES = ["VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VL
 def test_an_in_process_engine_writes_the_workers_environment():
     """What start_colocated_engine does to os.environ before it builds the engine (here it stops at the policy's
     positions, after the writes): the values the next test must not see."""
-    args = SimpleNamespace(
-        vllm_cpu_kv_cache_gib=3,
-        vllm_max_model_length=None,
-        max_prompt_length=64,
-        max_completion_length=64,
-        model_name_or_path="tiny",
-    )
     policy = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8))
     with pytest.raises(UsageError, match="exceeds the 8 positions"):
-        start_colocated_engine(args, policy, torch.device("cpu"))
+        start_colocated_engine(
+            policy,
+            torch.device("cpu"),
+            model_name_or_path="tiny",
+            seed=1,
+            dtype="float32",
+            trust_remote_code=False,
+            vllm_max_model_length=None,
+            max_prompt_length=64,
+            max_completion_length=64,
+            gpu_memory_utilization=0.3,
+            enforce_eager=True,
+            enable_sleep_mode=False,
+            cpu_kv_cache_gib=3,
+        )
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     os.environ["RANK"] = "1"  # as rloo_multigpu.py's main() run in process does
 

@@ -24,7 +24,7 @@ from rloo_utils.rewards import RewardLogs, call_reward_funcs, reward_model_input
 from rloo_utils.vllm_options import check_vllm_args
 from rloo_utils.vllm_sampling import sampling_options
 import rloo_vllm
-from conftest import ROOT, check_one_line_error, run_env, run_rloo
+from conftest import ROOT, check_one_line_error, keywords_of, run_env, run_rloo
 from test_multigpu import run_torchrun
 
 TRL_REWARDS = os.path.join(ROOT, "tests", "trl_rewards.py")
@@ -34,6 +34,12 @@ REWARD_FUNCS = [f"{TRL_REWARDS}:{name}" for name in ("curriculum_reward", "the_r
 def run_dir_of(root) -> str:
     (run,) = glob.glob(os.path.join(root, "runs", "*", "metrics.jsonl"))
     return os.path.dirname(run)
+
+
+def logger_in(folder, resume=None) -> Logger:
+    """The Logger of a run of rloo.py's default options, writing to folder."""
+    args = rloo.Args()
+    return Logger("run", str(folder), resume, **keywords_of(Logger, args, options=dataclasses.asdict(args)))
 
 
 def jsonl(path) -> list[dict]:
@@ -159,7 +165,9 @@ def test_sampling_options_reach_hf_generate_and_vllm(tiny):
 
     def sample(**options):
         args = rloo.Args(**options)
-        config, _, _ = generation_configs(args, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        config, _, _ = generation_configs(
+            [tokenizer.eos_token_id], tokenizer.pad_token_id, **keywords_of(generation_configs, args)
+        )
         torch.manual_seed(0)
         out = policy.generate(**prompt, generation_config=config)[:, prompt["input_ids"].shape[1] :]
         eos = tokenizer.eos_token_id
@@ -186,14 +194,17 @@ def test_sampling_options_reach_hf_generate_and_vllm(tiny):
     )
     check_args(args)
     check_vllm_args(args, server=False)
-    params = SamplingParams(**sampling_options(args, [0], greedy=False), seed=1, detokenize=False)
+    options = sampling_options([0], greedy=False, **keywords_of(sampling_options, args))
+    params = SamplingParams(**options, seed=1, detokenize=False)
     assert (params.min_p, params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (
         0.05,
         1.1,
         0.5,
         0.25,
     )
-    greedy = sampling_options(args, [0], greedy=True)  # the engine check compares plain greedy log-probs
+    greedy = sampling_options(
+        [0], greedy=True, **keywords_of(sampling_options, args)
+    )  # the engine check compares plain greedy log-probs
     assert "repetition_penalty" not in greedy and "frequency_penalty" not in greedy
     with pytest.raises(UsageError, match="no_repeat_ngram_size is not an option of vLLM's SamplingParams"):
         check_vllm_args(dataclasses.replace(args, generation_kwargs={"no_repeat_ngram_size": 2}), server=False)
@@ -434,7 +445,7 @@ def test_what_reward_functions_log_is_checked_and_kept_whole(tmp_path):
     logs.log_extra("short", [1])
     with pytest.raises(RunError, match="log_extra\\('short', values\\) gave 1 values for 2 completions"):
         logs.take(2)
-    logger = Logger(rloo.Args(), "run", str(tmp_path))
+    logger = logger_in(tmp_path)
     logger.log_table("completions", [{"prompt": "p", "completion": "c", "ok": np.bool_(True), "n": np.int64(3)}], 8)
     logger.close()
     assert jsonl(tmp_path / "completions.jsonl") == [{"step": 8, "prompt": "p", "completion": "c", "ok": True, "n": 3}]
@@ -443,13 +454,13 @@ def test_what_reward_functions_log_is_checked_and_kept_whole(tmp_path):
 def test_a_resumed_run_cuts_every_table_back_to_its_checkpoint(tmp_path):
     """A table begun or grown after the checkpoint (--log_completions may be added at resume) is cut back, so no row
     appears twice."""
-    logger = Logger(rloo.Args(), "run", str(tmp_path))
+    logger = logger_in(tmp_path)
     logger.log_table("samples", [{"prompt": "p", "completion": "c", "reward": 1.0}], 0)
     state = logger.state()  # the checkpoint: one sample row, no completions table yet
     logger.log_table("samples", [{"prompt": "p", "completion": "d", "reward": 0.0}], 16)
     logger.log_table("completions", [{"prompt": "p", "completion": "d", "advantage": 0.5}], 16)
     logger.close()
-    Logger(rloo.Args(), "run", str(tmp_path), resume=state).close()
+    logger_in(tmp_path, resume=state).close()
     assert [r["step"] for r in jsonl(tmp_path / "samples.jsonl")] == [0]
     assert jsonl(tmp_path / "completions.jsonl") == []
 

@@ -248,17 +248,15 @@ def test_a_reward_function_whose_column_the_dataset_lacks_is_refused_before_the_
 
 
 def test_check_reward_columns():
-    from types import SimpleNamespace
-
     from datasets import Dataset
 
     from rloo_utils.errors import UsageError
     from rloo_utils.rewards import check_reward_columns
 
     train, test = Dataset.from_list([{"prompt": "p", "answer": 1}]), Dataset.from_list([{"prompt": "p", "topic": "a"}])
-    run = SimpleNamespace(num_sample_generations=10, eval_steps=0.5, tools=None, environment=None)
-    no_held_out = SimpleNamespace(num_sample_generations=0, eval_steps=0, tools=None, environment=None)
-    multi_turn = SimpleNamespace(num_sample_generations=0, eval_steps=0, tools=["t.py:f"], environment=None)
+    run = dict(num_sample_generations=10, eval_steps=0.5, multi_turn=False)
+    no_held_out = dict(num_sample_generations=0, eval_steps=0, multi_turn=False)
+    multi_turn = dict(num_sample_generations=0, eval_steps=0, multi_turn=True)  # --tools or --environment
 
     def needs_topic(completions, topic, **kwargs): ...
 
@@ -266,26 +264,24 @@ def test_check_reward_columns():
 
     def needs_environments(completions, environments, **kwargs): ...
 
-    check_reward_columns(run, [answer_accuracy, any_column], ["model", "answer_accuracy", "any"], [], [], train, None)
-    check_reward_columns(run, [any_column], ["any"], [needs_topic], ["needs_topic"], train, test)  # metric: held-out
-    check_reward_columns(no_held_out, [answer_accuracy], ["answer_accuracy"], [], [], train, test)  # test never read
-    check_reward_columns(multi_turn, [needs_environments], ["e"], [], [], train, None)
+    check_reward_columns([answer_accuracy, any_column], ["model", "answer_accuracy", "any"], [], [], train, None, **run)
+    check_reward_columns([any_column], ["any"], [needs_topic], ["needs_topic"], train, test, **run)  # metric: held-out
+    check_reward_columns([answer_accuracy], ["answer_accuracy"], [], [], train, test, **no_held_out)  # test never read
+    check_reward_columns([needs_environments], ["e"], [], [], train, None, **multi_turn)
     with pytest.raises(UsageError, match="reward function needs_topic needs the argument 'topic'.*training split"):
-        check_reward_columns(run, [needs_topic], ["needs_topic"], [], [], train, test)
+        check_reward_columns([needs_topic], ["needs_topic"], [], [], train, test, **run)
     with pytest.raises(UsageError, match="reward function answer_accuracy needs the argument 'answer'.*held-out"):
-        check_reward_columns(run, [answer_accuracy], ["answer_accuracy"], [], [], train, test)
+        check_reward_columns([answer_accuracy], ["answer_accuracy"], [], [], train, test, **run)
     with pytest.raises(UsageError, match="evaluation metric function answer_accuracy needs the argument 'answer'"):
-        check_reward_columns(run, [], [], [answer_accuracy], ["answer_accuracy"], train, test)
+        check_reward_columns([], [], [answer_accuracy], ["answer_accuracy"], train, test, **run)
     with pytest.raises(UsageError, match="needs the argument 'environments'"):  # single-turn: none given
-        check_reward_columns(run, [needs_environments], ["e"], [], [], train, None)
+        check_reward_columns([needs_environments], ["e"], [], [], train, None, **run)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # DAPO's soft overlong punishment (issue 57): a built-in reward function whose lengths come from the options
 # ---------------------------------------------------------------------------------------------------------------------
 def test_the_soft_overlong_punishment_by_hand():
-    from types import SimpleNamespace
-
     from rloo_utils.rewards import builtin_reward_funcs, soft_overlong_punishment
 
     ids = [[1] * n for n in (0, 3, 6, 7, 8, 10)]  # the buffer is the last 4 of 10 tokens: it starts after 6
@@ -293,11 +289,11 @@ def test_the_soft_overlong_punishment_by_hand():
     assert soft_overlong_punishment(ids[-1:], max_completion_length=10, buffer_length=4, penalty_factor=2.0) == [-2.0]
     # as --reward_funcs soft_overlong_punishment gets it: --max_completion_length, the buffer (a fifth of it unless
     # given), the factor; in TRL's signature, completion_ids among its arguments
-    options_ = SimpleNamespace(max_completion_length=10, overlong_buffer_length=None, overlong_penalty_factor=1.0)
-    overlong = load_reward_func("soft_overlong_punishment", builtin_reward_funcs(options_))
+    builtin = builtin_reward_funcs(max_completion_length=10, overlong_buffer_length=None, overlong_penalty_factor=1.0)
+    overlong = load_reward_func("soft_overlong_punishment", builtin)
     assert overlong(prompts=["p"] * 6, completions=["c"] * 6, completion_ids=ids) == [0, 0, 0, 0, 0, -1.0]
-    options_.overlong_buffer_length, options_.overlong_penalty_factor = 4, 0.5
-    overlong = load_reward_func("soft_overlong_punishment", builtin_reward_funcs(options_))
+    builtin = builtin_reward_funcs(max_completion_length=10, overlong_buffer_length=4, overlong_penalty_factor=0.5)
+    overlong = load_reward_func("soft_overlong_punishment", builtin)
     assert overlong(completion_ids=ids) == [0, 0, 0, -0.125, -0.25, -0.5]
 
 

@@ -24,6 +24,7 @@ from conftest import (
     check_learned,
     check_one_line_error,
     free_port,
+    keywords_of,
     learning_task,
     read_metrics,
     run_env,
@@ -64,7 +65,7 @@ def hf_greedy(policy, tokenizer, n: int) -> list[list[int]]:
 
 
 def engine_greedy(engine, tokenizer, args) -> list[list[int]]:
-    options = sampling_options(args, stop_ids=[], greedy=True)  # no end token: always max_completion_length
+    options = sampling_options([], greedy=True, **keywords_of(sampling_options, args))  # no end token: always C
     return [ids for ids, _ in engine.generate([tokenizer(p).input_ids for p in PROMPTS], options, None)]
 
 
@@ -98,7 +99,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
     probe = tokenize_prompts(tokenizer, PROMPTS, args.max_prompt_length, torch.device("cpu"))[:2]
     logprobs_of = lambda *rollout: rloo_vllm.completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
-    options = sampling_options(args, stop_ids=[], greedy=True)
+    options = sampling_options([], greedy=True, **keywords_of(sampling_options, args))
     check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
     with monkeypatch.context() as m:
         m.setattr(
@@ -121,7 +122,8 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     args = vllm_args(tiny)
-    engine = rloo_vllm.ColocatedVLLM(args, AutoModelForCausalLM.from_pretrained(tiny["policy"]), torch.device("cpu"))
+    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
+    engine = rloo_vllm.ColocatedVLLM(policy, torch.device("cpu"), **keywords_of(rloo_vllm.ColocatedVLLM, args))
     try:
         check_pushes(engine, tiny, args, monkeypatch)
         # The sampling log-probs are the policy's at the sampling temperature (logprobs_mode processed_logprobs)
@@ -133,7 +135,9 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
         args = vllm_args(tiny, temperature=0.7)
         prompt_ids, prompt_mask, _, _ = tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-        outputs = engine.generate(prompts, sampling_options(args, [], greedy=False), [1, 2, 3])
+        outputs = engine.generate(
+            prompts, sampling_options([], greedy=False, **keywords_of(sampling_options, args)), [1, 2, 3]
+        )
         completion_ids, sampling_logprobs = pad_completions(outputs, 16, 0, [], torch.device("cpu"))
         with torch.no_grad():
             trainer = rloo_vllm.completion_logprobs(
@@ -141,7 +145,9 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
             )
         assert (trainer - sampling_logprobs).abs().max() < 1e-4
         # One seed per completion: the same seed gives the same completion, another seed another one
-        again = engine.generate(prompts, sampling_options(args, [], greedy=False), [1, 2, 4])
+        again = engine.generate(
+            prompts, sampling_options([], greedy=False, **keywords_of(sampling_options, args)), [1, 2, 4]
+        )
         assert again[:2] == outputs[:2] and again[2][0] != outputs[2][0]
     finally:
         engine.close()
@@ -150,7 +156,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
 @pytest.mark.slow
 def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine = VLLMServer(args)
+    engine = VLLMServer(**keywords_of(VLLMServer, args))
     try:
         check_pushes(engine, tiny, args, monkeypatch)
     finally:
@@ -166,11 +172,14 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine, remote = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu")), VLLMServer(args)
+    engine = rloo_vllm.ColocatedVLLM(
+        policy, torch.device("cpu"), **keywords_of(rloo_vllm.ColocatedVLLM, vllm_args(tiny))
+    )
+    remote = VLLMServer(**keywords_of(VLLMServer, args))
     try:
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
         remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy, remote.dtype))
-        options = sampling_options(args, [], greedy=False)
+        options = sampling_options([], greedy=False, **keywords_of(sampling_options, args))
         prompts = [[5 + p, 6, 7 + p] for p in range(6) for _ in range(4)]  # 6 groups of G = 4
         seeds = sampling_seeds(3, 1, len(prompts))
         assert seeds == list(range(seeds[0], seeds[0] + len(prompts)))
@@ -197,7 +206,7 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
     assert not nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
     # This server was started without --weight-transfer-config: refused when it is found, with the option to add
     with pytest.raises(UsageError) as e:
-        VLLMServer(args)
+        VLLMServer(**keywords_of(VLLMServer, args))
     assert NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
     # The same /server_info with the option, on 2 tensor-parallel x 2 data-parallel workers: 4 workers join the group
     info = json.load(urllib.request.urlopen(server["url"] + "/server_info?config_format=json"))
@@ -612,7 +621,8 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
         text=True,
     )
     wait_for_updates(run, tmp_path / "runs" / "run" / "metrics.jsonl", 1)
-    intruder = VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    intruder_args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
+    intruder = VLLMServer(**keywords_of(VLLMServer, intruder_args))
     try:
         deadline = time.time() + 120
         while run.poll() is None and time.time() < deadline:
@@ -640,7 +650,9 @@ def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(
     for folder in (stale, alive):
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(bytes(3 * 2**20))
-    engine = VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    engine = VLLMServer(
+        **keywords_of(VLLMServer, vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
+    )
     try:
         assert not os.path.exists(stale) and os.path.exists(alive)
         assert f"removed {stale} (3 MiB)" in capsys.readouterr().out

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, check_one_line_error, read_metrics, run_rloo
+from conftest import ROOT, check_one_line_error, keywords_of, read_metrics, run_rloo
 
 import rloo_multigpu
 import rloo_vllm
@@ -42,7 +42,7 @@ def lora_policy(path: str, args):
 
 
 def lora_policy_of(auto_class, path: str, args):
-    return add_adapter(auto_class.from_pretrained(path), args)
+    return add_adapter(auto_class.from_pretrained(path), **keywords_of(add_adapter, args, model_path=path))
 
 
 def trained_a_little(policy, seed: int) -> None:
@@ -75,7 +75,7 @@ def bytes_of(pairs) -> int:
 def gap_to_the_trainer(engine, policy, tokenizer, args) -> float:
     """max |log pi_vllm - log pi_trainer| over sampled tokens at temperature 0.7 (seeded completions of PROMPTS)."""
     prompt_ids, prompt_mask, _, _ = tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
-    options = sampling_options(dataclasses.replace(args, temperature=0.7), [], greedy=False)
+    options = sampling_options([], greedy=False, **keywords_of(sampling_options, args, temperature=0.7))
     outputs = engine.generate(unpadded(prompt_ids, prompt_mask), options, [1, 2, 3])
     completion_ids, sampling_logprobs = pad_completions(outputs, 16, 0, [], torch.device("cpu"))
     with torch.no_grad():
@@ -225,7 +225,7 @@ def test_the_colocated_engine_serves_the_pushed_adapter_and_sends_only_it(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     args = lora_args(tiny)
     policy = lora_policy(tiny["policy"], args)
-    engine = ColocatedVLLM(args, policy, torch.device("cpu"))
+    engine = ColocatedVLLM(policy, torch.device("cpu"), **keywords_of(ColocatedVLLM, args))
     try:
         assert engine.adapter
         merged = bytes_of(merged_weights(policy))
@@ -259,7 +259,7 @@ def test_the_server_serves_the_pushed_adapter_and_sends_only_it(tiny, lora_serve
     args = lora_args(tiny, vllm_mode="server", vllm_server_base_url=lora_server["url"])
     policy = lora_policy(tiny["policy"], args)
     start = os.path.getsize(lora_server["log"])
-    engine = VLLMServer(args)
+    engine = VLLMServer(**keywords_of(VLLMServer, args))
     try:
         assert engine.adapter
         names = []
