@@ -541,44 +541,12 @@ def main(args: Args) -> None:
         check_algorithm(args)
         args = resolve_defaults(args)
         plan = set_up.plan_run(args, world_size, sharded=True)  # over all processes
-        server = (
-            VLLMServer(
-                vllm_server_base_url=args.vllm_server_base_url,
-                vllm_server_host=args.vllm_server_host,
-                vllm_server_port=args.vllm_server_port,
-                vllm_server_timeout=args.vllm_server_timeout,
-                vllm_server_weight_transfer=args.vllm_server_weight_transfer,
-                vllm_lora_push=args.vllm_lora_push,
-                max_prompt_length=args.max_prompt_length,
-                max_completion_length=args.max_completion_length,
-                model_name_or_path=args.model_name_or_path,
-                sft_model_path=args.sft_model_path,
-                use_peft=args.use_peft,
-                lora_r=args.lora_r,
-                use_dora=args.use_dora,
-                lora_modules_to_save=args.lora_modules_to_save,
-            )
-            if use_server
-            else None
-        )  # reachable, before the run claims anything
+        server = VLLMServer(args) if use_server else None  # reachable, before the run claims anything
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     local_batch_size = batch_size // world_size  # the completions each process rolls out
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    run_dir, output_dir, guard = lifecycle.claim_run(
-        plan.checkpoint,
-        plan.training_state,
-        batch_size,
-        run_name=args.run_name,
-        exp_name=args.exp_name,
-        seed=args.seed,
-        output_dir=args.output_dir,
-        options=plan.options,
-        save_steps=args.save_steps,
-        save_total_limit=args.save_total_limit,
-        max_skipped_steps=args.max_skipped_steps,
-        steps_per_update=args.num_ppo_epochs * args.num_mini_batches,
-    )
+    run_dir, output_dir, guard = lifecycle.claim_run(args, plan, batch_size)
 
     seed = (args.seed + 1_000_003 * rank) % 2**32  # each process samples its own completions
     random.seed(seed)
@@ -589,30 +557,7 @@ def main(args: Args) -> None:
 
     # The policy, its reference for the KL, the reward model: each process holds its shards of them (FSDP2), read from
     # the files without any process holding a whole model (rloo_utils/sharded.py)
-    models = load_sharded_models(
-        plan,
-        device,
-        world_size,
-        model_name_or_path=args.model_name_or_path,
-        sft_model_path=args.sft_model_path,
-        reward_model_path=args.reward_model_path,
-        stop_token_id=args.stop_token_id,
-        chat_template_kwargs=args.chat_template_kwargs,
-        dtype=args.dtype,
-        attn_implementation=args.attn_implementation,
-        gradient_checkpointing=args.gradient_checkpointing,
-        beta=args.beta,
-        bf16=args.bf16,
-        fsdp_cpu_offload=args.fsdp_cpu_offload,
-        use_peft=args.use_peft,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        lora_target_modules=args.lora_target_modules,
-        lora_modules_to_save=args.lora_modules_to_save,
-        use_dora=args.use_dora,
-        seed=args.seed,
-    )
+    models = load_sharded_models(args, plan, device, world_size)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
@@ -628,32 +573,10 @@ def main(args: Args) -> None:
         args.cache_implementation, device, console, sampling_dtype, unsupported, autocast=False
     )
     generation_config, greedy_config, eval_config = generation_configs(
-        stop_ids,
-        tokenizer.pad_token_id,
-        never_sampled,
-        static,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        eval_temperature=args.eval_temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        generation_kwargs=args.generation_kwargs,
+        args, stop_ids, tokenizer.pad_token_id, never_sampled, static
     )  # sampling, greedy (the sample tables), the evaluation's
     if server is not None:  # vLLM's sampling parameters for the same semantics
-        generation_config, greedy_config, eval_config = sampling_configs(
-            stop_ids,
-            never_sampled,
-            max_completion_length=args.max_completion_length,
-            temperature=args.temperature,
-            eval_temperature=args.eval_temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            generation_kwargs=args.generation_kwargs,
-        )
+        generation_config, greedy_config, eval_config = sampling_configs(args, stop_ids, never_sampled)
     support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
@@ -724,31 +647,7 @@ def main(args: Args) -> None:
             wandb_project_name=args.wandb_project_name,
             wandb_entity=args.wandb_entity,
         )  # a resumed run's go on
-    evaluator = evaluation.Evaluator(
-        sampler=sampler,
-        scorer=scorer,
-        greedy_config=greedy_config,
-        eval_config=eval_config,
-        eos_ids=eos_ids,
-        console=console,
-        logger=logger,
-        eval_prompts=plan.eval_prompts,
-        evaluate_after=plan.evaluate_after,
-        metric_funcs=plan.metric_funcs,
-        metric_names=plan.metric_names,
-        train_dataset=plan.train_dataset,
-        eval_dataset=plan.eval_dataset,
-        extra_columns=plan.extra_columns,
-        num_sample_prompts=args.num_sample_prompts,
-        num_generations_eval=args.num_generations_eval,
-        eval_temperature=args.eval_temperature,
-        eval_success_threshold=args.eval_success_threshold,
-        local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
-        seed=args.seed,
-        dataset_name=args.dataset_name,
-        dataset_test_split=args.dataset_test_split,
-        eval_steps=args.eval_steps,
-    )
+    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
     resampler = rollouts.DynamicSampling(
         sampler,
         scorer,

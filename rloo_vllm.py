@@ -500,40 +500,8 @@ def main(args: Args) -> None:
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
     prompts_per_rollout = batch_size // G
-    server = (
-        VLLMServer(
-            vllm_server_base_url=args.vllm_server_base_url,
-            vllm_server_host=args.vllm_server_host,
-            vllm_server_port=args.vllm_server_port,
-            vllm_server_timeout=args.vllm_server_timeout,
-            vllm_server_weight_transfer=args.vllm_server_weight_transfer,
-            vllm_lora_push=args.vllm_lora_push,
-            max_prompt_length=args.max_prompt_length,
-            max_completion_length=args.max_completion_length,
-            model_name_or_path=args.model_name_or_path,
-            sft_model_path=args.sft_model_path,
-            use_peft=args.use_peft,
-            lora_r=args.lora_r,
-            use_dora=args.use_dora,
-            lora_modules_to_save=args.lora_modules_to_save,
-        )
-        if args.vllm_mode == "server"
-        else None
-    )  # reachable, before the run claims anything
-    run_dir, output_dir, guard = lifecycle.claim_run(
-        plan.checkpoint,
-        plan.training_state,
-        batch_size,
-        run_name=args.run_name,
-        exp_name=args.exp_name,
-        seed=args.seed,
-        output_dir=args.output_dir,
-        options=plan.options,
-        save_steps=args.save_steps,
-        save_total_limit=args.save_total_limit,
-        max_skipped_steps=args.max_skipped_steps,
-        steps_per_update=args.num_ppo_epochs * args.num_mini_batches,
-    )
+    server = VLLMServer(args) if args.vllm_mode == "server" else None  # reachable, before the run claims anything
+    run_dir, output_dir, guard = lifecycle.claim_run(args, plan, batch_size)
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -544,70 +512,18 @@ def main(args: Args) -> None:
     console = Console()
 
     # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
-    models = set_up.load_models(
-        plan,
-        device,
-        model_name_or_path=args.model_name_or_path,
-        sft_model_path=args.sft_model_path,
-        reward_model_path=args.reward_model_path,
-        stop_token_id=args.stop_token_id,
-        chat_template_kwargs=args.chat_template_kwargs,
-        dtype=args.dtype,
-        attn_implementation=args.attn_implementation,
-        gradient_checkpointing=args.gradient_checkpointing,
-        beta=args.beta,
-        bf16=args.bf16,
-        use_peft=args.use_peft,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        lora_target_modules=args.lora_target_modules,
-        lora_modules_to_save=args.lora_modules_to_save,
-        use_dora=args.use_dora,
-        seed=args.seed,
-    )
+    models = set_up.load_models(args, plan, device)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
     eos_ids, stop_ids = end_token_ids(
         tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
     )
     never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
     # vLLM's sampling parameters: sampling, greedy (the sample tables), the evaluation's
-    generation_config, greedy_config, eval_config = sampling_configs(
-        stop_ids,
-        never_sampled,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        eval_temperature=args.eval_temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        generation_kwargs=args.generation_kwargs,
-    )
+    generation_config, greedy_config, eval_config = sampling_configs(args, stop_ids, never_sampled)
     support = sampler_support(args.top_k, args.top_p, args.min_p)  # what vLLM samples from, or None: every token
     # vLLM samples from the policy: its weights are pushed now (a resumed run's are the checkpoint's) and after every
     # update; check_engine (below) makes sure that they arrived.
-    engine = server or ColocatedVLLM(
-        policy,
-        device,
-        models.processor,
-        model_name_or_path=args.model_name_or_path,
-        seed=args.seed,
-        trust_remote_code=args.trust_remote_code,
-        max_prompt_length=args.max_prompt_length,
-        max_completion_length=args.max_completion_length,
-        vllm_dtype=args.vllm_dtype,
-        vllm_max_model_length=args.vllm_max_model_length,
-        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        vllm_enforce_eager=args.vllm_enforce_eager,
-        vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
-        vllm_cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib,
-        vllm_lora_push=args.vllm_lora_push,
-        use_peft=args.use_peft,
-        lora_r=args.lora_r,
-        use_dora=args.use_dora,
-        lora_modules_to_save=args.lora_modules_to_save,
-    )
+    engine = server or ColocatedVLLM(args, policy, device, models.processor)
     engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
@@ -663,31 +579,7 @@ def main(args: Args) -> None:
         wandb_project_name=args.wandb_project_name,
         wandb_entity=args.wandb_entity,
     )  # a resumed run's logs go on
-    evaluator = evaluation.Evaluator(
-        sampler=sampler,
-        scorer=scorer,
-        greedy_config=greedy_config,
-        eval_config=eval_config,
-        eos_ids=eos_ids,
-        console=console,
-        logger=logger,
-        eval_prompts=plan.eval_prompts,
-        evaluate_after=plan.evaluate_after,
-        metric_funcs=plan.metric_funcs,
-        metric_names=plan.metric_names,
-        train_dataset=plan.train_dataset,
-        eval_dataset=plan.eval_dataset,
-        extra_columns=plan.extra_columns,
-        num_sample_prompts=args.num_sample_prompts,
-        num_generations_eval=args.num_generations_eval,
-        eval_temperature=args.eval_temperature,
-        eval_success_threshold=args.eval_success_threshold,
-        local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
-        seed=args.seed,
-        dataset_name=args.dataset_name,
-        dataset_test_split=args.dataset_test_split,
-        eval_steps=args.eval_steps,
-    )
+    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
     resampler = rollouts.DynamicSampling(
         sampler,
         scorer,

@@ -110,26 +110,7 @@ def main():
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
     started = time.perf_counter()
-    engine = rloo_vllm.ColocatedVLLM(
-        policy,
-        torch.device("cpu"),
-        model_name_or_path=args.model_name_or_path,
-        seed=args.seed,
-        trust_remote_code=args.trust_remote_code,
-        max_prompt_length=args.max_prompt_length,
-        max_completion_length=args.max_completion_length,
-        vllm_dtype=args.vllm_dtype,
-        vllm_max_model_length=args.vllm_max_model_length,
-        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        vllm_enforce_eager=args.vllm_enforce_eager,
-        vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
-        vllm_cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib,
-        vllm_lora_push=args.vllm_lora_push,
-        use_peft=args.use_peft,
-        lora_r=args.lora_r,
-        use_dora=args.use_dora,
-        lora_modules_to_save=args.lora_modules_to_save,
-    )
+    engine = rloo_vllm.ColocatedVLLM(args, policy, torch.device("cpu"))
     engine.push_weights(policy)
     print(
         f"{options.preset}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, engine up in "

@@ -342,57 +342,34 @@ class Evaluator:
     without it). One for the three scripts: their sampler and scorer do the work; in a run of several processes each
     evaluates its share of the test prompts, and the results are gathered."""
 
-    def __init__(
-        self,
-        *,
-        sampler,
-        scorer,
-        greedy_config,
-        eval_config,
-        eos_ids: list[int],
-        console,
-        logger,
-        eval_prompts,
-        evaluate_after: set[int],
-        metric_funcs: list,
-        metric_names: list[str],
-        train_dataset,
-        eval_dataset,
-        extra_columns: list[str],
-        num_sample_prompts: int,
-        num_generations_eval: int,
-        eval_temperature: float,
-        eval_success_threshold: Optional[float],
-        local_rollout_forward_batch_size: int,
-        seed: int,
-        dataset_name: str,
-        dataset_test_split: str,
-        eval_steps: float,
-    ):
+    def __init__(self, args, plan, sampler, scorer, greedy_config, eval_config, eos_ids: list[int], console, logger):
         """sampler and scorer: the run's seams, which generate and score (its reward weights are the scorer's);
         greedy_config: the sampler's config for the sample tables, eval_config: the evaluation's; eos_ids: the tokens
         that end a completion (its length metrics); console and logger: where tables and metrics go.
-        The sample tables: the first num_sample_prompts (--num_sample_prompts) prompts of eval_dataset, or of
-        train_dataset where there is no held-out split, with those of their extra_columns they hold (the dataset's
+        The sample tables: the first --num_sample_prompts prompts of the plan's (set_up.RunPlan) eval_dataset, or of
+        its train_dataset where there is no held-out split, with those of their extra_columns they hold (the dataset's
         columns besides the prompt, which reward functions get).
-        The evaluation (set_up.RunPlan's eval_prompts, evaluate_after, metric_funcs and metric_names): the test prompts
+        The evaluation (the plan's eval_prompts, evaluate_after, metric_funcs and metric_names): the test prompts
         (None: none), the updates after which they are evaluated, the --eval_metric_funcs and their names;
-        num_generations_eval completions of each prompt at eval_temperature (--num_generations_eval,
-        --eval_temperature, their defaults resolved), a success where the reward reaches eval_success_threshold (None:
-        no success test), sampled local_rollout_forward_batch_size completions at a time from seeds of seed (--seed)
-        and the update. dataset_name, dataset_test_split and eval_steps (the options): what plan() says of a run that
-        does not evaluate."""
+        --num_generations_eval completions of each prompt at --eval_temperature (their defaults resolved), a success
+        where the reward reaches --eval_success_threshold (None: no success test), sampled
+        --local_rollout_forward_batch_size completions at a time from seeds of --seed and the update. --dataset_name,
+        --dataset_test_split and --eval_steps: what plan() says of a run that does not evaluate."""
         self.sampler, self.scorer = sampler, scorer
-        self.eval_prompts, self.evaluate_after = eval_prompts, evaluate_after
-        table = (eval_dataset or train_dataset)[:num_sample_prompts]  # the test split's, or the train's
-        self.table = (table["prompt"], {c: table[c] for c in extra_columns if c in table})  # prompts, columns
+        self.eval_prompts, self.evaluate_after = plan.eval_prompts, plan.evaluate_after
+        table = (plan.eval_dataset or plan.train_dataset)[: args.num_sample_prompts]  # the test split's, or the train's
+        self.table = (table["prompt"], {c: table[c] for c in plan.extra_columns if c in table})  # prompts, columns
         self.greedy_config, self.eval_config = greedy_config, eval_config
-        self.metric_funcs, self.metric_names = metric_funcs, metric_names
+        self.metric_funcs, self.metric_names = plan.metric_funcs, plan.metric_names
         self.weights, self.eos_ids, self.console, self.logger = scorer.weights, eos_ids, console, logger
-        self.n, self.temperature = num_generations_eval, eval_temperature
-        self.success_threshold = eval_success_threshold
-        self.forward_batch_size, self.seed = local_rollout_forward_batch_size, seed
-        self.dataset_name, self.dataset_test_split, self.eval_steps = dataset_name, dataset_test_split, eval_steps
+        self.n, self.temperature = args.num_generations_eval, args.eval_temperature
+        self.success_threshold = args.eval_success_threshold
+        self.forward_batch_size, self.seed = args.local_rollout_forward_batch_size, args.seed
+        self.dataset_name, self.dataset_test_split, self.eval_steps = (
+            args.dataset_name,
+            args.dataset_test_split,
+            args.eval_steps,
+        )
 
     def plan(self) -> str:
         """One line: what the run evaluates and when (evaluation_plan)."""

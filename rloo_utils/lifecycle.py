@@ -400,32 +400,22 @@ class RunGuard:
         return f"; {where}; continue with: {resume_command(sys.argv, path)}"
 
 
-def claim_run(
-    checkpoint: Optional[str],
-    training_state: Optional[dict],
-    batch_size: int,
-    *,
-    run_name: Optional[str],
-    exp_name: str,
-    seed: int,
-    output_dir: Optional[str],
-    options: dict,
-    save_steps: int,
-    save_total_limit: Optional[int],
-    max_skipped_steps: int,
-    steps_per_update: int,
-) -> tuple[str, str, RunGuard]:
+def claim_run(args, plan, batch_size: int) -> tuple[str, str, RunGuard]:
     """The run folder (a new runs/<run_name>, claim_run_dir's, or the checkpoint's), locked for as long as this process
     lives against a second run; the folder the trained model goes to (output_dir, --output_dir; None: the run folder's
     model/), reserved; and the RunGuard that from here on removes what this run created if it fails before training,
-    or leaves a checkpoint once it has trained (its options, save_steps, save_total_limit, max_skipped_steps and
-    steps_per_update; batch_size, and training_state: the resumed checkpoint's, None for a new run). Returns (run
+    or leaves a checkpoint once it has trained (the run's options, --save_steps, --save_total_limit and
+    --max_skipped_steps; batch_size; plan: set_up.RunPlan, its checkpoint and training_state, the resumed run's, None
+    for a new run). Reads the run's names and folders (--run_name, --exp_name, --seed, --output_dir). Returns (run
     folder, output folder, guard). Rank 0 claims the folders and tells the others."""
+    checkpoint, training_state = plan.checkpoint, plan.training_state
     run_dir = lock = None
     with agreed():
         if get_rank() == 0:
             run_dir = (
-                run_dir_of(checkpoint) if checkpoint else claim_run_dir(run_name=run_name, exp_name=exp_name, seed=seed)
+                run_dir_of(checkpoint)
+                if checkpoint
+                else claim_run_dir(run_name=args.run_name, exp_name=args.exp_name, seed=args.seed)
             )
             lock = lock_run_dir(run_dir)
             if checkpoint:  # the run may have gone on, and ended, between finding its newest checkpoint and the lock
@@ -436,14 +426,14 @@ def claim_run(
         [] if checkpoint else [run_dir],
         batch_size,
         training_state,
-        options=options,
-        save_steps=save_steps,
-        save_total_limit=save_total_limit,
-        max_skipped_steps=max_skipped_steps,
-        steps_per_update=steps_per_update,
+        options=plan.options,
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        max_skipped_steps=args.max_skipped_steps,
+        steps_per_update=args.num_ppo_epochs * args.num_mini_batches,
     )
     guard.lock = lock  # held (open) until the process ends
-    output_dir = output_dir or os.path.join(run_dir, "model")
+    output_dir = args.output_dir or os.path.join(run_dir, "model")
     with agreed():
         if get_rank() == 0 and claim_output_dir(output_dir, run_dir):
             guard.created.append(output_dir)

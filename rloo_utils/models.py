@@ -336,19 +336,11 @@ def static_cache_inputs(ids: torch.Tensor, mask: torch.Tensor, config, largest: 
 
 
 def generation_configs(
+    args,
     stop_ids: list[int],
     pad_token_id: int,
     never_sampled: Optional[list[int]] = None,
     static: bool = False,
-    *,
-    max_completion_length: int,
-    temperature: float,
-    eval_temperature: Optional[float],
-    top_p: float,
-    top_k: int,
-    min_p: Optional[float],
-    repetition_penalty: float,
-    generation_kwargs: Optional[dict],
 ):
     """HF generate's configs: sampling (at temperature, with the filters top_p, top_k and min_p, repetition_penalty
     and generation_kwargs: the options of those names), greedy (the sample tables), and the evaluation's (sampling at
@@ -366,7 +358,7 @@ def generation_configs(
         cache = {"cache_implementation": "static", "compile_config": compile_config}
 
     greedy = GenerationConfig(
-        max_new_tokens=max_completion_length,
+        max_new_tokens=args.max_completion_length,
         do_sample=False,
         eos_token_id=stop_ids,
         pad_token_id=pad_token_id,
@@ -375,23 +367,23 @@ def generation_configs(
     )
     sampling, evaluation = (
         GenerationConfig(
-            max_new_tokens=max_completion_length,
+            max_new_tokens=args.max_completion_length,
             min_new_tokens=0,
             do_sample=True,
             temperature=t,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
             eos_token_id=stop_ids,
             pad_token_id=pad_token_id,
             suppress_tokens=never_sampled or None,
             **cache,
-            **(generation_kwargs or {}),
+            **(args.generation_kwargs or {}),
         )
         if t != 0
         else greedy  # the evaluation's, at --eval_temperature 0
-        for t in (temperature, temperature if eval_temperature is None else eval_temperature)
+        for t in (args.temperature, args.temperature if args.eval_temperature is None else args.eval_temperature)
     )
     return sampling, greedy, evaluation
 

@@ -203,27 +203,9 @@ def load_checked_tokenizers(
 
 
 def load_models(
+    args,
     plan: RunPlan,
     device,
-    *,
-    model_name_or_path: str,
-    sft_model_path: Optional[str],
-    reward_model_path: Optional[str],
-    stop_token_id: Optional[int],
-    chat_template_kwargs: Optional[dict],
-    dtype: str,
-    attn_implementation: Optional[str],
-    gradient_checkpointing: bool,
-    beta: float,
-    bf16: bool,
-    use_peft: bool,
-    lora_r: int,
-    lora_alpha: int,
-    lora_dropout: float,
-    lora_target_modules: Optional[list[str]],
-    lora_modules_to_save: Optional[list[str]],
-    use_dora: bool,
-    seed: int,
 ) -> Models:
     """The tokenizers (load_checked_tokenizers), the policy (from sft_model_path, else model_name_or_path, in dtype,
     with attn_implementation) and the reward model (reward_model_path; None: none), on `device`. The reference is the
@@ -236,42 +218,42 @@ def load_models(
     backward."""
     tokenizer, reward_tokenizer, processor = load_checked_tokenizers(
         plan,
-        model_name_or_path=model_name_or_path,
-        sft_model_path=sft_model_path,
-        reward_model_path=reward_model_path,
-        stop_token_id=stop_token_id,
-        chat_template_kwargs=chat_template_kwargs,
+        model_name_or_path=args.model_name_or_path,
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path,
+        stop_token_id=args.stop_token_id,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
-    policy_path = sft_model_path or model_name_or_path
+    policy_path = args.sft_model_path or args.model_name_or_path
     policy = from_pretrained(
         policy_class(policy_path),
         policy_path,
-        dtype=model_dtype(dtype, policy_path),
-        attn_implementation=attn_implementation,
+        dtype=model_dtype(args.dtype, policy_path),
+        attn_implementation=args.attn_implementation,
     ).to(device)
     reward_model = None
-    if reward_model_path:
-        reward_model = load_reward_model(reward_model_path).to(device, torch.float32)
+    if args.reward_model_path:
+        reward_model = load_reward_model(args.reward_model_path).to(device, torch.float32)
     disable_dropout(policy)
-    if gradient_checkpointing:
+    if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if beta > 0 and not use_peft else None
-    if use_peft:
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 and not args.use_peft else None
+    if args.use_peft:
         policy = add_adapter(
             policy,
-            lora_r=lora_r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            lora_target_modules=lora_target_modules,
-            lora_modules_to_save=lora_modules_to_save,
-            use_dora=use_dora,
-            seed=seed,
+            lora_r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            lora_target_modules=args.lora_target_modules,
+            lora_modules_to_save=args.lora_modules_to_save,
+            use_dora=args.use_dora,
+            seed=args.seed,
             model_path=policy_path,
         )
-        ref_policy = policy if beta > 0 else None
+        ref_policy = policy if args.beta > 0 else None
     for model in (policy, ref_policy, reward_model):
-        frozen_linear_weights_to(model, torch.bfloat16 if bf16 else None)
+        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
     if plan.checkpoint is not None:
         load_checkpoint_weights(policy, os.path.join(plan.checkpoint, "policy"))
     return Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)

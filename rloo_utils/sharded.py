@@ -5,7 +5,7 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -65,29 +65,10 @@ class ShardingOptions:
 
 
 def load_sharded_models(
+    args,
     plan: RunPlan,
     device,
     world_size: int,
-    *,
-    model_name_or_path: str,
-    sft_model_path: Optional[str],
-    reward_model_path: Optional[str],
-    stop_token_id: Optional[int],
-    chat_template_kwargs: Optional[dict],
-    dtype: str,
-    attn_implementation: Optional[str],
-    gradient_checkpointing: bool,
-    beta: float,
-    bf16: bool,
-    fsdp_cpu_offload: bool,
-    use_peft: bool,
-    lora_r: int,
-    lora_alpha: int,
-    lora_dropout: float,
-    lora_target_modules: Optional[list[str]],
-    lora_modules_to_save: Optional[list[str]],
-    use_dora: bool,
-    seed: int,
 ) -> Models:
     """set_up.load_models for a process group (the same values, and fsdp_cpu_offload, --fsdp_cpu_offload: the shards in
     CPU memory between uses): the tokenizers, and the policy, its reference and the reward model sharded over the
@@ -100,51 +81,55 @@ def load_sharded_models(
     with agreed():
         tokenizer, reward_tokenizer, processor = load_checked_tokenizers(
             plan,
-            model_name_or_path=model_name_or_path,
-            sft_model_path=sft_model_path,
-            reward_model_path=reward_model_path,
-            stop_token_id=stop_token_id,
-            chat_template_kwargs=chat_template_kwargs,
+            model_name_or_path=args.model_name_or_path,
+            sft_model_path=args.sft_model_path,
+            reward_model_path=args.reward_model_path,
+            stop_token_id=args.stop_token_id,
+            chat_template_kwargs=args.chat_template_kwargs,
         )
-        policy_path = sft_model_path or model_name_or_path
+        policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(
             policy_class(policy_path),
             policy_path,
-            model_dtype(dtype, policy_path),
-            weights=plan.checkpoint is None or use_peft,  # (a LoRA checkpoint holds the adapter only)
-            attn_implementation=attn_implementation,
+            model_dtype(args.dtype, policy_path),
+            weights=plan.checkpoint is None or args.use_peft,  # (a LoRA checkpoint holds the adapter only)
+            attn_implementation=args.attn_implementation,
         )
         ref_policy = None
-        if beta > 0 and not use_peft:  # only the policy learns
+        if args.beta > 0 and not args.use_peft:  # only the policy learns
             ref_policy = empty_model(
                 policy_class(policy_path),
                 policy_path,
-                model_dtype(dtype, policy_path),
-                attn_implementation=attn_implementation,
+                model_dtype(args.dtype, policy_path),
+                attn_implementation=args.attn_implementation,
             ).requires_grad_(False)
-        reward_model = load_sharded_reward_model(reward_model_path) if reward_model_path else None
+        reward_model = load_sharded_reward_model(args.reward_model_path) if args.reward_model_path else None
     disable_dropout(policy)
-    if gradient_checkpointing:
+    if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-    if use_peft:
+    if args.use_peft:
         policy = add_adapter(
             policy,
-            lora_r=lora_r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            lora_target_modules=lora_target_modules,
-            lora_modules_to_save=lora_modules_to_save,
-            use_dora=use_dora,
-            seed=seed,
+            lora_r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            lora_target_modules=args.lora_target_modules,
+            lora_modules_to_save=args.lora_modules_to_save,
+            use_dora=args.use_dora,
+            seed=args.seed,
             model_path=policy_path,
         )
-        ref_policy = policy if beta > 0 else None
-    for model in (policy, ref_policy, reward_model):  # frozen linear layers in bf16 under --bf16, as FSDP gathers them
-        frozen_linear_weights_to(model, torch.bfloat16 if bf16 else None)
+        ref_policy = policy if args.beta > 0 else None
+    for model in (
+        policy,
+        ref_policy,
+        reward_model,
+    ):  # frozen linear layers in bf16 under --bf16, as FSDP gathers them
+        frozen_linear_weights_to(model, torch.bfloat16 if args.bf16 else None)
     mesh = init_device_mesh(device.type, (world_size,))
     for model in dict.fromkeys(m for m in (policy, ref_policy, reward_model) if m is not None):  # each model once
-        shard(model, mesh, bf16, fsdp_cpu_offload)
+        shard(model, mesh, args.bf16, args.fsdp_cpu_offload)
     return Models(tokenizer, reward_tokenizer, processor, policy, ref_policy, reward_model)
 
 

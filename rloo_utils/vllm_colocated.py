@@ -185,26 +185,10 @@ class ColocatedVLLM:
 
     def __init__(
         self,
+        args,
         policy,
         device,
         processor=None,
-        *,
-        model_name_or_path: str,
-        seed: int,
-        trust_remote_code: bool,
-        max_prompt_length: int,
-        max_completion_length: int,
-        vllm_dtype: str,
-        vllm_max_model_length: Optional[int],
-        vllm_gpu_memory_utilization: float,
-        vllm_enforce_eager: bool,
-        vllm_enable_sleep_mode: bool,
-        vllm_cpu_kv_cache_gib: float,
-        vllm_lora_push: str,
-        use_peft: bool,
-        lora_r: int,
-        use_dora: bool,
-        lora_modules_to_save: Optional[list[str]],
     ):
         """An engine of the policy's architecture (a VLM's processor with it) on `device`, started with the options of
         these names (start_colocated_engine). With --use_peft its adapter is served alone where vLLM's LoRA can
@@ -212,34 +196,36 @@ class ColocatedVLLM:
         vllm_lora_push allows; else the merged weights are pushed."""
         # the options of the adapter that vllm_options.adapter_problem reads (and the model it names)
         adapter_options = types.SimpleNamespace(
-            use_dora=use_dora,
-            lora_modules_to_save=lora_modules_to_save,
-            lora_r=lora_r,
-            model_name_or_path=model_name_or_path,
+            use_dora=args.use_dora,
+            lora_modules_to_save=args.lora_modules_to_save,
+            lora_r=args.lora_r,
+            model_name_or_path=args.model_name_or_path,
         )
-        problem = (adapter_problem(adapter_options, policy) or lora_architecture_problem(policy)) if use_peft else None
-        self.adapter = use_peft and choose_lora_push(vllm_lora_push, problem)
-        lora_rank = vllm_lora_rank(lora_r) if self.adapter else None
-        dtype = engine_dtype(vllm_dtype)  # what the engine holds its weights in
+        problem = (
+            (adapter_problem(adapter_options, policy) or lora_architecture_problem(policy)) if args.use_peft else None
+        )
+        self.adapter = args.use_peft and choose_lora_push(args.vllm_lora_push, problem)
+        lora_rank = vllm_lora_rank(args.lora_r) if self.adapter else None
+        dtype = engine_dtype(args.vllm_dtype)  # what the engine holds its weights in
         self.llm, self.folder = start_colocated_engine(
             policy,
             device,
             processor,
             lora_rank,
-            model_name_or_path=model_name_or_path,
-            seed=seed,
+            model_name_or_path=args.model_name_or_path,
+            seed=args.seed,
             dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            vllm_max_model_length=vllm_max_model_length,
-            max_prompt_length=max_prompt_length,
-            max_completion_length=max_completion_length,
-            gpu_memory_utilization=vllm_gpu_memory_utilization,
-            enforce_eager=vllm_enforce_eager,
-            enable_sleep_mode=vllm_enable_sleep_mode,
-            cpu_kv_cache_gib=vllm_cpu_kv_cache_gib,
+            trust_remote_code=args.trust_remote_code,
+            vllm_max_model_length=args.vllm_max_model_length,
+            max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            enforce_eager=args.vllm_enforce_eager,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib,
         )
         self.dtype = getattr(torch, dtype)
-        self.sleep_mode = vllm_enable_sleep_mode
+        self.sleep_mode = args.vllm_enable_sleep_mode
         self.adapter_folder = shared_memory_folder() if self.adapter else None  # the adapters' files, one per push
         self.lora_request = None  # the adapter every generate names (the latest pushed); None: the weights alone
 

@@ -15,33 +15,27 @@ from rloo_utils.vllm_options import SERVER_COMMAND
 
 
 def sampling_configs(
+    args,
     stop_ids: list[int],
     never_sampled: Optional[list[int]] = None,
-    *,
-    max_completion_length: int,
-    temperature: float,
-    eval_temperature: float,
-    top_p: float,
-    top_k: int,
-    min_p: Optional[float],
-    repetition_penalty: float,
-    generation_kwargs: Optional[dict],
 ) -> tuple[dict, dict, dict]:
     """vLLM's sampling parameters of a run, as models.generation_configs makes HF's: sampling (at temperature, with
     the options of the other names: sampling_options), greedy (the sample tables), and the evaluation's (at
     eval_temperature, --eval_temperature with its default resolved; 0: greedy)."""
     sampling = dict(
-        max_completion_length=max_completion_length,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        generation_kwargs=generation_kwargs,
+        max_completion_length=args.max_completion_length,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        generation_kwargs=args.generation_kwargs,
     )
     return (
-        sampling_options(stop_ids, False, never_sampled, temperature=temperature, **sampling),
-        sampling_options(stop_ids, True, never_sampled, temperature=temperature, **sampling),
-        sampling_options(stop_ids, eval_temperature == 0, never_sampled, temperature=eval_temperature, **sampling),
+        sampling_options(stop_ids, False, never_sampled, temperature=args.temperature, **sampling),
+        sampling_options(stop_ids, True, never_sampled, temperature=args.temperature, **sampling),
+        sampling_options(
+            stop_ids, args.eval_temperature == 0, never_sampled, temperature=args.eval_temperature, **sampling
+        ),
     )
 
 

@@ -137,21 +137,7 @@ class VLLMServer:
 
     def __init__(
         self,
-        *,
-        vllm_server_base_url: Optional[str],
-        vllm_server_host: Optional[str],
-        vllm_server_port: int,
-        vllm_server_timeout: float,
-        vllm_server_weight_transfer: str,
-        vllm_lora_push: str,
-        max_prompt_length: int,
-        max_completion_length: int,
-        model_name_or_path: str,
-        sft_model_path: Optional[str],
-        use_peft: bool,
-        lora_r: int,
-        use_dora: bool,
-        lora_modules_to_save: Optional[list[str]],
+        args,
     ):
         """The server at vllm_server_base_url, else at vllm_server_host:vllm_server_port, answering within
         vllm_server_timeout seconds, checked: it holds a prompt of max_prompt_length tokens and its completion of
@@ -159,9 +145,9 @@ class VLLMServer:
         (sft_model_path, else model_name_or_path). Weights go as vllm_server_weight_transfer says (auto: NCCL from a
         GPU); with --use_peft the adapter alone where vllm_lora_push allows and the server can load one of rank
         lora_r, use_dora and lora_modules_to_save (vllm_options.adapter_problem)."""
-        base_url, host, port = vllm_server_base_url, vllm_server_host, vllm_server_port
+        base_url, host, port = args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port
         self.url = (base_url or f"http://{host}:{port}").rstrip("/")
-        self.timeout = vllm_server_timeout
+        self.timeout = args.vllm_server_timeout
         try:
             served = self.request("/v1/models")["data"][0]
         except RunError as e:
@@ -170,11 +156,11 @@ class VLLMServer:
                 "--vllm_server_host / --vllm_server_port"
             ) from None
         self.model = served["id"]
-        needed = max_prompt_length + max_completion_length
+        needed = args.max_prompt_length + args.max_completion_length
         if served.get("max_model_len") is not None and served["max_model_len"] < needed:
             raise UsageError(
                 f"the vLLM server at {self.url} holds {served['max_model_len']} tokens, fewer than a prompt and "
-                f"its completion ({max_prompt_length} + {max_completion_length}): restart it with "
+                f"its completion ({args.max_prompt_length} + {args.max_completion_length}): restart it with "
                 f"--max-model-len {needed}"
             )
         server_info = self.request("/server_info?config_format=json")  # a dev route: the server's reloads need them
@@ -184,23 +170,23 @@ class VLLMServer:
                 f"the vLLM server at {self.url} returns log-probs as {model_config.get('logprobs_mode')}, not "
                 f"after temperature: restart it with --logprobs-mode processed_logprobs ({SERVER_COMMAND})"
             )
-        check_same_architecture(self.url, model_config.get("model"), sft_model_path or model_name_or_path)
+        check_same_architecture(self.url, model_config.get("model"), args.sft_model_path or args.model_name_or_path)
         served_dtype = getattr(torch, str(model_config.get("dtype")).removeprefix("torch."), None)
         self.dtype = served_dtype if isinstance(served_dtype, torch.dtype) else None  # pushes in it (None: as trained)
-        self.nccl = uses_nccl(vllm_server_weight_transfer)
+        self.nccl = uses_nccl(args.vllm_server_weight_transfer)
         # the options of the adapter that vllm_options.adapter_problem reads (and the model it names), which the first
         # push checks again with the policy's layers
         self.adapter_options = types.SimpleNamespace(
-            use_dora=use_dora,
-            lora_modules_to_save=lora_modules_to_save,
-            lora_r=lora_r,
-            model_name_or_path=model_name_or_path,
+            use_dora=args.use_dora,
+            lora_modules_to_save=args.lora_modules_to_save,
+            lora_r=args.lora_r,
+            model_name_or_path=args.model_name_or_path,
         )
-        self.lora_push = vllm_lora_push
+        self.lora_push = args.vllm_lora_push
         problem = None
-        if use_peft:
-            problem = adapter_problem(self.adapter_options) or self.lora_problem(server_info, lora_r)
-        self.adapter = use_peft and choose_lora_push(self.lora_push, problem)
+        if args.use_peft:
+            problem = adapter_problem(self.adapter_options) or self.lora_problem(server_info, args.lora_r)
+        self.adapter = args.use_peft and choose_lora_push(self.lora_push, problem)
         self.adapter_name = None  # the adapter the completions name (the latest pushed); None: the weights alone
         if self.nccl:
             self.workers = nccl_workers(server_info, self.url)

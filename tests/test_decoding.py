@@ -10,7 +10,6 @@ import types
 import pytest
 import torch
 
-from conftest import keywords_of
 
 from rloo_utils import decoding
 from rloo_utils.data import left_pad
@@ -33,9 +32,7 @@ def policy_and_configs(tiny, max_completion_length: int = 12, **sampling):
         generation_kwargs=None,
     )
     eos = tokenizer.eos_token_id
-    sampling_config, greedy, _ = generation_configs(
-        [eos], tokenizer.pad_token_id, None, static=True, **keywords_of(generation_configs, args)
-    )
+    sampling_config, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static=True)
     return policy, tokenizer, sampling_config, greedy
 
 

@@ -348,7 +348,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
             events.append("policy forward" if model is engines[0].policy else "reference forward")
         return forward(model, *args, **kwargs)
 
-    def colocated(policy, device, processor=None, **options):  # ColocatedVLLM's arguments
+    def colocated(args, policy, device, processor=None):  # ColocatedVLLM's arguments
         engines.append(RecordingEngine(events, policy))
         return engines[0]
 

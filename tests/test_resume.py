@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import types
 import time
 
 import pytest
@@ -766,7 +767,8 @@ def test_a_run_that_went_on_after_its_newest_checkpoint_was_found_is_not_resumed
     make_checkpoint(os.path.join(folder, "checkpoint-5"))  # the other run, meanwhile
     args = rloo.Args(run_name="run", resume_from_checkpoint="latest")
     with pytest.raises(UsageError, match="has a newer checkpoint, .*checkpoint-5, which resuming from"):
-        claim_run(found, None, 8, **keywords_of(claim_run, args, options=dataclasses.asdict(args), steps_per_update=1))
+        plan = types.SimpleNamespace(checkpoint=found, training_state=None, options=dataclasses.asdict(args))
+        claim_run(args, plan, 8)
     assert sorted(os.listdir(folder)) == ["checkpoint-4", "checkpoint-5"]  # nothing of the run touched
 
 

@@ -9,7 +9,6 @@ import types
 import pytest
 import torch
 
-from conftest import keywords_of
 
 import rloo
 from rloo_utils.data import left_pad
@@ -43,9 +42,7 @@ def sampler_and_configs(tiny, chunk: int, static: bool):
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
     sampler = rloo.Sampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
-    sampling, greedy, _ = generation_configs(
-        [eos], tokenizer.pad_token_id, None, static, **keywords_of(generation_configs, args)
-    )
+    sampling, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static)
     return sampler, sampling, greedy
 
 

@@ -21,7 +21,6 @@ def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rloo_multigpu
-    from conftest import keywords_of
     from rloo_utils.models import generation_configs
     from test_static_cache import sampling_args
 
@@ -38,9 +37,7 @@ def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> No
     budgets = [1] if rank == 0 else [8]
     outcomes = {}
     for static in (True, False):
-        _, greedy, _ = generation_configs(
-            [eos], tokenizer.pad_token_id, None, static, **keywords_of(generation_configs, args)
-        )
+        _, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static)
         outcomes[static] = sampler.next_turn([context], budgets, [0], 0, greedy, None)[0][0]
     torch.save(outcomes, f"{results}.{rank}")
     dist.destroy_process_group()

@@ -165,9 +165,7 @@ def test_sampling_options_reach_hf_generate_and_vllm(tiny):
 
     def sample(**options):
         args = rloo.Args(**options)
-        config, _, _ = generation_configs(
-            [tokenizer.eos_token_id], tokenizer.pad_token_id, **keywords_of(generation_configs, args)
-        )
+        config, _, _ = generation_configs(args, [tokenizer.eos_token_id], tokenizer.pad_token_id)
         torch.manual_seed(0)
         out = policy.generate(**prompt, generation_config=config)[:, prompt["input_ids"].shape[1] :]
         eos = tokenizer.eos_token_id

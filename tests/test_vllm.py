@@ -123,7 +123,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
 
     args = vllm_args(tiny)
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    engine = rloo_vllm.ColocatedVLLM(policy, torch.device("cpu"), **keywords_of(rloo_vllm.ColocatedVLLM, args))
+    engine = rloo_vllm.ColocatedVLLM(args, policy, torch.device("cpu"))
     try:
         check_pushes(engine, tiny, args, monkeypatch)
         # The sampling log-probs are the policy's at the sampling temperature (logprobs_mode processed_logprobs)
@@ -156,7 +156,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
 @pytest.mark.slow
 def test_server_samples_from_the_pushed_weights(tiny, server, monkeypatch):
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine = VLLMServer(**keywords_of(VLLMServer, args))
+    engine = VLLMServer(args)
     try:
         check_pushes(engine, tiny, args, monkeypatch)
     finally:
@@ -172,10 +172,8 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine = rloo_vllm.ColocatedVLLM(
-        policy, torch.device("cpu"), **keywords_of(rloo_vllm.ColocatedVLLM, vllm_args(tiny))
-    )
-    remote = VLLMServer(**keywords_of(VLLMServer, args))
+    engine = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu"))
+    remote = VLLMServer(args)
     try:
         engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
         remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy, remote.dtype))
@@ -206,7 +204,7 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
     assert not nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
     # This server was started without --weight-transfer-config: refused when it is found, with the option to add
     with pytest.raises(UsageError) as e:
-        VLLMServer(**keywords_of(VLLMServer, args))
+        VLLMServer(args)
     assert NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
     # The same /server_info with the option, on 2 tensor-parallel x 2 data-parallel workers: 4 workers join the group
     info = json.load(urllib.request.urlopen(server["url"] + "/server_info?config_format=json"))
@@ -622,7 +620,7 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
     )
     wait_for_updates(run, tmp_path / "runs" / "run" / "metrics.jsonl", 1)
     intruder_args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    intruder = VLLMServer(**keywords_of(VLLMServer, intruder_args))
+    intruder = VLLMServer(intruder_args)
     try:
         deadline = time.time() + 120
         while run.poll() is None and time.time() < deadline:
@@ -650,9 +648,7 @@ def test_the_weights_a_killed_run_left_in_shared_memory_are_removed_by_the_next(
     for folder in (stale, alive):
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(bytes(3 * 2**20))
-    engine = VLLMServer(
-        **keywords_of(VLLMServer, vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
-    )
+    engine = VLLMServer(vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"]))
     try:
         assert not os.path.exists(stale) and os.path.exists(alive)
         assert f"removed {stale} (3 MiB)" in capsys.readouterr().out

@@ -225,7 +225,7 @@ def test_the_colocated_engine_serves_the_pushed_adapter_and_sends_only_it(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     args = lora_args(tiny)
     policy = lora_policy(tiny["policy"], args)
-    engine = ColocatedVLLM(policy, torch.device("cpu"), **keywords_of(ColocatedVLLM, args))
+    engine = ColocatedVLLM(args, policy, torch.device("cpu"))
     try:
         assert engine.adapter
         merged = bytes_of(merged_weights(policy))
@@ -259,7 +259,7 @@ def test_the_server_serves_the_pushed_adapter_and_sends_only_it(tiny, lora_serve
     args = lora_args(tiny, vllm_mode="server", vllm_server_base_url=lora_server["url"])
     policy = lora_policy(tiny["policy"], args)
     start = os.path.getsize(lora_server["log"])
-    engine = VLLMServer(**keywords_of(VLLMServer, args))
+    engine = VLLMServer(args)
     try:
         assert engine.adapter
         names = []
