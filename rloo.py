@@ -569,16 +569,7 @@ def main(args: Args) -> None:
         chat_template_kwargs=args.chat_template_kwargs,
         reward_timeout=args.reward_timeout,
     )
-    logger = logs.open_logger(
-        run_dir,
-        plan.training_state,
-        console,
-        num_updates,
-        options=plan.options,
-        track=args.track,
-        wandb_project_name=args.wandb_project_name,
-        wandb_entity=args.wandb_entity,
-    )  # a resumed run's logs go on
+    logger = logs.open_logger(args, plan, run_dir, console, num_updates)  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
     resampler = rollouts.DynamicSampling(
         sampler,

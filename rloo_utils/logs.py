@@ -202,20 +202,11 @@ class QuietLogger:
         return {}
 
 
-def open_logger(
-    run_dir: str,
-    training_state: Optional[dict],
-    console,
-    num_updates: int,
-    *,
-    options: dict,
-    track: bool,
-    wandb_project_name: str,
-    wandb_entity: Optional[str],
-):
-    """The run's Logger (what it records and where: options, track, wandb_project_name, wandb_entity) and its
-    progress bar over num_updates, continuing the logs of a resumed run (training_state: its checkpoint's); on
-    processes other than rank 0, one that writes nothing."""
+def open_logger(args, plan, run_dir: str, console, num_updates: int):
+    """The run's Logger (what it records and where: the run's options, --track, --wandb_project_name, --wandb_entity)
+    and its progress bar over num_updates, continuing the logs of a resumed run (plan: set_up.RunPlan, whose
+    training_state is its checkpoint's); on processes other than rank 0, one that writes nothing."""
+    training_state = plan.training_state
     if get_rank() != 0:
         return QuietLogger()
     progress_bar = ProgressBar(console, num_updates, training_state["update"] if training_state else 0)
@@ -225,10 +216,10 @@ def open_logger(
         run_dir,
         resume,
         progress_bar,
-        options=options,
-        track=track,
-        wandb_project_name=wandb_project_name,
-        wandb_entity=wandb_entity,
+        options=plan.options,
+        track=args.track,
+        wandb_project_name=args.wandb_project_name,
+        wandb_entity=args.wandb_entity,
     )
 
 
