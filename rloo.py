@@ -54,15 +54,14 @@ from rloo_utils import (
     set_up,
     vision,
 )
-from rloo_utils.models import (
+from rloo_utils.generation import (
     end_token_ids,
     generation_configs,
-    set_up_cuda,
     shared_prompt_cache,
     static_cache,
     static_cache_inputs,
-    weights_finite,
 )
+from rloo_utils.models import set_up_cuda, weights_finite
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, clip_bounds, group_std, task_scores
 
 

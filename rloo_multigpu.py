@@ -64,16 +64,15 @@ from rloo_utils import (
     set_up,
     vision,
 )
-from rloo_utils.models import (
+from rloo_utils.generation import (
     end_token_ids,
     generation_configs,
-    set_up_cuda,
     shared_prompt_cache,
     static_cache,
     static_cache_inputs,
     tokenize_prompts,
-    weights_finite,
 )
+from rloo_utils.models import set_up_cuda, weights_finite
 from rloo_utils.processes import (
     agreed,
     all_gather_prompts,

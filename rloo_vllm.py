@@ -58,7 +58,8 @@ from rloo_utils import (
     set_up,
     vision,
 )
-from rloo_utils.models import end_token_ids, set_up_cuda, tokenize_prompts, weights_finite
+from rloo_utils.generation import end_token_ids, tokenize_prompts
+from rloo_utils.models import set_up_cuda, weights_finite
 from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, clip_bounds, group_std, task_scores
 from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.vllm_options import VLLMOptions, check_vllm_args

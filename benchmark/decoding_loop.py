@@ -26,7 +26,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from rloo_utils import decoding  # noqa: E402
-from rloo_utils.models import embedded_model, from_pretrained, generation_configs, static_cache_inputs  # noqa: E402
+from rloo_utils.models import embedded_model, from_pretrained
+from rloo_utils.generation import generation_configs, static_cache_inputs
 
 
 def load(model: str, dtype: str, device):

@@ -67,7 +67,8 @@ def generate_hf(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from rloo_utils.models import end_token_ids, from_pretrained, tokenize_prompts
+    from rloo_utils.models import from_pretrained
+    from rloo_utils.generation import end_token_ids, tokenize_prompts
     from rloo_utils.rollouts import completion_mask_from
 
     torch.manual_seed(seed)
@@ -160,7 +161,7 @@ def generate_vllm(
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from rloo_utils.models import end_token_ids, tokenize_prompts
+    from rloo_utils.generation import end_token_ids, tokenize_prompts
     from rloo_utils.models import from_pretrained
 
     cpu = vllm_environment()

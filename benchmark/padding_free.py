@@ -43,7 +43,8 @@ from rich.console import Console
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
-from rloo_utils.models import disable_dropout, from_pretrained, tokenize_prompts  # noqa: E402
+from rloo_utils.models import disable_dropout, from_pretrained
+from rloo_utils.generation import tokenize_prompts
 from rloo_utils.rewards import reward_model_scores  # noqa: E402
 from rloo_utils.packing import chunked_completion_logprobs, packing_layout  # noqa: E402
 

@@ -62,7 +62,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rloo_vllm
-    from rloo_utils.models import tokenize_prompts
+    from rloo_utils.generation import tokenize_prompts
     from rloo_utils.data import load_datasets
     from rloo_utils.models import embedded_model, from_pretrained
     from rloo_utils.vllm_sampling import sampling_options, sampling_seeds

@@ -10,8 +10,8 @@ which a forker copies rather than edits), and nothing here knows which script ca
     paths          a path option: a local path or a hub id
     schedules      the learning-rate schedule: warm-up, then transformers' schedule; its options checked
     data           prompt datasets, text and images
-    models         policy, reward model, tokenizers, sampling configs; precision; the options of the policy, the
-                   sampling and speed
+    models         policy, reward model, tokenizers; precision; the options of the policy and of speed
+    generation     HF generate's side: the sampling options, generation configs, static cache; prompts tokenized
     gguf_cache     a .gguf policy's de-quantised copy, kept between runs (start-up in a few seconds, not ~20)
     rewards        reward functions: loaded, called, checked; the Scorer of a rollout
     verifiable     reward functions of tasks with a right answer: the final answer parsed and checked

@@ -24,14 +24,8 @@ from rloo_utils.errors import UsageError
 from rloo_utils.evaluation import EvaluationOptions
 from rloo_utils.logs import LoggingOptions
 from rloo_utils.lora import LoraOptions
-from rloo_utils.models import (
-    GenerationOptions,
-    Generator,
-    ModelOptions,
-    OldTrlOptions,
-    SpeedOptions,
-    set_model_options,
-)
+from rloo_utils.models import Generator, ModelOptions, OldTrlOptions, SpeedOptions, set_model_options
+from rloo_utils.generation import GenerationOptions
 from rloo_utils.off_policy import ImportanceSamplingOptions
 from rloo_utils.paths import looks_local
 from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY, RewardSourceOptions, clip_bounds

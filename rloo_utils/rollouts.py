@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rloo_utils.data import resampled_prompts
-from rloo_utils.models import tokenize_prompts
+from rloo_utils.generation import tokenize_prompts
 from rloo_utils.processes import agreed, all_reduce, get_rank, get_world_size, max_over_processes
 from rloo_utils.rewards import task_scores
 from rloo_utils.tools import MultiTurn

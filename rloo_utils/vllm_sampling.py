@@ -19,7 +19,7 @@ def sampling_configs(
     stop_ids: list[int],
     never_sampled: Optional[list[int]] = None,
 ) -> tuple[dict, dict, dict]:
-    """vLLM's sampling parameters of a run, as models.generation_configs makes HF's: sampling (at temperature, with
+    """vLLM's sampling parameters of a run, as generation.generation_configs makes HF's: sampling (at temperature, with
     the options of the other names: sampling_options), greedy (the sample tables), and the evaluation's (at
     eval_temperature, --eval_temperature with its default resolved; 0: greedy)."""
     sampling = dict(

@@ -19,7 +19,8 @@ import compare_algorithms  # noqa: E402
 import judge  # noqa: E402
 import plot  # noqa: E402
 from rloo_utils.vllm_options import check_vllm_args  # noqa: E402
-from rloo_utils.models import disable_dropout, tokenize_prompts  # noqa: E402
+from rloo_utils.models import disable_dropout
+from rloo_utils.generation import tokenize_prompts
 from rloo_utils import options
 
 LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")

@@ -13,7 +13,7 @@ import torch
 
 from rloo_utils import decoding
 from rloo_utils.data import left_pad
-from rloo_utils.models import generation_configs, static_cache_inputs
+from rloo_utils.generation import generation_configs, static_cache_inputs
 from rloo_utils.rollouts import completion_mask_from
 
 

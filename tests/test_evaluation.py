@@ -342,7 +342,7 @@ def test_a_shared_prompt_forward_generates_what_one_forward_per_row_does(tiny):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from rloo_utils.data import left_pad
-    from rloo_utils.models import shared_prompt_cache
+    from rloo_utils.generation import shared_prompt_cache
 
     model = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])

@@ -21,7 +21,7 @@ from rloo_utils.rewards import (
     vader_sentiment,
     weighted_reward,
 )
-from rloo_utils.models import end_token_ids, tokenize_prompts
+from rloo_utils.generation import end_token_ids, tokenize_prompts
 import rloo_utils.packing as packing_module
 from rloo_utils.packing import logprobs_through_output_layer
 from rloo_utils.rollouts import completion_mask_from

@@ -29,7 +29,8 @@ from conftest import (
 import rloo
 from rloo_utils.data import left_pad, with_image_placeholders
 from rloo_utils.lora import add_adapter
-from rloo_utils.models import generation_configs, load_tokenizers, tokenize_prompts
+from rloo_utils.models import load_tokenizers
+from rloo_utils.generation import generation_configs, tokenize_prompts
 from rloo_utils.rewards import reward_model_inputs
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_sampling import sampling_options

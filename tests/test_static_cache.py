@@ -12,7 +12,7 @@ import torch
 
 import rloo
 from rloo_utils.data import left_pad
-from rloo_utils.models import generation_configs, static_cache, static_cache_inputs
+from rloo_utils.generation import generation_configs, static_cache, static_cache_inputs
 
 
 def sampling_args(chunk: int, **more) -> types.SimpleNamespace:
@@ -172,9 +172,11 @@ def test_rows_are_padded_to_a_power_of_two_up_to_the_chunk_and_the_cache_to_a_bu
 def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype, expected, monkeypatch):
     from rich.console import Console
 
-    from rloo_utils import models
+    from rloo_utils import generation
 
-    monkeypatch.setattr(models, "compile_failure", lambda device: None)  # torch.compile builds for every device here
+    monkeypatch.setattr(
+        generation, "compile_failure", lambda device: None
+    )  # torch.compile builds for every device here
     console = Console(record=True, width=200)
     assert static_cache(option, torch.device(device), console, dtype, unsupported, autocast=bf16) is expected
     said = console.export_text()
@@ -189,10 +191,10 @@ def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype
 def test_a_device_torch_compile_cannot_build_for_keeps_the_dynamic_cache_in_one_line(monkeypatch):
     from rich.console import Console
 
-    from rloo_utils import models
+    from rloo_utils import generation
 
     failure = "InductorError: InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx"
-    monkeypatch.setattr(models, "compile_failure", lambda device: failure)
+    monkeypatch.setattr(generation, "compile_failure", lambda device: failure)
     console = Console(record=True, width=400)
     assert static_cache("static", torch.device("cpu"), console, torch.float32, None, autocast=False) is False
     assert console.export_text() == (

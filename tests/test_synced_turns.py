@@ -21,7 +21,7 @@ def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rloo_multigpu
-    from rloo_utils.models import generation_configs
+    from rloo_utils.generation import generation_configs
     from test_static_cache import sampling_args
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -22,7 +22,7 @@ from rloo_utils.tools import (
     tool_suffix_ids,
 )
 from rloo_utils.logs import tool_metrics
-from rloo_utils.models import tokenize_prompts
+from rloo_utils.generation import tokenize_prompts
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import tool_vault  # noqa: E402

@@ -41,7 +41,7 @@ from rloo_utils.vllm_options import check_vllm_args
 from rloo_utils.vllm_sampling import check_engine, pad_completions, sampler_support, sampling_options, sampling_seeds
 from rloo_utils.vllm_server import VLLMServer
 from rloo_utils.weight_transfer import NCCL_SERVER_OPTION, nccl_transfer, nccl_workers, rendezvous_address
-from rloo_utils.models import tokenize_prompts
+from rloo_utils.generation import tokenize_prompts
 from rloo_utils.packing import logprobs_through_output_layer
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")

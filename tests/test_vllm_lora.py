@@ -18,7 +18,7 @@ import rloo_multigpu
 import rloo_vllm
 from rloo_utils.errors import UsageError
 from rloo_utils.lora import add_adapter, adapter_weights, base_weights, merged_weights
-from rloo_utils.models import tokenize_prompts
+from rloo_utils.generation import tokenize_prompts
 from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.vllm_options import adapter_problem, check_vllm_args, choose_lora_push
 from rloo_utils.vllm_sampling import pad_completions, sampling_options, unpadded

@@ -879,7 +879,7 @@ def sampling_bytes(sampler: dict | None, bf16: bool, options: dict) -> int:
 def cache_used(option: str | None, device: str, output: str) -> str:
     """The KV cache rloo.py's generate kept: the option (auto where none was given) and, for auto, what it came to on
     this device; a dynamic one wherever rloo.py said in a line that the static cache cannot be kept
-    (models.static_cache)."""
+    (generation.static_cache)."""
     option = option or "auto"
     if "HF generate keeps a dynamic KV cache" in " ".join(output.split()):
         return f"{option}: dynamic (rloo.py said why)"
