@@ -62,7 +62,8 @@ from rloo_utils.generation import (
     static_cache_inputs,
 )
 from rloo_utils.models import set_up_cuda, weights_finite
-from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.scoring import Scorer, TrainerState
 
 
 @dataclass

@@ -85,7 +85,8 @@ from rloo_utils.processes import (
     reduce_micro_stats,
     whole,
 )
-from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.scoring import Scorer, TrainerState
 from rloo_utils.sharded import (
     ShardingOptions,
     gathered,

@@ -60,7 +60,8 @@ from rloo_utils import (
 )
 from rloo_utils.generation import end_token_ids, tokenize_prompts
 from rloo_utils.models import set_up_cuda, weights_finite
-from rloo_utils.rewards import Scorer, TrainerState, check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.scoring import Scorer, TrainerState
 from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.vllm_options import VLLMOptions, check_vllm_args
 from rloo_utils.vllm_sampling import (

@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 import rloo  # noqa: E402
 from rloo_utils.models import disable_dropout, from_pretrained
 from rloo_utils.generation import tokenize_prompts
-from rloo_utils.rewards import reward_model_scores  # noqa: E402
+from rloo_utils.scoring import reward_model_scores
 from rloo_utils.packing import chunked_completion_logprobs, packing_layout  # noqa: E402
 
 PATHS = ["padded", "padding_free"]

@@ -13,7 +13,8 @@ which a forker copies rather than edits), and nothing here knows which script ca
     models         policy, reward model, tokenizers; precision; the options of the policy and of speed
     generation     HF generate's side: the sampling options, generation configs, static cache; prompts tokenized
     gguf_cache     a .gguf policy's de-quantised copy, kept between runs (start-up in a few seconds, not ~20)
-    rewards        reward functions: loaded, called, checked; the Scorer of a rollout
+    rewards        reward functions: loaded, called, checked; the task's score of a completion
+    scoring        the Scorer of a rollout: a reward model's forward, the functions called, what they log
     verifiable     reward functions of tasks with a right answer: the final answer parsed and checked
     tools          multi-turn rollouts: tools and environments, the chat template's tool calls
     vision         a vision-language policy's inputs

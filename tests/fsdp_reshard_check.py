@@ -22,7 +22,7 @@ import rloo_multigpu  # noqa: E402
 from rloo_utils.models import from_pretrained, policy_class  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
 from rloo_utils.sharded import empty_model, load_sharded_reward_model, shard  # noqa: E402
-from rloo_utils.rewards import reward_model_scores  # noqa: E402
+from rloo_utils.scoring import reward_model_scores
 
 
 def gathered_names(model: torch.nn.Module) -> list[str]:

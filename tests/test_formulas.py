@@ -16,11 +16,10 @@ from rloo_utils.rewards import (
     BUILTIN_REWARD_FUNCS,
     call_reward_funcs,
     load_reward_func,
-    reward_model_inputs,
-    reward_model_scores,
     vader_sentiment,
     weighted_reward,
 )
+from rloo_utils.scoring import reward_model_inputs, reward_model_scores
 from rloo_utils.generation import end_token_ids, tokenize_prompts
 import rloo_utils.packing as packing_module
 from rloo_utils.packing import logprobs_through_output_layer

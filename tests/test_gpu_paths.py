@@ -23,7 +23,7 @@ from rloo_utils.packing import (  # noqa: E402
 )
 from rloo_utils.vllm_server import VLLMServer  # noqa: E402
 from rloo_utils.weight_transfer import nccl_sender_parts, weight_push  # noqa: E402
-from rloo_utils.rewards import reward_model_scores  # noqa: E402
+from rloo_utils.scoring import reward_model_scores
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 CALLS = []  # what varlen_recorder saw, one dict per layer call

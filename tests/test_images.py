@@ -31,7 +31,7 @@ from rloo_utils.data import left_pad, with_image_placeholders
 from rloo_utils.lora import add_adapter
 from rloo_utils.models import load_tokenizers
 from rloo_utils.generation import generation_configs, tokenize_prompts
-from rloo_utils.rewards import reward_model_inputs
+from rloo_utils.scoring import reward_model_inputs
 from rloo_utils.vision import builds_own_positions, image_prompt_rows, image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_sampling import sampling_options
 from rloo_utils.vllm_server import generate_request, prompt_runs

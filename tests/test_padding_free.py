@@ -25,7 +25,7 @@ from rloo_utils.packing import (  # noqa: E402
     packing_layout,
     position_ids_from,
 )
-from rloo_utils.rewards import reward_model_scores  # noqa: E402
+from rloo_utils.scoring import reward_model_scores
 
 
 def tiny_model(family: str, attention: str):
