@@ -168,36 +168,32 @@ class Models:
 
 
 def load_checked_tokenizers(
+    args,
     plan: RunPlan,
-    *,
-    model_name_or_path: str,
-    sft_model_path: Optional[str],
-    reward_model_path: Optional[str],
-    stop_token_id: Optional[int],
-    chat_template_kwargs: Optional[dict],
 ) -> tuple:
     """load_tokenizers (the policy's tokenizer, checked on the plan's first prompt; the reward model's where it reads
     text otherwise; a VLM's processor), and with the plan's tools, the chat template checked: it shows them, writes
-    calls and results, and its calls can be read back. The options of the keywords' names say where the models are
-    and what the tokenizer must know (load_tokenizers)."""
+    calls and results, and its calls can be read back. The model options (--model_name_or_path, --sft_model_path,
+    --reward_model_path, --stop_token_id, --chat_template_kwargs) say where the models are and what the tokenizer must
+    know (load_tokenizers)."""
     first_prompt = plan.train_dataset[0]["prompt"]
     tokenizer, reward_tokenizer, processor = load_tokenizers(
         first_prompt,
         plan.image_column,
-        model_name_or_path=model_name_or_path,
-        sft_model_path=sft_model_path,
-        reward_model_path=reward_model_path,
-        stop_token_id=stop_token_id,
-        chat_template_kwargs=chat_template_kwargs,
+        model_name_or_path=args.model_name_or_path,
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path,
+        stop_token_id=args.stop_token_id,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     if plan.tool_use:
         check_tool_template(
             tokenizer,
             first_prompt,
             plan.image_column,
-            stop_token_id=stop_token_id,
-            chat_template_kwargs=chat_template_kwargs,
-            model_name_or_path=model_name_or_path,
+            stop_token_id=args.stop_token_id,
+            chat_template_kwargs=args.chat_template_kwargs,
+            model_name_or_path=args.model_name_or_path,
         )
     return tokenizer, reward_tokenizer, processor
 
@@ -216,14 +212,7 @@ def load_models(
     them at every forward: half the memory. A resumed run's policy is its checkpoint's (the plan's). Dropout is off: it
     would make the update's log-probs differ from the sampler's; gradient_checkpointing: activations recomputed in the
     backward."""
-    tokenizer, reward_tokenizer, processor = load_checked_tokenizers(
-        plan,
-        model_name_or_path=args.model_name_or_path,
-        sft_model_path=args.sft_model_path,
-        reward_model_path=args.reward_model_path,
-        stop_token_id=args.stop_token_id,
-        chat_template_kwargs=args.chat_template_kwargs,
-    )
+    tokenizer, reward_tokenizer, processor = load_checked_tokenizers(args, plan)
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = from_pretrained(
         policy_class(policy_path),
