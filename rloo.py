@@ -17,8 +17,6 @@ logs.update_metrics(...).
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU
 """
 
-import contextlib
-import copy
 import functools
 import math
 import os
@@ -32,37 +30,13 @@ from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import tyro
 from rich.console import Console
 
-from rloo_utils import (
-    checkpoints,
-    data,
-    decoding,
-    errors,
-    evaluation,
-    json_options,
-    lifecycle,
-    logs,
-    lora,
-    off_policy,
-    options,
-    packing,
-    rollouts,
-    schedules,
-    set_up,
-    vision,
-)
-from rloo_utils.generation import (
-    end_token_ids,
-    generation_configs,
-    shared_prompt_cache,
-    static_cache,
-    static_cache_inputs,
-)
+from rloo_utils import checkpoints, data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options
+from rloo_utils import packing, rollouts, schedules, set_up, vision
 from rloo_utils.models import set_up_cuda, weights_finite
-from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores, whiten_nan
 from rloo_utils.scoring import Scorer, TrainerState
 
 
@@ -504,23 +478,6 @@ def main(args: Args) -> None:
     # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
     models = set_up.load_models(args, plan, device)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
-    eos_ids, stop_ids = end_token_ids(
-        tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
-    )
-    never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-    # HF generate samples from the policy, or from a copy of it in bfloat16 refreshed after each update
-    # (--sampler_weights; auto: under --bf16 over float32 weights on CUDA), as inference engines do: the compiled
-    # decoding step needs one dtype
-    copy_dtype = off_policy.sampler_dtype(args.sampler_weights, policy.dtype, args.bf16, device, args.use_peft)
-    sampling_policy = policy if copy_dtype is None else off_policy.sampling_copy(policy, copy_dtype)
-    console.print(off_policy.sampler_line(policy.dtype, copy_dtype))
-    unsupported = "image prompts" if plan.image_column else None  # HF generate's static cache: not with these
-    static = static_cache(
-        args.cache_implementation, device, console, sampling_policy.dtype, unsupported, args.bf16 and copy_dtype is None
-    )
-    generation_config, greedy_config, eval_config = generation_configs(
-        args, stop_ids, tokenizer.pad_token_id, never_sampled, static
-    )  # sampling, greedy (the sample tables), the evaluation's
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -542,16 +499,13 @@ def main(args: Args) -> None:
         logprobs_of = packing.padding_free_logprobs(
             policy, plan.image_column is not None, console, autocast, args.fused_output_layer
         )
-    packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
-    # sample tables and held-out evaluation
-    sampler_autocast = autocast if sampling_policy is policy else contextlib.nullcontext  # a copy computes in its dtype
-    own_loop = decoding.use_own_loop(
-        args.decoding_loop, static, sampling_policy, [generation_config, greedy_config, eval_config], console
-    )  # --decoding_loop own: rloo_utils/decoding.py's loop rather than HF generate's
-    sampler = Sampler(args, sampling_policy, models, plan, stop_ids, eos_ids, device, sampler_autocast, own_loop)
+    # The loop's seams: prompts to a rollout (and its configs: sampling, greedy for the sample tables, the
+    # evaluation's), a rollout to rewards, more rounds of both (--dynamic_sampling), the sample tables and evaluation
+    sampler = rollouts.HFSampler.for_run(args, models, plan, device, autocast, console, logprobs_of)
+    generation_config, greedy_config, eval_config = sampler.configs
+    packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     scorer = Scorer(
         tokenizer=models.tokenizer,
         reward_tokenizer=models.reward_tokenizer,
@@ -570,7 +524,9 @@ def main(args: Args) -> None:
         reward_timeout=args.reward_timeout,
     )
     logger = logs.open_logger(args, plan, run_dir, console, num_updates)  # a resumed run's logs go on
-    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
+    evaluator = evaluation.Evaluator(
+        args, plan, sampler, scorer, greedy_config, eval_config, sampler.eos_ids, console, logger
+    )
     resampler = rollouts.DynamicSampling(
         sampler,
         scorer,
@@ -629,13 +585,7 @@ def main(args: Args) -> None:
         if args.reward_clip_range is not None:
             scores = scores.clamp(*clip_bounds(args.reward_clip_range))
 
-        # The sampler's log-probs where a copy of the policy in other numerics sampled (--sampler_weights): the gap
-        # between sampler and trainer, logged and weighed by the off-policy correction as vLLM's is
-        if sampling_policy is not policy:
-            with timer("sampler_logprobs"):
-                rollout.sampling_logprobs = rollout_logprobs(
-                    sampling_policy, rollout, args, contextlib.nullcontext, logprobs_of
-                )  # (B, C)
+        sampler.rollout_done(rollout, timer)  # sampling is over: a copy's log-probs of it (--sampler_weights)
 
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
         # the update's forward fills it
@@ -644,10 +594,14 @@ def main(args: Args) -> None:
         is_correction = args.importance_sampling_correction and rollout.sampling_logprobs is not None
         if not ratio_is_one or ref_policy is not None or is_correction:
             with timer("old_logprobs"):
-                old_logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of)
+                old_logprobs = packing.rollout_logprobs(
+                    policy, rollout, logprobs_of, autocast, args.local_rollout_forward_batch_size, args.temperature
+                )
         if ref_policy is not None:
             with timer("reference_forward"), lora.adapter_disabled(ref_policy):
-                ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (B, C)
+                ref_logprobs = packing.rollout_logprobs(
+                    ref_policy, rollout, logprobs_of, autocast, args.local_rollout_forward_batch_size, args.temperature
+                )  # (B, C)
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:
@@ -739,10 +693,8 @@ def main(args: Args) -> None:
                 grad_norms.append(grad_norm.detach().float())
                 progress.skipped_steps += not stepped
                 progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
-        # Weight sync: the copy that samples (--sampler_weights) holds the updated policy, in place
-        if sampling_policy is not policy:
-            with timer("weight_sync"):
-                off_policy.refresh_copy(sampling_policy, policy)
+        # Weight sync: a copy that samples (--sampler_weights) holds the updated policy, in place
+        sampler.sync_weights(timer)
         progress.update = update
         progress.episode += batch_size
         num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
@@ -761,7 +713,7 @@ def main(args: Args) -> None:
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
-            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
+            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, sampler.eos_ids),  # policy's
             **logs.tool_metrics(*rollout.tool_counts()),
             **sampled,
             **off_policy.sampling_metrics(
@@ -814,79 +766,7 @@ def main(args: Args) -> None:
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")
 
 
-# ---- The loop's seams: sampling, log-probs (scoring, held-out tables, checkpoints: rloo_utils) -----------------------
-class Sampler(rollouts.BaseSampler):
-    """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): the policy completes
-    them with HF generate, in one go or, with --tools or --environment, turn by turn."""
-
-    def __init__(self, args, policy, models, plan, stop_ids, eos_ids, device, autocast, own_loop=False):
-        super().__init__(args, models, plan, stop_ids, eos_ids, device)
-        self.policy, self.autocast, self.own_loop = policy, autocast, own_loop
-
-    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
-        """(B, C) completion ids, padded with the pad token to --max_completion_length, in chunks of
-        --local_rollout_forward_batch_size, and None: HF generate gives no log-probs (the policy's forward does). With
-        seeds, each chunk samples from the seed of its first row. copies: the rows hold each prompt that many times in
-        a row, whose forward is then made once (shared_prompt_cache)."""
-        model, chunk = self.policy, self.args.local_rollout_forward_batch_size
-        model.eval()
-        chunks = []
-        for i in range(0, len(prompt_ids), chunk):
-            rows = slice(i, i + chunk)
-            if seeds is not None:
-                torch.manual_seed(seeds[i])
-            with torch.no_grad(), self.autocast():
-                shared = None  # the prompt's forward made once for its copies
-                if images is None:
-                    shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
-                inputs = dict(
-                    **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
-                    past_key_values=shared,
-                    generation_config=config,
-                    **vision.vision_inputs(
-                        model, prompt_ids[rows], vision.images_batch(images, rows, self.device, model.dtype)
-                    ),
-                )
-                own = self.own_loop and decoding.covers(model, **inputs)  # rloo_utils/decoding.py's loop
-                generate = functools.partial(decoding.generate, model) if own else model.generate
-                out = generate(**inputs)[: len(prompt_ids[rows])]
-            padding = self.args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
-            chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=self.tokenizer.pad_token_id))
-        return torch.cat(chunks), None
-
-    def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
-        """The next turn after each context: at most its budget of ids, up to and including the first stop token (and
-        no log-probs: the policy's own forward gives them). seeds: each context's."""
-        context_ids, context_mask = (t.to(self.device) for t in data.left_pad(contexts, self.tokenizer.pad_token_id))
-        config = copy.deepcopy(config)
-        config.max_new_tokens = max(budgets)
-        turn_ids, _ = self.generate(context_ids, context_mask, config, None, seeds)  # (b, C)
-        turn_mask, _ = rollouts.completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
-        return [(ids[: min(int(m.sum()), b)].tolist(), None) for ids, m, b in zip(turn_ids, turn_mask, budgets)]
-
-
-def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_of):
-    """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
-    --local_rollout_forward_batch_size. logprobs_of: completion_logprobs, or its padding-free form."""
-    model.eval()  # no adapter dropout: the sampling policy's log-probs
-    chunk, device = args.local_rollout_forward_batch_size, rollout.prompt_ids.device
-    with torch.no_grad(), autocast():
-        chunks = [
-            logprobs_of(
-                model,
-                rollout.prompt_ids[i : i + chunk],
-                rollout.prompt_mask[i : i + chunk],
-                rollout.completion_ids[i : i + chunk],
-                rollout.completion_mask[i : i + chunk],
-                args.temperature,
-                images=vision.images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
-            )
-            for i in range(0, len(rollout.prompt_ids), chunk)
-        ]
-    return torch.cat(chunks).float()
-
-
-# ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------
+# ---- Log-probabilities: the definition -------------------------------------------------------------------------------
 def completion_logprobs(
     model,
     prompt_ids,
@@ -921,14 +801,6 @@ def completion_logprobs(
     with torch.no_grad():
         entropy = -(logprobs.exp() * logprobs).sum(-1) * completion_mask  # (B, C)
     return selected, entropy
-
-
-def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN."""
-    valid = x[~x.isnan()]
-    if valid.numel() < 2:
-        return x - valid.mean() if valid.numel() else x
-    return (x - valid.mean()) / (valid.std() + eps)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ logs.update_metrics(...).
 """
 
 import contextlib
-import copy
 import functools
 import math
 import os
@@ -34,78 +33,27 @@ import random
 import signal
 import sys
 import time
-import types
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Callable, Literal, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from rich.console import Console
 
-from rloo_utils import (
-    data,
-    decoding,
-    errors,
-    evaluation,
-    json_options,
-    lifecycle,
-    logs,
-    lora,
-    off_policy,
-    options,
-    packing,
-    rollout_queue,
-    rollouts,
-    schedules,
-    set_up,
-    vision,
-)
-from rloo_utils.generation import (
-    end_token_ids,
-    generation_configs,
-    shared_prompt_cache,
-    static_cache,
-    static_cache_inputs,
-    tokenize_prompts,
-)
+from rloo_utils import data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options, packing
+from rloo_utils import rollout_queue, rollouts, schedules, set_up, vision
 from rloo_utils.models import set_up_cuda, weights_finite
-from rloo_utils.processes import (
-    agreed,
-    all_gather_prompts,
-    all_reduce,
-    end_processes,
-    gather_rows,
-    init_processes,
-    launch_world_size,
-    max_over_processes,
-    reduce_micro_stats,
-    whole,
-)
-from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores
-from rloo_utils.scoring import Scorer, TrainerState
-from rloo_utils.sharded import (
-    ShardingOptions,
-    gathered,
-    load_sharded_checkpoint,
-    load_sharded_models,
-    reshard,
-    save_sharded_checkpoint,
-    save_sharded_model,
-)
+from rloo_utils.processes import agreed, all_gather_prompts, all_reduce, end_processes, gather_rows, init_processes
+from rloo_utils.processes import launch_world_size, max_over_processes, reduce_micro_stats
+from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores, whiten_nan
+from rloo_utils.scoring import TrainerState
+from rloo_utils.sharded import ShardedScorer, ShardingOptions, load_sharded_checkpoint, load_sharded_models, reshard
+from rloo_utils.sharded import save_sharded_checkpoint, save_sharded_model
+from rloo_utils.sharded_sampling import ShardedSampler
 from rloo_utils.vllm_options import ServerOptions, check_vllm_args
-from rloo_utils.vllm_sampling import (
-    SHARED_SERVER,
-    check_engine,
-    pad_completions,
-    sampler_support,
-    sampling_configs,
-    sampling_seeds,
-    unpadded,
-)
+from rloo_utils.vllm_sampling import sampler_support
 from rloo_utils.vllm_server import VLLMServer
 
 
@@ -559,25 +507,6 @@ def main(args: Args) -> None:
     # the files without any process holding a whole model (rloo_utils/sharded.py)
     models = load_sharded_models(args, plan, device, world_size)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
-    eos_ids, stop_ids = end_token_ids(
-        tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
-    )
-    never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-    unsupported = "image prompts" if plan.image_column else None  # HF generate's static cache: not with these
-    if world_size > 1 and not args.gather_for_generation:
-        unsupported = "the sharded policy generates (--no_gather_for_generation)"
-    # Under --bf16 FSDP's mixed precision gathers the weights in bfloat16, and generation computes in that one dtype:
-    # what rloo.py's bfloat16 copy of the policy gives (--sampler_weights), without a copy
-    sampling_dtype = torch.bfloat16 if args.bf16 else policy.dtype
-    static = server is None and static_cache(
-        args.cache_implementation, device, console, sampling_dtype, unsupported, autocast=False
-    )
-    generation_config, greedy_config, eval_config = generation_configs(
-        args, stop_ids, tokenizer.pad_token_id, never_sampled, static
-    )  # sampling, greedy (the sample tables), the evaluation's
-    if server is not None:  # vLLM's sampling parameters for the same semantics
-        generation_config, greedy_config, eval_config = sampling_configs(args, stop_ids, never_sampled)
-    support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -590,8 +519,6 @@ def main(args: Args) -> None:
     )
     if plan.checkpoint is not None:
         load_sharded_checkpoint(plan.checkpoint, policy, optimizer)
-    if server is not None:  # the server samples from the policy: its weights now, and after every update
-        server.push_weights(policy, weights_for_vllm(policy, server.dtype))
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -603,22 +530,16 @@ def main(args: Args) -> None:
         logprobs_of = packing.padding_free_logprobs(
             policy, plan.image_column is not None, console, autocast, args.fused_output_layer
         )
-    packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     local_mini_batch_size = mini_batch_size // world_size
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
-    # sample tables and held-out evaluation
+    # The loop's seams: prompts to a rollout (and its configs: sampling, greedy for the sample tables, the
+    # evaluation's), a rollout to rewards, more rounds of both (--dynamic_sampling), the sample tables and evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
-    own_loop = decoding.use_own_loop(
-        args.decoding_loop,
-        static,
-        policy,
-        [generation_config, greedy_config, eval_config],
-        console,
-        "the processes decode in step (synced_gpus)" if world_size > 1 else None,
-    )  # --decoding_loop own: rloo_utils/decoding.py's loop rather than HF generate's
-    sampler = Sampler(args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop)
+    sampler = ShardedSampler.for_run(args, models, plan, device, autocast, console, logprobs_of, server)
+    generation_config, greedy_config, eval_config = sampler.configs
+    support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
+    packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     scorer = ShardedScorer(
         tokenizer=models.tokenizer,
         reward_tokenizer=models.reward_tokenizer,
@@ -638,7 +559,9 @@ def main(args: Args) -> None:
     )
     with agreed():
         logger = logs.open_logger(args, plan, run_dir, console, num_updates)  # a resumed run's logs go on
-    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
+    evaluator = evaluation.Evaluator(
+        args, plan, sampler, scorer, greedy_config, eval_config, sampler.eos_ids, console, logger
+    )
     resampler = rollouts.DynamicSampling(
         sampler,
         scorer,
@@ -663,20 +586,6 @@ def main(args: Args) -> None:
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
-    if server is not None:
-        probe = tokenize_prompts(
-            tokenizer, data.text_prompts(plan.train_dataset[:2]["prompt"]), args.max_prompt_length, device
-        )[:2]
-
-        def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast)
-            with torch.no_grad(), autocast():
-                return logprobs_of(policy, *rollout, temperature=1.0)
-
-        check_engine(server, *probe, greedy_config, greedy_logprobs)
-        recheck_config = {
-            **greedy_config,
-            "max_tokens": min(8, args.max_completion_length),
-        }  # after each rollout: short
     # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
@@ -723,24 +632,32 @@ def main(args: Args) -> None:
             rollout, rewards_per_func, scores, completions, sampled = resampler.refill(
                 rollout, rewards_per_func, scores, completions, update, timer
             )
+        sampler.rollout_done(rollout, timer)  # sampling is over: a server is checked
 
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
         # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
         # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
-        if server is not None:  # the server still holds this run's weights: no other run pushed its own
-            with timer("engine_check"):
-                check_engine(server, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         mask = rollout.policy_mask  # (b, C) the tokens the policy chose: only they enter loss and KL
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (b, C)
         is_correction = server is not None and args.importance_sampling_correction
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or is_correction or support is not None:
             with timer("old_logprobs"):
-                logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of, support)
+                logprobs = packing.rollout_logprobs(
+                    policy,
+                    rollout,
+                    logprobs_of,
+                    autocast,
+                    args.local_rollout_forward_batch_size,
+                    args.temperature,
+                    support,
+                )
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
             with timer("reference_forward"), lora.adapter_disabled(ref_policy):
-                ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (b, C)
+                ref_logprobs = packing.rollout_logprobs(
+                    ref_policy, rollout, logprobs_of, autocast, args.local_rollout_forward_batch_size, args.temperature
+                )  # (b, C)
             if ref_policy is not policy:
                 reshard(ref_policy)
 
@@ -869,12 +786,11 @@ def main(args: Args) -> None:
                 grad_norms.append(grad_norm.detach().float())
                 progress.skipped_steps += not stepped
                 progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
-        if server is not None:  # Weight sync: the next rollout (and sample table) samples from the updated policy
-            if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
-                with timer("generation_wait"), agreed():
-                    queue.before_push()
-            with timer("weight_sync"):
-                server.push_weights(policy, weights_for_vllm(policy, server.dtype))
+        # Weight sync: the next rollout (and sample table) samples from the updated policy
+        if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
+            with timer("generation_wait"), agreed():
+                queue.before_push()
+        sampler.sync_weights(timer)
         queue.pushed(update)  # the rollout they are scheduled to sample is asked for
         progress.update = update
         progress.episode += batch_size
@@ -900,7 +816,7 @@ def main(args: Args) -> None:
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
-            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
+            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, sampler.eos_ids),  # policy's
             **logs.tool_metrics(*tool_counts),
             **sampled,
             **off_policy.sampling_metrics(
@@ -966,175 +882,7 @@ def main(args: Args) -> None:
     end_processes(0)
 
 
-# ---- The loop's seams: sampling, log-probs (scoring, held-out tables, checkpoints: rloo_utils) -----------------------
-class Sampler(rollouts.BaseSampler):
-    """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): this process's rows,
-    completed by the policy with HF generate (every process in each sharded forward) or by a vLLM server, in one go or,
-    with --tools or --environment, turn by turn (with HF generate every process makes every turn: a sharded forward is
-    a collective). With --max_staleness the rollout queue asks the server for an update's completions (or multi-turn
-    rollouts) ahead (request, then background_outputs in its thread); sample() takes them."""
-
-    def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop=False):
-        super().__init__(args, models, plan, stop_ids, eos_ids, device)
-        self.policy, self.server, self.own_loop = policy, server, own_loop
-        self.reads_images_itself = server is not None  # a server takes the dataset's images; HF generate the tensors
-
-    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
-        """(b, C) completion ids, padded to --max_completion_length, and (b, C) the sampler's log-probs of them (the
-        server's, one seed per completion; None from HF generate). HF generate runs in chunks, each sampling from the
-        seed of its first row, so that a rollout does not depend on the number of processes; the sharded model's
-        forward is a collective: with synced_gpus a process whose completions have all ended goes on with the others.
-        images: the rows' image tensors for HF generate; the rows' images as the dataset holds them for the server.
-        copies: the rows hold each prompt that many times in a row, whose forward is then made once
-        (shared_prompt_cache; only with the model gathered: a sharded forward is a collective)."""
-        args, model, device, pad_token_id = self.args, self.policy, self.device, self.tokenizer.pad_token_id
-        if self.server is not None:
-            with agreed():  # a request that fails on one process stops every process
-                outputs = self.server.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
-            return self.completions(outputs)
-        model.eval()
-        chunks, chunk, world_size = [], args.local_rollout_forward_batch_size, dist.get_world_size()
-        with gathered(model, args.gather_for_generation):
-            for i in range(0, len(prompt_ids), chunk):
-                with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    if seeds is not None:
-                        torch.manual_seed(seeds[i])
-                    rows = slice(i, i + chunk)
-                    shared = None  # the prompt's forward made once for its copies (a gathered model's forward only)
-                    if images is None and (args.gather_for_generation or world_size == 1):
-                        shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
-                    inputs = dict(
-                        **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
-                        past_key_values=shared,
-                        generation_config=config,
-                        synced_gpus=world_size > 1,
-                        **vision.vision_inputs(
-                            model, prompt_ids[rows], vision.images_batch(images, rows, device, model.dtype)
-                        ),
-                    )
-                    own = self.own_loop and decoding.covers(model, **inputs)  # rloo_utils/decoding.py's loop
-                    generate = functools.partial(decoding.generate, model) if own else model.generate
-                    out = generate(**inputs)[: len(prompt_ids[rows])]
-                padding = args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
-                chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=pad_token_id))
-        return torch.cat(chunks), None
-
-    def completions(self, outputs: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, C) completion ids padded to --max_completion_length and (b, C) their log-probs, from the server's outputs
-        (one that a process cannot read stops every process)."""
-        length, pad_token_id = self.args.max_completion_length, self.tokenizer.pad_token_id
-        with agreed():
-            return pad_completions(outputs, length, pad_token_id, self.stop_ids, self.device)
-
-    def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
-        """The next turn after each context: at most its budget of ids, up to and including the first stop token, with
-        the server's log-probs (None from HF generate). seeds: each context's."""
-        context_ids, context_mask = (t.to(self.device) for t in data.left_pad(contexts, self.tokenizer.pad_token_id))
-        if self.server is not None:
-            config = {**config, "max_tokens": max(budgets)}
-        else:
-            config = copy.deepcopy(config)
-            config.max_new_tokens = self.turn_length(budgets)  # every process's turn as long: synced_gpus
-        turn_ids, turn_logprobs = self.generate(context_ids, context_mask, config, None, seeds)  # (b, C)
-        turn_mask, _ = rollouts.completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
-        lengths = [min(int(m.sum()), budget) for m, budget in zip(turn_mask, budgets)]
-        return [
-            (ids[:n].tolist(), None if turn_logprobs is None else turn_logprobs[i, :n].tolist())
-            for i, (ids, n) in enumerate(zip(turn_ids, lengths))
-        ]
-
-    def seeds_for(self, update: int, round_: int, num_rows: int) -> list[int]:
-        """This process's rows' seeds: of the global batch's, a function of (--seed, update, round, row), so a resumed
-        run draws what the uninterrupted one drew."""
-        first, batch_size = dist.get_rank() * num_rows, num_rows * dist.get_world_size()  # this process's rows
-        return sampling_seeds(self.args.seed, update, batch_size, round_)[first : first + num_rows]
-
-    def request(self, batches, config, update: int) -> dict:
-        """What the rollout of an update samples: this process's prompts of the next batch, each repeated G times (its
-        completions adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters
-        (config); with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of
-        its own, and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its
-        own)."""
-        batch, G = next(batches), self.args.num_generations
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
-        seeds = self.seeds_for(update, 0, len(prompts))
-        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
-        if self.args.max_staleness and not self.tool_use:
-            prompt_ids, prompt_mask = tokenize_prompts(
-                self.tokenizer,
-                prompts,
-                self.args.max_prompt_length,
-                self.device,
-                self.processor,
-                columns.get(self.image_col),
-                self.args.chat_template_kwargs,
-            )[:2]
-            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
-        return request
-
-    def background_outputs(self, request: dict):
-        """With --max_staleness, the server's completions of a rollout, or (--tools, --environment) the whole
-        multi-turn rollout, made in the queue's thread; else None: sample() generates them when the update takes its
-        rollout."""
-        if not self.args.max_staleness:
-            return None
-        if self.tool_use:
-            return self.background_rollout(request)
-        token_ids, images = request["token_ids"], request["columns"].get(self.image_col)
-        return self.server.generate(token_ids, request["config"], request["seeds"], images)
-
-
-class ShardedScorer(Scorer):
-    """The Scorer of a sharded reward model: its parameters, gathered for the forward, are freed again after it."""
-
-    def model_scores(self, rollout: rollouts.Rollout, texts: list[str]) -> torch.Tensor:
-        scores = super().model_scores(rollout, texts)
-        reshard(self.reward_model)
-        return scores
-
-
-def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_of, support=None):
-    """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
-    --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution. logprobs_of:
-    completion_logprobs, or its padding-free form."""
-    model.eval()  # no adapter dropout: the sampling policy's log-probs
-    chunk, device = args.local_rollout_forward_batch_size, rollout.prompt_ids.device
-    with torch.no_grad(), autocast():
-        chunks = [
-            logprobs_of(
-                model,
-                rollout.prompt_ids[i : i + chunk],
-                rollout.prompt_mask[i : i + chunk],
-                rollout.completion_ids[i : i + chunk],
-                rollout.completion_mask[i : i + chunk],
-                args.temperature,
-                images=vision.images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
-                support=support,
-            )
-            for i in range(0, len(rollout.prompt_ids), chunk)
-        ]
-    return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
-
-
-# ---- The vLLM server of rloo_vllm.py: weight sync, and the off-policy correction of its samples ----------------------
-def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
-    """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
-    (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
-    adapter merged into its weights (the trained copy unchanged). Its items() gathers the shards one tensor at a time,
-    a collective every process goes through while rank 0 sends them: no device holds the whole model. With
-    --fsdp_cpu_offload each shard goes from CPU memory to the GPU to be gathered there (NCCL, as torch's own does). In
-    the server's dtype (bf16 on a GPU), cast before the gather: half the bytes of fp32 gathered and sent. A server that
-    serves the adapter alone (--vllm_lora_push) takes base() once, the weights without it, then adapter(), its tensors
-    only: gathered alike, every process going through them."""
-    return types.SimpleNamespace(
-        items=lambda: lora.merged_weights(policy, gather=whole, dtype=dtype),
-        base=lambda: lora.base_weights(policy, gather=whole, dtype=dtype),
-        adapter=lambda: lora.adapter_weights(policy, gather=whole, dtype=dtype),
-    )
-
-
-# ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------
+# ---- Log-probabilities: the definition -------------------------------------------------------------------------------
 def completion_logprobs(
     model,
     prompt_ids,
@@ -1175,14 +923,6 @@ def completion_logprobs(
             out.append(renormalised.gather(-1, completion_ids[..., None]).squeeze(-1))
     out = [values * completion_mask for values in out]
     return out[0] if len(out) == 1 else tuple(out)
-
-
-def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN."""
-    valid = x[~x.isnan()]
-    if valid.numel() < 2:
-        return x - valid.mean() if valid.numel() else x
-    return (x - valid.mean()) / (valid.std() + eps)
 
 
 if __name__ == "__main__":

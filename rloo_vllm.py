@@ -30,7 +30,6 @@ import random
 import signal
 import sys
 import time
-import types
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Callable, Literal, Optional
@@ -40,39 +39,13 @@ import torch
 import tyro
 from rich.console import Console
 
-from rloo_utils import (
-    checkpoints,
-    data,
-    errors,
-    evaluation,
-    json_options,
-    lifecycle,
-    logs,
-    lora,
-    off_policy,
-    options,
-    packing,
-    rollout_queue,
-    rollouts,
-    schedules,
-    set_up,
-    vision,
-)
-from rloo_utils.generation import end_token_ids, tokenize_prompts
+from rloo_utils import checkpoints, data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options
+from rloo_utils import packing, rollout_queue, rollouts, schedules, set_up, vision
 from rloo_utils.models import set_up_cuda, weights_finite
-from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores
+from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores, whiten_nan
 from rloo_utils.scoring import Scorer, TrainerState
-from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.vllm_options import VLLMOptions, check_vllm_args
-from rloo_utils.vllm_sampling import (
-    SHARED_SERVER,
-    check_engine,
-    pad_completions,
-    sampler_support,
-    sampling_configs,
-    sampling_seeds,
-    unpadded,
-)
+from rloo_utils.vllm_sampling import VLLMSampler, sampler_support
 from rloo_utils.vllm_server import VLLMServer
 
 
@@ -516,17 +489,6 @@ def main(args: Args) -> None:
     # The policy, its reference for the KL (the initial policy, frozen; None when beta is 0), the reward model
     models = set_up.load_models(args, plan, device)
     policy, ref_policy, tokenizer = models.policy, models.ref_policy, models.tokenizer
-    eos_ids, stop_ids = end_token_ids(
-        tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
-    )
-    never_sampled = vision.image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-    # vLLM's sampling parameters: sampling, greedy (the sample tables), the evaluation's
-    generation_config, greedy_config, eval_config = sampling_configs(args, stop_ids, never_sampled)
-    support = sampler_support(args.top_k, args.top_p, args.min_p)  # what vLLM samples from, or None: every token
-    # vLLM samples from the policy: its weights are pushed now (a resumed run's are the checkpoint's) and after every
-    # update; check_engine (below) makes sure that they arrived.
-    engine = server or ColocatedVLLM(args, policy, device, models.processor)
-    engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
 
     steps_per_update = args.num_ppo_epochs * args.num_mini_batches
     num_optimizer_steps = num_updates * steps_per_update
@@ -548,12 +510,14 @@ def main(args: Args) -> None:
         logprobs_of = packing.padding_free_logprobs(
             policy, plan.image_column is not None, console, autocast, args.fused_output_layer
         )
-    packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
-    # The loop's seams: prompts to a rollout, a rollout to rewards, more rounds of both (--dynamic_sampling), the
-    # sample tables and held-out evaluation
-    sampler = Sampler(args, engine, models, plan, stop_ids, eos_ids, device)
+    # The loop's seams: prompts to a rollout (and its configs: sampling, greedy for the sample tables, the
+    # evaluation's), a rollout to rewards, more rounds of both (--dynamic_sampling), the sample tables and evaluation
+    sampler = VLLMSampler.for_run(args, models, plan, device, autocast, console, logprobs_of, server)
+    generation_config, greedy_config, eval_config = sampler.configs
+    support = sampler_support(args.top_k, args.top_p, args.min_p)  # what vLLM samples from, or None: every token
+    packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     scorer = Scorer(
         tokenizer=models.tokenizer,
         reward_tokenizer=models.reward_tokenizer,
@@ -572,7 +536,9 @@ def main(args: Args) -> None:
         reward_timeout=args.reward_timeout,
     )
     logger = logs.open_logger(args, plan, run_dir, console, num_updates)  # a resumed run's logs go on
-    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, greedy_config, eval_config, eos_ids, console, logger)
+    evaluator = evaluation.Evaluator(
+        args, plan, sampler, scorer, greedy_config, eval_config, sampler.eos_ids, console, logger
+    )
     resampler = rollouts.DynamicSampling(
         sampler,
         scorer,
@@ -591,16 +557,6 @@ def main(args: Args) -> None:
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
-    probe = tokenize_prompts(
-        tokenizer, data.text_prompts(plan.train_dataset[:2]["prompt"]), args.max_prompt_length, device
-    )[:2]
-
-    def greedy_logprobs(*rollout):  # as vLLM reports them, through the training forward (its autocast)
-        with torch.no_grad(), autocast():
-            return logprobs_of(policy, *rollout, temperature=1.0)
-
-    check_engine(engine, *probe, greedy_config, greedy_logprobs)
-    recheck_config = {**greedy_config, "max_tokens": min(8, args.max_completion_length)}  # after each rollout: short
     # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
     # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
     # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
@@ -648,24 +604,31 @@ def main(args: Args) -> None:
         if args.reward_clip_range is not None:
             scores = scores.clamp(*clip_bounds(args.reward_clip_range))
 
+        sampler.rollout_done(rollout, timer)  # sampling is over: a colocated engine sleeps, a server is checked
+
         # log pi_old: a forward of its own when the KL, a later minibatch or the off-policy correction needs it; else
         # the update's forward fills it. Against vLLM's log-probs the trainer's are taken on vLLM's distribution: with
         # --top_k, --top_p or --min_p renormalised over the tokens it could draw, as vLLM's are (sampler_support)
-        if args.vllm_mode == "colocate":  # sampling is over (a reward model's forward shared the device with it)
-            engine.sleep()  # (sleep mode) the engine's memory is free for the forwards below and the update, as in TRL
-        else:  # the server still holds this run's weights: no other run pushed its own
-            with timer("engine_check"):
-                check_engine(engine, *probe, recheck_config, greedy_logprobs, SHARED_SERVER)
         mask = rollout.policy_mask  # (B, C) the tokens the policy chose: only they enter loss and KL
         old_logprobs, ref_logprobs = torch.zeros_like(mask), None  # (B, C)
         trainer_sampling_logprobs = old_logprobs
         if not ratio_is_one or ref_policy is not None or args.importance_sampling_correction or support:
             with timer("old_logprobs"):
-                logprobs = rollout_logprobs(policy, rollout, args, autocast, logprobs_of, support)
+                logprobs = packing.rollout_logprobs(
+                    policy,
+                    rollout,
+                    logprobs_of,
+                    autocast,
+                    args.local_rollout_forward_batch_size,
+                    args.temperature,
+                    support,
+                )
                 old_logprobs, trainer_sampling_logprobs = logprobs if support is not None else (logprobs, logprobs)
         if ref_policy is not None:
             with timer("reference_forward"), lora.adapter_disabled(ref_policy):
-                ref_logprobs = rollout_logprobs(ref_policy, rollout, args, autocast, logprobs_of)  # (B, C)
+                ref_logprobs = packing.rollout_logprobs(
+                    ref_policy, rollout, logprobs_of, autocast, args.local_rollout_forward_batch_size, args.temperature
+                )  # (B, C)
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:
@@ -761,8 +724,7 @@ def main(args: Args) -> None:
         if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
             with timer("generation_wait"):
                 queue.before_push()
-        with timer("weight_sync"):
-            engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
+        sampler.sync_weights(timer)
         queue.pushed(update)  # the rollout they are scheduled to sample is asked for
         progress.update = update
         progress.episode += batch_size
@@ -787,7 +749,7 @@ def main(args: Args) -> None:
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
             "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
-            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, eos_ids),  # policy's tokens
+            **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, sampler.eos_ids),  # policy's
             **logs.tool_metrics(*rollout.tool_counts()),
             **sampled,
             **off_policy.sampling_metrics(
@@ -806,7 +768,7 @@ def main(args: Args) -> None:
             "optim/skipped_steps": progress.skipped_steps,
             "perf/tokens_per_second": num_tokens / update_seconds,
             "perf/generated_tokens_per_second": generated_tokens / max(generation_seconds, 1e-9),
-            "perf/weight_sync_bytes": engine.last_push_bytes,  # --use_peft: the adapter alone where vLLM serves it
+            "perf/weight_sync_bytes": sampler.engine.last_push_bytes,  # --use_peft: the adapter, where vLLM serves it
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
             **(
@@ -842,7 +804,7 @@ def main(args: Args) -> None:
         evaluator.evaluate(progress.update, progress.episode)
 
     # ---- Output ------------------------------------------------------------------------------------------------------
-    engine.close()
+    sampler.engine.close()
     checkpoints.save_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
     if args.save_merged_model:
         checkpoints.save_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
@@ -851,115 +813,7 @@ def main(args: Args) -> None:
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")
 
 
-# ---- The loop's seams: sampling, log-probs (scoring, held-out tables, checkpoints: rloo_utils) -----------------------
-class Sampler(rollouts.BaseSampler):
-    """Prompts in, a Rollout out (rloo_utils/rollouts.py tokenizes, runs the tools' turns, masks): vLLM completes them
-    (an engine in this process, or a server), in one go or, with --tools or --environment, turn by turn; a VLM's images
-    go as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout queue asks for an
-    update's completions (or multi-turn rollouts) ahead (request, then background_outputs in its thread), and sample()
-    takes them."""
-
-    reads_images_itself = True
-
-    def __init__(self, args, engine, models, plan, stop_ids, eos_ids, device):
-        super().__init__(args, models, plan, stop_ids, eos_ids, device)
-        self.engine = engine
-
-    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
-        """(B, C) completion ids, padded with the pad token to --max_completion_length, and (B, C) vLLM's log-probs of
-        them. images: each row's, as the dataset holds them. copies: vLLM caches a prompt's forward itself."""
-        return self.completions(self.engine.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images))
-
-    def completions(self, outputs: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, C) completion ids padded to --max_completion_length and (B, C) their log-probs, from vLLM's outputs."""
-        length, pad_token_id = self.args.max_completion_length, self.tokenizer.pad_token_id
-        return pad_completions(outputs, length, pad_token_id, self.stop_ids, self.device)
-
-    def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
-        """The next turn after each context: at most its budget of ids, up to and including the first stop token, with
-        vLLM's log-probs. seeds: each context's."""
-        outputs = self.engine.generate(contexts, {**config, "max_tokens": max(budgets)}, seeds)
-        pad_completions(outputs, max(budgets), self.tokenizer.pad_token_id, self.stop_ids, self.device)  # each ended
-        return [(ids[:budget], logprobs[:budget]) for (ids, logprobs), budget in zip(outputs, budgets)]
-
-    def seeds_for(self, update: int, round_: int, num_rows: int) -> list[int]:
-        """Each row's seed: a function of (--seed, update, round, row), so a resumed run draws what the uninterrupted
-        one drew."""
-        return sampling_seeds(self.args.seed, update, num_rows, round_)
-
-    def request(self, batches, config, update: int) -> dict:
-        """What the rollout of an update samples: the next batch's prompts, each repeated G times (its completions
-        adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
-        with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
-        and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its own)."""
-        batch, G = next(batches), self.args.num_generations
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
-        seeds = self.seeds_for(update, 0, len(prompts))
-        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
-        if self.args.max_staleness and not self.tool_use:
-            prompt_ids, prompt_mask = tokenize_prompts(
-                self.tokenizer,
-                prompts,
-                self.args.max_prompt_length,
-                self.device,
-                self.processor,
-                columns.get(self.image_col),
-                self.args.chat_template_kwargs,
-            )[:2]
-            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
-        return request
-
-    def background_outputs(self, request: dict):
-        """With --max_staleness, vLLM's completions of a rollout, or (--tools, --environment) the whole multi-turn
-        rollout, made in the queue's thread; else None: sample() generates them when the update takes its rollout."""
-        if not self.args.max_staleness:
-            return None
-        if self.tool_use:
-            return self.background_rollout(request)
-        return self.engine.generate(
-            request["token_ids"], request["config"], request["seeds"], request["columns"].get(self.image_col)
-        )
-
-
-def rollout_logprobs(model, rollout: rollouts.Rollout, args, autocast, logprobs_of, support=None):
-    """(B, C) log-probs of the rollout's completions under `model`, without gradients, in chunks of
-    --local_rollout_forward_batch_size; with a sampler's support also (B, C) log-probs on its distribution. logprobs_of:
-    completion_logprobs, or its padding-free form."""
-    model.eval()  # no adapter dropout: the sampling policy's log-probs
-    chunk, device = args.local_rollout_forward_batch_size, rollout.prompt_ids.device
-    with torch.no_grad(), autocast():
-        chunks = [
-            logprobs_of(
-                model,
-                rollout.prompt_ids[i : i + chunk],
-                rollout.prompt_mask[i : i + chunk],
-                rollout.completion_ids[i : i + chunk],
-                rollout.completion_mask[i : i + chunk],
-                args.temperature,
-                images=vision.images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
-                support=support,
-            )
-            for i in range(0, len(rollout.prompt_ids), chunk)
-        ]
-    return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
-
-
-# ---- vLLM: weight sync, and the off-policy correction of its samples (the engines: rloo_utils/vllm_*.py) -------------
-def weights_for_vllm(policy, dtype: Optional[torch.dtype]):
-    """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
-    (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
-    adapter merged into its weights (the trained copy unchanged), in the engine's dtype (bf16 on a GPU: half the
-    bytes of fp32). Its items() yields them one tensor at a time; an engine that serves the adapter alone
-    (--vllm_lora_push) takes base() once, the weights without it, and then adapter(), its tensors only."""
-    return types.SimpleNamespace(
-        items=lambda: lora.merged_weights(policy, dtype=dtype),
-        base=lambda: lora.base_weights(policy, dtype=dtype),
-        adapter=lambda: lora.adapter_weights(policy, dtype=dtype),
-    )
-
-
-# ---- Log-probabilities, reward normalisation -------------------------------------------------------------------------
+# ---- Log-probabilities: the definition -------------------------------------------------------------------------------
 def completion_logprobs(
     model,
     prompt_ids,
@@ -1000,14 +854,6 @@ def completion_logprobs(
             out.append(renormalised.gather(-1, completion_ids[..., None]).squeeze(-1))
     out = [values * completion_mask for values in out]
     return out[0] if len(out) == 1 else tuple(out)
-
-
-def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN."""
-    valid = x[~x.isnan()]
-    if valid.numel() < 2:
-        return x - valid.mean() if valid.numel() else x
-    return (x - valid.mean()) / (valid.std() + eps)
 
 
 if __name__ == "__main__":

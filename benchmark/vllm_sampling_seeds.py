@@ -62,6 +62,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rloo_vllm
+    from rloo_utils.vllm_colocated import ColocatedVLLM
     from rloo_utils.generation import tokenize_prompts
     from rloo_utils.data import load_datasets
     from rloo_utils.models import embedded_model, from_pretrained
@@ -110,7 +111,7 @@ def main():
     prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]  # as the main loop hands them over
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
     started = time.perf_counter()
-    engine = rloo_vllm.ColocatedVLLM(args, policy, torch.device("cpu"))
+    engine = ColocatedVLLM(args, policy, torch.device("cpu"))
     engine.push_weights(policy)
     print(
         f"{options.preset}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, engine up in "

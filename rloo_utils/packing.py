@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 
 from rloo_utils.errors import UsageError, describe
 from rloo_utils.lora import transformers_model
-from rloo_utils.vision import builds_own_positions, vision_inputs
+from rloo_utils.vision import builds_own_positions, images_batch, vision_inputs
 
 # Attention implementations that keep packed sequences apart in any number of rows: transformers' mask utilities build
 # a block-causal mask per row from position ids that restart at 0. Any other (flash attention's varlen kernels, which
@@ -454,6 +454,29 @@ def chunked_completion_logprobs(
     if isinstance(out, torch.Tensor):
         return out.new_zeros(real.shape).masked_scatter(real, out)  # (K,) -> (B, C)
     return tuple(values.new_zeros(real.shape).masked_scatter(real, values) for values in out)
+
+
+def rollout_logprobs(model, rollout, logprobs_of, autocast, chunk: int, temperature: float, support=None):
+    """(B, C) log-probs of a rollout's completions under `model`, without gradients, in chunks of `chunk` rows
+    (--local_rollout_forward_batch_size); with a sampler's support (the vLLM scripts' sampler_support) also (B, C)
+    log-probs on its distribution. logprobs_of: the script's completion_logprobs, or its padding-free form."""
+    model.eval()  # no adapter dropout: the sampling policy's log-probs
+    device, on_support = rollout.prompt_ids.device, {} if support is None else {"support": support}
+    with torch.no_grad(), autocast():
+        chunks = [
+            logprobs_of(
+                model,
+                rollout.prompt_ids[i : i + chunk],
+                rollout.prompt_mask[i : i + chunk],
+                rollout.completion_ids[i : i + chunk],
+                rollout.completion_mask[i : i + chunk],
+                temperature,
+                images=images_batch(rollout.images, slice(i, i + chunk), device, model.dtype),
+                **on_support,
+            )
+            for i in range(0, len(rollout.prompt_ids), chunk)
+        ]
+    return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
 
 
 def padding_free_logprobs(model, images: bool, console, autocast, fused_output_layer: str = "auto") -> Callable:

@@ -437,3 +437,11 @@ def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     n = (~r.isnan()).sum(1, keepdim=True)
     variance = (r - r.nanmean(1, keepdim=True)).square().nansum(1, keepdim=True) / (n - 1).clamp(min=1)
     return variance.sqrt().expand_as(r).reshape(-1)
+
+
+def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the finite entries (unbiased std); NaN entries stay NaN (--normalize_reward)."""
+    valid = x[~x.isnan()]
+    if valid.numel() < 2:
+        return x - valid.mean() if valid.numel() else x
+    return (x - valid.mean()) / (valid.std() + eps)

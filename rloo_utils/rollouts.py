@@ -1,7 +1,9 @@
-"""Rollouts: a Rollout (the value an update trains on), the part of sampling the scripts share (a script's Sampler
-says only how it generates), and dynamic sampling (DAPO: an update's groups whose scores are all equal replaced by
-groups of prompts drawn anew). The queue of asynchronous rollouts is rollout_queue.py's."""
+"""Rollouts: a Rollout (the value an update trains on), the part of sampling the scripts share (BaseSampler; a script's
+sampler says only how it generates), rloo.py's sampler (HF generate: HFSampler), and dynamic sampling (DAPO: an update's
+groups whose scores are all equal replaced by groups of prompts drawn anew). The queue of asynchronous rollouts is
+rollout_queue.py's."""
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -15,11 +17,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rloo_utils.data import resampled_prompts
-from rloo_utils.generation import tokenize_prompts
+from rloo_utils import decoding
+from rloo_utils.data import left_pad, resampled_prompts
+from rloo_utils.generation import (
+    end_token_ids,
+    generation_configs,
+    shared_prompt_cache,
+    static_cache,
+    static_cache_inputs,
+    tokenize_prompts,
+)
+from rloo_utils.off_policy import refresh_copy, sampler_dtype, sampler_line, sampling_copy
+from rloo_utils.packing import rollout_logprobs
 from rloo_utils.processes import agreed, all_reduce, get_rank, get_world_size, max_over_processes
 from rloo_utils.rewards import task_scores
 from rloo_utils.tools import MultiTurn
+from rloo_utils.vision import image_token_ids, images_batch, vision_inputs
 
 
 # ---- A rollout, and how prompts become one -------------------------------------------------------------------------
@@ -270,6 +283,103 @@ def rows_of_rollouts(pieces: list[tuple[Rollout, list[int]]], pad_token_id: int)
         turns=None if first.turns is None else MultiTurn.gather([(rollout.turns, rows) for rollout, rows in pieces]),
         sampling_logprobs=None if first.sampling_logprobs is None else rows_of("sampling_logprobs"),
     )
+
+
+# ---- rloo.py's sampler: HF generate ----------------------------------------------------------------------------------
+class HFSampler(BaseSampler):
+    """Prompts in, a Rollout out (BaseSampler tokenizes, runs the tools' turns, masks): the policy, or a copy of it in
+    bfloat16 (--sampler_weights), completes them with HF generate, in one go or, with --tools or --environment, turn
+    by turn. rloo.py's; rloo_vllm.py's is VLLMSampler (vllm_sampling.py), rloo_multigpu.py's ShardedSampler."""
+
+    def __init__(self, args, policy, models, plan, stop_ids, eos_ids, device, autocast, own_loop=False):
+        super().__init__(args, models, plan, stop_ids, eos_ids, device)
+        self.policy, self.autocast, self.own_loop = policy, autocast, own_loop
+        self.trained, self.logprobs_of, self.configs = policy, None, None  # (for_run's)
+
+    @classmethod
+    def for_run(cls, args, models, plan, device, autocast, console, logprobs_of) -> "HFSampler":
+        """The run's sampler: HF generate on the policy, or on a copy of it in bfloat16 refreshed after each update
+        (--sampler_weights; auto: under --bf16 over float32 weights on CUDA), as inference engines do: the compiled
+        decoding step needs one dtype. Its configs: sampling, greedy (the sample tables), the evaluation's."""
+        policy, tokenizer = models.policy, models.tokenizer
+        eos_ids, stop_ids = end_token_ids(
+            tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
+        )
+        copy_dtype = sampler_dtype(args.sampler_weights, policy.dtype, args.bf16, device, args.use_peft)
+        sampling_policy = policy if copy_dtype is None else sampling_copy(policy, copy_dtype)
+        console.print(sampler_line(policy.dtype, copy_dtype))
+        unsupported = "image prompts" if plan.image_column else None  # HF generate's static cache: not with these
+        static = static_cache(
+            args.cache_implementation,
+            device,
+            console,
+            sampling_policy.dtype,
+            unsupported,
+            args.bf16 and copy_dtype is None,
+        )
+        never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+        configs = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled, static)
+        own_loop = decoding.use_own_loop(args.decoding_loop, static, sampling_policy, configs, console)  # or HF's
+        sampler_autocast = autocast if copy_dtype is None else contextlib.nullcontext  # a copy computes in its dtype
+        sampler = cls(args, sampling_policy, models, plan, stop_ids, eos_ids, device, sampler_autocast, own_loop)
+        sampler.trained, sampler.logprobs_of, sampler.configs = policy, logprobs_of, configs
+        return sampler
+
+    def rollout_done(self, rollout: Rollout, timer) -> None:
+        """Sampling is over for this update. Where a copy of the policy in other numerics sampled (--sampler_weights):
+        its log-probs of the rollout, the gap between sampler and trainer, logged and weighed by the off-policy
+        correction as vLLM's is."""
+        if self.policy is not self.trained:
+            with timer("sampler_logprobs"):
+                chunk, temperature = self.args.local_rollout_forward_batch_size, self.args.temperature
+                rollout.sampling_logprobs = rollout_logprobs(
+                    self.policy, rollout, self.logprobs_of, contextlib.nullcontext, chunk, temperature
+                )  # (B, C)
+
+    def sync_weights(self, timer) -> None:
+        """After an update: the copy that samples (--sampler_weights) holds the updated policy, in place."""
+        if self.policy is not self.trained:
+            with timer("weight_sync"):
+                refresh_copy(self.policy, self.trained)
+
+    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
+        """(B, C) completion ids, padded with the pad token to --max_completion_length, in chunks of
+        --local_rollout_forward_batch_size, and None: HF generate gives no log-probs (the policy's forward does). With
+        seeds, each chunk samples from the seed of its first row. copies: the rows hold each prompt that many times in
+        a row, whose forward is then made once (shared_prompt_cache)."""
+        model, chunk = self.policy, self.args.local_rollout_forward_batch_size
+        model.eval()
+        chunks = []
+        for i in range(0, len(prompt_ids), chunk):
+            rows = slice(i, i + chunk)
+            if seeds is not None:
+                torch.manual_seed(seeds[i])
+            with torch.no_grad(), self.autocast():
+                shared = None  # the prompt's forward made once for its copies
+                if images is None:
+                    shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
+                inputs = dict(
+                    **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
+                    past_key_values=shared,
+                    generation_config=config,
+                    **vision_inputs(model, prompt_ids[rows], images_batch(images, rows, self.device, model.dtype)),
+                )
+                own = self.own_loop and decoding.covers(model, **inputs)  # rloo_utils/decoding.py's loop
+                generate = functools.partial(decoding.generate, model) if own else model.generate
+                out = generate(**inputs)[: len(prompt_ids[rows])]
+            padding = self.args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
+            chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=self.tokenizer.pad_token_id))
+        return torch.cat(chunks), None
+
+    def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
+        """The next turn after each context: at most its budget of ids, up to and including the first stop token (and
+        no log-probs: the policy's own forward gives them). seeds: each context's."""
+        context_ids, context_mask = (t.to(self.device) for t in left_pad(contexts, self.tokenizer.pad_token_id))
+        config = copy.deepcopy(config)
+        config.max_new_tokens = max(budgets)
+        turn_ids, _ = self.generate(context_ids, context_mask, config, None, seeds)  # (b, C)
+        turn_mask, _ = completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
+        return [(ids[: min(int(m.sum()), b)].tolist(), None) for ids, m, b in zip(turn_ids, turn_mask, budgets)]
 
 
 def varied_groups(scores: torch.Tensor, num_generations: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Sharded models (rloo_multigpu.py): built empty, each process reading and writing only its own rows of the safetensors
-files; a run's models sharded; sharded checkpoints of the policy and its optimizer."""
+files; a run's models sharded; sharded checkpoints of the policy and its optimizer; a sharded reward model's Scorer."""
 
 import contextlib
 import json
@@ -37,6 +37,7 @@ from rloo_utils.models import (
     policy_class,
 )
 from rloo_utils.processes import agreed, get_rank, whole
+from rloo_utils.scoring import Scorer
 from rloo_utils.set_up import Models, RunPlan, load_checked_tokenizers
 
 
@@ -448,3 +449,12 @@ def gathered(model: torch.nn.Module, enabled: bool):
             unit.reshard()
         root.set_reshard_after_forward(True)
         root.set_reshard_after_forward(False, recurse=False)  # FSDP's own setting for the root
+
+
+class ShardedScorer(Scorer):
+    """The Scorer of a sharded reward model: its parameters, gathered for the forward, are freed again after it."""
+
+    def model_scores(self, rollout, texts: list[str]) -> torch.Tensor:
+        scores = super().model_scores(rollout, texts)
+        reshard(self.reward_model)
+        return scores

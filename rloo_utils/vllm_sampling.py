@@ -1,7 +1,7 @@
 """What vLLM samples, whichever engine draws it (a colocated one, rloo_utils/vllm_colocated.py, or a server,
 rloo_utils/vllm_server.py): the sampling parameters of a run's options, the seeds of its completions, the tokens its
 sampler can draw; the prompts as an engine takes them and its completions as tensors; and the check that an engine
-samples from the policy (check_engine)."""
+samples from the policy (check_engine); rloo_vllm.py's sampler (VLLMSampler)."""
 
 import math
 from typing import Callable, Optional
@@ -9,9 +9,15 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from rloo_utils.data import text_prompts
 from rloo_utils.errors import RunError, UsageError
+from rloo_utils.generation import end_token_ids, tokenize_prompts
 from rloo_utils.processes import agreed
+from rloo_utils.rollouts import BaseSampler, Rollout
+from rloo_utils.vision import image_token_ids
+from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.vllm_options import SERVER_COMMAND
+from rloo_utils.weight_transfer import weights_for_vllm
 
 
 def sampling_configs(
@@ -185,3 +191,127 @@ def check_engine(
                 f"the vLLM engine does not sample from the policy: its log-probs differ from the policy's "
                 f"by {float(gap):.3g} per token (at most {tolerance} expected); {cause}"
             )
+
+
+# ---- rloo_vllm.py's sampler
+# -------------------------------------------------------------------------------------------
+class VLLMSampler(BaseSampler):
+    """Prompts in, a Rollout out (rloo_utils/py tokenizes, runs the tools' turns, masks): vLLM completes them
+    (an engine in this process, or a server), in one go or, with --tools or --environment, turn by turn; a VLM's images
+    go as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout queue asks for an
+    update's completions (or multi-turn rollouts) ahead (request, then background_outputs in its thread), and sample()
+    takes them."""
+
+    reads_images_itself = True
+
+    def __init__(self, args, engine, models, plan, stop_ids, eos_ids, device):
+        super().__init__(args, models, plan, stop_ids, eos_ids, device)
+        self.engine = engine
+        self.trained, self.logprobs_of, self.configs = None, None, None  # (for_run's)
+
+    @classmethod
+    def for_run(cls, args, models, plan, device, autocast, console, logprobs_of, server) -> "VLLMSampler":
+        """The run's sampler: vLLM's engine in this process, or the server (made before the run claimed its folders),
+        sent the policy's weights now (a resumed run's are the checkpoint's) and after every update, and checked against
+        the policy's greedy log-probs (check_engine) before training and after each rollout, so that a weight push that
+        did not arrive stops the run. Its configs: vLLM's sampling parameters for sampling, greedy (the sample tables)
+        and the evaluation."""
+        policy, tokenizer = models.policy, models.tokenizer
+        eos_ids, stop_ids = end_token_ids(
+            tokenizer, policy.generation_config.eos_token_id, args.stop_token_id, args.ignore_eos
+        )
+        never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
+        sampler = cls(
+            args,
+            server or ColocatedVLLM(args, policy, device, models.processor),
+            models,
+            plan,
+            stop_ids,
+            eos_ids,
+            device,
+        )
+        sampler.trained, sampler.autocast, sampler.logprobs_of = policy, autocast, logprobs_of
+        sampler.configs = sampling_configs(args, stop_ids, never_sampled)
+        sampler.engine.push_weights(policy, weights_for_vllm(policy, sampler.engine.dtype))
+        prompts = text_prompts(plan.train_dataset[:2]["prompt"])
+        sampler.probe = tokenize_prompts(tokenizer, prompts, args.max_prompt_length, device)[:2]
+        check_engine(sampler.engine, *sampler.probe, sampler.configs[1], sampler.greedy_logprobs)
+        return sampler
+
+    def greedy_logprobs(self, *rollout):
+        """The policy's log-probs of the engine's greedy completions, as vLLM reports them, through the training
+        forward (its autocast)."""
+        with torch.no_grad(), self.autocast():
+            return self.logprobs_of(self.trained, *rollout, temperature=1.0)
+
+    def rollout_done(self, rollout: Rollout, timer) -> None:
+        """Sampling is over for this update: a colocated engine sleeps (sleep mode, as in TRL), its memory free for the
+        forwards and the update; a server is checked again, briefly: it still holds this run's weights, no other run
+        pushed its own."""
+        if self.args.vllm_mode == "colocate":
+            self.engine.sleep()
+        else:
+            with timer("engine_check"):
+                recheck = {**self.configs[1], "max_tokens": min(8, self.args.max_completion_length)}  # short
+                check_engine(self.engine, *self.probe, recheck, self.greedy_logprobs, SHARED_SERVER)
+
+    def sync_weights(self, timer) -> None:
+        """After an update: the engine gets the updated policy's weights."""
+        with timer("weight_sync"):
+            self.engine.push_weights(self.trained, weights_for_vllm(self.trained, self.engine.dtype))
+
+    def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
+        """(B, C) completion ids, padded with the pad token to --max_completion_length, and (B, C) vLLM's log-probs of
+        them. images: each row's, as the dataset holds them. copies: vLLM caches a prompt's forward itself."""
+        return self.completions(self.engine.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images))
+
+    def completions(self, outputs: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C) completion ids padded to --max_completion_length and (B, C) their log-probs, from vLLM's outputs."""
+        length, pad_token_id = self.args.max_completion_length, self.tokenizer.pad_token_id
+        return pad_completions(outputs, length, pad_token_id, self.stop_ids, self.device)
+
+    def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
+        """The next turn after each context: at most its budget of ids, up to and including the first stop token, with
+        vLLM's log-probs. seeds: each context's."""
+        outputs = self.engine.generate(contexts, {**config, "max_tokens": max(budgets)}, seeds)
+        pad_completions(outputs, max(budgets), self.tokenizer.pad_token_id, self.stop_ids, self.device)  # each ended
+        return [(ids[:budget], logprobs[:budget]) for (ids, logprobs), budget in zip(outputs, budgets)]
+
+    def seeds_for(self, update: int, round_: int, num_rows: int) -> list[int]:
+        """Each row's seed: a function of (--seed, update, round, row), so a resumed run draws what the uninterrupted
+        one drew."""
+        return sampling_seeds(self.args.seed, update, num_rows, round_)
+
+    def request(self, batches, config, update: int) -> dict:
+        """What the rollout of an update samples: the next batch's prompts, each repeated G times (its completions
+        adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
+        with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
+        and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its own)."""
+        batch, G = next(batches), self.args.num_generations
+        prompts = [p for p in batch["prompt"] for _ in range(G)]
+        columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
+        seeds = self.seeds_for(update, 0, len(prompts))
+        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
+        if self.args.max_staleness and not self.tool_use:
+            prompt_ids, prompt_mask = tokenize_prompts(
+                self.tokenizer,
+                prompts,
+                self.args.max_prompt_length,
+                self.device,
+                self.processor,
+                columns.get(self.image_col),
+                self.args.chat_template_kwargs,
+            )[:2]
+            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
+        return request
+
+    def background_outputs(self, request: dict):
+        """With --max_staleness, vLLM's completions of a rollout, or (--tools, --environment) the whole multi-turn
+        rollout, made in the queue's thread; else None: sample() generates them when the update takes its rollout."""
+        if not self.args.max_staleness:
+            return None
+        if self.tool_use:
+            return self.background_rollout(request)
+        return self.engine.generate(
+            request["token_ids"], request["config"], request["seeds"], request["columns"].get(self.image_col)
+        )

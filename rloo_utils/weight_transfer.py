@@ -8,13 +8,14 @@ import re
 import shutil
 import socket
 import tempfile
+import types
 import urllib.parse
 from typing import Optional
 
 import torch
 
 from rloo_utils.errors import UsageError
-from rloo_utils.lora import plain_state_dict
+from rloo_utils.lora import adapter_weights, base_weights, merged_weights, plain_state_dict
 
 NCCL_SERVER_OPTION = """--weight-transfer-config '{"backend": "nccl"}'"""
 
@@ -167,3 +168,19 @@ class CountedWeights:
         name, tensor = next(self.pairs)
         self.bytes += tensor.numel() * tensor.element_size()
         return name, tensor
+
+
+def weights_for_vllm(policy, dtype: Optional[torch.dtype], gather=lambda t: t):
+    """Every tensor of the policy under its checkpoint name, lm_head.weight included when the embeddings are tied
+    (without it vLLM would keep its old LM head and sample from a model that is not the policy, silently), a LoRA
+    adapter merged into its weights (the trained copy unchanged), in the engine's dtype (bf16 on a GPU: half the bytes
+    of fp32). Its items() yields them one tensor at a time; an engine that serves the adapter alone (--vllm_lora_push)
+    takes base() once, the weights without it, and then adapter(), its tensors only. gather (rloo_multigpu.py's
+    processes.whole): FSDP's shards gathered one tensor at a time, a collective every process goes through while rank 0
+    sends them, so that no device holds the whole model, each cast before its gather (half the bytes of fp32 gathered
+    and sent); with --fsdp_cpu_offload a shard goes from CPU memory to the GPU to be gathered there (NCCL)."""
+    return types.SimpleNamespace(
+        items=lambda: merged_weights(policy, gather=gather, dtype=dtype),
+        base=lambda: base_weights(policy, gather=gather, dtype=dtype),
+        adapter=lambda: adapter_weights(policy, gather=gather, dtype=dtype),
+    )

@@ -13,6 +13,7 @@ from rloo_utils.errors import UsageError
 from rloo_utils.options import batch_sizes
 from rloo_utils.schedules import lr_scheduler
 from rloo_utils.rewards import (
+    whiten_nan,
     BUILTIN_REWARD_FUNCS,
     call_reward_funcs,
     load_reward_func,
@@ -108,7 +109,7 @@ def test_weighted_reward_is_nan_aware():
 
 def test_whiten_nan_keeps_nan_rows_and_uses_the_others():
     x = torch.tensor([1.0, 2.0, math.nan, 3.0])
-    out = rloo.whiten_nan(x, eps=0.0)
+    out = whiten_nan(x, eps=0.0)
     torch.testing.assert_close(out[[0, 1, 3]], torch.tensor([-1.0, 0.0, 1.0]))
     assert out[2].isnan()
 

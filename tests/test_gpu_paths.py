@@ -22,7 +22,8 @@ from rloo_utils.packing import (  # noqa: E402
     varlen_kwargs,
 )
 from rloo_utils.vllm_server import VLLMServer  # noqa: E402
-from rloo_utils.weight_transfer import nccl_sender_parts, weight_push  # noqa: E402
+from rloo_utils.processes import whole  # noqa: E402
+from rloo_utils.weight_transfer import nccl_sender_parts, weight_push, weights_for_vllm  # noqa: E402
 from rloo_utils.scoring import reward_model_scores
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -192,16 +193,15 @@ def test_merged_lora_weights_in_bf16_are_the_fp32_merge_cast():
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())  # the trained copy unchanged
 
 
-@pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
+@pytest.mark.parametrize("gather", [lambda t: t, whole], ids=["one_process", "gathered_shards"])
 @pytest.mark.parametrize("peft", [False, True])
-def test_weights_for_vllm_yields_the_engines_dtype(script, peft):
-    module = __import__(script)
+def test_weights_for_vllm_yields_the_engines_dtype(gather, peft):
     policy = lora_policy() if peft else llama_with_an_integer_buffer()
-    items = list(module.weights_for_vllm(policy, torch.bfloat16).items())
+    items = list(weights_for_vllm(policy, torch.bfloat16, gather).items())
     assert items and all(t.dtype == (torch.bfloat16 if t.is_floating_point() else torch.int64) for _, t in items)
     assert dict(items).keys() == plain_state_dict(policy).keys()
     assert all(
-        t.dtype == torch.float32 for _, t in module.weights_for_vllm(policy, None).items() if t.is_floating_point()
+        t.dtype == torch.float32 for _, t in weights_for_vllm(policy, None, gather).items() if t.is_floating_point()
     )
 
 
@@ -257,7 +257,7 @@ def test_weight_push_synchronises_before_and_empties_the_cache_after(fake_cuda):
 
 def test_the_pushes_go_through_weight_push(fake_cuda):
     """The colocated engine's reload and the server's send both run inside weight_push."""
-    import rloo_vllm
+    from rloo_utils.vllm_colocated import ColocatedVLLM
 
     policy = llama_with_an_integer_buffer()
 
@@ -267,7 +267,7 @@ def test_the_pushes_go_through_weight_push(fake_cuda):
 
     llm = types.SimpleNamespace(collective_rpc=reload, reset_prefix_cache=lambda: fake_cuda.append("reset"))
     colocated = types.SimpleNamespace(sleep_mode=False, llm=llm, adapter=False)
-    rloo_vllm.ColocatedVLLM.push_weights(colocated, policy, rloo_vllm.weights_for_vllm(policy, torch.bfloat16))
+    ColocatedVLLM.push_weights(colocated, policy, weights_for_vllm(policy, torch.bfloat16))
     assert fake_cuda == ["synchronize", "reload_weights", "empty_cache", "reset"]
 
     fake_cuda.clear()
@@ -279,5 +279,5 @@ def test_the_pushes_go_through_weight_push(fake_cuda):
 
     server = types.SimpleNamespace(send_weights=send_weights, adapter=False)
     with pytest.raises(RuntimeError, match="went away"):
-        VLLMServer.push_weights(server, policy, rloo_vllm.weights_for_vllm(policy, torch.bfloat16))
+        VLLMServer.push_weights(server, policy, weights_for_vllm(policy, torch.bfloat16))
     assert fake_cuda == ["synchronize", "send", "empty_cache"]

@@ -516,6 +516,7 @@ def test_vllm_gets_the_images_in_its_own_input_format(tiny_vlm, monkeypatch):
     as multi_modal_data, which the real vLLM's multi-modal parser accepts; the engine's folder holds the processor and
     vLLM keeps its tokenizer for it (EngineArgs built as the script builds them)."""
     import rloo_vllm
+    from rloo_utils.vllm_colocated import ColocatedVLLM
     from vllm import EngineArgs
     from vllm.multimodal.parse import MultiModalDataParser
 
@@ -524,7 +525,7 @@ def test_vllm_gets_the_images_in_its_own_input_format(tiny_vlm, monkeypatch):
             self.inputs = inputs
             return []
 
-    engine = object.__new__(rloo_vllm.ColocatedVLLM)
+    engine = object.__new__(ColocatedVLLM)
     engine.llm = Recorder()
     images = colour_images(2)
     engine.generate([[1, 3, 3, 3, 3, 5], [1, 3, 3, 3, 3, 6]], {"max_tokens": 2}, [7, 8], [images[0], [images[1]]])

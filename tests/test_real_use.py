@@ -198,6 +198,8 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
     from transformers import AutoModelForCausalLM
 
     import rloo_multigpu as rloo
+    from rloo_utils.processes import whole
+    from rloo_utils.weight_transfer import weights_for_vllm
     from rloo_utils.sharded import shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -210,7 +212,7 @@ def one_of_two_processes(rank: int, scenario: str, policy_path: str, port: int, 
             server.url, server.nccl, server.dtype = "http://x", True, None
             server.source = types.SimpleNamespace(weights=None)
             server.sender = FailingSender(server)
-            server.push_weights(policy, rloo.weights_for_vllm(policy, server.dtype))
+            server.push_weights(policy, weights_for_vllm(policy, server.dtype, whole))
         else:
             ids, mask = torch.tensor([[1, 2, 3], [0, 4, 5]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
             options = {"max_tokens": 2, "stop_token_ids": []}
@@ -291,7 +293,7 @@ def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, 
     import collections
     import types
 
-    import rloo_vllm
+    from rloo_utils.weight_transfer import weights_for_vllm
     from transformers import AutoModelForCausalLM
 
     server = VLLMServer.__new__(VLLMServer)
@@ -301,7 +303,7 @@ def test_shared_memory_too_small_for_the_weights_is_one_line(tiny, monkeypatch, 
     monkeypatch.setattr("rloo_utils.vllm_server.shutil.disk_usage", lambda path: usage(64 * 2**20, 63 * 2**20, 2**20))
     with pytest.raises(UsageError, match=r"has 1 MiB free and the policy's weights take \d+ MiB.*--shm-size"):
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-        server.push_weights(policy, rloo_vllm.weights_for_vllm(policy, server.dtype))
+        server.push_weights(policy, weights_for_vllm(policy, server.dtype))
     assert not (tmp_path / "weights").exists()
 
 
@@ -335,6 +337,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
     import sys
 
     import rloo_utils.packing as packing
+    import rloo_utils.vllm_sampling as vllm_sampling
     import rloo_vllm
     from rloo_utils.lifecycle import RunGuard
 
@@ -352,8 +355,8 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
         engines.append(RecordingEngine(events, policy))
         return engines[0]
 
-    monkeypatch.setattr(rloo_vllm, "ColocatedVLLM", colocated)
-    monkeypatch.setattr(rloo_vllm, "check_engine", lambda *args: events.append("check_engine"))
+    monkeypatch.setattr(vllm_sampling, "ColocatedVLLM", colocated)  # where VLLMSampler makes its engine
+    monkeypatch.setattr(vllm_sampling, "check_engine", lambda *args: events.append("check_engine"))
     monkeypatch.setattr(packing, "chunked_completion_logprobs", recording_forward)
     monkeypatch.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -18,22 +18,10 @@ from conftest import ROOT, SCRIPTS
 INTENDED_DIFFERENCES = {
     "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload, --ddp_timeout and the server's",
     "optimizer_step": "rloo_multigpu.py: the gradient norm of the FSDP shards is a DTensor",
-    "weights_for_vllm": "rloo_multigpu.py: the shards gathered one tensor at a time",
     "main": "compared hunk by hunk below (INTENDED_IN_MAIN)",
     "completion_logprobs": "the vLLM scripts: also the log-probs renormalised over the tokens vLLM could draw (support)",
-    "rollout_logprobs": "the vLLM scripts: also the log-probs renormalised over the tokens vLLM could draw (support)",
-    "Sampler": "the generation: HF generate; vLLM's engine; a sharded HF generate, or a vLLM server",
-    "Sampler.__init__": "what each generates with: the policy, vLLM's engine, the policy or a server",
-    "Sampler.completions": "rloo_multigpu.py: a server's completions that one process cannot read stop every process",
-    "Sampler.generate": "HF generate; vLLM's engine; HF generate on a sharded model, or a server",
-    "Sampler.generate_turn": "a multi-turn rollout's turn: HF's generation config, or vLLM's sampling parameters",
-    "Sampler.request": "rloo_multigpu.py: this process's share of the batch",
-    "Sampler.seeds_for": "rloo_multigpu.py: this process's share of the global batch's seeds",
-    "Sampler.background_outputs": "rloo_vllm.py: vLLM's engine or a server; rloo_multigpu.py: a server",
 }
 
-
-HF_GENERATE = "rloo.py's HF generate: a bfloat16 copy (--sampler_weights), the static cache, configs, our decoding loop"
 
 # main() is the driver, and differs by design; but only where a script's concern is: each line of its difference from
 # rloo.py's main(), compared after ast.unparse (comments and layout aside), must hold one of these fragments, each with
@@ -42,31 +30,15 @@ INTENDED_IN_MAIN = {
     "rloo_vllm.py": {
         "check_vllm_args(": "the vLLM options are checked with the others, before anything loads",
         "VLLMServer(": "--vllm_mode server: the server's client, made before the models load (it checks the server)",
-        "copy_dtype": HF_GENERATE,
-        "sampling_policy": HF_GENERATE,
-        "'image prompts'": HF_GENERATE,
-        "static": HF_GENERATE,
-        "own_loop": HF_GENERATE,
-        "sampler_autocast": HF_GENERATE,
-        "generation_configs(": HF_GENERATE,
-        "sampling_configs(": "vLLM's sampling parameters",
+        "Sampler.for_run(": "vLLM's sampler (vllm_sampling.py): an engine in this process, or the server made first",
         "engine": "vLLM's engine: made, sent the policy's weights after each update, checked, put to sleep, closed",
         "support": "the trainer's log-probs also on vLLM's distribution (renormalised over the tokens it could draw)",
         "trainer_sampling_logprobs": "the correction compares vLLM's log-probs with the trainer's on that distribution",
-        "old_logprobs = rollout_logprobs(": "the trainer's log-probs also on vLLM's distribution",
+        "logprobs = packing.rollout_logprobs(": "the trainer's log-probs also on vLLM's distribution",
         "off_policy.correction(old_logprobs": "the correction compares vLLM's log-probs with the trainer's",
         "sampling_metrics(old_logprobs": "the gap between vLLM's log-probs and the trainer's on its distribution",
         "is_correction": "vLLM's samples are always corrected (--importance_sampling_correction)",
         "importance_sampling_correction": "vLLM's samples are always corrected (--importance_sampling_correction)",
-        "probe": "the engine is checked against the policy's greedy log-probs, before training and after each rollout",
-        "greedy_logprobs": "the engine is checked against the policy's greedy log-probs",
-        "with torch.no_grad(), autocast():": "the policy's greedy log-probs, for the engine check",
-        "temperature=1.0": "the policy's greedy log-probs, for the engine check",
-        "recheck_config": "the engine check after each rollout: short",
-        "'max_tokens'": "the engine check after each rollout: short",
-        "SHARED_SERVER": "a server's numerics are checked again after each rollout",
-        "'colocate'": "a colocated engine frees its memory for the update",
-        "else:": "a colocated engine sleeps; a server is checked",
         "queue": "the rollouts come from the queue (with --max_staleness sampled ahead), which a checkpoint keeps",
         "{'optimizer': optimizer": "a checkpoint also keeps the queue's rollouts",
         "'scheduler': scheduler": "a checkpoint also keeps the queue's rollouts",
@@ -74,12 +46,10 @@ INTENDED_IN_MAIN = {
         "for p in batch['prompt']": "the queue draws each update's prompts (Sampler.request)",
         "for v in batch[c]": "the queue draws each update's prompts (Sampler.request)",
         "sampler.sample(prompts, columns, generation_config)": "the rollout of the queue's prompts, seeds and outputs",
-        "timer('weight_sync')": "the engine gets the updated weights every update",
         "generation_seconds": "with --max_staleness the generation's seconds are the queue's",
         "'perf/generated_tokens_per_second'": "with --max_staleness the generation's seconds are the queue's",
         "'async/": "the queue's metrics",
         "'perf/weight_sync_bytes'": "the size of the weight push",
-        "timer('sampler_logprobs')": HF_GENERATE,
         "stateful": "a checkpoint also keeps the queue's rollouts",
         "args.max_staleness": "the queue: the server finishes the rollouts of older weights before the weights change",
         "timer('generation_wait')": "the queue: the server finishes the rollouts of older weights first",
@@ -103,28 +73,15 @@ INTENDED_IN_MAIN = {
         "load_models(": "the models loaded sharded",
         "load_sharded_models(": "the models loaded sharded",
         "load_sharded_checkpoint(": "a resumed run's sharded weights and optimizer",
-        "copy_dtype": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
-        "sampling_policy": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
-        "sampler_autocast": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
-        "timer('sampler_logprobs')": "rloo.py's sampler copy: FSDP gathers the weights in bfloat16 already",
-        "unsupported": "the static cache, where the sharded policy or a server does not generate",
-        "static": "the static cache, where the sharded policy or a server does not generate",
-        "own_loop": "our decoding loop: not where the processes decode in step",
+        "Sampler.for_run(": "the sharded policy's sampler, or a server's made first (sharded_sampling.py)",
+        "sampler.rollout_done(": "before the batch is gathered: the scores are shaped over the whole batch, below",
         "server": "a vLLM server may generate (--vllm_server_host): its client, configs, checks and weight pushes",
         "support": "the trainer's log-probs also on a server's distribution (renormalised over the tokens it could draw)",
         "trainer_sampling_logprobs": "the correction compares a server's log-probs with the trainer's on its distribution",
         "is_correction": "a server's samples are corrected; the trainer's log-probs on its distribution",
-        "old_logprobs = rollout_logprobs(": "the trainer's log-probs also on a server's distribution",
+        "logprobs = packing.rollout_logprobs(": "the trainer's log-probs also on a server's distribution",
         "off_policy.correction(old_logprobs": "the correction compares a server's log-probs with the trainer's",
         "sampling_metrics(old_logprobs": "the gap between a server's log-probs and the trainer's on its distribution",
-        "probe": "a server is checked against the policy's greedy log-probs",
-        "greedy_logprobs": "a server is checked against the policy's greedy log-probs",
-        "with torch.no_grad(), autocast():": "the policy's greedy log-probs, for the server check",
-        "temperature=1.0": "the policy's greedy log-probs, for the server check",
-        "recheck_config": "the server check after each rollout: short",
-        "'max_tokens'": "the server check after each rollout: short",
-        "Sampler(args, sampling_policy": "the sampler generates with the sharded policy or a server",
-        "Sampler(args, policy, server": "the sampler generates with the sharded policy or a server",
         "Scorer(": "a sharded reward model",
         "open_logger(": "the logger opened by every process (rank 0 writes)",
         "first_line(": "the first line names the processes",
@@ -155,7 +112,6 @@ INTENDED_IN_MAIN = {
         "(mask[mb] * in_loss[mb, None]).sum().clamp": "the minibatch's tokens over every process",
         "max_over_processes": "every process runs as many micro-batches (FSDP's collectives)",
         "images_batch(rollout.images, idx,": "a process's images are its own rows'",
-        "refresh_copy(": "rloo.py's sampler copy",
         "reduce_micro_stats(": "the statistics of every process's micro-batches",
         "dict(zip(stats": "the statistics of every process's micro-batches",
         "tool_counts": "tool calls over every process",
@@ -169,10 +125,7 @@ INTENDED_IN_MAIN = {
         "timer('reward')": "a reward function that fails on one process stops every process",
         "timer('old_logprobs')": "the trainer's log-probs, also on a server's distribution",
         "packing.micro_batches(": "every process runs as many micro-batches (FSDP's collectives)",
-        "sampling_dtype": "the static cache's dtype: FSDP's mixed precision gathers bfloat16 weights",
-        "sampling_configs(": "a server's sampling parameters",
         "plan.checkpoint": "a resumed run's sharded weights and optimizer",
-        "timer('engine_check')": "a server's numerics are checked again after each rollout",
         "rollout = replace(rollout, prompt_ids=": "every process's rows gathered: the baselines need every group",
     },
 }
@@ -239,8 +192,8 @@ SHARED = sorted(
 
 
 def test_the_scripts_share_the_algorithm():
-    assert len(SCRIPTS) >= 2 and len(SHARED) > 30  # this guard would pass vacuously on scripts that share nothing
-    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "rollout_logprobs", "main"]:
+    assert len(SCRIPTS) >= 2 and len(SHARED) > 20  # this guard would pass vacuously on scripts that share nothing
+    for name in ["rloo_advantages", "policy_loss", "completion_logprobs", "per_token_kl", "main"]:
         assert name in SHARED
 
 
@@ -332,23 +285,9 @@ def test_a_script_imports_only_the_plumbing_it_uses(script):
 
 # What a script adds to rloo.py, each with its reason: with INTENDED_DIFFERENCES, these are all that tell it apart, so that
 # `diff rloo.py <script>` shows generation and weight sync, or the process group, sharding and reductions.
-ADDED = {
-    "rloo_vllm.py": {
-        "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples",
-        "Sampler.seeds_for": "vLLM seeds each completion: a function of (--seed, update, round, row)",
-        "Sampler.background_outputs": "the rollout queue: an update's completions made ahead, in its thread",
-        "Sampler.completions": "vLLM's completions (the engine's, or the queue's made ahead) as tensors",
-        "weights_for_vllm": "weight sync: the policy's weights as vLLM loads them",
-    },
-    "rloo_multigpu.py": {
-        "Sampler.request": "the rollout queue (--max_staleness): what an update's rollout samples, this process's share",
-        "Sampler.seeds_for": "a server or HF generate seeds each completion: this process's share of the seeds",
-        "Sampler.background_outputs": "the rollout queue: an update's completions made ahead by the server",
-        "Sampler.completions": "the server's completions (its answers, or the queue's made ahead) as tensors",
-        "ShardedScorer": "the reward model's FSDP units resharded after its forward",
-        "weights_for_vllm": "weight sync with a vLLM server: the shards gathered one tensor at a time",
-    },
-}
+# What a script defines beside rloo.py's definitions, each with its reason: nothing; each script's sampler (its
+# generation and weight sync) is in rloo_utils (rollouts.HFSampler, vllm_sampling.VLLMSampler, sharded_sampling.py)
+ADDED: dict[str, dict[str, str]] = {}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -13,6 +13,7 @@ import torch
 import rloo
 from rloo_utils.data import left_pad
 from rloo_utils.generation import generation_configs, static_cache, static_cache_inputs
+from rloo_utils.rollouts import HFSampler
 
 
 def sampling_args(chunk: int, **more) -> types.SimpleNamespace:
@@ -41,7 +42,7 @@ def sampler_and_configs(tiny, chunk: int, static: bool):
     args = sampling_args(chunk)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
-    sampler = rloo.Sampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
+    sampler = HFSampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
     sampling, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static)
     return sampler, sampling, greedy
 

@@ -20,7 +20,7 @@ def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> No
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import rloo_multigpu
+    from rloo_utils.sharded_sampling import ShardedSampler
     from rloo_utils.generation import generation_configs
     from test_static_cache import sampling_args
 
@@ -32,7 +32,7 @@ def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> No
     args = sampling_args(4, gather_for_generation=False)  # (a plain model: nothing to gather)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
-    sampler = rloo_multigpu.Sampler(args, policy, None, models, plan, [eos], [eos], torch.device("cpu"))
+    sampler = ShardedSampler(args, policy, None, models, plan, [eos], [eos], torch.device("cpu"))
     context = [10 + (i * 7) % 50 for i in range(63 if rank == 0 else 5)]
     budgets = [1] if rank == 0 else [8]
     outcomes = {}

@@ -394,8 +394,9 @@ def test_a_model_turn_samples_from_its_rows_seeds(tiny):
     import contextlib
     import types
 
-    import rloo
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from rloo_utils.rollouts import HFSampler
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
@@ -403,7 +404,7 @@ def test_a_model_turn_samples_from_its_rows_seeds(tiny):
     args = types.SimpleNamespace(local_rollout_forward_batch_size=1, max_completion_length=8)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
-    sampler = rloo.Sampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
+    sampler = HFSampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
     config = GenerationConfig(do_sample=True, max_new_tokens=8, eos_token_id=[eos], pad_token_id=tokenizer.pad_token_id)
     contexts, budgets, rows = [ids_of(tokenizer, "good movie"), ids_of(tokenizer, "bad")], [8, 8], [0, 2]
 

@@ -35,12 +35,19 @@ from conftest import (
 )
 
 import rloo_vllm
+from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.errors import UsageError
 from rloo_utils.options import check_args
 from rloo_utils.vllm_options import check_vllm_args
 from rloo_utils.vllm_sampling import check_engine, pad_completions, sampler_support, sampling_options, sampling_seeds
 from rloo_utils.vllm_server import VLLMServer
-from rloo_utils.weight_transfer import NCCL_SERVER_OPTION, nccl_transfer, nccl_workers, rendezvous_address
+from rloo_utils.weight_transfer import (
+    NCCL_SERVER_OPTION,
+    nccl_transfer,
+    nccl_workers,
+    rendezvous_address,
+    weights_for_vllm,
+)
 from rloo_utils.generation import tokenize_prompts
 from rloo_utils.packing import logprobs_through_output_layer
 
@@ -85,7 +92,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     assert policy.config.tie_word_embeddings
-    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+    engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
     before = engine_greedy(engine, tokenizer, args)
     assert before == hf_greedy(policy, tokenizer, args.max_completion_length)
 
@@ -93,7 +100,7 @@ def check_pushes(engine, tiny, args, monkeypatch):
     after_hf = hf_greedy(policy, tokenizer, args.max_completion_length)
     assert after_hf != before  # the update changes the greedy output...
     assert engine_greedy(engine, tokenizer, args) == before  # ...which the engine shows only once pushed
-    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+    engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
     assert engine_greedy(engine, tokenizer, args) == after_hf
 
     # The same push without the LM head: the engine keeps its old head and no longer samples from the policy
@@ -101,19 +108,13 @@ def check_pushes(engine, tiny, args, monkeypatch):
     logprobs_of = lambda *rollout: rloo_vllm.completion_logprobs(policy, *rollout, temperature=1.0)  # noqa: E731
     options = sampling_options([], greedy=True, **keywords_of(sampling_options, args))
     check_engine(engine, *probe, options, logprobs_of)  # a complete push passes
-    with monkeypatch.context() as m:
-        m.setattr(
-            rloo_vllm,
-            "weights_for_vllm",
-            lambda p, dtype: {k: v for k, v in p.state_dict().items() if k != "lm_head.weight"},
-        )
-        with torch.no_grad():
-            policy.get_input_embeddings().weight.mul_(-1.0)
-        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+    with torch.no_grad():
+        policy.get_input_embeddings().weight.mul_(-1.0)
+    engine.push_weights(policy, {k: v for k, v in policy.state_dict().items() if k != "lm_head.weight"})
     assert engine_greedy(engine, tokenizer, args) != hf_greedy(policy, tokenizer, args.max_completion_length)
     with pytest.raises(UsageError, match="does not sample from the policy"):
         check_engine(engine, *probe, options, logprobs_of)
-    engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+    engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
     assert engine_greedy(engine, tokenizer, args) == hf_greedy(policy, tokenizer, args.max_completion_length)
 
 
@@ -123,7 +124,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
 
     args = vllm_args(tiny)
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-    engine = rloo_vllm.ColocatedVLLM(args, policy, torch.device("cpu"))
+    engine = ColocatedVLLM(args, policy, torch.device("cpu"))
     try:
         check_pushes(engine, tiny, args, monkeypatch)
         # The sampling log-probs are the policy's at the sampling temperature (logprobs_mode processed_logprobs)
@@ -131,7 +132,7 @@ def test_colocated_engine_samples_from_the_pushed_weights(tiny, monkeypatch):
 
         tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
         policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
-        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+        engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
         args = vllm_args(tiny, temperature=0.7)
         prompt_ids, prompt_mask, _, _ = tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
@@ -172,11 +173,11 @@ def test_a_server_draws_the_samples_of_the_colocated_engine_for_the_same_seeds(t
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"])
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"])
-    engine = rloo_vllm.ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu"))
+    engine = ColocatedVLLM(vllm_args(tiny), policy, torch.device("cpu"))
     remote = VLLMServer(args)
     try:
-        engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
-        remote.push_weights(policy, rloo_vllm.weights_for_vllm(policy, remote.dtype))
+        engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
+        remote.push_weights(policy, weights_for_vllm(policy, remote.dtype))
         options = sampling_options([], greedy=False, **keywords_of(sampling_options, args))
         prompts = [[5 + p, 6, 7 + p] for p in range(6) for _ in range(4)]  # 6 groups of G = 4
         seeds = sampling_seeds(3, 1, len(prompts))
@@ -624,7 +625,7 @@ def test_a_run_whose_server_gets_another_runs_weights_stops_with_one_line(tiny, 
     try:
         deadline = time.time() + 120
         while run.poll() is None and time.time() < deadline:
-            intruder.push_weights(other, rloo_vllm.weights_for_vllm(other, intruder.dtype))
+            intruder.push_weights(other, weights_for_vllm(other, intruder.dtype))
             time.sleep(0.05)
     finally:
         intruder.close()

@@ -23,7 +23,7 @@ from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.vllm_options import adapter_problem, check_vllm_args, choose_lora_push
 from rloo_utils.vllm_sampling import pad_completions, sampling_options, unpadded
 from rloo_utils.vllm_server import VLLMServer
-from rloo_utils.weight_transfer import write_adapter
+from rloo_utils.weight_transfer import weights_for_vllm, write_adapter
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 PROMPTS = ["the movie was", "a very long film and", "it is"]
@@ -231,7 +231,7 @@ def test_the_colocated_engine_serves_the_pushed_adapter_and_sends_only_it(tiny):
         merged = bytes_of(merged_weights(policy))
         adapter = bytes_of(adapter_weights(policy))
         for update in range(3):
-            engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+            engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
             assert engine.last_push_bytes == (merged + adapter if update == 0 else adapter)
             assert gap_to_the_trainer(engine, policy, tokenizer, args) < 1e-4
             trained_a_little(policy, seed=update)
@@ -264,7 +264,7 @@ def test_the_server_serves_the_pushed_adapter_and_sends_only_it(tiny, lora_serve
         assert engine.adapter
         names = []
         for update in range(3):
-            engine.push_weights(policy, rloo_vllm.weights_for_vllm(policy, engine.dtype))
+            engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
             names.append(engine.adapter_name)
             assert gap_to_the_trainer(engine, policy, tokenizer, args) < 1e-4
             trained_a_little(policy, seed=update)
