@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import replace
 
 import pytest
 import torch
@@ -40,7 +39,7 @@ from rloo_utils.options import check_args
 from rloo_utils.vllm_options import check_vllm_args
 from rloo_utils.vllm_sampling import check_engine, pad_completions, sampler_support, sampling_options, sampling_seeds
 from rloo_utils.vllm_server import VLLMServer
-from rloo_utils.weight_transfer import NCCL_SERVER_OPTION, nccl_transfer, nccl_workers, rendezvous_address
+from rloo_utils.weight_transfer import NCCL_SERVER_OPTION, nccl_workers, rendezvous_address, uses_nccl
 from rloo_utils.generation import tokenize_prompts
 from rloo_utils.packing import logprobs_through_output_layer
 
@@ -201,7 +200,7 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"], vllm_server_weight_transfer="nccl")
     with pytest.raises(UsageError, match="sends the weights from a GPU, and there is none"):
         check_vllm_args(args, server=args.vllm_mode == "server")
-    assert not nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
+    assert not uses_nccl("auto")  # auto on CPU: shared memory
     # This server was started without --weight-transfer-config: refused when it is found, with the option to add
     with pytest.raises(UsageError) as e:
         VLLMServer(args)
