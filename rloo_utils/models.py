@@ -39,16 +39,23 @@ def embedded_model() -> str:
 MODEL_OPTIONS: dict[str, dict] = {}
 
 
-def set_model_options(args) -> None:
+def set_model_options(
+    *,
+    model_name_or_path: Optional[str],
+    sft_model_path: Optional[str],
+    reward_model_path: Optional[str],
+    trust_remote_code: bool,
+    model_revision: Optional[str],
+) -> None:
     """TRL's model_init_kwargs for every load of the policy's files (config, tokenizer, processor, weights, in every
     process): --model_revision and --trust_remote_code; the reward model's get --trust_remote_code."""
     MODEL_OPTIONS.clear()
-    if args.reward_model_path:
-        MODEL_OPTIONS[args.reward_model_path] = {"trust_remote_code": args.trust_remote_code}
-    for path in filter(None, [args.model_name_or_path, args.sft_model_path]):
+    if reward_model_path:
+        MODEL_OPTIONS[reward_model_path] = {"trust_remote_code": trust_remote_code}
+    for path in filter(None, [model_name_or_path, sft_model_path]):
         MODEL_OPTIONS[path] = {
-            "trust_remote_code": args.trust_remote_code,
-            **({"revision": args.model_revision} if args.model_revision else {}),
+            "trust_remote_code": trust_remote_code,
+            **({"revision": model_revision} if model_revision else {}),
         }
 
 

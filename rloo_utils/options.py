@@ -164,12 +164,19 @@ def parse_args(args_class):
 PARSE_ERROR_WAIT = 10  # seconds another process waits, after a parse error, for rank 0 to say it and exit
 
 
-def batch_sizes(args, world_size: int = 1) -> tuple[int, int, int]:
+def batch_sizes(
+    *,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
+    num_mini_batches: int,
+    total_episodes: int,
+    world_size: int = 1,
+) -> tuple[int, int, int]:
     """(completions per rollout, completions per minibatch, rollouts) over all processes, as in old TRL: the per-device
     sizes times the number of processes."""
-    mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-    batch_size = mini_batch_size * args.num_mini_batches
-    return batch_size, mini_batch_size, args.total_episodes // batch_size
+    mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps * world_size
+    batch_size = mini_batch_size * num_mini_batches
+    return batch_size, mini_batch_size, total_episodes // batch_size
 
 
 # Paths a user may write with ~ (expanded before anything else sees them)
@@ -257,10 +264,21 @@ def check_args(args, world_size: int = 1) -> None:
             f"--max_sampling_rounds {args.max_sampling_rounds} bounds --dynamic_sampling's rounds, and the run does "
             "not sample dynamically: add --dynamic_sampling, or leave the option out"
         )
-    check_schedule(args)
+    check_schedule(
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler_type,
+        lr_scheduler_kwargs=args.lr_scheduler_kwargs,
+        learning_rate=args.learning_rate,
+    )
     if args.num_generations < 2:
         raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
-    batch_size, _, num_updates = batch_sizes(args, world_size)
+    batch_size, _, num_updates = batch_sizes(
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        num_mini_batches=args.num_mini_batches,
+        total_episodes=args.total_episodes,
+        world_size=world_size,
+    )
     if batch_size // world_size % args.num_generations:  # the completions of a prompt stay on one process
         raise UsageError(
             f"the rollout batch{' of each process' if world_size > 1 else ''} (per_device_train_batch_size "
@@ -289,4 +307,10 @@ def check_args(args, world_size: int = 1) -> None:
     for group in option_groups(type(args)):  # each feature's own checks, beside its options
         if "check" in vars(group):
             group.check(args)
-    set_model_options(args)
+    set_model_options(
+        model_name_or_path=args.model_name_or_path,
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path,
+        trust_remote_code=args.trust_remote_code,
+        model_revision=args.model_revision,
+    )

@@ -198,7 +198,17 @@ class BaseSampler:
         )  # (B, P)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
         generate_turn = functools.partial(self.next_turn, config=config, seeds=seeds)
-        turns.generate(generate_turn, rows, tokenizer, self.stop_ids, args, in_step=self.turns_in_step)
+        turns.generate(
+            generate_turn,
+            rows,
+            tokenizer,
+            self.stop_ids,
+            max_completion_length=args.max_completion_length,
+            max_tool_calling_iterations=args.max_tool_calling_iterations,
+            tool_timeout=args.tool_timeout,
+            chat_template_kwargs=args.chat_template_kwargs,
+            in_step=self.turns_in_step,
+        )
         self.tool_use.read_rewards(turns, args.reward_timeout)  # the environments' get_reward, as the rollout ends
         completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
             tokenizer.pad_token_id, self.device

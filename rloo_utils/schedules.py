@@ -3,6 +3,7 @@ schedule (lr_scheduler); and its options checked before anything is loaded (chec
 
 import json
 import math
+from typing import Optional
 
 from rloo_utils.errors import UsageError
 
@@ -24,20 +25,22 @@ SCHEDULE_ARGUMENTS = {
 }
 
 
-def check_schedule(args) -> None:
+def check_schedule(
+    *, warmup_steps: float, lr_scheduler_type: str, lr_scheduler_kwargs: Optional[dict], learning_rate: float
+) -> None:
     """--warmup_steps, and --lr_scheduler_kwargs against the schedule --lr_scheduler_type names (checked here, without
     importing transformers before the run claims its folders)."""
-    if args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps):
+    if warmup_steps >= 1 and warmup_steps != int(warmup_steps):
         raise UsageError(
-            f"--warmup_steps {args.warmup_steps}: give a number of steps (a whole number), or a fraction of "
+            f"--warmup_steps {warmup_steps}: give a number of steps (a whole number), or a fraction of "
             "all optimizer steps below 1"
         )
-    kwargs = args.lr_scheduler_kwargs or {}
+    kwargs = lr_scheduler_kwargs or {}
     for key, value in kwargs.items():
-        if key not in SCHEDULE_ARGUMENTS[args.lr_scheduler_type]:
-            takes = ", ".join(sorted(SCHEDULE_ARGUMENTS[args.lr_scheduler_type])) or "nothing"
+        if key not in SCHEDULE_ARGUMENTS[lr_scheduler_type]:
+            takes = ", ".join(sorted(SCHEDULE_ARGUMENTS[lr_scheduler_type])) or "nothing"
             raise UsageError(
-                f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs {json.dumps(kwargs)}: "
+                f"--lr_scheduler_type {lr_scheduler_type} with --lr_scheduler_kwargs {json.dumps(kwargs)}: "
                 f"{key} is not an argument of that schedule (it takes {takes})"
             )
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -48,17 +51,17 @@ def check_schedule(args) -> None:
             "--lr_scheduler_kwargs: min_lr_rate is the floor as a fraction of --learning_rate, in [0, 1], "
             f"got {kwargs['min_lr_rate']}"
         )
-    if kwargs.get("min_lr", 0) > args.learning_rate:
+    if kwargs.get("min_lr", 0) > learning_rate:
         raise UsageError(
             f"--lr_scheduler_kwargs: min_lr {kwargs['min_lr']} is above --learning_rate "
-            f"{args.learning_rate}, so the schedule would climb to it: give a floor at or below the rate"
+            f"{learning_rate}, so the schedule would climb to it: give a floor at or below the rate"
         )
     if kwargs.get("num_cycles", 1) == 0:
         raise UsageError(
             "--lr_scheduler_kwargs: num_cycles 0 never decays the rate: use --lr_scheduler_type constant, "
             "or a number of cycles > 0 (0.5: one half-cosine to the floor)"
         )
-    if args.lr_scheduler_type == "cosine_with_min_lr" and len({"min_lr", "min_lr_rate"} & set(kwargs)) != 1:
+    if lr_scheduler_type == "cosine_with_min_lr" and len({"min_lr", "min_lr_rate"} & set(kwargs)) != 1:
         raise UsageError(
             "--lr_scheduler_type cosine_with_min_lr needs one of min_lr or min_lr_rate in --lr_scheduler_kwargs "
             "(e.g. '{\"min_lr_rate\": 0.1}': the floor is 10% of --learning_rate)"

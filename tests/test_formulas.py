@@ -469,7 +469,6 @@ def test_lr_schedules_after_a_warmup_of_steps_or_of_a_fraction_of_them():
 
 
 def test_batch_semantics_follow_old_trl():
-    args = rloo.Args(
-        per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2, total_episodes=100
-    )
-    assert batch_sizes(args) == (24, 12, 4)
+    sizes = dict(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2, total_episodes=100)
+    assert batch_sizes(**sizes) == (24, 12, 4)
+    assert batch_sizes(**sizes, world_size=2) == (48, 24, 2)  # the per-device sizes on each of 2 processes

@@ -176,8 +176,6 @@ def scripted(tokenizer, turns_by_row: dict[int, list[str]]):
 def rollout(
     tokenizer, tools, turns_by_row, prompts, max_completion_length=256, max_tool_calling_iterations=None, in_step=False
 ):
-    from types import SimpleNamespace
-
     use = ToolUse(tools, {}, {})
     turns = use.start(prompts, {})
     prompt_ids = [
@@ -186,14 +184,17 @@ def rollout(
     ]
     generate_turn = scripted(tokenizer, turns_by_row)
     generate_turn.prompts, generate_turn.done = prompt_ids, [0] * len(prompts)
-    args = SimpleNamespace(
+    turns.generate(
+        generate_turn,
+        prompt_ids,
+        tokenizer,
+        [tokenizer.eos_token_id],
         max_completion_length=max_completion_length,
         max_tool_calling_iterations=max_tool_calling_iterations,
-        chat_template_kwargs=None,
         tool_timeout=None,
-        reward_timeout=None,
+        chat_template_kwargs=None,
+        in_step=in_step,
     )
-    turns.generate(generate_turn, prompt_ids, tokenizer, [tokenizer.eos_token_id], args, in_step)
     return turns, prompt_ids, generate_turn
 
 

@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import replace
 
 import pytest
 import torch
@@ -43,9 +42,9 @@ from rloo_utils.vllm_sampling import check_engine, pad_completions, sampler_supp
 from rloo_utils.vllm_server import VLLMServer
 from rloo_utils.weight_transfer import (
     NCCL_SERVER_OPTION,
-    nccl_transfer,
     nccl_workers,
     rendezvous_address,
+    uses_nccl,
     weights_for_vllm,
 )
 from rloo_utils.generation import tokenize_prompts
@@ -202,7 +201,7 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
     args = vllm_args(tiny, vllm_mode="server", vllm_server_base_url=server["url"], vllm_server_weight_transfer="nccl")
     with pytest.raises(UsageError, match="sends the weights from a GPU, and there is none"):
         check_vllm_args(args, server=args.vllm_mode == "server")
-    assert not nccl_transfer(replace(args, vllm_server_weight_transfer="auto"))  # auto on CPU: shared memory
+    assert not uses_nccl("auto")  # auto on CPU: shared memory
     # This server was started without --weight-transfer-config: refused when it is found, with the option to add
     with pytest.raises(UsageError) as e:
         VLLMServer(args)
