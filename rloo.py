@@ -36,7 +36,7 @@ from rich.console import Console
 from rloo_utils import checkpoints, data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options
 from rloo_utils import packing, rollouts, schedules, set_up, vision
 from rloo_utils.models import set_up_cuda, weights_finite
-from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores, whiten_nan
+from rloo_utils.rewards import group_std, shaped_scores, task_scores
 from rloo_utils.scoring import Scorer, TrainerState
 
 
@@ -497,51 +497,21 @@ def main(args: Args) -> None:
     logprobs_of = completion_logprobs
     if args.padding_free:
         logprobs_of = packing.padding_free_logprobs(
-            policy, plan.image_column is not None, console, autocast, args.fused_output_layer
+            policy, plan.image_column, console, autocast, args.fused_output_layer
         )
-    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout (and its configs: sampling, greedy for the sample tables, the
     # evaluation's), a rollout to rewards, more rounds of both (--dynamic_sampling), the sample tables and evaluation
     sampler = rollouts.HFSampler.for_run(args, models, plan, device, autocast, console, logprobs_of)
     generation_config, greedy_config, eval_config = sampler.configs
     packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
-    scorer = Scorer(
-        tokenizer=models.tokenizer,
-        reward_tokenizer=models.reward_tokenizer,
-        reward_model=models.reward_model,
-        reward_funcs=plan.reward_funcs,
-        reward_names=plan.reward_names,
-        reward_weights=plan.reward_weights,
-        tool_use=plan.tool_use,
-        trainer_state=trainer_state,
-        device=device,
-        autocast=autocast,
-        console=console,
-        padding_free=args.padding_free,
-        local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
-        chat_template_kwargs=args.chat_template_kwargs,
-        reward_timeout=args.reward_timeout,
-    )
+    scorer = Scorer.for_run(args, models, plan, trainer_state, device, autocast, console)
     logger = logs.open_logger(args, plan, run_dir, console, num_updates)  # a resumed run's logs go on
-    evaluator = evaluation.Evaluator(
-        args, plan, sampler, scorer, greedy_config, eval_config, sampler.eos_ids, console, logger
-    )
+    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, console, logger)
     resampler = rollouts.DynamicSampling(
-        sampler,
-        scorer,
-        plan.train_dataset,
-        generation_config,
-        num_generations=G,
-        max_rounds=args.max_sampling_rounds,
-        seed=args.seed,
-        penalty=args.missing_eos_penalty,
+        sampler, scorer, plan.train_dataset, G, args.max_sampling_rounds, args.seed, args.missing_eos_penalty
     )
-    console.print(
-        set_up.first_line(
-            plan, run_dir, device, num_generations=G, num_optimizer_steps=num_optimizer_steps, bf16=args.bf16
-        )
-    )
+    console.print(set_up.first_line(plan, run_dir, device, G, num_optimizer_steps, args.bf16))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -553,12 +523,7 @@ def main(args: Args) -> None:
     batches = data.prompt_batches(plan.train_dataset, prompts_per_rollout, args.seed, skip=progress.update)
     for update in range(progress.update + 1, num_updates + 1):
         timer = logs.StageTimer()
-        if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
-            with timer("sample_table"):
-                evaluator.sample_table(progress.episode)
-        # the policy so far on the held-out prompts (update 0: before training)
-        if progress.update in plan.evaluate_after:
-            evaluator.evaluate(progress.update, progress.episode)
+        evaluator.before_update(update, progress.episode, timer)  # the sample tables, the held-out evaluation
         update_start = time.perf_counter()
 
         # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
@@ -579,11 +544,9 @@ def main(args: Args) -> None:
             rollout, rewards_per_func, scores, completions, sampled = resampler.refill(
                 rollout, rewards_per_func, scores, completions, update, timer
             )
-        check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
-        if args.normalize_reward:
-            scores = whiten_nan(scores, eps=1e-8)
-        if args.reward_clip_range is not None:
-            scores = scores.clamp(*clip_bounds(args.reward_clip_range))
+        scores = shaped_scores(
+            scores, update, args.normalize_reward, args.reward_clip_range
+        )  # checked, whitened, clipped
 
         sampler.rollout_done(rollout, timer)  # sampling is over: a copy's log-probs of it (--sampler_weights)
 
@@ -621,16 +584,10 @@ def main(args: Args) -> None:
 
         # Off-policy correction: a copy of the policy in other numerics sampled; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
-        loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
+        correction = off_policy.Correction(advantages)  # none
         if is_correction:
-            loss_advantages, is_weights, is_ratios, off_policy_kept = off_policy.correction(
-                old_logprobs,
-                rollout.sampling_logprobs,
-                mask,
-                advantages,
-                args.importance_sampling_mode,
-                args.importance_sampling_bounds(),
-                args.off_policy_mask_threshold,
+            correction = off_policy.correction(
+                old_logprobs, rollout.sampling_logprobs, mask, advantages, *args.correction_options()
             )
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
@@ -670,7 +627,7 @@ def main(args: Args) -> None:
                             args,
                             logprobs,
                             old_logprobs[idx],
-                            loss_advantages[idx],
+                            correction.advantages[idx],
                             mask[idx],
                             in_loss[idx],
                             mini_batch_size,
@@ -716,9 +673,7 @@ def main(args: Args) -> None:
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, sampler.eos_ids),  # policy's
             **logs.tool_metrics(*rollout.tool_counts()),
             **sampled,
-            **off_policy.sampling_metrics(
-                old_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
-            ),
+            **off_policy.sampling_metrics(old_logprobs, rollout.sampling_logprobs, mask, correction),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -742,20 +697,12 @@ def main(args: Args) -> None:
         logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
             rows = logs.completion_rows(
-                [data.message_text(p) for p in logs.gather_objects(rollout.prompts)],
-                logs.gather_objects(completions),
-                rewards_per_func,
-                scorer.names,
-                advantages[:, 0],
-                logged_columns,
+                rollout.prompts, completions, rewards_per_func, scorer.names, advantages[:, 0], logged_columns
             )
             logs.show_samples(console, logger, rows, progress.episode, "completions", args.num_completions_to_print)
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
         guard.update_done(progress)
-    if sample_every:
-        evaluator.sample_table(progress.episode)  # the trained policy
-    if progress.update in plan.evaluate_after:
-        evaluator.evaluate(progress.update, progress.episode)
+    evaluator.after_training(progress.update, progress.episode)  # the trained policy's
 
     # ---- Output ------------------------------------------------------------------------------------------------------
     checkpoints.save_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter

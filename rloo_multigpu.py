@@ -47,7 +47,7 @@ from rloo_utils import rollout_queue, rollouts, schedules, set_up, vision
 from rloo_utils.models import set_up_cuda, weights_finite
 from rloo_utils.processes import agreed, all_gather_prompts, all_reduce, end_processes, gather_rows, init_processes
 from rloo_utils.processes import launch_world_size, max_over_processes, reduce_micro_stats
-from rloo_utils.rewards import check_reward_range, clip_bounds, group_std, task_scores, whiten_nan
+from rloo_utils.rewards import group_std, shaped_scores, task_scores
 from rloo_utils.scoring import TrainerState
 from rloo_utils.sharded import ShardedScorer, ShardingOptions, load_sharded_checkpoint, load_sharded_models, reshard
 from rloo_utils.sharded import save_sharded_checkpoint, save_sharded_model
@@ -528,10 +528,9 @@ def main(args: Args) -> None:
     logprobs_of = completion_logprobs
     if args.padding_free:
         logprobs_of = packing.padding_free_logprobs(
-            policy, plan.image_column is not None, console, autocast, args.fused_output_layer
+            policy, plan.image_column, console, autocast, args.fused_output_layer
         )
     local_mini_batch_size = mini_batch_size // world_size
-    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
     # The loop's seams: prompts to a rollout (and its configs: sampling, greedy for the sample tables, the
     # evaluation's), a rollout to rewards, more rounds of both (--dynamic_sampling), the sample tables and evaluation
@@ -540,49 +539,14 @@ def main(args: Args) -> None:
     generation_config, greedy_config, eval_config = sampler.configs
     support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
     packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
-    scorer = ShardedScorer(
-        tokenizer=models.tokenizer,
-        reward_tokenizer=models.reward_tokenizer,
-        reward_model=models.reward_model,
-        reward_funcs=plan.reward_funcs,
-        reward_names=plan.reward_names,
-        reward_weights=plan.reward_weights,
-        tool_use=plan.tool_use,
-        trainer_state=trainer_state,
-        device=device,
-        autocast=autocast,
-        console=console,
-        padding_free=args.padding_free,
-        local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
-        chat_template_kwargs=args.chat_template_kwargs,
-        reward_timeout=args.reward_timeout,
-    )
+    scorer = ShardedScorer.for_run(args, models, plan, trainer_state, device, autocast, console)
     with agreed():
         logger = logs.open_logger(args, plan, run_dir, console, num_updates)  # a resumed run's logs go on
-    evaluator = evaluation.Evaluator(
-        args, plan, sampler, scorer, greedy_config, eval_config, sampler.eos_ids, console, logger
-    )
+    evaluator = evaluation.Evaluator(args, plan, sampler, scorer, console, logger)
     resampler = rollouts.DynamicSampling(
-        sampler,
-        scorer,
-        plan.train_dataset,
-        generation_config,
-        num_generations=G,
-        max_rounds=args.max_sampling_rounds,
-        seed=args.seed,
-        penalty=args.missing_eos_penalty,
+        sampler, scorer, plan.train_dataset, G, args.max_sampling_rounds, args.seed, args.missing_eos_penalty
     )
-    console.print(
-        set_up.first_line(
-            plan,
-            run_dir,
-            device,
-            world_size,
-            num_generations=G,
-            num_optimizer_steps=num_optimizer_steps,
-            bf16=args.bf16,
-        )
-    )
+    console.print(set_up.first_line(plan, run_dir, device, G, num_optimizer_steps, args.bf16, world_size))
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
@@ -603,12 +567,7 @@ def main(args: Args) -> None:
     queue.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
         timer = logs.StageTimer()
-        if sample_every and (update - 1) % sample_every == 0:  # greedy completions of the policy so far
-            with timer("sample_table"):
-                evaluator.sample_table(progress.episode)
-        # the policy so far on the held-out prompts (update 0: before training)
-        if progress.update in plan.evaluate_after:
-            evaluator.evaluate(progress.update, progress.episode)
+        evaluator.before_update(update, progress.episode, timer)  # the sample tables, the held-out evaluation
         update_start = time.perf_counter()
 
         # Rollout: sampled by vLLM from the weights after update queued.version: the policy's own, or with
@@ -682,12 +641,8 @@ def main(args: Args) -> None:
         trainer_sampling_logprobs = gather_rows(trainer_sampling_logprobs) if support is not None else old_logprobs
         tool_counts = all_reduce(torch.tensor(rollout.tool_counts())).tolist() if rollout.turns else (0, 0, 0)
         mask = rollout.policy_mask  # (B, C)
-        with agreed():  # every process holds the whole batch: they stop together
-            check_reward_range(scores, update)  # overflow in float32: one line, not skipped steps or advantages of 0
-        if args.normalize_reward:
-            scores = whiten_nan(scores, eps=1e-8)
-        if args.reward_clip_range is not None:
-            scores = scores.clamp(*clip_bounds(args.reward_clip_range))
+        with agreed():  # every process holds the whole batch: a range check that fails stops them together
+            scores = shaped_scores(scores, update, args.normalize_reward, args.reward_clip_range)
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
         if ref_policy is not None:
@@ -707,16 +662,10 @@ def main(args: Args) -> None:
 
         # Off-policy correction: vLLM sampled from the policy up to its numerics; the loss of each completion (or token)
         # is weighted by its truncated or masked importance ratio, a weight >= 0 on its advantage being one on its loss
-        loss_advantages, is_weights, is_ratios, off_policy_kept = advantages, None, None, None
+        correction = off_policy.Correction(advantages)  # none
         if is_correction:
-            loss_advantages, is_weights, is_ratios, off_policy_kept = off_policy.correction(
-                trainer_sampling_logprobs,
-                rollout.sampling_logprobs,
-                mask,
-                advantages,
-                args.importance_sampling_mode,
-                args.importance_sampling_bounds(),
-                args.off_policy_mask_threshold,
+            correction = off_policy.correction(
+                trainer_sampling_logprobs, rollout.sampling_logprobs, mask, advantages, *args.correction_options()
             )
 
         # Update: num_ppo_epochs passes, each split into num_mini_batches optimizer steps of gradient_accumulation_steps
@@ -762,7 +711,7 @@ def main(args: Args) -> None:
                             args,
                             logprobs,
                             old_logprobs[idx],
-                            loss_advantages[idx],
+                            correction.advantages[idx],
                             mask[idx],
                             in_loss[idx],
                             mini_batch_size,
@@ -819,9 +768,7 @@ def main(args: Args) -> None:
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, sampler.eos_ids),  # policy's
             **logs.tool_metrics(*tool_counts),
             **sampled,
-            **off_policy.sampling_metrics(
-                trainer_sampling_logprobs, rollout.sampling_logprobs, mask, is_weights, is_ratios, off_policy_kept
-            ),
+            **off_policy.sampling_metrics(trainer_sampling_logprobs, rollout.sampling_logprobs, mask, correction),
             **logs.update_metrics(micro, losses, grad_norms, learning_rates),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
@@ -855,20 +802,12 @@ def main(args: Args) -> None:
         logger.log(metrics, progress.episode)
         if args.log_completions:  # TRL's table: the sampled completions with their rewards and advantages
             rows = logs.completion_rows(
-                [data.message_text(p) for p in logs.gather_objects(rollout.prompts)],
-                logs.gather_objects(completions),
-                rewards_per_func,
-                scorer.names,
-                advantages[:, 0],
-                logged_columns,
+                rollout.prompts, completions, rewards_per_func, scorer.names, advantages[:, 0], logged_columns
             )
             logs.show_samples(console, logger, rows, progress.episode, "completions", args.num_completions_to_print)
         # Checkpoint: every save_steps updates, and before stopping on a signal or on too many skipped steps
         guard.update_done(progress)
-    if sample_every:
-        evaluator.sample_table(progress.episode)  # the trained policy
-    if progress.update in plan.evaluate_after:
-        evaluator.evaluate(progress.update, progress.episode)
+    evaluator.after_training(progress.update, progress.episode)  # the trained policy's
 
     # ---- Output ------------------------------------------------------------------------------------------------------
     save_sharded_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter

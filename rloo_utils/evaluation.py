@@ -342,13 +342,14 @@ class Evaluator:
     without it). One for the three scripts: their sampler and scorer do the work; in a run of several processes each
     evaluates its share of the test prompts, and the results are gathered."""
 
-    def __init__(self, args, plan, sampler, scorer, greedy_config, eval_config, eos_ids: list[int], console, logger):
-        """sampler and scorer: the run's seams, which generate and score (its reward weights are the scorer's);
-        greedy_config: the sampler's config for the sample tables, eval_config: the evaluation's; eos_ids: the tokens
-        that end a completion (its length metrics); console and logger: where tables and metrics go.
+    def __init__(self, args, plan, sampler, scorer, console, logger):
+        """sampler and scorer: the run's seams, which generate and score (its reward weights are the scorer's; the
+        sampler's configs, the greedy one for the sample tables and the evaluation's, and its eos_ids, the tokens that
+        end a completion, for its length metrics); console and logger: where tables and metrics go.
         The sample tables: the first --num_sample_prompts prompts of the plan's (set_up.RunPlan) eval_dataset, or of
         its train_dataset where there is no held-out split, with those of their extra_columns they hold (the dataset's
-        columns besides the prompt, which reward functions get).
+        columns besides the prompt, which reward functions get), --num_sample_generations times in a run (0: none),
+        and of the trained policy.
         The evaluation (the plan's eval_prompts, evaluate_after, metric_funcs and metric_names): the test prompts
         (None: none), the updates after which they are evaluated, the --eval_metric_funcs and their names;
         --num_generations_eval completions of each prompt at --eval_temperature (their defaults resolved), a success
@@ -359,9 +360,12 @@ class Evaluator:
         self.eval_prompts, self.evaluate_after = plan.eval_prompts, plan.evaluate_after
         table = (plan.eval_dataset or plan.train_dataset)[: args.num_sample_prompts]  # the test split's, or the train's
         self.table = (table["prompt"], {c: table[c] for c in plan.extra_columns if c in table})  # prompts, columns
-        self.greedy_config, self.eval_config = greedy_config, eval_config
+        _, self.greedy_config, self.eval_config = sampler.configs
+        self.sample_every = (
+            max(1, plan.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+        )
         self.metric_funcs, self.metric_names = plan.metric_funcs, plan.metric_names
-        self.weights, self.eos_ids, self.console, self.logger = scorer.weights, eos_ids, console, logger
+        self.weights, self.eos_ids, self.console, self.logger = scorer.weights, sampler.eos_ids, console, logger
         self.n, self.temperature = args.num_generations_eval, args.eval_temperature
         self.success_threshold = args.eval_success_threshold
         self.forward_batch_size, self.seed = args.local_rollout_forward_batch_size, args.seed
@@ -382,6 +386,22 @@ class Evaluator:
             num_generations_eval=self.n,
             eval_temperature=self.temperature,
         )
+
+    def before_update(self, update: int, step: int, timer) -> None:
+        """Before `update` (from 1): a sample table of the policy so far, every sample_every updates; the held-out
+        evaluation of the policy after update - 1 (0: before training), where the plan says."""
+        if self.sample_every and (update - 1) % self.sample_every == 0:
+            with timer("sample_table"):
+                self.sample_table(step)
+        if update - 1 in self.evaluate_after:
+            self.evaluate(update - 1, step)
+
+    def after_training(self, update: int, step: int) -> None:
+        """After the last update: the trained policy's sample table, and its held-out evaluation where the plan says."""
+        if self.sample_every:
+            self.sample_table(step)
+        if update in self.evaluate_after:
+            self.evaluate(update, step)
 
     def sample_table(self, step: int) -> None:
         """Greedy completions of the table's prompts (the test split's first --num_sample_prompts, or the train

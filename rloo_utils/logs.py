@@ -16,6 +16,7 @@ import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from rloo_utils.data import message_text
 from rloo_utils.errors import UsageError
 from rloo_utils.processes import get_rank
 from rloo_utils.rewards import group_std, weighted_reward
@@ -248,7 +249,7 @@ def gather_objects(items: list) -> list:
 
 
 def completion_rows(
-    prompts: list[str],
+    prompts: list,
     completions: list[str],
     rewards_per_func: torch.Tensor,
     reward_names: list[str],
@@ -257,7 +258,9 @@ def completion_rows(
 ) -> list[dict]:
     """The rows of TRL's table of sampled completions (--log_completions): prompt, completion, each reward source's
     value (NaN: it returned None), the advantage, then the columns reward functions logged (log_extra), each under its
-    own name unless the table has a column of that name: then as `log_extra/<name>`."""
+    own name unless the table has a column of that name: then as `log_extra/<name>`. The prompts (text or messages)
+    and completions of every process, gathered (its rewards and advantages are the whole batch's already)."""
+    prompts, completions = [message_text(p) for p in gather_objects(prompts)], gather_objects(completions)
     rewards, advantages = rewards_per_func.tolist(), advantages.tolist()
     own = {"step", "prompt", "completion", "advantage", *reward_names}  # (step: each row's, in completions.jsonl)
     logged = {name if name not in own else f"log_extra/{name}": values for name, values in logged_columns.items()}

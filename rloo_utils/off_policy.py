@@ -46,6 +46,10 @@ class ImportanceSamplingOptions:
     ] = None
     """mask a completion with A < 0 whose mean log pi_sampler - log pi_trainer exceeds this (DeepSeek-V3.2)"""
 
+    def correction_options(self) -> tuple:
+        """correction()'s mode, bounds and mask threshold."""
+        return self.importance_sampling_mode, self.importance_sampling_bounds(), self.off_policy_mask_threshold
+
     def importance_sampling_bounds(self) -> tuple[Optional[float], Optional[float]]:
         """The bounds of the importance ratio in this mode: the geometric mean's own, or [clip_min, clip_max]."""
         if self.importance_sampling_mode == "sequence_geometric_mask":
@@ -90,19 +94,30 @@ class ImportanceSamplingOptions:
 
 
 # ---- The correction --------------------------------------------------------------------------------------------------
+@dataclass
+class Correction:
+    """The off-policy correction of a rollout: the (B, C) advantages the loss takes; for the logs the (B, 1) or (B, C)
+    importance weights, the ratios before their bounds (what the bounds cut) and the (B, 1) completions kept (with
+    --off_policy_mask_threshold). Correction(advantages): none, the policy sampled."""
+
+    advantages: torch.Tensor
+    weights: Optional[torch.Tensor] = None
+    ratios: Optional[torch.Tensor] = None
+    kept: Optional[torch.Tensor] = None
+
+
 def correction(trainer_logprobs, sampling_logprobs, mask, advantages, mode: str, bounds: tuple, mask_threshold):
     """The off-policy correction of a sampler whose numerics differ from the policy's (vLLM; a copy in bfloat16): the
     (B, C) advantages weighted by the truncated or masked importance ratio of each completion (or token), a weight >= 0
     on its advantage being one on its loss, and with a mask_threshold (--off_policy_mask_threshold) the completions the
-    sampler drifted from (A < 0) left out; for the logs also the (B, 1) or (B, C) weights, the ratios before the bounds
-    (what the bounds cut) and the (B, 1) completions kept (or None)."""
+    sampler drifted from (A < 0) left out. mode, bounds, mask_threshold: the options group's correction_options()."""
     ratios = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, None, None)
     weights = importance_sampling_weights(trainer_logprobs, sampling_logprobs, mask, mode, *bounds)
     loss_advantages, kept = advantages * weights, None
     if mask_threshold is not None:
         kept = off_policy_sequence_mask(trainer_logprobs, sampling_logprobs, mask, advantages[:, 0], mask_threshold)
         loss_advantages = loss_advantages * kept
-    return loss_advantages, weights, ratios, kept
+    return Correction(loss_advantages, weights, ratios, kept)
 
 
 def importance_sampling_weights(old_logprobs, sampling_logprobs, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
@@ -202,17 +217,10 @@ def refresh_copy(copy, policy) -> None:
         tensors[name].copy_(tensor)
 
 
-def sampling_metrics(
-    old_logprobs,
-    sampling_logprobs: Optional[torch.Tensor],
-    mask,
-    weights: Optional[torch.Tensor],
-    ratios: Optional[torch.Tensor],
-    off_policy_kept: Optional[torch.Tensor] = None,
-) -> dict:
+def sampling_metrics(old_logprobs, sampling_logprobs: Optional[torch.Tensor], mask, correction: Correction) -> dict:
     """TRL's names: per-token |log pi_trainer - log pi_sampler| over real tokens, and the importance weights' range;
     the sampler-trainer KL(pi_sampler || pi_trainer) per token, Schulman's k3 estimator (r - 1 - log r, r = pi_trainer
-    / pi_sampler) on the sampler's samples; the share of the importance ratios (`ratios`, before the bounds) that the
+    / pi_sampler) on the sampler's samples; the share of the correction's importance ratios (before the bounds) that the
     bounds truncated or masked; with the off-policy sequence mask, the share of completions it masked. None where the
     policy sampled (sampling_logprobs None)."""
     if sampling_logprobs is None:
@@ -225,9 +233,10 @@ def sampling_metrics(
         "sampling/sampling_logp_difference/max": float(gap.max()) if real.any() else 0.0,
         "sampling/kl": float((log_ratio.exp() - 1 - log_ratio).mean()) if real.any() else 0.0,
     }
-    if weights is not None:
+    if correction.weights is not None:
+        weights = correction.weights
         per_unit = (lambda x: x.flatten()) if weights.shape[1] == 1 else (lambda x: x[real])  # completions or tokens
-        flat, unbounded = per_unit(weights), per_unit(ratios)
+        flat, unbounded = per_unit(weights), per_unit(correction.ratios)
         metrics.update(
             {
                 f"sampling/importance_sampling_ratio/{name}": float(getattr(flat, name)()) if len(flat) else 0.0
@@ -236,6 +245,6 @@ def sampling_metrics(
         )
         clipped = (flat != unbounded).float()
         metrics["sampling/importance_sampling_ratio/clipped_fraction"] = float(clipped.mean()) if len(flat) else 0.0
-    if off_policy_kept is not None:
-        metrics["sampling/off_policy_masked_fraction"] = float(1 - off_policy_kept.mean())
+    if correction.kept is not None:
+        metrics["sampling/off_policy_masked_fraction"] = float(1 - correction.kept.mean())
     return metrics

@@ -479,7 +479,7 @@ def rollout_logprobs(model, rollout, logprobs_of, autocast, chunk: int, temperat
     return torch.cat(chunks).float() if support is None else tuple(torch.cat(c).float() for c in zip(*chunks))
 
 
-def padding_free_logprobs(model, images: bool, console, autocast, fused_output_layer: str = "auto") -> Callable:
+def padding_free_logprobs(model, image_column, console, autocast, fused_output_layer: str = "auto") -> Callable:
     """What --padding_free computes the log-probs of `model`'s completions with: chunked_completion_logprobs on the
     layout packing_layout probes (packed rows; padded ones where the model cannot be packed, or holds images), once
     check_output_layer has made sure that the output layer's inputs give the model's logits. fused_output_layer
@@ -495,7 +495,7 @@ def padding_free_logprobs(model, images: bool, console, autocast, fused_output_l
         fused = False
     return functools.partial(
         chunked_completion_logprobs,
-        packing=packing_layout(model, True, images, console, "policy", autocast),
+        packing=packing_layout(model, True, bool(image_column), console, "policy", autocast),
         fused=fused,
     )
 

@@ -445,3 +445,17 @@ def whiten_nan(x: torch.Tensor, eps: float) -> torch.Tensor:
     if valid.numel() < 2:
         return x - valid.mean() if valid.numel() else x
     return (x - valid.mean()) / (valid.std() + eps)
+
+
+def shaped_scores(
+    scores: torch.Tensor, update: int, normalize: bool, clip_range: Optional[list[float]]
+) -> torch.Tensor:
+    """(B,) the scores as they enter the reward: checked (check_reward_range: an overflow in float32 is one line, not
+    skipped steps or advantages of 0), whitened over the batch (normalize: --normalize_reward, old TRL), then clipped
+    (clip_range: --reward_clip_range)."""
+    check_reward_range(scores, update)
+    if normalize:
+        scores = whiten_nan(scores, eps=1e-8)
+    if clip_range is not None:
+        scores = scores.clamp(*clip_bounds(clip_range))
+    return scores

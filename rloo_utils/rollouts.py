@@ -409,9 +409,9 @@ class DynamicSampling:
     the reward with its KL penalty, under which almost no group is uniform."""
 
     def __init__(
-        self, sampler: BaseSampler, scorer, dataset, config, num_generations: int, max_rounds: int, seed: int, penalty
+        self, sampler: BaseSampler, scorer, dataset, num_generations: int, max_rounds: int, seed: int, penalty
     ):
-        self.sampler, self.scorer, self.dataset, self.config = sampler, scorer, dataset, config
+        self.sampler, self.scorer, self.dataset, self.config = sampler, scorer, dataset, sampler.configs[0]  # sampling
         self.num_generations, self.max_rounds, self.seed, self.missing_eos_penalty = (
             num_generations,
             max_rounds,

@@ -138,6 +138,29 @@ class Scorer:
     returned None). The functions get what TRL gives them (prompts, completions, completion_ids, the dataset's columns,
     trainer_state, log_extra and log_metric; in multi-turn rollouts the conversations and environments)."""
 
+    @classmethod
+    def for_run(cls, args, models, plan, trainer_state: TrainerState, device, autocast, console) -> "Scorer":
+        """The run's scorer: the models' reward model and tokenizers, the plan's reward functions, their names and
+        weights, and its tools; the options --padding_free, --local_rollout_forward_batch_size, --chat_template_kwargs
+        and --reward_timeout."""
+        return cls(
+            tokenizer=models.tokenizer,
+            reward_tokenizer=models.reward_tokenizer,
+            reward_model=models.reward_model,
+            reward_funcs=plan.reward_funcs,
+            reward_names=plan.reward_names,
+            reward_weights=plan.reward_weights,
+            tool_use=plan.tool_use,
+            trainer_state=trainer_state,
+            device=device,
+            autocast=autocast,
+            console=console,
+            padding_free=args.padding_free,
+            local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
+            chat_template_kwargs=args.chat_template_kwargs,
+            reward_timeout=args.reward_timeout,
+        )
+
     def __init__(
         self,
         *,

@@ -58,14 +58,7 @@ class RunPlan:
 
 
 def first_line(
-    plan: RunPlan,
-    run_dir: str,
-    device,
-    world_size: int = 1,
-    *,
-    num_generations: int,
-    num_optimizer_steps: int,
-    bf16: bool,
+    plan: RunPlan, run_dir: str, device, num_generations: int, num_optimizer_steps: int, bf16: bool, world_size: int = 1
 ) -> str:
     """The run's first line: its size (plan's updates and batch of num_generations completions per prompt, over
     world_size processes, in num_optimizer_steps optimizer steps in all), where it computes and in what precision

@@ -1331,15 +1331,7 @@ def test_the_startup_benchmark_knows_the_first_line_runs_py_prints_and_tables_th
 
     for world_size, checkpoint in [(1, None), (2, "runs/x/checkpoints/2")]:
         plan = types.SimpleNamespace(num_updates=3, batch_size=16, checkpoint=checkpoint)
-        line = first_line(
-            plan,
-            "runs/r__1__7",
-            types.SimpleNamespace(type="cpu"),
-            world_size,
-            num_generations=4,
-            num_optimizer_steps=3,
-            bf16=False,
-        )
+        line = first_line(plan, "runs/r__1__7", types.SimpleNamespace(type="cpu"), 4, 3, False, world_size)
         assert startup.is_first_line(line)
     assert not startup.is_first_line("cached a de-quantised copy of a.gguf in b: later runs start from it")
     assert not startup.is_first_line("held-out evaluation on 16 prompts of split test x 4 completions")

@@ -97,6 +97,7 @@ class ScriptedSampler:
 
     def __init__(self):
         self.tokenizer = SimpleNamespace(pad_token_id=0)
+        self.configs = (None, None, None)  # sampling, greedy, the evaluation's
         self.asked = []
 
     def seeds_for(self, update, round_, num_rows):
@@ -126,9 +127,7 @@ class ScriptedScorer:
 
 
 def refill_of(sampler, scorer, dataset, max_rounds: int):
-    return DynamicSampling(
-        sampler, scorer, dataset, None, num_generations=G, max_rounds=max_rounds, seed=5, penalty=None
-    )
+    return DynamicSampling(sampler, scorer, dataset, num_generations=G, max_rounds=max_rounds, seed=5, penalty=None)
 
 
 def dataset_of(n: int):

@@ -16,7 +16,7 @@ import rloo_multigpu
 import rloo_vllm
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils import off_policy
-from rloo_utils.off_policy import ImportanceSamplingOptions, sampling_metrics
+from rloo_utils.off_policy import Correction, ImportanceSamplingOptions, sampling_metrics
 from rloo_utils.rollout_queue import RolloutQueue
 from rloo_utils.vllm_options import check_vllm_args
 from tests.conftest import (
@@ -212,7 +212,7 @@ def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     ratios = off_policy.importance_sampling_weights(old, sampled, mask, "token_truncate", None, None)
     weights = off_policy.importance_sampling_weights(old, sampled, mask, "token_truncate", None, 1.2)
-    metrics = sampling_metrics(old, sampled, mask, weights, ratios)
+    metrics = sampling_metrics(old, sampled, mask, Correction(None, weights, ratios))
     log_r = torch.tensor([0.5, -1.0, 0.0, 0.0, -3.5])  # over the 5 real tokens
     k3 = float((log_r.exp() - 1 - log_r).mean())
     assert metrics["sampling/kl"] == pytest.approx(k3, rel=1e-6)
@@ -220,7 +220,7 @@ def test_the_sampler_trainer_kl_and_the_share_of_truncated_weights_by_hand():
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 5)  # exp(0.5) > 1.2
     sequence_ratios = off_policy.importance_sampling_weights(old, sampled, mask, "sequence_mask", None, None)
     sequence = off_policy.importance_sampling_weights(old, sampled, mask, "sequence_mask", 0.5, 3.0)
-    metrics = sampling_metrics(old, sampled, mask, sequence, sequence_ratios)
+    metrics = sampling_metrics(old, sampled, mask, Correction(None, sequence, sequence_ratios))
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(1 / 2)  # exp(-3.5) masked
 
 
@@ -240,7 +240,7 @@ def test_the_two_sequence_masks_by_hand():
     assert kept.flatten().tolist() == [pytest.approx(ratios[0, 0].item()), 0.0, 0.0]  # exp(-0.02) < 0.99 masked
     # the product ratio of row 0 is exp(-0.02): a sequence_mask with the same bounds would keep it, and its length
     # decides that (30 such tokens would be masked by a product, never by the mean)
-    metrics = sampling_metrics(old, sampled, mask, kept, ratios)
+    metrics = sampling_metrics(old, sampled, mask, Correction(None, kept, ratios))
     assert metrics["sampling/importance_sampling_ratio/clipped_fraction"] == pytest.approx(2 / 3)
 
     advantages = torch.tensor([-1.0, -1.0, 1.0])
@@ -253,7 +253,7 @@ def test_the_two_sequence_masks_by_hand():
         0.0,
         1.0,
     ]
-    metrics = sampling_metrics(old, sampled, mask, None, None, kept)
+    metrics = sampling_metrics(old, sampled, mask, Correction(None, kept=kept))
     assert metrics["sampling/off_policy_masked_fraction"] == pytest.approx(1 / 3)
 
 
