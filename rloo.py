@@ -18,24 +18,21 @@ logs.update_metrics(...).
 """
 
 import functools
-import math
 import os
-import random
 import signal
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Callable, Literal, Optional
 
-import numpy as np
 import torch
+import transformers
 import tyro
 from rich.console import Console
 
 from rloo_utils import checkpoints, data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options
 from rloo_utils import packing, rollouts, schedules, set_up, vision
-from rloo_utils.models import set_up_cuda, weights_finite
+from rloo_utils.models import optimizer_step, set_up_cuda
 from rloo_utils.rewards import group_std, shaped_scores, task_scores
 from rloo_utils.scoring import Scorer, TrainerState
 
@@ -438,23 +435,6 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
     return loss, stats
 
 
-def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
-    weights or Adam's moments; a step that leaves a weight non-finite stops the run, those weights unsaved. Returns the
-    gradient norm before clipping and whether the step was taken."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
-    if finite:
-        optimizer.step()
-        if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
-            raise errors.NonFiniteWeights(
-                "an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
-                "their dtype's range): they are not kept; lower --learning_rate"
-            )
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, finite
-
-
 # ---- main(): set-up and the training loop ----------------------------------------------------------------------------
 def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
@@ -464,12 +444,9 @@ def main(args: Args) -> None:
     plan = set_up.plan_run(args)  # batch sizes, resume point, data, rewards, eval
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     G = args.num_generations
-    prompts_per_rollout = batch_size // G
     run_dir, output_dir, guard = lifecycle.claim_run(args, plan, batch_size)
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    transformers.set_seed(args.seed)  # python's, numpy's and torch's
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     set_up_cuda(args.tf32)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=args.bf16)  # autocast()
@@ -485,9 +462,7 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = schedules.lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
-    trainer_state = TrainerState(
-        max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(plan.train_dataset))
-    )
+    trainer_state = TrainerState(max_steps=num_optimizer_steps, num_train_epochs=plan.num_train_epochs)
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
     # ones of the training forward (ratio exactly 1). With one epoch and one minibatch that is every step, and
     # log pi_old needs its own forward only for the KL.
@@ -500,8 +475,7 @@ def main(args: Args) -> None:
             policy, plan.image_column, console, autocast, args.fused_output_layer
         )
 
-    # The loop's seams: prompts to a rollout (and its configs: sampling, greedy for the sample tables, the
-    # evaluation's), a rollout to rewards, more rounds of both (--dynamic_sampling), the sample tables and evaluation
+    # The loop's seams: prompts to a rollout, a rollout to rewards, both again (--dynamic_sampling), the evaluation
     sampler = rollouts.HFSampler.for_run(args, models, plan, device, autocast, console, logprobs_of)
     generation_config, greedy_config, eval_config = sampler.configs
     packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
@@ -515,12 +489,11 @@ def main(args: Args) -> None:
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
-    # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
-    # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
-    # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
+    # A resumed run goes on where its checkpoint ends (optimizer, schedule, counters, random generators). From here on
+    # Ctrl-C and SIGTERM stop the run after its update with a checkpoint; a failure leaves one (rloo_utils/lifecycle.py)
     save_weights = functools.partial(checkpoints.save_policy, policy=policy, tokenizer=models.processor or tokenizer)
     progress = guard.start(save_weights, {"optimizer": optimizer, "scheduler": scheduler}, logger, console, num_updates)
-    batches = data.prompt_batches(plan.train_dataset, prompts_per_rollout, args.seed, skip=progress.update)
+    batches = data.prompt_batches(plan.train_dataset, batch_size // G, args.seed, skip=progress.update)
     for update in range(progress.update + 1, num_updates + 1):
         timer = logs.StageTimer()
         evaluator.before_update(update, progress.episode, timer)  # the sample tables, the held-out evaluation
@@ -567,11 +540,10 @@ def main(args: Args) -> None:
                 )  # (B, C)
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
+        kl = torch.zeros_like(mask)  # (B, C): none without a reference (beta 0)
         if ref_policy is not None:
-            kl = per_token_kl(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, C)
-            rlhf_reward, non_score_reward = kl_penalized_reward(scores, kl, mask, args.beta, args.token_level_kl)
-        else:
-            kl, rlhf_reward, non_score_reward = torch.zeros_like(mask), scores, torch.zeros_like(scores)
+            kl = per_token_kl(old_logprobs, ref_logprobs, args.kl_estimator) * mask
+        rlhf_reward, non_score_reward = kl_penalized_reward(scores, kl, mask, args.beta, args.token_level_kl)
 
         # Advantage: the estimator's baseline over the scorable siblings of each group, then its normalisation
         in_loss = has_baseline(rlhf_reward, G)  # (B,) rows that enter the loss (scored, with a scored sibling)
@@ -594,8 +566,7 @@ def main(args: Args) -> None:
         # micro-batches (or those --max_tokens_per_micro_batch packs); each micro-batch adds its share of the minibatch
         # loss (policy_loss) to the gradient.
         policy.train()
-        stats = defaultdict(list)  # per micro-batch: sums over the units of the loss (tokens, or completions), extremes
-        losses, grad_norms, learning_rates = [], [], []  # per optimizer step
+        stats = logs.UpdateStats()  # per micro-batch and per optimizer step
         epoch_generator = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
         row_tokens = packing.row_tokens(rollout.prompt_mask, rollout.completion_mask, args.padding_free)  # (B,)
         for epoch in range(args.num_ppo_epochs):
@@ -635,31 +606,19 @@ def main(args: Args) -> None:
                         )
                         loss.backward()
                     step_loss += loss.detach()
-                    loss_stats.update(
-                        entropy=(entropy * mask[idx]).sum(),
-                        tokens=mask[idx].sum(),
-                        forward_tokens=row_tokens[idx].sum(),
-                    )
-                    for name, value in loss_stats.items():
-                        stats[name].append(value)
+                    stats.add_micro_batch(loss_stats, entropy, mask[idx], row_tokens[idx])
                 with timer("optimizer"):
-                    learning_rates.append(scheduler.get_last_lr()[0])  # the rate this step uses
+                    learning_rate = scheduler.get_last_lr()[0]  # the rate this step uses
                     grad_norm, stepped = optimizer_step(policy, optimizer, args.max_grad_norm, step_loss)
                     scheduler.step()  # a skipped step counts too: the schedule follows the updates
-                losses.append(step_loss)
-                grad_norms.append(grad_norm.detach().float())
-                progress.skipped_steps += not stepped
-                progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
+                stats.add_step(step_loss, grad_norm, learning_rate)
+                progress.count_step(stepped)
         # Weight sync: a copy that samples (--sampler_weights) holds the updated policy, in place
         sampler.sync_weights(timer)
-        progress.update = update
-        progress.episode += batch_size
         num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
-        progress.num_tokens += num_tokens
+        progress.advance(update, batch_size, num_tokens)
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
-        micro = dict(zip(stats, torch.stack([torch.stack(v).float() for v in stats.values()]).tolist()))  # one sync
-        losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
         logged_columns, logged_metrics = scorer.logs.take(len(rollout.prompts))  # what reward functions logged
         generated_tokens = sampled.get("sampling/generated_tokens", float(mask.sum()))  # every round's
@@ -668,13 +627,14 @@ def main(args: Args) -> None:
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
             "eps": progress.episode / (time.time() - progress.start_time),
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
-            "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
+            "step_time": update_seconds
+            / len(stats.losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, sampler.eos_ids),  # policy's
             **logs.tool_metrics(*rollout.tool_counts()),
             **sampled,
             **off_policy.sampling_metrics(old_logprobs, rollout.sampling_logprobs, mask, correction),
-            **logs.update_metrics(micro, losses, grad_norms, learning_rates),
+            **stats.metrics(),
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),

@@ -29,23 +29,21 @@ import contextlib
 import functools
 import math
 import os
-import random
 import signal
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Callable, Literal, Optional
 
-import numpy as np
 import torch
+import transformers
 import tyro
 from rich.console import Console
 
 from rloo_utils import data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options, packing
 from rloo_utils import rollout_queue, rollouts, schedules, set_up, vision
-from rloo_utils.models import set_up_cuda, weights_finite
-from rloo_utils.processes import agreed, all_gather_prompts, all_reduce, end_processes, gather_rows, init_processes
+from rloo_utils.models import optimizer_step, set_up_cuda
+from rloo_utils.processes import agreed, all_reduce, end_processes, gather_rows, init_processes
 from rloo_utils.processes import launch_world_size, max_over_processes, reduce_micro_stats
 from rloo_utils.rewards import group_std, shaped_scores, task_scores
 from rloo_utils.scoring import TrainerState
@@ -455,25 +453,6 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
     return loss, stats
 
 
-def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
-    weights or Adam's moments; a step that leaves a weight non-finite stops the run, those weights unsaved. Returns the
-    gradient norm before clipping and whether the step was taken. `loss` and
-    the norm are global, so every process takes the same decision."""
-    # over all shards; on the loss's device (with --fsdp_cpu_offload the gradients, and so the norm, are in CPU memory)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).full_tensor().to(loss.device)
-    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
-    if finite:
-        optimizer.step()
-        if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
-            raise errors.NonFiniteWeights(
-                "an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
-                "their dtype's range): they are not kept; lower --learning_rate"
-            )
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, finite
-
-
 # ---- main(): set-up and the training loop ----------------------------------------------------------------------------
 def main(args: Args) -> None:
     launch_world_size()  # the rendezvous variables, checked before anything waits for the other processes
@@ -493,13 +472,10 @@ def main(args: Args) -> None:
     batch_size, mini_batch_size, num_updates = plan.batch_size, plan.mini_batch_size, plan.num_updates
     local_batch_size = batch_size // world_size  # the completions each process rolls out
     G = args.num_generations
-    prompts_per_rollout = batch_size // G
     run_dir, output_dir, guard = lifecycle.claim_run(args, plan, batch_size)
 
     seed = (args.seed + 1_000_003 * rank) % 2**32  # each process samples its own completions
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    transformers.set_seed(seed)  # python's, numpy's and torch's
     autocast = contextlib.nullcontext  # bf16 is FSDP's mixed precision (shard)
     console = Console(quiet=rank != 0)
 
@@ -514,9 +490,7 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = schedules.lr_scheduler(optimizer, args, num_optimizer_steps)
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
-    trainer_state = TrainerState(
-        max_steps=num_optimizer_steps, num_train_epochs=math.ceil(args.total_episodes / G / len(plan.train_dataset))
-    )
+    trainer_state = TrainerState(max_steps=num_optimizer_steps, num_train_epochs=plan.num_train_epochs)
     if plan.checkpoint is not None:
         load_sharded_checkpoint(plan.checkpoint, policy, optimizer)
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached
@@ -532,8 +506,7 @@ def main(args: Args) -> None:
         )
     local_mini_batch_size = mini_batch_size // world_size
 
-    # The loop's seams: prompts to a rollout (and its configs: sampling, greedy for the sample tables, the
-    # evaluation's), a rollout to rewards, more rounds of both (--dynamic_sampling), the sample tables and evaluation
+    # The loop's seams: prompts to a rollout, a rollout to rewards, both again (--dynamic_sampling), the evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
     sampler = ShardedSampler.for_run(args, models, plan, device, autocast, console, logprobs_of, server)
     generation_config, greedy_config, eval_config = sampler.configs
@@ -550,9 +523,8 @@ def main(args: Args) -> None:
     console.print(evaluator.plan())
 
     # ---- Training loop -----------------------------------------------------------------------------------------------
-    # A resumed run goes on where its checkpoint ends: optimizer, schedule, counters and random generators (its
-    # weights are loaded above, its logs continued). From here on Ctrl-C and SIGTERM stop the run after its update,
-    # with a checkpoint, and a failure leaves one: of the last complete update, or of the one it cut short.
+    # A resumed run goes on where its checkpoint ends (optimizer, schedule, counters, random generators). From here on
+    # Ctrl-C and SIGTERM stop the run after its update with a checkpoint; a failure leaves one (rloo_utils/lifecycle.py)
     # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
     # (rloo_utils/rollout_queue.py: which weights sample which rollout, and what a checkpoint keeps of them)
     queue = rollout_queue.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
@@ -562,7 +534,7 @@ def main(args: Args) -> None:
         save_weights, stateful, logger, console, num_updates, closing=() if server is None else (server,)
     )
     batches = data.prompt_batches(
-        plan.train_dataset, prompts_per_rollout, args.seed, progress.update, rank, world_size
+        plan.train_dataset, batch_size // G, args.seed, progress.update, rank, world_size
     )  # one per update
     queue.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
@@ -623,18 +595,7 @@ def main(args: Args) -> None:
         # The whole batch on every process, in rank order: the rewards, baselines, normalisations and metrics below are
         # those of one process holding every row; each process then updates on its own rows, from own_rows on.
         # The rollout's images and multi-turn record stay this process's own.
-        prompt_ids, prompt_mask = all_gather_prompts(rollout.prompt_ids, rollout.prompt_mask, tokenizer.pad_token_id)
-        rollout = replace(
-            rollout,
-            prompt_ids=prompt_ids,  # (B, P)
-            prompt_mask=prompt_mask,
-            **{
-                name: gather_rows(getattr(rollout, name)) for name in ["completion_ids", "completion_mask", "tool_mask"]
-            },
-            ended=gather_rows(rollout.ended),  # (B,)
-            num_truncated=int(all_reduce(torch.tensor(rollout.num_truncated))),
-            sampling_logprobs=gather_rows(rollout.sampling_logprobs) if server is not None else None,  # (B, C)
-        )
+        rollout = rollouts.gather_rollout(rollout, tokenizer.pad_token_id)  # (B, P) prompts, (B, C) completions
         old_logprobs, rewards_per_func = gather_rows(old_logprobs), gather_rows(rewards_per_func)  # (B, C), (B, F)
         scores = gather_rows(scores)  # (B,)
         ref_logprobs = gather_rows(ref_logprobs) if ref_policy is not None else None  # (B, C)
@@ -645,11 +606,10 @@ def main(args: Args) -> None:
             scores = shaped_scores(scores, update, args.normalize_reward, args.reward_clip_range)
 
         # KL: folded into the reward, detached, against the policy that sampled (k1 or k3 per token)
+        kl = torch.zeros_like(mask)  # (B, C): none without a reference (beta 0)
         if ref_policy is not None:
-            kl = per_token_kl(old_logprobs, ref_logprobs, args.kl_estimator) * mask  # (B, C)
-            rlhf_reward, non_score_reward = kl_penalized_reward(scores, kl, mask, args.beta, args.token_level_kl)
-        else:
-            kl, rlhf_reward, non_score_reward = torch.zeros_like(mask), scores, torch.zeros_like(scores)
+            kl = per_token_kl(old_logprobs, ref_logprobs, args.kl_estimator) * mask
+        rlhf_reward, non_score_reward = kl_penalized_reward(scores, kl, mask, args.beta, args.token_level_kl)
 
         # Advantage: the estimator's baseline over the scorable siblings of each group, then its normalisation
         in_loss = has_baseline(rlhf_reward, G)  # (B,) rows that enter the loss (scored, with a scored sibling)
@@ -673,8 +633,7 @@ def main(args: Args) -> None:
         # minibatch loss (policy_loss) to the gradient, which FSDP sums over the processes. Each process takes its
         # minibatches from its own rows.
         policy.train()
-        stats = defaultdict(list)  # per micro-batch: sums over the units of the loss (tokens, or completions), extremes
-        losses, grad_norms, learning_rates = [], [], []  # per optimizer step
+        stats = logs.UpdateStats()  # per micro-batch and per optimizer step
         epoch_generator = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
         row_tokens = packing.row_tokens(rollout.prompt_mask, rollout.completion_mask, args.padding_free)  # (B,)
         for epoch in range(args.num_ppo_epochs):
@@ -719,37 +678,25 @@ def main(args: Args) -> None:
                         )
                         loss.backward()
                     step_loss += loss.detach()
-                    loss_stats.update(
-                        entropy=(entropy * mask[idx]).sum(),
-                        tokens=mask[idx].sum(),
-                        forward_tokens=row_tokens[idx].sum(),
-                    )
-                    for name, value in loss_stats.items():
-                        stats[name].append(value)
+                    stats.add_micro_batch(loss_stats, entropy, mask[idx], row_tokens[idx])
                 step_loss = all_reduce(step_loss)  # the global minibatch's loss
                 with timer("optimizer"):
-                    learning_rates.append(scheduler.get_last_lr()[0])  # the rate this step uses
+                    learning_rate = scheduler.get_last_lr()[0]  # the rate this step uses
                     grad_norm, stepped = optimizer_step(policy, optimizer, args.max_grad_norm, step_loss)
                     scheduler.step()  # a skipped step counts too: the schedule follows the updates
-                losses.append(step_loss)
-                grad_norms.append(grad_norm.detach().float())
-                progress.skipped_steps += not stepped
-                progress.skipped_in_a_row = 0 if stepped else progress.skipped_in_a_row + 1
+                stats.add_step(step_loss, grad_norm, learning_rate)
+                progress.count_step(stepped)
         # Weight sync: the next rollout (and sample table) samples from the updated policy
         if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
             with timer("generation_wait"), agreed():
                 queue.before_push()
         sampler.sync_weights(timer)
         queue.pushed(update)  # the rollout they are scheduled to sample is asked for
-        progress.update = update
-        progress.episode += batch_size
         num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
-        progress.num_tokens += num_tokens
+        progress.advance(update, batch_size, num_tokens)
         old_logprobs = gather_rows(old_logprobs[own_rows : own_rows + local_batch_size])  # as the update filled them in
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
-        micro = reduce_micro_stats(stats)  # of the global micro-batches
-        losses, grad_norms = torch.stack(losses + grad_norms).view(2, -1).tolist()
         update_seconds = time.perf_counter() - update_start
         logged_columns, logged_metrics = scorer.logs.take(len(rollout.prompts))  # what reward functions logged
         # the rollout's generation: with --max_staleness the server's own seconds, in the queue's thread (and those of
@@ -763,13 +710,14 @@ def main(args: Args) -> None:
             "global_step": update * steps_per_update,  # optimizer steps, the x-axis of TRL 1.x's runs
             "eps": progress.episode / (time.time() - progress.start_time),
             "num_tokens": progress.num_tokens,  # prompt and completion tokens so far (TRL 1.16)
-            "step_time": update_seconds / len(losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
+            "step_time": update_seconds
+            / len(stats.losses),  # seconds per optimizer step, the rollout included (TRL 1.16)
             **logs.reward_metrics(rewards_per_func, scorer.names, scorer.weights, rlhf_reward, G),
             **logs.completion_metrics(rollout.completion_ids, mask.long(), rollout.ended, sampler.eos_ids),  # policy's
             **logs.tool_metrics(*tool_counts),
             **sampled,
             **off_policy.sampling_metrics(trainer_sampling_logprobs, rollout.sampling_logprobs, mask, correction),
-            **logs.update_metrics(micro, losses, grad_norms, learning_rates),
+            **stats.metrics(reduce_micro_stats),  # of the global micro-batches
             # old-TRL names: the score that enters the reward, and the reward with its KL penalty
             "objective/scores": float(scores.nanmean()),
             "objective/non_score_reward": float(non_score_reward.mean()),

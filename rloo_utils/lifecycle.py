@@ -224,6 +224,15 @@ class Progress:
     skipped_in_a_row: int = 0
     start_time: float = 0.0  # time.time() at the run's start, as if it had never stopped
 
+    def count_step(self, stepped: bool) -> None:
+        """An optimizer step taken, or skipped (non-finite): skipped ones are counted, in all and in a row."""
+        self.skipped_steps += not stepped
+        self.skipped_in_a_row = 0 if stepped else self.skipped_in_a_row + 1
+
+    def advance(self, update: int, completions: int, tokens: int) -> None:
+        """`update` done, on that many completions of that many prompt and completion tokens."""
+        self.update, self.episode, self.num_tokens = update, self.episode + completions, self.num_tokens + tokens
+
 
 class RunGuard:
     """Checkpoints, resume, signals, and what a failure leaves behind: the training loop calls start() before it and

@@ -363,6 +363,37 @@ def update_metrics(
     return metrics
 
 
+class UpdateStats:
+    """What an update's micro-batches and optimizer steps did, kept on the device until the update is logged (one
+    sync): per micro-batch the sums over the units of its loss (policy_loss's statistics), its entropy and tokens; per
+    optimizer step its loss, gradient norm and learning rate."""
+
+    def __init__(self):
+        self.micro, self.losses, self.grad_norms, self.learning_rates = defaultdict(list), [], [], []
+
+    def add_micro_batch(self, loss_stats: dict, entropy, mask, forward_tokens) -> None:
+        """A micro-batch's: loss_stats (policy_loss's), (b, C) entropy and mask, (b,) tokens of its forward."""
+        loss_stats.update(entropy=(entropy * mask).sum(), tokens=mask.sum(), forward_tokens=forward_tokens.sum())
+        for name, value in loss_stats.items():
+            self.micro[name].append(value)
+
+    def add_step(self, loss, grad_norm, learning_rate: float) -> None:
+        """An optimizer step's: its loss, its gradient norm before clipping, the learning rate it used."""
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm.detach().float())
+        self.learning_rates.append(learning_rate)
+
+    def metrics(self, reduce=None) -> dict:
+        """update_metrics of them; reduce (rloo_multigpu.py's reduce_micro_stats): the micro-batches' statistics over
+        every process."""
+        if reduce is not None:
+            micro = reduce(self.micro)
+        else:  # one sync
+            micro = dict(zip(self.micro, torch.stack([torch.stack(v).float() for v in self.micro.values()]).tolist()))
+        losses, grad_norms = torch.stack(self.losses + self.grad_norms).view(2, -1).tolist()
+        return update_metrics(micro, losses, grad_norms, self.learning_rates)
+
+
 class StageTimer:
     """Wall-clock seconds per stage of an update (synchronising CUDA so GPU work is charged to its stage)."""
 

@@ -16,7 +16,7 @@ import torch
 import tyro
 
 from rloo_utils.data import is_chat
-from rloo_utils.errors import UsageError, describe
+from rloo_utils.errors import NonFiniteWeights, UsageError, describe
 from rloo_utils.gguf_cache import load_gguf_copy
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -427,6 +427,26 @@ def weights_finite(params: list[torch.Tensor]) -> bool:
     (a step past the dtype's range). One norm over all of them (of sharded weights, over every shard)."""
     norm = torch.nn.utils.get_total_norm([p.detach() for p in params])
     return bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Clip the gradient and step, unless the loss or the gradient is not finite: one bad batch must not wreck the
+    weights or Adam's moments; a step that leaves a weight non-finite stops the run, those weights unsaved. Returns the
+    gradient norm before clipping and whether the step was taken. Of sharded weights (rloo_multigpu.py) the norm is
+    over all shards and `loss` is global, so every process takes the same decision."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP's DTensor; on the loss's device (with --fsdp_cpu_offload: the CPU's)
+        grad_norm = grad_norm.full_tensor().to(loss.device)
+    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
+    if finite:
+        optimizer.step()
+        if not weights_finite([p for group in optimizer.param_groups for p in group["params"]]):
+            raise NonFiniteWeights(
+                "an optimizer step with a finite loss and gradient left inf/NaN weights (a step past "
+                "their dtype's range): they are not kept; lower --learning_rate"
+            )
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, finite
 
 
 def checkpoint_weights(path: str) -> Optional[tuple[str, dict]]:

@@ -29,7 +29,15 @@ from rloo_utils.generation import (
 )
 from rloo_utils.off_policy import refresh_copy, sampler_dtype, sampler_line, sampling_copy
 from rloo_utils.packing import rollout_logprobs
-from rloo_utils.processes import agreed, all_reduce, get_rank, get_world_size, max_over_processes
+from rloo_utils.processes import (
+    agreed,
+    all_gather_prompts,
+    all_reduce,
+    gather_rows,
+    get_rank,
+    get_world_size,
+    max_over_processes,
+)
 from rloo_utils.rewards import task_scores
 from rloo_utils.tools import MultiTurn
 from rloo_utils.vision import image_token_ids, images_batch, vision_inputs
@@ -390,6 +398,22 @@ class HFSampler(BaseSampler):
         turn_ids, _ = self.generate(context_ids, context_mask, config, None, seeds)  # (b, C)
         turn_mask, _ = completion_mask_from(turn_ids, self.stop_ids, self.eos_ids)
         return [(ids[: min(int(m.sum()), b)].tolist(), None) for ids, m, b in zip(turn_ids, turn_mask, budgets)]
+
+
+def gather_rollout(rollout: Rollout, pad_token_id: int) -> Rollout:
+    """rloo_multigpu.py: the rollout of every process, in rank order, on each (B rows): the prompts padded alike, the
+    completions, masks, ends and sampler's log-probs; the truncated prompts counted over all. Its images and multi-turn
+    record stay this process's own."""
+    prompt_ids, prompt_mask = all_gather_prompts(rollout.prompt_ids, rollout.prompt_mask, pad_token_id)
+    return dataclasses.replace(
+        rollout,
+        prompt_ids=prompt_ids,  # (B, P)
+        prompt_mask=prompt_mask,
+        **{name: gather_rows(getattr(rollout, name)) for name in ["completion_ids", "completion_mask", "tool_mask"]},
+        ended=gather_rows(rollout.ended),  # (B,)
+        num_truncated=int(all_reduce(torch.tensor(rollout.num_truncated))),
+        sampling_logprobs=None if rollout.sampling_logprobs is None else gather_rows(rollout.sampling_logprobs),
+    )
 
 
 def varied_groups(scores: torch.Tensor, num_generations: int) -> torch.Tensor:

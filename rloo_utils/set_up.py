@@ -3,6 +3,7 @@ checkpoint it resumes, its data, its reward sources and held-out prompts, each c
 that holds them whole (rloo_multigpu.py shards its own)."""
 
 import copy
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -40,6 +41,7 @@ class RunPlan:
     batch_size: int  # completions per update, over all processes (B)
     mini_batch_size: int  # completions per optimizer step, over all processes
     num_updates: int
+    num_train_epochs: int  # passes over the training prompts, the last one begun (TRL's trainer_state)
     checkpoint: Optional[str]  # the checkpoint a resumed run continues from; None: a new run
     training_state: Optional[dict]  # its counters and random generators
     tool_use: Optional[ToolUse]  # --tools and --environment; None: single-turn rollouts
@@ -136,6 +138,7 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
         batch_size=batch_size,
         mini_batch_size=mini_batch_size,
         num_updates=num_updates,
+        num_train_epochs=math.ceil(args.total_episodes / args.num_generations / len(train_dataset)),
         checkpoint=checkpoint,
         training_state=training_state,
         tool_use=tool_use,

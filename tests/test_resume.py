@@ -39,6 +39,7 @@ from rloo_utils.checkpoints import (
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.lifecycle import OUTPUT_CLAIM, claim_output_dir, claim_run, claim_run_dir, lock_run_dir
 from rloo_utils.lora import add_adapter
+from rloo_utils.models import optimizer_step
 from rloo_utils.options import resumable_options
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
@@ -435,17 +436,17 @@ def test_optimizer_step_skips_a_non_finite_gradient_or_loss():
 
     model(torch.randn(3, 4)).sum().backward()
     model.bias.grad[0] = torch.nan  # injected
-    grad_norm, stepped = rloo.optimizer_step(model, optimizer, 1.0, torch.tensor(1.0))
+    grad_norm, stepped = optimizer_step(model, optimizer, 1.0, torch.tensor(1.0))
     assert not stepped and grad_norm.isnan()
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights)) and not optimizer.state
     assert all(p.grad is None for p in model.parameters())  # the broken gradient does not leak into the next step
 
     model(torch.randn(3, 4)).sum().backward()
-    assert not rloo.optimizer_step(model, optimizer, 1.0, torch.tensor(float("inf")))[1]  # finite gradient, inf loss
+    assert not optimizer_step(model, optimizer, 1.0, torch.tensor(float("inf")))[1]  # finite gradient, inf loss
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
 
     model(torch.randn(3, 4)).sum().backward()
-    assert rloo.optimizer_step(model, optimizer, 1.0, torch.tensor(1.0))[1]
+    assert optimizer_step(model, optimizer, 1.0, torch.tensor(1.0))[1]
     assert not torch.equal(model.weight, weights[0])
 
 

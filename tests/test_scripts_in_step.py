@@ -17,7 +17,6 @@ from conftest import ROOT, SCRIPTS
 
 INTENDED_DIFFERENCES = {
     "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload, --ddp_timeout and the server's",
-    "optimizer_step": "rloo_multigpu.py: the gradient norm of the FSDP shards is a DTensor",
     "main": "compared hunk by hunk below (INTENDED_IN_MAIN)",
     "completion_logprobs": "the vLLM scripts: also the log-probs renormalised over the tokens vLLM could draw (support)",
 }
@@ -99,7 +98,7 @@ INTENDED_IN_MAIN = {
         "mask = rollout.policy_mask": "a process's rows, then the batch's",
         "ref_policy": "a sharded reference is resharded after its forward",
         "reshard(": "a sharded reference is resharded after its forward",
-        "all_gather_prompts(": "every process's rows gathered: the baselines need every group",
+        "rollouts.gather_rollout(": "every process's rows gathered: the baselines need every group",
         "gather_rows(": "every process's rows gathered: the baselines need every group",
         "all_reduce(": "over every process",
         "own_rows": "each process trains on its own rows of each minibatch",
@@ -110,8 +109,7 @@ INTENDED_IN_MAIN = {
         "(mask[mb] * in_loss[mb, None]).sum().clamp": "the minibatch's tokens over every process",
         "max_over_processes": "every process runs as many micro-batches (FSDP's collectives)",
         "images_batch(rollout.images, idx,": "a process's images are its own rows'",
-        "reduce_micro_stats(": "the statistics of every process's micro-batches",
-        "dict(zip(stats": "the statistics of every process's micro-batches",
+        "stats.metrics(": "the statistics of every process's micro-batches",
         "tool_counts": "tool calls over every process",
         "args.max_staleness": "the queue: a server finishes the rollouts of older weights before the weights change",
         "generation_seconds": "with --max_staleness the generation's seconds are the queue's",
@@ -123,7 +121,6 @@ INTENDED_IN_MAIN = {
         "timer('reward')": "a reward function that fails on one process stops every process",
         "packing.micro_batches(": "every process runs as many micro-batches (FSDP's collectives)",
         "plan.checkpoint": "a resumed run's sharded weights and optimizer",
-        "rollout = replace(rollout, prompt_ids=": "every process's rows gathered: the baselines need every group",
     },
 }
 
