@@ -30,8 +30,8 @@ import transformers
 import tyro
 from rich.console import Console
 
-from rloo_utils import checkpoints, data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options
-from rloo_utils import packing, rollouts, schedules, set_up, vision
+from rloo_utils import checkpoints, data, errors, evaluation, lifecycle, logs, lora, off_policy, options
+from rloo_utils import packing, rollouts, set_up, vision
 from rloo_utils.models import optimizer_step, set_up_cuda
 from rloo_utils.rewards import group_std, shaped_scores, task_scores
 from rloo_utils.scoring import Scorer, TrainerState
@@ -114,12 +114,6 @@ class Args(options.FeatureOptions):
     """passes over each rollout batch (ratio != 1 from the second minibatch on)"""
     learning_rate: float = 3e-5
     """AdamW learning rate"""
-    lr_scheduler_type: Literal["linear", "constant", "cosine", "cosine_with_min_lr"] = "linear"
-    """learning-rate schedule after warm-up: to 0 linearly or along a half cosine, constant, or cosine to a floor"""
-    lr_scheduler_kwargs: json_options.JsonObject = None
-    """the schedule's arguments as JSON (transformers'): '{"min_lr_rate": 0.1}' for cosine_with_min_lr, num_cycles"""
-    warmup_steps: float = 0
-    """optimizer steps of linear warm-up from 0; below 1, a fraction of all optimizer steps (TRL's warmup_ratio)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -460,7 +454,7 @@ def main(args: Args) -> None:
     num_optimizer_steps = num_updates * steps_per_update
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = schedules.lr_scheduler(optimizer, args, num_optimizer_steps)
+    scheduler = args.lr_scheduler(optimizer, num_optimizer_steps)  # warm-up, then --lr_scheduler_type's
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
     trainer_state = TrainerState(max_steps=num_optimizer_steps, num_train_epochs=plan.num_train_epochs)
     # Until the first optimizer step of an update the policy is the one that sampled: its log-probs are the detached

@@ -40,8 +40,8 @@ import transformers
 import tyro
 from rich.console import Console
 
-from rloo_utils import data, errors, evaluation, json_options, lifecycle, logs, lora, off_policy, options, packing
-from rloo_utils import rollout_queue, rollouts, schedules, set_up, vision
+from rloo_utils import data, errors, evaluation, lifecycle, logs, lora, off_policy, options, packing
+from rloo_utils import rollout_queue, rollouts, set_up, vision
 from rloo_utils.models import optimizer_step, set_up_cuda
 from rloo_utils.processes import agreed, all_reduce, end_processes, gather_rows, init_processes
 from rloo_utils.processes import launch_world_size, max_over_processes, reduce_micro_stats
@@ -132,12 +132,6 @@ class Args(options.FeatureOptions, ShardingOptions, ServerOptions):
     """passes over each rollout batch (ratio != 1 from the second minibatch on)"""
     learning_rate: float = 3e-5
     """AdamW learning rate"""
-    lr_scheduler_type: Literal["linear", "constant", "cosine", "cosine_with_min_lr"] = "linear"
-    """learning-rate schedule after warm-up: to 0 linearly or along a half cosine, constant, or cosine to a floor"""
-    lr_scheduler_kwargs: json_options.JsonObject = None
-    """the schedule's arguments as JSON (transformers'): '{"min_lr_rate": 0.1}' for cosine_with_min_lr, num_cycles"""
-    warmup_steps: float = 0
-    """optimizer steps of linear warm-up from 0; below 1, a fraction of all optimizer steps (TRL's warmup_ratio)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -488,7 +482,7 @@ def main(args: Args) -> None:
     num_optimizer_steps = num_updates * steps_per_update
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with --use_peft: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = schedules.lr_scheduler(optimizer, args, num_optimizer_steps)
+    scheduler = args.lr_scheduler(optimizer, num_optimizer_steps)  # warm-up, then --lr_scheduler_type's
     # What reward functions get besides the completions (TRL's trainer_state), and what they log (log_extra, log_metric)
     trainer_state = TrainerState(max_steps=num_optimizer_steps, num_train_epochs=plan.num_train_epochs)
     if plan.checkpoint is not None:

@@ -29,7 +29,7 @@ from rloo_utils.generation import GenerationOptions
 from rloo_utils.off_policy import ImportanceSamplingOptions
 from rloo_utils.paths import looks_local
 from rloo_utils.rewards import FLOAT32_MAX, FLOAT32_TINY, RewardSourceOptions, clip_bounds
-from rloo_utils.schedules import check_schedule
+from rloo_utils.schedules import ScheduleOptions
 from rloo_utils.tools import ToolUseOptions
 
 
@@ -44,6 +44,7 @@ class FeatureOptions(
     EvaluationOptions,
     LoggingOptions,
     CheckpointOptions,
+    ScheduleOptions,
     SpeedOptions,
     ImportanceSamplingOptions,
     OldTrlOptions,
@@ -264,12 +265,6 @@ def check_args(args, world_size: int = 1) -> None:
             f"--max_sampling_rounds {args.max_sampling_rounds} bounds --dynamic_sampling's rounds, and the run does "
             "not sample dynamically: add --dynamic_sampling, or leave the option out"
         )
-    check_schedule(
-        warmup_steps=args.warmup_steps,
-        lr_scheduler_type=args.lr_scheduler_type,
-        lr_scheduler_kwargs=args.lr_scheduler_kwargs,
-        learning_rate=args.learning_rate,
-    )
     if args.num_generations < 2:
         raise UsageError(f"--num_generations must be >= 2 for a leave-one-out baseline, got {args.num_generations}")
     batch_size, _, num_updates = batch_sizes(

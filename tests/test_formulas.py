@@ -11,7 +11,6 @@ from rloo_utils import logs
 from rloo_utils.data import load_prompt_dataset
 from rloo_utils.errors import UsageError
 from rloo_utils.options import batch_sizes
-from rloo_utils.schedules import lr_scheduler
 from rloo_utils.rewards import (
     whiten_nan,
     BUILTIN_REWARD_FUNCS,
@@ -447,7 +446,7 @@ def test_lr_schedules_after_a_warmup_of_steps_or_of_a_fraction_of_them():
     def rates(kind, steps, warmup_steps=2, **kwargs):
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         args = rloo.Args(lr_scheduler_type=kind, warmup_steps=warmup_steps, lr_scheduler_kwargs=kwargs or None)
-        scheduler = lr_scheduler(optimizer, args, total_steps=6)
+        scheduler = args.lr_scheduler(optimizer, total_steps=6)
         rates = []
         for _ in range(steps):
             rates.append(scheduler.get_last_lr()[0])
