@@ -494,9 +494,7 @@ def main(args: Args) -> None:
         update_start = time.perf_counter()
 
         # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
-        batch = next(batches)
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in plan.extra_columns}
+        prompts, columns = data.repeated(next(batches), G)  # (data.repeated: each prompt G times in a row)
         with timer("generation"):
             rollout = sampler.sample(prompts, columns, generation_config)  # (B, P) prompts, (B, C) completions
 
@@ -609,8 +607,7 @@ def main(args: Args) -> None:
                 progress.count_step(stepped)
         # Weight sync: a copy that samples (--sampler_weights) holds the updated policy, in place
         sampler.sync_weights(timer)
-        num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
-        progress.advance(update, batch_size, num_tokens)
+        progress.advance(update, batch_size, rollout.num_tokens)
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
         update_seconds = time.perf_counter() - update_start
@@ -639,7 +636,7 @@ def main(args: Args) -> None:
             "advantages/std": float(advantages[in_loss, 0].std()) if in_loss.sum() > 1 else 0.0,
             "prompts/truncated": rollout.num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
-            "perf/tokens_per_second": num_tokens / update_seconds,
+            "perf/tokens_per_second": rollout.num_tokens / update_seconds,
             "perf/generated_tokens_per_second": generated_tokens / max(timer.seconds["generation"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/update": update_seconds,
@@ -658,10 +655,8 @@ def main(args: Args) -> None:
         guard.update_done(progress)
     evaluator.after_training(progress.update, progress.episode)  # the trained policy's
 
-    # ---- Output ------------------------------------------------------------------------------------------------------
-    checkpoints.save_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
-    if args.save_merged_model:
-        checkpoints.save_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
+    # ---- Output: the trained model (with --use_peft: the adapter; --save_merged_model: also merged) ------------------
+    checkpoints.save_outputs(output_dir, policy, models.processor or tokenizer, args.save_merged_model)
     guard.finished()  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")

@@ -40,7 +40,7 @@ import transformers
 import tyro
 from rich.console import Console
 
-from rloo_utils import data, errors, evaluation, lifecycle, logs, lora, off_policy, options, packing
+from rloo_utils import checkpoints, data, errors, evaluation, lifecycle, logs, lora, off_policy, options, packing
 from rloo_utils import rollout_queue, rollouts, set_up, vision
 from rloo_utils.models import optimizer_step, set_up_cuda
 from rloo_utils.processes import agreed, all_reduce, end_processes, gather_rows, init_processes
@@ -686,8 +686,7 @@ def main(args: Args) -> None:
                 queue.before_push()
         sampler.sync_weights(timer)
         queue.pushed(update)  # the rollout they are scheduled to sample is asked for
-        num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
-        progress.advance(update, batch_size, num_tokens)
+        progress.advance(update, batch_size, rollout.num_tokens)
         old_logprobs = gather_rows(old_logprobs[own_rows : own_rows + local_batch_size])  # as the update filled them in
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
@@ -722,7 +721,7 @@ def main(args: Args) -> None:
             "advantages/std": float(advantages[in_loss, 0].std()) if in_loss.sum() > 1 else 0.0,
             "prompts/truncated": rollout.num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
-            "perf/tokens_per_second": num_tokens / update_seconds,
+            "perf/tokens_per_second": rollout.num_tokens / update_seconds,
             "perf/generated_tokens_per_second": generated_tokens / max(generation_seconds, 1e-9),
             **({"perf/weight_sync_bytes": server.last_push_bytes} if server is not None else {}),  # rank 0 sends
             **{f"time/{k}": v for k, v in timer.seconds.items()},
@@ -751,10 +750,10 @@ def main(args: Args) -> None:
         guard.update_done(progress)
     evaluator.after_training(progress.update, progress.episode)  # the trained policy's
 
-    # ---- Output ------------------------------------------------------------------------------------------------------
-    save_sharded_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
-    if args.save_merged_model:
-        save_sharded_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
+    # ---- Output: the trained model (with --use_peft: the adapter; --save_merged_model: also merged) ------------------
+    checkpoints.save_outputs(
+        output_dir, policy, models.processor or tokenizer, args.save_merged_model, save_sharded_model
+    )
     if server is not None:
         server.close()
     guard.finished()  # the model is saved: nothing left to rescue

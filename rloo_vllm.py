@@ -641,8 +641,7 @@ def main(args: Args) -> None:
                 queue.before_push()
         sampler.sync_weights(timer)
         queue.pushed(update)  # the rollout they are scheduled to sample is asked for
-        num_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
-        progress.advance(update, batch_size, num_tokens)
+        progress.advance(update, batch_size, rollout.num_tokens)
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs
         update_seconds = time.perf_counter() - update_start
@@ -676,7 +675,7 @@ def main(args: Args) -> None:
             "advantages/std": float(advantages[in_loss, 0].std()) if in_loss.sum() > 1 else 0.0,
             "prompts/truncated": rollout.num_truncated,
             "optim/skipped_steps": progress.skipped_steps,
-            "perf/tokens_per_second": num_tokens / update_seconds,
+            "perf/tokens_per_second": rollout.num_tokens / update_seconds,
             "perf/generated_tokens_per_second": generated_tokens / max(generation_seconds, 1e-9),
             "perf/weight_sync_bytes": sampler.engine.last_push_bytes,  # --use_peft: the adapter, where vLLM serves it
             **{f"time/{k}": v for k, v in timer.seconds.items()},
@@ -705,11 +704,9 @@ def main(args: Args) -> None:
         guard.update_done(progress)
     evaluator.after_training(progress.update, progress.episode)  # the trained policy's
 
-    # ---- Output ------------------------------------------------------------------------------------------------------
+    # ---- Output: the trained model (with --use_peft: the adapter; --save_merged_model: also merged) ------------------
     sampler.engine.close()
-    checkpoints.save_model(output_dir, policy, models.processor or tokenizer)  # with --use_peft: the adapter
-    if args.save_merged_model:
-        checkpoints.save_model(os.path.join(output_dir, "merged"), policy, models.processor or tokenizer, merged=True)
+    checkpoints.save_outputs(output_dir, policy, models.processor or tokenizer, args.save_merged_model)
     guard.finished()  # the model is saved: nothing left to rescue
     logger.close()
     console.print(f"saved the trained model to {output_dir} ({time.time() - progress.start_time:.0f} s)")

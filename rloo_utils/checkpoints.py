@@ -141,6 +141,16 @@ def save_model(output_dir: str, policy, tokenizer, state_dict: Optional[dict] = 
                 )
 
 
+def save_outputs(output_dir: str, policy, tokenizer, merged_copy: bool, save: Optional[Callable] = None) -> None:
+    """The trained model in output_dir (with --use_peft: its adapter) and, with merged_copy (--save_merged_model), the
+    adapter merged into the weights in output_dir/merged. save: how a folder is saved (save_model; rloo_multigpu.py's
+    sharded.save_sharded_model)."""
+    save = save or save_model
+    save(output_dir, policy, tokenizer)
+    if merged_copy:
+        save(os.path.join(output_dir, "merged"), policy, tokenizer, merged=True)
+
+
 def save_policy(folder: str, policy, tokenizer) -> None:
     """The policy of a checkpoint: save_pretrained, so that a checkpoint is also a model."""
     policy.save_pretrained(os.path.join(folder, "policy"))

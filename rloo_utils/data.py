@@ -61,6 +61,14 @@ def prompt_batches(dataset, prompts_per_rollout: int, seed: int, skip: int, rank
         yield dataset[rows[rank * prompts_per_rollout // world_size : (rank + 1) * prompts_per_rollout // world_size]]
 
 
+def repeated(batch: dict, n: int) -> tuple[list, dict]:
+    """A batch's prompts, each n times in a row (a group: its n completions adjacent, rows [g*n, (g+1)*n)), and its
+    other columns alike, what reward functions get beside each completion."""
+    prompts = [p for p in batch["prompt"] for _ in range(n)]
+    columns = {c: [v for v in values for _ in range(n)] for c, values in batch.items() if c != "prompt"}
+    return prompts, columns
+
+
 def resampled_prompts(
     dataset, num_prompts: int, seed: int, update: int, round_: int, rank: int = 0, world_size: int = 1
 ):

@@ -13,7 +13,7 @@ from typing import ClassVar, Optional
 import numpy as np
 import torch
 
-from rloo_utils.data import message_text
+from rloo_utils.data import message_text, repeated
 from rloo_utils.errors import UsageError
 from rloo_utils.logs import completion_metrics, gather_objects, reward_metrics, show_samples
 from rloo_utils.processes import agreed, gather_rows, get_rank, get_world_size
@@ -426,15 +426,13 @@ class Evaluator:
         eval_prompts, scorer = self.eval_prompts, self.scorer
         start, n = time.perf_counter(), self.n
         prompts_per_chunk = max(1, self.forward_batch_size // n)
-        columns_of_test = [c for c in eval_prompts.column_names if c != "prompt"]
         own_prompts = eval_prompts.select(process_share(len(eval_prompts), get_rank(), get_world_size()))
         own_rows = get_rank() * len(own_prompts) * n  # this process's first row of the gathered completions
         parts = defaultdict(list)  # per chunk: (b, F) rewards, (b, C) completions and mask, (b,) ended, metric values
         with own_random_streams(self.seed, update, self.sampler.device):
             for first in range(0, len(own_prompts), prompts_per_chunk):
                 batch = own_prompts[first : first + prompts_per_chunk]
-                prompts = [p for p in batch["prompt"] for _ in range(n)]  # the n completions of a prompt adjacent
-                columns = {c: [v for v in batch[c] for _ in range(n)] for c in columns_of_test}
+                prompts, columns = repeated(batch, n)  # the n completions of a prompt adjacent
                 seeds = evaluation_seeds(self.seed, update, own_rows + first * n, len(prompts))
                 rollout = self.sampler.sample(prompts, columns, self.eval_config, seeds, n)
                 with agreed():  # a reward function that raises on one process stops all of them together

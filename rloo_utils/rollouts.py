@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rloo_utils import decoding
-from rloo_utils.data import left_pad, resampled_prompts
+from rloo_utils.data import left_pad, repeated, resampled_prompts
 from rloo_utils.generation import (
     end_token_ids,
     generation_configs,
@@ -66,6 +66,11 @@ class Rollout:
     def tool_counts(self) -> tuple[int, int, int]:
         """The tool calls, the failed ones, and the completions they are over (0, 0, 0 without tools)."""
         return (self.turns.calls, self.turns.failures, self.turns.completions) if self.turns else (0, 0, 0)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and completion tokens (TRL 1.16's num_tokens counts them)."""
+        return int(self.prompt_mask.sum() + self.completion_mask.sum())
 
     @property
     def policy_mask(self) -> torch.Tensor:
@@ -469,8 +474,7 @@ class DynamicSampling:
             batch = resampled_prompts(
                 self.dataset, missing, self.seed, update, len(rounds), get_rank(), get_world_size()
             )
-            prompts = [p for p in batch["prompt"] for _ in range(G)]
-            columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
+            prompts, columns = repeated(batch, G)
             seeds = self.sampler.seeds_for(update, len(rounds), len(prompts))
             with timer("generation"), timer("resampling"):
                 piece = self.sampler.sample(prompts, columns, self.config, seeds)

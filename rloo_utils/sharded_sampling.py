@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rloo_utils import decoding
-from rloo_utils.data import left_pad, text_prompts
+from rloo_utils.data import left_pad, repeated, text_prompts
 from rloo_utils.generation import (
     end_token_ids,
     generation_configs,
@@ -174,9 +174,7 @@ class ShardedSampler(BaseSampler):
         (config); with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of
         its own, and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its
         own)."""
-        batch, G = next(batches), self.args.num_generations
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
+        prompts, columns = repeated(next(batches), self.args.num_generations)
         seeds = self.seeds_for(update, 0, len(prompts))
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
         if self.args.max_staleness and not self.tool_use:

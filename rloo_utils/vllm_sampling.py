@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from rloo_utils.data import text_prompts
+from rloo_utils.data import repeated, text_prompts
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.generation import end_token_ids, tokenize_prompts
 from rloo_utils.processes import agreed
@@ -287,9 +287,7 @@ class VLLMSampler(BaseSampler):
         adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
         with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
         and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its own)."""
-        batch, G = next(batches), self.args.num_generations
-        prompts = [p for p in batch["prompt"] for _ in range(G)]
-        columns = {c: [v for v in batch[c] for _ in range(G)] for c in batch if c != "prompt"}
+        prompts, columns = repeated(next(batches), self.args.num_generations)
         seeds = self.seeds_for(update, 0, len(prompts))
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
         if self.args.max_staleness and not self.tool_use:

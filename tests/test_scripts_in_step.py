@@ -27,6 +27,7 @@ INTENDED_DIFFERENCES = {
 # its reason, and each fragment must explain a line. Any other difference is an accident: mend it in every script.
 INTENDED_IN_MAIN = {
     "rloo_vllm.py": {
+        "data.repeated(next(batches)": "the queue draws each update's prompts (the sampler's request)",
         "check_vllm_args(": "the vLLM options are checked with the others, before anything loads",
         "VLLMServer(": "--vllm_mode server: the server's client, made before the models load (it checks the server)",
         "Sampler.for_run(": "vLLM's sampler (vllm_sampling.py): an engine in this process, or the server made first",
@@ -41,9 +42,6 @@ INTENDED_IN_MAIN = {
         "queue": "the rollouts come from the queue (with --max_staleness sampled ahead), which a checkpoint keeps",
         "{'optimizer': optimizer": "a checkpoint also keeps the queue's rollouts",
         "'scheduler': scheduler": "a checkpoint also keeps the queue's rollouts",
-        "batch = next(batches)": "the queue draws each update's prompts (Sampler.request)",
-        "for p in batch['prompt']": "the queue draws each update's prompts (Sampler.request)",
-        "for v in batch[c]": "the queue draws each update's prompts (Sampler.request)",
         "sampler.sample(prompts, columns, generation_config)": "the rollout of the queue's prompts, seeds and outputs",
         "generation_seconds": "with --max_staleness the generation's seconds are the queue's",
         "'perf/generated_tokens_per_second'": "with --max_staleness the generation's seconds are the queue's",
@@ -54,6 +52,7 @@ INTENDED_IN_MAIN = {
         "timer('generation_wait')": "the queue: the server finishes the rollouts of older weights first",
     },
     "rloo_multigpu.py": {
+        "data.repeated(next(batches)": "the queue draws each update's prompts (the sampler's request)",
         "launch_world_size(": "the process group, formed first: every check is agreed by every process",
         "init_processes(": "the process group, formed first: every check is agreed by every process",
         "sys.excepthook": "every process reports its failure in one line",
@@ -91,9 +90,6 @@ INTENDED_IN_MAIN = {
         "save_policy": "sharded checkpoints",
         "save_sharded_checkpoint": "sharded checkpoints",
         "prompt_batches(": "each process its own prompts",
-        "batch = next(batches)": "the queue draws each update's prompts (Sampler.request)",
-        "for p in batch['prompt']": "the queue draws each update's prompts (Sampler.request)",
-        "for v in batch[c]": "the queue draws each update's prompts (Sampler.request)",
         "sampler.sample(prompts, columns, generation_config)": "the rollout of the queue's prompts, seeds and outputs",
         "mask = rollout.policy_mask": "a process's rows, then the batch's",
         "ref_policy": "a sharded reference is resharded after its forward",
@@ -115,8 +111,7 @@ INTENDED_IN_MAIN = {
         "generation_seconds": "with --max_staleness the generation's seconds are the queue's",
         "'perf/generated_tokens_per_second'": "with --max_staleness the generation's seconds are the queue's",
         "'async/": "the queue's metrics",
-        "checkpoints.save_model(": "the trained model gathered from its shards",
-        "save_sharded_model(": "the trained model gathered from its shards",
+        "checkpoints.save_outputs(": "the trained model gathered from its shards",
         "end_processes(": "the process group ends",
         "timer('reward')": "a reward function that fails on one process stops every process",
         "packing.micro_batches(": "every process runs as many micro-batches (FSDP's collectives)",
