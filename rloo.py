@@ -240,7 +240,7 @@ def compute_advantages(rewards, kl_before, in_loss, num_generations: int, estima
 # The losses: each takes (b, C) log-probs under the policy and under the one that sampled, (b, C) advantages per token
 # (with the sequence-level KL every token of a completion has its A), the (b, C) mask of the policy's tokens and the
 # options; it returns its losses, (b,) one per completion or (b, C) one per token, the detached log-ratio
-# log pi / pi_old of the units its clip acts on, (b,) or (b, C), and statistics of its own named by their metric (their
+# log pi / pi_old of the units its clip acts on, (b,) or (b, C), and statistics of its own by their metric's name (their
 # mean over those units is logged). A new loss is a function and an entry in LOSSES.
 def sequence_loss(logprobs, old_logprobs, advantages, mask, args):
     """TRL's RLOO: PPO's clipped surrogate (Schulman et al. 2017) on the sequence ratio rho_i = pi(y_i|x_i) /
@@ -407,7 +407,8 @@ def aggregate_loss(
 
 def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens):
     """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it; and its
-    statistics: logs.clip_statistics over the units of its clip, the sum of the token ratios, the loss's own."""
+    statistics (logs.LossStats): logs.clip_statistics over the units of its clip, the sum of the token ratios; the
+    loss's own, summed over those units."""
     losses, log_ratio, own_stats = LOSSES[args.loss_type].function(logprobs, old_logprobs, advantages, mask, args)
     if losses.dim() == 1:  # one per completion
         loss = (losses * in_loss).sum() / mini_batch_size
@@ -425,8 +426,7 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
     unit_advantages = advantages if per_token else advantages[:, 0]
     stats = logs.clip_statistics(log_ratio, unit_advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
     stats["token_ratio"] = ((logprobs.detach() - old_logprobs).exp() * mask).sum()
-    stats.update({name: (values * units).sum() for name, values in own_stats.items()})
-    return loss, stats
+    return loss, logs.LossStats(stats, {name: (values * units).sum() for name, values in own_stats.items()})
 
 
 # ---- main(): set-up and the training loop ----------------------------------------------------------------------------

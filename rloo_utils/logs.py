@@ -330,9 +330,14 @@ def clip_statistics(log_ratio, advantages, units, epsilon_low: float, epsilon_hi
 
 
 def update_metrics(
-    micro: dict[str, list[float]], losses: list[float], grad_norms: list[float], learning_rates: list[float]
+    micro: dict[str, list[float]],
+    losses: list[float],
+    grad_norms: list[float],
+    learning_rates: list[float],
+    own_names: tuple = (),
 ) -> dict:
-    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values."""
+    """What the policy update did, from per-micro-batch sums and extremes (`micro`) and per-optimizer-step values;
+    own_names: the loss's own statistics (LossStats.own) in `micro`."""
     units = max(sum(micro["units"]), 1.0)
     clip_fraction = (sum(micro["clipped_low"]) + sum(micro["clipped_high"])) / units
     entropy = sum(micro["entropy"]) / max(sum(micro["tokens"]), 1.0)
@@ -358,9 +363,18 @@ def update_metrics(
     }
     if "dual_clipped" in micro:
         metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
-    # a loss's own statistics, named by their metric: their mean over its units (SAPO's sapo/gate_mean)
-    metrics.update({name: sum(values) / units for name, values in micro.items() if "/" in name})
+    metrics.update({name: sum(micro[name]) / units for name in own_names})  # their mean over the loss's units
     return metrics
+
+
+@dataclass
+class LossStats:
+    """A micro-batch's statistics of its loss (a script's policy_loss): sums over the units of its clip (clip_statistics
+    and the token ratio), and the loss's own, by their metric's name (SAPO's sapo/gate_mean), summed over those units:
+    each logged as its mean over the update's units."""
+
+    sums: dict
+    own: dict
 
 
 class UpdateStats:
@@ -370,11 +384,15 @@ class UpdateStats:
 
     def __init__(self):
         self.micro, self.losses, self.grad_norms, self.learning_rates = defaultdict(list), [], [], []
+        self.own_names = {}  # the loss's own statistics, in the order they came
 
-    def add_micro_batch(self, loss_stats: dict, entropy, mask, forward_tokens) -> None:
+    def add_micro_batch(self, loss_stats: LossStats, entropy, mask, forward_tokens) -> None:
         """A micro-batch's: loss_stats (policy_loss's), (b, C) entropy and mask, (b,) tokens of its forward."""
-        loss_stats.update(entropy=(entropy * mask).sum(), tokens=mask.sum(), forward_tokens=forward_tokens.sum())
-        for name, value in loss_stats.items():
+        sums = dict(
+            loss_stats.sums, entropy=(entropy * mask).sum(), tokens=mask.sum(), forward_tokens=forward_tokens.sum()
+        )
+        self.own_names.update(dict.fromkeys(loss_stats.own))
+        for name, value in {**sums, **loss_stats.own}.items():
             self.micro[name].append(value)
 
     def add_step(self, loss, grad_norm, learning_rate: float) -> None:
@@ -391,7 +409,7 @@ class UpdateStats:
         else:  # one sync
             micro = dict(zip(self.micro, torch.stack([torch.stack(v).float() for v in self.micro.values()]).tolist()))
         losses, grad_norms = torch.stack(self.losses + self.grad_norms).view(2, -1).tolist()
-        return update_metrics(micro, losses, grad_norms, self.learning_rates)
+        return update_metrics(micro, losses, grad_norms, self.learning_rates, list(self.own_names))
 
 
 class StageTimer:

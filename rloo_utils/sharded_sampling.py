@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rloo_utils import decoding
-from rloo_utils.data import left_pad, repeated, text_prompts
+from rloo_utils.data import left_pad, text_prompts
 from rloo_utils.generation import (
     end_token_ids,
     generation_configs,
@@ -23,6 +23,7 @@ from rloo_utils.rollouts import BaseSampler, Rollout, completion_mask_from
 from rloo_utils.sharded import gathered
 from rloo_utils.vision import image_token_ids, images_batch, vision_inputs
 from rloo_utils.vllm_sampling import (
+    EngineRequests,
     SHARED_SERVER,
     check_engine,
     pad_completions,
@@ -33,7 +34,7 @@ from rloo_utils.vllm_sampling import (
 from rloo_utils.weight_transfer import weights_for_vllm
 
 
-class ShardedSampler(BaseSampler):
+class ShardedSampler(EngineRequests, BaseSampler):
     """rloo_multigpu.py's sampler. Prompts in, a Rollout out (BaseSampler tokenizes, runs the tools' turns, masks): this
     process's rows, completed by the policy with HF generate (every process in each sharded forward) or by a vLLM
     server, in one go or, with --tools or --environment, turn by turn (with HF generate every process makes every turn:
@@ -42,7 +43,7 @@ class ShardedSampler(BaseSampler):
 
     def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop=False):
         super().__init__(args, models, plan, stop_ids, eos_ids, device)
-        self.policy, self.server, self.own_loop = policy, server, own_loop
+        self.policy, self.engine, self.own_loop = policy, server, own_loop
         self.reads_images_itself = server is not None  # a server takes the dataset's images; HF generate the tensors
         self.trained, self.logprobs_of, self.configs = policy, None, None  # (for_run's)
 
@@ -80,25 +81,19 @@ class ShardedSampler(BaseSampler):
             check_engine(server, *sampler.probe, configs[1], sampler.greedy_logprobs)
         return sampler
 
-    def greedy_logprobs(self, *rollout):
-        """The policy's log-probs of the engine's greedy completions, as vLLM reports them, through the training
-        forward (its autocast)."""
-        with torch.no_grad(), self.autocast():
-            return self.logprobs_of(self.trained, *rollout, temperature=1.0)
-
     def rollout_done(self, rollout: Rollout, timer) -> None:
         """Sampling is over for this update: a server is checked again, briefly: it still holds this run's weights, no
         other run pushed its own."""
-        if self.server is not None:
+        if self.engine is not None:
             with timer("engine_check"):
                 recheck = {**self.configs[1], "max_tokens": min(8, self.args.max_completion_length)}  # short
-                check_engine(self.server, *self.probe, recheck, self.greedy_logprobs, SHARED_SERVER)
+                check_engine(self.engine, *self.probe, recheck, self.greedy_logprobs, SHARED_SERVER)
 
     def sync_weights(self, timer) -> None:
         """After an update: a server gets the updated policy's weights, gathered one tensor at a time."""
-        if self.server is not None:
+        if self.engine is not None:
             with timer("weight_sync"):
-                self.server.push_weights(self.trained, weights_for_vllm(self.trained, self.server.dtype, whole))
+                self.engine.push_weights(self.trained, weights_for_vllm(self.trained, self.engine.dtype, whole))
 
     def generate(self, prompt_ids, prompt_mask, config, images=None, seeds=None, copies=1):
         """(b, C) completion ids, padded to --max_completion_length, and (b, C) the sampler's log-probs of them (the
@@ -109,9 +104,9 @@ class ShardedSampler(BaseSampler):
         copies: the rows hold each prompt that many times in a row, whose forward is then made once
         (shared_prompt_cache; only with the model gathered: a sharded forward is a collective)."""
         args, model, device, pad_token_id = self.args, self.policy, self.device, self.tokenizer.pad_token_id
-        if self.server is not None:
+        if self.engine is not None:
             with agreed():  # a request that fails on one process stops every process
-                outputs = self.server.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
+                outputs = self.engine.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
             return self.completions(outputs)
         model.eval()
         chunks, chunk, world_size = [], args.local_rollout_forward_batch_size, dist.get_world_size()
@@ -149,7 +144,7 @@ class ShardedSampler(BaseSampler):
         """The next turn after each context: at most its budget of ids, up to and including the first stop token, with
         the server's log-probs (None from HF generate). seeds: each context's."""
         context_ids, context_mask = (t.to(self.device) for t in left_pad(contexts, self.tokenizer.pad_token_id))
-        if self.server is not None:
+        if self.engine is not None:
             config = {**config, "max_tokens": max(budgets)}
         else:
             config = copy.deepcopy(config)
@@ -167,36 +162,3 @@ class ShardedSampler(BaseSampler):
         run draws what the uninterrupted one drew."""
         first, batch_size = dist.get_rank() * num_rows, num_rows * dist.get_world_size()  # this process's rows
         return sampling_seeds(self.args.seed, update, batch_size, round_)[first : first + num_rows]
-
-    def request(self, batches, config, update: int) -> dict:
-        """What the rollout of an update samples: this process's prompts of the next batch, each repeated G times (its
-        completions adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters
-        (config); with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of
-        its own, and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its
-        own)."""
-        prompts, columns = repeated(next(batches), self.args.num_generations)
-        seeds = self.seeds_for(update, 0, len(prompts))
-        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
-        if self.args.max_staleness and not self.tool_use:
-            prompt_ids, prompt_mask = tokenize_prompts(
-                self.tokenizer,
-                prompts,
-                self.args.max_prompt_length,
-                self.device,
-                self.processor,
-                columns.get(self.image_col),
-                self.args.chat_template_kwargs,
-            )[:2]
-            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
-        return request
-
-    def background_outputs(self, request: dict):
-        """With --max_staleness, the server's completions of a rollout, or (--tools, --environment) the whole
-        multi-turn rollout, made in the queue's thread; else None: sample() generates them when the update takes its
-        rollout."""
-        if not self.args.max_staleness:
-            return None
-        if self.tool_use:
-            return self.background_rollout(request)
-        token_ids, images = request["token_ids"], request["columns"].get(self.image_col)
-        return self.server.generate(token_ids, request["config"], request["seeds"], images)

@@ -195,12 +195,56 @@ def check_engine(
 
 # ---- rloo_vllm.py's sampler
 # -------------------------------------------------------------------------------------------
-class VLLMSampler(BaseSampler):
-    """Prompts in, a Rollout out (rloo_utils/py tokenizes, runs the tools' turns, masks): vLLM completes them
-    (an engine in this process, or a server), in one go or, with --tools or --environment, turn by turn; a VLM's images
-    go as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout queue asks for an
-    update's completions (or multi-turn rollouts) ahead (request, then background_outputs in its thread), and sample()
-    takes them."""
+class EngineRequests:
+    """What the samplers of an engine (VLLMSampler; rloo_multigpu.py's ShardedSampler with a server) share: the policy's
+    greedy log-probs the engine check compares with, and what the rollout queue asks of them (request; with
+    --max_staleness, background_outputs in its thread). self.engine: the engine or the server."""
+
+    def greedy_logprobs(self, *rollout):
+        """The policy's log-probs of the engine's greedy completions, as vLLM reports them, through the training
+        forward (its autocast)."""
+        with torch.no_grad(), self.autocast():
+            return self.logprobs_of(self.trained, *rollout, temperature=1.0)
+
+    def request(self, batches, config, update: int) -> dict:
+        """What the rollout of an update samples: the next batch's prompts, each repeated G times (its completions
+        adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
+        with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
+        and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its own)."""
+        prompts, columns = repeated(next(batches), self.args.num_generations)
+        seeds = self.seeds_for(update, 0, len(prompts))
+        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
+        if self.args.max_staleness and not self.tool_use:
+            prompt_ids, prompt_mask = tokenize_prompts(
+                self.tokenizer,
+                prompts,
+                self.args.max_prompt_length,
+                self.device,
+                self.processor,
+                columns.get(self.image_col),
+                self.args.chat_template_kwargs,
+            )[:2]
+            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
+        return request
+
+    def background_outputs(self, request: dict):
+        """With --max_staleness, vLLM's completions of a rollout, or (--tools, --environment) the whole multi-turn
+        rollout, made in the queue's thread; else None: sample() generates them when the update takes its rollout."""
+        if not self.args.max_staleness:
+            return None
+        if self.tool_use:
+            return self.background_rollout(request)
+        return self.engine.generate(
+            request["token_ids"], request["config"], request["seeds"], request["columns"].get(self.image_col)
+        )
+
+
+class VLLMSampler(EngineRequests, BaseSampler):
+    """rloo_vllm.py's sampler. Prompts in, a Rollout out (BaseSampler tokenizes, runs the tools' turns, masks): vLLM
+    completes them (an engine in this process, or a server), in one go or, with --tools or --environment, turn by turn;
+    a VLM's images go as the dataset holds them (vLLM's own processor reads them). With --max_staleness the rollout
+    queue asks for an update's completions (or multi-turn rollouts) ahead (request, then background_outputs in its
+    thread), and sample() takes them."""
 
     reads_images_itself = True
 
@@ -237,12 +281,6 @@ class VLLMSampler(BaseSampler):
         sampler.probe = tokenize_prompts(tokenizer, prompts, args.max_prompt_length, device)[:2]
         check_engine(sampler.engine, *sampler.probe, sampler.configs[1], sampler.greedy_logprobs)
         return sampler
-
-    def greedy_logprobs(self, *rollout):
-        """The policy's log-probs of the engine's greedy completions, as vLLM reports them, through the training
-        forward (its autocast)."""
-        with torch.no_grad(), self.autocast():
-            return self.logprobs_of(self.trained, *rollout, temperature=1.0)
 
     def rollout_done(self, rollout: Rollout, timer) -> None:
         """Sampling is over for this update: a colocated engine sleeps (sleep mode, as in TRL), its memory free for the
@@ -281,35 +319,3 @@ class VLLMSampler(BaseSampler):
         """Each row's seed: a function of (--seed, update, round, row), so a resumed run draws what the uninterrupted
         one drew."""
         return sampling_seeds(self.args.seed, update, num_rows, round_)
-
-    def request(self, batches, config, update: int) -> dict:
-        """What the rollout of an update samples: the next batch's prompts, each repeated G times (its completions
-        adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
-        with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
-        and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its own)."""
-        prompts, columns = repeated(next(batches), self.args.num_generations)
-        seeds = self.seeds_for(update, 0, len(prompts))
-        request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
-        if self.args.max_staleness and not self.tool_use:
-            prompt_ids, prompt_mask = tokenize_prompts(
-                self.tokenizer,
-                prompts,
-                self.args.max_prompt_length,
-                self.device,
-                self.processor,
-                columns.get(self.image_col),
-                self.args.chat_template_kwargs,
-            )[:2]
-            request["token_ids"] = unpadded(prompt_ids, prompt_mask)
-        return request
-
-    def background_outputs(self, request: dict):
-        """With --max_staleness, vLLM's completions of a rollout, or (--tools, --environment) the whole multi-turn
-        rollout, made in the queue's thread; else None: sample() generates them when the update takes its rollout."""
-        if not self.args.max_staleness:
-            return None
-        if self.tool_use:
-            return self.background_rollout(request)
-        return self.engine.generate(
-            request["token_ids"], request["config"], request["seeds"], request["columns"].get(self.image_col)
-        )

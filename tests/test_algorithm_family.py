@@ -205,12 +205,13 @@ def test_a_new_loss_is_a_function_and_an_entry(script, tmp_path, monkeypatch):
     advantages = torch.tensor([[2.0], [-1.0]]).expand(2, 3)
     loss, stats = forked.policy_loss(args, logprobs, old, advantages, mask, torch.tensor([True, True]), 2, None)
     torch.testing.assert_close(loss, torch.tensor(-(2.0 * -3.0 + -1.0 * -1.5) / 2))  # the mean of -A log pi(y)
-    torch.testing.assert_close(stats["units"], torch.tensor(2.0))  # one unit per completion
-    torch.testing.assert_close(stats["fork/ratio_mean"], torch.tensor(math.exp(0.5) + math.exp(0.5)))
+    torch.testing.assert_close(stats.sums["units"], torch.tensor(2.0))  # one unit per completion
+    torch.testing.assert_close(stats.own["fork/ratio_mean"], torch.tensor(math.exp(0.5) + math.exp(0.5)))
     micro = {
-        name: [float(value)] for name, value in {**stats, "entropy": 0.0, "tokens": 5.0, "forward_tokens": 8.0}.items()
+        name: [float(value)]
+        for name, value in {**stats.sums, **stats.own, "entropy": 0.0, "tokens": 5.0, "forward_tokens": 8.0}.items()
     }
-    metrics = update_metrics(micro, [loss.item()], [1.0], [1e-5])
+    metrics = update_metrics(micro, [loss.item()], [1.0], [1e-5], list(stats.own))
     assert metrics["fork/ratio_mean"] == pytest.approx(math.exp(0.5))  # its mean over the units, logged
     with pytest.raises(SystemExit):  # and a name that is not in the registry is refused by the parser
         tyro.cli(forked.Args, args=["--loss_type", "sequence_reinfroce"], use_underscores=True)
@@ -382,9 +383,9 @@ def test_default_loss_is_the_previous_implementation_bit_for_bit():
     assert torch.equal(loss, previous) and torch.equal(grad, previous_grad)
     # Its statistics count completions: the clip acts on each one's ratio
     clipped = (ratio > 1.2) & (advantages > 0)
-    assert stats["units"].item() == 6 and stats["clipped_high"].item() == clipped.sum().item()
-    torch.testing.assert_close(stats["approxkl"], (0.5 * ratio.detach().log().square()).sum())
-    assert "sapo/gate_mean" not in stats and "dual_clipped" not in stats
+    assert stats.sums["units"].item() == 6 and stats.sums["clipped_high"].item() == clipped.sum().item()
+    torch.testing.assert_close(stats.sums["approxkl"], (0.5 * ratio.detach().log().square()).sum())
+    assert not stats.own and "dual_clipped" not in stats.sums
 
 
 @pytest.mark.parametrize(
@@ -408,9 +409,9 @@ def test_policy_loss_routes_each_loss_type_and_masks_rows_that_do_not_train(argv
     )
     loss.backward()
     assert (logprobs.grad[1] == 0).all() and (logprobs.grad[0] != 0).any()  # the row that does not train adds nothing
-    assert ("sapo/gate_mean" in stats) == (args.loss_type == "sapo")
-    assert stats["units"].item() == (2 if args.loss_type == "gspo" else 6)  # gspo clips whole sequences
-    torch.testing.assert_close(stats["token_ratio"], (RATIOS.sum() * 2).reshape(()))
+    assert list(stats.own) == (["sapo/gate_mean"] if args.loss_type == "sapo" else [])
+    assert stats.sums["units"].item() == (2 if args.loss_type == "gspo" else 6)  # gspo clips whole sequences
+    torch.testing.assert_close(stats.sums["token_ratio"], (RATIOS.sum() * 2).reshape(()))
 
 
 @pytest.mark.parametrize(
@@ -438,7 +439,7 @@ def test_on_the_first_minibatch_every_loss_is_reinforce(argv):
     loss, stats = rloo.policy_loss(
         args, logprobs, logprobs.detach(), advantages[:, None].expand(2, 3), mask, trains, 2, mask.sum()
     )
-    assert stats["approxkl"] == 0 and stats["clipped_low"] == 0 and stats["clipped_high"] == 0
+    assert stats.sums["approxkl"] == 0 and stats.sums["clipped_low"] == 0 and stats.sums["clipped_high"] == 0
     loss.backward()
     per_token = {"sequence": 1 / 2, "token": 1 / 5, "cispo": 1 / 5, "sapo": 1 / 5}  # sum over sequences / 2; tokens / 5
     weight = (
