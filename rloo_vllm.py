@@ -498,27 +498,35 @@ def main(args: Args) -> None:
     # ---- Training loop -----------------------------------------------------------------------------------------------
     # A resumed run goes on where its checkpoint ends (optimizer, schedule, counters, random generators). From here on
     # Ctrl-C and SIGTERM stop the run after its update with a checkpoint; a failure leaves one (rloo_utils/lifecycle.py)
-    # The rollouts: with --max_staleness N the server samples those of the next N updates while this one trains
-    # (rloo_utils/rollout_queue.py: which weights sample which rollout, and what a checkpoint keeps of them)
-    queue = rollout_queue.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
-    stateful = {"optimizer": optimizer, "scheduler": scheduler, "rollouts": queue}
+    queue = None  # --max_staleness N: the server samples the rollouts of the next N updates while this one trains
+    if args.max_staleness:  # (rloo_utils/rollout_queue.py: which weights sample which, what a checkpoint keeps)
+        queue = rollout_queue.RolloutQueue(args.max_staleness, num_updates, sampler.background_outputs)
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, **({} if queue is None else {"rollouts": queue})}
     save_weights = functools.partial(checkpoints.save_policy, policy=policy, tokenizer=models.processor or tokenizer)
     progress = guard.start(save_weights, stateful, logger, console, num_updates)
     batches = data.prompt_batches(plan.train_dataset, batch_size // G, args.seed, skip=progress.update)
-    queue.start(progress.update, functools.partial(sampler.request, batches, generation_config))
+    if queue is not None:
+        queue.start(progress.update, functools.partial(sampler.request, batches, generation_config))
     for update in range(progress.update + 1, num_updates + 1):
         timer = logs.StageTimer()
         evaluator.before_update(update, progress.episode, timer)  # the sample tables, the held-out evaluation
         update_start = time.perf_counter()
 
-        # Rollout: sampled by vLLM from the weights after update queued.version: the policy's own, or with
-        # --max_staleness up to N updates older (generated while earlier updates trained)
-        with timer("generation"):
-            queued = queue.take(update)
-            prompts, columns = queued.request["prompts"], queued.request["columns"]
-            rollout = sampler.sample(
-                prompts, columns, generation_config, queued.request["seeds"], outputs=queued.outputs
-            )
+        # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G), sampled by
+        # vLLM from the policy, or with --max_staleness by the queue from weights up to N updates older
+        if queue is None:
+            prompts, columns = data.repeated(next(batches), G)
+            with timer("generation"):  # a seed per completion (sampler.seeds_for): what a resumed run samples again
+                rollout = sampler.sample(
+                    prompts, columns, generation_config, sampler.seeds_for(update, 0, len(prompts))
+                )
+        else:
+            with timer("generation"):
+                queued = queue.take(update)
+                request = queued.request
+                rollout = sampler.sample(
+                    request["prompts"], request["columns"], generation_config, request["seeds"], outputs=queued.outputs
+                )
 
         # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
         trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
@@ -636,11 +644,12 @@ def main(args: Args) -> None:
                 stats.add_step(step_loss, grad_norm, learning_rate)
                 progress.count_step(stepped)
         # Weight sync: the next rollout (and sample table) samples from the updated policy
-        if args.max_staleness:  # the server finishes the rollouts of older weights first: none samples from two
+        if queue is not None:  # the server finishes the rollouts of older weights first: none samples from two
             with timer("generation_wait"):
                 queue.before_push()
         sampler.sync_weights(timer)
-        queue.pushed(update)  # the rollout they are scheduled to sample is asked for
+        if queue is not None:
+            queue.pushed(update)  # the rollout they are scheduled to sample is asked for
         progress.advance(update, batch_size, rollout.num_tokens)
 
         # Logging: the metric names of both TRL generations, so openrlbenchmark can compare runs

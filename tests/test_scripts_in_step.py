@@ -27,6 +27,9 @@ INTENDED_DIFFERENCES = {
 # its reason, and each fragment must explain a line. Any other difference is an accident: mend it in every script.
 INTENDED_IN_MAIN = {
     "rloo_vllm.py": {
+        "seeds_for(update, 0,": "a seed per completion, as the queue's requests have: what a resumed run samples again",
+        "with timer('generation')": "the queue's rollouts (--max_staleness) beside the default ones",
+        "else:": "the queue's rollouts (--max_staleness)",
         "data.repeated(next(batches)": "the queue draws each update's prompts (the sampler's request)",
         "check_vllm_args(": "the vLLM options are checked with the others, before anything loads",
         "VLLMServer(": "--vllm_mode server: the server's client, made before the models load (it checks the server)",
@@ -52,6 +55,9 @@ INTENDED_IN_MAIN = {
         "timer('generation_wait')": "the queue: the server finishes the rollouts of older weights first",
     },
     "rloo_multigpu.py": {
+        "else:": "the queue's rollouts (--max_staleness)",
+        "seeds_for(update, 0,": "a seed per completion, as the queue's requests have: what a resumed run samples again",
+        "with timer('generation')": "the queue's rollouts (--max_staleness) beside the default ones",
         "data.repeated(next(batches)": "the queue draws each update's prompts (the sampler's request)",
         "launch_world_size(": "the process group, formed first: every check is agreed by every process",
         "init_processes(": "the process group, formed first: every check is agreed by every process",
