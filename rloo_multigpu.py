@@ -503,7 +503,7 @@ def main(args: Args) -> None:
     # The loop's seams: prompts to a rollout, a rollout to rewards, both again (--dynamic_sampling), the evaluation
     own_rows = rank * local_batch_size  # this process's rows of the global batch
     sampler = ShardedSampler.for_run(args, models, plan, device, autocast, console, logprobs_of, server)
-    generation_config, greedy_config, eval_config = sampler.configs
+    generation_config = sampler.configs[0]  # sampling (then greedy, for the sample tables; the evaluation's)
     support = sampler_support(args.top_k, args.top_p, args.min_p) if server is not None else None  # vLLM's tokens
     packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     scorer = ShardedScorer.for_run(args, models, plan, trainer_state, device, autocast, console)

@@ -483,7 +483,7 @@ def main(args: Args) -> None:
 
     # The loop's seams: prompts to a rollout, a rollout to rewards, both again (--dynamic_sampling), the evaluation
     sampler = VLLMSampler.for_run(args, models, plan, device, autocast, console, logprobs_of, server)
-    generation_config, greedy_config, eval_config = sampler.configs
+    generation_config = sampler.configs[0]  # sampling (then greedy, for the sample tables; the evaluation's)
     support = sampler_support(args.top_k, args.top_p, args.min_p)  # what vLLM samples from, or None: every token
     packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     scorer = Scorer.for_run(args, models, plan, trainer_state, device, autocast, console)
