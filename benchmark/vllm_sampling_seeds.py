@@ -63,6 +63,7 @@ def main():
 
     import rloo_vllm
     from rloo_utils.vllm_colocated import ColocatedVLLM
+    from rloo_utils.weight_transfer import weights_for_vllm
     from rloo_utils.generation import tokenize_prompts
     from rloo_utils.data import load_datasets
     from rloo_utils.models import embedded_model, from_pretrained
@@ -112,7 +113,7 @@ def main():
     rows = [p for p in prompts for _ in range(G)]  # group g is rows [g*G, (g+1)*G)
     started = time.perf_counter()
     engine = ColocatedVLLM(args, policy, torch.device("cpu"))
-    engine.push_weights(policy)
+    engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))  # as rloo_vllm.py pushes them
     print(
         f"{options.preset}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, engine up in "
         f"{time.perf_counter() - started:.0f} s; rollout {P} prompts x G={G} x {C} tokens = {P * G * C} tokens, "
