@@ -115,11 +115,6 @@ def test_the_adapter_pushed_is_the_one_peft_saves_and_loads(tiny, tmp_path):
     assert bytes_of(pushed.items()) < bytes_of(merged_weights(policy)) / 5
 
 
-def problem_of(args, policy=None):
-    """adapter_problem of a script's options, and the policy where given."""
-    return adapter_problem(**keywords_of(adapter_problem, args, policy=policy))
-
-
 def untied_lm_head_policy(tmp_path):
     args = lora_args({"policy": untied_model(tmp_path)}, lora_target_modules=["q_proj", "lm_head"])
     return args, lora_policy(args.model_name_or_path, args)
@@ -137,7 +132,7 @@ def test_auto_pushes_the_merged_weights_saying_why_in_one_line_and_adapter_is_re
         args = lora_args(tiny, **extra)
         policy = lora_policy(tiny["policy"], args) if case == "dora" else None
         needle = "--use_dora" if case == "dora" else "--lora_modules_to_save q_proj"
-    problem = problem_of(args, policy)
+    problem = adapter_problem(args, policy)
     assert problem is not None and needle in problem[0]
     assert choose_lora_push("auto", problem) is False
     printed = capsys.readouterr().out.splitlines()
@@ -156,11 +151,11 @@ def test_an_adapter_vllm_serves_gets_the_adapter_push(tiny, tmp_path, capsys):
     """The default LoRA settings (peft's q_proj v_proj, rank 16) and all-linear: no problem, the adapter push."""
     for targets in (None, ["all-linear"]):
         args = lora_args(tiny, lora_target_modules=targets)
-        assert problem_of(args, lora_policy(tiny["policy"], args)) is None
+        assert adapter_problem(args, lora_policy(tiny["policy"], args)) is None
         assert choose_lora_push("auto", None) is True and choose_lora_push("adapter", None) is True
     args, policy = untied_lm_head_policy(tmp_path)
     args = dataclasses.replace(args, lora_target_modules=["q_proj", "o_proj", "down_proj"])
-    assert problem_of(args, lora_policy(args.model_name_or_path, args)) is None  # the untied head left alone
+    assert adapter_problem(args, lora_policy(args.model_name_or_path, args)) is None  # the untied head left alone
     assert capsys.readouterr().out == ""
 
 
@@ -169,7 +164,7 @@ def test_a_vision_language_policy_gets_the_merged_push(tiny_vlm):
     from transformers import AutoModelForImageTextToText
 
     args = lora_args({"policy": tiny_vlm["policy"]}, lora_target_modules=["q_proj", "v_proj"])
-    problem = problem_of(args, lora_policy_of(AutoModelForImageTextToText, tiny_vlm["policy"], args))
+    problem = adapter_problem(args, lora_policy_of(AutoModelForImageTextToText, tiny_vlm["policy"], args))
     assert problem is not None and "vision-language model" in problem[0]
 
 
