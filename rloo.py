@@ -30,7 +30,7 @@ import transformers
 import tyro
 from rich.console import Console
 
-from rloo_utils import checkpoints, data, errors, evaluation, lifecycle, logs, lora, off_policy, options
+from rloo_utils import checkpoints, checks, data, errors, evaluation, lifecycle, logs, lora, off_policy, options
 from rloo_utils import packing, rollouts, set_up, vision
 from rloo_utils.models import optimizer_step, set_up_cuda
 from rloo_utils.rewards import group_std, shaped_scores, task_scores
@@ -432,7 +432,7 @@ def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, m
 # ---- main(): set-up and the training loop ----------------------------------------------------------------------------
 def main(args: Args) -> None:
     # Every check that needs no model comes first; then the run claims its folders (runs/<run_name>, the output folder)
-    options.check_args(args)
+    checks.check_args(args)
     check_algorithm(args)
     args = resolve_defaults(args)
     plan = set_up.plan_run(args)  # batch sizes, resume point, data, rewards, eval

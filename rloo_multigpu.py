@@ -40,8 +40,8 @@ import transformers
 import tyro
 from rich.console import Console
 
-from rloo_utils import checkpoints, data, errors, evaluation, lifecycle, logs, lora, off_policy, options, packing
-from rloo_utils import rollout_queue, rollouts, set_up, vision
+from rloo_utils import checkpoints, checks, data, errors, evaluation, lifecycle, logs, lora, off_policy, options
+from rloo_utils import packing, rollout_queue, rollouts, set_up, vision
 from rloo_utils.models import optimizer_step, set_up_cuda
 from rloo_utils.processes import agreed, all_reduce, end_processes, gather_rows, init_processes
 from rloo_utils.processes import launch_world_size, max_over_processes, reduce_micro_stats
@@ -457,7 +457,7 @@ def main(args: Args) -> None:
     # Every process runs the checks; a failure on any stops all of them, reported once by rank 0 (`agreed`)
     use_server = args.vllm_server_host is not None or args.vllm_server_base_url is not None
     with agreed():
-        options.check_args(args, world_size)
+        checks.check_args(args, world_size)
         check_vllm_args(args, server=use_server)
         check_algorithm(args)
         args = resolve_defaults(args)

@@ -7,8 +7,9 @@ reader of one update reads beside rloo.py (docs/algorithm.md); the task's score 
 against non-finite values (models); an update's statistics (logs).
 
     errors         UsageError and RunError: one line each
-    options        a script's groups of options in sections of --help (parse_args); check_args: what every option must
-                   be, the algorithm's options, then each group's own check(), before anything expensive
+    options        a script's groups of options in sections of --help (parse_args); what a resume may change; each
+                   group's derived defaults
+    checks         what every option must be, then each group's own check(), before anything expensive (check_args)
     json_options   options given as a JSON object (TRL's dict options)
     paths          a path option: a local path or a hub id
     schedules      the learning-rate schedule's options (ScheduleOptions): checked; warm-up, then transformers'

@@ -29,7 +29,8 @@ from rloo_utils.models import (
     model_dtype,
     policy_class,
 )
-from rloo_utils.options import batch_sizes, resumable_options
+from rloo_utils.options import resumable_options
+from rloo_utils.checks import batch_sizes
 from rloo_utils.rewards import builtin_reward_funcs, check_reward_columns, reward_sources
 from rloo_utils.tools import ToolUse, check_tool_template, load_tool_use
 

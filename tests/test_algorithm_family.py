@@ -10,7 +10,7 @@ import torch
 import rloo
 from rloo_utils import logs
 from rloo_utils.logs import update_metrics
-from rloo_utils.options import check_args
+from rloo_utils.checks import check_args
 from conftest import read_metrics, run_rloo
 
 

@@ -21,7 +21,7 @@ import rloo
 from rloo_utils.data import load_datasets, load_prompt_dataset
 from rloo_utils.errors import UsageError
 from rloo_utils.models import check_reward_model_config, load_reward_tokenizer, load_tokenizers
-from rloo_utils.options import check_args
+from rloo_utils.checks import check_args
 from rloo_utils.rewards import call_reward_funcs
 from rloo_utils.vllm_options import check_vllm_args
 

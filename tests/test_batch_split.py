@@ -50,7 +50,7 @@ def options_id(options: dict) -> str:
 
 def args_for(script, **options):
     """A script's Args with these options, after its checks and the defaults that depend on other options."""
-    from rloo_utils.options import check_args
+    from rloo_utils.checks import check_args
 
     args = script.Args(**options)
     check_args(args)

@@ -21,7 +21,7 @@ import plot  # noqa: E402
 from rloo_utils.vllm_options import check_vllm_args  # noqa: E402
 from rloo_utils.models import disable_dropout
 from rloo_utils.generation import tokenize_prompts
-from rloo_utils import options
+from rloo_utils import checks, options
 
 LAUNCH = os.path.join(ROOT, "benchmark", "launch.py")
 PLOT = os.path.join(ROOT, "benchmark", "plot.py")
@@ -746,7 +746,7 @@ def test_the_experiment_scripts_run_commands_their_scripts_accept(experiment, sc
         module = __import__(script[:-3])
         monkeypatch.setattr(sys, "argv", [script, *command[command.index(script) + 1 :]])
         args = options.parse_args(module.Args)
-        options.check_args(args)
+        checks.check_args(args)
         module.check_algorithm(args)
         assert args.seed == int(command[-1])
 
@@ -788,7 +788,7 @@ def test_the_sampling_experiment_runs_commands_both_scripts_accept(tmp_path, mon
     for command in commands:
         module = __import__(command[1][:-3])
         monkeypatch.setattr(sys, "argv", command[1:])
-        options.check_args(options.parse_args(module.Args))
+        checks.check_args(options.parse_args(module.Args))
         assert [command[i + 1] for i, w in enumerate(command) if w == "--model_name_or_path"] == [f"{out}/tiny/policy"]
     check_tiny_task_and_no_reuse(proc, out)
 
@@ -814,7 +814,7 @@ def test_the_async_experiment_runs_commands_rloo_vllm_accepts(tmp_path, monkeypa
     for command in commands:
         monkeypatch.setattr(sys, "argv", command[1:])
         args = options.parse_args(rloo_vllm.Args)
-        options.check_args(args)
+        checks.check_args(args)
         check_vllm_args(args, server=True)
         assert args.vllm_mode == "server" and args.model_name_or_path == f"{out}/tiny/policy"
     check_tiny_task_and_no_reuse(proc, out)
@@ -1388,7 +1388,7 @@ def test_the_token_budget_benchmark_compares_settings_rloo_accepts(task):
     import tyro
 
     import rloo
-    from rloo_utils.options import check_args
+    from rloo_utils.checks import check_args
 
     spec = importlib.util.spec_from_file_location("token_budget", os.path.join(ROOT, "benchmark", "token_budget.py"))
     token_budget = importlib.util.module_from_spec(spec)

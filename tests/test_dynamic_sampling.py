@@ -16,7 +16,7 @@ import torch
 import rloo
 from rloo_utils import data
 from rloo_utils.errors import UsageError
-from rloo_utils.options import check_args
+from rloo_utils.checks import check_args
 from rloo_utils.rewards import task_scores
 from rloo_utils.scoring import RewardLogs
 from rloo_utils.rollouts import DynamicSampling, Rollout, rows_of_rollouts, varied_groups

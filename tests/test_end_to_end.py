@@ -517,7 +517,7 @@ def documented_batches(argv: list[str], script: str = "rloo", world_size: int = 
 
     import tyro
 
-    from rloo_utils.options import batch_sizes, check_args
+    from rloo_utils.checks import batch_sizes, check_args
 
     args = tyro.cli(importlib.import_module(script).Args, args=argv, use_underscores=True)
     check_args(args)

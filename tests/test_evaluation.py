@@ -33,7 +33,7 @@ from rloo_utils.evaluation import (
     sample_counts,
     task_metrics,
 )
-from rloo_utils.options import check_args
+from rloo_utils.checks import check_args
 
 
 # ---- The estimators --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import rloo
 from rloo_utils import logs
 from rloo_utils.data import load_prompt_dataset
 from rloo_utils.errors import UsageError
-from rloo_utils.options import batch_sizes
+from rloo_utils.checks import batch_sizes
 from rloo_utils.rewards import (
     whiten_nan,
     BUILTIN_REWARD_FUNCS,

@@ -133,7 +133,7 @@ def test_the_other_scripts_refuse_a_copy_in_one_line(tiny):
     import rloo_multigpu
     import rloo_vllm
     from rloo_utils.errors import UsageError
-    from rloo_utils.options import check_args
+    from rloo_utils.checks import check_args
 
     for script, name, value, needle in [
         (rloo_vllm, "sampler_weights", "bfloat16", "is HF generate's, and this run generates with vLLM"),

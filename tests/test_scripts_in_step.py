@@ -66,7 +66,7 @@ INTENDED_IN_MAIN = {
         "world_size": "each process its share of the batch, its prompts, its shards",
         "rank": "each process its own random streams, rows and console",
         "seed": "each process its own random streams",
-        "options.check_args(args": "the checks run under agreed(): every process stops on bad input",
+        "checks.check_args(args": "the checks run under agreed(): every process stops on bad input",
         "check_algorithm(args)": "the checks run under agreed()",
         "resolve_defaults(args)": "the checks run under agreed()",
         "set_up.plan_run(args": "the plan, sharded",

@@ -240,7 +240,7 @@ def test_a_static_cache_run_without_a_c_compiler_says_so_in_one_line_and_samples
 def test_a_vllm_run_refuses_the_option_in_one_line():
     import rloo_vllm
     from rloo_utils.errors import UsageError
-    from rloo_utils.options import check_args
+    from rloo_utils.checks import check_args
 
     with pytest.raises(UsageError, match="--cache_implementation static is HF generate's, and this run generates"):
         check_args(rloo_vllm.Args(cache_implementation="static"))

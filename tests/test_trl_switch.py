@@ -19,7 +19,8 @@ from rloo_utils.checkpoints import check_resumable
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils.logs import Logger
 from rloo_utils.generation import generation_configs, tokenize_prompts
-from rloo_utils.options import check_args, resumable_options
+from rloo_utils.options import resumable_options
+from rloo_utils.checks import check_args
 from rloo_utils.rewards import call_reward_funcs
 from rloo_utils.scoring import RewardLogs, reward_model_inputs
 from rloo_utils.vllm_options import check_vllm_args

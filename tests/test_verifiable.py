@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, check_one_line_error, run_env, run_rloo, write_jsonl
 from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, load_reward_func
 from rloo_utils.verifiable import REWARD_FUNCS, answer_accuracy, gsm8k_accuracy, number_only
-from rloo_utils import options
+from rloo_utils import checks, options
 
 ARITHMETIC = os.path.join(ROOT, "data", "arithmetic")
 
@@ -216,7 +216,7 @@ def test_the_gsm8k_recipe_runs_commands_its_script_accepts(tmp_path, monkeypatch
 
     monkeypatch.setattr(sys, "argv", commands[0][1:])
     args = options.parse_args(rloo_vllm.Args)
-    options.check_args(args)
+    checks.check_args(args)
     assert (args.model_name_or_path, args.reward_funcs, args.dataset_name) == (
         "Qwen/Qwen2.5-0.5B-Instruct",
         ["gsm8k_accuracy"],
@@ -315,7 +315,7 @@ def test_bad_overlong_options_are_refused_by_the_checks(argv, message):
 
     args = tyro.cli(rloo.Args, args=[*argv, "--max_completion_length", "32"], use_underscores=True)
     with pytest.raises(UsageError, match=re.escape(message)):
-        options.check_args(args)
+        checks.check_args(args)
 
 
 @pytest.mark.slow

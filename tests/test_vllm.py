@@ -36,7 +36,7 @@ from conftest import (
 import rloo_vllm
 from rloo_utils.vllm_colocated import ColocatedVLLM
 from rloo_utils.errors import UsageError
-from rloo_utils.options import check_args
+from rloo_utils.checks import check_args
 from rloo_utils.vllm_options import check_vllm_args
 from rloo_utils.vllm_sampling import check_engine, pad_completions, sampler_support, sampling_options, sampling_seeds
 from rloo_utils.vllm_server import VLLMServer
