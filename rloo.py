@@ -7,11 +7,11 @@ RLOO is compared with (GRPO, Dr. GRPO, REINFORCE++; token-level PPO, CISPO, GSPO
 --advantage_estimator, --loss_type.
 
 Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, main()
-(set-up in a few calls, then the training loop, one stage of an update after the other), then the seams the loop calls:
-the Sampler (how prompts are completed; a rollout, the value it gives, is in rloo_utils/rollouts.py), the log-probs of
-a rollout and completion_logprobs, their definition. What a reader of the algorithm never needs (checks, the set-up,
-scoring, evaluation, run folders, checkpoints and resume, logging) is in rloo_utils/, called by its module's name:
-logs.update_metrics(...).
+(set-up in a few calls, then the training loop, one stage of an update after the other), and completion_logprobs, the
+definition of the log-probs. The seams the loop calls are in rloo_utils/: the sampler (rollouts.HFSampler: HF generate;
+a rollout, the value it gives, and what every sampler does: rollouts.py), the default log-probs (packing.py), the
+scorer, the evaluation. What a reader of the algorithm never needs (checks, the set-up, run folders, checkpoints and
+resume, logging) is there too, called by its module's name: checks.check_args(...).
 
     python rloo.py --help        # every option, its default and what it does
     python rloo.py               # the embedded default: SmolLM2-135M-Instruct learns to write positive reviews, on CPU

@@ -14,11 +14,11 @@ Generation is HF generate on the sharded policy, or rloo_vllm.py's vLLM server (
 processes push the policy after every update, gathered one tensor at a time.
 
 Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, main()
-(set-up in a few calls, then the training loop, one stage of an update after the other), then the seams the loop calls:
-the Sampler (how prompts are completed; a rollout, the value it gives, is in rloo_utils/rollouts.py), the log-probs of
-a rollout and completion_logprobs, their definition. What a reader of the algorithm never needs (checks, the set-up,
-scoring, evaluation, run folders, checkpoints and resume, logging) is in rloo_utils/, called by its module's name:
-logs.update_metrics(...).
+(set-up in a few calls, then the training loop, one stage of an update after the other), and completion_logprobs, the
+definition of the log-probs. The seams the loop calls are in rloo_utils/: the sampler (sharded_sampling.ShardedSampler:
+HF generate on the shards, or a vLLM server; a rollout, the value it gives, and what every sampler does: rollouts.py),
+the default log-probs (packing.py), the scorer, the evaluation. What a reader of the algorithm never needs (checks, the
+set-up, run folders, checkpoints and resume, logging) is there too, called by its module's name: checks.check_args(...).
 
     python rloo_multigpu.py --help                            # every option; batch sizes are per process
     torchrun --nproc_per_node 2 rloo_multigpu.py              # the embedded default on 2 processes

@@ -13,11 +13,11 @@ With a server, --max_staleness N overlaps generation and training: the server sa
 most N updates old while the trainer updates, the same correction making up for their age.
 
 Read it in order: Args (the algorithm's options; a feature's are its module's), the estimators and losses, main()
-(set-up in a few calls, then the training loop, one stage of an update after the other), then the seams the loop calls:
-the Sampler (how prompts are completed; a rollout, the value it gives, is in rloo_utils/rollouts.py), the log-probs of
-a rollout and completion_logprobs, their definition. What a reader of the algorithm never needs (checks, the set-up,
-scoring, evaluation, run folders, checkpoints and resume, logging) is in rloo_utils/, called by its module's name:
-logs.update_metrics(...).
+(set-up in a few calls, then the training loop, one stage of an update after the other), and completion_logprobs, the
+definition of the log-probs. The seams the loop calls are in rloo_utils/: the sampler (vllm_sampling.VLLMSampler: vLLM's
+engine; a rollout, the value it gives, and what every sampler does: rollouts.py), the default log-probs (packing.py),
+the scorer, the evaluation. What a reader of the algorithm never needs (checks, the set-up, run folders, checkpoints and
+resume, logging) is there too, called by its module's name: checks.check_args(...).
 
     python rloo_vllm.py --help   # every option, its default and what it does
     python rloo_vllm.py          # the embedded default, as rloo.py's, with vLLM sampling

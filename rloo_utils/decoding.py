@@ -85,7 +85,7 @@ def covers(model, generation_config, **generate_kwargs) -> bool:
 
 
 def use_own_loop(option: str, static: bool, model, configs: list, console, unsupported: Optional[str] = None) -> bool:
-    """Whether the Sampler decodes with this loop (--decoding_loop; auto: HF generate's, until a GPU has measured
+    """Whether HFSampler decodes with this loop (--decoding_loop; auto: HF generate's, until a GPU has measured
     ours): with a static cache (static_cache), for a run whose configs (sampling, greedy, the evaluation's) it covers.
     Where `own` was asked and cannot be (no static cache, a config asking for more, `unsupported`: rloo_multigpu.py's
     processes decoding in step), one line says why and HF generate decodes."""

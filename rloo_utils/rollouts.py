@@ -117,10 +117,11 @@ ROLLOUT_TENSORS = (
 class BaseSampler:
     """Prompts in, a Rollout out: tokenized (a VLM's images beside them), completed in one go or (--tools,
     --environment) turn by turn with the tools' results in between (rloo_utils/tools.py), masked after the first stop
-    token. A script's Sampler derives from this one and says how it generates: generate(prompt_ids, prompt_mask,
-    config, images, seeds, copies) -> (B, C) completion ids and (B, C) the sampler's log-probs of them (or None), and
-    generate_turn(contexts, budgets, config, seeds) -> a multi-turn rollout's next turn (next_turn); one that takes an
-    engine's completions made ahead (the rollout queue's `outputs`) also completions(outputs) -> the same two."""
+    token. A script's sampler (HFSampler, VLLMSampler, ShardedSampler) derives from this one and says how it generates:
+    generate(prompt_ids, prompt_mask, config, images, seeds, copies) -> (B, C) completion ids and (B, C) the sampler's
+    log-probs of them (or None), and generate_turn(contexts, budgets, config, seeds) -> a multi-turn rollout's next turn
+    (next_turn); one that takes an engine's completions made ahead (the rollout queue's `outputs`) also
+    completions(outputs) -> the same two."""
 
     reads_images_itself = False  # generate takes the dataset's images (vLLM's processor reads them), not the tensors
     # every process makes every turn of a multi-turn rollout, in the training thread: a sharded model's forward, and
