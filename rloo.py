@@ -494,11 +494,11 @@ def main(args: Args) -> None:
         update_start = time.perf_counter()
 
         # Rollout: each prompt repeated G times, its completions adjacent, so group g is rows [g*G, (g+1)*G)
-        prompts, columns = data.repeated(next(batches), G)  # (data.repeated: each prompt G times in a row)
+        prompts, columns = data.repeated(next(batches), G)
         with timer("generation"):
             rollout = sampler.sample(prompts, columns, generation_config)  # (B, P) prompts, (B, C) completions
 
-        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
+        # Reward: weighted sum of the sources (NaN-aware), EOS trick; checked for overflow, normalised, clipped
         trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
         trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
         with timer("reward"):
@@ -509,9 +509,7 @@ def main(args: Args) -> None:
             rollout, rewards_per_func, scores, completions, sampled = resampler.refill(
                 rollout, rewards_per_func, scores, completions, update, timer
             )
-        scores = shaped_scores(
-            scores, update, args.normalize_reward, args.reward_clip_range
-        )  # checked, whitened, clipped
+        scores = shaped_scores(scores, update, args.normalize_reward, args.reward_clip_range)
 
         sampler.rollout_done(rollout, timer)  # sampling is over: a copy's log-probs of it (--sampler_weights)
 

@@ -552,7 +552,7 @@ def main(args: Args) -> None:
                     request["prompts"], request["columns"], generation_config, request["seeds"], outputs=queued.outputs
                 )
 
-        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping (over the batch, below)
+        # Reward: weighted sum of the sources (NaN-aware), EOS trick; checked, normalised, clipped over the batch, below
         trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
         trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
         with timer("reward"), agreed():  # a reward function that raises on one process stops all of them together

@@ -528,7 +528,7 @@ def main(args: Args) -> None:
                     request["prompts"], request["columns"], generation_config, request["seeds"], outputs=queued.outputs
                 )
 
-        # Reward: weighted sum of the sources (NaN-aware), EOS trick, normalisation, clipping
+        # Reward: weighted sum of the sources (NaN-aware), EOS trick; checked for overflow, normalised, clipped
         trainer_state.global_step = (update - 1) * steps_per_update  # what reward functions see of the run
         trainer_state.epoch = progress.episode / G / len(plan.train_dataset)
         with timer("reward"):
@@ -539,9 +539,7 @@ def main(args: Args) -> None:
             rollout, rewards_per_func, scores, completions, sampled = resampler.refill(
                 rollout, rewards_per_func, scores, completions, update, timer
             )
-        scores = shaped_scores(
-            scores, update, args.normalize_reward, args.reward_clip_range
-        )  # checked, whitened, clipped
+        scores = shaped_scores(scores, update, args.normalize_reward, args.reward_clip_range)
 
         sampler.rollout_done(rollout, timer)  # sampling is over: a colocated engine sleeps, a server is checked
 
