@@ -37,6 +37,11 @@ class LoraOptions:
     save_merged_model: bool = False
     """also save the policy with its adapter merged in (a plain model, e.g. for vLLM) to <output_dir>/merged"""
 
+    def lora_options(self) -> dict:
+        """add_adapter's options: the adapter's rank, scale, dropout, layers and kind."""
+        names = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_dora"]
+        return {name: getattr(self, name) for name in names}
+
     def check(self) -> None:
         """The LoRA options: only with --use_peft, in range, and never a reward model that is the policy's own
         weights."""

@@ -103,17 +103,7 @@ def load_sharded_models(
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
     if args.use_peft:
-        policy = add_adapter(
-            policy,
-            lora_r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-            lora_target_modules=args.lora_target_modules,
-            lora_modules_to_save=args.lora_modules_to_save,
-            use_dora=args.use_dora,
-            seed=args.seed,
-            model_path=policy_path,
-        )
+        policy = add_adapter(policy, **args.lora_options(), seed=args.seed, model_path=policy_path)
         ref_policy = policy if args.beta > 0 else None
     for model in (
         policy,
