@@ -474,7 +474,7 @@ def main(args: Args) -> None:
     generation_config = sampler.configs[0]  # sampling (then greedy, for the sample tables; the evaluation's)
     packing.compile_decoder_layers(policy, args.compile_decoder_layers)  # the training forward's, one by one
     scorer = Scorer.for_run(args, models, plan, trainer_state, device, autocast, console)
-    logger = logs.open_logger(args, plan, run_dir, console, num_updates)  # a resumed run's logs go on
+    logger = logs.open_logger(plan, run_dir, console, num_updates, **args.tracking())  # a resumed run's logs go on
     evaluator = evaluation.Evaluator(args, plan, sampler, scorer, console, logger)
     resampler = rollouts.DynamicSampling(
         sampler, scorer, plan.train_dataset, G, args.max_sampling_rounds, args.seed, args.missing_eos_penalty

@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 import torch
 
@@ -27,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from rloo_utils import decoding  # noqa: E402
 from rloo_utils.models import embedded_model, from_pretrained
-from rloo_utils.generation import generation_configs, static_cache_inputs
+from rloo_utils.generation import SamplingFilters, generation_configs, static_cache_inputs
 
 
 def load(model: str, dtype: str, device):
@@ -75,14 +74,18 @@ def main():
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy, tokenizer = load(options.model, options.dtype, device)
-    sampling_options = types.SimpleNamespace(
-        max_completion_length=options.new_tokens,
-        **dict(temperature=1.0, eval_temperature=None, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0),
-        generation_kwargs=None,
-    )
     # --ignore_eos: an id past the output layer's, which no row ever writes
     stop_ids = [policy.get_output_embeddings().weight.shape[0] if options.ignore_eos else tokenizer.eos_token_id]
-    sampling, greedy, _ = generation_configs(sampling_options, stop_ids, tokenizer.pad_token_id, None, static=True)
+    sampling, greedy, _ = generation_configs(
+        stop_ids,
+        tokenizer.pad_token_id,
+        None,
+        static=True,
+        max_completion_length=options.new_tokens,
+        temperature=1.0,
+        eval_temperature=None,
+        filters=SamplingFilters(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, generation_kwargs=None),
+    )
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, len(tokenizer) - 1, (options.rows, options.prompt_length), generator=generator)
     mask = torch.ones_like(ids)

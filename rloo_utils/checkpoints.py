@@ -9,7 +9,7 @@ import random
 import re
 import shlex
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
 import numpy as np
@@ -202,10 +202,11 @@ def find_checkpoint(spec: str, run_name: Optional[str]) -> str:
     return spec
 
 
-def check_resumable(args, checkpoint: str, resumable_changes: set[str]) -> None:
-    """A resumed run is the run it continues: every option that changes what is computed must be the same (only the
-    options in resumable_changes may differ). A checkpoint whose args.json lacks an option (of an earlier version of
-    this project, or of another script) is continued by what wrote it."""
+def check_resumable(options: dict, checkpoint: str, resumable_changes: set[str]) -> None:
+    """A resumed run is the run it continues: every option (options: this run's, by name) that changes what is computed
+    must be the same as in the checkpoint's args.json (only the options in resumable_changes may differ). A checkpoint
+    whose args.json lacks an option (of an earlier version of this project, or of another script) is continued by what
+    wrote it."""
     path = os.path.join(checkpoint, "args.json")
     try:
         with open(path) as f:
@@ -216,7 +217,7 @@ def check_resumable(args, checkpoint: str, resumable_changes: set[str]) -> None:
             f"{path} is missing or damaged ({describe(e)}): move {checkpoint} away and resume again "
             "(`latest` then takes the checkpoint before it)"
         ) from None
-    for name, value in json.loads(json.dumps(asdict(args))).items():
+    for name, value in json.loads(json.dumps(options)).items():
         if name not in saved and name not in resumable_changes:
             raise UsageError(
                 f"{checkpoint} has no --{name} in its args.json: another script or an earlier version of "

@@ -97,16 +97,20 @@ def static_cache_inputs(ids: torch.Tensor, mask: torch.Tensor, config, largest: 
 
 
 def generation_configs(
-    args,
     stop_ids: list[int],
     pad_token_id: int,
     never_sampled: Optional[list[int]] = None,
     static: bool = False,
+    *,
+    max_completion_length: int,
+    temperature: float,
+    eval_temperature: Optional[float],
+    filters: "SamplingFilters",
 ):
-    """HF generate's configs: sampling (at temperature, with the filters top_p, top_k and min_p, repetition_penalty
-    and generation_kwargs: the options of those names), greedy (the sample tables), and the evaluation's (sampling at
-    eval_temperature, --eval_temperature; None: temperature; 0: greedy); each of at most max_completion_length new
-    tokens. A completion ends only at stop_ids, and holds none of never_sampled (a VLM's image tokens). static
+    """HF generate's configs: sampling (at temperature, with the filters), greedy (the sample tables), and the
+    evaluation's (sampling at eval_temperature; None: temperature; 0: greedy); each of at most max_completion_length
+    new tokens (the options of those names). A completion ends only at stop_ids, and holds none of never_sampled (a
+    VLM's image tokens). static
     (static_cache): a static KV cache (static_cache_inputs sizes it) and the decoding step compiled (transformers'
     CompileConfig: CUDA graphs on a GPU), the dynamic cache's completions (tests/test_static_cache.py)."""
     from transformers import GenerationConfig
@@ -119,7 +123,7 @@ def generation_configs(
         cache = {"cache_implementation": "static", "compile_config": compile_config}
 
     greedy = GenerationConfig(
-        max_new_tokens=args.max_completion_length,
+        max_new_tokens=max_completion_length,
         do_sample=False,
         eos_token_id=stop_ids,
         pad_token_id=pad_token_id,
@@ -128,23 +132,23 @@ def generation_configs(
     )
     sampling, evaluation = (
         GenerationConfig(
-            max_new_tokens=args.max_completion_length,
+            max_new_tokens=max_completion_length,
             min_new_tokens=0,
             do_sample=True,
             temperature=t,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
+            top_p=filters.top_p,
+            top_k=filters.top_k,
+            min_p=filters.min_p,
+            repetition_penalty=filters.repetition_penalty,
             eos_token_id=stop_ids,
             pad_token_id=pad_token_id,
             suppress_tokens=never_sampled or None,
             **cache,
-            **(args.generation_kwargs or {}),
+            **(filters.generation_kwargs or {}),
         )
         if t != 0
         else greedy  # the evaluation's, at --eval_temperature 0
-        for t in (args.temperature, args.temperature if args.eval_temperature is None else args.eval_temperature)
+        for t in (temperature, temperature if eval_temperature is None else eval_temperature)
     )
     return sampling, greedy, evaluation
 
@@ -166,6 +170,17 @@ def shared_prompt_cache(model, prompt_ids, prompt_mask, copies: int, config):
         ).past_key_values
     cache.batch_repeat_interleave(copies)
     return cache
+
+
+@dataclass(frozen=True)
+class SamplingFilters:
+    """Which tokens a completion's sampling may draw, and how likely (GenerationOptions' options of these names)."""
+
+    top_p: float
+    top_k: int
+    min_p: Optional[float]
+    repetition_penalty: float
+    generation_kwargs: Optional[dict]
 
 
 @dataclass
@@ -191,6 +206,16 @@ class GenerationOptions:
     """a further token id that ends a completion (kept, like EOS; everything after it is padding)"""
     ignore_eos: bool = False
     """sample max_completion_length tokens whatever comes (old TRL without --stop_token eos)"""
+
+    def filters(self) -> SamplingFilters:
+        """The sampler's filters: top_p, top_k, min_p, repetition_penalty and generation_kwargs."""
+        return SamplingFilters(
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            generation_kwargs=self.generation_kwargs,
+        )
 
     def check(self) -> None:
         """The sampler's filters and stop token; --generation_kwargs, which must not set what an option or the rollout

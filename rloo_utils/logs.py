@@ -43,6 +43,10 @@ class LoggingOptions:
     num_completions_to_print: Optional[int] = None
     """rows of that table printed each update (all are logged); None: all"""
 
+    def tracking(self) -> dict:
+        """Where the logs go besides the run folder: W&B (track), its project and entity."""
+        return {"track": self.track, "wandb_project_name": self.wandb_project_name, "wandb_entity": self.wandb_entity}
+
     def check(self) -> None:
         """The tables' sizes: a sample table with rows, a number of completions to print of a table that is logged."""
         if self.num_sample_generations and not self.num_sample_prompts:
@@ -203,10 +207,13 @@ class QuietLogger:
         return {}
 
 
-def open_logger(args, plan, run_dir: str, console, num_updates: int):
-    """The run's Logger (what it records and where: the run's options, --track, --wandb_project_name, --wandb_entity)
-    and its progress bar over num_updates, continuing the logs of a resumed run (plan: set_up.RunPlan, whose
-    training_state is its checkpoint's); on processes other than rank 0, one that writes nothing."""
+def open_logger(
+    plan, run_dir: str, console, num_updates: int, *, track: bool, wandb_project_name: str, wandb_entity: Optional[str]
+):
+    """The run's Logger (what it records and where: the run's options; W&B with track, in wandb_project_name under
+    wandb_entity: LoggingOptions.tracking) and its progress bar over num_updates, continuing the logs of a resumed run
+    (plan: set_up.RunPlan, whose training_state is its checkpoint's); on processes other than rank 0, one that writes
+    nothing."""
     training_state = plan.training_state
     if get_rank() != 0:
         return QuietLogger()
@@ -218,9 +225,9 @@ def open_logger(args, plan, run_dir: str, console, num_updates: int):
         resume,
         progress_bar,
         options=plan.options,
-        track=args.track,
-        wandb_project_name=args.wandb_project_name,
-        wandb_entity=args.wandb_entity,
+        track=track,
+        wandb_project_name=wandb_project_name,
+        wandb_entity=wandb_entity,
     )
 
 

@@ -129,16 +129,34 @@ class BaseSampler:
     turns_in_step = True
     owns_environments = False  # a multi-turn rollout's environments are its own until scored (the queue's thread's)
 
-    def __init__(self, args, models, plan, stop_ids: list[int], eos_ids: list[int], device):
-        self.args, self.tokenizer, self.processor, self.device = args, models.tokenizer, models.processor, device
+    def __init__(
+        self,
+        models,
+        plan,
+        stop_ids: list[int],
+        eos_ids: list[int],
+        device,
+        *,
+        max_prompt_length: int,
+        max_completion_length: int,
+        chat_template_kwargs: Optional[dict],
+        max_staleness: int = 0,
+    ):
+        """models: set_up.Models, whose tokenizer and processor tokenize the prompts; plan: set_up.RunPlan, whose
+        tool_use and image_column say what a rollout holds; stop_ids: the tokens that end a completion (eos_ids: those
+        of them that are EOS); the options of the other names: prompts keep their last max_prompt_length tokens,
+        rendered with chat_template_kwargs, and completions are at most max_completion_length tokens; max_staleness:
+        rollouts are made ahead, in the rollout queue's thread."""
+        self.tokenizer, self.processor, self.device = models.tokenizer, models.processor, device
         self.tool_use, self.image_col, self.stop_ids, self.eos_ids = plan.tool_use, plan.image_column, stop_ids, eos_ids
+        self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
+        self.chat_template_kwargs, self.max_staleness = chat_template_kwargs, max_staleness
         # One multi-turn rollout at a time, in the training thread or the queue's: a tool is never called from two
         # threads at once (docs/tools.md)
         self.turns_lock = threading.Lock()
         self.background_sampler = None  # the queue's thread's copy of this sampler (background_rollout)
         # its tokenizer, copied before that thread runs (a copy reads the tokenizer, which must not change meanwhile)
-        made_ahead = self.tool_use and getattr(args, "max_staleness", 0)
-        self.background_tokenizer = copy.deepcopy(self.tokenizer) if made_ahead else None
+        self.background_tokenizer = copy.deepcopy(self.tokenizer) if self.tool_use and max_staleness else None
 
     def sample(self, prompts: list, columns: dict, config, seeds=None, copies=1, outputs=None) -> Rollout:
         """The prompts tokenized and completed. seeds: one per row (a sampler's random streams); copies: each prompt's
@@ -166,15 +184,14 @@ class BaseSampler:
 
     def sample_once(self, prompts: list, columns: dict, config, seeds, copies, outputs) -> Rollout:
         """Completions in one go (sample without tools)."""
-        tokenizer, args = self.tokenizer, self.args
         prompt_ids, prompt_mask, num_truncated, images = tokenize_prompts(
-            tokenizer,
+            self.tokenizer,
             prompts,
-            args.max_prompt_length,
+            self.max_prompt_length,
             self.device,
             self.processor,
             columns.get(self.image_col),
-            args.chat_template_kwargs,
+            self.chat_template_kwargs,
         )  # (B, P)
         if outputs is None:
             generation_images = columns.get(self.image_col) if self.reads_images_itself else images
@@ -200,14 +217,14 @@ class BaseSampler:
 
     def sample_turns(self, prompts: list, columns: dict, config, seeds) -> Rollout:
         """The model's turns, and the tools' results between them (rloo_utils/tools.py)."""
-        tokenizer, args = self.tokenizer, self.args
-        turns = self.tool_use.start(prompts, columns, self.owns_environments)  # environments reset; each row's tools
+        tokenizer, tool_use = self.tokenizer, self.tool_use
+        turns = tool_use.start(prompts, columns, self.owns_environments)  # environments reset; each row's tools
         prompt_ids, prompt_mask, num_truncated, _ = tokenize_prompts(
             tokenizer,
             turns.prompts,
-            args.max_prompt_length,
+            self.max_prompt_length,
             self.device,
-            chat_template_kwargs=args.chat_template_kwargs,
+            chat_template_kwargs=self.chat_template_kwargs,
             tools=turns.schemas,
         )  # (B, P)
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]  # without padding
@@ -217,13 +234,13 @@ class BaseSampler:
             rows,
             tokenizer,
             self.stop_ids,
-            max_completion_length=args.max_completion_length,
-            max_tool_calling_iterations=args.max_tool_calling_iterations,
-            tool_timeout=args.tool_timeout,
-            chat_template_kwargs=args.chat_template_kwargs,
+            max_completion_length=self.max_completion_length,
+            max_tool_calling_iterations=tool_use.max_tool_calling_iterations,
+            tool_timeout=tool_use.tool_timeout,
+            chat_template_kwargs=self.chat_template_kwargs,
             in_step=self.turns_in_step,
         )
-        self.tool_use.read_rewards(turns, args.reward_timeout)  # the environments' get_reward, as the rollout ends
+        tool_use.read_rewards(turns)  # the environments' get_reward, as the rollout ends
         completion_ids, completion_mask, tool_mask, ended, sampling_logprobs = turns.tensors(
             tokenizer.pad_token_id, self.device
         )  # (B, C) each, (B,)
@@ -315,9 +332,29 @@ class HFSampler(BaseSampler):
     bfloat16 (--sampler_weights), completes them with HF generate, in one go or, with --tools or --environment, turn
     by turn. rloo.py's; rloo_vllm.py's is VLLMSampler (vllm_sampling.py), rloo_multigpu.py's ShardedSampler."""
 
-    def __init__(self, args, policy, models, plan, stop_ids, eos_ids, device, autocast, own_loop=False):
-        super().__init__(args, models, plan, stop_ids, eos_ids, device)
+    def __init__(
+        self,
+        policy,
+        models,
+        plan,
+        stop_ids,
+        eos_ids,
+        device,
+        autocast,
+        own_loop=False,
+        *,
+        forward_batch_size: int,
+        temperature: float,
+        **limits,
+    ):
+        """policy: the model that samples; autocast(): its forwards' (a copy in bfloat16: none); own_loop: decoding.py's
+        loop where it covers the inputs (use_own_loop), else HF generate's; forward_batch_size: the rows of one
+        generate and of one log-prob forward (--local_rollout_forward_batch_size); temperature: the log-probs'
+        (--temperature); the rest: BaseSampler's (limits: the prompts' and completions' lengths, the template's
+        arguments)."""
+        super().__init__(models, plan, stop_ids, eos_ids, device, **limits)
         self.policy, self.autocast, self.own_loop = policy, autocast, own_loop
+        self.forward_batch_size, self.temperature = forward_batch_size, temperature
         self.trained, self.logprobs_of, self.configs = policy, None, None  # (for_run's)
 
     @classmethod
@@ -342,10 +379,33 @@ class HFSampler(BaseSampler):
             args.bf16 and copy_dtype is None,
         )
         never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
-        configs = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled, static)
+        configs = generation_configs(
+            stop_ids,
+            tokenizer.pad_token_id,
+            never_sampled,
+            static,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            eval_temperature=args.eval_temperature,
+            filters=args.filters(),
+        )
         own_loop = decoding.use_own_loop(args.decoding_loop, static, sampling_policy, configs, console)  # or HF's
         sampler_autocast = autocast if copy_dtype is None else contextlib.nullcontext  # a copy computes in its dtype
-        sampler = cls(args, sampling_policy, models, plan, stop_ids, eos_ids, device, sampler_autocast, own_loop)
+        sampler = cls(
+            sampling_policy,
+            models,
+            plan,
+            stop_ids,
+            eos_ids,
+            device,
+            sampler_autocast,
+            own_loop,
+            forward_batch_size=args.local_rollout_forward_batch_size,
+            temperature=args.temperature,
+            max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
         sampler.trained, sampler.logprobs_of, sampler.configs = policy, logprobs_of, configs
         return sampler
 
@@ -355,9 +415,13 @@ class HFSampler(BaseSampler):
         correction as vLLM's is."""
         if self.policy is not self.trained:
             with timer("sampler_logprobs"):
-                chunk, temperature = self.args.local_rollout_forward_batch_size, self.args.temperature
                 rollout.sampling_logprobs = rollout_logprobs(
-                    self.policy, rollout, self.logprobs_of, contextlib.nullcontext, chunk, temperature
+                    self.policy,
+                    rollout,
+                    self.logprobs_of,
+                    contextlib.nullcontext,
+                    self.forward_batch_size,
+                    self.temperature,
                 )  # (B, C)
 
     def sync_weights(self, timer) -> None:
@@ -371,7 +435,7 @@ class HFSampler(BaseSampler):
         --local_rollout_forward_batch_size, and None: HF generate gives no log-probs (the policy's forward does). With
         seeds, each chunk samples from the seed of its first row. copies: the rows hold each prompt that many times in
         a row, whose forward is then made once (shared_prompt_cache)."""
-        model, chunk = self.policy, self.args.local_rollout_forward_batch_size
+        model, chunk = self.policy, self.forward_batch_size
         model.eval()
         chunks = []
         for i in range(0, len(prompt_ids), chunk):
@@ -391,7 +455,7 @@ class HFSampler(BaseSampler):
                 own = self.own_loop and decoding.covers(model, **inputs)  # rloo_utils/decoding.py's loop
                 generate = functools.partial(decoding.generate, model) if own else model.generate
                 out = generate(**inputs)[: len(prompt_ids[rows])]
-            padding = self.args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
+            padding = self.max_completion_length - out.shape[1] + prompt_ids.shape[1]
             chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=self.tokenizer.pad_token_id))
         return torch.cat(chunks), None
 

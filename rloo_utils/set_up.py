@@ -89,12 +89,19 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
         total_episodes=args.total_episodes,
         world_size=world_size,
     )
+    options = asdict(args)  # every option by name: what the logs and each checkpoint's args.json record
     checkpoint = training_state = None  # a new run
     if args.resume_from_checkpoint is not None:
         checkpoint = find_checkpoint(args.resume_from_checkpoint, args.run_name)
-        check_resumable(args, checkpoint, resumable_options(type(args)))
+        check_resumable(options, checkpoint, resumable_options(type(args)))
         training_state = load_training_state(checkpoint, run_dir_of(checkpoint), sharded)
-    tool_use = load_tool_use(tools=args.tools, environment=args.environment)
+    tool_use = load_tool_use(
+        tools=args.tools,
+        environment=args.environment,
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
+        tool_timeout=args.tool_timeout,
+        reward_timeout=args.reward_timeout,
+    )
     builtin = builtin_reward_funcs(
         max_completion_length=args.max_completion_length,
         overlong_buffer_length=args.overlong_buffer_length,
@@ -154,7 +161,7 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
         evaluate_after=evaluation_updates(args.eval_steps, args.eval_on_start, num_updates) if eval_prompts else set(),
         extra_columns=[c for c in train_dataset.column_names if c != "prompt"],
         image_column=image_column(train_dataset.column_names, args.dataset_name),
-        options=asdict(args),
+        options=options,
     )
 
 
@@ -171,32 +178,36 @@ class Models:
 
 
 def load_checked_tokenizers(
-    args,
     plan: RunPlan,
+    *,
+    model_name_or_path: str,
+    sft_model_path: Optional[str],
+    reward_model_path: Optional[str],
+    stop_token_id: Optional[int],
+    chat_template_kwargs: Optional[dict],
 ) -> tuple:
     """load_tokenizers (the policy's tokenizer, checked on the plan's first prompt; the reward model's where it reads
     text otherwise; a VLM's processor), and with the plan's tools, the chat template checked: it shows them, writes
-    calls and results, and its calls can be read back. The model options (--model_name_or_path, --sft_model_path,
-    --reward_model_path, --stop_token_id, --chat_template_kwargs) say where the models are and what the tokenizer must
-    know (load_tokenizers)."""
+    calls and results, and its calls can be read back. The options of the other names say where the models are and
+    what the tokenizer must know (load_tokenizers)."""
     first_prompt = plan.train_dataset[0]["prompt"]
     tokenizer, reward_tokenizer, processor = load_tokenizers(
         first_prompt,
         plan.image_column,
-        model_name_or_path=args.model_name_or_path,
-        sft_model_path=args.sft_model_path,
-        reward_model_path=args.reward_model_path,
-        stop_token_id=args.stop_token_id,
-        chat_template_kwargs=args.chat_template_kwargs,
+        model_name_or_path=model_name_or_path,
+        sft_model_path=sft_model_path,
+        reward_model_path=reward_model_path,
+        stop_token_id=stop_token_id,
+        chat_template_kwargs=chat_template_kwargs,
     )
     if plan.tool_use:
         check_tool_template(
             tokenizer,
             first_prompt,
             plan.image_column,
-            stop_token_id=args.stop_token_id,
-            chat_template_kwargs=args.chat_template_kwargs,
-            model_name_or_path=args.model_name_or_path,
+            stop_token_id=stop_token_id,
+            chat_template_kwargs=chat_template_kwargs,
+            model_name_or_path=model_name_or_path,
         )
     return tokenizer, reward_tokenizer, processor
 
@@ -215,7 +226,14 @@ def load_models(
     them at every forward: half the memory. A resumed run's policy is its checkpoint's (the plan's). Dropout is off: it
     would make the update's log-probs differ from the sampler's; gradient_checkpointing: activations recomputed in the
     backward."""
-    tokenizer, reward_tokenizer, processor = load_checked_tokenizers(args, plan)
+    tokenizer, reward_tokenizer, processor = load_checked_tokenizers(
+        plan,
+        model_name_or_path=args.model_name_or_path,
+        sft_model_path=args.sft_model_path,
+        reward_model_path=args.reward_model_path,
+        stop_token_id=args.stop_token_id,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
     policy_path = args.sft_model_path or args.model_name_or_path
     policy = from_pretrained(
         policy_class(policy_path),

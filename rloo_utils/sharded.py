@@ -80,7 +80,14 @@ def load_sharded_models(
     use_peft the policy, adapter disabled. A resumed policy's weights (with use_peft its adapter's) come from its
     checkpoint (load_sharded_checkpoint, with the optimizer's state)."""
     with agreed():
-        tokenizer, reward_tokenizer, processor = load_checked_tokenizers(args, plan)
+        tokenizer, reward_tokenizer, processor = load_checked_tokenizers(
+            plan,
+            model_name_or_path=args.model_name_or_path,
+            sft_model_path=args.sft_model_path,
+            reward_model_path=args.reward_model_path,
+            stop_token_id=args.stop_token_id,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
         policy_path = args.sft_model_path or args.model_name_or_path
         policy = empty_model(
             policy_class(policy_path),

@@ -41,9 +41,33 @@ class ShardedSampler(EngineRequests, BaseSampler):
     a sharded forward is a collective). With --max_staleness the rollout queue asks the server for an update's
     completions (or multi-turn rollouts) ahead (request, then background_outputs in its thread); sample() takes them."""
 
-    def __init__(self, args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop=False):
-        super().__init__(args, models, plan, stop_ids, eos_ids, device)
+    def __init__(
+        self,
+        policy,
+        server,
+        models,
+        plan,
+        stop_ids,
+        eos_ids,
+        device,
+        own_loop=False,
+        *,
+        forward_batch_size: int,
+        gather_for_generation: bool,
+        num_generations: int,
+        seed: int,
+        **limits,
+    ):
+        """policy: the sharded policy; server: a VLLMServer that generates instead (None: HF generate); own_loop:
+        decoding.py's loop where it covers the inputs; forward_batch_size: the rows of one generate
+        (--local_rollout_forward_batch_size); gather_for_generation: the model gathered whole for it
+        (--gather_for_generation); num_generations: the completions of each prompt (G); seed: what a server's seeds are
+        drawn from; the rest: BaseSampler's (limits: the prompts' and completions' lengths, the template's arguments,
+        max_staleness)."""
+        super().__init__(models, plan, stop_ids, eos_ids, device, **limits)
         self.policy, self.engine, self.own_loop = policy, server, own_loop
+        self.forward_batch_size, self.gather_for_generation = forward_batch_size, gather_for_generation
+        self.num_generations, self.seed = num_generations, seed
         self.reads_images_itself = server is not None  # a server takes the dataset's images; HF generate the tensors
         self.trained, self.logprobs_of, self.configs = policy, None, None  # (for_run's)
 
@@ -67,12 +91,35 @@ class ShardedSampler(EngineRequests, BaseSampler):
         static = server is None and static_cache(
             args.cache_implementation, device, console, sampling_dtype, unsupported, autocast=False
         )
-        configs = generation_configs(args, stop_ids, tokenizer.pad_token_id, never_sampled, static)
+        sampling = dict(
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            eval_temperature=args.eval_temperature,
+            filters=args.filters(),
+        )
+        configs = generation_configs(stop_ids, tokenizer.pad_token_id, never_sampled, static, **sampling)
         if server is not None:  # vLLM's sampling parameters for the same semantics
-            configs = sampling_configs(args, stop_ids, never_sampled)
+            configs = sampling_configs(stop_ids, never_sampled, **sampling)
         in_step = "the processes decode in step (synced_gpus)" if world_size > 1 else None
         own_loop = decoding.use_own_loop(args.decoding_loop, static, policy, configs, console, in_step)  # or HF's
-        sampler = cls(args, policy, server, models, plan, stop_ids, eos_ids, device, own_loop)
+        sampler = cls(
+            policy,
+            server,
+            models,
+            plan,
+            stop_ids,
+            eos_ids,
+            device,
+            own_loop,
+            forward_batch_size=args.local_rollout_forward_batch_size,
+            gather_for_generation=args.gather_for_generation,
+            num_generations=args.num_generations,
+            seed=args.seed,
+            max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            chat_template_kwargs=args.chat_template_kwargs,
+            max_staleness=args.max_staleness,
+        )
         sampler.autocast, sampler.logprobs_of, sampler.configs = autocast, logprobs_of, configs
         if server is not None:
             server.push_weights(policy, weights_for_vllm(policy, server.dtype, whole))
@@ -86,7 +133,7 @@ class ShardedSampler(EngineRequests, BaseSampler):
         other run pushed its own."""
         if self.engine is not None:
             with timer("engine_check"):
-                recheck = {**self.configs[1], "max_tokens": min(8, self.args.max_completion_length)}  # short
+                recheck = {**self.configs[1], "max_tokens": min(8, self.max_completion_length)}  # short
                 check_engine(self.engine, *self.probe, recheck, self.greedy_logprobs, SHARED_SERVER)
 
     def sync_weights(self, timer) -> None:
@@ -103,21 +150,21 @@ class ShardedSampler(EngineRequests, BaseSampler):
         images: the rows' image tensors for HF generate; the rows' images as the dataset holds them for the server.
         copies: the rows hold each prompt that many times in a row, whose forward is then made once
         (shared_prompt_cache; only with the model gathered: a sharded forward is a collective)."""
-        args, model, device, pad_token_id = self.args, self.policy, self.device, self.tokenizer.pad_token_id
+        model, device, pad_token_id = self.policy, self.device, self.tokenizer.pad_token_id
         if self.engine is not None:
             with agreed():  # a request that fails on one process stops every process
                 outputs = self.engine.generate(unpadded(prompt_ids, prompt_mask), config, seeds, images)
             return self.completions(outputs)
         model.eval()
-        chunks, chunk, world_size = [], args.local_rollout_forward_batch_size, dist.get_world_size()
-        with gathered(model, args.gather_for_generation):
+        chunks, chunk, world_size = [], self.forward_batch_size, dist.get_world_size()
+        with gathered(model, self.gather_for_generation):
             for i in range(0, len(prompt_ids), chunk):
                 with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     if seeds is not None:
                         torch.manual_seed(seeds[i])
                     rows = slice(i, i + chunk)
                     shared = None  # the prompt's forward made once for its copies (a gathered model's forward only)
-                    if images is None and (args.gather_for_generation or world_size == 1):
+                    if images is None and (self.gather_for_generation or world_size == 1):
                         shared = shared_prompt_cache(model, prompt_ids[rows], prompt_mask[rows], copies, config)
                     inputs = dict(
                         **static_cache_inputs(prompt_ids[rows], prompt_mask[rows], config, chunk),  # (b', P)
@@ -129,14 +176,14 @@ class ShardedSampler(EngineRequests, BaseSampler):
                     own = self.own_loop and decoding.covers(model, **inputs)  # rloo_utils/decoding.py's loop
                     generate = functools.partial(decoding.generate, model) if own else model.generate
                     out = generate(**inputs)[: len(prompt_ids[rows])]
-                padding = args.max_completion_length - out.shape[1] + prompt_ids.shape[1]
+                padding = self.max_completion_length - out.shape[1] + prompt_ids.shape[1]
                 chunks.append(F.pad(out[:, prompt_ids.shape[1] :], (0, padding), value=pad_token_id))
         return torch.cat(chunks), None
 
     def completions(self, outputs: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, C) completion ids padded to --max_completion_length and (b, C) their log-probs, from the server's outputs
         (one that a process cannot read stops every process)."""
-        length, pad_token_id = self.args.max_completion_length, self.tokenizer.pad_token_id
+        length, pad_token_id = self.max_completion_length, self.tokenizer.pad_token_id
         with agreed():
             return pad_completions(outputs, length, pad_token_id, self.stop_ids, self.device)
 
@@ -161,4 +208,4 @@ class ShardedSampler(EngineRequests, BaseSampler):
         """This process's rows' seeds: of the global batch's, a function of (--seed, update, round, row), so a resumed
         run draws what the uninterrupted one drew."""
         first, batch_size = dist.get_rank() * num_rows, num_rows * dist.get_world_size()  # this process's rows
-        return sampling_seeds(self.args.seed, update, batch_size, round_)[first : first + num_rows]
+        return sampling_seeds(self.seed, update, batch_size, round_)[first : first + num_rows]

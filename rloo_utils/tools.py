@@ -399,6 +399,9 @@ class ToolUse:
     tools: list[Callable]
     environments: dict[str, type]
     pool: dict[str, list]  # per class: the training thread's instances, row i's at index i
+    max_tool_calling_iterations: Optional[int] = None  # rounds of calls in a rollout (None: until it answers)
+    tool_timeout: Optional[float] = None  # the seconds a tool call may take (None: no limit)
+    reward_timeout: Optional[float] = None  # the seconds an environment's get_reward may take (None: no limit)
     free: dict[str, list] = field(default_factory=dict)  # per class: the queue's thread's instances, not owned now
     lock: threading.Lock = field(default_factory=threading.Lock)  # free is taken from and given back in two threads
 
@@ -465,7 +468,7 @@ class ToolUse:
                             pool[i] = type(environment)()
         turns.released = True
 
-    def read_rewards(self, turns: MultiTurn, timeout: Optional[float]) -> None:
+    def read_rewards(self, turns: MultiTurn) -> None:
         """Each environment class's get_reward on its own rows (None on the others), read as the rollout ends (in the
         queue's thread for a rollout made ahead) into turns.rewards, within --reward_timeout. A failure (or a call past
         the timeout) is kept in its place and raised when the rollout is scored, as a reward function's is."""
@@ -483,7 +486,7 @@ class ToolUse:
                 return values
 
             try:
-                turns.rewards[name] = within(timeout, f"reward function {name}", read)
+                turns.rewards[name] = within(self.reward_timeout, f"reward function {name}", read)
             except Exception as e:
                 turns.rewards[name] = e
 
@@ -505,13 +508,28 @@ class ToolUse:
         ]
 
 
-def load_tool_use(*, tools: Optional[list[str]], environment: Optional[list[str]]) -> Optional[ToolUse]:
+def load_tool_use(
+    *,
+    tools: Optional[list[str]],
+    environment: Optional[list[str]],
+    max_tool_calling_iterations: Optional[int],
+    tool_timeout: Optional[float],
+    reward_timeout: Optional[float],
+) -> Optional[ToolUse]:
     """The tools (--tools: functions' specs) and environment classes (--environment) loaded and checked (before any
-    model loads); None without either."""
+    model loads), with the rounds of calls a rollout may make and the seconds a call and a get_reward may take (the
+    options of those names); None without tools or environments."""
     if not tools and not environment:
         return None
     pool = load_environments(environment or [])
-    return ToolUse(load_tools(tools or []), {name: type(p[0]) for name, p in pool.items()}, pool)
+    return ToolUse(
+        load_tools(tools or []),
+        {name: type(p[0]) for name, p in pool.items()},
+        pool,
+        max_tool_calling_iterations=max_tool_calling_iterations,
+        tool_timeout=tool_timeout,
+        reward_timeout=reward_timeout,
+    )
 
 
 def check_tool_template(

@@ -195,7 +195,8 @@ class ColocatedVLLM:
         vllm_lora_push allows; else the merged weights are pushed."""
         problem = None
         if args.use_peft:
-            problem = adapter_problem(args, policy) or lora_architecture_problem(policy)
+            problem = adapter_problem(args.lora_options(), args.model_name_or_path, policy)
+            problem = problem or lora_architecture_problem(policy)
         self.adapter = args.use_peft and choose_lora_push(args.vllm_lora_push, problem)
         lora_rank = vllm_lora_rank(args.lora_r) if self.adapter else None
         dtype = engine_dtype(args.vllm_dtype)  # what the engine holds its weights in

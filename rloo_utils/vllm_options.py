@@ -115,24 +115,24 @@ def vllm_lora_rank(rank: int) -> Optional[int]:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), None)
 
 
-def adapter_problem(args, policy=None) -> Optional[tuple[str, str]]:
+def adapter_problem(lora: dict, model_name_or_path: str, policy=None) -> Optional[tuple[str, str]]:
     """Why vLLM's LoRA cannot serve the --use_peft adapter as an adapter, and the fix (None: it can), from the adapter's
-    options (args: --lora_r, --use_dora, --lora_modules_to_save; --model_name_or_path, which a refusal names) and,
-    where given, the policy: vLLM refuses DoRA and modules_to_save (vllm/lora/peft_helper.py), holds ranks up to 512,
-    and puts adapters on the linear layers of a language model only (vllm/lora/utils.py), not on the embeddings or the
-    output layer (lm_head is its ParallelLMHead)."""
-    if args.use_dora:
+    options (lora: LoraOptions.lora_options(), whose lora_r, use_dora and lora_modules_to_save it reads), the model a
+    refusal names (--model_name_or_path) and, where given, the policy: vLLM refuses DoRA and modules_to_save
+    (vllm/lora/peft_helper.py), holds ranks up to 512, and puts adapters on the linear layers of a language model only
+    (vllm/lora/utils.py), not on the embeddings or the output layer (lm_head is its ParallelLMHead)."""
+    if lora["use_dora"]:
         return "vLLM's LoRA does not serve DoRA (--use_dora)", "leave out --use_dora"
-    if args.lora_modules_to_save:
-        saved = " ".join(args.lora_modules_to_save)
+    if lora["lora_modules_to_save"]:
+        saved = " ".join(lora["lora_modules_to_save"])
         return f"vLLM's LoRA does not serve layers trained in full (--lora_modules_to_save {saved})", "leave it out"
-    if vllm_lora_rank(args.lora_r) is None:
-        return f"--lora_r {args.lora_r} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}", "lower it"
+    if vllm_lora_rank(lora["lora_r"]) is None:
+        return f"--lora_r {lora['lora_r']} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}", "lower it"
     if policy is None:
         return None
     if getattr(policy.config, "vision_config", None) is not None:
         return (
-            f"{args.model_name_or_path} is a vision-language model, whose adapters (its vision tower's too) vLLM's "
+            f"{model_name_or_path} is a vision-language model, whose adapters (its vision tower's too) vLLM's "
             "LoRA is not checked to serve here",
             "use a language model",
         )
@@ -184,7 +184,7 @@ def check_vllm_args(args, server: bool) -> None:
             "add --use_peft, or leave --vllm_lora_push out"
         )
     if args.use_peft and args.vllm_lora_push == "adapter":  # refused before anything loads, where it cannot serve
-        choose_lora_push("adapter", adapter_problem(args))
+        choose_lora_push("adapter", adapter_problem(args.lora_options(), args.model_name_or_path))
     if (
         args.generation_kwargs
         and (server or isinstance(args, VLLMOptions))

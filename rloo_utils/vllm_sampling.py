@@ -11,7 +11,7 @@ import torch
 
 from rloo_utils.data import repeated, text_prompts
 from rloo_utils.errors import RunError, UsageError
-from rloo_utils.generation import end_token_ids, tokenize_prompts
+from rloo_utils.generation import SamplingFilters, end_token_ids, tokenize_prompts
 from rloo_utils.processes import agreed
 from rloo_utils.rollouts import BaseSampler, Rollout
 from rloo_utils.vision import image_token_ids
@@ -21,27 +21,29 @@ from rloo_utils.weight_transfer import weights_for_vllm
 
 
 def sampling_configs(
-    args,
     stop_ids: list[int],
     never_sampled: Optional[list[int]] = None,
+    *,
+    max_completion_length: int,
+    temperature: float,
+    eval_temperature: float,
+    filters: SamplingFilters,
 ) -> tuple[dict, dict, dict]:
     """vLLM's sampling parameters of a run, as generation.generation_configs makes HF's: sampling (at temperature, with
-    the options of the other names: sampling_options), greedy (the sample tables), and the evaluation's (at
-    eval_temperature, --eval_temperature with its default resolved; 0: greedy)."""
+    the filters), greedy (the sample tables), and the evaluation's (at eval_temperature, --eval_temperature with its
+    default resolved; 0: greedy); each of at most max_completion_length tokens (sampling_options)."""
     sampling = dict(
-        max_completion_length=args.max_completion_length,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        generation_kwargs=args.generation_kwargs,
+        max_completion_length=max_completion_length,
+        top_p=filters.top_p,
+        top_k=filters.top_k,
+        min_p=filters.min_p,
+        repetition_penalty=filters.repetition_penalty,
+        generation_kwargs=filters.generation_kwargs,
     )
     return (
-        sampling_options(stop_ids, False, never_sampled, temperature=args.temperature, **sampling),
-        sampling_options(stop_ids, True, never_sampled, temperature=args.temperature, **sampling),
-        sampling_options(
-            stop_ids, args.eval_temperature == 0, never_sampled, temperature=args.eval_temperature, **sampling
-        ),
+        sampling_options(stop_ids, False, never_sampled, temperature=temperature, **sampling),
+        sampling_options(stop_ids, True, never_sampled, temperature=temperature, **sampling),
+        sampling_options(stop_ids, eval_temperature == 0, never_sampled, temperature=eval_temperature, **sampling),
     )
 
 
@@ -211,18 +213,18 @@ class EngineRequests:
         adjacent, so group g is rows [g*G, (g+1)*G)), their columns, the seeds and the sampling parameters (config);
         with --max_staleness also the prompts' token ids, tokenized here: the queue generates in a thread of its own,
         and a tokenizer is not thread-safe (a multi-turn rollout's are tokenized there, by a copy of its own)."""
-        prompts, columns = repeated(next(batches), self.args.num_generations)
+        prompts, columns = repeated(next(batches), self.num_generations)
         seeds = self.seeds_for(update, 0, len(prompts))
         request = {"prompts": prompts, "columns": columns, "seeds": seeds, "config": config}
-        if self.args.max_staleness and not self.tool_use:
+        if self.max_staleness and not self.tool_use:
             prompt_ids, prompt_mask = tokenize_prompts(
                 self.tokenizer,
                 prompts,
-                self.args.max_prompt_length,
+                self.max_prompt_length,
                 self.device,
                 self.processor,
                 columns.get(self.image_col),
-                self.args.chat_template_kwargs,
+                self.chat_template_kwargs,
             )[:2]
             request["token_ids"] = unpadded(prompt_ids, prompt_mask)
         return request
@@ -230,7 +232,7 @@ class EngineRequests:
     def background_outputs(self, request: dict):
         """With --max_staleness, vLLM's completions of a rollout, or (--tools, --environment) the whole multi-turn
         rollout, made in the queue's thread; else None: sample() generates them when the update takes its rollout."""
-        if not self.args.max_staleness:
+        if not self.max_staleness:
             return None
         if self.tool_use:
             return self.background_rollout(request)
@@ -248,9 +250,26 @@ class VLLMSampler(EngineRequests, BaseSampler):
 
     reads_images_itself = True
 
-    def __init__(self, args, engine, models, plan, stop_ids, eos_ids, device):
-        super().__init__(args, models, plan, stop_ids, eos_ids, device)
-        self.engine = engine
+    def __init__(
+        self,
+        engine,
+        models,
+        plan,
+        stop_ids,
+        eos_ids,
+        device,
+        *,
+        colocated: bool,
+        num_generations: int,
+        seed: int,
+        **limits,
+    ):
+        """engine: a ColocatedVLLM (colocated: it sleeps after sampling) or a VLLMServer (checked again after sampling);
+        num_generations: the completions of each prompt (G); seed: what each completion's seed is drawn from
+        (sampling_seeds); the rest: BaseSampler's (limits: the prompts' and completions' lengths, the template's
+        arguments, max_staleness)."""
+        super().__init__(models, plan, stop_ids, eos_ids, device, **limits)
+        self.engine, self.colocated, self.num_generations, self.seed = engine, colocated, num_generations, seed
         self.trained, self.logprobs_of, self.configs = None, None, None  # (for_run's)
 
     @classmethod
@@ -266,16 +285,29 @@ class VLLMSampler(EngineRequests, BaseSampler):
         )
         never_sampled = image_token_ids(policy.config)  # a VLM's image tokens: a completion holds none
         sampler = cls(
-            args,
             server or ColocatedVLLM(args, policy, device, models.processor),
             models,
             plan,
             stop_ids,
             eos_ids,
             device,
+            colocated=server is None,
+            num_generations=args.num_generations,
+            seed=args.seed,
+            max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            chat_template_kwargs=args.chat_template_kwargs,
+            max_staleness=args.max_staleness,
         )
         sampler.trained, sampler.autocast, sampler.logprobs_of = policy, autocast, logprobs_of
-        sampler.configs = sampling_configs(args, stop_ids, never_sampled)
+        sampler.configs = sampling_configs(
+            stop_ids,
+            never_sampled,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            eval_temperature=args.eval_temperature,
+            filters=args.filters(),
+        )
         sampler.engine.push_weights(policy, weights_for_vllm(policy, sampler.engine.dtype))
         prompts = text_prompts(plan.train_dataset[:2]["prompt"])
         sampler.probe = tokenize_prompts(tokenizer, prompts, args.max_prompt_length, device)[:2]
@@ -286,11 +318,11 @@ class VLLMSampler(EngineRequests, BaseSampler):
         """Sampling is over for this update: a colocated engine sleeps (sleep mode, as in TRL), its memory free for the
         forwards and the update; a server is checked again, briefly: it still holds this run's weights, no other run
         pushed its own."""
-        if self.args.vllm_mode == "colocate":
+        if self.colocated:
             self.engine.sleep()
         else:
             with timer("engine_check"):
-                recheck = {**self.configs[1], "max_tokens": min(8, self.args.max_completion_length)}  # short
+                recheck = {**self.configs[1], "max_tokens": min(8, self.max_completion_length)}  # short
                 check_engine(self.engine, *self.probe, recheck, self.greedy_logprobs, SHARED_SERVER)
 
     def sync_weights(self, timer) -> None:
@@ -305,7 +337,7 @@ class VLLMSampler(EngineRequests, BaseSampler):
 
     def completions(self, outputs: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, C) completion ids padded to --max_completion_length and (B, C) their log-probs, from vLLM's outputs."""
-        length, pad_token_id = self.args.max_completion_length, self.tokenizer.pad_token_id
+        length, pad_token_id = self.max_completion_length, self.tokenizer.pad_token_id
         return pad_completions(outputs, length, pad_token_id, self.stop_ids, self.device)
 
     def generate_turn(self, contexts: list[list[int]], budgets: list[int], config, seeds=None) -> list[tuple]:
@@ -318,4 +350,4 @@ class VLLMSampler(EngineRequests, BaseSampler):
     def seeds_for(self, update: int, round_: int, num_rows: int) -> list[int]:
         """Each row's seed: a function of (--seed, update, round, row), so a resumed run draws what the uninterrupted
         one drew."""
-        return sampling_seeds(self.args.seed, update, num_rows, round_)
+        return sampling_seeds(self.seed, update, num_rows, round_)

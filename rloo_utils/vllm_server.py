@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import socket
-import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -174,18 +173,15 @@ class VLLMServer:
         served_dtype = getattr(torch, str(model_config.get("dtype")).removeprefix("torch."), None)
         self.dtype = served_dtype if isinstance(served_dtype, torch.dtype) else None  # pushes in it (None: as trained)
         self.nccl = uses_nccl(args.vllm_server_weight_transfer)
-        # the options of the adapter that vllm_options.adapter_problem reads (and the model it names), which the first
-        # push checks again with the policy's layers
-        self.adapter_options = types.SimpleNamespace(
-            lora_r=args.lora_r,
-            use_dora=args.use_dora,
-            lora_modules_to_save=args.lora_modules_to_save,
-            model_name_or_path=args.model_name_or_path,
-        )
+        # what vllm_options.adapter_problem reads (the adapter's options, the model it names), which the first push
+        # checks again with the policy's layers
+        self.lora_options, self.model_name_or_path = args.lora_options(), args.model_name_or_path
         self.lora_push = args.vllm_lora_push
         problem = None
         if args.use_peft:
-            problem = adapter_problem(self.adapter_options) or self.lora_problem(server_info, args.lora_r)
+            problem = adapter_problem(self.lora_options, self.model_name_or_path) or self.lora_problem(
+                server_info, args.lora_r
+            )
         self.adapter = args.use_peft and choose_lora_push(self.lora_push, problem)
         self.adapter_name = None  # the adapter the completions name (the latest pushed); None: the weights alone
         if self.nccl:
@@ -293,7 +289,9 @@ class VLLMServer:
         that failed half-way still goes through every gather)."""
         with agreed(), weight_push():
             if self.adapter and self.adapter_name is None:  # the first push: what the policy's layers allow
-                self.adapter = choose_lora_push(self.lora_push, adapter_problem(self.adapter_options, policy))
+                self.adapter = choose_lora_push(
+                    self.lora_push, adapter_problem(self.lora_options, self.model_name_or_path, policy)
+                )
             if not self.adapter:
                 parts = [(self.send_weights, iter(weights.items()))]
             else:  # the base weights once, then the adapter alone, every process naming it alike

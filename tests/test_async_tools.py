@@ -26,19 +26,11 @@ class ScriptedSampler(BaseSampler):
     after a tool's result every row answers. Each turn takes `delay` seconds and records the thread it ran in."""
 
     def __init__(self, tokenizer, tool_use, call: str = CALL, delay: float = 0.0):
-        args = types.SimpleNamespace(
-            max_prompt_length=64,
-            max_completion_length=256,
-            max_tool_calling_iterations=2,
-            chat_template_kwargs=None,
-            tool_timeout=None,
-            reward_timeout=None,
-            max_staleness=1,
-        )
         models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
         plan = types.SimpleNamespace(tool_use=tool_use, image_column=None)
         eos = tokenizer.eos_token_id
-        super().__init__(args, models, plan, [eos], [eos], torch.device("cpu"))
+        lengths = dict(max_prompt_length=64, max_completion_length=256, chat_template_kwargs=None)
+        super().__init__(models, plan, [eos], [eos], torch.device("cpu"), **lengths, max_staleness=1)
         self.call, self.delay, self.threads = call, delay, []
 
     def generate_turn(self, contexts, budgets, config, seeds=None):
@@ -65,7 +57,7 @@ def vault_request(update: int) -> dict:
 
 def vault_tool_use(path: str) -> ToolUse:
     pool = load_environments([f"{path}:Vault"])
-    return ToolUse([], {name: type(p[0]) for name, p in pool.items()}, pool)
+    return ToolUse([], {name: type(p[0]) for name, p in pool.items()}, pool, max_tool_calling_iterations=2)
 
 
 def same_rollout(a: Rollout, b: Rollout) -> None:
@@ -134,7 +126,7 @@ def test_one_multi_turn_rollout_at_a_time_calls_the_tools(tool_tokenizer, tools_
         active[0] -= 1
         return "good"
 
-    sampler = ScriptedSampler(tool_tokenizer, ToolUse([open_vault], {}, {}), delay=0.01)
+    sampler = ScriptedSampler(tool_tokenizer, ToolUse([open_vault], {}, {}, max_tool_calling_iterations=2), delay=0.01)
     queue = RolloutQueue(1, 3, sampler.background_rollout)
     queue.start(0, vault_request)  # updates 1 and 2, in the queue's thread
     for update in (5, 6, 7):  # meanwhile, in this thread
@@ -222,9 +214,9 @@ class SlowVault:
 def test_an_environment_whose_call_ran_past_the_timeout_is_never_used_again(tool_tokenizer, capsys):  # noqa: F811
     """The call left running may still change its environment: once its rollout is scored, neither the rollouts made
     ahead (the free instances) nor the training thread's (the pool) get that instance again."""
-    tool_use = ToolUse([], {"SlowVault": SlowVault}, {"SlowVault": [SlowVault()]})
+    pool = {"SlowVault": [SlowVault()]}
+    tool_use = ToolUse([], {"SlowVault": SlowVault}, pool, max_tool_calling_iterations=2, tool_timeout=0.5)
     sampler = ScriptedSampler(tool_tokenizer, tool_use)
-    sampler.args.tool_timeout = 0.5  # (the queue's thread's copy shares the options)
     made_ahead = sampler.background_rollout(vault_request(1))  # rows 0 and 2 call; row 0's call hangs
     assert made_ahead.turns.abandoned == [True, False, False, False] and "--tool_timeout 0.5" in capsys.readouterr().out
     left_running = made_ahead.turns.environments[0]
@@ -247,7 +239,11 @@ def test_a_checkpoint_keeps_a_multi_turn_rollout_whole_and_leaves_out_one_with_e
     """--tools only: the finished rollout of older weights is kept (tensors, and its conversations as JSON, which
     torch.load takes with weights_only) and a resumed queue trains on it as it was. With environments (the user's
     objects) it is left out, said in one line, and sampled again from the checkpoint's weights."""
-    sampler = ScriptedSampler(tool_tokenizer, ToolUse(load_tools([f"{tools_file}:secret"]), {}, {}), CALL_SECRET)
+    sampler = ScriptedSampler(
+        tool_tokenizer,
+        ToolUse(load_tools([f"{tools_file}:secret"]), {}, {}, max_tool_calling_iterations=2),
+        CALL_SECRET,
+    )
     queue = RolloutQueue(2, 6, sampler.background_rollout)
     queue.start(0, vault_request)
     made = {u: queue.pending[u] for u in (1, 2, 3)}

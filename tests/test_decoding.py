@@ -5,10 +5,12 @@ min_p, suppress_tokens), the same draws from the same seed; and `covers` sends e
 generate."""
 
 import copy
-import types
 
 import pytest
 import torch
+
+import rloo
+from conftest import keywords_of
 
 
 from rloo_utils import decoding
@@ -24,15 +26,15 @@ def policy_and_configs(tiny, max_completion_length: int = 12, **sampling):
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
-    args = types.SimpleNamespace(
-        max_completion_length=max_completion_length,
-        **{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, **sampling},
-        eval_temperature=None,
-        repetition_penalty=1.0,
-        generation_kwargs=None,
-    )
+    args = rloo.Args(max_completion_length=max_completion_length, **{"temperature": 1.0, **sampling})
     eos = tokenizer.eos_token_id
-    sampling_config, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static=True)
+    sampling_config, greedy, _ = generation_configs(
+        [eos],
+        tokenizer.pad_token_id,
+        None,
+        static=True,
+        **keywords_of(generation_configs, args, filters=args.filters()),
+    )
     return policy, tokenizer, sampling_config, greedy
 
 

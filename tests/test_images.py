@@ -352,7 +352,9 @@ def test_image_tokens_are_never_sampled(tiny_vlm, tmp_path):
     pixels = images_batch(image_rows, slice(0, None), "cpu", model.dtype)
     args = rloo.Args(max_completion_length=6, temperature=1.0)
     for never_sampled, expect_image in (([], True), (image_token_ids(model.config), False)):
-        sampling, greedy, _ = generation_configs(args, [2], 0, never_sampled)
+        sampling, greedy, _ = generation_configs(
+            [2], 0, never_sampled, **keywords_of(generation_configs, args, filters=args.filters())
+        )
         for config in (sampling, greedy):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **pixels)
             assert bool((out[:, prompt_ids.shape[1] :] == image_id).any()) == expect_image
@@ -498,7 +500,9 @@ def test_qwen2_vl_builds_its_own_positions_from_the_image_grid(family, tmp_path)
         atol=0,
     )
     args = rloo.Args(max_completion_length=4, temperature=1.0)
-    sampling, _, _ = generation_configs(args, [2], 0, image_token_ids(model.config))
+    sampling, _, _ = generation_configs(
+        [2], 0, image_token_ids(model.config), **keywords_of(generation_configs, args, filters=args.filters())
+    )
     pixels = images_batch(image_rows, slice(0, None), "cpu", model.dtype)
     with torch.no_grad():
         model.get_output_embeddings().weight[model.config.image_token_id] *= 100

@@ -472,15 +472,19 @@ def test_check_resumable_allows_only_options_that_change_nothing(tmp_path):
     with open(tmp_path / "args.json", "w") as f:
         json.dump(dataclasses.asdict(args), f)
     check_resumable(
-        rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest"),
+        dataclasses.asdict(rloo.replace(args, save_steps=7, track=True, run_name="x", resume_from_checkpoint="latest")),
         str(tmp_path),
         resumable_options(rloo.Args),
     )
     with pytest.raises(UsageError, match="--num_generations is 8 here but 4 in"):
-        check_resumable(rloo.replace(args, num_generations=8), str(tmp_path), resumable_options(rloo.Args))
+        check_resumable(
+            dataclasses.asdict(rloo.replace(args, num_generations=8)), str(tmp_path), resumable_options(rloo.Args)
+        )
     with pytest.raises(UsageError, match="--reward_funcs is"):
         check_resumable(
-            rloo.replace(args, reward_funcs=["completion_length"]), str(tmp_path), resumable_options(rloo.Args)
+            dataclasses.asdict(rloo.replace(args, reward_funcs=["completion_length"])),
+            str(tmp_path),
+            resumable_options(rloo.Args),
         )
 
 
@@ -493,9 +497,11 @@ def test_generating_from_the_shards_is_not_resumable(tmp_path):
     with open(tmp_path / "args.json", "w") as f:
         json.dump(dataclasses.asdict(args), f)
     resumable = resumable_options(rloo_multigpu.Args)
-    check_resumable(rloo_multigpu.replace(args, ddp_timeout=60), str(tmp_path), resumable)
+    check_resumable(dataclasses.asdict(rloo_multigpu.replace(args, ddp_timeout=60)), str(tmp_path), resumable)
     with pytest.raises(UsageError, match="--gather_for_generation is False here but True in"):
-        check_resumable(rloo_multigpu.replace(args, gather_for_generation=False), str(tmp_path), resumable)
+        check_resumable(
+            dataclasses.asdict(rloo_multigpu.replace(args, gather_for_generation=False)), str(tmp_path), resumable
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -895,7 +901,7 @@ def saved_run(tiny, tmp_path, monkeypatch):
 
 def test_a_sound_checkpoint_passes_the_checks(saved_run):
     args, run_dir, checkpoint = saved_run
-    check_resumable(args, checkpoint, resumable_options(rloo.Args))
+    check_resumable(dataclasses.asdict(args), checkpoint, resumable_options(rloo.Args))
     assert load_training_state(checkpoint, run_dir, sharded=False)["update"] == 2
 
 
@@ -966,7 +972,7 @@ def test_a_damaged_checkpoint_or_run_folder_is_one_line_naming_the_file(saved_ru
     args, run_dir, checkpoint = saved_run
     damage(checkpoint, run_dir)
     with pytest.raises(UsageError) as error:  # the checks of a resume, in the order rloo.py makes them
-        check_resumable(args, checkpoint, resumable_options(rloo.Args))
+        check_resumable(dataclasses.asdict(args), checkpoint, resumable_options(rloo.Args))
         load_training_state(checkpoint, run_dir, sharded=False)
     assert needle in str(error.value) and "\n" not in str(error.value)
 

@@ -12,24 +12,26 @@ import torch
 
 import rloo
 from rloo_utils.data import left_pad
-from rloo_utils.generation import generation_configs, static_cache, static_cache_inputs
+from rloo_utils.generation import SamplingFilters, generation_configs, static_cache, static_cache_inputs
 from rloo_utils.rollouts import HFSampler
 
 
-def sampling_args(chunk: int, **more) -> types.SimpleNamespace:
-    """The options a Sampler and generation_configs read: rows of `chunk`, 8 tokens, plain sampling at temperature 1."""
-    return types.SimpleNamespace(
-        local_rollout_forward_batch_size=chunk,
-        max_prompt_length=16,
+# Plain sampling: no filter (GenerationOptions' defaults)
+PLAIN = SamplingFilters(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, generation_kwargs=None)
+LENGTHS = dict(max_prompt_length=16, max_completion_length=8, chat_template_kwargs=None)  # a Sampler's limits
+
+
+def plain_configs(eos: int, pad_token_id: int, static: bool):
+    """generation_configs' (sampling, greedy, evaluation) of 8 tokens at temperature 1, without filters."""
+    return generation_configs(
+        [eos],
+        pad_token_id,
+        None,
+        static,
         max_completion_length=8,
         temperature=1.0,
         eval_temperature=None,
-        top_p=1.0,
-        top_k=0,
-        min_p=None,
-        repetition_penalty=1.0,
-        generation_kwargs=None,
-        **more,
+        filters=PLAIN,
     )
 
 
@@ -39,11 +41,21 @@ def sampler_and_configs(tiny, chunk: int, static: bool):
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     eos = tokenizer.eos_token_id
-    args = sampling_args(chunk)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
-    sampler = HFSampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
-    sampling, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static)
+    sampler = HFSampler(
+        policy,
+        models,
+        plan,
+        [eos],
+        [eos],
+        torch.device("cpu"),
+        contextlib.nullcontext,
+        forward_batch_size=chunk,
+        temperature=1.0,
+        **LENGTHS,
+    )
+    sampling, greedy, _ = plain_configs(eos, tokenizer.pad_token_id, static)
     return sampler, sampling, greedy
 
 

@@ -21,23 +21,34 @@ def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rloo_utils.sharded_sampling import ShardedSampler
-    from rloo_utils.generation import generation_configs
-    from test_static_cache import sampling_args
+    from test_static_cache import LENGTHS, plain_configs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     eos = tokenizer.eos_token_id
-    args = sampling_args(4, gather_for_generation=False)  # (a plain model: nothing to gather)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
-    sampler = ShardedSampler(args, policy, None, models, plan, [eos], [eos], torch.device("cpu"))
+    sampler = ShardedSampler(
+        policy,
+        None,
+        models,
+        plan,
+        [eos],
+        [eos],
+        torch.device("cpu"),
+        forward_batch_size=4,
+        gather_for_generation=False,  # (a plain model: nothing to gather)
+        num_generations=1,
+        seed=1,
+        **LENGTHS,
+    )
     context = [10 + (i * 7) % 50 for i in range(63 if rank == 0 else 5)]
     budgets = [1] if rank == 0 else [8]
     outcomes = {}
     for static in (True, False):
-        _, greedy, _ = generation_configs(args, [eos], tokenizer.pad_token_id, None, static)
+        _, greedy, _ = plain_configs(eos, tokenizer.pad_token_id, static)
         outcomes[static] = sampler.next_turn([context], budgets, [0], 0, greedy, None)[0][0]
     torch.save(outcomes, f"{results}.{rank}")
     dist.destroy_process_group()

@@ -316,7 +316,7 @@ def test_an_environment_is_reset_with_its_row_and_owns_a_reward(tool_tokenizer, 
     assert [s["function"]["name"] for s in turns.schemas[0]] == ["open_vault"]
     assert turns.environments[0] is pool["Vault"][0] and len(pool["Vault"]) == 2  # one instance per row, pooled
     assert turns.tools[1]["open_vault"]() == "bad"
-    use.read_rewards(turns, timeout=None)  # as the rollout ends
+    use.read_rewards(turns)  # as the rollout ends
     ((name, reward),) = use.reward_funcs()
     assert name == "Vault" and reward(environment_rewards=turns.rewards) == [0.0, 1.0]
     use.start(prompts, {"secret_word": ["x", "y"]})
@@ -325,7 +325,7 @@ def test_an_environment_is_reset_with_its_row_and_owns_a_reward(tool_tokenizer, 
     # a get_reward that fails is kept and raised where the rollout is scored (as a reward function's failure)
     pool["Vault"][0].get_reward = lambda: 1 / 0
     again = use.start(prompts, {"secret_word": ["x", "y"]})
-    use.read_rewards(again, timeout=None)
+    use.read_rewards(again)
     with pytest.raises(ZeroDivisionError):
         reward(environment_rewards=again.rewards)
 
@@ -402,10 +402,21 @@ def test_a_model_turn_samples_from_its_rows_seeds(tiny):
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
     eos = tokenizer.eos_token_id
-    args = types.SimpleNamespace(local_rollout_forward_batch_size=1, max_completion_length=8)
     models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
     plan = types.SimpleNamespace(tool_use=None, image_column=None)
-    sampler = HFSampler(args, policy, models, plan, [eos], [eos], torch.device("cpu"), contextlib.nullcontext)
+    lengths = dict(max_prompt_length=16, max_completion_length=8, chat_template_kwargs=None)
+    sampler = HFSampler(
+        policy,
+        models,
+        plan,
+        [eos],
+        [eos],
+        torch.device("cpu"),
+        contextlib.nullcontext,
+        forward_batch_size=1,
+        temperature=1.0,
+        **lengths,
+    )
     config = GenerationConfig(do_sample=True, max_new_tokens=8, eos_token_id=[eos], pad_token_id=tokenizer.pad_token_id)
     contexts, budgets, rows = [ids_of(tokenizer, "good movie"), ids_of(tokenizer, "bad")], [8, 8], [0, 2]
 

@@ -167,7 +167,11 @@ def test_sampling_options_reach_hf_generate_and_vllm(tiny):
 
     def sample(**options):
         args = rloo.Args(**options)
-        config, _, _ = generation_configs(args, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        config, _, _ = generation_configs(
+            [tokenizer.eos_token_id],
+            tokenizer.pad_token_id,
+            **keywords_of(generation_configs, args, filters=args.filters()),
+        )
         torch.manual_seed(0)
         out = policy.generate(**prompt, generation_config=config)[:, prompt["input_ids"].shape[1] :]
         eos = tokenizer.eos_token_id
@@ -472,9 +476,13 @@ def test_a_run_of_an_earlier_version_is_refused_and_the_embedded_dataset_matches
     saved = json.loads(json.dumps(dataclasses.asdict(args)))
     saved["dataset_name"] = os.path.join(ROOT, "data", "movie_reviews")
     (tmp_path / "args.json").write_text(json.dumps(saved))
-    check_resumable(args, str(tmp_path), resumable_options(rloo.Args))
+    check_resumable(dataclasses.asdict(args), str(tmp_path), resumable_options(rloo.Args))
     with pytest.raises(UsageError, match="--repetition_penalty is 1.1 here but 1.0 in"):
-        check_resumable(dataclasses.replace(args, repetition_penalty=1.1), str(tmp_path), resumable_options(rloo.Args))
+        check_resumable(
+            dataclasses.asdict(dataclasses.replace(args, repetition_penalty=1.1)),
+            str(tmp_path),
+            resumable_options(rloo.Args),
+        )
     del saved["min_p"], saved["reward_timeout"]  # reward_timeout may change on resume: its absence is no matter
     (tmp_path / "args.json").write_text(json.dumps(saved))
     with pytest.raises(
@@ -483,7 +491,7 @@ def test_a_run_of_an_earlier_version_is_refused_and_the_embedded_dataset_matches
             f"{tmp_path} has no --min_p in its args.json: another script or an earlier version of this project wrote it"
         ),
     ):
-        check_resumable(args, str(tmp_path), resumable_options(rloo.Args))
+        check_resumable(dataclasses.asdict(args), str(tmp_path), resumable_options(rloo.Args))
 
 
 def test_generation_kwargs_go_to_the_generator_that_samples():

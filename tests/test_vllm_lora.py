@@ -132,7 +132,7 @@ def test_auto_pushes_the_merged_weights_saying_why_in_one_line_and_adapter_is_re
         args = lora_args(tiny, **extra)
         policy = lora_policy(tiny["policy"], args) if case == "dora" else None
         needle = "--use_dora" if case == "dora" else "--lora_modules_to_save q_proj"
-    problem = adapter_problem(args, policy)
+    problem = adapter_problem(args.lora_options(), args.model_name_or_path, policy)
     assert problem is not None and needle in problem[0]
     assert choose_lora_push("auto", problem) is False
     printed = capsys.readouterr().out.splitlines()
@@ -151,11 +151,14 @@ def test_an_adapter_vllm_serves_gets_the_adapter_push(tiny, tmp_path, capsys):
     """The default LoRA settings (peft's q_proj v_proj, rank 16) and all-linear: no problem, the adapter push."""
     for targets in (None, ["all-linear"]):
         args = lora_args(tiny, lora_target_modules=targets)
-        assert adapter_problem(args, lora_policy(tiny["policy"], args)) is None
+        assert adapter_problem(args.lora_options(), args.model_name_or_path, lora_policy(tiny["policy"], args)) is None
         assert choose_lora_push("auto", None) is True and choose_lora_push("adapter", None) is True
     args, policy = untied_lm_head_policy(tmp_path)
     args = dataclasses.replace(args, lora_target_modules=["q_proj", "o_proj", "down_proj"])
-    assert adapter_problem(args, lora_policy(args.model_name_or_path, args)) is None  # the untied head left alone
+    assert (
+        adapter_problem(args.lora_options(), args.model_name_or_path, lora_policy(args.model_name_or_path, args))
+        is None
+    )  # the untied head left alone
     assert capsys.readouterr().out == ""
 
 
@@ -164,7 +167,11 @@ def test_a_vision_language_policy_gets_the_merged_push(tiny_vlm):
     from transformers import AutoModelForImageTextToText
 
     args = lora_args({"policy": tiny_vlm["policy"]}, lora_target_modules=["q_proj", "v_proj"])
-    problem = adapter_problem(args, lora_policy_of(AutoModelForImageTextToText, tiny_vlm["policy"], args))
+    problem = adapter_problem(
+        args.lora_options(),
+        args.model_name_or_path,
+        lora_policy_of(AutoModelForImageTextToText, tiny_vlm["policy"], args),
+    )
     assert problem is not None and "vision-language model" in problem[0]
 
 
