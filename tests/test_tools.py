@@ -392,32 +392,10 @@ def test_a_model_turn_samples_from_its_rows_seeds(tiny):
     """rloo.py's turns of a multi-turn rollout, given each row's seed (the evaluation's random streams), sample from it
     (turn_seed: the row's and the round's), not from wherever the global generator stands; another seed, another
     turn. The vLLM samplers take the same seeds to the engine."""
-    import contextlib
-    import types
+    from test_static_cache import sampler_and_configs
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    from rloo_utils.rollouts import HFSampler
-
-    policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny["policy"])
-    eos = tokenizer.eos_token_id
-    models = types.SimpleNamespace(tokenizer=tokenizer, processor=None)
-    plan = types.SimpleNamespace(tool_use=None, image_column=None)
-    lengths = dict(max_prompt_length=16, max_completion_length=8, chat_template_kwargs=None)
-    sampler = HFSampler(
-        policy,
-        models,
-        plan,
-        [eos],
-        [eos],
-        torch.device("cpu"),
-        contextlib.nullcontext,
-        forward_batch_size=1,
-        temperature=1.0,
-        **lengths,
-    )
-    config = GenerationConfig(do_sample=True, max_new_tokens=8, eos_token_id=[eos], pad_token_id=tokenizer.pad_token_id)
+    sampler, config, _ = sampler_and_configs(tiny, 1, static=False)  # HFSampler, rows of 1; sampling at temperature 1
+    tokenizer = sampler.tokenizer
     contexts, budgets, rows = [ids_of(tokenizer, "good movie"), ids_of(tokenizer, "bad")], [8, 8], [0, 2]
 
     def turns(global_seed: int, seeds) -> list:
