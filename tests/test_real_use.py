@@ -97,25 +97,33 @@ def pretend_gpu(monkeypatch, count=2, current=0):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
 
 
-def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch):
-    """What ColocatedVLLM hands vllm.LLM on a GPU (sleep mode, bf16, CUDA graphs) names LLM's and EngineArgs' fields."""
+@pytest.mark.parametrize("hub_offline", [False, True])
+def test_the_colocated_engine_arguments_are_vllms(tiny, monkeypatch, hub_offline):
+    """What ColocatedVLLM hands vllm.LLM on a GPU (sleep mode, bf16, CUDA graphs) names LLM's and EngineArgs' fields,
+    with the hub reachable or not: with HF_HUB_OFFLINE=1 (huggingface_hub reads it once, at its import) EngineArgs
+    resolves the model as a local folder or a cached hub id, so the engine is given a real folder of the policy's
+    config, as ColocatedVLLM gives it (a made-up path failed there: the suite depended on the shell's environment)."""
     import inspect
 
+    import huggingface_hub
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", hub_offline)
     pretend_gpu(monkeypatch)
-    options = engine_options_of(gpu_args(tiny, vllm_enable_sleep_mode=True), "/config", torch.device("cuda", 0))
+    config_folder = tiny["policy"]  # the policy's config.json, as the engine's folder holds it
+    options = engine_options_of(gpu_args(tiny, vllm_enable_sleep_mode=True), config_folder, torch.device("cuda", 0))
     assert options["dtype"] == "bfloat16" and options["enable_sleep_mode"] and not options["enforce_eager"]
     inspect.signature(LLM).bind(**options)
     engine_args = EngineArgs(**options)
-    assert (engine_args.dtype, engine_args.logprobs_mode, engine_args.generation_config) == (
+    assert (engine_args.model, engine_args.dtype, engine_args.logprobs_mode, engine_args.generation_config) == (
+        config_folder,
         "bfloat16",
         "processed_logprobs",
         "vllm",
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and float32 on the CPU, as the training forward
-    assert engine_options_of(gpu_args(tiny), "/config", torch.device("cpu"))["dtype"] == "float32"
+    assert engine_options_of(gpu_args(tiny), config_folder, torch.device("cpu"))["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("script", ["rloo_vllm", "rloo_multigpu"])
