@@ -3,10 +3,12 @@ once for the tokenizer, once for the config and once for the weights, ~15 s of a
 cores; the copy, save_pretrained's folder of the model, its tokenizer and generation config, loads in about a second.
 
 Where: $RLOO_CACHE/gguf, else $XDG_CACHE_HOME/rloo/gguf, else ~/.cache/rloo/gguf; RLOO_CACHE=off goes without. A copy is
-keyed by the file (real path, size, modification time) and the converter (the transformers and gguf versions): another
-file or another converter makes a new one. It is written to a temporary folder of its own, its marker (each file's
-size) last, then renamed into place, so that a reader sees a whole copy or none and two runs that make one at once
-keep one. A copy that cannot be written, or is found damaged, costs one line, never the run."""
+keyed by the file (real path, size, modification time, inode and change time) and the converter (the transformers and
+gguf versions): another file or another converter makes a new one. The inode and change time tell a re-quantised file of
+the same size put in place with its modification time kept (`cp -p`, `rsync -a`, `tar x`). It is written to a temporary
+folder of its own, its marker (each file's size) last, then renamed into place, so that a reader sees a whole copy or
+none and two runs that make one at once keep one. A copy that cannot be written, or is found damaged, costs one line,
+never the run."""
 
 import contextlib
 import copy
@@ -24,6 +26,7 @@ import torch
 from rloo_utils.errors import describe
 
 CACHE_FORMAT = 1  # the copy's layout: a change makes new keys
+FILE_STATE = ("size", "mtime_ns", "inode", "ctime_ns")  # what of gguf_source changes when the file does
 MARKER = "rloo_gguf_copy.json"  # written last: a folder without it is no copy
 CACHE_OFF = ("off", "0", "false", "no", "none")  # RLOO_CACHE values that turn the cache off
 # Path -> what this process read of a .gguf file whose copy it could not write (or does not write: it is not float32),
@@ -58,6 +61,8 @@ def gguf_source(path: str) -> dict:
         "file": real,
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
+        "inode": stat.st_ino,  # a new file renamed into place (rsync -a, tar x)
+        "ctime_ns": stat.st_ctime_ns,  # the same file written over, its modification time set back (cp -p)
         "transformers": installed("transformers"),
         "gguf": installed("gguf"),
         "format": CACHE_FORMAT,
@@ -263,10 +268,7 @@ def prune_gguf_copies(root: str, source: dict) -> None:
                 made_from = json.load(f)["source"]
         except Exception:
             continue
-        if made_from["file"] == source["file"] and (made_from["size"], made_from["mtime_ns"]) != (
-            source["size"],
-            source["mtime_ns"],
-        ):
+        if made_from.get("file") == source["file"] and any(made_from.get(k) != source[k] for k in FILE_STATE):
             discard_gguf_copy(folder)
 
 

@@ -249,6 +249,48 @@ def test_another_file_or_converter_makes_another_copy(tiny_gguf, cache, reads, t
     assert len(copies(cache)) == 3 and second in copies(cache) and len(reads.parses) == 1
 
 
+def requantised(path: str) -> bytes:
+    """The bytes of the tiny GGUF at path with its last matrix (blk.1.ffn_down, Q4_1) quantised anew from other random
+    weights: another file of the same size, as a re-quantisation of the same model makes one."""
+    import gguf
+    from gguf.quants import quantize
+
+    (tensor,) = [t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight"]
+    weights = (np.random.default_rng(1).standard_normal((64, 128)) * 0.05).astype(np.float32)
+    new = quantize(weights, gguf.GGMLQuantizationType.Q4_1).tobytes()
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    assert len(new) == tensor.n_bytes and data[tensor.data_offset : tensor.data_offset + len(new)] != new
+    data[tensor.data_offset : tensor.data_offset + len(new)] = new
+    return bytes(data)
+
+
+@pytest.mark.parametrize("how", ["renamed into place", "written over"])
+def test_a_file_replaced_by_other_bytes_of_its_size_and_modification_time_gets_a_new_copy(
+    how, tiny_gguf, cache, tmp_path, monkeypatch
+):
+    """`rsync -a` or `tar x` of a re-quantised file (a new file renamed into place), or `cp -p` over the old one (the
+    same file written over), keeps its size and modification time: its inode, or its change time, tells it."""
+    path = str(tmp_path / "model.gguf")
+    shutil.copy(tiny_gguf, path)
+    stale = load("AutoModelForCausalLM", path)
+    before = os.stat(path)
+    if how == "renamed into place":
+        (tmp_path / "incoming.gguf").write_bytes(requantised(path))
+        os.replace(tmp_path / "incoming.gguf", path)
+    else:
+        with open(path, "r+b") as f:
+            f.write(requantised(path))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    expected = plain(path, monkeypatch, "AutoModelForCausalLM")
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(expected.state_dict()[name], stale.state_dict()[name])  # the file holds other weights
+    check_same_model(expected, load("AutoModelForCausalLM", path))
+    assert len(copies(cache)) == 1  # the stale copy removed: no run can use it again
+
+
 def full_disk(monkeypatch):
     """The weights' file written half, then the disk full (as safetensors' save_file meets it)."""
     import transformers.modeling_utils
