@@ -78,6 +78,11 @@ class ImportanceSamplingOptions:
                 "--geometric_mask_bounds are the bounds of --importance_sampling_mode sequence_geometric_mask, "
                 f"and the mode is {mode}: give that mode, or leave the bounds out"
             )
+        if mode == "sequence_geometric_mask" and not self.importance_sampling_correction:  # else masks nothing
+            raise UsageError(
+                "--importance_sampling_mode sequence_geometric_mask masks through the importance-sampling correction, "
+                "which --no_importance_sampling_correction turns off: give one of them"
+            )
         threshold = self.off_policy_mask_threshold
         if threshold is not None and threshold < 0:
             raise UsageError(f"--off_policy_mask_threshold must be >= 0 (a mean log-ratio), got {threshold}")

@@ -5,6 +5,7 @@ vLLM server: the logged staleness, an exact resume after a SIGKILL, and rloo_mul
 import dataclasses
 import re
 import os
+import sys
 import threading
 import time
 
@@ -16,6 +17,8 @@ import rloo_multigpu
 import rloo_vllm
 from rloo_utils.errors import RunError, UsageError
 from rloo_utils import off_policy
+from rloo_utils.checks import check_args
+from rloo_utils.options import parse_args
 from rloo_utils.off_policy import Correction, ImportanceSamplingOptions, sampling_metrics
 from rloo_utils.rollout_queue import RolloutQueue
 from rloo_utils.vllm_options import check_vllm_args
@@ -25,6 +28,12 @@ from tests.conftest import (
 )
 from tests.test_multigpu import PER_MICRO_BATCH, run_torchrun
 from tests.test_vllm import kill_the_server_under_a_run, resume_args, sigkill_after_updates
+
+
+NO_GEOMETRIC_MASK = (
+    "--importance_sampling_mode sequence_geometric_mask masks through the importance-sampling correction, which "
+    "--no_importance_sampling_correction turns off: give one of them"
+)
 
 
 class RecordingEngine:
@@ -264,6 +273,13 @@ def test_the_two_sequence_masks_by_hand():
         ({"geometric_mask_bounds": (0.9, 1.1)}, "are the bounds of --importance_sampling_mode"),
         ({"off_policy_mask_threshold": -0.1}, "must be >= 0"),
         ({"off_policy_mask_threshold": 0.1, "importance_sampling_correction": False}, "give one of them"),
+        *[
+            ({**geometric, "importance_sampling_correction": False}, NO_GEOMETRIC_MASK)
+            for geometric in (
+                {"importance_sampling_mode": "sequence_geometric_mask"},
+                {"importance_sampling_mode": "sequence_geometric_mask", "geometric_mask_bounds": (0.9, 1.1)},
+            )
+        ],
     ],
 )
 def test_bad_sequence_mask_options_are_refused(options, needle, tiny):
@@ -271,6 +287,21 @@ def test_bad_sequence_mask_options_are_refused(options, needle, tiny):
         args = dataclasses.replace(script.Args(model_name_or_path=tiny["policy"]), **options)
         with pytest.raises(UsageError, match=re.escape(needle)):
             ImportanceSamplingOptions.check(args)
+
+
+def test_the_geometric_mask_without_the_correction_is_refused_from_the_command_line(tiny, monkeypatch):
+    """TRL's names, as a user gives them: the mask weighs the loss only through the correction, which they turn off (it
+    was taken, and nothing masked); with the correction on, the same options are taken."""
+    geometric = ["--vllm_importance_sampling_mode", "sequence_geometric_mask", "--vllm_geometric_mask_bounds", "0.9"]
+    argv = ["--model_name_or_path", tiny["policy"], *geometric, "1.1"]
+    for script in (rloo, rloo_vllm, rloo_multigpu):
+        monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv, "--no-vllm_importance_sampling_correction"])
+        args = parse_args(script.Args)
+        with pytest.raises(UsageError) as refused:
+            check_args(args)
+        assert str(refused.value) == NO_GEOMETRIC_MASK
+        monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv])
+        check_args(parse_args(script.Args))
 
 
 def test_the_sequence_masks_need_vllm_samples(tiny):
