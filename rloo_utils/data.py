@@ -43,22 +43,42 @@ DATA_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv"
 REWARD_FUNC_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
-def prompt_batches(dataset, prompts_per_rollout: int, seed: int, skip: int, rank: int = 0, world_size: int = 1):
-    """Endless stream of prompt batches, reshuffled every pass over the data, from batch number `skip` on (a resumed run
-    replays the shuffles, so it sees the prompts the uninterrupted run would have seen); of each, this process's
-    share."""
+def row_batches(num_rows: int, prompts_per_rollout: int, seed: int, skip: int):
+    """Endless stream of each rollout's dataset rows (every process's), reshuffled every pass over the data, from batch
+    number `skip` on (a resumed run replays the shuffles, so it sees the prompts the uninterrupted run would have
+    seen)."""
 
     def index_batches():
         generator = torch.Generator().manual_seed(seed)
         while True:
-            order = torch.randperm(len(dataset), generator=generator).tolist()
+            order = torch.randperm(num_rows, generator=generator).tolist()
             for start in range(0, len(order) - prompts_per_rollout + 1, prompts_per_rollout):
                 yield order[start : start + prompts_per_rollout]
             if len(order) < prompts_per_rollout:  # a tiny dataset: sample with replacement
                 yield torch.randint(len(order), (prompts_per_rollout,), generator=generator).tolist()
 
-    for rows in itertools.islice(index_batches(), skip, None):
+    return itertools.islice(index_batches(), skip, None)
+
+
+def prompt_batches(dataset, prompts_per_rollout: int, seed: int, skip: int, rank: int = 0, world_size: int = 1):
+    """row_batches' prompts: of each batch, this process's share."""
+    for rows in row_batches(len(dataset), prompts_per_rollout, seed, skip):
         yield dataset[rows[rank * prompts_per_rollout // world_size : (rank + 1) * prompts_per_rollout // world_size]]
+
+
+class FirstRoundRows:
+    """The rows of each update's first round (every process's): batch update - 1 of row_batches, the stream the scripts'
+    prompt_batches draw each update's prompts from. The stream is kept while the updates come in order, and replayed
+    from its start for any other (a resumed run's first update)."""
+
+    def __init__(self, num_rows: int, seed: int):
+        self.num_rows, self.seed, self.stream, self.next = num_rows, seed, None, None
+
+    def __call__(self, update: int, prompts_per_rollout: int) -> list[int]:
+        if self.next != (update, prompts_per_rollout):
+            self.stream = row_batches(self.num_rows, prompts_per_rollout, self.seed, skip=update - 1)
+        self.next = (update + 1, prompts_per_rollout)
+        return next(self.stream)
 
 
 def repeated(batch: dict, n: int) -> tuple[list, dict]:
@@ -70,17 +90,28 @@ def repeated(batch: dict, n: int) -> tuple[list, dict]:
 
 
 def resampled_prompts(
-    dataset, num_prompts: int, seed: int, update: int, round_: int, rank: int = 0, world_size: int = 1
+    dataset,
+    num_prompts: int,
+    seed: int,
+    update: int,
+    round_: int,
+    rank: int = 0,
+    world_size: int = 1,
+    drawn: Optional[set] = None,
 ):
     """--dynamic_sampling's prompts for one more round of an update: num_prompts per process, drawn without replacement
-    (with it from a dataset too small), a function of (--seed, update, round) only, so that a resumed run draws what the
-    uninterrupted one drew without a stream to checkpoint; of them, this process's share."""
+    (with it from a dataset too small), a function of (--seed, update, round, drawn) only, so that a resumed run draws
+    what the uninterrupted one drew without a stream to checkpoint; of them, this process's share. drawn: the rows the
+    update drew before (every process's), drawn again only once the others run out (a dropped prompt would likely be
+    dropped again); this round's rows are added to it."""
     generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, update, round_]).generate_state(1)[0]))
-    total = num_prompts * world_size
+    total, drawn = num_prompts * world_size, set() if drawn is None else drawn
     if total <= len(dataset):
-        rows = torch.randperm(len(dataset), generator=generator)[:total].tolist()
+        order = torch.randperm(len(dataset), generator=generator).tolist()
+        rows = ([row for row in order if row not in drawn] + [row for row in order if row in drawn])[:total]
     else:
         rows = torch.randint(len(dataset), (total,), generator=generator).tolist()
+    drawn.update(rows)
     return dataset[rows[rank * num_prompts : (rank + 1) * num_prompts]]
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rloo_utils import decoding
-from rloo_utils.data import left_pad, repeated, resampled_prompts
+from rloo_utils.data import FirstRoundRows, left_pad, repeated, resampled_prompts
 from rloo_utils.generation import (
     end_token_ids,
     generation_configs,
@@ -495,12 +495,12 @@ def varied_groups(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
 
 class DynamicSampling:
     """--dynamic_sampling (DAPO, Yu et al. 2025, section 3.2): an update's groups whose scores are all equal are dropped
-    and prompts drawn anew (data.resampled_prompts) are sampled and scored in their place, a round at a time, each round
-    as many prompts as groups are still missing (so no completion is generated to be thrown away for want of room; with
-    processes, as many as the process that misses most), until the update holds its number of groups or
-    --max_sampling_rounds rounds have run; then the places still missing take the last dropped groups, trained on as
-    without dynamic sampling. Decided on the score (rewards.task_scores: the reward sources and the EOS penalty), not
-    the reward with its KL penalty, under which almost no group is uniform."""
+    and prompts drawn anew (data.resampled_prompts: none the update drew before, while others remain) are sampled and
+    scored in their place, a round at a time, each round as many prompts as groups are still missing (so no completion
+    is generated to be thrown away for want of room; with processes, as many as the process that misses most), until
+    the update holds its number of groups or --max_sampling_rounds rounds have run; then the places still missing take
+    the last dropped groups, trained on as without dynamic sampling. Decided on the score (rewards.task_scores: the
+    reward sources and the EOS penalty), not the reward with its KL penalty, under which almost no group is uniform."""
 
     def __init__(
         self, sampler: BaseSampler, scorer, dataset, num_generations: int, max_rounds: int, seed: int, penalty
@@ -512,6 +512,7 @@ class DynamicSampling:
             seed,
             penalty,
         )
+        self.first_round_rows = FirstRoundRows(len(dataset), seed)
 
     def refill(self, rollout: Rollout, rewards_per_func, scores, completions: list[str], update: int, timer):
         """The update's first round (sampled, scored: (B, F) rewards, (B,) scores) -> the rollout of the kept groups,
@@ -524,6 +525,7 @@ class DynamicSampling:
         kept, dropped = [], []  # (round, group) in the order sampled: the groups with varied scores the update takes
         # groups sampled, of them uniform; the scores' sum and number; the policy's tokens
         counts = torch.zeros(5, dtype=torch.float64)
+        drawn = set(self.first_round_rows(update, num_groups * get_world_size()))  # the rows later rounds skip
         while True:
             piece, _, scores, _ = rounds[-1]
             varied = varied_groups(scores, G).tolist()
@@ -537,7 +539,7 @@ class DynamicSampling:
             if missing == 0 or len(rounds) >= self.max_rounds:
                 break
             batch = resampled_prompts(
-                self.dataset, missing, self.seed, update, len(rounds), get_rank(), get_world_size()
+                self.dataset, missing, self.seed, update, len(rounds), get_rank(), get_world_size(), drawn
             )
             prompts, columns = repeated(batch, G)
             seeds = self.sampler.seeds_for(update, len(rounds), len(prompts))
