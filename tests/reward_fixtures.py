@@ -196,3 +196,10 @@ def first_token_is_a_multiple_of_4(completion_ids, **kwargs):
     """1 where the completion's first token id is a multiple of 4: a 0/1 reward the tiny random model earns on about a
     quarter of its completions, so that about a third of its groups of 4 score all 0 (--dynamic_sampling drops them)."""
     return [float(bool(ids) and ids[0] % 4 == 0) for ids in completion_ids]
+
+
+def first_token_is_a_multiple_of_4_logging_its_prompt(prompts, completion_ids, log_extra, **kwargs):
+    """first_token_is_a_multiple_of_4, logging each row's prompt as it was scored (the completions table's
+    `scored_prompt`): a test reads the rows scored beside the rows the update trained on (the table's `prompt`)."""
+    log_extra("scored_prompt", list(prompts))
+    return first_token_is_a_multiple_of_4(completion_ids)

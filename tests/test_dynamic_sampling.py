@@ -1,8 +1,10 @@
-"""--dynamic_sampling (DAPO): which groups are dropped, how many prompts each round samples and where they come from, the
-rollout the rounds make, the metrics, the refusal; end to end in rloo.py (with evaluation, sample tables and a resume
-after a SIGKILL), rloo_vllm.py (colocated, and on a server with --max_staleness) and rloo_multigpu.py on two processes.
-The multi-turn run is in tests/test_tools.py."""
+"""--dynamic_sampling (DAPO): which groups are dropped, how many prompts each round samples and where they come from,
+the rollout the rounds make, the seeds each round gives vLLM, the metrics, the refusal; end to end in rloo.py (with
+evaluation, sample tables and a resume after a SIGKILL), rloo_vllm.py (colocated, and on a server with --max_staleness)
+and rloo_multigpu.py on two processes, each update's logged completions read against its metrics. The multi-turn run
+is in tests/test_tools.py."""
 
+import json
 import os
 import shutil
 import signal
@@ -47,7 +49,7 @@ def test_the_score_is_the_weighted_sum_less_the_eos_penalty():
 
 
 def rollout_of(prompt_width: int, rows: int, first_id: int, turns=None) -> Rollout:
-    """A rollout whose row i has prompt ids [first_id + i] left-padded to prompt_width and completion [first_id + i, 1]."""
+    """A rollout whose row i has prompt ids [first_id + i] left-padded to prompt_width, completion [first_id + i, 1]."""
     prompt_ids = torch.zeros(rows, prompt_width, dtype=torch.long)
     prompt_ids[:, -1] = torch.arange(first_id, first_id + rows)
     prompt_mask = (prompt_ids != 0).long()
@@ -249,12 +251,15 @@ def split_prompts(prompts_file, tmp_path_factory):
     return str(folder)
 
 
+REWARD = "first_token_is_a_multiple_of_4_logging_its_prompt"  # 0/1, and each row's prompt as scored, in the table
+
+
 def dynamic_args(tiny, prompts_file, *extra):
     """6 updates of 4 groups of 4 on the tiny model, rewarded 0/1 (about a third of the groups all 0), a checkpoint
     every 3 updates, sample tables."""
     return [
         *("--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", 96),
-        *("--reward_funcs", f"{REWARDS}:first_token_is_a_multiple_of_4", "--num_generations", G),
+        *("--reward_funcs", f"{REWARDS}:{REWARD}", "--num_generations", G),
         *("--per_device_train_batch_size", 16, "--max_completion_length", 6, "--learning_rate", 3e-3, "--beta", 0.1),
         *("--dynamic_sampling", "--max_sampling_rounds", 3, "--save_steps", 3, "--run_name", "run", "--seed", 2),
         *("--num_sample_generations", 2, "--log_completions"),
@@ -263,7 +268,7 @@ def dynamic_args(tiny, prompts_file, *extra):
 
 
 def check_dynamic_metrics(rows: list[dict], groups: int) -> None:
-    """Every update holds its groups (kept, or filling what the rounds left), and something was dropped and resampled."""
+    """Every update holds its groups (kept, or filling what the rounds left), and something was dropped, resampled."""
     for row in rows:
         assert row["sampling/groups_kept"] + row["sampling/groups_short"] == groups, row
         assert 1 <= row["sampling/rounds"] <= 3
@@ -272,6 +277,37 @@ def check_dynamic_metrics(rows: list[dict], groups: int) -> None:
     assert sum(row["sampling/groups_zero_std"] for row in rows) > 0 and max(r["sampling/rounds"] for r in rows) > 1
     resampled = [row for row in rows if row["sampling/rounds"] > 1]
     assert all(row["time/resampling"] > 0 and row["sampling/discarded_tokens"] > 0 for row in resampled)
+
+
+def check_trained_groups(run_root, groups: int) -> None:
+    """What each update trained on (its rows of completions.jsonl, --log_completions) against its metrics: `groups`
+    groups of G adjacent rows, each of one prompt, the prompt its reward function scored (a rollout other than the one
+    scored fails here); as many groups vary in reward as `sampling/groups_kept` (a kept group varies), and the others,
+    `sampling/groups_short`, are dropped groups filling the places the rounds left, uniform. In a varied group every
+    completion rewarded 1 has a higher advantage than every one rewarded 0 (leave-one-out over the rewards less beta 0.1
+    times each completion's KL, which moves them by far less than 1 here): the update's advantages are of these
+    rewards."""
+    tables = {}
+    with open(os.path.join(run_root, "runs", "run", "completions.jsonl")) as f:
+        for row in map(json.loads, f):
+            tables.setdefault(row["step"], []).append(row)
+    updates = read_metrics(run_root)
+    assert sorted(tables) == [row["step"] for row in updates]
+    for update in updates:
+        table = tables[update["step"]]
+        assert len(table) == groups * G, update["step"]
+        varied = 0
+        for group in (table[g * G : (g + 1) * G] for g in range(groups)):
+            assert len({row["prompt"] for row in group}) == 1, group
+            assert [row["scored_prompt"] for row in group] == [row["prompt"] for row in group], group
+            rewards = [row[REWARD] for row in group]
+            assert set(rewards) <= {0.0, 1.0}, group
+            if len(set(rewards)) > 1:
+                varied += 1
+                rewarded = [row["advantage"] for row in group if row[REWARD] == 1.0]
+                unrewarded = [row["advantage"] for row in group if row[REWARD] == 0.0]
+                assert min(rewarded) > max(unrewarded), group
+        assert (varied, groups - varied) == (update["sampling/groups_kept"], update["sampling/groups_short"]), update
 
 
 @pytest.mark.slow
@@ -288,6 +324,7 @@ def test_rloo_py_with_dynamic_sampling_trains_and_a_sigkilled_run_resumes_as_the
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = run_outcome(str(reference / "runs" / "run"))
     check_dynamic_metrics(read_metrics(reference), groups=4)
+    check_trained_groups(reference, groups=4)
     assert len([row for row in expected[0] if "eval/reward" in row]) == 4  # before training, after updates 2, 4, 6
 
     killed = subprocess.Popen(
@@ -307,6 +344,8 @@ def test_rloo_py_with_dynamic_sampling_trains_and_a_sigkilled_run_resumes_as_the
     got = run_outcome(str(interrupted / "runs" / "run"))
     assert got[0] == expected[0] and got[1] == expected[1]
     assert all(torch.equal(got[2][k], expected[2][k]) for k in expected[2])
+    completions = [folder / "runs" / "run" / "completions.jsonl" for folder in (interrupted, reference)]
+    assert completions[0].read_text() == completions[1].read_text()  # the resumed run trained on the same rows
 
 
 @pytest.mark.slow
@@ -325,6 +364,7 @@ def test_rloo_vllm_py_with_dynamic_sampling_colocated_and_on_a_server_with_max_s
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = read_metrics(cwd)
         check_dynamic_metrics(rows, groups=4)
+        check_trained_groups(cwd, groups=4)
         assert all(row["optim/grad_norm"] > 0 for row in rows)
         if "--max_staleness" in mode:
             assert [row["async/staleness"] for row in rows] == [0, 1, 1, 1, 1, 1]
@@ -337,3 +377,4 @@ def test_rloo_multigpu_py_with_dynamic_sampling_on_two_processes(tiny, prompts_f
     proc = run_torchrun(2, *dynamic_args(tiny, prompts_file, "--per_device_train_batch_size", 8), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_dynamic_metrics(read_metrics(tmp_path), groups=4)
+    check_trained_groups(tmp_path, groups=4)
