@@ -215,15 +215,82 @@ def test_resampled_prompts_depend_on_seed_update_and_round_only_and_split_betwee
     assert len(data.resampled_prompts(dataset_of(2), 3, 1, 1, 1)["answer"]) == 3  # a tiny dataset: with replacement
 
 
-def test_each_round_of_an_update_has_seeds_of_its_own_and_the_first_keeps_todays():
-    """vLLM's samplers seed each completion by (--seed, update, round, row): the first round's seeds are those of a run
-    without dynamic sampling, a later round's differ from every other round's and update's."""
-    import numpy as np
+def test_sampling_seeds_are_consecutive_per_row_the_same_for_the_same_key_and_never_shared():
+    """vLLM's samplers seed each completion by (--seed, update, round, row): consecutive in the row (vLLM seeds a
+    request's completion i with seed + i), the same for the same key whatever the number of rows (a process takes its
+    rows of the global batch's), none shared between runs' seeds, updates or rounds. What the engine receives in a run,
+    the first round's those of a run without dynamic sampling: the next test."""
+    streams = {(s, u, r): sampling_seeds(s, u, 8, r) for s in (7, 8) for u in (3, 4) for r in (0, 1, 2)}
+    for (seed, update, round_), seeds in streams.items():
+        assert seeds == list(range(seeds[0], seeds[0] + 8)), (seed, update, round_)
+        assert sampling_seeds(seed, update, 3, round_) == seeds[:3]  # a row's seed does not depend on the rows after it
+    every = [s for seeds in streams.values() for s in seeds]
+    assert len(set(every)) == len(every)
 
-    base = int(np.random.SeedSequence([7, 3]).generate_state(1)[0])
-    assert sampling_seeds(7, 3, 4) == sampling_seeds(7, 3, 4, 0) == [base + row for row in range(4)]
-    streams = [tuple(sampling_seeds(7, update, 4, round_)) for update in (3, 4) for round_ in (0, 1, 2)]
-    assert len(set(streams)) == 6
+
+class SeedRecordingEngine:
+    """A stand-in for rloo_vllm.py's colocated engine that records the seeds of each generate call and completes every
+    prompt with the same tokens: every group's rewards agree, so --dynamic_sampling runs all its rounds."""
+
+    def __init__(self):
+        self.dtype, self.last_push_bytes, self.seeds = None, 0, []
+
+    def generate(self, prompts, options, seeds, images=None):
+        self.seeds.append(list(seeds))
+        return [([5, 6, options["stop_token_ids"][0]], [-6.0] * 3) for _ in prompts]
+
+    def sleep(self):
+        pass
+
+    def push_weights(self, policy, weights):
+        pass
+
+    def close(self):
+        pass
+
+
+def engine_seeds(argv: list, cwd, monkeypatch) -> list[list[int]]:
+    """The seeds of each generate call of rloo_vllm.main run in this process on argv, with a SeedRecordingEngine (the
+    check of the engine's log-probs, which needs vLLM's, left out)."""
+    import rloo_vllm
+    from rloo_utils import options, vllm_sampling
+    from rloo_utils.lifecycle import RunGuard
+
+    engine = SeedRecordingEngine()
+    with monkeypatch.context() as patched:
+        patched.setattr(vllm_sampling, "ColocatedVLLM", lambda *args, **kwargs: engine)  # where VLLMSampler makes it
+        patched.setattr(vllm_sampling, "check_engine", lambda *args: None)
+        patched.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
+        patched.setenv("WANDB_MODE", "offline")
+        patched.chdir(cwd)
+        patched.setattr(sys, "argv", ["rloo_vllm.py", *map(str, argv)])
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rloo_vllm.main(options.parse_args(rloo_vllm.Args))
+        finally:
+            for s, handler in handlers.items():  # the run's Ctrl-C handling ends with it
+                signal.signal(s, handler)
+    return engine.seeds
+
+
+def test_the_engine_gets_the_first_rounds_seeds_of_a_run_without_dynamic_sampling_and_new_ones_each_round(
+    tiny, prompts_file, tmp_path, monkeypatch
+):
+    """rloo_vllm.main, 2 updates of 2 groups of 4, every group uniform (SeedRecordingEngine): with --dynamic_sampling
+    and 3 rounds the engine gets 6 calls; each update's first is the call of the same run without dynamic sampling,
+    each call's seeds are consecutive, and no seed comes twice."""
+    argv = ["--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", 16]
+    argv += ["--per_device_train_batch_size", 8, "--num_generations", G, "--max_completion_length", 8, "--seed", 7]
+    argv += ["--num_sample_generations", 0, "--reward_funcs", f"{REWARDS}:text_length", "--beta", 0]
+    (tmp_path / "plain").mkdir(), (tmp_path / "dynamic").mkdir()
+    plain = engine_seeds(argv, tmp_path / "plain", monkeypatch)
+    dynamic = engine_seeds([*argv, "--dynamic_sampling", "--max_sampling_rounds", 3], tmp_path / "dynamic", monkeypatch)
+    assert [len(seeds) for seeds in plain] == [8, 8] and [len(seeds) for seeds in dynamic] == [8] * 6
+    assert [dynamic[0], dynamic[3]] == plain  # each update's first round: what the run without dynamic sampling drew
+    for seeds in dynamic:
+        assert seeds == list(range(seeds[0], seeds[0] + 8))  # a group's seeds consecutive, as one request's are
+    every = [s for seeds in dynamic for s in seeds]
+    assert len(set(every)) == len(every)  # every round of every update draws from seeds of its own
 
 
 def test_max_sampling_rounds_below_one_or_without_dynamic_sampling_is_refused(tiny):
