@@ -154,6 +154,12 @@ def kl_penalized_reward(scores, kl, mask, beta: float, token_level: bool):
     return scores + kl_penalty.sum(1), kl_penalty.sum(1)
 
 
+def kl_penalty_before(kl, beta: float, token_level: bool):
+    """(B, C) beta times the KL of the tokens before each token, which the token-level KL does not charge it
+    (compute_advantages; REINFORCE++, Hu 2025, eq. 1); zeros with the sequence-level KL: every token is charged all."""
+    return beta * (kl.cumsum(1) - kl) if token_level else torch.zeros_like(kl)
+
+
 def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """Leave-one-out advantages A_i = r_i - mean_{j != i} r_j within each group of G adjacent completions
     (Kool et al. 2019; Ahmadian et al. 2024); = G/(G-1) (r_i - mean) when all G are scored.
@@ -401,6 +407,12 @@ def resolve_defaults(args: Args) -> Args:
     )
 
 
+def tokens_in_loss(mask, in_loss):
+    """The tokens of a minibatch's rows that enter the loss, token-mean's divisor: counted over the whole minibatch,
+    never one micro-batch, so that its micro-batches' shares add up to its loss (aggregate_loss)."""
+    return (mask * in_loss[:, None]).sum().clamp(min=1)
+
+
 def aggregate_loss(
     token_loss, loss_mask, mode: str, mini_batch_size: int, mini_batch_tokens, max_completion_length: int
 ):
@@ -577,7 +589,7 @@ def main(args: Args) -> None:
         in_loss = has_baseline(rlhf_reward, G)  # (B,) rows that enter the loss (scored, with a scored sibling)
         if args.mask_truncated_completions:
             in_loss &= rollout.ended
-        kl_before = args.beta * (kl.cumsum(1) - kl) if args.token_level_kl else torch.zeros_like(kl)  # (B, C)
+        kl_before = kl_penalty_before(kl, args.beta, args.token_level_kl)  # (B, C)
         advantages = compute_advantages(
             rlhf_reward, kl_before, in_loss, G, args.advantage_estimator, args.advantage_normalization
         )  # (B, C)
@@ -602,7 +614,7 @@ def main(args: Args) -> None:
             for mb_start in range(0, batch_size, mini_batch_size):
                 on_policy = epoch == 0 and mb_start == 0  # no optimizer step yet since the rollout
                 mb = order[mb_start : mb_start + mini_batch_size]
-                mini_batch_tokens = (mask[mb] * in_loss[mb, None]).sum().clamp(min=1)
+                mini_batch_tokens = tokens_in_loss(mask[mb], in_loss[mb])
                 step_loss = torch.zeros((), device=device)
                 for idx in packing.micro_batches(
                     mb, row_tokens, args.per_device_train_batch_size, args.max_tokens_per_micro_batch

@@ -529,8 +529,8 @@ def test_end_to_end(extra, tiny, prompts_file, tmp_path):
 # Token-level KL (--token_level_kl)
 # ----------------------------------------------------------------------------------------------------------------
 def kl_before_of_the_loop(kl: torch.Tensor, beta: float, token_level_kl: bool = True) -> torch.Tensor:
-    """kl_before as the training loop of the script under test computes it: main() computes it inline, in one statement
-    with no function of its own, so that statement (found in main's code) is run here on kl, as the loop runs it."""
+    """kl_before as the training loop of the script under test computes it: main()'s own statement (found in its code,
+    a call of kl_penalty_before) run here on kl in the script's namespace, so that what main passes is held too."""
     import ast
     import inspect
     import types
@@ -542,7 +542,7 @@ def kl_before_of_the_loop(kl: torch.Tensor, beta: float, token_level_kl: bool = 
     ]
     code = compile(ast.Expression(statement.value), "main's kl_before", "eval")
     args = types.SimpleNamespace(beta=beta, token_level_kl=token_level_kl)
-    return eval(code, {"torch": torch}, {"args": args, "kl": kl})
+    return eval(code, vars(rloo), {"args": args, "kl": kl})
 
 
 @per_script

@@ -19,6 +19,7 @@ INTENDED_DIFFERENCES = {
     "Args": "rloo_vllm.py adds the --vllm_* options; rloo_multigpu.py --fsdp_cpu_offload, --ddp_timeout and the server's",
     "main": "compared hunk by hunk below (INTENDED_IN_MAIN)",
     "completion_logprobs": "the vLLM scripts: also the log-probs renormalised over the tokens vLLM could draw (support)",
+    "tokens_in_loss": "rloo_multigpu.py: each process holds its rows of a minibatch; a token-mean divides by all",
 }
 
 
@@ -108,7 +109,6 @@ INTENDED_IN_MAIN = {
         "mb_start + mini_batch_size": "each process's share of a minibatch",
         "torch.randperm(batch_size": "each process's share of the batch",
         "range(0, batch_size, mini_batch_size)": "each process's share of the batch",
-        "(mask[mb] * in_loss[mb, None]).sum().clamp": "the minibatch's tokens over every process",
         "max_over_processes": "every process runs as many micro-batches (FSDP's collectives)",
         "images_batch(rollout.images, idx,": "a process's images are its own rows'",
         "stats.metrics(": "the statistics of every process's micro-batches",
