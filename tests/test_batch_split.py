@@ -1,17 +1,20 @@
 """The gradient of one optimizer step does not depend on how its minibatch is split (issue 57): for every advantage
 estimator, loss and aggregation (and, in the vLLM scripts, every importance-sampling mode), one micro-batch, k
-micro-batches with gradient accumulation, and two processes of rloo_multigpu.py (gloo) give the same gradient and loss
-to float rounding; a run's update is the same whatever its --per_device_train_batch_size.
+micro-batches with gradient accumulation, and two processes (gloo) each holding half the rows give the same gradient and
+loss to float rounding; a run's update is the same whatever its --per_device_train_batch_size.
 
-What the loop does is rebuilt here from the scripts' own functions: the minibatch's normalisers counted over the whole
-minibatch (its completions, and the tokens of the rows that train: all-reduced over the processes in
-rloo_multigpu.py), each micro-batch's share of the loss from policy_loss, the shares' gradients summed (accumulation,
-or FSDP's sum over the processes). The four metrics that are by definition per micro-batch (val/ratio and
+The optimizer step is the loop's, written here with the scripts' own functions: the minibatch's token count from
+tokens_in_loss, called once a step on the rows a process holds, as main() calls it (rloo_multigpu.py's all-reduces it
+over the processes), each micro-batch's share of the loss from policy_loss, the shares' gradients summed (accumulation,
+or FSDP's sum over the processes). That main() calls tokens_in_loss once a minibatch, not once a micro-batch, is held
+by the runs: test_a_run_updates_alike_whatever_its_micro_batch_size here (rloo.py) and tests/test_multigpu.py's
+1-against-2-processes test (rloo_multigpu.py). The four metrics that are by definition per micro-batch (val/ratio and
 val/ratio_var, the clip extremes clip_ratio/low_min and high_max) are not part of this: docs/metrics.md says so.
 """
 
 import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -75,7 +78,7 @@ def minibatch(script, options: dict, on_policy: bool = False) -> dict:
     rlhf_reward, _ = script.kl_penalized_reward(scores, kl, mask, args.beta, args.token_level_kl)
     in_loss = script.has_baseline(rlhf_reward, G)
     in_loss[2] = False  # --mask_truncated_completions
-    kl_before = args.beta * (kl.cumsum(1) - kl) if args.token_level_kl else torch.zeros_like(kl)
+    kl_before = script.kl_penalty_before(kl, args.beta, args.token_level_kl)
     advantages = script.compute_advantages(
         rlhf_reward, kl_before, in_loss, G, args.advantage_estimator, args.advantage_normalization
     )
@@ -83,14 +86,15 @@ def minibatch(script, options: dict, on_policy: bool = False) -> dict:
             "in_loss": in_loss}  # fmt: skip
 
 
-def step(script, batch: dict, micro_batches: list[torch.Tensor], mini_batch_tokens=None, mini_batch_size: int = B):
-    """The loss and the (B, C) gradient on the log-probs of one optimizer step, each micro-batch (rows of the minibatch)
-    adding its share as the loop's accumulation does. The gradient on the parameters is the log-probs' times the
+def step(script, batch: dict, micro_batches: list[torch.Tensor], mini_batch_size: int = B):
+    """The loss and the (B, C) gradient on the log-probs of one optimizer step of this process, each micro-batch (rows
+    of the minibatch) adding its share as the loop's accumulation does; the token count the script's own, of the rows
+    this process holds (all of the micro-batches'). The gradient on the parameters is the log-probs' times the
     forward's Jacobian, the same in every split: equal gradients here are equal steps."""
     logprobs = batch["logprobs"].clone().requires_grad_()
     mask, in_loss = batch["mask"], batch["in_loss"]
-    if mini_batch_tokens is None:  # the loop's count, over the whole minibatch
-        mini_batch_tokens = (mask * in_loss[:, None]).sum().clamp(min=1)
+    rows = torch.cat(micro_batches)  # main() calls it on `mask[mb], in_loss[mb]`: this process's rows of the minibatch
+    mini_batch_tokens = script.tokens_in_loss(mask[rows], in_loss[rows])
     loss, gradient = torch.zeros(()), torch.zeros_like(logprobs)
     for idx in micro_batches:
         share, _ = script.policy_loss(
@@ -125,8 +129,20 @@ def assert_same_step(a, b, what: str):
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: gradient: {m}")
 
 
+@pytest.fixture
+def group_of_one():
+    """The process group of one that a plain `python rloo_multigpu.py` forms (its all-reduce: the identity), on an
+    in-memory store: no port taken, nothing written to the environment; gone after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("loss", LOSSES, ids=options_id)
 @per_script
+@pytest.mark.usefixtures("group_of_one")  # rloo_multigpu.py's tokens_in_loss all-reduces
 def test_the_gradient_of_a_step_does_not_depend_on_its_micro_batches(loss):
     order = torch.randperm(B, generator=torch.Generator().manual_seed(3))
     for estimator in ESTIMATORS:
@@ -173,9 +189,10 @@ def test_a_token_budget_packs_first_fit_decreasing_and_splits_to_the_count_the_p
 
 
 def two_processes_step(rank: int, port: int, results: str) -> None:
-    """One of two processes of rloo_multigpu.py's update: its own half of the minibatch's rows (the loop's: each
-    process takes its minibatches from its own rows), the token count all-reduced, its shares of the global loss in
-    micro-batches of 2, their gradients summed over the processes (FSDP's sum, set in sharded.shard)."""
+    """One of two processes of rloo_multigpu.py's update, with its functions: its own half of the minibatch's rows (the
+    loop's: each process takes its minibatches from its own rows), the token count of its rows from the script's
+    tokens_in_loss (which all-reduces it), its shares of the global loss in micro-batches of 2 and in those a token
+    budget packs, their gradients summed over the processes here (FSDP's sum, set in sharded.shard)."""
     import torch.distributed as dist
 
     import rloo_multigpu
@@ -188,15 +205,14 @@ def two_processes_step(rank: int, port: int, results: str) -> None:
     for loss in LOSSES:
         for estimator in ESTIMATORS:
             batch = minibatch(rloo_multigpu, {**estimator, **loss})
-            tokens = all_reduce((batch["mask"][own] * batch["in_loss"][own, None]).sum()).clamp(min=1)
             order = own[torch.randperm(len(own), generator=torch.Generator().manual_seed(rank))]
-            local_loss, local_gradient = step(rloo_multigpu, batch, list(order.split(2)), tokens)
+            local_loss, local_gradient = step(rloo_multigpu, batch, list(order.split(2)))
             outcomes[options_id({**estimator, **loss})] = (all_reduce(local_loss), all_reduce(local_gradient))
             # at 12 tokens rank 0's rows pack into 3 micro-batches, rank 1's into 4: rank 0 splits one, as FSDP needs
             micro = packing.micro_batches(order, ROW_TOKENS, 2, 12, max_over_processes)
             counts = torch.tensor([len(micro), -len(micro)])
             assert all_reduce(counts, dist.ReduceOp.MAX).tolist() == [4, -4], counts
-            local_loss, local_gradient = step(rloo_multigpu, batch, micro, tokens)
+            local_loss, local_gradient = step(rloo_multigpu, batch, micro)
             outcomes[options_id({**estimator, **loss}) + " 12 tokens"] = (
                 all_reduce(local_loss),
                 all_reduce(local_gradient),
@@ -206,14 +222,32 @@ def two_processes_step(rank: int, port: int, results: str) -> None:
     dist.destroy_process_group()
 
 
+def join_within(context, seconds: float) -> None:
+    """Join mp.start_processes' processes, or kill them after `seconds` and fail: a deadlock fails the test, it does
+    not hang the suite. A process that raised fails it too (join re-raises, having ended the other)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):  # True once every process ended
+            assert time.monotonic() < deadline, f"the two processes did not end within {seconds} s"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
 @pytest.mark.slow  # two processes start: the fast tier starts none
+@pytest.mark.usefixtures("group_of_one")  # the reference: rloo_multigpu.py's tokens_in_loss on one process
 def test_two_processes_give_the_gradient_of_one(tmp_path):
     import torch.multiprocessing as mp
 
     import rloo_multigpu
 
     results = str(tmp_path / "two.pt")
-    mp.start_processes(two_processes_step, args=(free_port(), results), nprocs=2, start_method="spawn")
+    context = mp.start_processes(
+        two_processes_step, args=(free_port(), results), nprocs=2, start_method="spawn", join=False
+    )
+    join_within(context, seconds=300)  # about 20 s on 2 cores; the group's own timeout is 120 s
     two = torch.load(results)
     assert len(two) == 2 * len(LOSSES) * len(ESTIMATORS)
     for loss in LOSSES:
