@@ -99,10 +99,10 @@ def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(
     assert all(torch.equal(gathered[k], saved_weights[k]) for k in saved_weights)
 
 
-def same_batch_args(tiny, data, per_device: int, *extra):
-    """2 updates of a global batch of 32 (8 prompts x 4), 2 epochs of 1 minibatch of 2 accumulated micro-batches,
-    a token-mean loss (the case a per-process mean gets wrong), a KL and a sample table. Rollout chunks of 16 rows:
-    one per process with 2 processes, the same two chunks with one."""
+def same_batch_args(tiny, data, per_device: int, *extra, accumulation: int = 2):
+    """2 updates of a global batch of 32 (8 prompts x 4), 2 epochs of 1 minibatch of `accumulation` micro-batches a
+    process, a token-mean loss (the case a per-process or per-micro-batch token count gets wrong), a KL and a sample
+    table. Rollout chunks of 16 rows: one per process with 2 processes, the same two chunks with one."""
     return [
         "--model_name_or_path",
         tiny["policy"],
@@ -115,12 +115,14 @@ def same_batch_args(tiny, data, per_device: int, *extra):
         "--per_device_train_batch_size",
         per_device,
         "--gradient_accumulation_steps",
-        2,
+        accumulation,
         "--num_ppo_epochs",
         2,
         "--loss_type",
         "token",
         "--ppo_clip",
+        "--loss_aggregation",
+        "token-mean",  # divided by the tokens of the whole minibatch (its count: tokens_in_loss, over every process)
         "--local_rollout_forward_batch_size",
         16,
         "--max_completion_length",
@@ -141,7 +143,7 @@ def same_batch_args(tiny, data, per_device: int, *extra):
     ]
 
 
-# Defined per micro-batch: one process's micro-batch of 16 rows is not the two processes' micro-batches of 8 + 8
+# Defined per micro-batch: one process's micro-batch is not the two processes' micro-batches together
 PER_MICRO_BATCH = {"val/ratio", "val/ratio_var", "clip_ratio/low_min", "clip_ratio/high_max"}
 SPLIT = {"perf/micro_batches_per_step", "perf/micro_batch_tokens_max"}  # what the split is
 
@@ -151,7 +153,10 @@ def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batc
 
     one, two, sharded = tmp_path / "one", tmp_path / "two", tmp_path / "sharded"
     one.mkdir(), two.mkdir(), sharded.mkdir()
-    proc = run_rloo(*same_batch_args(tiny, prompts_file, 16), cwd=one, script="rloo_multigpu.py")
+    # The reference: one process, the minibatch in one micro-batch, where a token count of one micro-batch or of one
+    # process would be the minibatch's; the 2-process runs split it in 2 x 2 micro-batches of 8 rows, or in those a
+    # budget packs (7 or 8 of unequal sizes), where it would not
+    proc = run_rloo(*same_batch_args(tiny, prompts_file, 32, accumulation=1), cwd=one, script="rloo_multigpu.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert weights_moved(run_outcome(str(one / "runs" / "run"))[2], tiny["policy"])  # it trained: else all agree
     proc = run_torchrun(2, *same_batch_args(tiny, prompts_file, 8), cwd=two)
