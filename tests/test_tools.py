@@ -344,9 +344,11 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
     when it generated that turn (its context then was everything before it): the update's log-probs are the
     sampler's. The tensors are a real rollout's, as the loop builds them: two rows (one calls the tool, one answers at
     once), their left-padded prompts, the completion mask the forward attends with, the loss's mask without the tool's
-    tokens."""
+    tokens (the Rollout's policy_mask, which the loop takes)."""
     import rloo
     from transformers import AutoModelForCausalLM
+
+    from rloo_utils.rollouts import Rollout
 
     policy = AutoModelForCausalLM.from_pretrained(tiny["policy"]).eval()
     tools = load_tools([f"{tools_file}:secret"])
@@ -357,10 +359,13 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
         tool_tokenizer, turns.prompts, 512, "cpu", tools=turns.schemas
     )  # (2, P), as Sampler.sample builds them
     assert [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)] == prompt_rows
-    completion_ids, completion_mask, tool_mask, _, _ = turns.tensors(tool_tokenizer.pad_token_id, "cpu")  # (2, 256)
+    completion_ids, completion_mask, tool_mask, ended, _ = turns.tensors(tool_tokenizer.pad_token_id, "cpu")  # (2, 256)
+    sampled = Rollout(
+        prompts, {}, prompt_ids, prompt_mask, completion_ids, completion_mask, tool_mask, ended, turns=turns
+    )
     with torch.no_grad():
         one = rloo.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
-    loss_mask = (completion_mask * (1 - tool_mask)).bool()  # the loop's: the tokens the policy chose
+    loss_mask = sampled.policy_mask.bool()  # the loop's `mask = rollout.policy_mask`: the tokens the policy chose
 
     def logprobs_after(context: list[int], ids: list[int]) -> torch.Tensor:
         """(len(ids),) the policy's log-probs of ids after context, in one forward of that context alone."""
@@ -383,6 +388,9 @@ def test_the_logprobs_of_a_multi_turn_completion_are_those_of_each_turn(tiny, to
         logprobs_after(prompt_rows[1], bad),
     ]
     assert loss_mask.sum(1).tolist() == [len(turn1) + len(turn2), len(bad)]
+    tool_result, padding = len(turns.ids[0]) - len(turn1) - len(turn2), loss_mask.shape[1] - len(turns.ids[0])
+    row_0 = [True] * len(turn1) + [False] * tool_result + [True] * len(turn2) + [False] * padding
+    assert tool_result > 0 and loss_mask[0].tolist() == row_0  # turn 1, the tool's result out of the loss, turn 2
     for row in range(2):
         torch.testing.assert_close(one[row][loss_mask[row]], sampler[row], rtol=0, atol=1e-5)
     assert completion_ids[0][loss_mask[0]].tolist() == turn1 + turn2  # the loss sees the model's tokens, no tool's
