@@ -233,7 +233,7 @@ def join_within(context, seconds: float) -> None:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-                process.join()
+                process.join(timeout=60)  # a killed process ends at once; bounded all the same
 
 
 @pytest.mark.slow  # two processes start: the fast tier starts none
