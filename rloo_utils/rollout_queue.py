@@ -85,10 +85,15 @@ class Generation:
             self.seconds = time.perf_counter() - start
             self.done.set()
 
-    def result(self) -> QueuedRollout:
+    def result(self, timeout: Optional[float] = None) -> QueuedRollout:
+        """Its rollout, waited for `timeout` seconds at most (None: as long as the generation takes)."""
         if not self.background and not self.done.is_set():
             self.run()
-        self.done.wait()
+        if not self.done.wait(timeout):
+            raise TimeoutError(
+                f"the rollout sampled from the weights after update {self.version} was not generated "
+                f"within {timeout:g} s"
+            )
         if self.error is not None:
             raise self.error
         return QueuedRollout(self.request, self.outputs, self.version, self.seconds)
@@ -99,10 +104,13 @@ class RolloutQueue:
     generate(request): the engine's outputs for a rollout's request, run in the queue's thread when max_staleness > 0
     (it must not use a collective, nor the training thread's tokenizer); request(update), given to start(): what the
     rollout samples (called once per update, in order). Its state_dict() is what a checkpoint holds: the finished
-    rollouts of weights older than the newest."""
+    rollouts of weights older than the newest. timeout: the seconds a wait for a generation may take; None (the
+    scripts') as long as it takes, as the generation is bounded itself (each server request by --vllm_server_timeout, a
+    tool call by --tool_timeout where given) and its failure is raised where it is waited for. Tests bound theirs."""
 
-    def __init__(self, max_staleness: int, num_updates: int, generate: Callable):
+    def __init__(self, max_staleness: int, num_updates: int, generate: Callable, timeout: Optional[float] = None):
         self.max_staleness, self.num_updates, self.generate = max_staleness, num_updates, generate
+        self.timeout = timeout
         self.worker = Worker() if max_staleness > 0 else None
         self.request: Callable = None  # update -> its rollout's request (start)
         self.pending: dict[int, Generation] = {}  # update -> its rollout's generation
@@ -132,17 +140,17 @@ class RolloutQueue:
         until the update is done (pushed), so that the checkpoint of a failure inside the update keeps it. One sampled
         from weights more than max_staleness updates older than the policy that trains on it (after update - 1) is not
         trained on: it is sampled again now, from the engine's weights (a checkpoint's, resumed with a lower bound)."""
-        taken = self.pending[update].result()
+        taken = self.pending[update].result(self.timeout)
         if update - 1 - taken.version <= self.max_staleness:
             return taken
         self.pending[update] = Generation(self.generate, taken.request, self.version, self.worker)  # where all are made
-        return dataclasses.replace(self.pending[update].result(), resampled=True)
+        return dataclasses.replace(self.pending[update].result(self.timeout), resampled=True)
 
     def before_push(self) -> None:
         """Wait for the rollouts still being generated: new weights must not reach the engine under them (a failure of
         one is raised here, before the push)."""
         for generation in self.pending.values():
-            generation.result()
+            generation.result(self.timeout)
 
     def pushed(self, update: int) -> None:
         """The weights after `update` are on the engine: ask for the rollout they are scheduled to sample."""

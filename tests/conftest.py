@@ -35,6 +35,9 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 ORIGINAL_ENVIRONMENT = dict(os.environ)
+# The seconds a test waits at most on a thread, a queue or a process that answers at once when all is well (a rollout
+# made in the rollout queue's thread, a helper's "ready"): a wait that would hang fails its test within a minute
+WAIT = 60
 SESSION_CACHE = None  # pytest_configure's
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,6 +15,7 @@ import torch
 from rloo_utils.rollout_queue import RolloutQueue
 from rloo_utils.rollouts import BaseSampler, Rollout
 from rloo_utils.tools import ToolUse, call_tools, load_environments, load_tools
+from tests.conftest import WAIT
 from tests.test_tools import ids_of, tool_tokenizer, tools_file  # noqa: F401 (fixtures)
 
 CALL = '<tool_call>{"name": "open_vault", "arguments": {}}</tool_call><|im_end|>'
@@ -75,7 +76,7 @@ def test_a_multi_turn_rollout_made_in_the_queues_thread_is_the_one_the_training_
     """With --max_staleness 1 the rollouts of updates 1 and 2 are made whole in the queue's thread (environments
     reset, turns, tool calls), each environment its rollout's own: the rewards read from them are each row's."""
     made_ahead = ScriptedSampler(tool_tokenizer, vault_tool_use(tools_file))
-    queue = RolloutQueue(1, 3, made_ahead.background_rollout)
+    queue = RolloutQueue(1, 3, made_ahead.background_rollout, timeout=WAIT)
     queue.start(0, vault_request)
     first, second = (made_ahead.sample(None, None, None, outputs=queue.take(u).outputs) for u in (1, 2))
     assert set(made_ahead.threads) == {"rollouts"}  # every turn in the queue's thread
@@ -127,7 +128,7 @@ def test_one_multi_turn_rollout_at_a_time_calls_the_tools(tool_tokenizer, tools_
         return "good"
 
     sampler = ScriptedSampler(tool_tokenizer, ToolUse([open_vault], {}, {}, max_tool_calling_iterations=2), delay=0.01)
-    queue = RolloutQueue(1, 3, sampler.background_rollout)
+    queue = RolloutQueue(1, 3, sampler.background_rollout, timeout=WAIT)
     queue.start(0, vault_request)  # updates 1 and 2, in the queue's thread
     for update in (5, 6, 7):  # meanwhile, in this thread
         request = vault_request(update)
@@ -244,7 +245,7 @@ def test_a_checkpoint_keeps_a_multi_turn_rollout_whole_and_leaves_out_one_with_e
         ToolUse(load_tools([f"{tools_file}:secret"]), {}, {}, max_tool_calling_iterations=2),
         CALL_SECRET,
     )
-    queue = RolloutQueue(2, 6, sampler.background_rollout)
+    queue = RolloutQueue(2, 6, sampler.background_rollout, timeout=WAIT)
     queue.start(0, vault_request)
     made = {u: queue.pending[u] for u in (1, 2, 3)}
     queue.take(1), queue.before_push(), queue.pushed(1)
@@ -253,7 +254,7 @@ def test_a_checkpoint_keeps_a_multi_turn_rollout_whole_and_leaves_out_one_with_e
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     assert sorted(state["per_process"][0]["kept"]) == [2, 3] and state["per_process"][0]["left_out"] == []
-    resumed = RolloutQueue(2, 6, sampler.background_rollout)
+    resumed = RolloutQueue(2, 6, sampler.background_rollout, timeout=WAIT)
     resumed.load_state_dict(state)
     resumed.start(1, vault_request)
     for update in (2, 3):
@@ -264,12 +265,12 @@ def test_a_checkpoint_keeps_a_multi_turn_rollout_whole_and_leaves_out_one_with_e
         assert rollout.turns.calls == 2 and rollout.columns == made[update].outputs.columns
 
     sampler = ScriptedSampler(tool_tokenizer, vault_tool_use(tools_file))
-    queue = RolloutQueue(2, 6, sampler.background_rollout)
+    queue = RolloutQueue(2, 6, sampler.background_rollout, timeout=WAIT)
     queue.start(0, vault_request)
     queue.take(1), queue.before_push(), queue.pushed(1)
     state = queue.state_dict()
     assert state["per_process"][0] == {"kept": {}, "left_out": [2, 3]}
-    resumed = RolloutQueue(2, 6, sampler.background_rollout)
+    resumed = RolloutQueue(2, 6, sampler.background_rollout, timeout=WAIT)
     resumed.load_state_dict(state)
     assert "could not keep the multi-turn rollouts of updates [2, 3]" in capsys.readouterr().out
     resumed.start(1, vault_request)

@@ -23,6 +23,7 @@ from rloo_utils.off_policy import Correction, ImportanceSamplingOptions, samplin
 from rloo_utils.rollout_queue import RolloutQueue
 from rloo_utils.vllm_options import check_vllm_args
 from tests.conftest import (
+    WAIT,
     run_outcome,
     run_rloo,
 )
@@ -78,7 +79,7 @@ def train(queue: RolloutQueue, engine: RecordingEngine, first: int, last: int) -
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 def test_each_rollout_is_sampled_from_the_weights_the_schedule_gives_and_never_under_a_push(max_staleness):
     engine = RecordingEngine()
-    queue = RolloutQueue(max_staleness, 6, engine.generate)
+    queue = RolloutQueue(max_staleness, 6, engine.generate, timeout=WAIT)
     queue.start(0, engine.request)
     versions = train(queue, engine, 1, 6)
     # v(j) = max(0, j - 1 - N): at most N versions older than the policy that trains on it (after update j - 1)
@@ -101,13 +102,13 @@ def test_with_max_staleness_the_next_rollout_is_generated_while_the_update_train
             next_one_generated.set()
         return [([request["update"]], [0.0])]
 
-    queue = RolloutQueue(1, 3, generate)
+    queue = RolloutQueue(1, 3, generate, timeout=WAIT)
     queue.start(0, lambda update: {"update": update})
     queue.take(1)
     # update 1 trains: the rollout of update 2 is generated meanwhile, in the queue's thread, before anyone takes it
     assert next_one_generated.wait(timeout=60)
     generated.clear()
-    synchronous = RolloutQueue(0, 3, generate)
+    synchronous = RolloutQueue(0, 3, generate, timeout=WAIT)
     synchronous.start(0, lambda update: {"update": update})
     assert generated == []  # N = 0: a rollout is generated when its update takes it, from the newest weights
     synchronous.take(1)
@@ -117,7 +118,7 @@ def test_with_max_staleness_the_next_rollout_is_generated_while_the_update_train
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_a_failed_generation_is_raised_in_the_training_loop_before_its_update_trains(max_staleness):
     engine = RecordingEngine(fail_at=3)
-    queue = RolloutQueue(max_staleness, 6, engine.generate)
+    queue = RolloutQueue(max_staleness, 6, engine.generate, timeout=WAIT)
     queue.start(0, engine.request)
     with pytest.raises(RunError, match="update 3"):
         train(queue, engine, 1, 6)
@@ -135,7 +136,7 @@ def test_a_generation_that_exits_in_the_queues_thread_is_raised_where_it_is_take
             raise SystemExit("a tool called sys.exit")
         return [([request["update"]], [0.0])]
 
-    queue = RolloutQueue(1, 4, generate)
+    queue = RolloutQueue(1, 4, generate, timeout=WAIT)
     queue.start(0, lambda update: {"update": update})
     queue.take(1)
     with pytest.raises(SystemExit, match="sys.exit"):
@@ -145,14 +146,37 @@ def test_a_generation_that_exits_in_the_queues_thread_is_raised_where_it_is_take
     assert queue.take(3).outputs == [([3], [0.0])]
 
 
+@pytest.mark.timeout(60)  # the break it guards (a wait without its bound) fails here, not at the suite's 600 s
+def test_a_wait_for_a_generation_that_never_ends_fails_at_the_queues_timeout():
+    """The tests' queues wait `timeout` seconds at most (the scripts', None, as long as the generation takes): a
+    rollout made ahead that never comes fails take() and before_push() with a TimeoutError, not a hang."""
+    released = threading.Event()
+
+    def generate(request):
+        released.wait(timeout=WAIT)  # (ends when the test does: the queue's thread is a daemon, but let it go)
+        return [([request["update"]], [0.0])]
+
+    queue = RolloutQueue(1, 3, generate, timeout=0.5)
+    queue.start(0, lambda update: {"update": update})
+    try:
+        for wait in (lambda: queue.take(1), queue.before_push):
+            start = time.perf_counter()
+            with pytest.raises(TimeoutError, match="weights after update 0 was not generated within 0.5 s"):
+                wait()
+            assert 0.5 <= time.perf_counter() - start < 10
+    finally:
+        released.set()
+    assert queue.take(1).outputs == [([1], [0.0])]  # once generated, taken as always
+
+
 def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_goes_on_as_the_first():
     engine = RecordingEngine()
-    uninterrupted = RolloutQueue(2, 8, engine.generate)
+    uninterrupted = RolloutQueue(2, 8, engine.generate, timeout=WAIT)
     uninterrupted.start(0, engine.request)
     expected = train(uninterrupted, engine, 1, 8)
 
     engine = RecordingEngine()
-    queue = RolloutQueue(2, 8, engine.generate)
+    queue = RolloutQueue(2, 8, engine.generate, timeout=WAIT)
     queue.start(0, engine.request)
     train(queue, engine, 1, 3)
     state = queue.state_dict()
@@ -167,7 +191,7 @@ def test_a_checkpoint_keeps_the_rollouts_of_older_weights_and_a_resumed_queue_go
 
     resumed_engine = RecordingEngine()
     resumed_engine.push(3)  # the checkpoint's weights
-    resumed = RolloutQueue(2, 8, resumed_engine.generate)
+    resumed = RolloutQueue(2, 8, resumed_engine.generate, timeout=WAIT)
     resumed.load_state_dict(state)
     resumed.start(3, resumed_engine.request)
     assert [u for kind, u in resumed_engine.events if kind == "asked"] == [4, 5, 6]  # every request made again
@@ -179,13 +203,13 @@ def test_the_checkpoint_of_a_failure_inside_an_update_keeps_the_rollout_it_took(
     """An update took its rollout and failed (a reward function raised) before its weights were pushed: the checkpoint
     of the last complete update keeps that rollout (from older weights, which a resumed run cannot sample again)."""
     engine = RecordingEngine()
-    queue = RolloutQueue(1, 6, engine.generate)
+    queue = RolloutQueue(1, 6, engine.generate, timeout=WAIT)
     queue.start(0, engine.request)
     train(queue, engine, 1, 2)
     taken = queue.take(3)  # ... and update 3 fails here
     state = queue.state_dict()
     assert sorted(state["per_process"][0]["kept"]) == [3] and taken.version == 1
-    resumed = RolloutQueue(1, 6, RecordingEngine().generate)
+    resumed = RolloutQueue(1, 6, RecordingEngine().generate, timeout=WAIT)
     resumed.load_state_dict(state)
     resumed.start(2, engine.request)
     assert resumed.take(3).outputs == taken.outputs
@@ -193,13 +217,13 @@ def test_the_checkpoint_of_a_failure_inside_an_update_keeps_the_rollout_it_took(
 
 def test_a_kept_rollout_staler_than_max_staleness_is_sampled_again():
     engine = RecordingEngine()
-    queue = RolloutQueue(2, 8, engine.generate)
+    queue = RolloutQueue(2, 8, engine.generate, timeout=WAIT)
     queue.start(0, engine.request)
     train(queue, engine, 1, 3)
     state = queue.state_dict()
     engine = RecordingEngine()
     engine.push(3)
-    resumed = RolloutQueue(1, 8, engine.generate)
+    resumed = RolloutQueue(1, 8, engine.generate, timeout=WAIT)
     resumed.load_state_dict(state)
     resumed.start(3, engine.request)
     # kept: the rollouts of updates 4 and 5, from the weights after updates 1 and 2. Update 4's is 2 versions older
