@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -94,7 +95,23 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: otherwise each file's tests keep their order
 
 
+# Every test, its fixtures included, ends within this many seconds (pytest-timeout) or fails: a deadlock costs its test
+# 10 minutes, not CI its limit. 5x the slowest test but one (56-111 s, docs/tests.md's tables), and room for the shared
+# server's start (300 s at most) before a worker's first test that uses it; a test that needs longer says so with
+# @pytest.mark.timeout(N) (tests/test_gpu_check.py's kit).
+TEST_TIMEOUT = 600
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-timeout's own, which reads the options
 def pytest_configure(config):
+    # The signal method, on purpose: at the limit SIGALRM raises in the test (xdist runs tests in its workers' main
+    # thread), so its `finally` blocks and its fixtures' teardown kill what it started (servers' process groups,
+    # torchrun's workers, subprocess.run's child) and the worker goes on to the next test. The thread method's
+    # os._exit would leave them running on the 2 cores and lose the worker. --timeout or PYTEST_TIMEOUT still win.
+    if config.getoption("timeout", None) is None and "PYTEST_TIMEOUT" not in os.environ:
+        config.option.timeout = TEST_TIMEOUT
+    if config.getoption("timeout_method", None) is None:
+        config.option.timeout_method = "signal"
     config.addinivalue_line(
         "markers", "slow: starts a training process, torchrun or vLLM (`-m 'not slow'` is the fast tier)"
     )
@@ -488,7 +505,7 @@ def wait_for_updates(proc: subprocess.Popen, metrics, n: int, timeout: float = 3
         if proc.poll() is not None:
             raise AssertionError(
                 "the run ended before it could be interrupted"
-                + (f": {proc.stderr.read()[-3000:]}" if proc.stderr else "")
+                + (f": {proc.communicate(timeout=WAIT)[1][-3000:]}" if proc.stderr else "")
             )
         assert time.time() < deadline, f"no {n} updates logged in {timeout} s"
         time.sleep(0.02)
@@ -541,6 +558,30 @@ def check_learned(request, rewards: list[float], gain: float, window: int = 3, a
             test = request.node.nodeid
             f.write(json.dumps({"test": test, "seed": seed, "first": first, "last": last, "rewards": rewards}) + "\n")
     assert last > first + gain and (above is None or last > above), (first, last, rewards)
+
+
+def first_line(pipe, seconds: float) -> str:
+    """A child's first line from its pipe, waited for `seconds` at most: a child that never prints one fails the test
+    instead of hanging it (readline() alone waits for ever)."""
+    ready, _, _ = select.select([pipe], [], [], seconds)
+    assert ready, f"no line from the process in {seconds} s"
+    return pipe.readline()
+
+
+def join_processes(context, seconds: float) -> None:
+    """Wait `seconds` at most for the processes of torch.multiprocessing.start_processes(..., join=False): one that
+    fails is raised (torch's ProcessRaisedException), one still running at the limit fails the test; either way none
+    is left running (start_processes' own join waits for ever)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the processes did not end within {seconds} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=WAIT)
 
 
 def free_port() -> int:
@@ -632,7 +673,7 @@ def dying_server(tiny, server):
         start_new_session=True,
     )
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert first_line(proc.stdout, WAIT).strip() == "ready"
         yield {"url": f"http://127.0.0.1:{port}", "process": proc}
     finally:
         proc.kill()

@@ -18,6 +18,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmark", "gpu"))
 import check  # noqa: E402
 
 CHECK = os.path.join(ROOT, "benchmark", "gpu", "check.py")
+# The kit took 135-306 s here (docs/tests.md), past the suite's 600 s a test on a slower machine: whichever test of it
+# runs first (any, in another order) gets the kit's own bound (its subprocess.run's 1800 s) and a margin to report it
+KIT_TIMEOUT = pytest.mark.timeout(1900)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +63,7 @@ def kit(tmp_path_factory):
 
 
 @pytest.mark.slow
+@KIT_TIMEOUT
 def test_every_part_passes_on_the_cpu_and_the_report_says_what_ran(kit):
     proc, report, markdown = kit
     statuses = {name: part["status"] for name, part in report["parts"].items()}
@@ -83,6 +87,7 @@ def test_every_part_passes_on_the_cpu_and_the_report_says_what_ran(kit):
 
 
 @pytest.mark.slow
+@KIT_TIMEOUT
 def test_the_parts_numbers_are_those_of_real_runs(kit):
     parts = {name: part.get("results", {}) for name, part in kit[1]["parts"].items()}
     for name in ("rloo_fp32", "rloo_bf16", "rloo_gradient_checkpointing", "rloo_padded", "rloo_lora", "rloo_vlm"):
@@ -145,6 +150,7 @@ def test_the_parts_numbers_are_those_of_real_runs(kit):
 
 
 @pytest.mark.slow
+@KIT_TIMEOUT
 def test_each_timing_with_compile_on_and_off_has_its_numbers_against_the_hardware(kit):
     """The timings ran what they say (their commands: rloo.py's defaults, or one lever), and each has, from its own
     run's log, what the hardware numbers are made of; on a CPU no peak is assumed: those cells say so, and no number is
@@ -290,8 +296,9 @@ def test_a_stopped_check_kills_every_process_of_its_parts_and_keeps_the_report(t
     assert second.returncode != 0 and "Traceback" not in second.stderr
     assert "is in use by another check.py" in second.stderr
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    assert "check.py: stopped by SIGTERM; report in" in proc.stderr.read()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "check.py: stopped by SIGTERM; report in" in stderr
     with open(out / "report.json") as f:
         report = json.load(f)
     assert report["parts"]["rloo_learns"]["status"] == "interrupted" and report["interrupted_by"] == "SIGTERM"

@@ -254,14 +254,16 @@ def test_a_fault_on_one_process_stops_both_within_seconds(scenario, message, tin
 
     import torch.multiprocessing as mp
 
-    from conftest import free_port
+    from conftest import free_port, join_processes
 
-    mp.start_processes(
+    context = mp.start_processes(
         one_of_two_processes,
         args=(scenario, tiny["policy"], free_port(), str(tmp_path)),
         nprocs=2,
         start_method="spawn",
+        join=False,
     )
+    join_processes(context, 300)
     for rank in (0, 1):
         with open(tmp_path / f"rank{rank}.json") as f:
             result = json.load(f)

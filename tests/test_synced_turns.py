@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import free_port, join_processes
 
 
 def a_turn_on_each_process(rank: int, port: int, tiny: dict, results: str) -> None:
@@ -59,7 +59,10 @@ def test_two_processes_turns_of_different_lengths_on_a_static_cache(tiny, tmp_pa
     import torch.multiprocessing as mp
 
     results = str(tmp_path / "turn")
-    mp.start_processes(a_turn_on_each_process, args=(free_port(), tiny, results), nprocs=2, start_method="spawn")
+    context = mp.start_processes(
+        a_turn_on_each_process, args=(free_port(), tiny, results), nprocs=2, start_method="spawn", join=False
+    )
+    join_processes(context, 300)
     turns = [torch.load(f"{results}.{rank}") for rank in (0, 1)]
     assert len(turns[0][True]) == 1 and 1 <= len(turns[1][True]) <= 8
     for rank in (0, 1):

@@ -207,7 +207,7 @@ def test_nccl_weight_transfer_checks_the_server_it_is_given(tiny, server):
         VLLMServer(args)
     assert NCCL_SERVER_OPTION in str(e.value) and "shared_memory" in str(e.value)
     # The same /server_info with the option, on 2 tensor-parallel x 2 data-parallel workers: 4 workers join the group
-    info = json.load(urllib.request.urlopen(server["url"] + "/server_info?config_format=json"))
+    info = json.load(urllib.request.urlopen(server["url"] + "/server_info?config_format=json", timeout=60))
     info["vllm_config"]["weight_transfer_config"] = {"backend": "nccl"}
     info["vllm_config"]["parallel_config"].update(world_size=2, data_parallel_size=2)
     assert nccl_workers(info, server["url"]) == 4
