@@ -14,13 +14,12 @@ val/ratio_var, the clip extremes clip_ratio/low_min and high_max) are not part o
 
 import datetime
 import os
-import time
 
 import pytest
 import torch
 
 import rloo
-from conftest import free_port, read_metrics, run_outcome, run_rloo
+from conftest import free_port, join_processes, read_metrics, run_outcome, run_rloo
 from rloo_utils import off_policy, packing
 
 per_script = pytest.mark.usefixtures("each_script")  # each test runs against every script's functions
@@ -222,20 +221,6 @@ def two_processes_step(rank: int, port: int, results: str) -> None:
     dist.destroy_process_group()
 
 
-def join_within(context, seconds: float) -> None:
-    """Join mp.start_processes' processes, or kill them after `seconds` and fail: a deadlock fails the test, it does
-    not hang the suite. A process that raised fails it too (join re-raises, having ended the other)."""
-    deadline = time.monotonic() + seconds
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):  # True once every process ended
-            assert time.monotonic() < deadline, f"the two processes did not end within {seconds} s"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=60)  # a killed process ends at once; bounded all the same
-
-
 @pytest.mark.slow  # two processes start: the fast tier starts none
 @pytest.mark.usefixtures("group_of_one")  # the reference: rloo_multigpu.py's tokens_in_loss on one process
 def test_two_processes_give_the_gradient_of_one(tmp_path):
@@ -247,7 +232,7 @@ def test_two_processes_give_the_gradient_of_one(tmp_path):
     context = mp.start_processes(
         two_processes_step, args=(free_port(), results), nprocs=2, start_method="spawn", join=False
     )
-    join_within(context, seconds=300)  # about 20 s on 2 cores; the group's own timeout is 120 s
+    join_processes(context, seconds=300)  # about 20 s on 2 cores; the group's own timeout is 120 s
     two = torch.load(results)
     assert len(two) == 2 * len(LOSSES) * len(ESTIMATORS)
     for loss in LOSSES:

@@ -243,11 +243,7 @@ NEVER_WAIT = {"acquire": ("blocking", 0), "get": ("block", 0)}  # the argument t
 CALLED_BY_NAME = {"urlopen", "create_connection", "HTTPConnection", "HTTPSConnection", "RolloutQueue"}  # else methods
 
 # Waits bounded otherwise, each with its reason: (file, function, call) -> why. Each must still be found (no stale one).
-EXEMPT = {
-    # torch.multiprocessing.start_processes joins for ever: bounded in issue 70's change to that file (another branch);
-    # remove this entry with it
-    ("test_batch_split.py", "test_two_processes_give_the_gradient_of_one", "mp.start_processes"): "issue 70, item 3",
-}
+EXEMPT = {}  # (file, function, call): why that wait is bounded otherwise
 
 
 def unbounded_waits(source: str) -> list[tuple[str, int, str]]:
