@@ -72,6 +72,48 @@ def bytes_of(pairs) -> int:
     return sum(t.numel() * t.element_size() for _, t in pairs)
 
 
+# What a push of the tiny policy sends, counted apart from the code's pairs: the engines here hold fp32 (a CPU engine's
+# auto, the test servers' --dtype float32). The adapter of lora_run (all-linear, rank 16) by hand: 16 x (inputs +
+# outputs) values a layer, q k v o 128 + 128 each, gate and up 128 + 256, down 256 + 128, on 2 layers (docs/lora.md's
+# table: 278,528 bytes).
+PUSHED_BYTES_PER_VALUE = torch.float32.itemsize
+ALL_LINEAR_ADAPTER_BYTES = 2 * 16 * (4 * (128 + 128) + 3 * (128 + 256)) * PUSHED_BYTES_PER_VALUE
+
+
+def adapter_bytes_of(policy) -> int:
+    """The adapter's bytes as pushed, from peft's own state dict of it (what its save_pretrained writes)."""
+    from peft import get_peft_model_state_dict
+
+    return sum(t.numel() for t in get_peft_model_state_dict(policy).values()) * PUSHED_BYTES_PER_VALUE
+
+
+def base_bytes_of(model_path: str) -> int:
+    """The base weights' bytes as pushed, from the model loaded without an adapter: its state dict, the tied LM head a
+    tensor of its own (vLLM must get it)."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
+    assert "lm_head.weight" in state
+    return sum(t.numel() for t in state.values()) * PUSHED_BYTES_PER_VALUE
+
+
+def saved_adapter_bytes(run_root) -> int:
+    """The bytes of the adapter the run under run_root saved (peft's adapter_model.safetensors), as pushed."""
+    from safetensors.torch import load_file
+
+    (run,) = os.listdir(os.path.join(run_root, "runs"))
+    saved = load_file(os.path.join(run_root, "runs", run, "model", "adapter_model.safetensors"))
+    return sum(t.numel() for t in saved.values()) * PUSHED_BYTES_PER_VALUE
+
+
+def check_adapter_pushes(rows, run_root) -> None:
+    """Every update's push (logged after it) sent the adapter alone: its bytes are those of the saved adapter, which
+    are the hand count's; the merged weights would be 1,722,880 bytes, the base + adapter of a first push 2,001,408."""
+    adapter = saved_adapter_bytes(run_root)
+    assert adapter == ALL_LINEAR_ADAPTER_BYTES
+    assert [r["perf/weight_sync_bytes"] for r in rows] == [adapter] * len(rows), rows
+
+
 def gap_to_the_trainer(engine, policy, tokenizer, args) -> float:
     """max |log pi_vllm - log pi_trainer| over sampled tokens at temperature 0.7 (seeded completions of PROMPTS)."""
     prompt_ids, prompt_mask, _, _ = tokenize_prompts(tokenizer, PROMPTS, 32, torch.device("cpu"))
@@ -235,15 +277,15 @@ def test_the_colocated_engine_serves_the_pushed_adapter_and_sends_only_it(tiny):
     engine = ColocatedVLLM(args, policy, torch.device("cpu"))
     try:
         assert engine.adapter
-        merged = bytes_of(merged_weights(policy))
-        adapter = bytes_of(adapter_weights(policy))
+        base, adapter = base_bytes_of(tiny["policy"]), adapter_bytes_of(policy)
+        assert adapter == ALL_LINEAR_ADAPTER_BYTES
         for update in range(3):
             engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
-            assert engine.last_push_bytes == (merged + adapter if update == 0 else adapter)
+            assert engine.last_push_bytes == (base + adapter if update == 0 else adapter)
             assert gap_to_the_trainer(engine, policy, tokenizer, args) < 1e-4
             trained_a_little(policy, seed=update)
             assert gap_to_the_trainer(engine, policy, tokenizer, args) > 0.1  # not pushed yet
-        assert adapter < merged / 5
+        assert adapter < base / 5
     finally:
         engine.close()
 
@@ -269,14 +311,16 @@ def test_the_server_serves_the_pushed_adapter_and_sends_only_it(tiny, lora_serve
     engine = VLLMServer(args)
     try:
         assert engine.adapter
+        base, adapter = base_bytes_of(tiny["policy"]), adapter_bytes_of(policy)
+        assert adapter == ALL_LINEAR_ADAPTER_BYTES
         names = []
         for update in range(3):
             engine.push_weights(policy, weights_for_vllm(policy, engine.dtype))
+            assert engine.last_push_bytes == (base + adapter if update == 0 else adapter)
             names.append(engine.adapter_name)
             assert gap_to_the_trainer(engine, policy, tokenizer, args) < 1e-4
             trained_a_little(policy, seed=update)
         assert len(set(names)) == 3
-        assert engine.last_push_bytes == bytes_of(adapter_weights(policy))
     finally:
         engine.close()
     assert server_requests(lora_server["log"], start) == (1, 3)
@@ -311,15 +355,19 @@ def test_a_lora_run_samples_from_the_adapter_on_the_server(script, tiny, lora_se
     assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
     assert rows[-1]["kl"] != 0  # the adapter moved the policy away from its reference, the base
     assert server_requests(lora_server["log"], start) == (1, 1 + len(rows))  # the first push's adapter, one an update
+    check_adapter_pushes(rows, tmp_path)
 
 
 @pytest.mark.slow
 def test_a_colocated_lora_run_samples_from_the_adapter(tiny, prompts_file, tmp_path):
+    """The colocated engine's log-probs are the trainer's after every update, and every push after the first sent the
+    adapter alone (a run that pushed the merged weights samples the same policy: only its bytes tell)."""
     proc = run_rloo(*lora_run(tiny, prompts_file, "--vllm_lora_push", "adapter"), cwd=tmp_path, script="rloo_vllm.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 3 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
     assert rows[-1]["kl"] != 0
+    check_adapter_pushes(rows, tmp_path)
 
 
 @pytest.mark.slow
@@ -353,3 +401,4 @@ def test_two_processes_push_the_gathered_adapter_to_the_server(tiny, lora_server
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows), rows
     assert server_requests(lora_server["log"], start) == (1, 1 + len(rows))
+    check_adapter_pushes(rows, tmp_path)  # the whole adapter gathered, not rank 0's shard
