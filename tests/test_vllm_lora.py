@@ -111,7 +111,7 @@ def check_adapter_pushes(rows, run_root) -> None:
     are the hand count's; the merged weights would be 1,722,880 bytes, the base + adapter of a first push 2,001,408."""
     adapter = saved_adapter_bytes(run_root)
     assert adapter == ALL_LINEAR_ADAPTER_BYTES
-    assert [r["perf/weight_sync_bytes"] for r in rows] == [adapter] * len(rows), rows
+    assert [r["perf/weight_sync_bytes"] for r in rows] == [adapter] * len(rows)
 
 
 def gap_to_the_trainer(engine, policy, tokenizer, args) -> float:
