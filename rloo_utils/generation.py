@@ -15,6 +15,9 @@ from rloo_utils.json_options import JsonObject
 from rloo_utils.vision import builds_own_positions, image_prompt_rows
 
 
+STATIC_CACHE_LINE = "HF generate keeps a static KV cache, its decoding step compiled"
+
+
 def static_cache(
     cache_implementation: str,
     device: torch.device,
@@ -31,7 +34,8 @@ def static_cache(
     policy that samples computes in its own dtype): transformers' static cache is made in the dtype of the first keys
     it holds, and under autocast RoPE gives float32 keys and the projection bfloat16 values (an H200 run failed so). Nor
     can a device that torch.compile cannot build for (no C++ compiler for inductor on a CPU, a GPU that Triton does not
-    support): compile_failure finds it now, rather than the first rollout with a traceback of a hundred lines."""
+    support): compile_failure finds it now, rather than the first rollout with a traceback of a hundred lines. A static
+    cache kept is said in one line (STATIC_CACHE_LINE)."""
     wanted = cache_implementation == "static" or (cache_implementation == "auto" and device.type == "cuda")
     if unsupported is None and autocast and weights_dtype != torch.bfloat16:
         unsupported = (
@@ -42,6 +46,8 @@ def static_cache(
         unsupported = f"torch.compile cannot build the decoding step on {device} ({failure})"
     if wanted and unsupported:
         console.print(f"HF generate keeps a dynamic KV cache, uncompiled: {unsupported}")
+    elif wanted:  # said, so that a run's output tells which cache sampled (the dynamic one, the default, says nothing)
+        console.print(STATIC_CACHE_LINE)
     return wanted and not unsupported
 
 

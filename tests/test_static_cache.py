@@ -19,6 +19,13 @@ from rloo_utils.rollouts import HFSampler
 # Plain sampling: no filter (GenerationOptions' defaults)
 PLAIN = SamplingFilters(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, generation_kwargs=None)
 LENGTHS = dict(max_prompt_length=16, max_completion_length=8, chat_template_kwargs=None)  # a Sampler's limits
+# The line a run prints where its HF generate keeps the static cache (the dynamic one, the default, says nothing)
+STATIC_SAID = "HF generate keeps a static KV cache, its decoding step compiled"
+
+
+def cache_said(output: str) -> list[str]:
+    """The lines a run printed of its KV cache."""
+    return [line for line in output.splitlines() if "KV cache" in line]
 
 
 def plain_configs(eos: int, pad_token_id: int, static: bool):
@@ -193,7 +200,9 @@ def test_which_runs_keep_a_static_cache(option, device, unsupported, bf16, dtype
     console = Console(record=True, width=200)
     assert static_cache(option, torch.device(device), console, dtype, unsupported, autocast=bf16) is expected
     said = console.export_text()
-    if option == "dynamic" or (option == "auto" and device == "cpu") or expected:
+    if expected:
+        assert said == STATIC_SAID + "\n"
+    elif option == "dynamic" or (option == "auto" and device == "cpu"):
         assert said == ""
     elif unsupported:
         assert said == "HF generate keeps a dynamic KV cache, uncompiled: image prompts\n"
@@ -241,8 +250,7 @@ def test_a_static_cache_run_without_a_c_compiler_says_so_in_one_line_and_samples
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    said = [line for line in proc.stdout.splitlines() if "KV cache" in line]
-    assert said == [
+    assert cache_said(proc.stdout) == [
         "HF generate keeps a dynamic KV cache, uncompiled: torch.compile cannot build the decoding step on cpu "
         "(InductorError: InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx: "
         "(None, '/nonexistent/g++'))"
@@ -278,17 +286,20 @@ def cache_run(script_run, tiny, data, cwd, option: str):
 @pytest.mark.parametrize("script", ["rloo.py", "rloo_multigpu.py on 2 processes"])
 def test_a_run_with_a_static_cache_samples_the_dynamic_run_s_greedy_tables(script, tiny, prompts_file, tmp_path):
     """The whole rollout path (chunks, rows added, rloo_multigpu.py's gathered policy under synced_gpus): greedy
-    tables equal; the sampled rollouts are other draws of the same policy, so the runs'
-    rewards differ (a static run that quietly ran dynamic would log the dynamic run's numbers)."""
+    tables equal; the sampled rollouts are other draws of the same policy, so the runs' rewards differ (a static run
+    that quietly ran dynamic would log the dynamic run's numbers); and the static run says it kept the static cache
+    (once: rank 0's line), the dynamic one says nothing of its cache."""
     from conftest import run_outcome, run_rloo
     from test_multigpu import run_torchrun
 
     script_run = run_rloo if script == "rloo.py" else lambda *args, cwd: run_torchrun(2, *args, cwd=cwd)  # noqa: E731
-    outcomes = {}
+    outcomes, said = {}, {}
     for option in ("dynamic", "static"):
         (tmp_path / option).mkdir()
-        cache_run(script_run, tiny, prompts_file, tmp_path / option, option)
+        proc = cache_run(script_run, tiny, prompts_file, tmp_path / option, option)
         outcomes[option] = run_outcome(str(tmp_path / option / "runs" / "run"))
+        said[option] = cache_said(proc.stdout + proc.stderr)
+    assert said == {"dynamic": [], "static": [STATIC_SAID]}, said
     (dynamic_metrics, dynamic_tables, _), (static_metrics, static_tables, _) = outcomes["dynamic"], outcomes["static"]
     assert static_tables == dynamic_tables and len(static_tables.splitlines()) == 2 * 3  # before and after, 3 prompts
     assert [m["reward"] for m in static_metrics] != [m["reward"] for m in dynamic_metrics]
