@@ -1198,7 +1198,8 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
 @pytest.mark.parametrize("before", ["49250cc", "9152136"])
 def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tiny, tmp_path):
     """benchmark/logprob_memory.py on the test model: the code each --before names (kept in the script) and rloo.py's
-    own run a micro-batch's forward and backward, each in a process of its own, and the table has both peaks."""
+    own run a micro-batch's forward and backward, each in a process of its own, and the table has both peaks, each at
+    least the micro-batch's logits, which every one of them holds whole at some point; what it saved is theirs."""
     script = os.path.join(ROOT, "benchmark", "logprob_memory.py")
     proc = subprocess.run(
         [
@@ -1209,11 +1210,11 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
             "--before",
             before,
             "--batch",
-            "2",
+            "16",
             "--prompt_length",
             "4",
             "--completion_lengths",
-            "8",
+            "256",
         ],
         cwd=tmp_path,
         env=run_env(),
@@ -1223,8 +1224,17 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"before: rloo.py as of commit {before}" in proc.stdout
-    length, precision, before_mib, after_mib, _ = proc.stdout.strip().splitlines()[-1].split()
-    assert (length, precision) == ("8", "fp32") and float(before_mib) >= 0 and float(after_mib) >= 0, proc.stdout
+    length, precision, before_mib, after_mib, saved = proc.stdout.strip().splitlines()[-1].split()
+    assert (length, precision) == ("256", "fp32"), proc.stdout
+    # The logits of 16 x 256 completion positions over the 400 words, fp32: the kept code's come whole from the model;
+    # rloo.py's are made a chunk of 2^24 logits at a time on a CPU, one chunk here
+    logits_mib = 16 * 256 * len(tiny["tokenizer"]) * 4 / 2**20
+    assert logits_mib == 6.25
+    before_mib, after_mib = float(before_mib), float(after_mib)  # printed to the MiB
+    assert before_mib + 0.5 >= logits_mib and after_mib + 0.5 >= logits_mib, proc.stdout
+    # what it saved is 1 - after / before, of the unrounded peaks: within what their rounding allows
+    lowest, highest = 1 - (after_mib + 0.5) / (before_mib - 0.5), 1 - (after_mib - 0.5) / (before_mib + 0.5)
+    assert lowest - 0.005 <= int(saved.rstrip("%")) / 100 <= highest + 0.005, proc.stdout
     assert os.listdir(tmp_path) == []
     header = ["completion", "precision", "before", "MiB", "after", "MiB", "saved"]
     assert proc.stdout.strip().splitlines()[-2].split() == header  # one row: one completion length, one precision
@@ -1247,6 +1257,42 @@ def test_the_logprob_memory_benchmark_runs_the_code_it_compares_with(before, tin
         computed[implementation] = (logprobs.detach(), entropy.detach(), gradient)
     for kept, own in zip(computed[before], computed["after"]):
         torch.testing.assert_close(kept, own, rtol=1e-5, atol=1e-5)
+
+
+# A step of logprob_memory.measure that holds a known tensor beside the tiny model's micro-batch of 2 x 8 tokens (about
+# 1 MiB of its own): the ballast, 64 MiB written, kept by autograd until the backward
+HOLDS_64_MIB = """
+import sys, torch
+sys.path.insert(0, {benchmark!r})
+import logprob_memory
+
+def with_ballast(policy, *batch, **options):
+    logprobs, entropy = logprob_memory.IMPLEMENTATIONS["after"](policy, *batch, **options)
+    ballast = torch.ones(16 * 2**20)
+    return logprobs * ballast[-1], entropy
+
+logprob_memory.IMPLEMENTATIONS["ballast"] = with_ballast
+print(logprob_memory.measure("ballast", {model!r}, 2, 4, 8, False, False))
+"""
+
+
+@pytest.mark.slow
+def test_the_logprob_memory_benchmark_s_peak_is_what_a_step_holds(tiny, tmp_path):
+    """logprob_memory.measure in a process set up as the benchmark sets its workers up (glibc mapping every block of 64
+    KiB or more on its own): a step that holds a 64 MiB tensor beside the tiny micro-batch's ~1 MiB reads as 64 MiB and
+    that ~1 MiB, not 0 (the resident set after the step), nor the process's start-up and loading."""
+    program = HOLDS_64_MIB.format(benchmark=os.path.join(ROOT, "benchmark"), model=tiny["policy"])
+    proc = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=tmp_path,
+        env={**run_env(), "MALLOC_MMAP_THRESHOLD_": "65536"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peak_mib = int(proc.stdout.split()[-1]) / 2**20
+    assert 64 <= peak_mib < 64 + 8, proc.stdout
 
 
 @pytest.mark.slow
