@@ -23,7 +23,7 @@ allocated memory (GPU) rose during the timed updates above what the loaded model
 
 --embedded runs `python rloo.py --total_episodes 16*N` (N updates of the embedded default: 4 prompts x 4, up to 32
 tokens) with each path, alternating, and reads rloo.py's own stage timings (time/*) from metrics.jsonl, dropping the
-first update of each run.
+first update of each run; --keep FOLDER keeps the runs (runs/<path>_<round>).
 """
 
 import argparse
@@ -224,7 +224,9 @@ def variable_length(cli) -> None:
 
 def embedded(cli) -> None:
     rows = {path: [] for path in PATHS}
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as scratch:
+        workdir = cli.keep or scratch
+        os.makedirs(workdir, exist_ok=True)
         for round_ in range(cli.rounds):
             for path in PATHS:
                 name = f"{path}_{round_}"
@@ -277,6 +279,7 @@ def main():
     parser.add_argument("--updates", type=int, default=1, help="timed updates per process (--embedded: per run)")
     parser.add_argument("--rounds", type=int, default=2, help="processes of each path, alternating")
     parser.add_argument("--embedded", action="store_true", help="time `python rloo.py` itself, with each path")
+    parser.add_argument("--keep", default=None, help="--embedded: keep the runs here (default: a temporary folder)")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("rloo_args", nargs="*", help="--embedded: more arguments for rloo.py (after --)")
     cli = parser.parse_args()
@@ -292,6 +295,8 @@ def main():
             parser.error(f"--{name} must be 1 or more, got {getattr(cli, name)}")
     if cli.rloo_args and not cli.embedded:
         parser.error("arguments after -- go to rloo.py, which only --embedded runs")
+    if cli.keep and not cli.embedded:
+        parser.error("--keep keeps rloo.py's runs, which only --embedded makes")
     if cli.worker:
         print(json.dumps(worker(cli.worker, cli)))
     elif cli.embedded:

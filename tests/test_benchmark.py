@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -1136,7 +1137,12 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
     assert "8 completions of 1..16 tokens (geometric)" in proc.stdout and "padding-free layout 'rows'" in proc.stdout
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:6]}
     assert sorted(rows) == sorted(["old_logprobs", "reference_forward", "reward", "policy_forward_backward"])
-    assert all(float(padded) > 0 and float(packed) > 0 for padded, packed, _ in rows.values()), proc.stdout
+    # Wall-clock seconds: a bound (each stage's own, as the worker times it, is held by the test after this one); the
+    # speed-up is padded over padding-free, within what the printed seconds' rounding allows
+    for padded, packed, speed_up in rows.values():
+        padded, packed, speed_up = float(padded), float(packed), float(speed_up.rstrip("x"))
+        assert padded > 0 and packed > 0, proc.stdout
+        assert (padded - 5e-4) / (packed + 5e-4) - 0.005 <= speed_up <= (padded + 5e-4) / (packed - 5e-4) + 0.005
     assert "peak memory (MiB)" in proc.stdout and "real tokens per micro-batch: [" in proc.stdout
     # The workload is the one it names: the first 2 prompts of the embedded dataset 4 times each under the chat
     # template, and completions of round(16^(i/7)) tokens, i = 0..7 (1 1 2 3 5 7 11 16: 46 tokens); so many real tokens
@@ -1166,6 +1172,8 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
             "2",
             "--rounds",
             "1",
+            "--keep",
+            "kept",
             "--",
             "--model_name_or_path",
             tiny["policy"],
@@ -1181,17 +1189,54 @@ def test_the_padding_free_benchmark_times_both_paths_side_by_side(tiny, prompts_
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    update = next(line.split() for line in proc.stdout.splitlines() if line.startswith("update "))
-    assert float(update[1]) > 0 and float(update[2]) > 0, proc.stdout
     # 2 updates a run, the first dropped: every stage of both paths read from the runs' logs (a stage they did not log
     # would read 0 and its speed-up nan)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("python rloo.py (the embedded default), 2 updates a run, 1 runs of each path,")
     stages = ["generation", "old_logprobs", "reference_forward", "reward", "policy_forward_backward", "optimizer"]
     assert [line.split()[0] for line in lines[2:]] == [*stages, "update"], proc.stdout
-    assert "nan" not in proc.stdout and all(float(line.split()[2]) > 0 for line in lines[2:]), proc.stdout
+    logged = {}  # each path's run (kept): its second update's row
+    for path in ("padded", "padding_free"):
+        with open(tmp_path / "kept" / "runs" / f"{path}_0" / "metrics.jsonl") as f:
+            logged[path] = [row for row in map(json.loads, f) if "episode" in row][1]
+        # the update's seconds hold its stages', timed one after the other inside it
+        assert logged[path]["time/update"] >= sum(logged[path]["time/" + stage] for stage in stages), logged[path]
+    for line in lines[2:]:  # every figure is the runs' own, to the 3 decimals printed; the speed-up their ratio
+        stage, padded, packed, speed_up = line.split()
+        padded_logged, packed_logged = logged["padded"]["time/" + stage], logged["padding_free"]["time/" + stage]
+        assert (float(padded), float(packed)) == pytest.approx((padded_logged, packed_logged), abs=5e-4), line
+        assert float(speed_up.rstrip("x")) == pytest.approx(padded_logged / packed_logged, abs=5e-3), line
     check_one_line_error(run_script(script, "--batch", "0", cwd=tmp_path), "--batch must be 1 or more, got 0")
-    assert os.listdir(tmp_path) == []
+    check_one_line_error(run_script(script, "--keep", "more", cwd=tmp_path), "--keep keeps rloo.py's runs")
+    assert os.listdir(tmp_path) == ["kept"]
+
+
+def test_the_padding_free_benchmark_charges_each_stage_its_own_seconds(tiny, monkeypatch):
+    """padding_free.py's worker: a stage's seconds are the mean over the timed updates of its own (the warm-up untimed),
+    read here on a clock the test sets."""
+    import padding_free
+
+    # Each stage's start and end, update after update: old_logprobs takes 1 then 5 s, reference_forward 2 then 10,
+    # reward 3 then 1, policy_forward_backward 4 then 20
+    readings = iter([0, 1, 1, 3, 3, 6, 6, 10, 10, 15, 15, 25, 25, 26, 26, 46])
+    monkeypatch.setattr(padding_free, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
+    cli = types.SimpleNamespace(
+        model=tiny["policy"],
+        batch=8,
+        max_completion_length=16,
+        spread="geometric",
+        per_device_train_batch_size=4,
+        local_rollout_forward_batch_size=16,
+        updates=2,
+    )
+    result = padding_free.worker("padded", cli)
+    assert result["seconds"] == {
+        "old_logprobs": 3.0,
+        "reference_forward": 6.0,
+        "reward": 2.0,
+        "policy_forward_backward": 12.0,
+    }
+    assert next(readings, None) is None  # each timed stage read the clock twice, nothing else did
 
 
 @pytest.mark.slow
