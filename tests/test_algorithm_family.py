@@ -62,12 +62,11 @@ def test_each_estimator_by_hand_with_its_default_normalisation(estimator):
     torch.testing.assert_close(advantages, by_hand(estimator)[:, None].expand(8, 3))
     # With a token-level KL, its part is divided by what the centred reward was divided by: 1, the group's std or the
     # batch's
-    centred = REWARDS.view(2, 4) - REWARDS.view(2, 4).mean(1, keepdim=True)
     divisor = {
         "rloo": torch.ones(8),
         "dr_grpo": torch.ones(8),
         "grpo": (torch.tensor([[math.sqrt(14 / 3)], [math.sqrt(16 / 3)]]) + 1e-4).expand(2, 4).reshape(-1),
-        "reinforce_pp": torch.full((8,), centred.std().item() + 1e-4),
+        "reinforce_pp": torch.full((8,), math.sqrt(30 / 7) + 1e-4),  # the centred rewards' squares sum to 30
     }[estimator]
     kl_before[:, 1:] = 0.5
     with_kl = rloo.compute_advantages(
@@ -297,8 +296,9 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_ratio():
     advantages = torch.tensor([1.5, -0.5])
     token_loss, log_s, _ = rloo.gspo_loss(logprobs, old, advantages[:, None], mask, options(0.2, 0.2))
     loss = (token_loss * mask).sum(1) / mask.sum(1)  # GSPO averages over the tokens of a sequence
-    # The value: s_i = exp(mean_t (log p - log p_old)) for every token of sequence i.
-    s = torch.exp(((logprobs.detach() - old) * mask).sum(1) / mask.sum(1))
+    # The value: s_i = exp(mean_t (log p - log p_old)) for every token of sequence i: exp((0.1 - 0.1 - 0.05) / 3) and
+    # exp((0 - 0.1) / 2)
+    s = torch.tensor([0.9834715, 0.9512294])
     torch.testing.assert_close(token_loss.detach(), (-advantages * s)[:, None].expand(2, 4))
     torch.testing.assert_close(log_s.exp(), s)  # one ratio per sequence
     loss.sum().backward()
@@ -320,13 +320,16 @@ def test_gspo_clips_the_whole_sequence():
 
 @per_script
 def test_sapo_gate_by_hand_and_its_gradient():
+    # sigmoid(tau (r - 1)) at the ratios 1.5, 0.5, 1.1: tau 1 for A > 0, 1.05 for A <= 0
+    sigmoids = {1.0: [0.622459, 0.377541, 0.524979], 1.05: [0.628316, 0.371684, 0.526226]}
+    gates = {1.0: [2.489837, 1.510163, 2.099917], 1.05: [2.393585, 1.415938, 2.004670]}  # 4 / tau times those
     for advantage, tau in [(2.0, 1.0), (-2.0, 1.05)]:
         logprobs = current_logprobs()
         loss, log_ratio, stats = rloo.sapo_loss(logprobs, OLD, torch.tensor([[advantage]]), MASK, SAPO)
         gate = stats["sapo/gate_mean"]
         torch.testing.assert_close(log_ratio.exp(), RATIOS)
-        sig = torch.sigmoid(tau * (RATIOS - 1))
-        torch.testing.assert_close(gate, sig * 4 / tau)
+        sig = torch.tensor([sigmoids[tau]])
+        torch.testing.assert_close(gate, torch.tensor([gates[tau]]))
         torch.testing.assert_close(loss.detach(), -advantage * sig * 4 / tau)
         loss.sum().backward()
         # d gate / d r = 4 sig (1 - sig), d r / d log p = r
@@ -364,27 +367,28 @@ def test_aggregation_by_hand_and_over_micro_batches(mode, expected):
 
 
 @per_script
-def test_default_loss_is_the_previous_implementation_bit_for_bit():
-    """rloo.py before the loss family: sum over sequences of max(-A rho, -A clip(rho)) over the rows that train, divided
-    by the minibatch size, with rho the ratio of summed log-probs."""
+def test_default_loss_by_hand_over_the_rows_that_train():
+    """The sequence loss (TRL's RLOO, rloo.py before the loss family): the sum over the rows that train of
+    max(-A rho, -A clip(rho, 0.8, 1.2)), divided by the minibatch size, rho the ratio of summed log-probs; its gradient
+    -A rho / 8 on every token of an unclipped row, 0 on a clipped one; its statistics count completions."""
     generator = torch.Generator().manual_seed(0)
     logprobs = (-3 * torch.rand(6, 5, generator=generator)).requires_grad_()
-    old = logprobs.detach() + 0.1 * torch.randn(6, 5, generator=generator)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]] * 2, dtype=torch.float)
-    advantages = torch.randn(6, generator=generator)
+    ratios = torch.tensor([1.5, 0.5, 0.9, 1.1, 1.25, 1.0])  # each row's rho, put on its first token
+    old = logprobs.detach().clone()
+    old[:, 0] -= ratios.log()
+    advantages = torch.tensor([2.0, -1.0, 1.0, -1.0, -2.0, 0.5])
     trains = torch.tensor([True, True, False, True, True, True])
-    logprob_sum = (logprobs * mask).sum(1)
-    ratio = torch.exp(logprob_sum - (old * mask).sum(1))
-    previous = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - 0.2, 1 + 0.2))
-    previous = (previous * trains).sum() / 8
-    (previous_grad,) = torch.autograd.grad(previous, logprobs)
     loss, stats = rloo.policy_loss(args_for(), logprobs, old, advantages[:, None].expand(6, 5), mask, trains, 8, None)
+    # per row: max(-3, -2.4) = -2.4 (clipped), max(0.5, 0.8) = 0.8 (clipped), row 2 does not train, max(1.1, 1.1),
+    # max(2.5, 2.4) = 2.5, max(-0.5, -0.5); (-2.4 + 0.8 + 1.1 + 2.5 - 0.5) / 8
+    assert loss.item() == pytest.approx(1.5 / 8)
     (grad,) = torch.autograd.grad(loss, logprobs)
-    assert torch.equal(loss, previous) and torch.equal(grad, previous_grad)
-    # Its statistics count completions: the clip acts on each one's ratio
-    clipped = (ratio > 1.2) & (advantages > 0)
-    assert stats.sums["units"].item() == 6 and stats.sums["clipped_high"].item() == clipped.sum().item()
-    torch.testing.assert_close(stats.sums["approxkl"], (0.5 * ratio.detach().log().square()).sum())
+    per_row = torch.tensor([0.0, 0.0, 0.0, 1.1, 2.5, -0.5]) / 8  # -A rho / 8 where the unclipped term is the max
+    torch.testing.assert_close(grad, per_row[:, None] * mask)
+    assert stats.sums["units"].item() == 6 and stats.sums["clipped_high"].item() == 1  # row 0: rho > 1.2 with A > 0
+    # 0.5 (log rho)^2 summed over the rows: ln 1.5, ln 0.5, ln 0.9, ln 1.1, ln 1.25, 0
+    assert stats.sums["approxkl"].item() == pytest.approx(0.3574164, rel=1e-5)
     assert not stats.own and "dual_clipped" not in stats.sums
 
 

@@ -146,9 +146,10 @@ def test_normalize_advantages_with_the_rloo_estimator_is_trls():
     """TRL's RLOOTrainer: leave-one-out advantages, then (A - mean) / (std + 1e-4) over the batch."""
     rewards = torch.tensor([1.0, 2.0, 0.5, 4.0, 3.0, 3.5, 0.0, 1.0])
     in_loss = torch.ones(8, dtype=torch.bool)
-    grouped = rewards.view(-1, 4)
-    loo = (grouped - (grouped.sum(1, keepdim=True) - grouped) / 3).view(-1)
-    expected = (loo - loo.mean()) / (loo.std() + 1e-4)
+    # by hand: r_i minus the mean of the other 3 of its group (each group's rewards sum to 7.5), in sixths
+    loo = torch.tensor([-7.0, 1.0, -11.0, 17.0, 9.0, 13.0, -15.0, -7.0]) / 6
+    # each group's advantages sum to 0, so the batch mean is 0; the sample std is sqrt(984 / 36 / 7) = 1.976047
+    expected = loo / (1.976047 + 1e-4)
     advantages = rloo.compute_advantages(rewards, torch.zeros(8, 1), in_loss, 4, "rloo", "batch")[:, 0]
     torch.testing.assert_close(advantages, expected)
     args = rloo.resolve_defaults(rloo.Args(normalize_advantages=True))

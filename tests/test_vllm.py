@@ -335,15 +335,17 @@ def test_a_run_at_any_temperature_passes_the_engine_check_and_samples_at_it(
 def test_the_trainer_takes_log_probs_on_the_tokens_vllms_sampler_can_draw(top_k, top_p, min_p):
     """sampler_support keeps the tokens vLLM's own code keeps (vllm/v1/sample: min-p after the temperature, then top-k
     and top-p), and the log-probs renormalised over them are vLLM's processed log-probs."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     torch.manual_seed(0)
     logits = torch.randn(6, 40) * 3 / 0.7  # (k, V), already divided by the temperature
     logits[0, :5] = logits[0, 5]  # ties at the top-k boundary are kept, as vLLM keeps them
     vllm_logits = logits.clone()
-    if min_p:  # vLLM's MinPLogitsProcessor.apply, in its own words: below min_p x the top probability is -inf
-        probs = vllm_logits.softmax(-1)
-        vllm_logits.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p, -float("inf"))
+    if min_p:  # vLLM's own MinPLogitsProcessor.apply, its per-row min_p set as update_state sets it
+        processor = object.__new__(MinPLogitsProcessor)
+        processor.min_p, processor.min_p_count = torch.full((6, 1), min_p), 6
+        vllm_logits = processor.apply(vllm_logits)
     vllm_logits = apply_top_k_top_p_pytorch(
         vllm_logits,
         torch.full((6,), top_k) if top_k else None,
