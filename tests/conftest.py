@@ -313,6 +313,31 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
+def run_rloo_vllm_in_process(monkeypatch, argv: list, cwd, make_engine, check_engine) -> None:
+    """rloo_vllm.main run in this process on argv, in cwd, its colocated engine made by make_engine (in
+    ColocatedVLLM's place: called with its arguments) and the check of the engine's log-probs, which needs vLLM's own
+    engine, replaced by check_engine; W&B offline, the run's guard and its Ctrl-C handlers undone after."""
+    import signal
+
+    import rloo_vllm
+    from rloo_utils import options, vllm_sampling
+    from rloo_utils.lifecycle import RunGuard
+
+    with monkeypatch.context() as patched:
+        patched.setattr(vllm_sampling, "ColocatedVLLM", make_engine)  # where VLLMSampler makes its engine
+        patched.setattr(vllm_sampling, "check_engine", check_engine)
+        patched.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
+        patched.setenv("WANDB_MODE", "offline")
+        patched.chdir(cwd)
+        patched.setattr(sys, "argv", ["rloo_vllm.py", *map(str, argv)])
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rloo_vllm.main(options.parse_args(rloo_vllm.Args))
+        finally:
+            for s, handler in handlers.items():  # the run's Ctrl-C handling ends with it
+                signal.signal(s, handler)
+
+
 def keywords_of(function, args, /, **given) -> dict:
     """The keyword-only parameters of `function` (rloo_utils' functions take the options they read by name, a class
     its __init__'s), each the option of its name in `args` (a script's Args, or a namespace of the fields read), but

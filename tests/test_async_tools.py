@@ -15,8 +15,8 @@ import torch
 from rloo_utils.rollout_queue import RolloutQueue
 from rloo_utils.rollouts import BaseSampler, Rollout
 from rloo_utils.tools import ToolUse, call_tools, load_environments, load_tools
-from tests.conftest import WAIT
-from tests.test_tools import ids_of, tool_tokenizer, tools_file  # noqa: F401 (fixtures)
+from conftest import WAIT
+from test_tools import ids_of, tool_tokenizer, tools_file  # noqa: F401 (fixtures)
 
 CALL = '<tool_call>{"name": "open_vault", "arguments": {}}</tool_call><|im_end|>'
 CALL_SECRET = '<tool_call>{"name": "secret", "arguments": {"name": "ann"}}</tool_call><|im_end|>'

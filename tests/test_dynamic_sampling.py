@@ -24,9 +24,9 @@ from rloo_utils.scoring import RewardLogs
 from rloo_utils.rollouts import DynamicSampling, Rollout, rows_of_rollouts, varied_groups
 from rloo_utils.tools import MultiTurn
 from rloo_utils.vllm_sampling import sampling_seeds
-from tests.conftest import ROOT, read_metrics, run_env, run_outcome, run_rloo, wait_for_updates
-from tests.test_multigpu import run_torchrun
-from tests.test_vllm import REWARDS
+from conftest import ROOT, read_metrics, run_env, run_outcome, run_rloo, run_rloo_vllm_in_process, wait_for_updates
+from test_multigpu import run_torchrun
+from test_vllm import REWARDS
 
 G = 4
 
@@ -252,24 +252,8 @@ class SeedRecordingEngine:
 def engine_seeds(argv: list, cwd, monkeypatch) -> list[list[int]]:
     """The seeds of each generate call of rloo_vllm.main run in this process on argv, with a SeedRecordingEngine (the
     check of the engine's log-probs, which needs vLLM's, left out)."""
-    import rloo_vllm
-    from rloo_utils import options, vllm_sampling
-    from rloo_utils.lifecycle import RunGuard
-
     engine = SeedRecordingEngine()
-    with monkeypatch.context() as patched:
-        patched.setattr(vllm_sampling, "ColocatedVLLM", lambda *args, **kwargs: engine)  # where VLLMSampler makes it
-        patched.setattr(vllm_sampling, "check_engine", lambda *args: None)
-        patched.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
-        patched.setenv("WANDB_MODE", "offline")
-        patched.chdir(cwd)
-        patched.setattr(sys, "argv", ["rloo_vllm.py", *map(str, argv)])
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            rloo_vllm.main(options.parse_args(rloo_vllm.Args))
-        finally:
-            for s, handler in handlers.items():  # the run's Ctrl-C handling ends with it
-                signal.signal(s, handler)
+    run_rloo_vllm_in_process(monkeypatch, argv, cwd, lambda *args, **kwargs: engine, lambda *args: None)
     return engine.seeds
 
 

@@ -4,7 +4,7 @@ others; the same prompts however the run got to the update (a resumed run draws 
 
 import rloo
 from rloo_utils import data, rollouts
-from tests.test_dynamic_sampling import G, ScriptedSampler, ScriptedScorer, dataset_of, refill_of
+from test_dynamic_sampling import G, ScriptedSampler, ScriptedScorer, dataset_of, refill_of
 
 PROMPTS_PER_ROLLOUT = 4  # groups per update, over every process
 

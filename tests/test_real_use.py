@@ -7,14 +7,13 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, engine_options_of, keywords_of, read_metrics, run_rloo
+from conftest import ROOT, engine_options_of, keywords_of, read_metrics, run_rloo, run_rloo_vllm_in_process
 
 from rloo_utils.errors import RunError, UsageError  # noqa: E402
 from rloo_utils.processes import end_processes  # noqa: E402
 from rloo_utils.vllm_sampling import check_engine, sampling_options  # noqa: E402
 from rloo_utils.vllm_server import VLLMServer, completion_request  # noqa: E402
 from rloo_utils.weight_transfer import NCCL_SERVER_OPTION, check_gpus_apart, nccl_sender_parts  # noqa: E402
-from rloo_utils import options
 
 REWARDS = os.path.join(ROOT, "tests", "reward_fixtures.py")
 
@@ -343,13 +342,7 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
     right after generation. rloo_vllm.main runs 2 updates here with a recording engine in the colocated engine's place
     (the CPU build has no sleep mode; the check of the engine's log-probs, which needs vLLM's, is left out): in every
     update the engine sleeps after generating the rollout and before the policy's and the reference's forwards of it."""
-    import signal
-    import sys
-
     import rloo_utils.packing as packing
-    import rloo_utils.vllm_sampling as vllm_sampling
-    import rloo_vllm
-    from rloo_utils.lifecycle import RunGuard
 
     events, engines = [], []
     forward = packing.chunked_completion_logprobs  # --padding_free's
@@ -365,22 +358,11 @@ def test_the_colocated_engine_sleeps_before_the_forwards_of_the_rollout(tiny, pr
         engines.append(RecordingEngine(events, policy))
         return engines[0]
 
-    monkeypatch.setattr(vllm_sampling, "ColocatedVLLM", colocated)  # where VLLMSampler makes its engine
-    monkeypatch.setattr(vllm_sampling, "check_engine", lambda *args: events.append("check_engine"))
     monkeypatch.setattr(packing, "chunked_completion_logprobs", recording_forward)
-    monkeypatch.setattr(RunGuard, "active", None)  # (the run's guard is undone with the rest)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.chdir(tmp_path)
     argv = ["--model_name_or_path", tiny["policy"], "--dataset_name", prompts_file, "--total_episodes", "16"]
     argv += ["--per_device_train_batch_size", "8", "--max_completion_length", "8", "--num_sample_generations", "0"]
     argv += ["--reward_funcs", f"{REWARDS}:text_length", "--beta", "0.05"]
-    monkeypatch.setattr(sys, "argv", ["rloo_vllm.py", *argv])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        rloo_vllm.main(options.parse_args(rloo_vllm.Args))
-    finally:
-        for s, handler in handlers.items():  # the run's Ctrl-C handling ends with it
-            signal.signal(s, handler)
+    run_rloo_vllm_in_process(monkeypatch, argv, tmp_path, colocated, lambda *args: events.append("check_engine"))
     calls = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]  # a forward in chunks: one call
     rollout = ["generate", "sleep", "policy forward", "reference forward", "training forward", "push_weights"]
     assert calls == ["push_weights", "check_engine", *rollout, *rollout, "close"], events

@@ -22,13 +22,13 @@ from rloo_utils.options import parse_args
 from rloo_utils.off_policy import Correction, ImportanceSamplingOptions, sampling_metrics
 from rloo_utils.rollout_queue import RolloutQueue
 from rloo_utils.vllm_options import check_vllm_args
-from tests.conftest import (
+from conftest import (
     WAIT,
     run_outcome,
     run_rloo,
 )
-from tests.test_multigpu import PER_MICRO_BATCH, run_torchrun
-from tests.test_vllm import kill_the_server_under_a_run, resume_args, sigkill_after_updates
+from test_multigpu import PER_MICRO_BATCH, run_torchrun
+from test_vllm import kill_the_server_under_a_run, resume_args, sigkill_after_updates
 
 
 NO_GEOMETRIC_MASK = (
