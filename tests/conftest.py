@@ -175,18 +175,6 @@ def what_it_starts(args) -> str | None:
     return None
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_left():
-    """A test that forms torch.distributed's default process group in this process destroys it: a later test's
-    init_process_group would fail ("trying to initialize the default process group twice"). One left is destroyed here
-    and fails the test that left it."""
-    yield
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        pytest.fail("the test left torch.distributed's default process group formed: destroy it when done")
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Around each test, its fixtures included: its environment put back after it (in-process vLLM engines and
