@@ -131,9 +131,15 @@ def assert_same_step(a, b, what: str):
 @pytest.fixture
 def group_of_one():
     """The process group of one that a plain `python rloo_multigpu.py` forms (its all-reduce: the identity), on an
-    in-memory store: no port taken, nothing written to the environment; gone after the test."""
+    in-memory store: no port taken, nothing written to the environment; gone after the test. A group this process
+    formed already is used as it is: an in-process vLLM engine (an earlier test's, shared by its file) forms one of
+    this process alone, which lives as long as the engine, and a second init_process_group would fail."""
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1, "a group of one process is what rloo_multigpu.py's reference forms"
+        yield
+        return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
