@@ -108,6 +108,8 @@ class Args(options.FeatureOptions, VLLMOptions):
         Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
     ] = None
     """(token-level losses) per-token losses to the minibatch loss; None: seq-mean-token-mean for gspo"""
+    entropy_coef: float = 0.0
+    """entropy bonus: c x the policy's entropy over the loss's tokens, aggregated as the loss is, less the loss"""
 
     # Optimisation
     total_episodes: int = 640
@@ -427,27 +429,30 @@ def aggregate_loss(
     return (token_loss * loss_mask).sum() / (mini_batch_size * max_completion_length)  # Dr. GRPO: a constant
 
 
-def policy_loss(args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens):
-    """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it; and its
-    statistics (logs.LossStats): logs.clip_statistics over the units of its clip, the sum of the token ratios; the
-    loss's own, summed over those units."""
+def policy_loss(
+    args: Args, logprobs, old_logprobs, advantages, mask, in_loss, mini_batch_size: int, mini_batch_tokens, entropy=None
+):
+    """The --loss_type loss of one micro-batch, (b, C) advantages per token, in_loss the rows that enter it, less the
+    entropy bonus (--entropy_coef, of the (b, C) entropies); and its statistics (logs.LossStats): logs.clip_statistics
+    over the units of its clip, the sum of the token ratios, the bonus; the loss's own, summed over those units."""
     losses, log_ratio, own_stats = LOSSES[args.loss_type].function(logprobs, old_logprobs, advantages, mask, args)
-    if losses.dim() == 1:  # one per completion
-        loss = (losses * in_loss).sum() / mini_batch_size
-    else:
-        loss = aggregate_loss(
-            losses,
-            mask * in_loss[:, None],
-            args.loss_aggregation,
-            mini_batch_size,
-            mini_batch_tokens,
-            args.max_completion_length,
-        )
+    aggregate = functools.partial(  # a sequence loss sums its tokens' log-probs: its entropy bonus sums their entropies
+        aggregate_loss,
+        loss_mask=mask * in_loss[:, None],
+        mode=args.loss_aggregation or "seq-mean-token-sum",
+        mini_batch_size=mini_batch_size,
+        mini_batch_tokens=mini_batch_tokens,
+        max_completion_length=args.max_completion_length,
+    )
+    loss = (losses * in_loss).sum() / mini_batch_size if losses.dim() == 1 else aggregate(losses)
     per_token = log_ratio.dim() == 2  # the clip's units: tokens, or completions
     units = mask if per_token else torch.ones_like(in_loss, dtype=mask.dtype)
     unit_advantages = advantages if per_token else advantages[:, 0]
     stats = logs.clip_statistics(log_ratio, unit_advantages, units, args.epsilon, args.epsilon_high, args.dual_clip)
     stats["token_ratio"] = ((logprobs.detach() - old_logprobs).exp() * mask).sum()
+    if args.entropy_coef:  # an entropy bonus keeps the policy from collapsing to one answer (TRL's; Skywork-OR1)
+        bonus = args.entropy_coef * aggregate(entropy)
+        loss, stats["entropy_bonus"] = loss - bonus, bonus.detach()
     return loss, logs.LossStats(stats, {name: (values * units).sum() for name, values in own_stats.items()})
 
 
@@ -629,6 +634,7 @@ def main(args: Args) -> None:
                                 rollout.completion_mask[idx],
                                 args.temperature,
                                 with_entropy=True,
+                                entropy_grad=args.entropy_coef != 0,
                                 images=vision.images_batch(rollout.images, idx, device, policy.dtype),
                             )  # (b, C)
                         # the policy is still the one that sampled: ratio exactly 1, later epochs compare to it
@@ -643,10 +649,11 @@ def main(args: Args) -> None:
                             in_loss[idx],
                             mini_batch_size,
                             mini_batch_tokens,
+                            entropy,
                         )
                         loss.backward()
                     step_loss += loss.detach()
-                    stats.add_micro_batch(loss_stats, entropy, mask[idx], row_tokens[idx])
+                    stats.add_micro_batch(loss_stats, entropy.detach(), mask[idx], row_tokens[idx])
                 with timer("optimizer"):
                     learning_rate = scheduler.get_last_lr()[0]  # the rate this step uses
                     grad_norm, stepped = optimizer_step(policy, optimizer, args.max_grad_norm, step_loss)
@@ -740,13 +747,16 @@ def completion_logprobs(
     completion_mask,
     temperature: float,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     images: Optional[dict] = None,
     support: Optional[Callable] = None,
 ):
     """(B, C) log pi(y_t | x, y_<t) of each completion token under `model`, on logits / temperature; 0 on padding.
     The definition, in one padded forward: the logits at position t predict token t + 1. with_entropy: also the (B, C)
-    entropies -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (B, C) log-probs renormalised over
-    the tokens it could draw, the distribution vLLM's log-probs are on. images: a VLM's image tensors (images_batch).
+    entropies -sum_v p_v log p_v, with their gradient if entropy_grad (the entropy bonus's: autograd then keeps
+    another (B, C, V) for the backward); with a sampler's `support` (sampler_support), the (B, C) log-probs
+    renormalised over the tokens it could draw, the distribution vLLM's log-probs are on. images: a VLM's image tensors
+    (images_batch).
     --padding_free (the default) gives the same numbers from chunked_completion_logprobs (rloo_utils/packing.py, tested
     equal): a forward of the real tokens only, whose (B, L, V) logits are never held at once."""
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P + C)
@@ -763,9 +773,10 @@ def completion_logprobs(
     logits = output.logits[:, prompt_ids.shape[1] - 1 : -1].float() / temperature  # (B, C, V)
     logprobs = logits.log_softmax(-1)
     out = [logprobs.gather(-1, completion_ids[..., None]).squeeze(-1)]  # (B, C)
-    with torch.no_grad():
-        if with_entropy:
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             out.append(-(logprobs.exp() * logprobs).sum(-1))
+    with torch.no_grad():
         if support is not None:
             kept = support(logits).scatter(-1, completion_ids[..., None], True)  # the sampled token is always kept
             renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)

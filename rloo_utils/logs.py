@@ -368,6 +368,8 @@ def update_metrics(
         "perf/micro_batches_per_step": len(micro["tokens"]) / len(losses),
         "perf/micro_batch_tokens_max": max(micro["forward_tokens"]),
     }
+    if "entropy_bonus" in micro:  # what --entropy_coef subtracted from the loss, a step's (its micro-batches' sum)
+        metrics["loss/entropy_bonus"] = sum(micro["entropy_bonus"]) / len(losses)
     if "dual_clipped" in micro:
         metrics["clip_ratio/dual_mean"] = sum(micro["dual_clipped"]) / units
     metrics.update({name: sum(micro[name]) / units for name in own_names})  # their mean over the loss's units

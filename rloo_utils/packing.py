@@ -255,16 +255,19 @@ def logit_chunk_positions(vocab_size: int, device: torch.device) -> int:
     return max(1, elements // vocab_size)
 
 
-def chunk_logprobs(layer, transform, temperature: float, with_entropy: bool, support, chunk, chunk_ids) -> tuple:
+def chunk_logprobs(
+    layer, transform, temperature: float, with_entropy: bool, entropy_grad: bool, support, chunk, chunk_ids
+) -> tuple:
     """One chunk of logprobs_through_output_layer: the (k,) fp32 log softmax(transform(layer(chunk)) / T)[chunk_ids]
-    of the (k, H) hidden states, then, without gradients, the entropies if with_entropy and the log-probs on a
-    sampler's support if given."""
+    of the (k, H) hidden states, then the entropies if with_entropy (with their gradient if entropy_grad), and, without
+    gradients, the log-probs on a sampler's support if given."""
     logits = transform(layer(chunk)).float() / temperature  # (k, V)
     logprobs = logits.log_softmax(-1)
     out = [logprobs.gather(-1, chunk_ids[:, None]).squeeze(-1)]
-    with torch.no_grad():
-        if with_entropy:
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             out.append(-(logprobs.exp() * logprobs).sum(-1))
+    with torch.no_grad():
         if support is not None:
             kept = support(logits).scatter(-1, chunk_ids[:, None], True)
             renormalised = logits.masked_fill(~kept, -math.inf).log_softmax(-1)
@@ -295,33 +298,36 @@ class FusedOutputLayerLogprobs(torch.autograd.Function):
     tokens of a 151,936-word vocabulary). Here the forward makes each chunk's log-probs as that path does (the same
     function, the same chunks: the same numbers) and keeps only the hidden states and the ids (and the weight, a
     parameter held anyway), never logits; the backward makes each chunk's logits again, takes their gradient
-    d log p_y / d logits = g (onehot(y) - softmax) as log_softmax's backward does, chains it through the transform and
+    d log p_y / d logits = g (onehot(y) - softmax) as log_softmax's backward does (and, for the entropy bonus, the
+    entropy's d H / d logits = -p (log p + H) times its gradient), chains it through the transform and
     the temperature by autograd on that chunk alone, and from it the chunk's hidden-state gradient and its share of
     the weight's, summed over every chunk in one float32 buffer and returned once in the weight's dtype. A weight tied
     to the input embeddings gets it added to the embeddings' own by autograd, as any gradient of a shared tensor.
     Inputs: hidden (K, H), weight (V, H), ids (K,), then layer (the module whose weight it is), transform,
-    temperature, the chunk's positions, with_entropy, support (logprobs_through_output_layer). Outputs: the (K,)
-    log-probs, then the entropies and the log-probs on the support if asked, those two without gradient."""
+    temperature, the chunk's positions, with_entropy, entropy_grad, support (logprobs_through_output_layer). Outputs:
+    the (K,) log-probs, then the entropies (with a gradient if entropy_grad) and the log-probs on the support if asked,
+    those without gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, layer, transform, temperature, step, with_entropy, support):
+    def forward(ctx, hidden, weight, ids, layer, transform, temperature, step, with_entropy, entropy_grad, support):
         device_type = hidden.device.type
         # The backward's product must be the forward's: under autocast, in its dtype (autocast's state is not the
         # backward's, which may run on another thread)
         ctx.autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         ctx.transform, ctx.temperature, ctx.step = transform, temperature, step
         ctx.save_for_backward(hidden, weight, ids)
-        chunks = [
-            chunk_logprobs(layer, transform, temperature, with_entropy, support, chunk, chunk_ids)
+        ctx.set_materialize_grads(False)  # an output the loss does not use has no gradient to make
+        chunks = [  # (autograd.Function's forward runs without gradients: its backward makes them)
+            chunk_logprobs(layer, transform, temperature, with_entropy, False, support, chunk, chunk_ids)
             for chunk, chunk_ids in zip(hidden.split(step), ids.split(step))
         ]
         outputs = tuple(torch.cat(values) for values in zip(*chunks))  # K = 0: one empty chunk
-        ctx.mark_non_differentiable(*outputs[1:])
+        ctx.mark_non_differentiable(*outputs[1 + (with_entropy and entropy_grad) :])
         return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, logprobs_grad, *no_grad):
+    def backward(ctx, logprobs_grad, entropy_grad=None, *no_grad):
         hidden, weight, ids = ctx.saved_tensors
         wants_hidden, wants_weight = ctx.needs_input_grad[:2]
         dtype = ctx.autocast or weight.dtype
@@ -329,15 +335,25 @@ class FusedOutputLayerLogprobs(torch.autograd.Function):
         matrix = weight.to(dtype)  # autocast's cast of the weight, once for every chunk
         weight_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
         hidden_grads = []
-        for chunk, chunk_ids, g in zip(hidden.split(ctx.step), ids.split(ctx.step), logprobs_grad.split(ctx.step)):
+        zeros = hidden.new_zeros(len(ids), dtype=torch.float32)  # an output's gradient that autograd left out
+        logprobs_grad = zeros if logprobs_grad is None else logprobs_grad
+        entropy_grad = None if entropy_grad is None else entropy_grad.split(ctx.step)
+        for i, (chunk, chunk_ids, g) in enumerate(
+            zip(hidden.split(ctx.step), ids.split(ctx.step), logprobs_grad.split(ctx.step))
+        ):
             chunk = chunk.to(dtype)
             with torch.autocast(device_type, dtype=ctx.autocast, enabled=ctx.autocast is not None):
                 raw = torch.nn.functional.linear(chunk, matrix).requires_grad_()  # (k, V): the forward's product
                 with torch.enable_grad():
                     logits = ctx.transform(raw).float() / ctx.temperature
             # log_softmax's backward of a one-hot gradient g at y: g onehot(y) - exp(log p) g
-            logits_grad = logits.detach().log_softmax(-1).exp_().mul_(-g[:, None])
+            logprobs = logits.detach().log_softmax(-1)  # (k, V)
+            logits_grad = logprobs.exp().mul_(-g[:, None])
             logits_grad.scatter_add_(-1, chunk_ids[:, None], g[:, None])
+            if entropy_grad is not None:  # H = -sum_v p_v log p_v: d H / d logits = -p (log p + H)
+                entropy = -(logprobs.exp() * logprobs).sum(-1, keepdim=True)  # (k, 1)
+                logits_grad -= entropy_grad[i][:, None] * logprobs.exp() * (logprobs + entropy)
+            del logprobs
             (raw_grad,) = torch.autograd.grad(logits, raw, logits_grad)  # through the transform and temperature
             del logits, logits_grad
             if wants_hidden:
@@ -346,7 +362,7 @@ class FusedOutputLayerLogprobs(torch.autograd.Function):
                 add_product_in_float32(weight_grad, raw_grad.T, chunk)
         hidden_grad = torch.cat(hidden_grads) if wants_hidden else None
         weight_grad = weight_grad.to(weight.dtype) if wants_weight else None
-        return hidden_grad, weight_grad, None, None, None, None, None, None, None
+        return hidden_grad, weight_grad, None, None, None, None, None, None, None, None
 
 
 def fused_output_layer_refusal(layer) -> Optional[str]:
@@ -376,22 +392,33 @@ def logprobs_through_output_layer(
     with_entropy: bool = False,
     support: Optional[Callable] = None,
     fused: bool = False,
+    entropy_grad: bool = False,
 ):
     """(K,) fp32 log softmax(transform(output_layer(hidden)) / temperature)[ids], from the (K, H) hidden states that
     predict the (K,) ids, without the (K, V) logits: a chunk of positions at a time (logit_chunk_positions), and with
     gradients each chunk's logits are made again in the backward pass rather than kept, so the step's peak memory
     stops growing with K x V (TRL 1.16 does the same): by activation checkpointing of each chunk, or with `fused`
     (--fused_output_layer) and a linear output layer without bias by FusedOutputLayerLogprobs, which sums the weight's
-    gradient over the chunks once, in float32. Detached, after it: with_entropy, the (K,) entropies
-    H = -sum_v p_v log p_v; with a sampler's `support` (sampler_support), the (K,) log-probs renormalised over the
-    tokens the sampler could draw (the sampled token among them), the distribution vLLM's log-probs are on."""
+    gradient over the chunks once, in float32. After it: with_entropy, the (K,) entropies H = -sum_v p_v log p_v,
+    with their gradient if entropy_grad (the entropy bonus), else detached; detached, with a sampler's `support`
+    (sampler_support), the (K,) log-probs renormalised over the tokens the sampler could draw (the sampled token among
+    them), the distribution vLLM's log-probs are on."""
     trained = hidden.requires_grad or any(p.requires_grad for p in output_layer.parameters())
     keep_graph = torch.is_grad_enabled() and trained
     step = logit_chunk_positions(output_layer.weight.shape[0], hidden.device)
-    chunk = functools.partial(chunk_logprobs, output_layer, transform, temperature, with_entropy, support)
+    chunk = functools.partial(chunk_logprobs, output_layer, transform, temperature, with_entropy, entropy_grad, support)
     if keep_graph and fused and fused_output_layer_refusal(output_layer) is None and not is_sharded(output_layer):
         outputs = FusedOutputLayerLogprobs.apply(
-            hidden, output_layer.weight, ids, output_layer, transform, temperature, step, with_entropy, support
+            hidden,
+            output_layer.weight,
+            ids,
+            output_layer,
+            transform,
+            temperature,
+            step,
+            with_entropy,
+            entropy_grad,
+            support,
         )
         return outputs[0] if len(outputs) == 1 else outputs
     chunks = [
@@ -412,14 +439,15 @@ def chunked_completion_logprobs(
     completion_mask,
     temperature: float,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     images: Optional[dict] = None,
     packing: Optional[str] = None,
     support: Optional[Callable] = None,
     fused: bool = False,
 ):
     """Per-token log-probs (B, C) of the completion under `model`, on logits / temperature; with_entropy, also the
-    entropies, and with a sampler's `support`, the log-probs on its distribution (logprobs_through_output_layer, whose
-    gradient through the output layer is FusedOutputLayerLogprobs' with `fused`).
+    entropies (with their gradient if entropy_grad), and with a sampler's `support`, the log-probs on its distribution
+    (logprobs_through_output_layer, whose gradient through the output layer is FusedOutputLayerLogprobs' with `fused`).
     The forward stops at the output layer's inputs where a real completion token is predicted, (K, H). images: the
     rows' image tensors (images_batch), for a VLM. packing: pack_sequences' layout (padding-free), or None: padded
     rows, cut of the columns that are padding in every row (left of the longest prompt, right of the longest
@@ -449,7 +477,7 @@ def chunked_completion_logprobs(
             )
     layer, transform = output_layer(model)
     out = logprobs_through_output_layer(
-        layer, transform, hidden[0], completion_ids[real], temperature, with_entropy, support, fused
+        layer, transform, hidden[0], completion_ids[real], temperature, with_entropy, support, fused, entropy_grad
     )
     if isinstance(out, torch.Tensor):
         return out.new_zeros(real.shape).masked_scatter(real, out)  # (K,) -> (B, C)

@@ -35,7 +35,10 @@ TOKEN_LEVEL = [
     {"loss_type": "sapo"},
 ]
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-LOSSES = [{"loss_type": "sequence"}] + [{**loss, "loss_aggregation": a} for loss in TOKEN_LEVEL for a in AGGREGATIONS]
+# each with the entropy bonus (--entropy_coef), aggregated as its loss is; the default loss without it too
+LOSSES = [{"loss_type": "sequence"}, {"loss_type": "sequence", "entropy_coef": 0.05}] + [
+    {**loss, "loss_aggregation": a, "entropy_coef": 0.05} for loss in TOKEN_LEVEL for a in AGGREGATIONS
+]
 ESTIMATORS = [
     {"advantage_estimator": "rloo"},
     {"advantage_estimator": "grpo"},
@@ -69,6 +72,7 @@ def minibatch(script, options: dict, on_policy: bool = False) -> dict:
     lengths = torch.tensor(LENGTHS)
     mask = (torch.arange(C)[None] < lengths[:, None]).float()  # (B, C)
     logprobs = -2 * torch.rand(B, C, generator=generator)  # (B, C)
+    entropy = 3 * torch.rand(B, C, generator=generator) * mask  # (B, C) the policy's, 0 on padding
     old_logprobs = logprobs.clone() if on_policy else logprobs + 0.4 * torch.randn(B, C, generator=generator)
     ref_logprobs = old_logprobs + 0.1 * torch.randn(B, C, generator=generator)
     scores = torch.randn(B, generator=generator)
@@ -82,19 +86,20 @@ def minibatch(script, options: dict, on_policy: bool = False) -> dict:
         rlhf_reward, kl_before, in_loss, G, args.advantage_estimator, args.advantage_normalization
     )
     return {"args": args, "logprobs": logprobs, "old": old_logprobs, "advantages": advantages, "mask": mask,
-            "in_loss": in_loss}  # fmt: skip
+            "in_loss": in_loss, "entropy": entropy}  # fmt: skip
 
 
 def step(script, batch: dict, micro_batches: list[torch.Tensor], mini_batch_size: int = B):
-    """The loss and the (B, C) gradient on the log-probs of one optimizer step of this process, each micro-batch (rows
-    of the minibatch) adding its share as the loop's accumulation does; the token count the script's own, of the rows
-    this process holds (all of the micro-batches'). The gradient on the parameters is the log-probs' times the
-    forward's Jacobian, the same in every split: equal gradients here are equal steps."""
+    """The loss and the (2, B, C) gradient on the log-probs and on the entropies of one optimizer step of this process,
+    each micro-batch (rows of the minibatch) adding its share as the loop's accumulation does; the token count the
+    script's own, of the rows this process holds (all of the micro-batches'). The gradient on the parameters is these
+    times the forward's Jacobian, the same in every split: equal gradients here are equal steps."""
     logprobs = batch["logprobs"].clone().requires_grad_()
+    entropy = batch["entropy"].clone().requires_grad_()
     mask, in_loss = batch["mask"], batch["in_loss"]
     rows = torch.cat(micro_batches)  # main() calls it on `mask[mb], in_loss[mb]`: this process's rows of the minibatch
     mini_batch_tokens = script.tokens_in_loss(mask[rows], in_loss[rows])
-    loss, gradient = torch.zeros(()), torch.zeros_like(logprobs)
+    loss, gradient = torch.zeros(()), torch.zeros(2, *logprobs.shape)
     for idx in micro_batches:
         share, _ = script.policy_loss(
             batch["args"],
@@ -105,8 +110,11 @@ def step(script, batch: dict, micro_batches: list[torch.Tensor], mini_batch_size
             in_loss[idx],
             mini_batch_size,
             mini_batch_tokens,
+            entropy[idx],
         )
-        gradient += torch.autograd.grad(share, logprobs)[0]
+        gradient += torch.stack(
+            torch.autograd.grad(share, [logprobs, entropy], allow_unused=True, materialize_grads=True)
+        )
         loss += share.detach()
     return loss, gradient
 
@@ -124,7 +132,8 @@ def splits(order: torch.Tensor) -> dict:
 
 
 def assert_same_step(a, b, what: str):
-    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: loss: {m}")
+    # (the loss less the entropy bonus: a difference of terms near 1, rounded in float32 to some 1e-7)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: loss: {m}")
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: gradient: {m}")
 
 
@@ -154,7 +163,8 @@ def test_the_gradient_of_a_step_does_not_depend_on_its_micro_batches(loss):
         for on_policy in (False, True):
             batch = minibatch(rloo, {**estimator, **loss}, on_policy)
             whole = step(rloo, batch, [torch.arange(B)])
-            assert whole[1].abs().sum() > 0, "a loss with no gradient would pass vacuously"
+            assert whole[1][0].abs().sum() > 0, "a loss with no gradient would pass vacuously"
+            assert (whole[1][1].abs().sum() > 0) == ("entropy_coef" in loss), "the bonus's gradient, and only with it"
             for size, micro_batches in splits(order).items():
                 assert_same_step(step(rloo, batch, micro_batches), whole, f"{estimator}, micro-batches of {size}")
             if not on_policy:  # vLLM's samples: weighted, masked
@@ -273,7 +283,8 @@ SPLIT = {"perf/micro_batches_per_step", "perf/micro_batch_tokens_max"}  # what t
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "loss",
-    [["--loss_type", "sequence"], ["--loss_type", "token", "--ppo_clip"]],  # a loss per completion, and per token
+    # a loss per completion, and one per token with the entropy bonus
+    [["--loss_type", "sequence"], ["--loss_type", "token", "--ppo_clip", "--entropy_coef", "0.01"]],
     ids=" ".join,
 )
 def test_a_run_updates_alike_whatever_its_micro_batch_size(loss, tiny, prompts_file, tmp_path):
@@ -283,6 +294,7 @@ def test_a_run_updates_alike_whatever_its_micro_batch_size(loss, tiny, prompts_f
     for folder, split in [("2", [2]), ("budget", [8, "--max_tokens_per_micro_batch", 40])]:
         other_metrics, other_weights = per_device_run(tiny, prompts_file, tmp_path / folder, *split, *loss)
         assert metrics[-1]["loss/policy_avg"] != 0 and len(metrics) == len(other_metrics) == 2
+        assert ("loss/entropy_bonus" in metrics[-1]) == ("--entropy_coef" in loss)
         assert all(m["perf/micro_batches_per_step"] == 1 for m in metrics)
         assert all(m["perf/micro_batches_per_step"] > 1 for m in other_metrics)
         if folder == "budget":  # each held at most the budget (one micro-batch of 8 held more), and several rows

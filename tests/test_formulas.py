@@ -219,6 +219,72 @@ def test_on_policy_ratio_is_exactly_one_and_the_loss_is_reinforce():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The entropy bonus (--entropy_coef)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options, bonus, token_gradients",
+    [
+        # the sequence loss: each completion's entropies summed, over the minibatch's 4 completions: 0.1 x 3.5 / 4
+        ({"loss_type": "sequence"}, 0.0875, [[-0.025, -0.025], [-0.025, 0.0]]),
+        # token-mean: over the minibatch's 5 tokens (2 of them in another micro-batch): 0.1 x 3.5 / 5
+        ({"loss_type": "token"}, 0.07, [[-0.02, -0.02], [-0.02, 0.0]]),
+        # each completion's mean, over the 4 completions: 0.1 x (1.5 + 0.5) / 4
+        ({"loss_type": "token", "loss_aggregation": "seq-mean-token-mean"}, 0.05, [[-0.0125, -0.0125], [-0.025, 0.0]]),
+    ],
+)
+def test_the_entropy_bonus_and_its_gradient_by_hand(options, bonus, token_gradients):
+    """A micro-batch of 3 completions of a minibatch of 4 (5 tokens in the loss): 2 tokens with entropies 1 and 2, 1
+    token with entropy 0.5, and one completion out of the loss (unscored). Advantages 0 and the sampling policy's
+    log-probs: the loss is the bonus alone, -0.1 x the entropies aggregated as the loss is."""
+    import tyro
+    from rloo_utils.checks import check_args
+
+    flags = [f"--{k}={v}" for k, v in options.items()]
+    args = rloo.resolve_defaults(tyro.cli(rloo.Args, args=[*flags, "--entropy_coef", "0.1"], use_underscores=True))
+    check_args(args)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    in_loss = torch.tensor([True, True, False])
+    entropy = torch.tensor([[1.0, 2.0, 0.0], [0.5, 0.0, 0.0], [4.0, 4.0, 4.0]], requires_grad=True)
+    logprobs = torch.full((3, 3), -1.0) * mask
+    loss, stats = rloo.policy_loss(
+        args, logprobs, logprobs, torch.zeros(3, 3), mask, in_loss, 4, torch.tensor(5.0), entropy
+    )
+    assert loss.item() == pytest.approx(-bonus)
+    assert stats.sums["entropy_bonus"].item() == pytest.approx(bonus)
+    (gradient,) = torch.autograd.grad(loss, entropy)
+    expected = torch.zeros(3, 3)
+    expected[:2, :2] = torch.tensor(token_gradients)
+    torch.testing.assert_close(gradient, expected)
+    # no coefficient: no bonus, no statistic
+    args.entropy_coef = 0.0
+    loss, stats = rloo.policy_loss(args, logprobs, logprobs, torch.zeros(3, 3), mask, in_loss, 4, torch.tensor(5.0))
+    assert loss.item() == 0.0 and "entropy_bonus" not in stats.sums
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_entropy_s_gradient_through_the_output_layer_by_hand(fused):
+    """Two words, logits (ln 3, 0): p = (3/4, 1/4), H = ln 4 - (3/4) ln 3 = 0.562335, and dH/dz = -p (log p + H) =
+    (-0.75 x (ln 0.75 + 0.562335), -0.25 x (ln 0.25 + 0.562335)) = (-0.205990, 0.205990); by checkpointed chunks and
+    by the fused function, whose backward writes this derivative itself."""
+    layer = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(2))  # the logits are the hidden state
+    hidden = torch.tensor([[math.log(3), 0.0]], requires_grad=True)
+    logprobs, entropy = logprobs_through_output_layer(
+        layer, lambda x: x, hidden, torch.tensor([0]), 1.0, with_entropy=True, fused=fused, entropy_grad=True
+    )
+    assert entropy.item() == pytest.approx(0.562335, abs=1e-6)
+    (gradient,) = torch.autograd.grad(entropy.sum(), hidden)
+    torch.testing.assert_close(gradient, torch.tensor([[-0.205990, 0.205990]]), atol=1e-6, rtol=0)
+    # with the log-prob's: d log p_0 / dz = onehot(0) - p = (0.25, -0.25), plus the entropy's
+    logprobs, entropy = logprobs_through_output_layer(
+        layer, lambda x: x, hidden, torch.tensor([0]), 1.0, with_entropy=True, fused=fused, entropy_grad=True
+    )
+    (gradient,) = torch.autograd.grad((logprobs + 2 * entropy).sum(), hidden)
+    torch.testing.assert_close(gradient, torch.tensor([[0.25 - 0.411980, -0.25 + 0.411980]]), atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Log-probs, entropy, masks
 # ----------------------------------------------------------------------------------------------------------------
 def plain_logprobs_and_entropy(layer, transform, hidden, ids, temperature):
@@ -243,7 +309,7 @@ def test_logprobs_through_the_output_layer_by_hand_in_chunks(monkeypatch, chunk_
     expected, expected_entropy = plain_logprobs_and_entropy(layer, transform, hidden, ids, 0.7)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(entropy, expected_entropy.detach())
-    assert not entropy.requires_grad  # the entropy is logged, not trained
+    assert not entropy.requires_grad  # without entropy_grad the entropy is logged, not trained
     # The gradient, the chunks' logits made again in the backward pass, is the plain one, for both inputs.
     got = torch.autograd.grad((out * weights).sum(), [hidden, layer.weight])
     want = torch.autograd.grad((expected * weights).sum(), [hidden, layer.weight])

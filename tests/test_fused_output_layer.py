@@ -132,6 +132,38 @@ def test_fused_logprobs_entropies_and_gradients_are_plain_autograds(
         torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk_elements", [2**24, 1, 3 * V])
+@pytest.mark.parametrize("transform_name", sorted(TRANSFORMS))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_with_the_entropy_bonus_the_fused_gradients_are_plain_autograds(
+    monkeypatch, chunk_elements, transform_name, temperature
+):
+    """With entropy_grad (--entropy_coef) the entropies carry a gradient: that of sum(w log p + u H) by the fused
+    backward equals float64 autograd through plain operations, and the checkpointed chunks'."""
+    monkeypatch.setattr(packing_module, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(K, H, requires_grad=True)
+    ids, loss_weights, entropy_weights = torch.randint(V, (K,)), torch.randn(K), torch.randn(K)
+    transform = logit_transform(transform_name)
+    hidden64 = hidden.detach().double().requires_grad_()
+    weight64 = layer.weight.detach().double().requires_grad_()
+    logprobs64 = torch.log_softmax(transform(hidden64 @ weight64.T) / temperature, -1)
+    entropy64 = -(logprobs64.exp() * logprobs64).sum(-1)
+    objective = (logprobs64.gather(-1, ids[:, None]).squeeze(-1) * loss_weights.double()).sum()
+    expected = torch.autograd.grad(objective + (entropy64 * entropy_weights.double()).sum(), [hidden64, weight64])
+    for fused in (True, False):
+        logprobs, entropy = logprobs_through_output_layer(
+            layer, transform, hidden, ids, temperature, with_entropy=True, fused=fused, entropy_grad=True
+        )
+        assert entropy.requires_grad
+        grads = torch.autograd.grad(
+            (logprobs * loss_weights).sum() + (entropy * entropy_weights).sum(), [hidden, layer.weight]
+        )
+        for grad, want in zip(grads, expected):
+            torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{fused}: {m}")
+
+
 def test_fused_gradients_flow_to_whichever_input_needs_one():
     """A frozen output layer (a LoRA policy's) gets no gradient and the hidden states theirs; a trained layer under
     frozen hidden states its own; no position: empty log-probs and zero gradients."""
@@ -196,22 +228,31 @@ def tied_llama():
     return model.eval()
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
 @pytest.mark.parametrize("family", ["tied llama", "llama", "gemma2"])
-def test_fused_in_a_model_gives_the_definitions_numbers_and_a_tied_embeddings_gradient(monkeypatch, family):
+def test_fused_in_a_model_gives_the_definitions_numbers_and_a_tied_embeddings_gradient(
+    monkeypatch, family, entropy_grad
+):
     """chunked_completion_logprobs with the fused output layer, packed and padded, gives the definition's
-    (rloo_vllm.completion_logprobs, whose support is vLLM's) log-probs, entropies, log-probs on a support and gradient of every parameter, the tied embeddings' (the sum of its
-    use as input embeddings and as output layer) among them; Gemma 2's soft cap is applied."""
+    (rloo_vllm.completion_logprobs, whose support is vLLM's) log-probs, entropies, log-probs on a support and gradient
+    of every parameter, the tied embeddings' (the sum of its use as input embeddings and as output layer) among them,
+    with the entropy bonus's share where the entropies carry a gradient; Gemma 2's soft cap is applied."""
     monkeypatch.setattr(packing_module, "LOGIT_CHUNK_ELEMENTS", 3 * 300)  # 3 positions a chunk: many chunks
     model = tied_llama() if family == "tied llama" else tiny_model(family, "sdpa")
     batch = ragged_batch()
     real = batch[3].bool()
     top_5 = lambda logits: logits >= logits.topk(5).values[..., -1:]  # noqa: E731
     loss_weights = torch.randn(real.shape, generator=torch.Generator().manual_seed(2))
+    entropy_weights = 0.5 * torch.randn(real.shape, generator=torch.Generator().manual_seed(3))
 
     def forward(logprobs_of):
         model.zero_grad()
-        logprobs, entropy, on_support = logprobs_of(model, *batch, 0.7, with_entropy=True, support=top_5)
-        (logprobs * loss_weights * real).sum().backward()
+        logprobs, entropy, on_support = logprobs_of(
+            model, *batch, 0.7, with_entropy=True, entropy_grad=entropy_grad, support=top_5
+        )
+        assert entropy.requires_grad == entropy_grad
+        bonus = (entropy * entropy_weights * real).sum() if entropy_grad else 0.0
+        ((logprobs * loss_weights * real).sum() + bonus).backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         return (logprobs, entropy, on_support), grads, grad_fn_names(logprobs)
 

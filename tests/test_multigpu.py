@@ -102,7 +102,8 @@ def test_two_processes_raise_a_simple_reward_and_save_a_loadable_model(
 def same_batch_args(tiny, data, per_device: int, *extra, accumulation: int = 2):
     """2 updates of a global batch of 32 (8 prompts x 4), 2 epochs of 1 minibatch of `accumulation` micro-batches a
     process, a token-mean loss (the case a per-process or per-micro-batch token count gets wrong), a KL and a sample
-    table. Rollout chunks of 16 rows: one per process with 2 processes, the same two chunks with one."""
+    table, an entropy bonus. Rollout chunks of 16 rows: one per process with 2 processes, the same two chunks with
+    one."""
     return [
         "--model_name_or_path",
         tiny["policy"],
@@ -133,6 +134,8 @@ def same_batch_args(tiny, data, per_device: int, *extra, accumulation: int = 2):
         "3e-3",
         "--beta",
         0.1,
+        "--entropy_coef",
+        0.01,
         "--num_sample_generations",
         1,
         "--run_name",
@@ -192,6 +195,7 @@ def test_two_processes_compute_the_update_of_one_process_on_the_same_global_batc
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
             assert c[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), ("budget", k)
     assert m1[-1]["kl"] != 0 and m1[0]["loss/policy_avg"] != 0  # it trained (k1: a KL of either sign)
+    assert m1[0]["loss/entropy_bonus"] > 0  # 0.01 x entropies of a random policy: equal over the processes above
     # Adam magnifies rounding where a gradient is ~0 (m / sqrt(v) of two tiny numbers): such a weight may move by up to
     # the learning rate a step either way, and packing 16 rows or 8 + 8 (padding-free) rounds differently. A few in a
     # thousand may do so; a wrong update would move most.

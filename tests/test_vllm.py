@@ -372,7 +372,8 @@ def test_the_trainer_takes_log_probs_on_the_tokens_vllms_sampler_can_draw(top_k,
 def test_with_top_p_the_importance_ratio_is_one_before_any_update(script, mode, tiny, server, prompts_file, tmp_path):
     """vLLM's log-probs with --top_p 0.9 are renormalised over the tokens it kept; the trainer's are taken on the same
     distribution, so at the first update (the trainer's weights are the engine's) the mean ratio is 1 to 1e-3. On the
-    full distribution it would be the kept mass, about 0.9 a token on the random test model (0.9 ** 16 a completion)."""
+    full distribution it would be the kept mass, about 0.9 a token on the random test model (0.9 ** 16 a completion).
+    With an entropy bonus, whose entropies (with a gradient) come beside those log-probs."""
     where = ["--vllm_server_base_url", server["url"]] if mode == "server" else []
     where += ["--vllm_mode", mode] if script == "rloo_vllm.py" else []
     proc = run_rloo(
@@ -387,6 +388,8 @@ def test_with_top_p_the_importance_ratio_is_one_before_any_update(script, mode, 
             16,
             "--vllm_importance_sampling_mode",
             "sequence_truncate",
+            "--entropy_coef",
+            0.01,
             *where,
         ),
         cwd=tmp_path,
@@ -396,6 +399,7 @@ def test_with_top_p_the_importance_ratio_is_one_before_any_update(script, mode, 
     (row,) = read_metrics(tmp_path)
     assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, row
     assert row["sampling/sampling_logp_difference/mean"] < 1e-3, row
+    assert row["loss/entropy_bonus"] > 0, row
 
 
 @pytest.mark.parametrize("script, mode", [("rloo_vllm.py", "colocate"), ("rloo_multigpu.py", "server")])
