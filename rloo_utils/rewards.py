@@ -179,10 +179,11 @@ def check_reward_columns(
 ) -> None:
     """Every argument a reward function (or evaluation metric function) needs, one without a default, is one it is
     given: TRL's arguments, a column of the dataset (answer_accuracy reads `answer`), or a multi-turn rollout's
-    `environments` and `environment_rewards` (multi_turn: --tools or --environment given). Else one line now, before
-    the models load, rather than a TypeError at the first update. Reward functions score the training split, and the
-    held-out one where the sample tables (num_sample_generations: --num_sample_generations) or the evaluation
-    (eval_steps: --eval_steps) read it; metric functions the held-out split where the run evaluates."""
+    `environments` and `environment_rewards` (multi_turn: --tools or --environment given); and one of the columns a
+    function names in its `needs_one_column_of` (accuracy_reward: `solution` or `answer`, both with defaults). Else one
+    line now, before the models load, rather than a TypeError at the first update. Reward functions score the training
+    split, and the held-out one where the sample tables (num_sample_generations: --num_sample_generations) or the
+    evaluation (eval_steps: --eval_steps) read it; metric functions the held-out split where the run evaluates."""
     reward_names = reward_names[len(reward_names) - len(reward_funcs) :]  # without the reward model's
     checks = [(f, n, "reward function", train_dataset) for f, n in zip(reward_funcs, reward_names)]
     if eval_dataset is not None and (num_sample_generations or eval_steps):
@@ -199,12 +200,18 @@ def check_reward_columns(
         needed = [p.name for p in parameters if p.default is p.empty and p.kind in kinds]
         given = {*REWARD_FUNC_ARGUMENTS, *multi_turn} | set(dataset.column_names) - {"prompt"}
         absent = [p for p in needed if p not in given]
+        split = "training" if dataset is train_dataset else "held-out"
         if absent:
-            split = "training" if dataset is train_dataset else "held-out"
             raise UsageError(
                 f"{what} {name} needs the argument {absent[0]!r}, which the {split} split of the dataset does not "
                 f"give (its columns: {', '.join(dataset.column_names)}): add a column {absent[0]!r}, or give the "
                 "argument a default"
+            )
+        one_of = getattr(func, "needs_one_column_of", ())  # columns with defaults, of which one must be there
+        if one_of and not set(one_of) & set(dataset.column_names):
+            raise UsageError(
+                f"{what} {name} reads a column {' or '.join(map(repr, one_of))}, which the {split} split of the "
+                f"dataset does not have (its columns: {', '.join(dataset.column_names)}): add one"
             )
 
 

@@ -1,13 +1,17 @@
 """Verifiable rewards: the final answer of a completion parsed and checked against the dataset's `answer` column, in
-TRL's reward-function signature (a float per completion, None for a row the function does not score). The scripts offer
-them by name (`--reward_funcs answer_accuracy number_only`); as `rloo_utils/verifiable.py:answer_accuracy` they are an
-example of a file-given reward to copy. How to write one, and the pitfalls they handle: docs/verifiable.md."""
+TRL's reward-function signature (a float per completion, None for a row the function does not score); math answers
+judged as math (accuracy_reward, math-verify's judgement, against TRL's `solution` column), and the \\boxed{} format.
+The scripts offer them by name (`--reward_funcs answer_accuracy number_only`); as
+`rloo_utils/verifiable.py:answer_accuracy` they are an example of a file-given reward to copy. How to write one, and
+the pitfalls they handle: docs/verifiable.md."""
 
 import re
+import sys
 from fractions import Fraction
 from typing import Optional
 
 from rloo_utils.data import content_text
+from rloo_utils.math_judge import TIMEOUT, judge_answers, math_judge
 
 # A number as people write it: a sign (ASCII or Unicode minus), digits with optional thousands commas (grouped in
 # threes; "1,2,3" is three numbers), an optional decimal part, or a bare one (".5"). Not preceded by a digit, nor by a
@@ -126,4 +130,95 @@ def number_only(completions, answer=None, **kwargs) -> list[Optional[float]]:
     return rewards
 
 
-REWARD_FUNCS = {"answer_accuracy": answer_accuracy, "gsm8k_accuracy": gsm8k_accuracy, "number_only": number_only}
+def gold_text(gold) -> Optional[str]:
+    """A gold answer as math-verify reads it: text as it is, a number as written (7, 0.5); None for a row without
+    one (missing). Anything else is a mistake in the data: ValueError, naming it."""
+    if missing(gold):
+        return None
+    if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
+        raise ValueError(
+            f"the gold answer {gold!r:.60} is a {type(gold).__name__}, not text or a number: fix the dataset's "
+            "solution (or answer) column"
+        )
+    return gold if isinstance(gold, str) else repr(gold)
+
+
+UNPARSED_GOLDS_SAID = set()  # the gold answers accuracy_reward has said it reads nothing in
+
+
+def accuracy_reward(completions, solution=None, answer=None, log_extra=None, log_metric=None, **kwargs):
+    """TRL's accuracy_reward, bounded: 1.0 where math-verify judges the completion's answer equal to the gold answer,
+    else 0.0; None for a row without a gold answer, or with one math-verify finds no answer in. The gold is the
+    `solution` column (TRL's), else `answer` (ours), as TRL parses it: LaTeX in $...$ or \\boxed{}, or a plain
+    expression (0.5, 1/2, 7). The completion's answer: its \\boxed{} (the last; boxes listed together, "\\boxed{1},
+    \\boxed{2}", are one answer), else LaTeX after "final answer is" or "answer:", units dropped; without either, 0.0.
+    Equal as math-verify's verify has it (1/2 = 0.5 = \\dfrac{1}{2}; sets in any order; x = 2 for 2; 50\\% for 0.5).
+    Each gold and each completion has math_judge.TIMEOUT seconds in a worker process (a pathological answer scores
+    0.0; a gold that takes longer: None), counted (log_metric accuracy_reward/unjudged) and said on stderr."""
+    golds = solution if solution is not None else answer
+    if golds is None:
+        raise ValueError("accuracy_reward reads the gold answer from a column `solution` (TRL's) or `answer`: give one")
+    golds = [gold_text(g) for g in golds]
+    texts = [completion_text(c) for c in completions]
+    judged = judge_answers(golds, texts, math_judge())
+    unparsed, slow_golds, slow_answers = judged["unparsed_golds"], judged["unjudged_golds"], judged["unjudged_answers"]
+    new = [g for g in unparsed if g not in UNPARSED_GOLDS_SAID]
+    if new:  # once for each gold: a dataset's rows come back every epoch
+        print(
+            f"accuracy_reward: math-verify reads no answer in the gold answer {new[0]!r:.80}"
+            + (f" and {len(new) - 1} more" if len(new) > 1 else "")
+            + ", whose rows are not scored (None): write a gold as LaTeX in $...$ or \\boxed{}, or as a plain number",
+            file=sys.stderr,
+        )
+        UNPARSED_GOLDS_SAID.update(new)
+    if slow_golds or slow_answers:
+        text, why = (slow_answers or slow_golds)[0]
+        print(
+            f"accuracy_reward: math-verify did not judge {len(slow_answers)} of {len(texts)} completions (scored 0.0) "
+            f"and {len(slow_golds)} of {judged['golds']} gold answers (their rows None) within {TIMEOUT:g} s, e.g. "
+            f"...{text[-60:]!r} ({why})",
+            file=sys.stderr,
+        )
+    if log_metric is not None:
+        log_metric("accuracy_reward/unjudged", len(slow_answers) + len(slow_golds))
+        log_metric("accuracy_reward/unparsed_golds", len(unparsed))
+    if log_extra is not None:
+        log_extra("gold_parsed", judged["gold_parsed"])
+        log_extra("answer_parsed", judged["answer_parsed"])
+    return judged["rewards"]
+
+
+accuracy_reward.needs_one_column_of = ("solution", "answer")  # check_reward_columns: a dataset must give one
+
+
+def boxed_format(completions, solution=None, answer=None, **kwargs) -> list[Optional[float]]:
+    """A format reward: 1.0 where the completion's last \\boxed{ closes (its braces balanced, as math-verify counts
+    them) around something, right or wrong, else 0.0 (no box, an empty one, one cut off); None for rows without a gold
+    answer in `solution` or `answer` (another task's prompt). Without either column: the format alone."""
+    golds = solution if solution is not None else answer if answer is not None else [0] * len(completions)
+    return [None if missing(g) else float(closed_box(completion_text(c))) for c, g in zip(completions, golds)]
+
+
+def closed_box(text: str) -> bool:
+    """Whether the text's last \\boxed{ (spaces allowed before the brace) closes around something not blank."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return False
+    rest = text[start + len("\\boxed") :].lstrip()
+    if not rest.startswith("{"):
+        return False
+    depth = 0
+    for end, char in enumerate(rest):
+        depth += (char == "{") - (char == "}")
+        if depth == 0:
+            return bool(rest[1:end].strip())
+    return False
+
+
+REWARD_FUNCS = {
+    "answer_accuracy": answer_accuracy,
+    "gsm8k_accuracy": gsm8k_accuracy,
+    "number_only": number_only,
+    "accuracy_reward": accuracy_reward,
+    "boxed_format": boxed_format,
+}
