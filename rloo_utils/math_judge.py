@@ -185,39 +185,54 @@ class MathJudge:
             self.workers, self.owner, self.lock = [], os.getpid(), threading.Lock()
         with self.lock:
             if not self.workers:  # started together: each imports math-verify, in parallel
-                self.workers = [self.ready(w) for w in [self.launch() for _ in range(self.size)]]
-            replies: list[Optional[dict]] = [None] * len(tasks)
-            todo = list(range(len(tasks)))[::-1]  # popped from the end: in order
-            busy = {}  # worker index -> (task index, deadline)
-            while todo or busy:
-                for w in range(len(self.workers)):
-                    if w not in busy and todo:
-                        i = todo.pop()
-                        if self.send(w, tasks[i]):
-                            busy[w] = (i, time.monotonic() + self.timeout + GRACE)
-                        else:  # it had died: a new one takes the task
-                            todo.append(i)
-                if not busy:
-                    continue
-                deadline = min(d for _, d in busy.values())
-                by_fd = {self.workers[w].stdout.fileno(): w for w in busy}
-                readable, _, _ = select.select(list(by_fd), [], [], max(0.0, deadline - time.monotonic()))
-                for fd in readable:
-                    w = by_fd[fd]
-                    i, _ = busy.pop(w)
-                    line = self.workers[w].stdout.readline()
-                    if line.endswith("\n"):
-                        replies[i] = json.loads(line)
-                    else:  # it ended (a crash; the kernel's CPU limit)
-                        replies[i] = {"unjudged": "its worker died"}
-                        self.replace(w)
-                now = time.monotonic()
-                for w, (i, task_deadline) in list(busy.items()):
-                    if now >= task_deadline:
-                        del busy[w]
-                        replies[i] = {"unjudged": f"killed after {self.timeout + GRACE:g} s"}
-                        self.replace(w)
-            return replies
+                launched = [self.launch() for _ in range(self.size)]
+                try:
+                    self.workers = [self.ready(w) for w in launched]
+                except BaseException:
+                    for worker in launched:
+                        stop(worker)
+                    raise
+            try:
+                return self.dispatch(tasks)
+            except BaseException:  # (Ctrl-C, a timeout's signal) a busy worker's late reply would answer the next task
+                self.close()
+                raise
+
+    def dispatch(self, tasks: list[dict]) -> list[dict]:
+        """judge's work: each idle worker given the next task, each reply read as it comes, a worker past its task's
+        deadline killed and replaced."""
+        replies: list[Optional[dict]] = [None] * len(tasks)
+        todo = list(range(len(tasks)))[::-1]  # popped from the end: in order
+        busy = {}  # worker index -> (task index, deadline)
+        while todo or busy:
+            for w in range(len(self.workers)):
+                if w not in busy and todo:
+                    i = todo.pop()
+                    if self.send(w, tasks[i]):
+                        busy[w] = (i, time.monotonic() + self.timeout + GRACE)
+                    else:  # it had died: a new one takes the task
+                        todo.append(i)
+            if not busy:
+                continue
+            deadline = min(d for _, d in busy.values())
+            by_fd = {self.workers[w].stdout.fileno(): w for w in busy}
+            readable, _, _ = select.select(list(by_fd), [], [], max(0.0, deadline - time.monotonic()))
+            for fd in readable:
+                w = by_fd[fd]
+                i, _ = busy.pop(w)
+                line = self.workers[w].stdout.readline()
+                if line.endswith("\n"):
+                    replies[i] = json.loads(line)
+                else:  # it ended (a crash; the kernel's CPU limit)
+                    replies[i] = {"unjudged": "its worker died"}
+                    self.replace(w)
+            now = time.monotonic()
+            for w, (i, task_deadline) in list(busy.items()):
+                if now >= task_deadline:
+                    del busy[w]
+                    replies[i] = {"unjudged": f"killed after {self.timeout + GRACE:g} s"}
+                    self.replace(w)
+        return replies
 
     def send(self, w: int, task: dict) -> bool:
         """The task written to worker w; False (and w replaced) where it had died."""

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, check_one_line_error, run_env, run_rloo, write_jsonl
+from conftest import ROOT, WAIT, check_one_line_error, run_env, run_rloo, write_jsonl
 from rloo_utils import math_judge
 from rloo_utils.math_judge import GRACE, TIMEOUT, MathJudge
 from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, load_reward_func
@@ -259,6 +259,43 @@ def test_a_worker_stuck_where_no_signal_reaches_is_killed_at_its_deadline_and_re
         assert replies[1]["correct"] is False  # judged by the new worker
         assert gone(stuck) and worker_pids(judge) != [stuck]
     finally:
+        judge.close()
+
+
+def test_a_worker_s_address_space_is_capped():
+    judge = MathJudge(workers=1)
+    try:
+        judge.judge([{"gold": "$1$"}])
+        with open(f"/proc/{worker_pids(judge)[0]}/limits") as f:
+            (line,) = [line for line in f if line.startswith("Max address space")]
+        assert line.split()[3] == "2147483648"  # the soft limit, 2 GiB: a MemoryError there, not the OOM killer here
+    finally:
+        judge.close()
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt(signum, frame):
+    raise Interrupted()
+
+
+def test_a_call_interrupted_mid_task_leaves_no_reply_behind_for_the_next():
+    """An exception in the waiting thread (Ctrl-C; here SIGUSR1's handler) while a worker is busy: the next call must
+    not read that worker's late reply as its own."""
+    judge = MathJudge(workers=1, timeout=3)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        judge.judge([{"gold": "$1$"}])  # started
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(Interrupted):
+            judge.judge([{"gold": "$1$", "answer": PATHOLOGICAL}])  # busy for 3 s
+        timer.join(WAIT)
+        assert judge.judge([{"gold": "$1$", "answer": r"\boxed{2}"}]) == [{"correct": False, "parsed": "[2, '2']"}]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
         judge.close()
 
 
