@@ -598,6 +598,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
         "launch.py",
         "plot.py",
         "judge.py",
+        "math_reward_speed.py",
     ],
 )
 @pytest.mark.slow
@@ -1507,3 +1508,37 @@ def test_the_token_budget_benchmark_compares_settings_rloo_accepts(task):
         assert per_step == rows, name  # every setting trains the same rows an optimizer step
         budgets.append(args.max_tokens_per_micro_batch)
     assert budgets == [None, rows * longest, None, rows // 4 * longest, longest]  # the quarter: at least the longest
+
+
+def test_the_math_reward_benchmark_s_workload_is_the_mix_it_says():
+    """benchmark/math_reward_speed.py's completions: groups of 8 sharing a gold answer, LaTeX and integer golds, boxed
+    fractions, answers without a box, and a few long reasoning texts."""
+    import math_reward_speed
+
+    golds, completions = math_reward_speed.workload(400)
+    assert len(golds) == len(completions) == 400
+    assert all(len(set(golds[i : i + 8])) == 1 for i in range(0, 400, 8))
+    assert {type(g) for g in golds} == {str, int} and any(g.startswith("$\\frac") for g in golds if isinstance(g, str))
+    assert any("\\boxed{\\dfrac" in c for c in completions) and any("\\boxed" not in c for c in completions)
+    long = [c for c in completions if len(c) > 3000]
+    assert 0 < len(long) < 40 and all(c.endswith("}$.") for c in long)
+
+
+@pytest.mark.slow
+def test_the_math_reward_benchmark_times_every_way_on_the_same_scores(tmp_path):
+    """On 48 completions, once: a row for math-verify in-process and one for each number of workers, the scores agreed
+    (the script exits otherwise), the JSON written where --out says; a folder that does not exist is refused."""
+    from rloo_utils.math_judge import WORKERS
+
+    script = os.path.join(ROOT, "benchmark", "math_reward_speed.py")
+    out = tmp_path / "speed.json"
+    proc = run_script(script, "--completions", 48, "--repeats", 1, "--out", out, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["workers"] for row in result["rows"]] == [0, 0, 1, 2][: 2 + WORKERS]
+    assert all(row["seconds_per_1000"] > 0 for row in result["rows"]) and result["completions"] == 48
+    assert 0.3 < result["share_right"] < 1
+    assert "| math-verify in this process, main thread (TRL's way) |" in proc.stdout
+    check_one_line_error(
+        run_script(script, "--out", tmp_path / "no" / "x.json", cwd=tmp_path), "--out", "its folder does not exist"
+    )
