@@ -20,7 +20,9 @@ against non-finite values (models); an update's statistics (logs).
     gguf_cache     a .gguf policy's de-quantised copy, kept between runs (start-up in a few seconds, not ~20)
     rewards        reward functions: loaded, called, checked; the task's score of a completion
     scoring        the Scorer of a rollout: a reward model's forward, the functions called, what they log
-    verifiable     reward functions of tasks with a right answer: the final answer parsed and checked
+    verifiable     reward functions of tasks with a right answer: the final answer parsed and checked; math answers
+                   judged as math (accuracy_reward), the format of a boxed answer
+    math_judge     math-verify in worker processes of their own, each answer bounded in time (accuracy_reward's judge)
     tools          multi-turn rollouts: tools and environments, the chat template's tool calls
     vision         a vision-language policy's inputs
     decoding       our own decoding loop on a static KV cache (--decoding_loop own): stop tokens read every few steps

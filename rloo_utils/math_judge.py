@@ -155,14 +155,12 @@ class MathJudge:
 
     def launch(self) -> subprocess.Popen:
         """A worker process, starting (ready() waits for it)."""
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rloo_utils/.. (also in a copy elsewhere)
-        path = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
         return subprocess.Popen(
             [sys.executable, "-m", "rloo_utils.math_judge", repr(self.timeout)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": path},
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # -m imports this rloo_utils, from any cwd
         )
 
     @staticmethod

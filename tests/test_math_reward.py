@@ -20,6 +20,7 @@ from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, load_reward_func
 from rloo_utils.verifiable import REWARD_FUNCS, accuracy_reward, boxed_format
 
 PATHOLOGICAL = r"so the count is \boxed{9^{9^{9^{9}}}}"  # sympy raises 9 to a 387,420,489-digit power, in C
+DEGENERATE = r"\[ x " * 10_000  # 50 KB of a repeated opening: math-verify's regexes take 10 s (its own bound) on it
 
 # (completion, gold, expected): expected from the mathematics where math-verify agrees with it, else math-verify's
 # verdict, the contract, with a comment saying where they differ
@@ -160,25 +161,26 @@ def test_without_either_column_it_says_which_it_reads():
 
 
 @pytest.mark.slow
-def test_a_pathological_answer_is_bounded_scored_0_counted_and_said_and_the_next_call_works(capsys):
+def test_pathological_answers_are_bounded_scored_0_counted_and_said_and_the_next_call_works(capsys):
     metrics = []
     start = time.monotonic()
     rewards = accuracy_reward(
-        [PATHOLOGICAL, r"\boxed{1}", r"\boxed{2}"], ["1", "1", "1"], log_metric=lambda *m: metrics.append(m)
+        [PATHOLOGICAL, r"\boxed{1}", DEGENERATE, r"\boxed{2}"], ["1"] * 4, log_metric=lambda *m: metrics.append(m)
     )
     took = time.monotonic() - start
-    assert rewards == [0.0, 1.0, 0.0]
-    assert TIMEOUT <= took < TIMEOUT + GRACE + 1
-    assert ("accuracy_reward/unjudged", 1) in metrics
+    assert rewards == [0.0, 1.0, 0.0, 0.0]
+    assert TIMEOUT <= took < TIMEOUT * (1 if math_judge.WORKERS > 1 else 2) + GRACE + 1  # side by side, 2 workers
+    assert ("accuracy_reward/unjudged", 2) in metrics
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (
-        "accuracy_reward: math-verify did not judge 1 of 3 completions (scored 0.0) and 0 of 1 gold answers (their "
+        "accuracy_reward: math-verify did not judge 2 of 4 completions (scored 0.0) and 0 of 1 gold answers (their "
         f"rows None) within {TIMEOUT:g} s, e.g. ...'so the count is \\\\boxed{{9^{{9^{{9^{{9}}}}}}}}' (timed out)"
     )
     start = time.monotonic()
     assert accuracy_reward([r"\boxed{1}", r"\boxed{2}"], ["1", "1"]) == [1.0, 0.0]  # the next call, at once
     assert time.monotonic() - start < 2
-    assert trl_configs_verdict(PATHOLOGICAL, "1") == 0.0  # math-verify's own alarm in the main thread: 0 too
+    assert trl_configs_verdict(PATHOLOGICAL, "1") == 0.0  # math-verify's own alarms in the main thread: 0 too
+    assert trl_configs_verdict(DEGENERATE, "1") == 0.0
 
 
 def score_in_a_thread(*args) -> list:
