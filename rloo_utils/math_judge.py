@@ -29,7 +29,7 @@ from rloo_utils.errors import RunError
 
 # Seconds one gold answer or one completion may take: past it the worker's alarm stops math-verify (a completion then
 # scores 0.0, a gold answer None); GRACE seconds later the worker is killed and replaced, where the alarm could not
-# stop it. Tiny against what a normal answer takes (1-5 ms, benchmark/math_reward_speed.py).
+# stop it. Large against what a normal answer takes (about 1 ms, benchmark/math_reward_speed.py).
 TIMEOUT = 5.0
 GRACE = 2.0
 STARTUP_SECONDS = 120.0  # for a worker to import math-verify, on a loaded machine
@@ -117,15 +117,15 @@ def serve(timeout: float) -> None:
         # a worker whose trainer died while sympy spun in C ends by itself: the kernel stops it past this CPU time
         used = resource.getrusage(resource.RUSAGE_SELF)
         limit(resource.RLIMIT_CPU, int(used.ru_utime + used.ru_stime + timeout + GRACE) + 2)
-        try:
+        try:  # (the alarm may ring anywhere in here, the handler of an error included)
             signal.setitimer(signal.ITIMER_REAL, timeout)
-            reply = judge_task(json.loads(line))
+            try:
+                reply = judge_task(json.loads(line))
+            except Exception as e:  # (math-verify takes its own errors for "not equal"; this is anything else)
+                reply = {"unjudged": f"{type(e).__name__}: {str(e)[:100]}"}
             signal.setitimer(signal.ITIMER_REAL, 0)
         except Overtime:
             reply = {"unjudged": "timed out"}
-        except Exception as e:  # (math-verify takes its own errors for "not equal"; this is anything else)
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            reply = {"unjudged": f"{type(e).__name__}: {str(e)[:100]}"}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ROOT, WAIT, check_one_line_error, run_env, run_rloo, write_jsonl
 from rloo_utils import math_judge
+from rloo_utils.errors import RunError
 from rloo_utils.math_judge import GRACE, TIMEOUT, MathJudge
 from rloo_utils.rewards import BUILTIN_REWARD_FUNCS, load_reward_func
 from rloo_utils.verifiable import REWARD_FUNCS, accuracy_reward, boxed_format
@@ -384,6 +385,21 @@ def test_the_workers_end_with_their_process(end):
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == math_judge.WORKERS, proc.stderr
     assert all(gone(pid) for pid in pids)
+
+
+def test_without_math_verify_the_worker_says_so_in_one_line(tmp_path, monkeypatch):
+    shim = tmp_path / "shim" / "math_verify"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'math_verify'\")\n")
+    monkeypatch.setenv("PYTHONPATH", str(shim.parent))  # before the site-packages: what the workers import
+    judge = MathJudge(workers=2)
+    message = (
+        "accuracy_reward's math-verify worker did not start (ModuleNotFoundError: No module named 'math_verify'): "
+        "install requirements.txt (math-verify==0.8.0)"
+    )
+    with pytest.raises(RunError) as error:
+        judge.judge([{"gold": "$1$"}])
+    assert str(error.value) == message and judge.workers == []
 
 
 def test_importing_the_rewards_imports_neither_math_verify_nor_sympy():
