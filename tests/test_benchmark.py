@@ -1538,7 +1538,7 @@ def test_the_math_reward_benchmark_times_every_way_on_the_same_scores(tmp_path):
     assert [row["workers"] for row in result["rows"]] == [0, 0, 1, 2][: 2 + WORKERS]
     assert all(row["seconds_per_1000"] > 0 for row in result["rows"]) and result["completions"] == 48
     assert 0.3 < result["share_right"] < 1
-    assert "| math-verify in this process, main thread (TRL's way) |" in proc.stdout
+    assert "| math-verify in this process, main thread, a gold parsed per completion (TRL's way) |" in proc.stdout
     check_one_line_error(
         run_script(script, "--out", tmp_path / "no" / "x.json", cwd=tmp_path), "--out", "its folder does not exist"
     )
