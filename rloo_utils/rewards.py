@@ -11,14 +11,16 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Annotated, Callable, ClassVar, Optional
+from typing import Annotated, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
 import tyro
 
+from rloo_utils.code_reward import CodeReward, code_reward
 from rloo_utils.data import REWARD_FUNC_ARGUMENTS, message_text
 from rloo_utils.errors import RunError, UsageError, describe
+from rloo_utils.sandbox import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT
 from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
 
 
@@ -26,7 +28,8 @@ from rloo_utils.verifiable import REWARD_FUNCS as VERIFIABLE_REWARD_FUNCS
 class RewardSourceOptions:
     """Where the score comes from: a reward model, reward functions in TRL's signature, or both, weighted"""
 
-    RESUMABLE: ClassVar = {"reward_timeout"}  # a slow reward function changes no score (options.resumable_options)
+    # a slow reward function, or fewer code runs at once, changes no score (options.resumable_options)
+    RESUMABLE: ClassVar = {"reward_timeout", "code_workers"}
 
     reward_model_path: Optional[str] = None
     """a sequence classification model (num_labels=1), read at the last real token"""
@@ -40,12 +43,22 @@ class RewardSourceOptions:
     """(soft_overlong_punishment) tokens before --max_completion_length over which its penalty grows; None: a fifth"""
     overlong_penalty_factor: float = 1.0
     """(soft_overlong_punishment) its penalty at --max_completion_length, which a truncated completion gets whole"""
+    code_sandbox: Literal["bwrap", "rlimits"] = "bwrap"
+    """(code_reward) bwrap: bubblewrap and limits; rlimits: limits, no environment; network and files NOT protected"""
+    code_timeout: float = DEFAULT_TIMEOUT
+    """(code_reward) seconds one test run may take, on the wall clock and on the CPU"""
+    code_memory_mb: int = DEFAULT_MEMORY_MB
+    """(code_reward) the memory (address space) of one test run, in MiB"""
+    code_workers: Optional[int] = None
+    """(code_reward) test runs at once; None: the CPU cores this process may use"""
 
     def check(self) -> None:
         """The reward timeout; the soft overlong punishment's options shape its reward function only, and its buffer
-        fits the completion (the sources themselves are loaded, and checked, by reward_sources)."""
+        fits the completion; code_reward's options shape it only, and are positive (the sources themselves are
+        loaded, and checked, by reward_sources)."""
         if self.reward_timeout is not None and not self.reward_timeout > 0:
             raise UsageError(f"--reward_timeout must be > 0, got {self.reward_timeout}")
+        self.check_code_options()
         used = "soft_overlong_punishment" in (self.reward_funcs or [])
         given = [
             f"--{name} {getattr(self, name)}"
@@ -69,6 +82,23 @@ class RewardSourceOptions:
                 f"--overlong_penalty_factor must be >= 0 (the penalty subtracted at the limit), got "
                 f"{self.overlong_penalty_factor}"
             )
+
+    def check_code_options(self) -> None:
+        defaults = {"code_sandbox": "bwrap", "code_timeout": DEFAULT_TIMEOUT, "code_memory_mb": DEFAULT_MEMORY_MB}
+        given = [
+            f"--{name} {getattr(self, name)}" for name, default in defaults.items() if getattr(self, name) != default
+        ]
+        given += [f"--code_workers {self.code_workers}"] if self.code_workers is not None else []
+        if given and "code_reward" not in (self.reward_funcs or []) + (self.eval_metric_funcs or []):
+            raise UsageError(
+                f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for the reward function code_reward, "
+                "which neither --reward_funcs nor --eval_metric_funcs names: add it (--reward_funcs code_reward ...), "
+                "or leave the option out"
+            )
+        for name in ("code_timeout", "code_memory_mb", "code_workers"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UsageError(f"--{name} must be > 0, got {value}")
 
 
 def reward_func_name(spec: str) -> str:
@@ -396,16 +426,27 @@ BUILTIN_REWARD_FUNCS = {
     "vader_sentiment": vader_sentiment,
     "completion_length": completion_length,
     "soft_overlong_punishment": soft_overlong_punishment,  # its lengths from the options: builtin_reward_funcs
+    "code_reward": code_reward,  # its sandbox's options, too
     **VERIFIABLE_REWARD_FUNCS,
 }
 
 
 def builtin_reward_funcs(
-    *, max_completion_length: int, overlong_buffer_length: Optional[int], overlong_penalty_factor: float
+    *,
+    max_completion_length: int,
+    overlong_buffer_length: Optional[int],
+    overlong_penalty_factor: float,
+    code_sandbox: str = "bwrap",
+    code_timeout: float = DEFAULT_TIMEOUT,
+    code_memory_mb: int = DEFAULT_MEMORY_MB,
+    code_workers: Optional[int] = None,
 ) -> dict[str, Callable]:
     """The built-in reward functions by name, those with parameters given theirs: soft_overlong_punishment's limit
     (--max_completion_length), the tokens before it over which its penalty grows (--overlong_buffer_length; None: a
-    fifth of the limit) and its penalty at the limit (--overlong_penalty_factor)."""
+    fifth of the limit) and its penalty at the limit (--overlong_penalty_factor); code_reward's sandbox
+    (--code_sandbox), the seconds and memory of a test run (--code_timeout, --code_memory_mb) and how many run at once
+    (--code_workers; None: the cores), which starts when the set-up checks it (check_code_reward) or at its first
+    call."""
     buffer_length = overlong_buffer_length or max(1, max_completion_length // 5)
     overlong = functools.partial(
         soft_overlong_punishment,
@@ -413,7 +454,8 @@ def builtin_reward_funcs(
         buffer_length=buffer_length,
         penalty_factor=overlong_penalty_factor,
     )
-    return {**BUILTIN_REWARD_FUNCS, "soft_overlong_punishment": overlong}
+    code = CodeReward(code_sandbox, code_timeout, code_memory_mb, code_workers)
+    return {**BUILTIN_REWARD_FUNCS, "soft_overlong_punishment": overlong, "code_reward": code}
 
 
 def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

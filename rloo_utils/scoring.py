@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rloo_utils.code_reward import CodeReward
 from rloo_utils.data import content_text, left_pad
 from rloo_utils.errors import RunError
 from rloo_utils.packing import last_true_index, pack_sequences, packing_layout, position_ids_from, varlen_kwargs
@@ -142,7 +143,9 @@ class Scorer:
     def for_run(cls, args, models, plan, trainer_state: TrainerState, device, autocast, console) -> "Scorer":
         """The run's scorer: the models' reward model and tokenizers, the plan's reward functions, their names and
         weights, and its tools; the options --padding_free, --local_rollout_forward_batch_size, --chat_template_kwargs
-        and --reward_timeout."""
+        and --reward_timeout. A code_reward's line says the protections its sandbox has in force."""
+        for code in dict.fromkeys(f for f in plan.reward_funcs + plan.metric_funcs if isinstance(f, CodeReward)):
+            console.print(code.sandbox.start(), markup=False, highlight=False)
         return cls(
             tokenizer=models.tokenizer,
             reward_tokenizer=models.reward_tokenizer,

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from rloo_utils.code_reward import check_code_reward
 from rloo_utils.checkpoints import (
     check_resumable,
     find_checkpoint,
@@ -81,7 +82,8 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
     """The checks that need no model, in the order a user meets them: the batch arithmetic, the checkpoint a resumed
     run continues (--resume_from_checkpoint, found and checked, and what it may change: resumable_options; sharded:
     rloo_multigpu.py's, whose weights are torch.distributed.checkpoint shards), the tools, the reward sources and
-    evaluation metrics, the data and the columns the functions read, the held-out prompts."""
+    evaluation metrics, the data and the columns the functions read (code_reward: its rows' tests, and its sandbox
+    started), the held-out prompts."""
     batch_size, mini_batch_size, num_updates = batch_sizes(
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -106,6 +108,10 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
         max_completion_length=args.max_completion_length,
         overlong_buffer_length=args.overlong_buffer_length,
         overlong_penalty_factor=args.overlong_penalty_factor,
+        code_sandbox=args.code_sandbox,
+        code_timeout=args.code_timeout,
+        code_memory_mb=args.code_memory_mb,
+        code_workers=args.code_workers,
     )
     reward_funcs, reward_names, reward_weights = reward_sources(
         builtin,
@@ -132,6 +138,13 @@ def plan_run(args, world_size=1, sharded=False) -> RunPlan:
         eval_steps=args.eval_steps,
         multi_turn=tool_use is not None,
     )
+    # code_reward: the tests of the rows it scores read, its sandbox started (as check_reward_columns splits them)
+    held_out = {} if eval_dataset is None else {"held-out": eval_dataset}
+    check_code_reward(
+        reward_funcs,
+        {"training": train_dataset, **(held_out if args.num_sample_generations or args.eval_steps else {})},
+    )
+    check_code_reward(eval_metric_funcs, held_out if args.eval_steps else {})
     eval_prompts = evaluation_prompts(
         eval_dataset,
         eval_metric_names,
