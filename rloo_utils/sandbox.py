@@ -165,17 +165,18 @@ class Sandbox:
         return tools
 
     def probe_failure(self, probe: Run) -> str:
-        """The one line of a sandbox that could not run `print(6 * 7)`: what it said, and the way out."""
+        """The one line of a sandbox that could not run `print(6 * 7)`: what it said, and the way out (bwrap's own
+        complaint: the namespaces; else: the interpreter, as the code's uid and under the limits)."""
         said = (probe.stderr or probe.stdout).decode("utf-8", "replace").strip().splitlines()
         what = said[-1][:200] if said else f"{probe.status}, exit code {probe.returncode}"
-        if self.mode == "bwrap":
+        if what.startswith("bwrap:"):
             fix = (
-                "bubblewrap needs user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                "bubblewrap needs namespaces the kernel allows (as a user: kernel.unprivileged_userns_clone=1 and "
                 "user.max_user_namespaces > 0; in a container, one allowed to make them), or opt in to limits and a "
                 "clean environment alone with --code_sandbox rlimits (the network and the files the code's uid may "
                 "write are then NOT protected)"
             )
-        elif self.root:
+        elif self.mode == "rlimits" and self.root and "Permission denied" in what:
             fix = (
                 f"the code runs as uid {self.uid}, which must be able to run {self.python} (a folder above it may be "
                 "private to root): install bubblewrap (apt install bubblewrap), which shows it the interpreter, or "
