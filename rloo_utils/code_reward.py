@@ -20,7 +20,7 @@ TEST_COLUMNS = ("verification_info", "test_list", "test_setup_code", "test_impor
 
 
 @dataclass
-class Test:
+class RowTest:
     """One test of a row: a program's stdin and the stdout expected of it (open-r1's stdin_stdout case), or code run
     after the program in its namespace (MBPP's assert statement, after the row's set-up code)."""
 
@@ -34,7 +34,9 @@ def missing(value) -> bool:
     return value is None or (isinstance(value, float) and value != value) or (hasattr(value, "__len__") and not value)
 
 
-def row_tests(verification_info=None, test_list=None, test_setup_code=None, test_imports=None) -> Optional[list[Test]]:
+def row_tests(
+    verification_info=None, test_list=None, test_setup_code=None, test_imports=None
+) -> Optional[list[RowTest]]:
     """A row's tests: open-r1's verification_info ({"language": "python", "test_cases": [{"type": "stdin_stdout",
     "input": ..., "output": ...}]}, a dict or its JSON text), then MBPP's test_list (assert statements, each run after
     the row's test_imports and test_setup_code); None where the row has none. A value of another shape, or another
@@ -61,7 +63,7 @@ def row_tests(verification_info=None, test_list=None, test_setup_code=None, test
                 raise ValueError(f"a test case of its verification_info is {case!r:.80}, not a stdin_stdout case")
             if not isinstance(case.get("input"), str) or not isinstance(case.get("output"), str):
                 raise ValueError("a stdin_stdout case of its verification_info lacks its input or output text")
-            tests.append(Test(input=case["input"], output=case["output"]))
+            tests.append(RowTest(input=case["input"], output=case["output"]))
     if not missing(test_list):
         if not is_list_of_code(test_list):
             raise ValueError(f"its test_list is {test_list!r:.80}, not a list of assert statements")
@@ -71,7 +73,7 @@ def row_tests(verification_info=None, test_list=None, test_setup_code=None, test
         setup = "" if missing(test_setup_code) else test_setup_code
         if not isinstance(setup, str):
             raise ValueError(f"its test_setup_code is {test_setup_code!r:.80}, not code")
-        tests += [Test(check="\n".join([*imports, setup, test])) for test in test_list]
+        tests += [RowTest(check="\n".join([*imports, *([setup] if setup.strip() else []), test])) for test in test_list]
     return tests or None
 
 
@@ -103,7 +105,7 @@ def same_output(printed: str, expected: str) -> bool:
     return output_lines(printed) == output_lines(expected)
 
 
-def outcome(run: Run, test: Test, mark: str) -> str:
+def outcome(run: Run, test: RowTest, mark: str) -> str:
     """What a test run counts as: passed; wrong (it ran to its end: a wrong output, or its assert failed); timeouts
     (the wall clock, or the CPU seconds' SIGXCPU); memory (a MemoryError: the address space); output_limit; errors
     (any other failure: an exception, a syntax error, a signal)."""
