@@ -595,6 +595,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
         "vllm_timing.py",
         "async_timing.py",
         "off_policy_masks.py",
+        "sandbox_speed.py",
         "launch.py",
         "plot.py",
         "judge.py",
@@ -1542,3 +1543,18 @@ def test_the_math_reward_benchmark_times_every_way_on_the_same_scores(tmp_path):
     check_one_line_error(
         run_script(script, "--out", tmp_path / "no" / "x.json", cwd=tmp_path), "--out", "its folder does not exist"
     )
+
+
+def test_the_sandbox_speed_benchmark_scores_both_modes_side_by_side(tmp_path):
+    """benchmark/sandbox_speed.py on 4 completions (2 right, 1 wrong, 1 raising; 3 tests each): every mode and number
+    of workers in its table and its JSON, each scoring them alike."""
+    import sandbox_speed
+
+    out = tmp_path / "speed.json"
+    argv = ["--completions", "4", "--rounds", "1", "--python", "/usr/bin/python3", "--out", str(out)]
+    record = sandbox_speed.main(sandbox_speed.parse_args(argv))
+    assert list(record["table"]) == ["bwrap, 1 worker", "bwrap, 2 workers", "rlimits, 1 worker", "rlimits, 2 workers"]
+    assert record["test_runs"] == 12
+    for row in record["table"].values():
+        assert row["mean_reward"] == 0.5 and row["completions_per_second"] == 4 / row["seconds"] > 0
+    assert json.loads(out.read_text())["table"] == record["table"]

@@ -266,6 +266,63 @@ def test_a_fork_bomb_is_bounded_and_leaves_no_process_behind(each_reward):
     assert subprocess.run(["true"], timeout=30).returncode == 0
 
 
+# Forks until refused, then prints how many processes it was: itself and its children, each sleeping a while
+COUNTING_BOMB = "\n".join(
+    [
+        "import os, time",
+        "count = 1",
+        "while True:",
+        "    try:",
+        "        if os.fork() == 0:",
+        "            time.sleep(5)",
+    ]
+    + ["            os._exit(0)", "        count += 1", "    except OSError:", "        print(count)", "        break"]
+)
+
+
+def test_each_run_counts_its_own_processes_alone(bwrap_reward):
+    """Two fork bombs at once (and other processes of the uid on the machine) do not share RLIMIT_NPROC: each run
+    counts in a user namespace of its own. As root the code's namespace holds it alone; as another user bwrap's
+    reaper is in it too."""
+    runs = bwrap_reward.sandbox.run_all([({"program": COUNTING_BOMB, "check": None}, "")] * 2)
+    expected = PROCESSES if os.geteuid() == 0 else PROCESSES - 1
+    assert [run.stdout for run in runs] == [f"{expected}\n".encode()] * 2
+
+
+NOT_ROOT = """\
+import json
+from rloo_utils.sandbox import Sandbox
+box = Sandbox("bwrap", timeout=2, memory_mb=256, workers=2, python="/usr/bin/python3")
+line = box.start()
+probe = "\\n".join(["import os, socket", "try:", "    socket.create_connection(('1.1.1.1', 53), timeout=1)",
+    "    print('connected')", "except OSError:", "    print('blocked')",
+    "print(os.getuid(), sorted(os.environ), os.path.exists(%r))" % __import__("os").getcwd()])
+runs = box.run_all([({"program": BOMB, "check": None}, ""), ({"program": probe, "check": None}, "")])
+print(json.dumps({"line": line, "outputs": [run.stdout.decode() for run in runs]}))
+"""
+
+
+def test_a_trainer_that_is_not_root_gets_the_same_sandbox(tmp_path):
+    """bwrap run by a user (here nobody, from root): it makes the user namespace itself, and the run is as contained
+    as root's: its processes counted alone, no network, no environment variable of the trainer's, no file of ours."""
+    user = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
+    script = NOT_ROOT.replace("BOMB", repr(COUNTING_BOMB))
+    proc = subprocess.run(
+        [SYSTEM_PYTHON, "-B", "-c", script],
+        env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "RLOO_TEST_SECRET": "s3cret"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **user,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    uid = 65534 if os.geteuid() == 0 else os.geteuid()
+    assert f"as your uid {uid} without capabilities" in result["line"]
+    assert result["outputs"] == [f"{PROCESSES - 1}\n", f"blocked\n{uid} ['HOME', 'LANG', 'PATH', 'PWD'] False\n"]
+
+
 def test_writes_outside_its_folder_leave_nothing(bwrap_reward, tmp_path):
     name = f"escaped-{uuid.uuid4().hex}"
     targets = [str(tmp_path / name), f"/tmp/{name}", os.path.join(ROOT, name), f"/root/{name}", f"/usr/{name}"]
@@ -556,4 +613,5 @@ def test_a_run_rewards_its_completions_with_the_sandboxs_results(tmp_path):
     assert {n: metrics[f"log_metric/{n}"] for n in counts} == counts
     tests_run = sum(v for n, v in counts.items() if n != "code_reward/no_code")
     assert tests_run == 3 * (16 - counts["code_reward/no_code"])  # every toy problem has 3 tests
-    assert counts["code_reward/no_code"] < 16  # it writes code blocks
+    assert counts["code_reward/no_code"] < 16  # it writes code blocks,
+    assert sum(again) > 0  # and some pass (4 of 16 here, 2026-11-29: is_even and largest, whole)
