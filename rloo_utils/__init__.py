@@ -23,6 +23,9 @@ against non-finite values (models); an update's statistics (logs).
     verifiable     reward functions of tasks with a right answer: the final answer parsed and checked; math answers
                    judged as math (accuracy_reward), the format of a boxed answer
     math_judge     math-verify in worker processes of their own, each answer bounded in time (accuracy_reward's judge)
+    code_reward    the built-in code_reward: a completion's program run against its row's tests (open-r1's and MBPP's
+                   schemas), the share passed
+    sandbox        where each test run goes: bubblewrap's namespaces, rlimits and a clean environment, a pool of them
     tools          multi-turn rollouts: tools and environments, the chat template's tool calls
     vision         a vision-language policy's inputs
     decoding       our own decoding loop on a static KV cache (--decoding_loop own): stop tokens read every few steps
