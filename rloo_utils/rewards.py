@@ -50,7 +50,7 @@ class RewardSourceOptions:
     code_memory_mb: int = DEFAULT_MEMORY_MB
     """(code_reward) the memory (address space) of one test run, in MiB"""
     code_workers: Optional[int] = None
-    """(code_reward) test runs at once; None: the CPU cores this process may use"""
+    """(code_reward) test runs at once, in each process; None: the CPU cores, shared among torchrun's processes"""
 
     def check(self) -> None:
         """The reward timeout; the soft overlong punishment's options shape its reward function only, and its buffer

@@ -117,7 +117,7 @@ class Sandbox:
         if mode not in SANDBOX_MODES:
             raise UsageError(f"code_reward's sandbox is one of {', '.join(SANDBOX_MODES)}, got {mode!r}")
         self.mode, self.timeout, self.memory_mb = mode, timeout, memory_mb
-        self.workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+        self.workers = workers or default_workers()
         self.python = python or base_interpreter()
         # root's processes are exempt from RLIMIT_NPROC, even in a user namespace: the code runs as nobody
         self.root = os.geteuid() == 0
@@ -140,12 +140,14 @@ class Sandbox:
 
     def find_tools(self) -> dict[str, str]:
         """The programs a run needs, by name: prlimit (util-linux: the limits); with bwrap also bwrap and, as root,
-        setpriv and unshare (util-linux: the uid dropped, a user namespace of its own). One line for what is missing."""
+        setpriv and unshare (util-linux: the uid dropped, a user namespace of its own); without, setpriv (the run
+        killed with the trainer). One line for what is missing."""
         if not sys.platform.startswith("linux"):
             raise UsageError(f"code_reward runs code in a sandbox made of Linux's features, and this is {sys.platform}")
         names = ["prlimit"] + (
             ["bwrap"] + (["setpriv", "unshare"] if self.root else []) if self.mode == "bwrap" else []
         )
+        names += ["setpriv"] if self.mode == "rlimits" else []
         tools = {name: shutil.which(name) for name in names}
         if tools.get("bwrap", "") is None:
             raise UsageError(
@@ -169,7 +171,9 @@ class Sandbox:
         complaint: the namespaces; else: the interpreter, as the code's uid and under the limits)."""
         said = (probe.stderr or probe.stdout).decode("utf-8", "replace").strip().splitlines()
         what = said[-1][:200] if said else f"{probe.status}, exit code {probe.returncode}"
-        if what.startswith("bwrap:"):
+        if probe.status == "timeout":
+            fix = f"give --code_timeout more than {self.timeout:g} s: the interpreter did not even start within it"
+        elif what.startswith("bwrap:"):
             fix = (
                 "bubblewrap needs namespaces the kernel allows (as a user: kernel.unprivileged_userns_clone=1 and "
                 "user.max_user_namespaces > 0; in a container, one allowed to make them), or opt in to limits and a "
@@ -274,7 +278,8 @@ class Sandbox:
                 command, folder_of_run, identity = self.bwrap_command(job_fd), "/", {}
             else:
                 folder = folder_of_run = tempfile.mkdtemp(prefix="code_reward_")
-                command = self.limited(job_fd)
+                # killed with this thread, as bwrap's --die-with-parent does (the trainer's end, a failure)
+                command = [self.tools["setpriv"], "--pdeathsig", "KILL", "--"] + self.limited(job_fd)
                 identity = {}
                 if self.root:
                     os.chown(folder, self.uid, self.gid)
@@ -310,6 +315,13 @@ class Sandbox:
         """Each (job, stdin) run, at most `workers` at once; in their order."""
         self.start()
         return list(self.pool.map(self.run, *zip(*jobs))) if jobs else []
+
+
+def default_workers() -> int:
+    """The cores this process may use, shared among the processes torchrun started on this machine (rloo_multigpu.py:
+    each process scores its own completions)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def nobody_ids() -> tuple[int, int]:

@@ -10,6 +10,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -469,6 +470,34 @@ def test_rlimits_runs_with_a_clean_environment_as_nobody(rlimits_reward, monkeyp
     assert run.stdout.decode() == f"{uid} ['HOME', 'LANG', 'PATH']\n"
 
 
+TRAINER = """\
+import os, sys
+from rloo_utils.sandbox import Sandbox
+mode, python, marker = sys.argv[1], sys.argv[2], os.environ["MARKER"]  # (not in argv: the trainer's own command line)
+box = Sandbox(mode, timeout=60, python=python)
+box.start()
+box.run_all([({"program": "import os\\nos.execv('/bin/sleep', [%r, '100'])" % marker, "check": None}, "")])
+"""
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
+def test_a_run_dies_with_its_trainer(mode):
+    """A trainer killed (SIGKILL: nothing of its own runs) while a test run sleeps: the run goes with it (bwrap's
+    --die-with-parent; setpriv --pdeathsig KILL without bwrap)."""
+    marker = f"orphan-{uuid.uuid4().hex}"
+    env = {"PYTHONPATH": ROOT, "PATH": os.environ["PATH"], "MARKER": marker}
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, mode, SYSTEM_PYTHON], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_with(marker), "the test run never started"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert wait_until_none(marker) == []
+
+
 # ---- The start line and the refusals ---------------------------------------------------------------------------------
 def test_the_start_line_says_the_protections_in_force(bwrap_reward, rlimits_reward):
     line = bwrap_reward.sandbox.start()
@@ -486,7 +515,7 @@ def test_without_bwrap_the_sandbox_is_refused_with_the_way_out(monkeypatch, tmp_
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap, no prlimit
     with pytest.raises(UsageError, match=r"bwrap is not installed: apt install bubblewrap .* --code_sandbox rlimits"):
         Sandbox("bwrap").start()
-    with pytest.raises(UsageError, match=r"needs prlimit of util-linux"):
+    with pytest.raises(UsageError, match=r"needs prlimit and setpriv of util-linux, which the PATH does not hold"):
         Sandbox("rlimits").start()
 
 
