@@ -29,7 +29,7 @@ class RowTest:
     check: Optional[str] = None  # the set-up code and the assert
 
 
-def missing(value) -> bool:
+def absent(value) -> bool:
     """A row's column without a value: None, NaN (a table's empty cell), an empty string, list or dict."""
     return value is None or (isinstance(value, float) and value != value) or (hasattr(value, "__len__") and not value)
 
@@ -42,7 +42,7 @@ def row_tests(
     the row's test_imports and test_setup_code); None where the row has none. A value of another shape, or another
     language than Python, is a mistake in the data: ValueError, naming it."""
     tests = []
-    if not missing(verification_info):
+    if not absent(verification_info):
         info = verification_info
         if isinstance(info, str):
             try:
@@ -64,13 +64,13 @@ def row_tests(
             if not isinstance(case.get("input"), str) or not isinstance(case.get("output"), str):
                 raise ValueError("a stdin_stdout case of its verification_info lacks its input or output text")
             tests.append(RowTest(input=case["input"], output=case["output"]))
-    if not missing(test_list):
+    if not absent(test_list):
         if not is_list_of_code(test_list):
             raise ValueError(f"its test_list is {test_list!r:.80}, not a list of assert statements")
-        imports = [] if missing(test_imports) else test_imports
+        imports = [] if absent(test_imports) else test_imports
         if not is_list_of_code(imports, empty_allowed=True):
             raise ValueError(f"its test_imports is {test_imports!r:.80}, not a list of import statements")
-        setup = "" if missing(test_setup_code) else test_setup_code
+        setup = "" if absent(test_setup_code) else test_setup_code
         if not isinstance(setup, str):
             raise ValueError(f"its test_setup_code is {test_setup_code!r:.80}, not code")
         tests += [RowTest(check="\n".join([*imports, *([setup] if setup.strip() else []), test])) for test in test_list]
