@@ -260,7 +260,7 @@ def test_a_fork_bomb_is_bounded_and_leaves_no_process_behind(each_reward):
     watcher = threading.Thread(target=count_processes, args=(marker, seen, 1.6))
     watcher.start()
     rewards, counts = hostile_beside_normal(each_reward, program)
-    watcher.join()
+    watcher.join(timeout=30)
     assert rewards == [0.0, 1.0] and counts == {"timeouts": 1, "passed": 1}
     assert 0 < max(seen) <= PROCESSES  # it ran, and no further than its limit
     assert wait_until_none(marker) == []
@@ -494,7 +494,7 @@ def test_a_run_dies_with_its_trainer(mode):
         assert processes_with(marker), "the test run never started"
     finally:
         trainer.kill()
-        trainer.wait()
+        trainer.wait(timeout=30)
     assert wait_until_none(marker) == []
 
 
