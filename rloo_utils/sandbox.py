@@ -257,6 +257,8 @@ class Sandbox:
         command += read_only_system(self.python) + ["--proc", "/proc", "--dev", "/dev"]
         for folder in ("/tmp", "/sandbox"):
             command += ["--perms", "1777", "--size", str(FILE_MB << 20), "--tmpfs", folder]
+        # bwrap's own tmpfs (the root, /dev) read-only: run by a user they are that user's, and not limited in size
+        command += ["--remount-ro", "/dev", "--remount-ro", "/"]
         command += ["--chdir", "/sandbox", "--clearenv"]
         for name, value in clean_environment("/sandbox").items():
             command += ["--setenv", name, value]

@@ -297,7 +297,10 @@ box = Sandbox("bwrap", timeout=2, memory_mb=256, workers=2, python="/usr/bin/pyt
 line = box.start()
 probe = "\\n".join(["import os, socket", "try:", "    socket.create_connection(('1.1.1.1', 53), timeout=1)",
     "    print('connected')", "except OSError:", "    print('blocked')",
-    "print(os.getuid(), sorted(os.environ), os.path.exists(%r))" % __import__("os").getcwd()])
+    "print(os.getuid(), sorted(os.environ), os.path.exists(%r))" % __import__("os").getcwd(),
+    "for folder in ['/', '/dev', '/dev/shm', '/etc', '/usr', '/sandbox', '/tmp']:",
+    "    try:", "        open(folder.rstrip('/') + '/x', 'w').write('x')", "        print('wrote', folder)",
+    "    except OSError:", "        pass"])
 runs = box.run_all([({"program": BOMB, "check": None}, ""), ({"program": probe, "check": None}, "")])
 print(json.dumps({"line": line, "outputs": [run.stdout.decode() for run in runs]}))
 """
@@ -321,12 +324,16 @@ def test_a_trainer_that_is_not_root_gets_the_same_sandbox(tmp_path):
     result = json.loads(proc.stdout)
     uid = 65534 if os.geteuid() == 0 else os.geteuid()
     assert f"as your uid {uid} without capabilities" in result["line"]
-    assert result["outputs"] == [f"{PROCESSES - 1}\n", f"blocked\n{uid} ['HOME', 'LANG', 'PATH', 'PWD'] False\n"]
+    assert result["outputs"] == [
+        f"{PROCESSES - 1}\n",
+        f"blocked\n{uid} ['HOME', 'LANG', 'PATH', 'PWD'] False\nwrote /sandbox\nwrote /tmp\n",  # its folders alone
+    ]
 
 
 def test_writes_outside_its_folder_leave_nothing(bwrap_reward, tmp_path):
     name = f"escaped-{uuid.uuid4().hex}"
     targets = [str(tmp_path / name), f"/tmp/{name}", os.path.join(ROOT, name), f"/root/{name}", f"/usr/{name}"]
+    targets += [f"/{name}", f"/dev/shm/{name}", f"/etc/{name}"]
     program = "\n".join(
         [
             "import os",
