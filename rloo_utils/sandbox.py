@@ -35,23 +35,29 @@ STDERR_TAIL = 4096  # bytes of stderr kept: its last line names the error
 # alone), reading its job ({"program", "check", "mark"}) from a file descriptor the trainer passes; `site` would add
 # exit() and quit(), which programs call. Without a check the program reads the test's input on stdin and prints its
 # answer, as `python main.py` would run it; with one (an assert test) it is run as a module named `solution` (its
-# `if __name__ == "__main__":` block left out, as HumanEval's and MBPP's harnesses do), then the check in its
+# `if __name__ == "__main__":` block left out, as in HumanEval's harness), then the check in its
 # namespace, then the mark: a secret of this run, so that a program that ends the process early (os._exit(0),
-# sys.exit(0)) does not pass for one whose check ran.
+# sys.exit(0)) does not pass for one whose check ran. The mark is a local of main(), out of the program's globals.
 RUNNER = """\
 import builtins, json, os, sys
-with os.fdopen(int(sys.argv[1]), "rb") as job_file:
-    job = json.loads(job_file.read())
-builtins.exit = builtins.quit = sys.exit
-sys.argv = ["main.py"]
-if job["check"] is None:
-    exec(compile(job.pop("program"), "main.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
-else:
+
+
+def main(job_fd):
+    with os.fdopen(job_fd, "rb") as job_file:
+        job = json.loads(job_file.read())
+    builtins.exit = builtins.quit = sys.exit
+    sys.argv = ["main.py"]
+    if job["check"] is None:
+        exec(compile(job["program"], "main.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+        return
     mark, space = job.pop("mark").encode(), {"__name__": "solution", "__builtins__": builtins}
-    exec(compile(job.pop("program"), "main.py", "exec"), space)
-    exec(compile(job.pop("check"), "test.py", "exec"), space)
+    exec(compile(job["program"], "main.py", "exec"), space)
+    exec(compile(job["check"], "test.py", "exec"), space)
     sys.stdout.flush()
     os.write(1, b"\\n" + mark + b"\\n")
+
+
+main(int(sys.argv.pop()))
 """
 
 

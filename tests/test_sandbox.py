@@ -222,13 +222,14 @@ def test_assert_tests_pass_only_when_the_check_ran(each_reward):
         fenced("def add(a, b):\n    return a - b"),  # -1 and -2: neither
         fenced("import os\nos._exit(0)"),  # ends the process before the check: not a pass
         fenced("import sys\nsys.exit(0)"),
+        fenced("import __main__, os\nos.write(1, b'\\n' + getattr(__main__, 'mark', b'?') + b'\\n')\nos._exit(0)"),
         fenced("exit()"),  # what `site` would give, given without it
         fenced("def add(a, b):\n    return a + b if a > 0 else -1"),  # one of two
         fenced("def add(a, b):\n    assert math.pi\n    return a + b"),  # the set-up code's import, in its namespace
     ]
     rewards, counts = scored(each_reward, completions, **tests)
-    assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 1.0]
-    assert counts == {"passed": 5, "wrong": 9}
+    assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 1.0]
+    assert counts == {"passed": 5, "wrong": 11}
 
 
 # ---- Hostile programs: each scored and counted, nothing escaped, a normal one beside it scored right ----------------
