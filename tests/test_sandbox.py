@@ -489,11 +489,12 @@ box.run_all([({"program": "import os\\nos.execv('/bin/sleep', [%r, '100'])" % ma
 
 
 @pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
-def test_a_run_dies_with_its_trainer(mode):
+def test_a_run_dies_with_its_trainer(mode, own_tempdir):
     """A trainer killed (SIGKILL: nothing of its own runs) while a test run sleeps: the run goes with it (bwrap's
-    --die-with-parent; setpriv --pdeathsig KILL without bwrap)."""
+    --die-with-parent; setpriv --pdeathsig KILL without bwrap). (Without bwrap its folder stays: no code of the
+    trainer's removes it; here in a temporary folder of the test's own.)"""
     marker = f"orphan-{uuid.uuid4().hex}"
-    env = {"PYTHONPATH": ROOT, "PATH": os.environ["PATH"], "MARKER": marker}
+    env = {"PYTHONPATH": ROOT, "PATH": os.environ["PATH"], "MARKER": marker, "TMPDIR": own_tempdir}
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, mode, SYSTEM_PYTHON], env=env)
     try:
         deadline = time.monotonic() + 30
