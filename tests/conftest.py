@@ -70,6 +70,8 @@ LONGEST_FIRST = [
     "test_gguf_cache.py",
     "test_padding_free.py",
     "test_rollouts.py",
+    "test_sandbox.py",  # issue 71's, placed by their time on the CPU of their session, not yet in docs/tests.md
+    "test_math_reward.py",
     "test_static_cache.py",
     "test_batch_split.py",
     "test_dynamic_sampling.py",
