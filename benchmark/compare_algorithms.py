@@ -13,6 +13,7 @@ the clip fraction and the minutes of training per run.
 
     python benchmark/compare_algorithms.py --preset tiny --seeds 1 2 3 4 5  # the test model, a "say good" reward (~10 min)
     python benchmark/compare_algorithms.py --preset smollm2 --seeds 1 2 3   # SmolLM2 and VADER (~2 min per run, 2 CPUs)
+    python benchmark/compare_algorithms.py --preset arithmetic --seeds 1 2 3 --eval_metric eval/pass@1  # ~14 min a run
 
 Extra arguments after `--` go to every rloo.py run (`-- --track` logs them to W&B, tagged as launch.py tags).
 """
@@ -42,10 +43,23 @@ CONFIGS = {
     "sapo": ["--loss_type", "sapo"],
 }
 # One epoch of two minibatches: the second optimizer step of every update is off-policy, where the losses differ.
-COMMON = ["--num_mini_batches", "2", "--num_sample_generations", "0"]
+COMMON = ["--num_mini_batches", "2"]
 PRESETS = {
+    # SmolLM2-135M-Instruct answers one-digit arithmetic (data/arithmetic), rewarded by answer_accuracy: the settings of
+    # benchmark/experiments/arithmetic_cpu.sh (docs/verifiable.md), its 32 completions an update (4 prompts x 8) in the
+    # two minibatches of 16; 40 updates; the held-out evaluation of the 60 test problems (8 samples each: pass@1 and
+    # pass@8) before training and every 10 updates; greedy completions of all 60 in the sample tables (greedy pass@1)
+    "arithmetic": [
+        *("--dataset_name", os.path.join(ROOT, "data", "arithmetic"), "--reward_funcs", "answer_accuracy"),
+        *("--max_completion_length", "16", "--num_generations", "8", "--per_device_train_batch_size", "16"),
+        *("--total_episodes", "1280", "--learning_rate", "3e-5", "--beta", "0.02"),
+        *("--eval_steps", "10", "--num_generations_eval", "8", "--eval_success_threshold", "1"),
+        *("--num_sample_prompts", "60"),
+    ],
     # SmolLM2-135M-Instruct writes movie-review continuations, VADER sentiment reward (the embedded default, shorter).
     "smollm2": [
+        "--num_sample_generations",
+        "0",
         "--total_episodes",
         "192",
         "--per_device_train_batch_size",
@@ -57,6 +71,8 @@ PRESETS = {
     ],
     # The ~0.4M-parameter test model learns to say "good" (the reward of tests/test_end_to_end.py's learning test).
     "tiny": [
+        "--num_sample_generations",
+        "0",
         "--total_episodes",
         "1280",
         "--per_device_train_batch_size",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -497,6 +498,32 @@ def test_compare_algorithms_runs_on_the_launcher_and_resumes_where_it_stopped(tm
     assert (out / "runs" / "rloo__4" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (out / "runs" / "rloo__4__2" / "model" / "config.json").is_file()
     assert theirs == {p: p.read_bytes() for p in theirs}
+
+
+def test_the_arithmetic_preset_is_the_arithmetic_experiment_in_two_minibatches():
+    """compare_algorithms.py --preset arithmetic runs benchmark/experiments/arithmetic_cpu.sh's rloo.py settings (read
+    from the script), each option the same but the micro-batch: the update's 32 completions in two minibatches of 16,
+    40 updates, the held-out evaluation and the greedy tables of the 60 test problems."""
+    import tyro
+
+    import rloo
+    from rloo_utils.checks import check_args
+
+    script = open(os.path.join(ROOT, "benchmark", "experiments", "arithmetic_cpu.sh")).read()
+    experiment = shlex.split(re.search(r'ARITHMETIC="([^"]*)"', script).group(1).replace("\\\n", " "))
+    experiment.remove("--track")
+    argv = [*compare_algorithms.COMMON, *compare_algorithms.PRESETS["arithmetic"]]
+    options = lambda words: dict(zip(words[::2], words[1::2]))  # noqa: E731
+    preset, theirs = options(argv), options(experiment)
+    assert preset.pop("--dataset_name") == os.path.join(ROOT, "data", "arithmetic")
+    assert theirs.pop("--dataset_name") == "data/arithmetic"
+    assert (preset.pop("--per_device_train_batch_size"), theirs.pop("--per_device_train_batch_size")) == ("16", "32")
+    assert preset == {**theirs, "--num_mini_batches": "2"}
+    args = tyro.cli(rloo.Args, args=argv, use_underscores=True)
+    check_args(args)
+    per_update = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    assert (per_update, args.total_episodes // per_update, args.num_generations) == (32, 40, 8)
+    assert args.num_sample_generations > 0 and args.eval_steps == 10  # the greedy tables, and pass@1 every 10 updates
 
 
 @pytest.mark.parametrize(
