@@ -237,7 +237,7 @@ def test_assert_tests_pass_only_when_the_check_ran(each_reward):
 def test_an_infinite_loop_is_stopped_at_the_wall_clock(each_reward, program):
     start = time.monotonic()
     rewards, counts = hostile_beside_normal(each_reward, program)
-    assert time.monotonic() - start < 6  # 2 s, and the runs' start
+    assert time.monotonic() - start < 30  # its 2 s and the runs' start; slack for a loaded machine: bounded, not timed
     assert rewards == [0.0, 1.0] and counts == {"timeouts": 1, "passed": 1}
 
 
@@ -436,7 +436,7 @@ def test_printing_gigabytes_is_cut_at_the_output_cap(each_reward):
     program = "import sys\nwhile True:\n    sys.stdout.write('x' * 10**6)"
     start = time.monotonic()
     rewards, counts = hostile_beside_normal(each_reward, program)
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 30  # bounded (a loaded machine's slack), not timed; the counts say why it ended
     assert rewards == [0.0, 1.0] and counts == {"output_limit": 1, "passed": 1}
     (run,) = each_reward.sandbox.run_all(
         [({"program": "import sys\nwhile True:\n    sys.stderr.write('y' * 4096)", "check": None}, "")]
