@@ -99,7 +99,7 @@ class Args(options.FeatureOptions):
     ] = None
     """(token-level losses) per-token losses to the minibatch loss; None: seq-mean-token-mean for gspo"""
     entropy_coef: float = 0.0
-    """entropy bonus: c x the policy's entropy over the loss's tokens, aggregated as the loss is, less the loss"""
+    """entropy bonus: c x the policy's entropy over the loss's tokens, aggregated as the loss is, subtracted from it"""
 
     # Optimisation
     total_episodes: int = 640
