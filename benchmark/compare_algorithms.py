@@ -6,12 +6,18 @@ output in <out>/logs/), with --exp_name the configuration's name and W&B project
 benchmark/plot.py and openrlbenchmark group them by configuration. They live in <out>/runs/<exp_name>__<seed>; a
 finished run (its model saved) is not run again and an interrupted one continues from its newest checkpoint (Ctrl-C
 writes one), so an interrupted comparison resumes where it stopped. A run stopped before any checkpoint is run anew as
-<exp_name>__<seed>__2 (3, ...). Nothing is ever removed, and other folders in <out>/runs are left alone. The summary is a markdown table: the mean sampled reward of the first and the last --last updates
+<exp_name>__<seed>__2 (3, ...). Nothing is ever removed, and other folders in <out>/runs are left alone. With
+--results DIR, each finished run's logs (metrics.jsonl, samples.jsonl, args.json, and wall_clock.json: the seconds from
+its start to its saved model, as its output says them, and how it ran) are copied to DIR/<run>, a folder small enough to
+commit; a run found there counts as finished, so that a fresh clone rebuilds the table from DIR without running again.
+--cores pins each worker's runs to one core, one thread (benchmark/launch.py).
+
+The summary is a markdown table: the mean sampled reward of the first and the last --last updates
 of each configuration (mean and std over seeds), the held-out evaluation's metric at the end (--eval_metric, where the
 runs evaluate: the tiny preset's data has a test split, as the embedded default's), the KL to the reference at the end,
 the clip fraction and the minutes of training per run.
 
-    python benchmark/compare_algorithms.py --preset tiny --seeds 1 2 3 4 5  # the test model, a "say good" reward (~10 min)
+    python benchmark/compare_algorithms.py --preset tiny --seeds 1 2 3 4 5  # the test model, "say good" (~10 min)
     python benchmark/compare_algorithms.py --preset smollm2 --seeds 1 2 3   # SmolLM2 and VADER (~2 min per run, 2 CPUs)
     python benchmark/compare_algorithms.py --preset arithmetic --seeds 1 2 3 --eval_metric eval/pass@1  # ~14 min a run
 
@@ -20,10 +26,13 @@ Extra arguments after `--` go to every rloo.py run (`-- --track` logs them to W&
 
 import argparse
 import fcntl
+import glob
+import json
 import math
 import os
 import re
 import shlex
+import shutil
 import statistics
 import sys
 
@@ -125,10 +134,45 @@ def is_saved_model(folder: str) -> bool:
     return is_saved_model(folder)
 
 
+LOGS = ("metrics.jsonl", "samples.jsonl", "args.json")  # what --results keeps of a run: its numbers, not its model
+SAVED = re.compile(r"saved the trained model to .* \((\d+) s\)")  # the last line of a run's output (rloo.py)
+
+
+def recorded(results: str | None, name: str) -> str | None:
+    """The run of one configuration and seed kept in --results (name or an attempt name__N), else None."""
+    if results is None or not os.path.isdir(results):
+        return None
+    kept = [r for r in os.listdir(results) if re.fullmatch(re.escape(name) + r"(__\d+)?", r)]
+    return next((r for r in sorted(kept) if os.path.isfile(os.path.join(results, r, "metrics.jsonl"))), None)
+
+
+def keep_logs(out: str, run: str, results: str, how: dict) -> None:
+    """Copy a finished run's logs from out/runs/run to results/run, with wall_clock.json: the seconds its output says
+    it took from its start to its saved model (a resumed run's count as if it had never stopped) and how it ran."""
+    outputs = sorted(glob.glob(os.path.join(out, "logs", f"{glob.escape(run)}*.log")), key=os.path.getmtime)
+    said = [m for log in outputs for m in SAVED.finditer(open(log, errors="replace").read())]
+    keep = os.path.join(results, run)
+    os.makedirs(keep, exist_ok=True)
+    for name in LOGS:
+        if os.path.isfile(os.path.join(out, "runs", run, name)):
+            shutil.copy2(os.path.join(out, "runs", run, name), os.path.join(keep, name))
+    with open(os.path.join(keep, "wall_clock.json"), "w") as f:
+        json.dump({"seconds": int(said[-1].group(1)) if said else None, **how}, f)
+
+
+def keep_finished(out: str, runs: dict, results: str | None, how: dict, ran_now: set) -> None:
+    """keep_logs of every run in runs ({(configuration, seed): run name}) that has finished and is not kept yet: how
+    they ran for those this comparison ran (ran_now), else nothing said (an earlier comparison ran them)."""
+    for run in runs.values():
+        if results and not recorded(results, run) and run_state(out, run)[1] == "finished":
+            keep_logs(out, run, results, how if run in ran_now else {})
+
+
 def run_state(out: str, name: str) -> tuple[str, str]:
     """(run name, state) of the newest attempt at one configuration and seed, in out/runs: state "new" (no attempt yet,
     or the newest stopped before its first checkpoint: the name is a new attempt's), "finished" (its model saved) or
-    "interrupted" (a checkpoint to continue from: a tmp-checkpoint-<update> is a save that never ended). A run still running is an error: two comparisons in one --out."""
+    "interrupted" (a checkpoint to continue from: a tmp-checkpoint-<update> is a save that never ended). A run still
+    running is an error: two comparisons in one --out."""
     attempt, run = 1, name
     while os.path.exists(os.path.join(out, "runs", f"{name}__{attempt + 1}")):
         attempt, run = attempt + 1, f"{name}__{attempt + 1}"
@@ -167,6 +211,12 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--workers", type=int, default=1, help="runs at once")
+    parser.add_argument(
+        "--cores", type=int, nargs="+", default=None, help="pin each worker to one of these cores, one thread"
+    )
+    parser.add_argument(
+        "--results", default=None, help="keep each finished run's logs here (a run kept here counts as finished)"
+    )
     parser.add_argument("--last", type=int, default=3, help="updates averaged at the start and at the end of a run")
     parser.add_argument(
         "--eval_metric", default="eval/reward", help="the held-out metric reported, at the last evaluation"
@@ -186,6 +236,10 @@ def main():
         if w.split("=")[0] in ("--seed", "--exp_name", "--run_name", "--resume_from_checkpoint")
     ]:
         parser.error(f"{given[0].split('=')[0]} after -- is the comparison's to set: use --seeds, or leave it out")
+    try:
+        launch.check_cores(cli.cores, cli.workers)
+    except ValueError as e:
+        parser.error(str(e))
     out = os.path.abspath(cli.out or os.path.join("runs", f"compare_{cli.preset}"))
     try:
         os.makedirs(os.path.join(out, "runs"), exist_ok=True)
@@ -200,11 +254,16 @@ def main():
         f"rloo-compare-{cli.preset}",
     ]
     runs, pending = {}, []  # runs: {(configuration, seed): run name}
+    results = os.path.abspath(cli.results) if cli.results else None
+    how = {"workers": cli.workers, "pinned": cli.cores is not None, "cpus": os.cpu_count()}
     for name in cli.configs:
         command = shlex.join(
             [sys.executable, os.path.join(ROOT, "rloo.py"), *base, *CONFIGS[name], "--exp_name", label(name)]
         )
         for seed in cli.seeds:
+            if kept := recorded(results, f"{label(name)}__{seed}"):
+                runs[name, seed] = kept
+                continue
             run, state = run_state(out, f"{label(name)}__{seed}")
             runs[name, seed] = run
             if state != "finished":  # a new run, or the interrupted one continued from its newest checkpoint
@@ -212,21 +271,30 @@ def main():
                 pending.append(
                     {"name": run, "seed": seed, "command": f"{command} --run_name {run}{more} --seed {seed}"}
                 )
+    keep_finished(
+        out, runs, results, how, set()
+    )  # finished before and not kept yet (a comparison stopped, no --results)
     if pending:
         os.chdir(out)  # the runs write out/runs/<run name>
         tags = launch.wandb_tags(None, os.environ.get("WANDB_TAGS", ""), launch.git_tag())
         try:
-            codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags)
+            codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags, cli.cores)
         except KeyboardInterrupt:  # the runs got Ctrl-C too, and wrote a checkpoint each
+            keep_finished(out, runs, results, how, {run["name"] for run in pending})
             print(
-                "compare_algorithms.py: error: interrupted; the runs stopped with a checkpoint: the same command continues "
-                "them",
+                "compare_algorithms.py: error: interrupted; the runs stopped with a checkpoint: the same command "
+                "continues them",
                 file=sys.stderr,
             )
             sys.exit(130)
+        keep_finished(out, runs, results, how, {run["name"] for run in pending})
         if failed := [run for run, code in zip(pending, codes) if code]:
             sys.exit(f"compare_algorithms.py: error: {len(failed)} runs failed: see {failed[0]['log']}")
-    finished = {key: plot.load_run(os.path.join(out, "runs", run)) for key, run in runs.items()}
+    folder = {
+        key: os.path.join(results if recorded(results, run) else os.path.join(out, "runs"), run)
+        for key, run in runs.items()
+    }
+    finished = {key: plot.load_run(path) for key, path in folder.items()}
     evaluated = any(cli.eval_metric in row for run in finished.values() for row in run["rows"])
 
     print(
@@ -245,7 +313,9 @@ def main():
             held_out.append(evaluations[-1] if evaluations else math.nan)
             kl.append(rows[-1].get("kl", math.nan))  # absent with --beta 0
             clipped.append(statistics.mean(r["clip_ratio/region_mean"] for r in rows))
-            minutes.append(rows[-1]["episode"] / rows[-1]["eps"] / 60)
+            clock = os.path.join(folder[name, seed], "wall_clock.json")  # to the saved model, the last evaluation in it
+            seconds = json.load(open(clock))["seconds"] if os.path.isfile(clock) else None
+            minutes.append((seconds or rows[-1]["episode"] / rows[-1]["eps"]) / 60)
         print(
             f"| {name} | `{' '.join(CONFIGS[name]) or '(defaults)'}` | {mean_std(first)} | {mean_std(last)} | "
             + (f"{mean_std(held_out)} | " if evaluated else "")

@@ -17,6 +17,7 @@ import argparse
 import concurrent.futures
 import itertools
 import os
+import queue
 import re
 import shlex
 import shutil
@@ -172,21 +173,44 @@ STARTING = threading.Lock()  # held while a run starts; Ctrl-C takes it to stop 
 STOPPED = threading.Event()
 
 
-def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
+# One thread a run: torch's, and those of the libraries under it, which read these before they start
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+# The shell of a pinned run, started on its core (argv: core, command), so that all it starts inherits the core; a
+# preexec_fn would do it in the child before exec, which Python says may deadlock when threads run, as the workers do
+PINNED_SHELL = (
+    "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); os.execv('/bin/sh', ['sh', '-c', sys.argv[2]])"
+)
+
+
+def run_one(run: dict, log_dir: str, tags: str, free_cores: queue.Queue | None = None) -> tuple[int, float]:
     """Run one command to its end, its output into a new log_dir/<name>.log (<name>_2.log, ... beside an earlier one;
-    run["log"] then names it): (exit code, seconds). After Ctrl-C a queued run does not start (exit code 130)."""
+    run["log"] then names it): (exit code, seconds). With free_cores, the run takes one of them (run["core"]) for its
+    whole process tree, one thread, and gives it back at its end. After Ctrl-C a queued run does not start (exit code
+    130)."""
     start = time.time()
-    with STARTING:
-        if STOPPED.is_set():
-            return 130, 0.0
-        run["log"] = new_path(os.path.join(log_dir, f"{run['name']}.log"), lambda p: open(p, "x").close())
-        say(f"started  {run['name']}: {run['command']}")
-        log = open(run["log"], "w")
-        process = subprocess.Popen(
-            run["command"], shell=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WANDB_TAGS": tags}
-        )
-    with log:
-        code = process.wait()
+    core = free_cores.get() if free_cores is not None else None  # one per worker: one is free
+    try:
+        with STARTING:
+            if STOPPED.is_set():
+                return 130, 0.0
+            run["log"] = new_path(os.path.join(log_dir, f"{run['name']}.log"), lambda p: open(p, "x").close())
+            run["core"] = core
+            say(f"started  {run['name']}" + (f" on core {core}" if core is not None else "") + f": {run['command']}")
+            log = open(run["log"], "w")
+            shell = ["/bin/sh", "-c", run["command"]]
+            if core is not None:
+                shell = [sys.executable, "-c", PINNED_SHELL, str(core), run["command"]]
+            process = subprocess.Popen(
+                shell,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "WANDB_TAGS": tags, **(ONE_THREAD if core is not None else {})},
+            )
+        with log:
+            code = process.wait()
+    finally:
+        if core is not None:
+            free_cores.put(core)
     if code in (130, -signal.SIGINT):  # Ctrl-C reached this run: stop here, before the main thread hears of it
         STOPPED.set()
     seconds = time.time() - start
@@ -194,11 +218,32 @@ def run_one(run: dict, log_dir: str, tags: str) -> tuple[int, float]:
     return code, seconds
 
 
-def run_all(runs: list[dict], workers: int, log_dir: str, tags: str) -> list[int]:
-    """Every run, `workers` at a time: their exit codes, in order."""
+def check_cores(cores: list[int] | None, workers: int) -> None:
+    """--cores: each one a core this process may run on, each once, one per worker (ValueError, saying so)."""
+    if cores is None:
+        return
+    if len(set(cores)) != len(cores) or len(cores) != workers:
+        raise ValueError(f"--cores {' '.join(map(str, cores))}: give {workers} different cores, one per worker")
+    if missing := sorted(set(cores) - os.sched_getaffinity(0)):
+        raise ValueError(
+            f"--cores: core {missing[0]} is not one this process may run on "
+            f"({' '.join(map(str, sorted(os.sched_getaffinity(0))))}): name those"
+        )
+
+
+def run_all(runs: list[dict], workers: int, log_dir: str, tags: str, cores: list[int] | None = None) -> list[int]:
+    """Every run, `workers` at a time: their exit codes, in order. cores (check_cores): each worker's run pinned to
+    one of them, one thread: two small runs at once on a core each finish sooner than one after the other on both
+    (docs/algorithm.md, Comparison), and a run's wall clock does not depend on what the other does."""
+    check_cores(cores, workers)
     os.makedirs(log_dir, exist_ok=True)
+    free_cores = None
+    if cores is not None:
+        free_cores = queue.Queue()
+        for core in cores:
+            free_cores.put(core)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(run_one, run, log_dir, tags) for run in runs]
+        futures = [pool.submit(run_one, run, log_dir, tags, free_cores) for run in runs]
         try:
             codes = [f.result()[0] for f in futures]
             if STOPPED.is_set():  # a run took Ctrl-C (the queue stopped) though the launcher did not
@@ -223,6 +268,13 @@ def main(argv=None) -> int:
     parser.add_argument("--num_seeds", type=int, default=3)
     parser.add_argument("--start_seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=1, help="runs at once (locally)")
+    parser.add_argument(
+        "--cores",
+        type=int,
+        nargs="+",
+        default=None,
+        help="pin each worker's run to one of these cores, one thread (one core per worker; locally)",
+    )
     parser.add_argument("--pr", type=int, default=None, help="add the W&B tag pr-N")
     parser.add_argument("--log_dir", default=None, help="each run's output; default runs/launch/<unix time>")
     parser.add_argument(
@@ -240,6 +292,10 @@ def main(argv=None) -> int:
         parser.error(f"--num_seeds and --workers must be at least 1, got {cli.num_seeds} and {cli.workers}")
     if cli.start_seed < 0:  # the scripts' seeds seed numpy's SeedSequence, which takes no negative number
         parser.error(f"--start_seed must be 0 or more, got {cli.start_seed}")
+    try:
+        check_cores(cli.cores, cli.workers)
+    except ValueError as e:
+        parser.error(str(e))
     if (cli.slurm_dir or cli.slurm_submit) and not cli.slurm_template:
         parser.error("--slurm_dir and --slurm_submit go with --slurm_template, the job file to fill in")
     if cli.slurm_submit and shutil.which("sbatch") is None:
@@ -274,7 +330,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     print(f"{len(runs)} runs, {cli.workers} at a time, WANDB_TAGS={tags}, logs in {log_dir}", flush=True)
     try:
-        codes = run_all(runs, cli.workers, log_dir, tags)
+        codes = run_all(runs, cli.workers, log_dir, tags, cli.cores)
     except KeyboardInterrupt:  # the runs got Ctrl-C too: the trainers wrote a checkpoint each
         print(
             f"launch.py: error: interrupted; the runs that had started stopped (a trainer writes a checkpoint and prints the "

@@ -552,6 +552,83 @@ def test_compare_algorithms_takes_every_saved_model_for_a_finished_run(files, tm
     assert compare_algorithms.run_state(str(tmp_path), "rloo__1") == ("rloo__1__2", "new")
 
 
+def test_pinned_runs_each_hold_one_core_and_one_thread_to_their_last_child(tmp_path, monkeypatch):
+    """--cores: each worker's run, and what it starts, runs on the worker's core alone, one thread; two at once hold
+    different cores; a core named twice, one too few, or one this process may not run on is refused before a run."""
+    import launch
+
+    monkeypatch.chdir(tmp_path)
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    # the shell starts a Python that reports where it may run: a grandchild of the launcher
+    probe = "import os, time; time.sleep(1); print(sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])"
+    command = f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}"
+    argv = ["--command", command, "--num_seeds", "2", "--log_dir", "logs", "--workers", str(len(cores)), "--cores"]
+    assert launch.main([*argv, *map(str, cores)]) == 0
+    said = sorted((tmp_path / "logs" / log).read_text() for log in os.listdir(tmp_path / "logs"))
+    if len(cores) == 2:  # the two overlap (each sleeps a second), each on its own core
+        assert said == [f"[{cores[0]}] 1\n", f"[{cores[1]}] 1\n"], said
+    else:
+        assert said == [f"[{cores[0]}] 1\n"] * 2, said
+    for wrong, needle in [
+        (["--workers", "2", "--cores", "0", "0"], "give 2 different cores, one per worker"),
+        (["--workers", "2", "--cores", "0"], "give 2 different cores, one per worker"),
+        (["--cores", "100000"], "core 100000 is not one this process may run on"),
+    ]:
+        with pytest.raises(SystemExit) as refused:
+            launch.main(["--command", "touch started", "--log_dir", "refused", *wrong])
+        assert needle in str(refused.value) and str(refused.value).startswith("launch.py: error: ")
+    assert not os.path.exists("started") and not os.path.exists("refused")
+
+
+def test_compare_algorithms_keeps_finished_runs_logs_and_rebuilds_its_table_from_them(tmp_path, monkeypatch, capsys):
+    """--results: a finished run's logs (not its model) are copied there with the seconds its output said; with them, a
+    comparison in a fresh --out runs nothing and prints the same table, its minutes those seconds."""
+    out, results = tmp_path / "compare", tmp_path / "kept"
+    run = out / "runs" / "rloo__1"
+    (run / "model").mkdir(parents=True)
+    for name in ["model.safetensors", "config.json", "tokenizer_config.json"]:
+        (run / "model" / name).write_text("{}")
+    rows = [
+        {"episode": 32 * u, "reward": r, "clip_ratio/region_mean": 0.25, "eps": 0.5, "kl": 0.125}
+        for u, r in [(1, 0.0), (2, 0.5), (3, 1.0)]
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "samples.jsonl").write_text('{"prompt": "1+1", "completion": "2"}\n')
+    (run / "args.json").write_text('{"exp_name": "rloo", "seed": 1}')
+    (out / "logs").mkdir()
+    (out / "logs" / "rloo__1.log").write_text("stopped\n")
+    (out / "logs" / "rloo__1_2.log").write_text(
+        "resumed from ...\nsaved the trained model to runs/rloo__1/model (150 s)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "compare_algorithms.py",
+        "--preset",
+        "smollm2",
+        "--configs",
+        "rloo",
+        "--seeds",
+        "1",
+        "--results",
+        str(results),
+    ]
+    monkeypatch.setattr(sys, "argv", [*args, "--out", str(out)])
+    compare_algorithms.main()
+    first = capsys.readouterr()
+    assert "started" not in first.out, first.out + first.err
+    assert sorted(os.listdir(results / "rloo__1")) == ["args.json", "metrics.jsonl", "samples.jsonl", "wall_clock.json"]
+    assert all((results / "rloo__1" / n).read_text() == (run / n).read_text() for n in ["metrics.jsonl", "args.json"])
+    assert json.load(open(results / "rloo__1" / "wall_clock.json")) == {"seconds": 150}  # an earlier comparison ran it
+    # reward of the first 3 updates 0.5, of the last 3 the same; KL 0.125; clip 0.25; 150 s
+    expected = "| rloo | `(defaults)` | 0.500 | 0.500 | 0.125 | 0.250 | 2.5 |"
+    assert expected in first.out.splitlines(), first.out
+    monkeypatch.setattr(sys, "argv", [*args, "--out", str(tmp_path / "fresh")])
+    compare_algorithms.main()
+    again = capsys.readouterr()
+    assert "started" not in again.out and expected in again.out.splitlines(), again.out + again.err
+    assert os.listdir(tmp_path / "fresh" / "runs") == []
+
+
 @pytest.mark.slow
 def test_compare_algorithms_does_not_train_a_finished_lora_run_again(tmp_path):
     """A --use_peft comparison run again: its run (an adapter in <run>/model) is finished, not trained anew."""
