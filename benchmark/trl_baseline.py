@@ -82,6 +82,15 @@ def count_good_reward(completions, **kwargs):
     return count_good(completions)
 
 
+def answer_accuracy_reward(completions, answer, **kwargs):
+    """rloo.py's answer_accuracy (rloo_utils/verifiable.py, the same function): 1.0 where the completion's final
+    number equals the dataset's `answer` (data/arithmetic), else 0.0."""
+    sys.path.insert(0, REPO_ROOT)
+    from rloo_utils.verifiable import answer_accuracy
+
+    return answer_accuracy(completions, answer)
+
+
 def completion_length(completion_ids, **kwargs):
     """rloo.py's built-in reward of the same name: the number of completion tokens (the GPU timing's reward)."""
     return [float(len(ids)) for ids in completion_ids]
@@ -134,7 +143,7 @@ class StepTimer(TrainerCallback):
         self.counts.append({k: COUNTS[k] - self._before[k] for k in COUNTS})  # what ran in this step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "completions/mean_length" in logs:
+        if logs and "loss" in logs:  # a step's (logging_steps 1), not the summary at the end of training
             self.logs.append(dict(logs))
 
 
@@ -157,9 +166,19 @@ def main():
         help="passed to generate(); 0 (default) stops at EOS like rloo.py; max_completion_length forces full length",
     )
     p.add_argument("--output_dir", default="/tmp/trl-rloo-bench")
-    p.add_argument("--reward", choices=["vader", "count_good", "completion_length"], default="vader")
+    p.add_argument("--reward", choices=["vader", "count_good", "completion_length", "answer_accuracy"], default="vader")
     p.add_argument("--num_generations", type=int, default=2)
     p.add_argument("--per_device_train_batch_size", type=int, default=8, help="completions per step")
+    p.add_argument(
+        "--steps_per_generation",
+        type=int,
+        default=1,
+        help="optimizer steps per generation (TRL's): 2 samples 2 x --per_device_train_batch_size completions, then "
+        "takes two steps on them, as rloo.py's --num_mini_batches 2",
+    )
+    p.add_argument(
+        "--save_steps", type=int, default=0, help="save the model every N optimizer steps (checkpoint-N); 0: never"
+    )
     p.add_argument("--beta", type=float, default=0.05)
     p.add_argument(
         "--bf16",
@@ -189,6 +208,7 @@ def main():
         num_generations=args.num_generations,
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=1,
+        steps_per_generation=args.steps_per_generation,
         max_completion_length=args.max_completion_length,
         generation_kwargs={"min_new_tokens": min_new} if min_new > 0 else None,
         beta=args.beta,
@@ -203,11 +223,19 @@ def main():
         seed=args.seed,
         logging_steps=1,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        save_only_model=True,  # the weights, for benchmark/trl_arithmetic.py to evaluate
+        disable_tqdm=True,
         **({"cache_implementation": args.cache_implementation} if args.cache_implementation else {}),
     )
     timer = StepTimer()
-    rewards = {"vader": vader_reward, "count_good": count_good_reward, "completion_length": completion_length}
+    rewards = {
+        "vader": vader_reward,
+        "count_good": count_good_reward,
+        "completion_length": completion_length,
+        "answer_accuracy": answer_accuracy_reward,
+    }
     reward = counted(rewards[args.reward])
     trainer = RLOOTrainer(
         model=args.model_dir, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[timer]
@@ -219,10 +247,13 @@ def main():
     print(f"loadavg at start (1,5,15 min): {os.getloadavg()}, cpus: {os.cpu_count()}")
     trainer.train()
 
+    # with --steps_per_generation > 1 only a generation's step logs what TRL measures of its completions
+    generated = [logs for logs in timer.logs if "completions/mean_length" in logs]
     if args.log_file:
         with open(args.log_file, "w") as f:
-            seen = [0] + [logs["num_tokens"] for logs in timer.logs]  # TRL's: prompt and completion tokens so far
+            seen = 0  # TRL's num_tokens: prompt and completion tokens so far, logged at each generation
             for i, (seconds, counts, logs) in enumerate(zip(timer.durations, timer.counts, timer.logs)):
+                trained_tokens, seen = logs.get("num_tokens", seen) - seen, logs.get("num_tokens", seen)
                 f.write(
                     json.dumps(
                         {
@@ -230,25 +261,26 @@ def main():
                             "completions": counts.get("completions", 0),
                             "episode": sum(c.get("completions", 0) for c in timer.counts[: i + 1]),
                             "seconds": seconds,
-                            "reward": logs["reward"],
-                            "completions/mean_length": logs["completions/mean_length"],
-                            "completions/max_length": logs["completions/max_length"],
-                            "trained_tokens": seen[i + 1] - seen[i],
+                            "reward": logs.get("reward"),
+                            "completions/mean_length": logs.get("completions/mean_length"),
+                            "completions/max_length": logs.get("completions/max_length"),
+                            "trained_tokens": trained_tokens,
                             **{k: counts.get(k, 0) for k in TIMED},
+                            "trl": logs,  # all TRL logged at this step (kl, clip_ratio/region_mean, entropy, ...)
                         }
                     )
                     + "\n"
                 )
     steps = timer.durations[1:] or timer.durations  # drop the warm-up step
-    lengths = [l["completions/mean_length"] for l in timer.logs[1:] or timer.logs]
+    lengths = [l["completions/mean_length"] for l in generated[1:] or generated]
     mean_s, min_s, med_s = statistics.mean(steps), min(steps), statistics.median(steps)
     mean_len = statistics.mean(lengths) if lengths else float("nan")
     tok_s = mean_len * config.per_device_train_batch_size / mean_s  # completion tokens per wall-second of a step
     print("per-step seconds:", " ".join(f"{d:.2f}" for d in timer.durations), "(first dropped)")
-    print("per-step mean completion length:", " ".join(f"{l['completions/mean_length']:.1f}" for l in timer.logs))
+    print("per-step mean completion length:", " ".join(f"{l['completions/mean_length']:.1f}" for l in generated))
     print(
         f"torch threads={torch.get_num_threads()} loadavg(1,5,15 min)={os.getloadavg()} clipped_ratio(last)="
-        f"{timer.logs[-1].get('completions/clipped_ratio') if timer.logs else None}"
+        f"{generated[-1].get('completions/clipped_ratio') if generated else None}"
     )
     print(
         f"trl RLOOTrainer: gradient_checkpointing={args.gradient_checkpointing} mean_step_s={mean_s:.2f} "

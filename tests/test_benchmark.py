@@ -695,6 +695,7 @@ def test_compare_algorithms_refuses_bad_input_in_one_line(args, needles, tmp_pat
         "token_budget.py",
         "trl_baseline.py",
         "trl_side_by_side.py",
+        "trl_arithmetic.py",
         "vllm_sampling_seeds.py",
         "vllm_timing.py",
         "async_timing.py",
@@ -1526,6 +1527,77 @@ def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(t
     )
     assert unbalanced.returncode == 2 and "--regex '(rloo' is not a regular expression" in unbalanced.stderr
     assert "Traceback" not in unbalanced.stderr
+
+
+def test_trl_s_logged_steps_become_rloo_py_s_update_rows():
+    """benchmark/trl_arithmetic.py: an update of two optimizer steps is one row: its generation's reward, lengths and
+    tokens (TRL logs them on the step that generates), and the mean of the two steps' KL, clip fraction and entropy."""
+    import trl_arithmetic
+
+    steps = [
+        {
+            "episode": 32,
+            "seconds": 3.0,
+            "trl": {
+                "reward": 0.25,
+                "completions/mean_length": 12.0,
+                "num_tokens": 900.0,
+                "kl": 0.0,
+                "clip_ratio/region_mean": 0.0,
+                "entropy": 2.0,
+                "loss": 0.5,
+            },
+        },
+        {
+            "episode": 32,
+            "seconds": 1.0,
+            "trl": {"kl": 0.5, "clip_ratio/region_mean": 0.25, "entropy": 1.0, "loss": -0.5},
+        },
+        {
+            "episode": 64,
+            "seconds": 2.0,
+            "trl": {
+                "reward": 0.75,
+                "completions/mean_length": 8.0,
+                "num_tokens": 1700.0,
+                "kl": 1.0,
+                "clip_ratio/region_mean": 0.0,
+                "entropy": 1.5,
+                "loss": 0.0,
+            },
+        },
+        {"episode": 64, "seconds": 2.0, "trl": {"kl": 2.0, "clip_ratio/region_mean": 0.5, "entropy": 0.5, "loss": 1.0}},
+    ]
+    assert trl_arithmetic.update_rows(steps, 2) == [
+        {"episode": 32, "global_step": 2, "reward": 0.25, "completions/mean_length": 12.0, "num_tokens": 900.0,
+         "kl": 0.25, "clip_ratio/region_mean": 0.125, "entropy": 1.5, "loss": 0.0, "time/update": 4.0},
+        {"episode": 64, "global_step": 4, "reward": 0.75, "completions/mean_length": 8.0, "num_tokens": 1700.0,
+         "kl": 1.5, "clip_ratio/region_mean": 0.25, "entropy": 1.0, "loss": 0.5, "time/update": 4.0},
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_trl_arithmetic_evaluates_a_saved_model_as_rloo_py_evaluates_it(tiny, tmp_path):
+    """The initial model's held-out evaluation and greedy sample table, from benchmark/trl_arithmetic.py's evaluate,
+    are rloo.py's own before its first update on the arithmetic preset, number for number (the seconds apart)."""
+    import trl_arithmetic
+
+    train = run_script(
+        os.path.join(ROOT, "rloo.py"),
+        *trl_arithmetic.PRESET,
+        *("--model_name_or_path", tiny["policy"], "--total_episodes", 32, "--seed", 3, "--run_name", "r"),
+        cwd=tmp_path,
+    )
+    assert train.returncode == 0, train.stdout + train.stderr
+    logger, _ = trl_arithmetic.evaluate(tiny["policy"], 3, 0, str(tmp_path / "e"), None)
+    logger.close()
+    theirs, ours = ({"metrics.jsonl": [], "samples.jsonl": []} for _ in range(2))
+    for folder, tables in [(tmp_path / "runs" / "r", theirs), (tmp_path / "e", ours)]:
+        for name in tables:
+            rows = [json.loads(line) for line in open(folder / name)]
+            tables[name] = [{k: v for k, v in r.items() if k != "eval/seconds"} for r in rows if r["step"] == 0]
+    assert len(theirs["samples.jsonl"]) == 60 and len(theirs["metrics.jsonl"]) == 1
+    assert "eval/pass@8" in theirs["metrics.jsonl"][0] and ours == theirs
 
 
 def test_the_startup_benchmark_knows_the_first_line_runs_py_prints_and_tables_the_seconds():
