@@ -4,15 +4,20 @@ the mean reward of the greedy sample table over the test prompts, which is the a
 answer and 0 otherwise, as benchmark/experiments/arithmetic_cpu.sh trains), and the completion tokens the run generated
 to its last update (every round of --dynamic_sampling: sampling/generated_tokens; else completions/mean_length times
 each update's completions), the x of an equal-compute comparison. One row per run, then each group's mean and standard
-deviation over its runs, as a markdown table:
+deviation over its runs, as a markdown table. --summary prints each group's row alone, with what the runs did besides
+their accuracy: the KL to the reference at the last update, the clip fraction (clip_ratio/region_mean) over all
+updates, and the minutes per run (a run's wall_clock.json, as compare_algorithms.py --results keeps it; else its
+training time at its last update):
 
     python benchmark/accuracy_table.py --runs runs --regex '^(rloo|rloo_vllm)__'
     python benchmark/accuracy_table.py --runs runs --regex '^(arith_plain|arith_dynamic)__' --at_tokens 11000
+    python benchmark/accuracy_table.py --runs benchmark/results/compare_arithmetic --regex '^(.+)__\d+$' --summary
 """
 
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -67,6 +72,20 @@ def tokens_by_episode(run: str) -> dict[int, float]:
     return tokens
 
 
+def training_numbers(run: str) -> dict[str, float]:
+    """What a run did besides its accuracy: "kl" at its last update (nan with --beta 0: not logged), the mean "clip"
+    fraction over its updates, and its "minutes" (wall_clock.json's seconds, to its saved model; else the training
+    time its last update's eps says)."""
+    rows = [row for row in read_jsonl(os.path.join(run, "metrics.jsonl")) if "episode" in row]  # the updates'
+    clock = os.path.join(run, "wall_clock.json")
+    seconds = json.load(open(clock)).get("seconds") if os.path.isfile(clock) else None
+    return {
+        "kl": rows[-1].get("kl", float("nan")),
+        "clip": statistics.mean(row["clip_ratio/region_mean"] for row in rows),
+        "minutes": (seconds or rows[-1]["episode"] / rows[-1]["eps"]) / 60,
+    }
+
+
 def value_text(value) -> str:
     return "not reached" if value is None else f"{value:.3f}"
 
@@ -87,6 +106,7 @@ def main(argv=None) -> int:
         default=None,
         help="each accuracy where the run had generated this many completion tokens (between its evaluations)",
     )
+    parser.add_argument("--summary", action="store_true", help="each group's row alone, with its KL, clip and minutes")
     args = parser.parse_args(argv)
     try:
         regex = re.compile(args.regex)
@@ -107,11 +127,12 @@ def main(argv=None) -> int:
     names = sorted({name for runs in groups.values() for accuracy in runs.values() for name in accuracy})
     names = ["greedy pass@1", *[n for n in names if n != "greedy pass@1"]] if "greedy pass@1" in names else names
     heading = "first -> last" if args.at_tokens is None else f"at {args.at_tokens:.0f} tokens"
-    print(f"| group | run | tokens generated | {' | '.join(f'{n}: {heading}' for n in names)} |")
-    print(f"|---|---|---|{'---|' * len(names)}")
+    more = " kl at the end | clip fraction | minutes per run |" if args.summary else ""
+    print(f"| group | run | tokens generated | {' | '.join(f'{n}: {heading}' for n in names)} |{more}")
+    print(f"|---|---|---|{'---|' * len(names)}" + ("---|" * 3 if args.summary else ""))
     for group, runs in groups.items():
         tokens = {run: max(tokens_by_episode(run).values()) for run in runs}
-        for run, accuracy in runs.items():
+        for run, accuracy in runs.items() if not args.summary else []:
             cells = [" -> ".join(value_text(v) for v in accuracy[n]) if n in accuracy else "" for n in names]
             print(f"| {group} | {os.path.basename(run)} | {tokens[run]:.0f} | {' | '.join(cells)} |")
         cells = []
@@ -120,6 +141,12 @@ def main(argv=None) -> int:
             cells.append(" -> ".join(mean_and_std(values) for values in zip(*pairs)))
             if len(pairs) < len(runs):  # --at_tokens past the last evaluation of some
                 cells[-1] = f"{cells[-1]} ({len(pairs)} of {len(runs)} reached it)" if pairs else "not reached"
+        if args.summary:
+            numbers = [training_numbers(run) for run in runs]
+            kl = [n["kl"] for n in numbers]
+            cells.append("n/a" if any(math.isnan(v) for v in kl) else mean_and_std(kl))
+            cells.append(f"{statistics.mean(n['clip'] for n in numbers):.3f}")
+            cells.append(f"{statistics.mean(n['minutes'] for n in numbers):.1f}")
         spread = statistics.stdev(tokens.values()) if len(tokens) > 1 else 0.0
         mean_tokens = f"{statistics.mean(tokens.values()):.0f} ± {spread:.0f}"
         print(f"| **{group}** | **mean ± std of {len(runs)}** | {mean_tokens} | {' | '.join(cells)} |")

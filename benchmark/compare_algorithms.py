@@ -38,6 +38,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+import accuracy_table  # noqa: E402
 import launch  # noqa: E402
 import plot  # noqa: E402
 
@@ -311,11 +312,10 @@ def main():
             last.append(statistics.mean(r["reward"] for r in rows[-cli.last :]))
             evaluations = [r[cli.eval_metric] for r in finished[name, seed]["rows"] if cli.eval_metric in r]
             held_out.append(evaluations[-1] if evaluations else math.nan)
-            kl.append(rows[-1].get("kl", math.nan))  # absent with --beta 0
-            clipped.append(statistics.mean(r["clip_ratio/region_mean"] for r in rows))
-            clock = os.path.join(folder[name, seed], "wall_clock.json")  # to the saved model, the last evaluation in it
-            seconds = json.load(open(clock))["seconds"] if os.path.isfile(clock) else None
-            minutes.append((seconds or rows[-1]["episode"] / rows[-1]["eps"]) / 60)
+            numbers = accuracy_table.training_numbers(folder[name, seed])
+            kl.append(numbers["kl"])  # nan with --beta 0
+            clipped.append(numbers["clip"])
+            minutes.append(numbers["minutes"])
         print(
             f"| {name} | `{' '.join(CONFIGS[name]) or '(defaults)'}` | {mean_std(first)} | {mean_std(last)} | "
             + (f"{mean_std(held_out)} | " if evaluated else "")
