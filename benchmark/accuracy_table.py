@@ -102,9 +102,10 @@ def main(argv=None) -> int:
     parser.add_argument("--regex", required=True, help="groups runs by this regular expression on the folder name")
     parser.add_argument(
         "--at_tokens",
-        type=float,
+        type=lambda text: text if text == "least" else float(text),
         default=None,
-        help="each accuracy where the run had generated this many completion tokens (between its evaluations)",
+        help="each accuracy where the run had generated this many completion tokens (between its evaluations); "
+        "least: the fewest any of the runs generated, where every run is compared at equal generation",
     )
     parser.add_argument("--summary", action="store_true", help="each group's row alone, with its KL, clip and minutes")
     args = parser.parse_args(argv)
@@ -112,14 +113,20 @@ def main(argv=None) -> int:
         regex = re.compile(args.regex)
     except re.error as e:
         parser.error(f"--regex {args.regex!r} is not a regular expression: {e}")
+    runs = [
+        os.path.dirname(r)
+        for folder in args.runs
+        for r in sorted(glob.glob(os.path.join(folder, "*", "metrics.jsonl")))
+    ]
+    matched = [run for run in runs if regex.search(os.path.basename(run)) and run_evaluations(run)]
+    if args.at_tokens == "least" and matched:
+        args.at_tokens = min(max(tokens_by_episode(run).values()) for run in matched)
     groups: dict[str, dict[str, dict]] = {}
-    for folder in args.runs:
-        for run in sorted(glob.glob(os.path.join(folder, "*", "metrics.jsonl"))):
-            run = os.path.dirname(run)
-            match = regex.search(os.path.basename(run))
-            accuracy = run_accuracy(run, args.at_tokens) if match else {}
-            if accuracy:
-                groups.setdefault(match.group(1) if match.groups() else match.group(0), {})[run] = accuracy
+    for run in matched:
+        match = regex.search(os.path.basename(run))
+        accuracy = run_accuracy(run, args.at_tokens)
+        if accuracy:
+            groups.setdefault(match.group(1) if match.groups() else match.group(0), {})[run] = accuracy
     if not groups:
         sys.exit(
             f"accuracy_table.py: error: no run in {' '.join(args.runs)} matches {args.regex!r} with two evaluations"

@@ -1461,16 +1461,23 @@ def test_the_logprob_memory_benchmark_s_peak_is_what_a_step_holds(tiny, tmp_path
 def test_the_accuracy_summary_adds_each_group_s_kl_clip_fraction_and_minutes(tmp_path, capsys):
     """accuracy_table.py --summary: a group's row alone, with the KL at its runs' last update (mean ± std), the clip
     fraction over all their updates, and the minutes a run took: wall_clock.json's where kept, else its training time
-    at its last update (episode / eps); a run without a KL (beta 0) says n/a."""
+    at its last update (episode / eps); a run without a KL (beta 0) says n/a. --at_tokens least: every run where the
+    run that generated the fewest tokens had its last evaluation."""
     import accuracy_table
 
-    for name, (kls, clips, eps, seconds) in {
-        "a__1": ([0.1, 0.2], [0.0, 0.5], 0.5, 150),
-        "a__2": ([0.3, 0.4], [0.25, 0.25], 0.5, None),  # 64 episodes at 0.5 a second: 128 s
-        "b__1": ([None, None], [0.0, 0.0], 1.0, None),
+    for name, (kls, clips, eps, seconds, length) in {
+        "a__1": ([0.1, 0.2], [0.0, 0.5], 0.5, 150, 4.0),
+        "a__2": ([0.3, 0.4], [0.25, 0.25], 0.5, None, 4.0),  # 64 episodes at 0.5 a second: 128 s
+        "b__1": ([None, None], [0.0, 0.0], 1.0, None, 2.0),  # 2 updates of 32 completions of 2 tokens: 128 tokens
     }.items():
         updates = [
-            {"step": 32 * u, "episode": 32 * u, "eps": eps, "completions/mean_length": 4.0, "clip_ratio/region_mean": c}
+            {
+                "step": 32 * u,
+                "episode": 32 * u,
+                "eps": eps,
+                "completions/mean_length": length,
+                "clip_ratio/region_mean": c,
+            }
             | ({"kl": kl} if kl is not None else {})
             for u, kl, c in zip((1, 2), kls, clips)
         ]
@@ -1484,8 +1491,12 @@ def test_the_accuracy_summary_adds_each_group_s_kl_clip_fraction_and_minutes(tmp
     # a: KL 0.2 and 0.4 at the end, clips (0, 0.5, 0.25, 0.25), 150 s and 128 s; b: no KL, no clip, 64 s
     assert rows[1:] == [
         "| **a** | **mean ± std of 2** | 256 ± 0 | 0.250 ± 0.000 -> 0.500 ± 0.000 | 0.300 ± 0.141 | 0.250 | 2.3 |",
-        "| **b** | **mean ± std of 1** | 256 ± 0 | 0.250 ± 0.000 -> 0.500 ± 0.000 | n/a | 0.000 | 1.1 |",
+        "| **b** | **mean ± std of 1** | 128 ± 0 | 0.250 ± 0.000 -> 0.500 ± 0.000 | n/a | 0.000 | 1.1 |",
     ]
+    # at 128 tokens: a halfway from its first evaluation (0 tokens) to its last (256), b at its last
+    assert accuracy_table.main(["--runs", str(tmp_path), "--regex", r"^(.+)__\d+$", "--at_tokens", "least"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| **")]
+    assert [row.split(" | ")[3] for row in rows] == ["0.375 ± 0.000 |", "0.500 ± 0.000 |"]
 
 
 @pytest.mark.slow
