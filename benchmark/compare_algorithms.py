@@ -26,6 +26,7 @@ Extra arguments after `--` go to every rloo.py run (`-- --track` logs them to W&
 
 import argparse
 import fcntl
+import functools
 import glob
 import json
 import math
@@ -169,6 +170,11 @@ def keep_finished(out: str, runs: dict, results: str | None, how: dict, ran_now:
             keep_logs(out, run, results, how if run in ran_now else {})
 
 
+def keep_ended(out: str, results: str | None, how: dict, run: dict, code: int) -> None:
+    """launch.run_all's ended: a run that finished has its logs kept at once (keep_finished)."""
+    keep_finished(out, {(run["name"],): run["name"]}, results, how, {run["name"]})
+
+
 def run_state(out: str, name: str) -> tuple[str, str]:
     """(run name, state) of the newest attempt at one configuration and seed, in out/runs: state "new" (no attempt yet,
     or the newest stopped before its first checkpoint: the name is a new attempt's), "finished" (its model saved) or
@@ -279,7 +285,8 @@ def main():
         os.chdir(out)  # the runs write out/runs/<run name>
         tags = launch.wandb_tags(None, os.environ.get("WANDB_TAGS", ""), launch.git_tag())
         try:
-            codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags, cli.cores)
+            ended = functools.partial(keep_ended, out, results, how)  # each run's logs kept as it finishes
+            codes = launch.run_all(pending, cli.workers, os.path.join(out, "logs"), tags, cli.cores, ended)
         except KeyboardInterrupt:  # the runs got Ctrl-C too, and wrote a checkpoint each
             keep_finished(out, runs, results, how, {run["name"] for run in pending})
             print(

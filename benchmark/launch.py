@@ -182,11 +182,11 @@ PINNED_SHELL = (
 )
 
 
-def run_one(run: dict, log_dir: str, tags: str, free_cores: queue.Queue | None = None) -> tuple[int, float]:
+def run_one(run: dict, log_dir: str, tags: str, free_cores: queue.Queue | None = None, ended=None) -> tuple[int, float]:
     """Run one command to its end, its output into a new log_dir/<name>.log (<name>_2.log, ... beside an earlier one;
     run["log"] then names it): (exit code, seconds). With free_cores, the run takes one of them (run["core"]) for its
-    whole process tree, one thread, and gives it back at its end. After Ctrl-C a queued run does not start (exit code
-    130)."""
+    whole process tree, one thread, and gives it back at its end; ended(run, exit code) is called as it ends. After
+    Ctrl-C a queued run does not start (exit code 130)."""
     start = time.time()
     core = free_cores.get() if free_cores is not None else None  # one per worker: one is free
     try:
@@ -215,6 +215,8 @@ def run_one(run: dict, log_dir: str, tags: str, free_cores: queue.Queue | None =
         STOPPED.set()
     seconds = time.time() - start
     say(f"finished {run['name']} in {seconds / 60:.1f} min" + (f", exit code {code}" if code else ""))
+    if ended is not None:
+        ended(run, code)
     return code, seconds
 
 
@@ -231,10 +233,13 @@ def check_cores(cores: list[int] | None, workers: int) -> None:
         )
 
 
-def run_all(runs: list[dict], workers: int, log_dir: str, tags: str, cores: list[int] | None = None) -> list[int]:
+def run_all(
+    runs: list[dict], workers: int, log_dir: str, tags: str, cores: list[int] | None = None, ended=None
+) -> list[int]:
     """Every run, `workers` at a time: their exit codes, in order. cores (check_cores): each worker's run pinned to
     one of them, one thread: two small runs at once on a core each finish sooner than one after the other on both
-    (docs/algorithm.md, Comparison), and a run's wall clock does not depend on what the other does."""
+    (docs/algorithm.md, Comparison), and a run's wall clock does not depend on what the other does. ended(run, exit
+    code): called as each run ends, from its worker."""
     check_cores(cores, workers)
     os.makedirs(log_dir, exist_ok=True)
     free_cores = None
@@ -243,7 +248,7 @@ def run_all(runs: list[dict], workers: int, log_dir: str, tags: str, cores: list
         for core in cores:
             free_cores.put(core)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(run_one, run, log_dir, tags, free_cores) for run in runs]
+        futures = [pool.submit(run_one, run, log_dir, tags, free_cores, ended) for run in runs]
         try:
             codes = [f.result()[0] for f in futures]
             if STOPPED.is_set():  # a run took Ctrl-C (the queue stopped) though the launcher did not
@@ -333,8 +338,8 @@ def main(argv=None) -> int:
         codes = run_all(runs, cli.workers, log_dir, tags, cli.cores)
     except KeyboardInterrupt:  # the runs got Ctrl-C too: the trainers wrote a checkpoint each
         print(
-            f"launch.py: error: interrupted; the runs that had started stopped (a trainer writes a checkpoint and prints the "
-            f"command that continues it: see their logs in {log_dir})",
+            "launch.py: error: interrupted; the runs that had started stopped (a trainer writes a checkpoint and "
+            f"prints the command that continues it: see their logs in {log_dir})",
             file=sys.stderr,
         )
         return 130

@@ -580,6 +580,26 @@ def test_pinned_runs_each_hold_one_core_and_one_thread_to_their_last_child(tmp_p
     assert not os.path.exists("started") and not os.path.exists("refused")
 
 
+def test_each_run_s_logs_are_kept_as_it_ends_not_when_the_comparison_does(tmp_path):
+    """launch.run_all calls `ended` from each run's worker as the run ends, with its exit code; compare_algorithms.py's
+    keep_ended keeps a finished run's logs then (with how it ran), and nothing of a run that has not finished."""
+    import launch
+
+    ended = []
+    commands = [{"name": name, "command": f"exit {code}"} for name, code in [("a", 0), ("b", 3)]]
+    codes = launch.run_all(commands, 1, str(tmp_path / "logs"), "", None, lambda run, code: ended.append((run, code)))
+    assert codes == [0, 3] and [(run["name"], code) for run, code in ended] == [("a", 0), ("b", 3)]
+    out, results = tmp_path / "compare", tmp_path / "kept"
+    for name, saved in [("rloo__1", True), ("rloo__2", False)]:
+        (out / "runs" / name / "model").mkdir(parents=True)
+        (out / "runs" / name / "metrics.jsonl").write_text('{"step": 32, "episode": 32}\n')
+        for file in ["model.safetensors", "config.json", "tokenizer_config.json"] if saved else []:
+            (out / "runs" / name / "model" / file).write_text("{}")
+        compare_algorithms.keep_ended(str(out), str(results), {"workers": 2, "pinned": True}, {"name": name}, 0)
+    assert os.listdir(results) == ["rloo__1"]
+    assert json.load(open(results / "rloo__1" / "wall_clock.json")) == {"seconds": None, "workers": 2, "pinned": True}
+
+
 def test_compare_algorithms_keeps_finished_runs_logs_and_rebuilds_its_table_from_them(tmp_path, monkeypatch, capsys):
     """--results: a finished run's logs (not its model) are copied there with the seconds its output said; with them, a
     comparison in a fresh --out runs nothing and prints the same table, its minutes those seconds."""
