@@ -21,6 +21,7 @@ unfinished one is run again from its start. --core pins this script, TRL's train
 """
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -186,8 +187,14 @@ def main():
         if compare_algorithms.recorded(results, run):
             print(f"{run}: kept in {results}", flush=True)
             continue
-        if not os.path.isfile(os.path.join(folder, "wall_clock.json")):
-            run_seed(cli, seed, model, folder)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, ".lock"), "w") as lock:  # held while this seed runs: one process a seed
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                parser.error(f"{folder} is still running (another trl_arithmetic.py in this --out?): wait for it")
+            if not os.path.isfile(os.path.join(folder, "wall_clock.json")):
+                run_seed(cli, seed, model, folder)
         if results:
             os.makedirs(os.path.join(results, run), exist_ok=True)
             for name in [*compare_algorithms.LOGS, "wall_clock.json"]:

@@ -1637,6 +1637,27 @@ def test_trl_s_logged_steps_become_rloo_py_s_update_rows():
     ]  # fmt: skip
 
 
+def test_trl_arithmetic_refuses_a_seed_another_process_is_running(tmp_path, monkeypatch):
+    """Two trl_arithmetic.py in one --out would train one seed into one folder: the second says so in one line, and
+    leaves the first's folder as it is."""
+    import fcntl
+
+    import trl_arithmetic
+
+    folder = tmp_path / "runs" / "trl__1"
+    folder.mkdir(parents=True)
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "model.safetensors").write_text("")  # the model folder made: nothing to convert
+    (folder / "trl_steps.jsonl").write_text("theirs\n")
+    with open(folder / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        monkeypatch.setattr(sys, "argv", ["trl_arithmetic.py", "--seeds", "1", "--out", str(tmp_path)])
+        with pytest.raises(SystemExit) as refused:
+            trl_arithmetic.main()
+    assert str(refused.value).startswith("trl_arithmetic.py: error: ") and "is still running" in str(refused.value)
+    assert (folder / "trl_steps.jsonl").read_text() == "theirs\n"
+
+
 @pytest.mark.slow
 def test_trl_arithmetic_evaluates_a_saved_model_as_rloo_py_evaluates_it(tiny, tmp_path):
     """The initial model's held-out evaluation and greedy sample table, from benchmark/trl_arithmetic.py's evaluate,
