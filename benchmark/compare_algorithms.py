@@ -247,6 +247,8 @@ def main():
         launch.check_cores(cli.cores, cli.workers)
     except ValueError as e:
         parser.error(str(e))
+    if cli.results and os.path.exists(cli.results) and not os.path.isdir(cli.results):  # found now, not at a run's end
+        parser.error(f"--results {cli.results} is a file, not a folder: give another --results")
     out = os.path.abspath(cli.out or os.path.join("runs", f"compare_{cli.preset}"))
     try:
         os.makedirs(os.path.join(out, "runs"), exist_ok=True)

@@ -683,6 +683,7 @@ def test_compare_algorithms_does_not_train_a_finished_lora_run_again(tmp_path):
     "args, needles",
     [
         (["--out", "a_file"], ["cannot make", "a_file", "another --out"]),
+        (["--results", "a_file"], ["--results a_file is a file", "another --results"]),
         (["--workers", "0"], ["--workers and --last must be at least 1"]),
         (["--last", "0"], ["--workers and --last must be at least 1"]),
         (["--seeds", "1", "1"], ["names a seed twice"]),
