@@ -1,4 +1,4 @@
-"""Held-out accuracy of runs on a task with a right answer, at their first and last evaluation: the evaluation's
+r"""Held-out accuracy of runs on a task with a right answer, at their first and last evaluation: the evaluation's
 pass@k (metrics.jsonl: eval/pass@1, eval/pass@<n>, with --eval_success_threshold) and greedy pass@1 (samples.jsonl:
 the mean reward of the greedy sample table over the test prompts, which is the accuracy when the reward is 1 for a right
 answer and 0 otherwise, as benchmark/experiments/arithmetic_cpu.sh trains), and the completion tokens the run generated

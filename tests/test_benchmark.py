@@ -1464,7 +1464,8 @@ print(logprob_memory.measure("ballast", {model!r}, 2, 4, 8, False, False))
 def test_the_logprob_memory_benchmark_s_peak_is_what_a_step_holds(tiny, tmp_path):
     """logprob_memory.measure in a process set up as the benchmark sets its workers up (glibc mapping every block of 64
     KiB or more on its own): a step that holds a 64 MiB tensor beside the tiny micro-batch's ~1 MiB reads as 64 MiB and
-    that ~1 MiB, not 0 (the resident set after the step), nor the process's start-up and loading."""
+    that ~1 MiB, to within a MiB of pages, not 0 (the resident set after the step), nor the process's start-up and
+    loading."""
     program = HOLDS_64_MIB.format(benchmark=os.path.join(ROOT, "benchmark"), model=tiny["policy"])
     proc = subprocess.run(
         [sys.executable, "-c", program],
@@ -1476,7 +1477,9 @@ def test_the_logprob_memory_benchmark_s_peak_is_what_a_step_holds(tiny, tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak_mib = int(proc.stdout.split()[-1]) / 2**20
-    assert 64 <= peak_mib < 64 + 8, proc.stdout
+    # The resident set is pages, not bytes allocated: during the step glibc may trim its heap's freed top and the kernel
+    # may drop file-backed pages, so the 64 MiB can read ~0.1 MiB short (CI read 63.92 MiB once).
+    assert 63 <= peak_mib < 64 + 8, proc.stdout
 
 
 def test_the_accuracy_summary_adds_each_group_s_kl_clip_fraction_and_minutes(tmp_path, capsys):
