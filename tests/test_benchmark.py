@@ -1523,6 +1523,54 @@ def test_the_accuracy_summary_adds_each_group_s_kl_clip_fraction_and_minutes(tmp
     assert [row.split(" | ")[3] for row in rows] == ["0.375 ± 0.000 |", "0.500 ± 0.000 |"]
 
 
+# docs/algorithm.md's rows of the arithmetic comparison, and the run groups they come from
+COMPARISON_ROWS = {
+    "rloo (the default)": "rloo",
+    "`--advantage_estimator grpo`": "grpo",
+    "`--advantage_estimator dr_grpo`": "dr_grpo",
+    "`--advantage_estimator reinforce_pp`": "reinforce_pp",
+    "`--loss_type token --ppo_clip`": "token_ppo_clip",
+    "`--loss_type cispo`": "cispo",
+    "`--loss_type gspo`": "gspo",
+    "`--loss_type sapo`": "sapo",
+    "TRL 1.16 RLOOTrainer": "trl",
+}
+
+
+def page_table(text: str, heading: str) -> dict[str, list[str]]:
+    """The markdown table after the line that starts with heading: {first cell: the other cells}."""
+    lines = text[text.index(heading) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    rows = [line for line in lines[start + 2 :] if line.startswith("| ")][: len(COMPARISON_ROWS)]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+
+
+def test_the_arithmetic_comparison_s_tables_are_the_kept_runs_numbers(capsys):
+    """docs/algorithm.md's comparison on the arithmetic task is 27 kept runs (benchmark/results/compare_arithmetic:
+    9 configurations x 3 seeds) as accuracy_table.py reads them: after 40 updates (greedy pass@1, pass@1, pass@8, KL,
+    clip fraction, minutes) and at the fewest tokens any run generated. A run added, lost or changed, or a number of
+    the page edited by hand, fails here."""
+    import accuracy_table
+
+    page = open(os.path.join(ROOT, "docs", "algorithm.md")).read()
+    results = os.path.join(ROOT, "benchmark", "results", "compare_arithmetic")
+    assert sorted(os.listdir(results)) == sorted(f"{g}__{s}" for g in COMPARISON_ROWS.values() for s in (1, 2, 3))
+    regex = ["--runs", results, "--regex", r"^(.+)__\d+$", "--summary"]
+    for extra, heading, columns in [
+        ([], "After 40 updates, mean ± std", [3, 4, 7, 8, 9, 10]),
+        (["--at_tokens", "least"], "At equal generated tokens", [3, 4, 7]),
+    ]:
+        assert accuracy_table.main(regex + extra) == 0
+        printed = {}
+        for line in capsys.readouterr().out.splitlines():
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if line.startswith("| **"):
+                assert cells[1] == "**mean ± std of 3**", line
+                printed[cells[0].strip("*")] = [cells[i].split(" -> ")[-1] for i in columns]
+        assert page_table(page, heading) == {row: printed[group] for row, group in COMPARISON_ROWS.items()}
+    assert "11,339, the fewest any run generated" in page  # the tokens --at_tokens least read at
+
+
 @pytest.mark.slow
 def test_the_accuracy_table_reads_first_and_last_evaluations_and_greedy_tables(tmp_path):
     """benchmark/accuracy_table.py: each run's pass@k at its first and last evaluation, greedy pass@1 as the mean reward
