@@ -16,8 +16,9 @@ options and the random streams rloo.py's evaluation uses after that update: a gr
 problems and 8 samples of each (pass@1, pass@8). <out>/runs/trl__<seed> holds metrics.jsonl: each update's row, from
 TRL's logs of its two steps (the generation's reward and lengths; the two steps' mean of kl, clip_ratio/region_mean,
 entropy, loss and grad_norm), and the evaluations as eval/; samples.jsonl; args.json; wall_clock.json: the seconds of
-training and of evaluation. A finished run (kept in --results, or its folder's wall_clock.json) is not run again; an
-unfinished one is run again from its start. --core pins this script, TRL's training under it, to one core, one thread.
+training and of evaluation. A finished run (kept in --results, or its folder's wall_clock.json) is not run again (with
+every seed kept in --results, neither TRL's environment nor the model is needed); an unfinished one is run again from
+its start. --core pins this script, TRL's training under it, to one core, one thread.
 """
 
 import argparse
@@ -161,10 +162,12 @@ def main():
     parser.add_argument("--core", type=int, default=None, help="run on this core alone, one thread")
     parser.add_argument("--trl_python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"))
     cli = parser.parse_args()
-    if not os.path.isfile(cli.trl_python):
-        parser.error(f"--trl_python {cli.trl_python} is not there: make TRL's environment as trl_baseline.py says")
     if len(set(cli.seeds)) < len(cli.seeds) or min(cli.seeds) < 0:
         parser.error(f"--seeds {' '.join(map(str, cli.seeds))}: give each seed once, 0 or more")
+    results = os.path.abspath(cli.results) if cli.results else None
+    to_train = [seed for seed in cli.seeds if not compare_algorithms.recorded(results, f"trl__{seed}")]
+    if to_train and not os.path.isfile(cli.trl_python):  # runs kept in --results need neither TRL nor the model
+        parser.error(f"--trl_python {cli.trl_python} is not there: make TRL's environment as trl_baseline.py says")
     if cli.core is not None:
         try:
             launch.check_cores([cli.core], 1)
@@ -179,12 +182,11 @@ def main():
 
     out = os.path.abspath(cli.out)
     model = os.path.join(out, "smollm2")
-    if not os.path.isfile(os.path.join(model, "model.safetensors")):
+    if to_train and not os.path.isfile(os.path.join(model, "model.safetensors")):
         hf_folder("smollm2", out)  # rloo.py's default model, the GGUF file de-quantised, as a folder TRL loads
-    results = os.path.abspath(cli.results) if cli.results else None
     for seed in cli.seeds:
         run, folder = f"trl__{seed}", os.path.join(out, "runs", f"trl__{seed}")
-        if compare_algorithms.recorded(results, run):
+        if seed not in to_train:
             print(f"{run}: kept in {results}", flush=True)
             continue
         os.makedirs(folder, exist_ok=True)

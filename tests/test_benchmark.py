@@ -1710,6 +1710,31 @@ def test_trl_arithmetic_refuses_a_seed_another_process_is_running(tmp_path, monk
     assert (folder / "trl_steps.jsonl").read_text() == "theirs\n"
 
 
+def test_trl_arithmetic_with_every_seed_kept_needs_neither_trl_nor_the_model(tmp_path, monkeypatch, capsys):
+    """A fresh clone rebuilds the comparison from its kept runs: with every seed in --results, trl_arithmetic.py says
+    so for each, without TRL's environment and without converting the model into --out; a seed not kept still needs
+    TRL, refused in one line before anything is made."""
+    import trl_arithmetic
+
+    results, out = tmp_path / "results", tmp_path / "out"
+    for seed in (1, 2):
+        (results / f"trl__{seed}").mkdir(parents=True)
+        (results / f"trl__{seed}" / "metrics.jsonl").write_text('{"step": 0}\n')
+    argv = ["trl_arithmetic.py", "--out", str(out), "--results", str(results), "--trl_python", str(tmp_path / "none")]
+    monkeypatch.setattr(sys, "argv", [*argv, "--seeds", "1", "2"])
+    trl_arithmetic.main()
+    assert capsys.readouterr().out.splitlines() == [f"trl__{seed}: kept in {results}" for seed in (1, 2)]
+    assert not out.exists()
+    monkeypatch.setattr(sys, "argv", [*argv, "--seeds", "1", "3"])
+    with pytest.raises(SystemExit) as refused:
+        trl_arithmetic.main()
+    assert str(refused.value) == (
+        f"trl_arithmetic.py: error: --trl_python {tmp_path / 'none'} is not there: make TRL's environment as "
+        "trl_baseline.py says"
+    )
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_trl_arithmetic_evaluates_a_saved_model_as_rloo_py_evaluates_it(tiny, tmp_path):
     """The initial model's held-out evaluation and greedy sample table, from benchmark/trl_arithmetic.py's evaluate,
